@@ -1,0 +1,440 @@
+# %% [markdown]
+# # Configuration
+#
+# > One plain dataclass for the model, one for training, and YAML presets that override them.
+
+# %%
+#| default_exp config
+
+# %% [markdown]
+# Every value that shapes a HyMo run lives in one of two dataclasses. `ModelConfig` says what the
+# network is; `TrainingConfig` says how it is trained. A *preset* is a YAML file shipped inside the
+# package (`hymo/configs/*.yaml`) with two sections, `model:` and `train:`, each a set of overrides
+# of the dataclass defaults. A run is a preset plus a few `key=value` overrides. There is nothing
+# else: no registry, no lazily injected options, no `config.x.build()` trees. The origin of every
+# value is the dataclass default, the preset, or your override.
+#
+# The defaults are the design document's 750M model. The `hymo_tiny` preset shrinks every width so
+# that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
+
+# %%
+#| export
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+# %%
+from fastcore.test import test_eq, test_fail
+
+
+# %% [markdown]
+# ## The model
+#
+# Every field carries a one-line comment (a *docment*), which nbdev renders as the parameter table
+# below. The field names are prefixed by the part of the model they configure (`gdn_`, `mla_`,
+# `moe_`, `mtp_`), so that a flat `key=value` override is never ambiguous.
+
+# %%
+#| export
+@dataclass
+class ModelConfig:
+    "The architecture of a HyMo model; the defaults are the 750M design."
+    vocab_size: int = 64256  # Tokens in the vocabulary: embedding rows, also the tied output head
+    dim: int = 896  # Width of the residual stream
+    n_layers: int = 32  # Number of blocks, GDN and MLA together
+    mla_every: int = 4  # Every `mla_every`-th block is MLA + MoE, the others GDN + SwiGLU (4 gives 3:1)
+    norm_eps: float = 1e-6  # Epsilon of every RMSNorm
+    max_seq_len: int = 4096  # Longest sequence the RoPE tables cover
+    init_std: float = 0.02  # Standard deviation of the embedding and hidden matrix initialisation
+    # Gated DeltaNet blocks
+    gdn_n_heads: int = 40  # GDN heads per block
+    gdn_head_k_dim: int = 32  # Key/query size per head: rows K of the state S ∈ R^{K×V}
+    gdn_head_v_dim: int = 32  # Value size per head: columns V of the state
+    gdn_conv_size: int = 4  # Kernel width of the causal depthwise convolution on q, k, v
+    gdn_chunk_size: int = 64  # Chunk length of the chunked (WY) algorithm
+    gdn_kernel: str = "auto"  # GDN implementation: 'auto' (Triton on CUDA, else torch), 'triton', 'torch' or 'naive'
+    ffn_inter_dim: int = 2560  # Hidden width of the dense SwiGLU FFN of every GDN block
+    # Multi-Head Latent Attention blocks
+    mla_n_heads: int = 16  # Query heads per MLA block
+    mla_n_kv_groups: int = 4  # Key/value groups; must divide `mla_n_heads` (equal: DeepSeek-V3's MLA)
+    mla_q_lora_rank: int = 224  # Rank of the low-rank query path; 0 projects queries directly
+    mla_kv_lora_rank: int = 128  # d_c: size of the cached key/value latent c_kv
+    mla_qk_nope_dim: int = 96  # Per-head query/key dimensions without rotary position
+    mla_qk_rope_dim: int = 32  # Per-head query/key dimensions with rotary position (shared key)
+    mla_v_head_dim: int = 128  # Per-head value size
+    rope_theta: float = 10000.0  # RoPE base frequency
+    nope_layers: tuple[int, ...] = ()  # Block indices of MLA blocks that skip RoPE (the NoPE ablation)
+    # DeepSeek-style mixture of experts (on MLA blocks)
+    moe_n_routed: int = 16  # Routed experts per MoE layer
+    moe_n_shared: int = 1  # Always-on shared experts per MoE layer
+    moe_top_k: int = 2  # Routed experts each token is sent to
+    moe_inter_dim: int = 2304  # Hidden width of every expert's SwiGLU
+    moe_capacity_factor: Optional[float] = 1.5  # Per-expert token cap as a multiple of the mean load; None is dropless
+    moe_score_func: str = "softmax"  # Router scores: 'softmax' (the design document) or 'sigmoid' (DeepSeek-V3)
+    moe_balance: str = "ema"  # Gate-bias balancing: 'ema' (HyMo), 'sign' (DeepSeek-V3) or 'none'
+    moe_bias_speed: float = 0.001  # Step of each gate-bias update
+    moe_ema_decay: float = 0.98  # Decay of the EMA of per-expert token counts
+    moe_dead_band: float = 0.05  # No bias update while an expert's EMA load is within ±this fraction of the mean
+    # Multi-token prediction
+    mtp_depth: int = 2  # Extra prediction heads: head k predicts token t+1+k
+    mtp_loss_weights: tuple[float, ...] = (0.3, 0.1)  # Loss weight of each MTP head
+    mtp_inter_dim: int = 2304  # Hidden width of each MTP head
+
+    def is_mla(self, i: int) -> bool:
+        "Is block `i` (0-based) an MLA block? Blocks `mla_every-1, 2*mla_every-1, ...` are."
+        return (i + 1) % self.mla_every == 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        "The kind of every block, in order: 'gdn' or 'mla'."
+        return ["mla" if self.is_mla(i) else "gdn" for i in range(self.n_layers)]
+
+
+# %% [markdown]
+# `layer_types` is the architecture at a glance: with the defaults, three GDN blocks then one MLA
+# block, eight times over.
+
+# %%
+print(ModelConfig().layer_types[:8])
+test_eq(ModelConfig().layer_types.count("mla"), 8)
+test_eq(ModelConfig().layer_types.count("gdn"), 24)
+
+
+# %% [markdown]
+# ## Training
+
+# %%
+#| export
+@dataclass
+class TrainingConfig:
+    "How a HyMo model is trained: data, batch, optimisers, schedule, checkpoints and logging."
+    # Batch
+    seq_len: int = 4096  # Tokens per training sequence
+    micro_batch_size: int = 4  # Sequences per forward/backward on one rank
+    global_batch_size: int = 128  # Sequences per optimiser step over all ranks; accumulation fills the gap
+    max_steps: int = 57220  # Optimiser steps (57220 × 128 × 4096 ≈ 30 B tokens)
+    # Optimisers (NorMuon for hidden matrices, AdamW for the rest)
+    muon_lr: float = 0.02  # Peak learning rate of NorMuon
+    muon_momentum: float = 0.95  # Nesterov momentum of NorMuon
+    normuon_beta2: float = 0.95  # Decay of NorMuon's per-row second moment
+    ns_steps: int = 5  # Newton–Schulz iterations per orthogonalisation
+    adamw_lr: float = 3e-3  # Peak learning rate of AdamW
+    adamw_betas: tuple[float, ...] = (0.9, 0.95)  # AdamW (beta1, beta2)
+    adamw_eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # Decoupled weight decay of the matrices
+    cautious_weight_decay: bool = True  # Decay only where the update and the parameter agree in sign
+    grad_clip: float = 1.0  # Clip the global gradient norm to this; 0 disables
+    # Warmup-stable-decay schedule
+    warmup_steps: int = 2000  # Linear warmup steps
+    decay_fraction: float = 0.2  # Fraction of `max_steps` spent in the final decay
+    decay_shape: str = "1-sqrt"  # Shape of the decay: 'linear', '1-sqrt' or 'cosine'
+    min_lr_ratio: float = 0.0  # Learning rate at the end, as a fraction of the peak
+    # Data
+    data_dir: Optional[str] = None  # Folder of prepared token shards; None prepares the bundled corpus
+    doc_masking: bool = False  # Keep documents apart inside a window (cu_seqlens for GDN and MLA)
+    # Loop, evaluation, checkpoints
+    seed: int = 0  # Seed of initialisation, data order and sampling
+    log_every: int = 10  # Steps between metric lines
+    eval_every: int = 1000  # Steps between validation passes; 0 disables
+    eval_batches: int = 20  # Micro-batches per validation pass
+    ckpt_every: int = 1000  # Steps between checkpoints; 0 saves only at the end
+    keep_last_k: int = 3  # Checkpoints kept in the run folder
+    max_bad_steps: int = 5  # Consecutive non-finite steps tolerated before the run stops
+    sample_tokens: int = 200  # Tokens generated as a sample at the end of the run
+    run_dir: Optional[str] = None  # Run folder; None makes runs/<preset>-<timestamp>
+    # Systems
+    precision: str = "auto"  # 'auto' (bf16 on CUDA, fp32 on CPU), 'bf16' or 'fp32'
+    activation_checkpointing: bool = False  # Recompute each block's activations in backward
+    compile: bool = False  # torch.compile each block
+    wandb: bool = False  # Log to Weights & Biases (offline unless you are logged in)
+    wandb_project: str = "hymo"  # W&B project name
+
+
+# %% [markdown]
+# ## Validation
+#
+# A wrong config should fail at once, with a message that says what to do. Three kinds of mistake
+# are caught: an unknown key (the message lists the valid keys and the closest one), a value of the
+# wrong type (it names the expected type), and sizes that cannot work together (it names both and
+# why).
+
+# %%
+#| export
+class ConfigError(ValueError):
+    "A configuration that cannot be used; the message says which key and what to do."
+
+
+def _check_type(name: str, value, tp):
+    "Return `value` as type `tp` (ints are accepted as floats, lists as tuples), or raise `ConfigError`."
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None: return None
+        return _check_type(name, value, next(a for a in args if a is not type(None)))
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
+        return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool): return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _field_types(cls) -> dict:
+    "Field name → resolved type annotation of dataclass `cls`."
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+# %% [markdown]
+# The semantic checks. Each names the keys involved.
+
+# %%
+#| export
+def _choice(name, value, choices):
+    if value not in choices: raise ConfigError(f"{name}={value!r}: choose one of {', '.join(map(repr, choices))}")
+
+
+def _divides(a_name, a, b_name, b, why):
+    if b % a: raise ConfigError(f"{b_name}={b} is not divisible by {a_name}={a}: {why}")
+
+
+def validate_model(m: ModelConfig):
+    "Raise `ConfigError` if the sizes of `m` cannot build a model."
+    for name, tp in _field_types(ModelConfig).items():
+        setattr(m, name, _check_type(f"model.{name}", getattr(m, name), tp))
+    positive = ["vocab_size", "dim", "n_layers", "mla_every", "gdn_n_heads", "gdn_head_k_dim", "gdn_head_v_dim",
+                "gdn_conv_size", "gdn_chunk_size", "ffn_inter_dim", "mla_n_heads", "mla_n_kv_groups",
+                "mla_kv_lora_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_head_dim", "moe_n_routed",
+                "moe_top_k", "moe_inter_dim", "mtp_inter_dim", "max_seq_len"]
+    for name in positive:
+        if getattr(m, name) <= 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
+    if m.mla_q_lora_rank < 0 or m.moe_n_shared < 0 or m.mtp_depth < 0:
+        raise ConfigError("model.mla_q_lora_rank, moe_n_shared and mtp_depth must be >= 0")
+    _divides("mla_n_kv_groups", m.mla_n_kv_groups, "mla_n_heads", m.mla_n_heads,
+             "every key/value group serves the same number of query heads")
+    _divides("2", 2, "mla_qk_rope_dim", m.mla_qk_rope_dim, "RoPE rotates pairs of dimensions")
+    if m.moe_top_k > m.moe_n_routed:
+        raise ConfigError(f"moe_top_k={m.moe_top_k} > moe_n_routed={m.moe_n_routed}: a token cannot pick more experts than exist")
+    if len(m.mtp_loss_weights) != m.mtp_depth:
+        raise ConfigError(f"mtp_loss_weights has {len(m.mtp_loss_weights)} entries but mtp_depth={m.mtp_depth}: give one weight per MTP head")
+    if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
+        raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} must be positive, or None for dropless routing")
+    bad = [i for i in m.nope_layers if not (0 <= i < m.n_layers and m.is_mla(i))]
+    if bad: raise ConfigError(f"nope_layers {bad} are not MLA blocks; MLA blocks are {[i for i in range(m.n_layers) if m.is_mla(i)]}")
+    _choice("model.gdn_kernel", m.gdn_kernel, ("auto", "triton", "torch", "naive"))
+    _choice("model.moe_score_func", m.moe_score_func, ("softmax", "sigmoid"))
+    _choice("model.moe_balance", m.moe_balance, ("ema", "sign", "none"))
+    return m
+
+
+def validate_training(t: TrainingConfig):
+    "Raise `ConfigError` if `t` cannot drive a run."
+    for name, tp in _field_types(TrainingConfig).items():
+        setattr(t, name, _check_type(f"train.{name}", getattr(t, name), tp))
+    for name in ["seq_len", "micro_batch_size", "global_batch_size", "max_steps", "ns_steps", "keep_last_k", "max_bad_steps"]:
+        if getattr(t, name) <= 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
+    _divides("micro_batch_size", t.micro_batch_size, "global_batch_size", t.global_batch_size,
+             "an optimiser step is a whole number of micro-batches")
+    if len(t.adamw_betas) != 2: raise ConfigError(f"train.adamw_betas={t.adamw_betas}: give two numbers, (beta1, beta2)")
+    if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
+    _choice("train.decay_shape", t.decay_shape, ("linear", "1-sqrt", "cosine"))
+    _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
+    return t
+
+
+# %% [markdown]
+# ## Presets and overrides
+#
+# `load_config` reads a preset by name (a file in `hymo/configs/`) or by path, then applies
+# overrides. An override key is a field name, optionally prefixed by its section: `dim=64` and
+# `model.dim=64` are the same, because no field name appears in both dataclasses.
+
+# %%
+#| export
+def package_dir() -> Path:
+    "The installed `hymo` package folder (presets in `configs/`, the bundled corpus in `assets/`)."
+    import hymo
+    return Path(hymo.__file__).parent
+
+
+PRESET_DIR = package_dir() / "configs"
+
+
+@dataclass
+class Config:
+    "A full run: the model and how to train it."
+    model: ModelConfig = field(default_factory=ModelConfig)  # The architecture
+    train: TrainingConfig = field(default_factory=TrainingConfig)  # The training run
+    name: str = "custom"  # Name of the preset this came from
+
+    def to_dict(self) -> dict:
+        "Plain nested dict (YAML-ready)."
+        d = dataclasses.asdict(self)
+        return {"name": d["name"], "model": _plain(d["model"]), "train": _plain(d["train"])}
+
+    def __str__(self): return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(d: dict) -> dict: return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def presets() -> list[str]:
+    "Names of the presets shipped in the package."
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+# %%
+#| export
+_SECTIONS = {"model": ModelConfig, "train": TrainingConfig}
+
+
+def _closest(key: str, valid) -> str:
+    near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean '{near[0]}'?" if near else ""
+
+
+def _section_of(key: str) -> tuple[str, str]:
+    "Split an override key into (section, field); a bare field name is looked up in both sections."
+    if "." in key:
+        sec, name = key.split(".", 1)
+        if sec not in _SECTIONS: raise ConfigError(f"unknown section '{sec}' in '{key}': use 'model.' or 'train.'")
+        if name not in _field_types(_SECTIONS[sec]):
+            valid = list(_field_types(_SECTIONS[sec]))
+            raise ConfigError(f"unknown key '{key}'.{_closest(name, valid)} Valid {sec} keys: {', '.join(valid)}")
+        return sec, name
+    for sec, cls in _SECTIONS.items():
+        if key in _field_types(cls): return sec, key
+    valid = [n for cls in _SECTIONS.values() for n in _field_types(cls)]
+    raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
+
+
+def _read_preset(name_or_path) -> tuple[str, dict]:
+    p = Path(name_or_path)
+    if p.suffix not in (".yaml", ".yml"): p = PRESET_DIR / f"{name_or_path}.yaml"
+    if not p.exists():
+        raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict) or set(raw) - {"model", "train"}:
+        raise ConfigError(f"{p}: a config file has at most two sections, 'model:' and 'train:'; found {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+    return p.stem, raw
+
+
+# %%
+#| export
+def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()`) or a path to a YAML file
+                **overrides, # `field=value` (or `{'model.field': value}` via `**`): applied after the preset
+               ) -> Config:
+    "Read a preset or YAML file, apply `overrides`, validate, and return the `Config`."
+    name, raw = _read_preset(name_or_path)
+    values = {"model": {}, "train": {}}
+    for sec in ("model", "train"):
+        for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+    for k, v in overrides.items():
+        sec, f = _section_of(k)
+        values[sec][f] = v
+    return Config(model=validate_model(ModelConfig(**values["model"])),
+                  train=validate_training(TrainingConfig(**values["train"])), name=name)
+
+
+# %% [markdown]
+# The 750M preset is the design document's model. Printing a config gives YAML you can save and
+# load back.
+
+# %%
+cfg = load_config("hymo_750m")
+print(cfg)
+
+# %%
+test_eq((cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size), (896, 32, 64256))
+test_eq((cfg.model.gdn_n_heads, cfg.model.gdn_head_k_dim, cfg.model.gdn_head_v_dim), (40, 32, 32))
+test_eq((cfg.model.mla_n_heads, cfg.model.mla_n_kv_groups, cfg.model.mla_kv_lora_rank), (16, 4, 128))
+test_eq((cfg.model.moe_n_routed, cfg.model.moe_n_shared, cfg.model.moe_top_k), (16, 1, 2))
+test_eq(cfg.model.mtp_loss_weights, (0.3, 0.1))
+
+# %% [markdown]
+# The tiny preset is the default everywhere: the notebooks, the tests and `python -m hymo.train`.
+
+# %%
+tiny = load_config()
+print(tiny.model.layer_types, tiny.model.dim, tiny.train.seq_len)
+test_eq(tiny.name, "hymo_tiny")
+
+# %% [markdown]
+# Overrides take a bare field name or a `section.field` name:
+
+# %%
+c = load_config("hymo_tiny", dim=96, max_steps=7, **{"model.n_layers": 8})
+test_eq((c.model.dim, c.train.max_steps, c.model.n_layers), (96, 7, 8))
+test_eq(c.model.layer_types.count("mla"), 2)
+
+
+# %% [markdown]
+# ### What a mistake looks like
+#
+# Each of these raises a `ConfigError` whose message says what to change.
+
+# %%
+def error_of(f):
+    "The message `f()` raises, for display."
+    try: f()
+    except ConfigError as e: return str(e)
+    raise AssertionError("no ConfigError raised")
+
+msg = error_of(lambda: load_config("hymo_tiny", dimm=64))
+print(msg[:120])
+assert "Did you mean 'dim'?" in msg and "Valid keys" in msg
+
+# %%
+msg = error_of(lambda: load_config("hymo_tiny", mla_n_heads=6, mla_n_kv_groups=4))
+print(msg)
+assert "mla_n_heads=6" in msg and "mla_n_kv_groups=4" in msg
+
+# %%
+msg = error_of(lambda: load_config("hymo_tiny", dim="wide"))
+print(msg)
+assert "expected int" in msg
+
+# %%
+test_fail(lambda: load_config("hymo_tiny", global_batch_size=10, micro_batch_size=4), contains="not divisible")
+test_fail(lambda: load_config("hymo_tiny", mtp_depth=3), contains="one weight per MTP head")
+test_fail(lambda: load_config("no_such_preset"), contains="Presets:")
+test_fail(lambda: load_config("hymo_tiny", gdn_kernel="cuda"), contains="choose one of")
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why keep one flat dataclass per concern rather than a tree of nested configs?
+# Because every value's origin should be one look away. With two flat dataclasses, a value comes
+# from the default in this file, from the preset's YAML, or from an override on the command line,
+# and the printed config shows the result. Nested builder configs hide defaults in many places and
+# make it hard to tell what a run actually used.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why validate divisibility at load time instead of letting the model fail?
+# A shape error deep in `forward` (say, 6 query heads over 4 KV groups) surfaces as an opaque
+# reshape failure minutes into a multi-node launch. Checking at load time names the two keys and
+# the reason, before any GPU is allocated.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## How is the 3:1 layout encoded, and why not a list of layer types?
+# `mla_every = 4` makes blocks 3, 7, 11, … MLA blocks and the rest GDN. A single integer cannot
+# describe an inconsistent layout, and changing depth keeps the ratio. `layer_types` derives the
+# explicit list when you want to see it.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Where does the 57 220-step default come from?
+# A global batch of 128 sequences of 4096 tokens is 524 288 tokens per step; 30 B tokens divided by
+# that is about 57 220 optimiser steps.
+# :::

@@ -1,0 +1,59 @@
+# %% [markdown]
+# # HyMo
+#
+# > A hybrid language model you can read, check and train: Gated DeltaNet, Multi-Head Latent Attention, DeepSeek-style MoE and multi-token prediction, derived step by step.
+
+# %% [markdown]
+# HyMo is a literate codebase. Each chapter is a notebook that derives one mechanism from first
+# principles, checks every step numerically, and exports the final version into the `hymo`
+# package. The package is a real training stack: a chunked Triton kernel for the gated delta rule
+# (forward and backward), the 3:1 hybrid model (24 Gated DeltaNet blocks with dense SwiGLU FFNs,
+# 8 Multi-Head Latent Attention blocks with a mixture of experts), NorMuon + AdamW with a
+# warmup-stable-decay schedule, and an FSDP-2 trainer.
+#
+# ## Reading order
+#
+# | Part | Chapters |
+# |---|---|
+# | Foundations | configuration; shared layers (RMSNorm, SwiGLU) |
+# | Linear attention | linear attention; the delta rule and the gated delta rule; the chunked WY form and the GDN block; the Triton kernel |
+# | Attention | RoPE and partial RoPE; Multi-Head Latent Attention and its latent KV cache |
+# | Sparsity | DeepSeek-style MoE and aux-loss-free load balancing |
+# | The model | multi-token prediction; the hybrid model and its accounting |
+# | Training | optimisers (NorMuon, AdamW, cautious weight decay, WSD); data; the trainer |
+#
+# Every chapter ends with interview questions whose answers are folded: try before you open them.
+#
+# ## Install
+#
+# ```sh
+# pip install torch==2.13.0   # or any torch >= 2.11 with CUDA on a GPU machine
+# pip install -e ".[dev]"
+# ```
+#
+# ## Test
+#
+# ```sh
+# nbdev-test && pytest
+# ```
+#
+# nbdev 3 names its commands with hyphens (`nbdev-test`, `nbdev-export`); the underscore names
+# (`nbdev_test`) belong to nbdev 2. Its settings live in `[tool.nbdev]` of `pyproject.toml`:
+# nbdev 3 refuses a `settings.ini`.
+#
+# ## Train
+#
+# ```sh
+# python -m hymo.train                      # hymo_tiny on the bundled Shakespeare, CPU, minutes
+# torchrun --nproc_per_node 8 -m hymo.train --config hymo_750m data_dir=...   # the full run
+# ```
+#
+# ## A first look
+#
+# The configuration is plain data. The architecture is the list of block kinds:
+
+# %%
+from hymo.config import load_config
+
+cfg = load_config("hymo_750m")
+print(" ".join(t.upper() for t in cfg.model.layer_types))

@@ -1,0 +1,111 @@
+"""The configuration: presets load, overrides apply, and every kind of mistake gets a clear error."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, load_config, presets
+
+
+def test_presets_shipped():
+    assert {"hymo_tiny", "hymo_750m"} <= set(presets())
+
+
+def test_750m_is_the_design():
+    m = load_config("hymo_750m").model
+    assert (m.dim, m.n_layers, m.vocab_size) == (896, 32, 64256)
+    assert m.layer_types.count("gdn") == 24 and m.layer_types.count("mla") == 8
+    assert [i for i, t in enumerate(m.layer_types) if t == "mla"] == [3, 7, 11, 15, 19, 23, 27, 31]
+    assert (m.gdn_n_heads, m.gdn_head_k_dim, m.gdn_head_v_dim, m.ffn_inter_dim) == (40, 32, 32, 2560)
+    assert (m.mla_n_heads, m.mla_n_kv_groups, m.mla_kv_lora_rank, m.mla_qk_nope_dim, m.mla_qk_rope_dim,
+            m.mla_v_head_dim) == (16, 4, 128, 96, 32, 128)
+    assert (m.moe_n_routed, m.moe_n_shared, m.moe_top_k, m.moe_inter_dim, m.moe_capacity_factor) == (16, 1, 2, 2304, 1.5)
+    assert (m.mtp_depth, m.mtp_loss_weights) == (2, (0.3, 0.1))
+    t = load_config("hymo_750m").train
+    assert (t.seq_len, t.micro_batch_size) == (4096, 4)
+    assert 29e9 < t.max_steps * t.global_batch_size * t.seq_len < 31e9
+
+
+def test_field_names_are_unique_across_sections():
+    m = {f.name for f in dataclasses.fields(ModelConfig)}
+    t = {f.name for f in dataclasses.fields(TrainingConfig)}
+    assert not m & t, "a bare override key must name exactly one field"
+
+
+def test_every_field_has_a_docment():
+    from fastcore.docments import docments
+    for cls in (ModelConfig, TrainingConfig):
+        docs = docments(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a one-line comment: {missing}"
+
+
+def test_overrides_bare_and_dotted():
+    c = load_config("hymo_tiny", dim=64, **{"train.max_steps": 3, "model.n_layers": 8})
+    assert (c.model.dim, c.train.max_steps, c.model.n_layers) == (64, 3, 8)
+    assert c.model.layer_types == ["gdn", "gdn", "gdn", "mla"] * 2
+
+
+def test_int_accepted_for_float_and_list_for_tuple():
+    c = load_config("hymo_tiny", rope_theta=500000, mtp_loss_weights=[0.5, 0.25])
+    assert isinstance(c.model.rope_theta, float) and c.model.mtp_loss_weights == (0.5, 0.25)
+
+
+def test_unknown_key_names_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown key 'mla_n_head'\. Did you mean 'mla_n_heads'\?") as e:
+        load_config("hymo_tiny", mla_n_head=4)
+    assert "Valid keys:" in str(e.value) and "seq_len" in str(e.value)
+    with pytest.raises(ConfigError, match="Valid train keys"):
+        load_config("hymo_tiny", **{"train.lr": 1.0})
+    with pytest.raises(ConfigError, match="unknown section"):
+        load_config("hymo_tiny", **{"optim.lr": 1.0})
+
+
+def test_wrong_type_names_the_expected_one():
+    with pytest.raises(ConfigError, match=r"model.dim: expected int, got str 'big'"):
+        load_config("hymo_tiny", dim="big")
+    with pytest.raises(ConfigError, match=r"train.wandb: expected bool"):
+        load_config("hymo_tiny", wandb="yes")
+    with pytest.raises(ConfigError, match=r"expected int, got bool"):
+        load_config("hymo_tiny", n_layers=True)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(mla_n_heads=6, mla_n_kv_groups=4), ["mla_n_heads=6", "mla_n_kv_groups=4", "query heads"]),
+    (dict(mla_qk_rope_dim=15), ["mla_qk_rope_dim=15", "pairs"]),
+    (dict(global_batch_size=10, micro_batch_size=4), ["global_batch_size=10", "micro_batch_size=4"]),
+    (dict(moe_top_k=9), ["moe_top_k=9", "moe_n_routed"]),
+    (dict(mtp_depth=1), ["mtp_loss_weights", "mtp_depth=1"]),
+    (dict(dim=0), ["model.dim=0", "positive"]),
+    (dict(nope_layers=[0]), ["nope_layers [0]", "not MLA blocks"]),
+    (dict(decay_shape="exp"), ["decay_shape", "'1-sqrt'"]),
+])
+def test_semantic_errors_say_which_and_why(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config("hymo_tiny", **overrides)
+    for w in words: assert w in str(e.value)
+
+
+def test_missing_preset_lists_the_presets(tmp_path):
+    with pytest.raises(ConfigError, match="hymo_tiny"):
+        load_config("hymo_huge")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  dim: 64\noptim:\n  lr: 1\n")
+    with pytest.raises(ConfigError, match="at most two sections"):
+        load_config(str(bad))
+
+
+def test_yaml_round_trip(tmp_path):
+    c = load_config("hymo_750m", dim=1024)
+    p = tmp_path / "run.yaml"
+    d = c.to_dict(); d.pop("name")
+    p.write_text(yaml.safe_dump(d))
+    assert load_config(str(p)).model == c.model and load_config(str(p)).train == c.train
+
+
+def test_print_from_the_command_line():
+    out = subprocess.run([sys.executable, "-c", "from hymo.config import load_config; print(load_config('hymo_750m'))"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "dim: 896" in out and "mla_n_kv_groups: 4" in out and "max_steps: 57220" in out

@@ -1,0 +1,72 @@
+"""Notebook chores in one place: keep `nbs/*.ipynb`, `nbs_py/*.py` and `hymo/` in step.
+
+    python tools/nb.py sync              # nbs_py/*.py <-> nbs/*.ipynb (jupytext), then nbdev-export
+    python tools/nb.py run 12_gdn ...    # execute chapters (outputs saved in the .ipynb), clean, sync, export
+    python tools/nb.py run all           # execute every chapter
+    python tools/nb.py check             # exit 1 if sync or export would change a tracked file (CI)
+
+Write a chapter either as the notebook or as its paired script; `sync` carries the newer one over.
+`run` stores outputs (plots, printed tables) in the notebook so the docs show them without
+re-running; slow or GPU cells marked `#| slow` / `#| gpu` are skipped, as in `nbdev-test`.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NBS = ROOT / "nbs"
+
+
+def sh(*cmd):
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def sync():
+    sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))), *sorted(map(str, (ROOT / "nbs_py").glob("*.py"))))
+    sh("nbdev-clean")
+    sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))))
+    sh("nbdev-export")
+
+
+def _skip(cell) -> bool:
+    flags = {"slow", "gpu"}
+    lines = [l for l in cell.source.splitlines() if l.startswith("#|")]
+    return any(l[2:].strip().split()[:1] and l[2:].strip().split()[0] in flags for l in lines)
+
+
+def run(names):
+    from fastcore.nbio import read_nb, write_nb
+    from execnb.shell import CaptureShell
+    sync()
+    paths = sorted(NBS.glob("*.ipynb")) if names == ["all"] else [NBS / (n if n.endswith(".ipynb") else n + ".ipynb") for n in names]
+    for p in paths:
+        print(f"running {p.name}", flush=True)
+        os.chdir(NBS)
+        nb = read_nb(p)
+        skipped = [c for c in nb.cells if c.cell_type == "code" and _skip(c)]
+        for c in skipped: c.cell_type = "raw"  # not executed
+        shell = CaptureShell()
+        shell.run_all(nb, exc_stop=True)
+        for c in skipped: c.cell_type = "code"; c.outputs = []; c.execution_count = None
+        write_nb(nb, p)
+    os.chdir(ROOT)
+    sync()
+
+
+def check():
+    sync()
+    git = lambda *a: subprocess.run(["git", *a, "--", "nbs", "nbs_py", "hymo"], cwd=ROOT,
+                                    capture_output=True, text=True, check=True).stdout
+    out = git("diff", "--name-only") + git("ls-files", "--others", "--exclude-standard")
+    if out.strip():
+        print("These files change when the notebooks are synced and exported; run `python tools/nb.py sync` and commit:\n" + out)
+        subprocess.run(["git", "--no-pager", "diff", "--stat"], cwd=ROOT)
+        sys.exit(1)
+    print("notebooks, scripts and package are in sync")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in {"sync", "run", "check"}:
+        sys.exit(__doc__)
+    {"sync": lambda: sync(), "run": lambda: run(sys.argv[2:] or ["all"]), "check": lambda: check()}[sys.argv[1]]()
