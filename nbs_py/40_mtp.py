@@ -1,0 +1,259 @@
+# %% [markdown]
+# # Multi-token prediction
+#
+# > Extra heads that predict two and three tokens ahead from the main hidden state, and the loss that combines them.
+
+# %%
+#| default_exp models.mtp
+
+# %% [markdown]
+# A language model is trained to predict the next token. Multi-token prediction (MTP) adds small
+# heads that predict tokens further ahead from the same hidden state. The idea comes from
+# Gloeckle et al. 2024, *Better & Faster Large Language Models via Multi-token Prediction*, and
+# DeepSeek-V3 uses a sequential variant of it. The extra losses are down-weighted: they shape the
+# hidden state so that it carries information about more than one step of the future, and then
+# they are thrown away (or used to draft tokens) at inference.
+
+# %%
+#| export
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hymo.config import ModelConfig
+from hymo.models.layers import RMSNorm
+
+# %%
+from fastcore.test import test_eq, test_close, test_fail
+from hymo.config import load_config
+
+
+# %% [markdown]
+# ## The indexing, exactly
+#
+# The data loader reads $T+1$ tokens $x_0, \dots, x_T$ for a window and gives the model
+# `tokens` $= x_{0..T-1}$ and `targets` $= x_{1..T}$, so `targets[t]` $= x_{t+1}$. The trunk
+# turns `tokens` into hidden states $h_0, \dots, h_{T-1}$, where $h_t$ has seen $x_0 \dots x_t$.
+#
+# * The main head reads $h_t$ and predicts $x_{t+1}$ = `targets[t]`, for every $t = 0 \dots T-1$.
+# * MTP head $k$ ($k = 1, \dots, D$) reads $h_t$ and predicts $x_{t+1+k}$ = `targets[t+k]`. That
+#   token exists in the window only for $t + k \le T - 1$, so head $k$ is trained on positions
+#   $t = 0 \dots T-1-k$: `logits_k = head_k(h[:, :T-k])` against `targets[:, k:]`.
+#
+# (If a window held only the $T$ tokens $x_0..x_{T-1}$, the last usable position would be
+# $T-2-k$: one fewer, because the main target of the last position would be missing too.)
+#
+# The loss is
+# $$L = L_\text{main} + \sum_{k=1}^{D} w_k L_k, \qquad w = (0.3, 0.1),$$
+# each $L$ a mean cross-entropy over its valid positions.
+#
+# Here is that alignment on a toy sequence whose future is known: the tokens count up, so the
+# target of head $k$ at position $t$ must be $t + 1 + k$.
+
+# %%
+def mtp_targets(targets: torch.Tensor, k: int) -> torch.Tensor:
+    "Targets of MTP head `k`: `targets[:, k:]`, aligned with hidden positions `0 .. T-1-k`."
+    return targets[:, k:]
+
+x = torch.arange(11)[None]          # x_0 .. x_10, so T = 10
+tokens, targets = x[:, :-1], x[:, 1:]
+for k in (1, 2):
+    t = torch.arange(tokens.shape[1] - k)  # valid positions for head k
+    test_eq(mtp_targets(targets, k)[0], tokens[0, t] + 1 + k)
+print("head 2 at position 0 must predict", mtp_targets(targets, 2)[0, 0].item())
+
+
+# %% [markdown]
+# ## One head
+#
+# Each MTP head is small: RMSNorm, a SwiGLU-free MLP (Linear → SiLU → Linear) back to the model
+# width, a final RMSNorm, and the *tied* output head (the embedding matrix), so a head adds only
+# $2 \cdot d \cdot d_\text{mtp}$ weights plus two norms; the $d \times |V|$ vocabulary projection is
+# shared, not new.
+#
+# The design document lists the head as RMSNorm → Linear → Linear. Two linear maps with nothing
+# between them compose into one matrix of rank at most $d$, so the factorisation would add
+# parameters without adding anything a single $d \times d$ matrix could not do; HyMo puts a SiLU
+# between them. The final RMSNorm matches what the main head sees (the trunk's final norm), so the
+# shared vocabulary projection is fed inputs on one scale.
+
+# %%
+#| export
+class MTPBlock(nn.Module):
+    "One MTP head: `h -> norm -> Linear -> SiLU -> Linear -> norm`, logits through the shared (tied) head."
+    def __init__(self, dim: int, # Model width d
+                 inter_dim: int, # Hidden width of the head's MLP
+                 eps: float = 1e-6): # RMSNorm epsilon
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.proj_in = nn.Linear(dim, inter_dim, bias=False)
+        self.proj_out = nn.Linear(inter_dim, dim, bias=False)
+        self.out_norm = RMSNorm(dim, eps)
+
+    def forward(self, h: torch.Tensor, # Hidden states [B, T', D]
+                head: Callable[[torch.Tensor], torch.Tensor], # The tied vocabulary projection, [.., D] -> [.., V]
+               ) -> torch.Tensor: # Logits [B, T', V]
+        return head(self.out_norm(self.proj_out(F.silu(self.proj_in(self.norm(h))))))
+
+
+# %%
+#| export
+@dataclass
+class MTPOutput:
+    "What MTP head `k` produced: logits for hidden positions `0..T-1-k` and their targets."
+    k: int  # Head index, 1-based: predicts token t+1+k
+    logits: torch.Tensor  # [B, T-k, V]
+    targets: torch.Tensor  # [B, T-k] token ids, `targets[:, k:]`
+    weight: float  # Loss weight w_k
+
+
+class MultiTokenPrediction(nn.Module):
+    "The `mtp_depth` MTP heads. `forward(hidden, targets, head)` returns one `MTPOutput` per head."
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weights = tuple(config.mtp_loss_weights)
+        self.heads = nn.ModuleList(MTPBlock(config.dim, config.mtp_inter_dim, config.norm_eps)
+                                   for _ in range(config.mtp_depth))
+
+    def forward(self, hidden: torch.Tensor, # Main hidden states h_0..h_{T-1} [B, T, D] (after the final norm)
+                targets: torch.Tensor, # Main targets x_1..x_T [B, T]
+                head: Callable[[torch.Tensor], torch.Tensor], # The tied vocabulary projection
+               ) -> list[MTPOutput]:
+        T = hidden.shape[1]
+        if T <= len(self.heads):
+            raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
+        return [MTPOutput(k, blk(hidden[:, :T - k], head), targets[:, k:], w)
+                for k, (blk, w) in enumerate(zip(self.heads, self.weights), start=1)]
+
+
+# %% [markdown]
+# With a stand-in head (a random vocabulary matrix), the shapes follow the indexing above:
+
+# %%
+cfg = load_config("hymo_tiny").model
+B, T, D, V = 2, 12, cfg.dim, cfg.vocab_size
+emb = torch.randn(V, D) * 0.02
+mtp = MultiTokenPrediction(cfg)
+hidden, targets = torch.randn(B, T, D), torch.randint(0, V, (B, T))
+outs = mtp(hidden, targets, lambda h: h @ emb.T)
+for o in outs: print(o.k, tuple(o.logits.shape), tuple(o.targets.shape), o.weight)
+test_eq([o.logits.shape[1] for o in outs], [T - 1, T - 2])
+test_eq(outs[1].targets, targets[:, 2:])
+
+
+# %% [markdown]
+# ## The loss
+#
+# `lm_loss` is what the trainer calls: it returns the weighted total and every part, so each can be
+# logged. Cross-entropy runs in fp32 whatever the logits' dtype.
+
+# %%
+#| export
+def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
+            targets: torch.Tensor, # Main targets [B, T]
+            mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction`
+           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
+    ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
+    main = ce(logits, targets)
+    total, parts = main, {"main": main.detach()}
+    for o in mtp_outputs:
+        lk = ce(o.logits, o.targets)
+        total = total + o.weight * lk
+        parts[f"mtp_{o.k}"] = lk.detach()
+    return total, parts
+
+
+# %%
+logits = torch.randn(B, T, V)
+total, parts = lm_loss(logits, targets, outs)
+test_close(total, parts["main"] + 0.3 * parts["mtp_1"] + 0.1 * parts["mtp_2"], eps=1e-5)
+print({k: round(v.item(), 3) for k, v in parts.items()})
+
+# %% [markdown]
+# A freshly initialised model has small logits and so predicts nearly uniformly: every part starts
+# near $\ln |V|$.
+
+# %%
+small = lm_loss(logits * 1e-3, targets, [MTPOutput(o.k, o.logits * 1e-3, o.targets, o.weight) for o in outs])[1]
+for v in small.values(): test_close(v, torch.tensor(float(V)).log(), eps=1e-2)
+
+# %% [markdown]
+# ## What MTP costs
+#
+# A head adds `norm + 2·d·d_mtp + norm` parameters. For the 750M design,
+# $2 \cdot 896 \cdot 2304 \approx 4.13$ M per head, about 8.3 M for both. The vocabulary projection
+# ($896 \times 64256 \approx 57.6$ M) is the tied embedding, already counted once: the design
+# document's "59.6 M per head" counts it again. The FLOPs are not small, though: each head runs
+# the $d \times |V|$ projection again, $2 \cdot 896 \cdot 64256 \approx 115$ MFLOPs per token
+# forward per head, more than the head's own MLP (≈ 8.3 MFLOPs). The model chapter counts both.
+
+# %%
+big = load_config("hymo_750m").model
+with torch.device("meta"): m = MultiTokenPrediction(big)
+new = sum(p.numel() for p in m.parameters())
+print(f"new parameters in {big.mtp_depth} heads: {new/1e6:.2f} M")
+test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
+
+# %% [markdown]
+# ## At inference
+#
+# The heads are not needed to generate text: the main head alone gives next-token logits, and the
+# model's `forward` skips them. They can, however, *draft*: at step $t$ the main head proposes
+# $x_{t+1}$ and heads 1 and 2 propose $x_{t+2}, x_{t+3}$; one forward pass over the drafted tokens
+# then verifies them (self-speculative decoding), accepting the longest prefix the main head
+# agrees with. Every accepted draft token saves a sequential forward step.
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Which token does MTP head k predict, and on which positions is its loss computed?
+# With hidden state $h_t$ at position $t$ (having seen $x_0..x_t$), the main head predicts
+# $x_{t+1}$ and head $k$ predicts $x_{t+1+k}$. Given a window of inputs $x_{0..T-1}$ and targets
+# $x_{1..T}$, head $k$'s target exists only for $t \le T-1-k$, so its loss uses positions
+# $0..T-1-k$, i.e. `logits_k[:, :T-k]` against `targets[:, k:]`.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why do the MTP heads read the main hidden state instead of having their own trunk?
+# The point is to change what the shared trunk represents: gradients from the $t+2$ and $t+3$
+# losses flow into the same $h_t$ the main head uses, pushing it to carry information about the
+# nearer future beyond one token. A separate trunk per head would learn its own features and leave
+# the main model unchanged, at several times the compute.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why are the weights 0.3 and 0.1 rather than equal?
+# Tokens further ahead are less predictable, so their losses are larger and noisier. Down-weighting
+# keeps the main next-token objective dominant (the total auxiliary weight is 0.4) while still
+# passing a planning signal into the trunk. The values are a tuning choice, not a law; DeepSeek-V3
+# used a single MTP module with weight 0.3 early in training and 0.1 later.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Is MTP almost free in compute?
+# In parameters, nearly: about 4 M new weights per head at the 750M shape, because the vocabulary
+# projection is tied. In FLOPs, no: each head runs the $d \times |V|$ projection again, about
+# 115 MFLOPs per token forward per head at $|V| = 64256$, several percent of the model's total.
+# The design document's "0.2 % overhead" leaves out the projection.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What happens to the MTP heads at inference?
+# Plain generation ignores them: only the main head is needed. They can be used to draft the next
+# few tokens for self-speculative decoding, where one forward pass verifies the drafts and every
+# accepted one saves a sequential step.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Who proposed multi-token prediction?
+# Gloeckle et al., 2024, *Better & Faster Large Language Models via Multi-token Prediction* (Meta),
+# with independent output heads on a shared trunk. DeepSeek-V3 (2024) chains its MTP modules
+# sequentially so that each prediction depth keeps a causal chain.
+# :::

@@ -1,0 +1,72 @@
+"""Multi-token prediction: target alignment, loss composition, gradients into the trunk's hidden state."""
+import pytest
+import torch
+
+from hymo.config import load_config
+from hymo.models.mtp import MTPOutput, MultiTokenPrediction, lm_loss
+
+
+@pytest.fixture
+def cfg():
+    return load_config("hymo_tiny", mtp_depth=3, mtp_loss_weights=[0.5, 0.3, 0.1]).model
+
+
+def test_head_k_targets_token_t_plus_1_plus_k(cfg):
+    T = 9
+    x = torch.arange(T + 1)[None].repeat(2, 1)  # a counting sequence: x_i = i
+    tokens, targets = x[:, :-1], x[:, 1:]
+    mtp = MultiTokenPrediction(cfg)
+    outs = mtp(torch.randn(2, T, cfg.dim), targets, lambda h: h @ torch.randn(cfg.vocab_size, cfg.dim).T)
+    for o in outs:
+        t = torch.arange(T - o.k)
+        assert torch.equal(o.targets[0], t + 1 + o.k)       # x_{t+1+k}
+        assert o.logits.shape == (2, T - o.k, cfg.vocab_size)
+    assert [o.weight for o in outs] == [0.5, 0.3, 0.1]
+
+
+def test_head_reads_only_its_positions(cfg):
+    """Logits of head k at position t depend on h_t only: perturbing h at t changes only row t."""
+    T, emb = 8, torch.randn(cfg.vocab_size, cfg.dim)
+    mtp = MultiTokenPrediction(cfg).eval()
+    h = torch.randn(1, T, cfg.dim)
+    a = mtp(h, torch.zeros(1, T, dtype=torch.long), lambda z: z @ emb.T)
+    h2 = h.clone(); h2[:, 3] += 1
+    b = mtp(h2, torch.zeros(1, T, dtype=torch.long), lambda z: z @ emb.T)
+    for oa, ob in zip(a, b):
+        changed = (oa.logits - ob.logits).abs().amax(-1)[0] > 0
+        assert changed.nonzero().flatten().tolist() == [3]
+
+
+def test_loss_is_weighted_sum_and_trains_hidden(cfg):
+    T = 10
+    h = torch.randn(2, T, cfg.dim, requires_grad=True)
+    emb = torch.randn(cfg.vocab_size, cfg.dim) * 0.05
+    targets = torch.randint(0, cfg.vocab_size, (2, T))
+    mtp = MultiTokenPrediction(cfg)
+    outs = mtp(h, targets, lambda z: z @ emb.T)
+    main_logits = h @ emb.T
+    total, parts = lm_loss(main_logits, targets, outs)
+    expect = parts["main"] + sum(w * parts[f"mtp_{k}"] for k, w in enumerate(cfg.mtp_loss_weights, 1))
+    torch.testing.assert_close(total.detach(), expect)
+    # only MTP: the last k positions get no gradient from head k; position T-1 gets none from any head
+    mtp_only = sum(o.weight * torch.nn.functional.cross_entropy(o.logits.flatten(0, 1), o.targets.flatten()) for o in outs)
+    g, = torch.autograd.grad(mtp_only, h, retain_graph=True)
+    assert g[:, : T - 1].abs().sum() > 0 and g[:, T - 1].abs().sum() == 0
+    assert all(p.grad is None for p in mtp.parameters())
+    total.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in mtp.parameters())
+
+
+def test_too_short_sequence_is_a_clear_error(cfg):
+    mtp = MultiTokenPrediction(cfg)
+    with pytest.raises(ValueError, match="too short"):
+        mtp(torch.randn(1, 3, cfg.dim), torch.zeros(1, 3, dtype=torch.long), lambda z: z)
+
+
+def test_no_mtp_heads():
+    cfg = load_config("hymo_tiny", mtp_depth=0, mtp_loss_weights=[]).model
+    mtp = MultiTokenPrediction(cfg)
+    assert mtp(torch.randn(1, 4, cfg.dim), torch.zeros(1, 4, dtype=torch.long), lambda z: z) == []
+    logits, targets = torch.randn(1, 4, 7), torch.randint(0, 7, (1, 4))
+    total, parts = lm_loss(logits, targets, [])
+    assert list(parts) == ["main"] and torch.equal(total.detach(), parts["main"])
