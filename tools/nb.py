@@ -30,9 +30,9 @@ def sync():
 
 
 def _skip(cell) -> bool:
-    flags = {"slow", "gpu"}
-    lines = [l for l in cell.source.splitlines() if l.startswith("#|")]
-    return any(l[2:].strip().split()[:1] and l[2:].strip().split()[0] in flags for l in lines)
+    "Cells `nbdev-test` skips: flagged `#| slow` or `#| gpu`, or marked `#| eval: false`."
+    lines = [l[2:].strip() for l in cell.source.splitlines() if l.startswith("#|")]
+    return any(l.split()[:1] in (["slow"], ["gpu"]) or l.replace(" ", "") == "eval:false" for l in lines)
 
 
 def run(names):
