@@ -1,0 +1,789 @@
+# %% [markdown]
+# # Gated DeltaNet in Triton
+#
+# > The chunked gated delta rule as Triton kernels: a forward, a hand-written backward behind an autograd Function, a fused recurrent kernel for decoding, and packed sequences.
+
+# %%
+#| default_exp models.gdn_triton
+
+# %% [markdown]
+# Chapter 12 turned the gated-delta-rule loop into chunks of $C = 64$ tokens whose insides are
+# matrix products (`chunk_gated_delta_rule_torch`). This chapter writes the same algorithm as GPU
+# kernels. The exported API has the contract of chapter 12's functions, same arguments in the same
+# order, layout `[B, T, H, D]`:
+#
+# | function | what it is |
+# |---|---|
+# | `triton_gated_delta_rule` | chunked forward and hand-written backward (training, prefill); differentiable in q, k, v, g, beta and the initial state |
+# | `TritonGDNFunction` | the `torch.autograd.Function` that joins the two |
+# | `fused_recurrent_gated_delta_rule` | forward only, a token at a time with the state on chip (decoding) |
+#
+# Every kernel is checked against `naive_gated_delta_rule`, the loop of chapter 12. On a machine
+# without a GPU the kernels run in Triton's interpreter, which executes each program with NumPy:
+# the same code, slowly. That is how this notebook and the tests run on CPU.
+
+# %%
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: set before the first @triton.jit
+
+# %%
+#| export
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hymo.models.gdn import _check_rule_inputs
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from fastcore.test import test_eq, test_fail
+from torch.testing import assert_close
+
+from hymo.models.gdn import chunk_gated_delta_rule_torch, naive_gated_delta_rule
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+
+
+# %% [markdown]
+# ## Triton in five ideas
+#
+# 1. **Programs.** A kernel is a Python function decorated with `@triton.jit`. Launching it as
+#    `kernel[grid](args)` runs one *program* per point of `grid` (up to three axes), all in
+#    parallel, with no order among them. `tl.program_id(0)` tells a program who it is. A CUDA
+#    programmer would say thread block: Triton hides the threads of the block.
+# 2. **Blocks.** A program computes on whole tiles. `tl.arange(0, BT)` is the vector
+#    `0, 1, …, BT-1` and its length must be a power of two known when compiling (`tl.constexpr`,
+#    written in CAPS here). Broadcasting (`o_r[:, None] * stride + o_c[None, :]`) makes a tile of
+#    pointers; `tl.load` turns it into a tile of values held in registers.
+# 3. **Masks.** A tile sticks out past the end of the data whenever the length is not a multiple of
+#    the block: `tl.load(p, mask=m, other=0.)` reads only where `m` holds and fills zeros elsewhere;
+#    `tl.store(p, x, mask=m)` writes only there.
+# 4. **`tl.dot`.** The product of two tiles (each side at least 16) runs on the tensor cores,
+#    accumulating in fp32. Given fp32 tiles it uses tf32 by default, about 1e-3 relative error on
+#    each product.
+# 5. **Compilation.** Each new combination of `constexpr` values and argument dtypes compiles a new
+#    kernel (cached after). Loops with a bound known only at run time (`range(0, NT)`) stay loops.
+#
+# The kernels below name things the way flash-linear-attention does: `i_` program and loop
+# indices, `o_` offset vectors, `p_` pointer tiles (and `m_` their masks), `b_` tiles of values.
+#
+# A warm-up kernel with all five ideas: each program scales 16 rows of an `[R, C]` matrix by a
+# per-row factor and multiplies the result by a `[C, C]` matrix, with the rows past `R` masked.
+
+# %%
+@triton.jit
+def scale_matmul_kernel(x, s, w, y, R, C: tl.constexpr, BR: tl.constexpr):
+    i_r = tl.program_id(0)
+    o_r = i_r * BR + tl.arange(0, BR)                                   # this program's rows
+    o_c = tl.arange(0, C)
+    m_r = o_r < R
+    b_x = tl.load(x + o_r[:, None] * C + o_c[None, :], mask=m_r[:, None], other=0.)   # (BR, C)
+    b_s = tl.load(s + o_r, mask=m_r, other=0.)                                          # (BR,)
+    b_w = tl.load(w + o_c[:, None] * C + o_c[None, :])                                  # (C, C)
+    b_y = tl.dot(b_x * b_s[:, None], b_w)                                               # (BR, C), fp32
+    tl.store(y + o_r[:, None] * C + o_c[None, :], b_y, mask=m_r[:, None])
+
+
+x, s, w = torch.randn(37, 16, device=DEV), torch.randn(37, device=DEV), torch.randn(16, 16, device=DEV)
+y = torch.full_like(x, float("nan"))                                    # poisoned: every row must be written
+scale_matmul_kernel[(triton.cdiv(37, 16),)](x, s, w, y, 37, 16, 16)    # 3 programs, the last one 5 rows long
+assert_close(y, (x * s[:, None]) @ w, rtol=2e-3, atol=2e-3)              # tf32 on a GPU
+
+
+# %% [markdown]
+# ## The chunked algorithm, in the form the kernels use
+#
+# Per head, cut the sequence into chunks of $C = 64$ tokens. In a chunk, let $Q, K \in
+# \mathbb{R}^{C\times K}$, $V \in \mathbb{R}^{C\times V}$, $G_i = \sum_{j\le i} g_j$ the cumulative
+# log-decay inside the chunk, $\Gamma_{ij} = e^{G_i - G_j}$ for $j \le i$ (else 0), and $S_0$ the
+# state entering the chunk. Unrolling $S_t = e^{g_t}(I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t
+# v_t^\top$ over the chunk (chapter 12 derives it) gives
+#
+# $$L = \mathrm{strict\_tril}\big(\mathrm{diag}(\beta)\,K K^\top \odot \Gamma\big), \qquad A = (I + L)^{-1},$$
+# $$W = A\,\mathrm{diag}(\beta \odot e^{G}) K, \qquad U = A\,\mathrm{diag}(\beta) V - W S_0,$$
+# $$O = \bar Q S_0 + P U, \qquad S_C = e^{G_C} S_0 + \bar K^\top U,$$
+#
+# with $\bar Q = s\,\mathrm{diag}(e^{G}) Q$ (reads the old state), $P = s\,(Q K^\top \odot \Gamma)$
+# (causal, diagonal included) and $\bar K = \mathrm{diag}(e^{G_C - G}) K$ (writes the new one); $s$
+# is the query scale and $G_C$ the last cumulative decay of the chunk. Every exponent is a difference
+# $G_i - G_j \le 0$, masked *before* `exp`: no factor exceeds 1.
+#
+# Two kinds of work follow. $A$ depends only on the chunk's own $K$, $\beta$, $g$, so all chunks of
+# all heads are solved at once (a grid of $T/64 \times B H$ programs). The rest carries $S$ from
+# chunk to chunk: one program per head walks its chunks in order and keeps $S$ on chip, in fp32.
+# At HyMo's shape ($K = V = 32$, 40 heads, $B = 4$) that is 160 programs, each holding a $32\times32$
+# state: small, latency-bound work, which is why the state never leaves the chip between chunks.
+
+# %% [markdown]
+# ## Kernel 1: the gates and the UT matrix $A$, all chunks in parallel
+#
+# Each program owns a chunk of one head. Its first lines find where the chunk lies. Plain batches
+# lay sequence $n$ at tokens $nT \ldots nT + T - 1$; a packed row (`cu_seqlens`, $B = 1$) lays
+# document $n$ at `cu_seqlens[n]:cu_seqlens[n+1]`, cut into its own chunks, so a chunk never spans
+# two documents. `chunk_indices` lists (document, chunk) for every program of a chunk-parallel grid
+# and `chunk_offsets` where each document's chunks start in the per-chunk buffers.
+
+# %%
+#| export
+@triton.jit
+def _tile(base, r0, R, stride, c0, C, BR: tl.constexpr, BC: tl.constexpr):
+    "Pointers and in-bounds mask of the [BR, BC] tile at (r0, c0) of a row-major [R, C] matrix with row stride `stride`."
+    o_r = r0 + tl.arange(0, BR)
+    o_c = c0 + tl.arange(0, BC)
+    return base + o_r[:, None] * stride + o_c[None, :], (o_r[:, None] < R) & (o_c[None, :] < C)
+
+
+@triton.jit
+def _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "First token `bos`, length `T`, chunk count `NT` and first per-chunk slot `boh` of sequence `i_n`."
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+        boh = tl.load(chunk_offsets + i_n).to(tl.int32)
+    else:
+        bos = i_n * T
+        boh = i_n * tl.cdiv(T, BT)
+    return bos, T, tl.cdiv(T, BT), boh
+
+
+@triton.jit
+def _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Program `(i_c, i_b)` of a chunk-parallel grid: chunk `i_t` of sequence `i_n`, with its `bos`, `T`, `boh`."
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + i_c * 2).to(tl.int32)
+        i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int32)
+    else:
+        i_n, i_t = i_b, i_c
+    bos, T, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+    return i_n, i_t, bos, T, boh
+
+
+@triton.jit
+def _decay_tril(b_g, m, BT: tl.constexpr):
+    "Gamma_ij = exp(G_i - G_j) where the mask `m` holds (j <= i, inside the sequence), else 0; masked before exp."
+    b_d = tl.where(m, b_g[:, None] - b_g[None, :], 0.)
+    return tl.where(m, tl.exp(b_d), 0.)
+
+
+# %% [markdown]
+# $L$ is strictly lower triangular, so $A = (I+L)^{-1} = I + A'$ comes out row by row by forward
+# substitution, in fp32: $A'_i = -L_i - \sum_{j<i} L_{ij} A'_j$, each row using only rows above it.
+# A register tile cannot be indexed by a run-time row number, so row $i$ is picked out with a mask
+# and a sum (`tl.where(o_i[:, None] == i, ...)`), and written back the same way.
+
+# %%
+#| export
+@triton.jit
+def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
+                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Chunk-parallel: cumulative log-decays `gc` [B, T, H] and A = (I + strict_tril(diag(beta) K K^T ⊙ Γ))^-1 [B, T, H, BT]."
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    b_g = tl.cumsum(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32), 0)  # G
+    tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m_t)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+    m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
+    b_L = tl.dot(b_k, tl.trans(b_k)) * b_beta[:, None] * _decay_tril(b_g, m_L, BT)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)                      # A' (rows >= i still zero)
+    for i in range(1, tl.minimum(BT, T - i_t * BT)):
+        b_l = tl.sum(tl.where(o_i[:, None] == i, b_L, 0.), 0)       # row i of L
+        b_a = -b_l - tl.sum(b_l[:, None] * b_A, 0)
+        b_A = tl.where(o_i[:, None] == i, b_a[None, :], b_A)
+    b_A += (o_i[:, None] == o_i[None, :]).to(tl.float32)
+    p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
+    tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_A)
+
+
+# %% [markdown]
+# The host side computes the chunk tables of a packed row and launches the kernel on a grid of
+# (chunks, heads). Checked against `torch.linalg.solve_triangular` on one chunk:
+
+# %%
+#| export
+BT = 64  # chunk length C; the kernels' tiles are BT x BT
+
+
+def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundaries, or None
+                  B: int, T: int): # Batch and sequence length
+    "`(chunk_indices [NC, 2], chunk_offsets [N+1], NC)`: (document, chunk) per chunk and each document's first chunk."
+    if cu_seqlens is None: return None, None, B * triton.cdiv(T, BT)
+    nts = (cu_seqlens.diff() + BT - 1) // BT                                        # chunks per document
+    offsets = F.pad(nts.cumsum(0), (1, 0)).to(torch.int32)
+    nc = int(offsets[-1])
+    doc = torch.repeat_interleave(torch.arange(len(nts), device=nts.device), nts)  # (NC,)
+    indices = torch.stack([doc, torch.arange(nc, device=nts.device) - offsets[doc]], 1)
+    return indices.to(torch.int32).contiguous(), offsets, nc
+
+
+def _prepare(k, g, beta, cu_seqlens, tables):
+    "Launch `_prep_kernel`: returns `(gc [B, T, H] fp32, A [B, T, H, BT] in k's dtype)`."
+    B, T, H, K = k.shape
+    chunk_indices, chunk_offsets, nc = tables
+    gc = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
+    A = torch.empty(B, T, H, BT, dtype=k.dtype, device=k.device)
+    grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
+    _prep_kernel[grid](k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T, H, K, BT,
+                       cu_seqlens is not None, **LAUNCH["prep"])
+    return gc, A
+
+
+LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(num_warps=4), dh=dict(num_warps=4), local=dict(num_warps=4))  # per-kernel launch options
+
+
+# %%
+def rand_inputs(B=1, T=70, H=2, K=16, V=16, dtype=torch.float32, device=DEV, seed=0):
+    "Random `(q, k, v, g, beta)`: q, k L2-normalised, g <= 0 (some large), beta in (0, 1)."
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+    g = F.logsigmoid(r(B, T, H) + 3) * 6                            # mostly near 0, a few near -10
+    return [x.to(device) for x in (q.to(dtype), k.to(dtype), r(B, T, H, V).to(dtype), g, torch.rand(B, T, H, generator=gen))]
+
+
+q, k, v, g, beta = rand_inputs(T=70)
+gc, A = _prepare(k, g, beta, None, _chunk_tables(None, 1, 70))
+G = g[0, :64, 0].cumsum(0)                                          # chunk 0, head 0
+causal = torch.ones(64, 64, dtype=torch.bool, device=DEV).tril(-1)
+L = (beta[0, :64, 0, None] * (k[0, :64, 0] @ k[0, :64, 0].T) * (G[:, None] - G[None, :]).masked_fill(~causal, -torch.inf).exp()).tril(-1)
+eye = torch.eye(64, device=DEV)
+assert_close(A[0, :64, 0], torch.linalg.solve_triangular(eye + L, eye, upper=False), rtol=0, atol=5e-3)
+assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the 6-token tail chunk restarts its sum
+
+
+# %% [markdown]
+# ## Kernel 2: the state pass
+#
+# One program per (sequence, head, block of `BV` value columns): the columns of $S$ are
+# independent (each column of $U$, $O$ and $S_C$ needs only the same column of $S_0$ and of $V$), so
+# splitting $V$ multiplies the programs at no cost but recomputing $W$. The program walks its chunks
+# in order with $S$ in fp32 registers, loading each chunk's $A$, $K$, $V$ (and $Q$) once. All tiles
+# are converted to fp32 as they are loaded, so every `tl.dot` is tf32 with fp32 accumulation
+# whatever the input dtype.
+#
+# The same kernel serves the backward, which needs the state entering every chunk: `SAVE_H` stores
+# it, `SAVE_O` switches the output off (a backward recomputes states, not outputs).
+
+# %%
+#| export
+@triton.jit
+def _chunk_gates(gc, beta, bos, T, i_t, i_h, H: tl.constexpr, BT: tl.constexpr):
+    "Cumulative log-decays `b_g`, `b_beta`, the in-sequence row mask `m_t` and the chunk's last cumulative decay `b_gl`."
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    b_g = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.)
+    b_gl = tl.load(gc + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
+    return b_g, b_beta, m_t, b_gl
+
+
+@triton.jit
+def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, scale, T,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, SAVE_O: tl.constexpr,
+                IS_VARLEN: tl.constexpr):
+    "Sequential over chunks: the program keeps S[:, i_v*BV:(i_v+1)*BV] of one (sequence, head) on chip, in fp32."
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+    o_i = tl.arange(0, BT)
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        p_h0, m_h0 = _tile(h0 + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
+        b_h = tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
+    for i_t in range(0, NT):
+        if SAVE_H:                                                   # S_0 of chunk i_t, for the backward
+            p_h, m_h = _tile(h + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
+            tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_h)
+        b_g, b_beta, m_t, b_gl = _chunk_gates(gc, beta, bos, T, i_t, i_h, H, BT)
+        p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
+        p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+        p_v, m_v = _tile(v + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+        b_A = tl.load(p_A, mask=m_A, other=0.).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_w = tl.dot(b_A, b_k * (b_beta * tl.exp(b_g))[:, None])     # W = A diag(beta e^G) K        (BT, K)
+        b_u = tl.dot(b_A, b_v * b_beta[:, None]) - tl.dot(b_w, b_h)  # U = A diag(beta) V - W S_0     (BT, BV)
+        if SAVE_O:
+            p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+            b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
+            m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+            b_P = tl.dot(b_q, tl.trans(b_k)) * _decay_tril(b_g, m_s, BT) * scale
+            b_o = tl.dot(b_q * (tl.exp(b_g) * scale)[:, None], b_h) + tl.dot(b_P, b_u)   # O = Qbar S_0 + P U
+            p_o, m_o = _tile(o + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+            tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
+        b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)   # e^{G_C - G_i} <= 1
+        b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k * b_e[:, None]), b_u)   # S_C = e^{G_C} S_0 + Kbar^T U
+    if STORE_HT:
+        p_ht, m_ht = _tile(ht + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
+        tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_ht)
+
+
+def _bv(V: int) -> int:
+    "Value columns per program of the sequential kernels."
+    return min(V, 32)
+
+
+def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, tables, save_h=False, save_o=True):
+    "Launch `_fwd_kernel` on padded contiguous inputs: `(o or None, final state or None, chunk states [NC, H, K, V] or None)`."
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    chunk_indices, chunk_offsets, nc = tables
+    o = torch.empty_like(v) if save_o else None
+    hs = q.new_empty(nc, H, K, V, dtype=torch.float32) if save_h else None
+    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    BV = _bv(V)
+    _fwd_kernel[(triton.cdiv(V, BV), N * H)](q, k, v, gc, beta, A, h0, ht, o, hs, cu_seqlens, chunk_offsets, scale, T,
+                                            H, K, V, BT, BV, h0 is not None, output_final_state, save_h, save_o,
+                                            cu_seqlens is not None, **LAUNCH["fwd"])
+    return o, ht, hs
+
+
+# %% [markdown]
+# The forward alone already matches the loop, across a chunk boundary (T = 70):
+
+# %%
+q, k, v, g, beta = rand_inputs(T=70, K=16, V=32)
+h0 = torch.randn(1, 2, 16, 32, device=DEV)
+tables = _chunk_tables(None, 1, 70)
+gc, A = _prepare(k, g, beta, None, tables)
+o, ht, _ = _chunk_fwd(q, k, v, gc, beta, A, 16 ** -0.5, h0, True, None, tables)
+o_ref, ht_ref = naive_gated_delta_rule(q, k, v, g, beta, None, h0, True)
+assert_close(o, o_ref, rtol=0, atol=3e-3); assert_close(ht, ht_ref, rtol=0, atol=3e-3)
+
+
+# %% [markdown]
+# ## The backward, by hand
+#
+# Autograd cannot see inside a kernel, so the gradient is derived once, per chunk, by running the
+# forward's equations backwards. Given $dO$ and $dS_C$ (the gradient reaching the chunk's final
+# state from everything later):
+#
+# $$dU = P^\top dO + \bar K\, dS_C, \qquad dS_0 = \bar Q^\top dO + e^{G_C} dS_C - W^\top dU .$$
+#
+# The second line is a recurrence running from the last chunk to the first, and neither line needs
+# $S_0$: one sequential pass (kernel 3) carries $dS$ backwards and stores $dS_C$ of every chunk,
+# ending at the initial state's gradient. With $S_0$ (the forward pass again, `SAVE_H`) and $dS_C$ of
+# every chunk stored, the rest is local to a chunk and runs in parallel (kernel 4):
+#
+# $$dP = dO\,U^\top,\quad d\bar Q = dO\,S_0^\top,\quad d\bar K = U\,dS_C^\top,\quad dW = -dU\,S_0^\top,$$
+# $$dA = dU\,(\mathrm{diag}(\beta)V)^\top + dW\,(\mathrm{diag}(\beta e^G)K)^\top, \qquad dL = -A^\top dA\, A^\top \text{ (strict lower part)},$$
+#
+# then through the definitions of $P$, $\bar Q$, $\bar K$, $W$, $U$ and $L$ to $dq$, $dk$, $dv$,
+# $d\beta$ and $dG$. Every term of the form $e^{G_i - G_j}$ contributes $+x$ to $dG_i$ and $-x$ to
+# $dG_j$; $G_C$ collects $e^{G_C}\langle dS_C, S_0\rangle + \sum_i \langle d\bar K_i, \bar K_i\rangle$.
+# Finally $G = \mathrm{cumsum}(g)$ inside the chunk, so $dg_i = \sum_{j \ge i} dG_j$, a reversed
+# cumulative sum.
+#
+# What is stored between forward and backward is only the inputs: $A$, the chunk states and
+# everything derived are recomputed in the backward (two cheap parallel kernels and one sequential
+# pass), which keeps a 24-layer model's activation memory at the inputs of each layer.
+
+# %%
+#| export
+@triton.jit
+def _bwd_dh_kernel(q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                   USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Sequential over chunks, last to first: carries dS on chip and stores dS_C, the gradient of each chunk's final state."
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
+    o_i = tl.arange(0, BT)
+    b_dh = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_DHT:
+        p_dht, m_dht = _tile(dht + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
+        b_dh = tl.load(p_dht, mask=m_dht, other=0.).to(tl.float32)
+    for i_r in range(0, NT):
+        i_t = NT - 1 - i_r
+        p_dh, m_dh = _tile(dh + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
+        tl.store(p_dh, b_dh.to(dh.dtype.element_ty), mask=m_dh)
+        b_g, b_beta, m_t, b_gl = _chunk_gates(gc, beta, bos, T, i_t, i_h, H, BT)
+        p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
+        p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+        p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+        p_do, m_do = _tile(do + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+        b_A = tl.load(p_A, mask=m_A, other=0.).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+        b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
+        b_do = tl.load(p_do, mask=m_do, other=0.).to(tl.float32)
+        b_w = tl.dot(b_A, b_k * (b_beta * tl.exp(b_g))[:, None])
+        m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+        b_P = tl.dot(b_q, tl.trans(b_k)) * _decay_tril(b_g, m_s, BT) * scale
+        b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)
+        b_du = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_k * b_e[:, None], b_dh)        # dU = P^T dO + Kbar dS_C
+        b_dh = (b_dh * tl.exp(b_gl) + tl.dot(tl.trans(b_q * (tl.exp(b_g) * scale)[:, None]), b_do)
+                - tl.dot(tl.trans(b_w), b_du))                                        # dS_0
+    if STORE_DH0:
+        p_dh0, m_dh0 = _tile(dh0 + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
+        tl.store(p_dh0, b_dh.to(dh0.dtype.element_ty), mask=m_dh0)
+
+
+@triton.jit
+def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
+                      cu_seqlens, chunk_indices, chunk_offsets, scale, T,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    "Chunk-parallel: with S_0 and dS_C of its chunk stored, a program computes dq, dk, dv, dg, dbeta of its 64 tokens."
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    b_g, b_beta, m_t, b_gl = _chunk_gates(gc, beta, bos, T, i_t, i_h, H, BT)
+    p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
+    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    b_A = tl.load(p_A, mask=m_A, other=0.).to(tl.float32)
+    b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+    b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
+    m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+    m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
+    b_G = _decay_tril(b_g, m_s, BT)                                   # Gamma
+    b_eg = tl.where(m_t, tl.exp(b_g), 0.)                             # e^{G_i}
+    b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)    # e^{G_C - G_i}
+    b_kb = b_k * (b_beta * b_eg)[:, None]                             # diag(beta e^G) K
+    b_w = tl.dot(b_A, b_kb)                                           # W
+    b_P = tl.dot(b_q, tl.trans(b_k)) * b_G * scale                    # P
+    b_kd = b_k * b_e[:, None]                                         # Kbar
+    b_qg = b_q * (b_eg * scale)[:, None]                              # Qbar
+    b_dw = tl.zeros([BT, K], dtype=tl.float32)
+    b_dqg = tl.zeros([BT, K], dtype=tl.float32)
+    b_dkd = tl.zeros([BT, K], dtype=tl.float32)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_dhh = tl.zeros([K, BV], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):                              # V in blocks of BV columns
+        p_v, m_v = _tile(v + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+        p_do, m_do = _tile(do + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+        p_h, m_h = _tile(h + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
+        p_dh, m_dh = _tile(dh + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_do = tl.load(p_do, mask=m_do, other=0.).to(tl.float32)
+        b_h = tl.load(p_h, mask=m_h, other=0.).to(tl.float32)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.).to(tl.float32)
+        b_vb = b_v * b_beta[:, None]
+        b_u = tl.dot(b_A, b_vb) - tl.dot(b_w, b_h)                    # U
+        b_du = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kd, b_dh)       # dU
+        b_dw -= tl.dot(b_du, tl.trans(b_h))
+        b_dqg += tl.dot(b_do, tl.trans(b_h))
+        b_dkd += tl.dot(b_u, tl.trans(b_dh))
+        b_dP += tl.dot(b_do, tl.trans(b_u))
+        b_dA += tl.dot(b_du, tl.trans(b_vb))
+        b_dvb = tl.dot(tl.trans(b_A), b_du)                           # d(diag(beta) V)
+        b_dbeta += tl.sum(b_dvb * b_v, 1)
+        b_dhh += b_dh * b_h
+        p_dv, m_dv = _tile(dv + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+        tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_dv)
+    b_dgl = tl.sum(tl.sum(b_dhh, 1), 0) * tl.exp(b_gl)               # G_C from e^{G_C} S_0
+    # W = A diag(beta e^G) K
+    b_dA += tl.dot(b_dw, tl.trans(b_kb))
+    b_dkb = tl.dot(tl.trans(b_A), b_dw)
+    b_dk = b_dkb * (b_beta * b_eg)[:, None]
+    b_dbeta += tl.sum(b_dkb * b_k, 1) * b_eg
+    b_dG = tl.sum(b_dkb * b_kb, 1)
+    # A = (I + L)^-1, L = strict_tril(diag(beta) K K^T * Gamma)
+    b_dL = tl.where(m_L, -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A)), 0.)
+    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G
+    b_dbeta += tl.sum(b_dL * b_kkG, 1)
+    b_dLL = b_dL * b_kkG * b_beta[:, None]                            # dL * L
+    b_dG += tl.sum(b_dLL, 1) - tl.sum(b_dLL, 0)
+    b_dkk = b_dL * b_G * b_beta[:, None]
+    b_dk += tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
+    # P = scale (Q K^T * Gamma)
+    b_dP = tl.where(m_s, b_dP, 0.)
+    b_dPP = b_dP * b_P
+    b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
+    b_dqk = b_dP * b_G * scale
+    b_dq = tl.dot(b_dqk, b_k) + b_dqg * (b_eg * scale)[:, None]      # ... + from Qbar
+    b_dk += tl.dot(tl.trans(b_dqk), b_q)
+    b_dG += tl.sum(b_dqg * b_qg, 1)
+    # Kbar = diag(e^{G_C - G}) K
+    b_dk += b_dkd * b_e[:, None]
+    b_x = tl.sum(b_dkd * b_kd, 1)
+    b_dG -= b_x
+    b_dgl += tl.sum(b_x, 0)
+    b_dG += tl.where(o_t == tl.minimum(i_t * BT + BT, T) - 1, b_dgl, 0.)
+    b_dG = tl.where(m_t, b_dG, 0.)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG                # dg_i = sum_{j >= i} dG_j
+    p_dq, m_dq = _tile(dq + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    p_dk, m_dk = _tile(dk + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    tl.store(p_dq, b_dq.to(dq.dtype.element_ty), mask=m_dq)
+    tl.store(p_dk, b_dk.to(dk.dtype.element_ty), mask=m_dk)
+    tl.store(dg + (bos + o_t) * H + i_h, b_dg, mask=m_t)
+    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
+
+
+def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
+    "Recompute gc, A and the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    tables = _chunk_tables(cu_seqlens, B, T)
+    chunk_indices, chunk_offsets, nc = tables
+    gc, A = _prepare(k, g, beta, cu_seqlens, tables)
+    _, _, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, h0, False, cu_seqlens, tables, save_h=True, save_o=False)
+    dh = q.new_empty(nc, H, K, V, dtype=torch.float32)
+    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
+    BV = _bv(V)
+    _bwd_dh_kernel[(triton.cdiv(V, BV), N * H)](q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T,
+                                               H, K, V, BT, BV, dht is not None, need_dh0, cu_seqlens is not None,
+                                               **LAUNCH["dh"])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+    grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
+    _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
+                            chunk_offsets, scale, T, H, K, V, BT, BV, cu_seqlens is not None, **LAUNCH["local"])
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+# %% [markdown]
+# ## The autograd Function
+#
+# `torch.autograd.Function` joins a forward and a backward that autograd cannot derive itself.
+# `forward(ctx, ...)` runs the kernels and saves on `ctx` what the backward needs (here only the
+# inputs: everything else is recomputed); `backward(ctx, *grad_outputs)` receives one gradient per
+# output (`None` for an output nobody used) and returns one gradient per input, `None` for the
+# non-tensor ones (`scale`, the flag, `cu_seqlens`). `ctx.needs_input_grad` says which gradients are
+# wanted: the initial state's is computed only when asked for.
+
+# %%
+#| export
+class TritonGDNFunction(torch.autograd.Function):
+    "The chunked gated delta rule with a hand-written backward; inputs padded, contiguous, g and beta fp32."
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        B, T, H, K = q.shape
+        tables = _chunk_tables(cu_seqlens, B, T)
+        gc, A = _prepare(k, g, beta, cu_seqlens, tables)
+        o, ht, _ = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale = scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+        need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
+                                                do.contiguous(), None if dht is None else dht.contiguous(), need_dh0)
+        if dh0 is not None: dh0 = dh0.to(initial_state.dtype)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+
+
+# %% [markdown]
+# The public function checks the inputs (with chapter 12's messages), pads head sizes that are not
+# powers of two (`tl.arange` needs them, and `tl.dot` sides of at least 16) with zeros and slices the
+# padding off again. Zero padding is exact: a zero key column adds nothing to $k^\top k$ or $q^\top
+# k$, and a zero value column stays a zero state column. The scale is taken from the true $K$.
+
+# %%
+#| export
+def _padded(n: int) -> int: return max(16, triton.next_power_of_2(n))
+
+
+def _pad_last(x: Optional[torch.Tensor], *sizes: int) -> Optional[torch.Tensor]:
+    "Zero-pad the last `len(sizes)` dims of `x` up to `sizes` (None passes through)."
+    if x is None: return None
+    pad = [p for d, n in zip(reversed(range(x.ndim)), reversed(sizes)) for p in (0, n - x.shape[d])]
+    return F.pad(x, pad) if any(pad) else x
+
+
+def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    "Check and pad: `(q, k, v, g, beta, scale, initial_state, cu_seqlens)` ready for the kernels."
+    _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
+                           "or use chunk_gated_delta_rule_torch")
+    K, V = q.shape[-1], v.shape[-1]
+    Kp, Vp = _padded(K), _padded(V)
+    q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
+    if cu_seqlens is not None: cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    return (q, k, v, g.float().contiguous(), beta.float().contiguous(), K ** -0.5 if scale is None else scale,
+            _pad_last(initial_state, Kp, Vp), cu_seqlens)
+
+
+def triton_gated_delta_rule(
+    q: torch.Tensor,  # Queries [B, T, H, K], L2-normalised per head
+    k: torch.Tensor,  # Keys [B, T, H, K], L2-normalised per head
+    v: torch.Tensor,  # Values [B, T, H, V], same dtype as q and k (fp32, bf16 or fp16)
+    g: torch.Tensor,  # Log-decay [B, T, H], g <= 0
+    beta: torch.Tensor,  # Write strength [B, T, H], in (0, 1)
+    scale: Optional[float] = None,  # Query scale; None is K**-0.5
+    initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
+    output_final_state: bool = False,  # Also return the state after the last token, fp32
+    cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
+):
+    "The chunked gated delta rule in Triton, differentiable. Returns `(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None)`."
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    args = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    if T == 0:  # nothing to launch
+        N = B if cu_seqlens is None else len(cu_seqlens) - 1
+        S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
+        return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
+    o, ht = TritonGDNFunction.apply(*args[:7], output_final_state, args[7])
+    return o[..., :V], (ht[:, :, :K, :V] if ht is not None else None)
+
+
+# %% [markdown]
+# ### Checks against the loop
+#
+# Forward, final state and every gradient, on sizes chosen to hit the edges: T not a multiple of 64,
+# head sizes that are not powers of two, an initial state, a gradient arriving at the final state,
+# and a packed row of three documents (one shorter than a chunk, one spanning two chunks). The
+# reference is the fp32 loop differentiated by autograd; the loss weights outputs and final state
+# with random tensors so that every gradient path is exercised.
+
+# %%
+def check_against_loop(B, T, H, K, V, cu_seqlens=None, dtype=torch.float32, atol=2e-3):
+    "Run the Triton rule and the loop on the same inputs; compare o, the final state and all six gradients."
+    xs = rand_inputs(B, T, H, K, V, dtype=dtype, seed=T)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    h0 = torch.randn(N, H, K, V, device=DEV)
+    outs = {}
+    for name, rule in (("triton", triton_gated_delta_rule), ("loop", naive_gated_delta_rule)):
+        leaves = [x.detach().clone().requires_grad_() for x in (*xs, h0)]
+        o, ht = rule(*leaves[:5], None, leaves[5], True, cu_seqlens)
+        gen = torch.Generator(device=DEV).manual_seed(1)
+        ((o.float() * torch.randn(o.shape, generator=gen, device=DEV)).sum()
+         + (ht * torch.randn(ht.shape, generator=gen, device=DEV)).sum()).backward()
+        outs[name] = [o.float(), ht] + [x.grad.float() for x in leaves]
+    for name, a, b in zip("o ht dq dk dv dg dbeta dh0".split(), outs["triton"], outs["loop"]):
+        assert_close(a, b, rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+check_against_loop(B=2, T=70, H=1, K=12, V=20)                              # odd T, padded head sizes
+check_against_loop(B=1, T=90, H=2, K=16, V=16, cu_seqlens=torch.tensor([0, 10, 80, 90], device=DEV))
+
+# %% [markdown]
+# Wrong inputs fail with chapter 12's messages, plus the dtype rule of the kernels:
+
+# %%
+q, k, v, g, beta = rand_inputs(T=8)
+test_fail(lambda: triton_gated_delta_rule(q, k, v[:, :4], g, beta), contains="v must be [B, T, H, V]")
+test_fail(lambda: triton_gated_delta_rule(q, k, v.half(), g, beta), contains="must share one dtype")
+
+
+# %% [markdown]
+# ## Decoding: the fused recurrent kernel
+#
+# Generating text feeds one token at a time with the state carried over. The chunked path would
+# solve a $64\times64$ system to advance one token; the recurrence itself is cheaper. One program
+# per (sequence, head, block of value columns) keeps its slice of $S$ in fp32 registers and runs
+# the loop of chapter 12 ("decay, read the error, write"), token after token:
+# $$S' = e^{g_t} S, \qquad u_t = \beta_t (v_t - S'^\top k_t), \qquad S = S' + k_t u_t^\top, \qquad o_t = S^\top (s\,q_t).$$
+# It is forward only (decoding needs no gradient) and refuses inputs that want one.
+
+# %%
+#| export
+@triton.jit
+def _fused_recurrent_kernel(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
+                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                            USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Token by token: one program carries S[:, i_v*BV:(i_v+1)*BV] of one (sequence, head) in fp32 registers."
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int32)
+        T = tl.load(cu_seqlens + i_n + 1).to(tl.int32) - bos
+    else:
+        bos = i_n * T
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_h = tl.zeros([K, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h = tl.load(h0 + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_v[None, :], other=0.).to(tl.float32)
+    p_q = q + (bos * H + i_h) * K + o_k
+    p_k = k + (bos * H + i_h) * K + o_k
+    p_v = v + (bos * H + i_h) * V + o_v
+    p_o = o + (bos * H + i_h) * V + o_v
+    p_g = g + bos * H + i_h
+    p_beta = beta + bos * H + i_h
+    for _ in range(0, T):
+        b_q = tl.load(p_q).to(tl.float32) * scale
+        b_k = tl.load(p_k).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
+        b_h *= tl.exp(tl.load(p_g))                                         # S' = e^g S
+        b_u = tl.load(p_beta) * (b_v - tl.sum(b_h * b_k[:, None], 0))       # u = beta (v - S'^T k)
+        b_h += b_k[:, None] * b_u[None, :]                                  # S = S' + k u^T
+        tl.store(p_o, tl.sum(b_h * b_q[:, None], 0).to(o.dtype.element_ty), mask=m_v)   # o = S^T (s q)
+        p_q += H * K
+        p_k += H * K
+        p_v += H * V
+        p_o += H * V
+        p_g += H
+        p_beta += H
+    if STORE_HT:
+        tl.store(ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_h.to(ht.dtype.element_ty), mask=m_v[None, :])
+
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,  # Queries [B, T, H, K], L2-normalised per head
+    k: torch.Tensor,  # Keys [B, T, H, K], L2-normalised per head
+    v: torch.Tensor,  # Values [B, T, H, V], same dtype as q and k
+    g: torch.Tensor,  # Log-decay [B, T, H], g <= 0
+    beta: torch.Tensor,  # Write strength [B, T, H], in (0, 1)
+    scale: Optional[float] = None,  # Query scale; None is K**-0.5
+    initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
+    output_final_state: bool = False,  # Also return the state after the last token, fp32
+    cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
+):
+    "Forward-only recurrent kernel for decoding a few tokens with a carried state. Returns `(o [B, T, H, V], final_state fp32 or None)`."
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        raise RuntimeError("fused_recurrent_gated_delta_rule has no backward; use triton_gated_delta_rule for training, "
+                           "or call it under torch.no_grad()")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, beta, scale, h0, cu_seqlens = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    Kp, Vp = q.shape[-1], v.shape[-1]
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    o = torch.empty_like(v)
+    ht = q.new_empty(N, H, Kp, Vp, dtype=torch.float32) if output_final_state else None
+    BV = min(Vp, 32)
+    _fused_recurrent_kernel[(triton.cdiv(Vp, BV), N * H)](q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T, H, Kp, Vp, BV,
+                                                         h0 is not None, output_final_state, cu_seqlens is not None)
+    return o[..., :V], (ht[:, :, :K, :V] if ht is not None else None)
+
+
+# %% [markdown]
+# Decoding must continue exactly where a prefill left off: the chunked kernel reads a prompt of 67
+# tokens, then the recurrent kernel takes three more tokens one call at a time from the carried
+# state. Outputs and state equal one pass of the loop over all 70 tokens.
+
+# %%
+q, k, v, g, beta = rand_inputs(B=2, T=70, H=2, K=12, V=20)
+o_ref, S_ref = naive_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+o, S = triton_gated_delta_rule(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67], output_final_state=True)
+steps = [o]
+with torch.no_grad():
+    for t in range(67, 70):
+        o_t, S = fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                                  beta[:, t:t + 1], initial_state=S, output_final_state=True)
+        steps.append(o_t)
+assert_close(torch.cat(steps, 1), o_ref, rtol=0, atol=2e-3); assert_close(S, S_ref, rtol=0, atol=2e-3)
+test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, beta), contains="no backward")
