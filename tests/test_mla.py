@@ -1,0 +1,235 @@
+"""RoPE and Multi-Head Latent Attention: relative positions, the DeepSeek formula, grouping, packing, NoPE, cached decoding."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hymo.config import load_config
+from hymo.models.mla import MLABlock, MLACache, MultiHeadLatentAttention
+from hymo.models.rope import apply_rope, positions_from_cu_seqlens, rope_cos_sin
+
+CFG = load_config("hymo_tiny").model
+CFG_MHA = load_config("hymo_tiny", mla_n_kv_groups=CFG.mla_n_heads).model  # G = H: DeepSeek-V3's MLA
+
+
+def randomize_(m: nn.Module, seed: int = 0) -> nn.Module:
+    "Unit-scale weights (matrices N(0, 1/fan_in), gains 1 + N(0, 0.1²)) so outputs are O(1) and tolerances mean something."
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() == 2
+                    else 1 + 0.1 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def x_(B, T, seed=1):
+    return torch.randn(B, T, CFG.dim, generator=torch.Generator().manual_seed(seed))
+
+
+# --- RoPE -------------------------------------------------------------------------------------------
+
+def test_rope_scores_depend_on_relative_position_only():
+    T, d = 12, 32
+    q, k = torch.randn(1, T, 1, d), torch.randn(1, T, 1, d)
+    def scores(pos):
+        cos, sin = rope_cos_sin(pos, d)
+        return apply_rope(q, cos, sin)[0, :, 0] @ apply_rope(k, cos, sin)[0, :, 0].T  # (T, T)
+    base = scores(torch.arange(T))
+    torch.testing.assert_close(scores(torch.arange(T) + 37), base, atol=1e-4, rtol=1e-4)
+    assert (scores(2 * torch.arange(T)) - base).abs().max() > 1e-2  # distances changed: scores change
+    assert (base - q[0, :, 0] @ k[0, :, 0].T).abs().max() > 1e-2  # the rotation did something
+
+
+def test_rope_matches_rotation_matrix_and_keeps_norms():
+    d, m = 8, 5
+    x = torch.randn(1, 1, 2, d, dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.tensor([m]), d)
+    R = torch.zeros(d, d, dtype=torch.float64)
+    for i in range(d // 2):
+        a = m * 10000.0 ** (-2 * i / d)
+        R[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]], dtype=torch.float64)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x @ R.T, atol=1e-6, rtol=0)
+    torch.testing.assert_close(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))
+    with pytest.raises(ValueError, match="rotated slice"):
+        apply_rope(torch.randn(1, 1, 2, d + 2), cos, sin)
+
+
+def test_positions_restart_per_document():
+    assert positions_from_cu_seqlens(torch.tensor([0, 2, 3, 7]), 7).tolist() == [0, 1, 0, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="from 0 to T=7"):
+        positions_from_cu_seqlens(torch.tensor([0, 3, 6]), 7)
+    with pytest.raises(ValueError, match="from 0 to T=7"):
+        positions_from_cu_seqlens(torch.tensor([0, 3, 3, 7]), 7)
+
+
+# --- MLA, full forward ------------------------------------------------------------------------------
+
+def naive_deepseek_mla(m: MultiHeadLatentAttention, x: torch.Tensor) -> torch.Tensor:
+    "DeepSeek-V2/V3 MLA from the paper, head by head, for one sequence x [T, D], with m's weights sliced per head (G == H)."
+    T, H, dn, dr, dv, dc = x.shape[0], m.n_heads, m.d_nope, m.d_rope, m.d_v, m.d_c
+    rms = lambda v, g: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + CFG.norm_eps) * g
+    cos, sin = rope_cos_sin(torch.arange(T), dr, CFG.rope_theta)
+    rope = lambda v: apply_rope(v[None, :, None], cos, sin)[0, :, 0]
+    q_b = m.q_b_proj.weight.view(H, dn + dr, -1)
+    kv_b = m.kv_b_proj.weight.view(H, dn + dv, dc)
+    W_DKV, W_KR = m.kv_a_proj_with_mqa.weight.split([dc, dr])
+    c_Q = rms(x @ m.q_a_proj.weight.T, m.q_a_layernorm.weight)
+    c_KV = rms(x @ W_DKV.T, m.kv_a_layernorm.weight)
+    k_R = rope(x @ W_KR.T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    outs = []
+    for h in range(H):
+        q = torch.cat([c_Q @ q_b[h, :dn].T, rope(c_Q @ q_b[h, dn:].T)], -1)
+        k = torch.cat([c_KV @ kv_b[h, :dn].T, k_R], -1)
+        s = (q @ k.T / math.sqrt(dn + dr)).masked_fill(~mask, float("-inf"))
+        outs.append(s.softmax(-1) @ (c_KV @ kv_b[h, dn:].T))
+    return torch.cat(outs, -1) @ m.o_proj.weight.T
+
+
+@torch.no_grad()
+def test_equals_deepseek_formula_when_groups_equal_heads():
+    m = randomize_(MultiHeadLatentAttention(CFG_MHA))
+    x = x_(2, 20)
+    y = m(x)
+    assert y.std() > 0.1
+    torch.testing.assert_close(y, torch.stack([naive_deepseek_mla(m, xb) for xb in x]), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_causal():
+    m = randomize_(MultiHeadLatentAttention(CFG))
+    x = x_(2, 16)
+    x2 = x.clone(); x2[:, 9:] += 1.0
+    y, y2 = m(x), m(x2)
+    assert torch.equal(y[:, :9], y2[:, :9])
+    assert (y[:, 9:] - y2[:, 9:]).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_grouped_equals_repeated_kv():
+    "Grouped MLA == the G = H MLA whose kv_b_proj repeats each group's block for its H/G heads."
+    m = randomize_(MultiHeadLatentAttention(CFG))
+    assert m.n_kv_groups < m.n_heads
+    full = MultiHeadLatentAttention(CFG_MHA)
+    sd = dict(m.state_dict())
+    kv_b = sd["kv_b_proj.weight"].view(m.n_kv_groups, m.d_nope + m.d_v, m.d_c)
+    sd["kv_b_proj.weight"] = kv_b.repeat_interleave(m.n_rep, 0).flatten(0, 1)
+    full.load_state_dict(sd)
+    x = x_(2, 16)
+    torch.testing.assert_close(m(x), full(x), atol=1e-5, rtol=1e-5)
+    # the pairing matters: tiling (instead of repeat_interleave) gives a different model
+    sd["kv_b_proj.weight"] = kv_b.repeat(m.n_rep, 1, 1).flatten(0, 1)
+    full.load_state_dict(sd)
+    assert (m(x) - full(x)).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_cu_seqlens_equals_separate_documents():
+    m = randomize_(MultiHeadLatentAttention(CFG))
+    lens = [7, 1, 12]
+    x = x_(1, sum(lens))
+    cu = torch.tensor([0, 7, 8, 20])
+    y = m(x, cu_seqlens=cu)
+    torch.testing.assert_close(y, torch.cat([m(d) for d in x.split(lens, 1)], 1), atol=1e-5, rtol=1e-5)
+    assert (y - m(x)).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="one row"):
+        m(x_(2, 20), cu_seqlens=cu)
+
+
+@torch.no_grad()
+def test_nope_layer_ignores_positions():
+    cfg = load_config("hymo_tiny", nope_layers=[3]).model
+    nope = randomize_(MultiHeadLatentAttention(cfg, layer_idx=3))
+    rope = randomize_(MultiHeadLatentAttention(cfg, layer_idx=0))
+    assert not nope.use_rope and rope.use_rope
+    x, p = x_(2, 16), torch.arange(16)
+    assert torch.equal(nope(x, positions=p + 11), nope(x))
+    assert torch.equal(nope(x, positions=3 * p), nope(x))
+    torch.testing.assert_close(rope(x, positions=p + 11), rope(x), atol=1e-4, rtol=1e-4)  # relative only
+    assert (rope(x, positions=3 * p) - rope(x)).abs().max() > 1e-2
+
+
+def test_bad_config_is_refused():
+    cfg = load_config("hymo_tiny").model
+    cfg.mla_n_kv_groups = 3  # bypassing load_config's validation
+    with pytest.raises(ValueError, match="not divisible by mla_n_kv_groups=3"):
+        MultiHeadLatentAttention(cfg)
+
+
+# --- decoding ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", [1, 17, 64])
+@torch.no_grad()
+def test_cached_decoding_equals_forward(prompt):
+    m = randomize_(MultiHeadLatentAttention(CFG))
+    extra = 6
+    x = x_(2, prompt + extra, seed=prompt)
+    y_full = m(x)
+    cache = MLACache.empty(CFG, batch=2, max_len=prompt + extra)
+    ys = [m.forward_decode(x[:, :prompt], cache)] + [m.forward_decode(x[:, t:t + 1], cache) for t in range(prompt, prompt + extra)]
+    assert (torch.cat(ys, 1) - y_full).abs().max() <= 1e-5
+    assert cache.length == prompt + extra
+    # the cache holds exactly the normalised latent and the rotated shared key
+    c_kv, k_rope = m.latents(x, m.rope_tables(torch.arange(prompt + extra)))
+    torch.testing.assert_close(cache.c_kv, c_kv)
+    torch.testing.assert_close(cache.k_rope, k_rope[:, :, 0])
+
+
+@torch.no_grad()
+def test_token_by_token_from_empty_and_absorbed_equals_naive():
+    m = randomize_(MultiHeadLatentAttention(CFG_MHA), seed=3)
+    x = x_(1, 17)
+    cache = MLACache.empty(CFG_MHA, 1, 17)
+    y = torch.cat([m.forward_decode(x[:, t:t + 1], cache) for t in range(17)], 1)
+    y_naive = naive_deepseek_mla(m, x[0])[None]
+    assert (y - y_naive).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="larger max_len"):
+        m.forward_decode(x[:, :1], cache)
+
+
+@torch.no_grad()
+def test_block_decode_and_packing():
+    blk = randomize_(MLABlock(CFG, layer_idx=3))
+    x = x_(1, 12)
+    cache = MLACache.empty(CFG, 1, 12)
+    y = torch.cat([blk.forward_decode(x[:, :5], cache), blk.forward_decode(x[:, 5:], cache)], 1)
+    assert (y - blk(x)).abs().max() <= 1e-5
+    torch.testing.assert_close(blk(x, torch.tensor([0, 5, 12]))[:, 5:], blk(x[:, 5:]), atol=1e-5, rtol=1e-5)
+
+
+def test_cache_size_is_latent_plus_rope_key():
+    c = load_config("hymo_750m").model
+    assert MLACache.empty(c, 1, 4, dtype=torch.bfloat16).bytes_per_token() == (128 + 32) * 2
+
+
+# --- meta device ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_lora_rank", [CFG.mla_q_lora_rank, 0])
+def test_meta_build_then_reset_equals_eager(q_lora_rank):
+    cfg = load_config("hymo_tiny", mla_q_lora_rank=q_lora_rank).model
+    def build(meta):
+        with torch.device("meta" if meta else "cpu"): blk = MLABlock(cfg, layer_idx=3)
+        if meta: blk.to_empty(device="cpu")
+        torch.manual_seed(0); blk.reset_parameters()
+        return blk
+    a, b = build(False), build(True)
+    assert hasattr(a.attn, "q_proj") == (q_lora_rank == 0)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    q_w = a.attn.q_b_proj.weight if q_lora_rank else a.attn.q_proj.weight
+    assert abs(q_w.std().item() - cfg.init_std) < 3e-3
+    o_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    assert abs(a.attn.o_proj.weight.std().item() - o_std) < 0.2 * o_std
+
+
+def test_750m_shapes_on_meta():
+    c = load_config("hymo_750m").model
+    with torch.device("meta"):
+        m = MultiHeadLatentAttention(c, layer_idx=3)
+        y = m(torch.empty(1, 4096, c.dim))
+    assert y.shape == (1, 4096, 896) and y.is_meta
+    assert m.kv_b_proj.weight.shape == (4 * (96 + 128), 128)
+    assert m.kv_a_proj_with_mqa.weight.shape == (128 + 32, 896)
+    assert m.q_b_proj.weight.shape == (16 * 128, 224)
+    assert m.softmax_scale == 128 ** -0.5
