@@ -1,0 +1,159 @@
+"""Time the gated delta rule on one GPU: Triton kernels, the PyTorch chunked path, the naive loop.
+
+    python benchmarks/gdn_kernel.py --out gdn_kernel.json [--sweep]
+
+Shapes: HyMo 750M's GDN layer (B=4, T=4096, H=40, K=V=32) and a wide-head one (B=4, T=4096, H=16,
+K=V=128), bf16. Median times from `triton.testing.do_bench`; forward alone, and forward + backward
+(`o.backward(do)`). The naive loop is timed at a short T and scaled linearly to T=4096 (its cost is
+linear in T), and says so. Also: the time of each Triton launch, the peak memory of a forward +
+backward, and with --sweep a few launch configurations.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hymo.models.gdn_triton as gt  # noqa: E402
+from hymo.models.gdn import chunk_gated_delta_rule_torch, naive_gated_delta_rule  # noqa: E402
+
+SHAPES = {"hymo_750m": (4, 4096, 40, 32, 32), "wide_heads": (4, 4096, 16, 128, 128)}
+
+
+def inputs(B, T, H, K, V, dtype=torch.bfloat16, grad=False):
+    q = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
+    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype)
+    v = torch.randn(B, T, H, V, device="cuda", dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda") + 3)
+    beta = torch.rand(B, T, H, device="cuda")
+    xs = [q, k, v, g, beta]
+    return [x.requires_grad_(grad) for x in xs]
+
+
+def t_fwd(rule, xs, **kw):
+    with torch.no_grad():
+        return do_bench(lambda: rule(*xs), return_mode="median", **kw)
+
+
+def t_fwd_bwd(rule, xs, **kw):
+    do = torch.randn_like(xs[2])
+    def step():
+        o, _ = rule(*xs)
+        o.backward(do)
+    return do_bench(step, grad_to_none=xs, return_mode="median", **kw)
+
+
+def peak_memory(rule, xs):
+    "Peak bytes allocated above the inputs and dO during one forward + backward, and the inputs + outputs bytes."
+    do = torch.randn_like(xs[2])
+    for x in xs: x.grad = None
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    o, _ = rule(*xs)
+    o.backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    io = sum(x.numel() * x.element_size() for x in xs) + o.numel() * o.element_size()
+    return peak, io
+
+
+def kernel_breakdown(xs):
+    "Median time of each launch of a forward + backward (ms)."
+    q, k, v, g, beta = [x.detach() for x in xs]
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5
+    tables = gt._chunk_tables(None, B, T)
+    gc, A = gt._prepare(k, g, beta, None, tables)
+    do = torch.randn_like(v)
+    _, _, hs = gt._chunk_fwd(q, k, v, gc, beta, A, scale, None, False, None, tables, save_h=True, save_o=False)
+    dh = torch.empty_like(hs)
+    BV = gt._bv(V)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+
+    def dh_pass():
+        gt._bwd_dh_kernel[(triton.cdiv(V, BV), B * H)](q, k, gc, beta, A, do, None, None, dh, None, None, scale, T, H, K, V,
+                                                      gt.BT, BV, False, False, False, **gt.LAUNCH["dh"])
+
+    def local():
+        gt._bwd_local_kernel[(triton.cdiv(T, gt.BT), B * H)](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, None, None,
+                                                            None, scale, T, H, K, V, gt.BT, BV, False, **gt.LAUNCH["local"])
+    return {
+        "prep (gates, A)": do_bench(lambda: gt._prepare(k, g, beta, None, tables), return_mode="median"),
+        "state pass + o": do_bench(lambda: gt._chunk_fwd(q, k, v, gc, beta, A, scale, None, False, None, tables), return_mode="median"),
+        "state pass, save h": do_bench(lambda: gt._chunk_fwd(q, k, v, gc, beta, A, scale, None, False, None, tables, save_h=True,
+                                                               save_o=False), return_mode="median"),
+        "dS pass": do_bench(dh_pass, return_mode="median"),
+        "local grads": do_bench(local, return_mode="median"),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gdn_kernel.json")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--naive-T", type=int, default=256)
+    args = ap.parse_args()
+    results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                             triton=triton.__version__, dtype="bfloat16", timer="triton.testing.do_bench, median, ms"),
+                   shapes={})
+    for name, (B, T, H, K, V) in SHAPES.items():
+        r = dict(B=B, T=T, H=H, K=K, V=V)
+        xs = inputs(B, T, H, K, V)
+        xg = inputs(B, T, H, K, V, grad=True)
+        r["triton_fwd_ms"] = t_fwd(gt.triton_gated_delta_rule, xs)
+        r["triton_fwd_bwd_ms"] = t_fwd_bwd(gt.triton_gated_delta_rule, xg)
+        r["torch_chunk_fwd_ms"] = t_fwd(chunk_gated_delta_rule_torch, xs)
+        r["torch_chunk_fwd_bwd_ms"] = t_fwd_bwd(chunk_gated_delta_rule_torch, xg)
+        nT = args.naive_T
+        xn, xng = [x[:, :nT].contiguous() for x in xs], [x[:, :nT].detach().contiguous().requires_grad_() for x in xg]
+        r["naive_T_measured"] = nT
+        r["naive_fwd_ms_extrapolated"] = t_fwd(naive_gated_delta_rule, xn, warmup=5, rep=50) * T / nT
+        r["naive_fwd_bwd_ms_extrapolated"] = t_fwd_bwd(naive_gated_delta_rule, xng, warmup=5, rep=50) * T / nT
+        peak, io = peak_memory(gt.triton_gated_delta_rule, xg)
+        r.update(triton_fwd_bwd_peak_MB=peak / 2**20, inputs_outputs_MB=io / 2**20, peak_over_io=peak / io)
+        tpeak, _ = peak_memory(chunk_gated_delta_rule_torch, xg)
+        r["torch_chunk_fwd_bwd_peak_MB"] = tpeak / 2**20
+        r["triton_kernels_ms"] = kernel_breakdown(xs)
+        if args.sweep:
+            sweep = {}
+            saved_launch, saved_bv = {k: dict(v) for k, v in gt.LAUNCH.items()}, gt._bv
+            for bv, w in ((16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (128, 8)):
+                if bv > V: continue
+                gt._bv = lambda V, bv=bv: min(V, bv)
+                for kname in ("fwd", "dh"): gt.LAUNCH[kname] = dict(num_warps=w)
+                kb = kernel_breakdown(xs)
+                sweep[f"BV={bv},warps={w}"] = {n: kb[n] for n in ("state pass + o", "dS pass")}
+            gt._bv = saved_bv
+            for kname, v in saved_launch.items(): gt.LAUNCH[kname] = v
+            for w in (2, 4, 8):
+                for kname in ("prep", "local"): gt.LAUNCH[kname] = dict(num_warps=w)
+                kb = kernel_breakdown(xs)
+                sweep[f"prep/local warps={w}"] = {n: kb[n] for n in ("prep (gates, A)", "local grads")}
+            for kname, v in saved_launch.items(): gt.LAUNCH[kname] = v
+            r["sweep"] = sweep
+        results["shapes"][name] = r
+        print(json.dumps({name: r}), flush=True)
+        del xs, xg
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\n{'shape':12s} {'path':14s} {'fwd ms':>9s} {'fwd+bwd ms':>11s}")
+    for name, r in results["shapes"].items():
+        for path, a, b in (("triton", "triton_fwd_ms", "triton_fwd_bwd_ms"), ("torch chunked", "torch_chunk_fwd_ms", "torch_chunk_fwd_bwd_ms"),
+                           (f"naive (x{r['T'] // r['naive_T_measured']})", "naive_fwd_ms_extrapolated", "naive_fwd_bwd_ms_extrapolated")):
+            print(f"{name:12s} {path:14s} {r[a]:9.3f} {r[b]:11.3f}")
+        print(f"{name:12s} triton fwd+bwd peak {r['triton_fwd_bwd_peak_MB']:.0f} MB = {r['peak_over_io']:.2f} x inputs+outputs "
+              f"({r['inputs_outputs_MB']:.0f} MB); torch chunked peak {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MB")
+        print(f"{name:12s} " + ", ".join(f"{k} {v:.3f}" for k, v in r["triton_kernels_ms"].items()))
+        for k, v in r.get("sweep", {}).items(): print(f"   {k}: " + ", ".join(f"{a} {b:.3f}" for a, b in v.items()))
+
+
+if __name__ == "__main__":
+    main()
