@@ -110,8 +110,9 @@ def naive_gated_delta_rule(
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32 (fp64 stays fp64, for checks)
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
     o = []
     for t in range(T):
         S = S * g[:, t, :, None, None].exp()                                # S' = alpha_t S_{t-1}
@@ -315,7 +316,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     D = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, NT, H, C, C), in [0, 1]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)                                # strict_tril(diag(beta) K K^T ⊙ D)
-    eye = torch.eye(C, device=q.device)
+    eye = torch.eye(C, device=q.device, dtype=q.dtype)
     T_ut = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)  # (I + A)^-1
     W = T_ut @ (kb * gc.exp()[..., None])                                      # (B, NT, H, C, K)
     U = T_ut @ (v * beta[..., None])                                           # (B, NT, H, C, V)
@@ -350,8 +351,9 @@ def chunk_gated_delta_rule_torch(
     if chunk_size < 1: raise ValueError(f"chunk_size={chunk_size} must be positive")
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
-    dtype, xs = v.dtype, [x.float() for x in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.float()
+    dtype, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)  # fp32 inside (fp64 stays fp64, for checks)
+    xs = [x.to(acc) for x in (q, k, v, g, beta)]
+    h0 = None if initial_state is None else initial_state.to(acc)
     if cu_seqlens is not None:
         xs, keep = zip(*(_unpack_docs(x, cu_seqlens) for x in xs))            # each (N, L, ...)
         keep = keep[0]
@@ -402,6 +404,17 @@ for name, a, b in zip(["q", "k", "v", "g", "beta", "initial_state"], grads(naive
     assert_close(a, b, atol=1e-5, rtol=0)
 
 # %% [markdown]
+# The differences above are fp32 rounding (about $10^{-6}$ of each tensor's size), not a flaw of the
+# algebra: in fp64 the two paths agree to $10^{-14}$.
+
+# %%
+args64, h64 = [x.double() for x in args], h0.double()
+err64 = max((a - b).abs().max().item() for a, b in zip(grads(naive_gated_delta_rule, args64, h64),
+                                                       grads(chunk_gated_delta_rule_torch, args64, h64)))
+print(f"fp64: max gradient difference {err64:.1e}")
+assert err64 < 1e-12
+
+# %% [markdown]
 # Edge cases. With $g = 0$ there is no decay (plain DeltaNet); with $\beta \to 0$ nothing is
 # written, so the state stays the initial one and the output is its read-out:
 
@@ -437,3 +450,420 @@ for T in (256, 1024):
     tn = time.perf_counter(); naive_gated_delta_rule(*args); tn = time.perf_counter() - tn
     tc = time.perf_counter(); chunk_gated_delta_rule_torch(*args); tc = time.perf_counter() - tc
     print(f"T={T:5d}: loop {tn * 1e3:7.1f} ms, chunked {tc * 1e3:6.1f} ms ({tn / tc:.0f}x)")
+
+
+# %% [markdown]
+# ## The Gated DeltaNet mixer
+#
+# The rule needs, per token and head, a query, a key, a value, a decay and a write strength. The
+# mixer makes them from the residual stream $x \in \mathbb{R}^{D}$ (`dim`), following the GDN paper
+# and its reference implementation in flash-linear-attention:
+#
+# 1. `q_proj`, `k_proj` (to $H\cdot K$) and `v_proj` (to $H\cdot V$), each followed by a causal
+#    depthwise convolution of width `gdn_conv_size` and SiLU. The short convolution lets a token
+#    see its few predecessors directly, which the recurrence alone only does through the state.
+# 2. Per-head L2 norm of `q` and `k`. With $\lVert k_t\rVert = 1$ and $\beta_t \in (0,1)$,
+#    $I - \beta_t k_t k_t^\top$ has eigenvalues $1 - \beta_t$ and $1$: the state cannot blow up.
+# 3. The decay $g_t = -e^{A_{log}}\cdot\mathrm{softplus}(a_t + dt_{bias})$, per head, in fp32, with
+#    $a_t$ from `a_proj`; this is Mamba-2's $\Delta_t A$ with $\Delta_t = \mathrm{softplus}(a_t + dt_{bias})$
+#    and $A = -e^{A_{log}}$. (The design document squashes with a sigmoid instead; HyMo uses the
+#    softplus form of Mamba-2 and GDN.)
+# 4. $\beta_t = \sigma(b_t)$ with $b_t$ from `b_proj`.
+# 5. The rule; then an RMSNorm over each head's $V$ outputs, multiplied by $\mathrm{SiLU}$ of a
+#    gate from `g_proj`, and `o_proj` back to $D$.
+#
+# ### The short convolution, document-aware
+#
+# $y_t = \sum_{j=0}^{W-1} w_{W-1-j}\, x_{t-j}$ per channel, where $x_{t-j}$ is taken only from the
+# same document: at a document's start the taps read the carried `cache` (the last $W-1$ inputs of
+# that sequence, zeros for a fresh one) instead of the previous document. The general path gathers
+# the $W$ taps by index; the common case (no documents, no cache) is one `F.conv1d`.
+
+# %%
+#| export
+def causal_conv1d(
+    x: torch.Tensor,  # Inputs [B, T, C]
+    weight: torch.Tensor,  # Depthwise kernel [C, W]; weight[:, -1] multiplies the current token
+    cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+    cache: Optional[torch.Tensor] = None,  # The W-1 inputs before x, oldest first, [B, W-1, C] ([N, W-1, C] with cu_seqlens); None is zeros
+    output_final_state: bool = False,  # Also return the new cache (the last W-1 inputs of each sequence)
+):
+    "Causal depthwise convolution that never reads across documents. Returns `(y [B, T, C], cache or None)`."
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if cu_seqlens is None and cache is None and not output_final_state:  # the common case: one library call
+        return F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight[:, None], groups=C).transpose(1, 2), None
+    if cu_seqlens is None:  # every row is its own document
+        cu_seqlens, x = torch.arange(B + 1, device=x.device) * T, x.reshape(1, B * T, C)
+    elif B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    N, n_tok, dev = len(cu_seqlens) - 1, x.shape[1], x.device
+    lens = cu_seqlens.diff()
+    cache = x.new_zeros(N, W - 1, C) if cache is None else cache
+    if cache.shape != (N, W - 1, C): raise ValueError(f"the conv cache must be [{N}, {W - 1}, {C}]; got {tuple(cache.shape)}")
+    buf = torch.cat([cache.reshape(N * (W - 1), C), x[0]])                  # (N(W-1) + n_tok, C): caches, then tokens
+    doc = torch.repeat_interleave(torch.arange(N, device=dev), lens)       # (n_tok,) document of each token
+
+    def src(d, rel):  # row of buf holding the input at position `rel` (may be negative) of document d
+        return torch.where(rel >= 0, N * (W - 1) + cu_seqlens[d] + rel, d * (W - 1) + (W - 1) + rel)
+
+    pos = torch.arange(n_tok, device=dev) - cu_seqlens[doc]                 # (n_tok,) position inside the document
+    taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (n_tok, W, C): x_t, x_{t-1}, ...
+    y = (taps * weight.flip(-1).T).sum(1).view(-1, T, C)                   # (B, T, C)
+    new_cache = None
+    if output_final_state:
+        d = torch.arange(N, device=dev)[:, None]
+        new_cache = buf[src(d, lens[:, None] - (W - 1) + torch.arange(W - 1, device=dev))]  # (N, W-1, C)
+    return y, new_cache
+
+
+# %% [markdown]
+# The gathered path equals the library convolution, and packed documents do not leak into each other:
+
+# %%
+xc, wc = torch.randn(2, 10, 6), torch.randn(6, 4)
+ref = F.conv1d(F.pad(xc.transpose(1, 2), (3, 0)), wc[:, None], groups=6).transpose(1, 2)
+assert_close(causal_conv1d(xc, wc, output_final_state=True)[0], ref)
+y_packed, _ = causal_conv1d(xc.reshape(1, 20, 6), wc, cu_seqlens=torch.tensor([0, 10, 20]))
+assert_close(y_packed.view(2, 10, 6), ref)
+y_a, c_a = causal_conv1d(xc[:, :7], wc, output_final_state=True)   # run 7 tokens, carry the cache ...
+y_b, _ = causal_conv1d(xc[:, 7:], wc, cache=c_a)                   # ... then the other 3
+assert_close(torch.cat([y_a, y_b], 1), ref)
+
+
+# %% [markdown]
+# ### The decay parameters and their initialisation
+#
+# `A_log` and `dt_bias` are initialised as in Mamba-2 and the GDN reference code:
+# $A \sim \mathcal U[1, 16]$, `A_log` $= \log A$; $\Delta \sim \text{logUniform}[0.001, 0.1]$ (floored
+# at $10^{-4}$) and `dt_bias` $= \mathrm{softplus}^{-1}(\Delta) = \Delta + \log(1 - e^{-\Delta})$, so that
+# at $a_t = 0$ the step is exactly $\Delta$. The initial per-token decay $\alpha = e^{-A\Delta}$ thus
+# spans from $e^{-16\cdot 0.1} \approx 0.2$ (a memory of a few tokens) to
+# $e^{-0.001} \approx 0.999$ (about a thousand tokens): heads start with a spread of time scales.
+# Both are excluded from weight decay by their names (the optimiser chapter), and both live in fp32.
+
+# %%
+#| export
+class GDNState(NamedTuple):
+    "What a Gated DeltaNet mixer carries from one call to the next (decoding, or chunks of a long text)."
+    recurrent: torch.Tensor  # The delta-rule state S, fp32 [B, H, K, V] ([N, H, K, V] with cu_seqlens)
+    conv: torch.Tensor  # The last W-1 inputs of the short convolution, [B, W-1, 2HK + HV]
+
+
+def _load_triton_rule():
+    "The Triton kernel `triton_gated_delta_rule`, or None where Triton or `hymo.models.gdn_triton` is missing."
+    try: from hymo.models.gdn_triton import triton_gated_delta_rule
+    except ModuleNotFoundError as e:
+        if e.name in ("triton", "hymo.models.gdn_triton"): return None
+        raise  # a real import bug inside the kernel module must not silently fall back
+    return triton_gated_delta_rule
+
+
+# %%
+#| export
+class GatedDeltaNet(nn.Module):
+    "The Gated DeltaNet token mixer: `[B, T, dim]` → `[B, T, dim]`, linear in T, with a fixed-size state per sequence."
+    def __init__(self, config: ModelConfig):  # Uses dim, gdn_n_heads, gdn_head_k_dim, gdn_head_v_dim, gdn_conv_size, gdn_chunk_size, gdn_kernel, norm_eps, init_std, n_layers
+        super().__init__()
+        c = config
+        self.config, self.kernel, self.chunk_size = c, c.gdn_kernel, c.gdn_chunk_size
+        self.n_heads, self.head_k_dim, self.head_v_dim = H, K, V = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim
+        self.q_proj = nn.Linear(c.dim, H * K, bias=False)
+        self.k_proj = nn.Linear(c.dim, H * K, bias=False)
+        self.v_proj = nn.Linear(c.dim, H * V, bias=False)
+        self.a_proj = nn.Linear(c.dim, H, bias=False)  # decay input a_t
+        self.b_proj = nn.Linear(c.dim, H, bias=False)  # write strength input b_t
+        self.g_proj = nn.Linear(c.dim, H * V, bias=False)  # output gate
+        self.o_proj = nn.Linear(H * V, c.dim, bias=False)
+        self.q_conv1d, self.k_conv1d = (nn.Conv1d(H * K, H * K, c.gdn_conv_size, groups=H * K, bias=False) for _ in range(2))
+        self.v_conv1d = nn.Conv1d(H * V, H * V, c.gdn_conv_size, groups=H * V, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.o_norm = RMSNorm(V, eps=c.norm_eps)  # per head, weight shared by the heads
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise every parameter (works after `to_empty` from the meta device).
+
+        | parameter | init |
+        |---|---|
+        | q, k, v, a, b, g projections | N(0, init_std) |
+        | o_proj | N(0, init_std / sqrt(2 n_layers)), GPT-2's residual scaling |
+        | q/k/v_conv1d | PyTorch's Conv1d default, U(±1/sqrt(conv_size)) |
+        | A_log | log U[1, 16] |
+        | dt_bias | softplus⁻¹(dt), dt ~ logUniform[0.001, 0.1] floored at 1e-4 |
+        | o_norm.weight | 1 |
+        """
+        c = self.config
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
+            nn.init.normal_(lin.weight, std=c.init_std)
+        nn.init.normal_(self.o_proj.weight, std=c.init_std / math.sqrt(2 * c.n_layers))
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d): conv.reset_parameters()
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.o_norm.reset_parameters()
+
+    def forward(self,
+                x: torch.Tensor,  # Inputs [B, T, dim]
+                cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                initial_state: Optional[GDNState] = None,  # State carried from a previous call; None starts fresh
+                output_final_state: bool = False,  # Also return the `GDNState` after the last token
+               ):
+        "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)       # (B, T, 2HK + HV)
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
+        qkv, conv_state = causal_conv1d(qkv, w.to(qkv.dtype), cu_seqlens, None if initial_state is None else initial_state.conv,
+                                        output_final_state)
+        q, k, v = F.silu(qkv).split([H * K, H * K, H * V], -1)
+        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)  # (B, T, H, K), unit norm per head
+        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
+        v = v.view(B, T, H, V)                                                        # (B, T, H, V)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, H), <= 0
+        beta = self.b_proj(x).float().sigmoid()                                       # (B, T, H), in (0, 1)
+        kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton_rule() else "torch")
+        o, S = self._rule(kernel)(q, k, v, g, beta, None, None if initial_state is None else initial_state.recurrent,
+                                  output_final_state, cu_seqlens)                     # (B, T, H, V)
+        o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
+        y = self.o_proj(o.reshape(B, T, H * V))
+        return (y, GDNState(S, conv_state)) if output_final_state else y
+
+    def _rule(self, kernel: str):
+        "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."
+        if kernel == "triton":
+            rule = _load_triton_rule()
+            if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
+            return rule
+        if kernel == "torch":
+            return lambda *a: chunk_gated_delta_rule_torch(*a, chunk_size=self.chunk_size)
+        if kernel == "naive": return naive_gated_delta_rule
+        raise ValueError(f"gdn_kernel={kernel!r}: choose 'auto', 'triton', 'torch' or 'naive'")
+
+
+# %% [markdown]
+# A tiny-preset mixer maps `[B, T, dim]` to the same shape; its decays at initialisation cover the
+# intended range of time scales:
+
+# %%
+from hymo.config import load_config
+
+cfg = load_config("hymo_tiny").model
+mixer = GatedDeltaNet(cfg)
+x = torch.randn(2, 70, cfg.dim)
+test_eq(mixer(x).shape, x.shape)
+A, dt = mixer.A_log.exp(), F.softplus(mixer.dt_bias)
+assert ((A >= 1) & (A <= 16)).all() and ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
+print("initial per-token decay alpha = exp(-A dt) per head:", (-A * dt).exp().detach().numpy().round(3))
+
+# %% [markdown]
+# Every kernel the mixer can pick gives the same output (the naive loop, the chunked torch path; the
+# Triton path is checked against both in its own chapter). Changing `kernel` is the one line that
+# switches paths.
+
+# %%
+mixer.kernel = "naive"; y_naive = mixer(x)
+mixer.kernel = "torch"; y_torch = mixer(x)
+assert_close(y_torch, y_naive, atol=1e-5, rtol=1e-5)
+mixer.kernel = cfg.gdn_kernel
+
+# %% [markdown]
+# Carrying the state: running a sequence in two calls (or one token at a time, as in decoding)
+# equals running it in one, because the state includes the short convolution's window.
+
+# %%
+y_full = mixer(x)
+y1, st = mixer(x[:, :50], output_final_state=True)
+test_eq(st.recurrent.shape, (2, cfg.gdn_n_heads, cfg.gdn_head_k_dim, cfg.gdn_head_v_dim))
+ys = [y1]
+for t in range(50, 70):  # token by token
+    y_t, st = mixer(x[:, t:t + 1], initial_state=st, output_final_state=True)
+    ys.append(y_t)
+assert_close(torch.cat(ys, 1), y_full, atol=1e-5, rtol=1e-5)
+
+# %% [markdown]
+# Packed documents: with `cu_seqlens`, the mixer's output on each document equals running that
+# document alone; nothing leaks through the convolution or the state.
+
+# %%
+docs = [torch.randn(1, n, cfg.dim) for n in (3, 64, 40)]
+cu = torch.tensor([0, 3, 67, 107])
+y_packed = mixer(torch.cat(docs, 1), cu_seqlens=cu)
+for n, d in enumerate(docs):
+    assert_close(y_packed[:, cu[n]:cu[n + 1]], mixer(d), atol=1e-5, rtol=1e-5)
+
+
+# %% [markdown]
+# ## The block
+#
+# Pre-norm, two residual branches, as every HyMo block: the GDN mixer, then a dense SwiGLU FFN of
+# width `ffn_inter_dim` (every GDN block has one; see the design notes on the hybrid stack).
+
+# %%
+#| export
+class GatedDeltaNetBlock(nn.Module):
+    "A GDN block: `x + mixer(norm1(x))`, then `x + ffn(norm2(x))`. `[B, T, dim]` → `[B, T, dim]`."
+    def __init__(self, config: ModelConfig):  # Uses the mixer's fields plus ffn_inter_dim
+        super().__init__()
+        self.config = config
+        self.norm1 = RMSNorm(config.dim, config.norm_eps)
+        self.mixer = GatedDeltaNet(config)
+        self.norm2 = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = SwiGLU(config.dim, config.ffn_inter_dim)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise every parameter: the mixer as in `GatedDeltaNet.reset_parameters`; norms 1;
+        ffn.w1, ffn.w3 N(0, init_std); ffn.w2 N(0, init_std / sqrt(2 n_layers))."""
+        c = self.config
+        self.norm1.reset_parameters(); self.norm2.reset_parameters()
+        self.mixer.reset_parameters()
+        nn.init.normal_(self.ffn.w1.weight, std=c.init_std)
+        nn.init.normal_(self.ffn.w3.weight, std=c.init_std)
+        nn.init.normal_(self.ffn.w2.weight, std=c.init_std / math.sqrt(2 * c.n_layers))
+
+    def forward(self,
+                x: torch.Tensor,  # Inputs [B, T, dim]
+                cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                initial_state: Optional[GDNState] = None,  # The mixer's state from a previous call
+                output_final_state: bool = False,  # Also return the mixer's `GDNState`
+               ):
+        "Returns `x [B, T, dim]`, or `(x, GDNState)` if `output_final_state`."
+        if output_final_state: h, state = self.mixer(self.norm1(x), cu_seqlens, initial_state, output_final_state=True)
+        else: h, state = self.mixer(self.norm1(x), cu_seqlens, initial_state), None
+        x = x + h
+        x = x + self.ffn(self.norm2(x))
+        return (x, state) if output_final_state else x
+
+
+# %% [markdown]
+# Shape, and causality: changing token $t$ never changes an output before $t$.
+
+# %%
+block = GatedDeltaNetBlock(cfg)
+x = torch.randn(2, 80, cfg.dim)
+y = block(x)
+test_eq(y.shape, x.shape)
+x2 = x.clone(); x2[:, 37] += 1.0
+y2 = block(x2)
+test_eq((y2[:, :37] - y[:, :37]).abs().max().item(), 0.0)
+assert (y2[:, 37:] - y[:, 37:]).abs().max() > 1e-3
+
+# %% [markdown]
+# It builds on the meta device (no memory), and `to_empty` + `reset_parameters` gives a working
+# block whose parameters follow the initialisation table:
+
+# %%
+with torch.device("meta"):
+    meta_block = GatedDeltaNetBlock(cfg)
+test_eq(meta_block.mixer.A_log.device.type, "meta")
+meta_block.to_empty(device="cpu")
+meta_block.reset_parameters()
+assert all(p.isfinite().all() for p in meta_block.parameters())
+test_close(meta_block.mixer.q_proj.weight.std().item(), cfg.init_std, eps=2e-3)
+assert ((meta_block.mixer.A_log.exp() >= 1) & (meta_block.mixer.A_log.exp() <= 16)).all()
+test_eq(meta_block(x).shape, x.shape)
+
+# %% [markdown]
+# And it learns something that needs the time axis: a few Adam steps on one repeated batch teach
+# it to output the *previous* input vector (information has to travel through the convolution or the
+# state; a per-token network could not do it).
+
+# %%
+torch.manual_seed(0)
+block = GatedDeltaNetBlock(cfg)
+x = torch.randn(4, 64, cfg.dim)
+target = F.pad(x[:, :-1], (0, 0, 1, 0))  # y_t should be x_{t-1} (zero at t = 0)
+opt = torch.optim.Adam(block.parameters(), lr=3e-3)
+losses = []
+for step in range(30):
+    loss = F.mse_loss(block(x), target)
+    opt.zero_grad(); loss.backward(); opt.step()
+    losses.append(loss.item())
+plt.figure(figsize=(4, 2.5)); plt.plot(losses); plt.xlabel("step"); plt.ylabel("MSE"); plt.title("GDN block, one batch")
+plt.tight_layout(); plt.show()
+print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+assert losses[-1] < 0.7 * losses[0]
+
+# %% [markdown]
+# ## What the state costs
+#
+# The recurrent state is per *sequence*, fixed in $T$: $H \cdot K \cdot V$ numbers per GDN layer.
+# For the 750M design, in fp32, over its 24 GDN layers:
+
+# %%
+big = load_config("hymo_750m").model
+per_layer = big.gdn_n_heads * big.gdn_head_k_dim * big.gdn_head_v_dim * 4  # bytes, fp32
+n_gdn = big.layer_types.count("gdn")
+print(f"{per_layer / 2**10:.0f} KiB per layer, {per_layer * n_gdn / 2**20:.2f} MiB per sequence, at any T")
+test_eq(per_layer, 163_840); test_eq(n_gdn, 24)
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Is the chunked algorithm an approximation of the recurrence?
+# No. It is an exact algebraic rearrangement: unroll the state inside a chunk, notice that the
+# corrected values $u_t$ satisfy a unit lower-triangular system $(I + A)U = \mathrm{diag}(\beta)V - \mathrm{diag}(\beta\Gamma)KS_0$,
+# solve it once per chunk ($T = (I+A)^{-1}$, giving $W$ and $U$), and then the output is an inter-chunk
+# read of $S_0$ plus causal attention over the chunk with the corrected values. The only
+# difference from the loop is floating-point rounding: here about $10^{-6}$ in fp32, outputs,
+# states and all gradients.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why chunks of 64, and not 32 or 128?
+# The chunk size trades three costs. Inside a chunk the work per token grows with $C$ (the
+# $C\times C$ scores, and the triangular solve, $O(C^3)$ per chunk); the serial steps between
+# chunks and the states kept for the backward pass shrink as $T/C$. $C = 64$ makes every
+# intra-chunk product a tensor-core-sized tile ($64\times64$, $64\times K$ with $K, V \le 128$) that
+# fits in on-chip memory, and it is the default of the reference kernels (flash-linear-attention).
+# It is a choice to measure on your GPU, not a law; there is no evidence that 64 is an A100 sweet
+# spot in particular. Note also that the training kernel *is* chunked; a serial time loop is what
+# one uses for decoding, one token at a time.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## How big is the GDN state, and how does it grow with context?
+# $H\cdot K\cdot V$ numbers per layer per *sequence*: $40\cdot32\cdot32 = 40\,960$ floats, 160 KiB in
+# fp32, so 3.75 MiB for the 24 GDN layers of the 750M model, whatever $T$ is. It is not a per-token
+# cost (an attention KV cache is: it grows linearly with $T$). The short convolution adds $W-1 = 3$
+# inputs per channel to what decoding carries.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why must every exponent in the chunked form be non-positive?
+# Because the decays compound. Factoring $e^{\gamma_t-\gamma_i} = e^{\gamma_t}e^{-\gamma_i}$ needs
+# $e^{-\gamma_i}$, which for a gate of $-2$ per token reaches $e^{128}$ inside a 64-token chunk,
+# past fp32's $\approx e^{88.7}$: `inf`, then `inf · 0 = nan`. Computing differences of cumulative
+# log-decays, masking the upper triangle with $-\infty$ *before* `exp`, keeps every factor in $[0, 1]$
+# (and gives zero gradient, not `nan`, in the masked part).
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why are q and k L2-normalised?
+# With $\lVert k_t\rVert = 1$ the transition $I - \beta_t k_t k_t^\top$ has eigenvalues $1-\beta_t$
+# (along $k_t$) and $1$ (elsewhere), so with $\beta_t\in(0,1)$ and $\alpha_t \le 1$ it never amplifies
+# the state: the recurrence is stable for any sequence length. It also makes $\beta_t$ a true
+# learning rate of the online regression (a step of $\beta_t$ moves the prediction $S^\top k_t$ a
+# fraction $\beta_t$ of the way to $v_t$). Normalising $q$ bounds the read-out.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Does a Triton kernel need power-of-two head sizes?
+# Triton's `tl.arange` and block shapes must be powers of two, so a kernel loads a head of size 20
+# as a 32-wide block and masks the tail; the head size itself need not be a power of two. (The
+# autotuner has nothing to do with it.) The PyTorch paths here have no such constraint: the checks
+# above use $K = 12$, $V = 20$.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What is the short convolution for?
+# The recurrence only reaches the past through a compressed state. A causal depthwise convolution
+# of width 4 on $q$, $k$, $v$ gives each token direct, cheap access to its last three neighbours
+# (local n-gram features, "previous-token" information that induction-style recall needs), which
+# consistently helps linear-attention models. It must respect document boundaries and, when
+# decoding, carry its last $W-1$ inputs as part of the state.
+# :::

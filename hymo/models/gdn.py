@@ -18,7 +18,8 @@ from ..config import ModelConfig
 from .layers import RMSNorm, SwiGLU
 
 # %% auto #0
-__all__ = ['naive_gated_delta_rule', 'chunk_gated_delta_rule_torch']
+__all__ = ['naive_gated_delta_rule', 'chunk_gated_delta_rule_torch', 'causal_conv1d', 'GDNState', 'GatedDeltaNet',
+           'GatedDeltaNetBlock']
 
 # %% ../../nbs/12_gated_deltanet.ipynb #463f9489
 def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -64,8 +65,9 @@ def naive_gated_delta_rule(
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    acc = torch.promote_types(v.dtype, torch.float32)  # fp32 (fp64 stays fp64, for checks)
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
     o = []
     for t in range(T):
         S = S * g[:, t, :, None, None].exp()                                # S' = alpha_t S_{t-1}
@@ -99,7 +101,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     D = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, NT, H, C, C), in [0, 1]
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)                                # strict_tril(diag(beta) K K^T ⊙ D)
-    eye = torch.eye(C, device=q.device)
+    eye = torch.eye(C, device=q.device, dtype=q.dtype)
     T_ut = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False)  # (I + A)^-1
     W = T_ut @ (kb * gc.exp()[..., None])                                      # (B, NT, H, C, K)
     U = T_ut @ (v * beta[..., None])                                           # (B, NT, H, C, V)
@@ -134,8 +136,9 @@ def chunk_gated_delta_rule_torch(
     if chunk_size < 1: raise ValueError(f"chunk_size={chunk_size} must be positive")
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
-    dtype, xs = v.dtype, [x.float() for x in (q, k, v, g, beta)]
-    h0 = None if initial_state is None else initial_state.float()
+    dtype, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)  # fp32 inside (fp64 stays fp64, for checks)
+    xs = [x.to(acc) for x in (q, k, v, g, beta)]
+    h0 = None if initial_state is None else initial_state.to(acc)
     if cu_seqlens is not None:
         xs, keep = zip(*(_unpack_docs(x, cu_seqlens) for x in xs))            # each (N, L, ...)
         keep = keep[0]
@@ -145,3 +148,171 @@ def chunk_gated_delta_rule_torch(
     o = o[:, :xs[0].shape[1] - pad]                                            # drop the padding
     o = o[keep][None] if cu_seqlens is not None else o                         # (B, T, H, V)
     return o.to(dtype), S
+
+# %% ../../nbs/12_gated_deltanet.ipynb #cba93325
+def causal_conv1d(
+    x: torch.Tensor,  # Inputs [B, T, C]
+    weight: torch.Tensor,  # Depthwise kernel [C, W]; weight[:, -1] multiplies the current token
+    cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+    cache: Optional[torch.Tensor] = None,  # The W-1 inputs before x, oldest first, [B, W-1, C] ([N, W-1, C] with cu_seqlens); None is zeros
+    output_final_state: bool = False,  # Also return the new cache (the last W-1 inputs of each sequence)
+):
+    "Causal depthwise convolution that never reads across documents. Returns `(y [B, T, C], cache or None)`."
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if cu_seqlens is None and cache is None and not output_final_state:  # the common case: one library call
+        return F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight[:, None], groups=C).transpose(1, 2), None
+    if cu_seqlens is None:  # every row is its own document
+        cu_seqlens, x = torch.arange(B + 1, device=x.device) * T, x.reshape(1, B * T, C)
+    elif B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    N, n_tok, dev = len(cu_seqlens) - 1, x.shape[1], x.device
+    lens = cu_seqlens.diff()
+    cache = x.new_zeros(N, W - 1, C) if cache is None else cache
+    if cache.shape != (N, W - 1, C): raise ValueError(f"the conv cache must be [{N}, {W - 1}, {C}]; got {tuple(cache.shape)}")
+    buf = torch.cat([cache.reshape(N * (W - 1), C), x[0]])                  # (N(W-1) + n_tok, C): caches, then tokens
+    doc = torch.repeat_interleave(torch.arange(N, device=dev), lens)       # (n_tok,) document of each token
+
+    def src(d, rel):  # row of buf holding the input at position `rel` (may be negative) of document d
+        return torch.where(rel >= 0, N * (W - 1) + cu_seqlens[d] + rel, d * (W - 1) + (W - 1) + rel)
+
+    pos = torch.arange(n_tok, device=dev) - cu_seqlens[doc]                 # (n_tok,) position inside the document
+    taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (n_tok, W, C): x_t, x_{t-1}, ...
+    y = (taps * weight.flip(-1).T).sum(1).view(-1, T, C)                   # (B, T, C)
+    new_cache = None
+    if output_final_state:
+        d = torch.arange(N, device=dev)[:, None]
+        new_cache = buf[src(d, lens[:, None] - (W - 1) + torch.arange(W - 1, device=dev))]  # (N, W-1, C)
+    return y, new_cache
+
+# %% ../../nbs/12_gated_deltanet.ipynb #2d96ccf1
+class GDNState(NamedTuple):
+    "What a Gated DeltaNet mixer carries from one call to the next (decoding, or chunks of a long text)."
+    recurrent: torch.Tensor  # The delta-rule state S, fp32 [B, H, K, V] ([N, H, K, V] with cu_seqlens)
+    conv: torch.Tensor  # The last W-1 inputs of the short convolution, [B, W-1, 2HK + HV]
+
+
+def _load_triton_rule():
+    "The Triton kernel `triton_gated_delta_rule`, or None where Triton or `hymo.models.gdn_triton` is missing."
+    try: from hymo.models.gdn_triton import triton_gated_delta_rule
+    except ModuleNotFoundError as e:
+        if e.name in ("triton", "hymo.models.gdn_triton"): return None
+        raise  # a real import bug inside the kernel module must not silently fall back
+    return triton_gated_delta_rule
+
+# %% ../../nbs/12_gated_deltanet.ipynb #1ba44265
+class GatedDeltaNet(nn.Module):
+    "The Gated DeltaNet token mixer: `[B, T, dim]` → `[B, T, dim]`, linear in T, with a fixed-size state per sequence."
+    def __init__(self, config: ModelConfig):  # Uses dim, gdn_n_heads, gdn_head_k_dim, gdn_head_v_dim, gdn_conv_size, gdn_chunk_size, gdn_kernel, norm_eps, init_std, n_layers
+        super().__init__()
+        c = config
+        self.config, self.kernel, self.chunk_size = c, c.gdn_kernel, c.gdn_chunk_size
+        self.n_heads, self.head_k_dim, self.head_v_dim = H, K, V = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim
+        self.q_proj = nn.Linear(c.dim, H * K, bias=False)
+        self.k_proj = nn.Linear(c.dim, H * K, bias=False)
+        self.v_proj = nn.Linear(c.dim, H * V, bias=False)
+        self.a_proj = nn.Linear(c.dim, H, bias=False)  # decay input a_t
+        self.b_proj = nn.Linear(c.dim, H, bias=False)  # write strength input b_t
+        self.g_proj = nn.Linear(c.dim, H * V, bias=False)  # output gate
+        self.o_proj = nn.Linear(H * V, c.dim, bias=False)
+        self.q_conv1d, self.k_conv1d = (nn.Conv1d(H * K, H * K, c.gdn_conv_size, groups=H * K, bias=False) for _ in range(2))
+        self.v_conv1d = nn.Conv1d(H * V, H * V, c.gdn_conv_size, groups=H * V, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.o_norm = RMSNorm(V, eps=c.norm_eps)  # per head, weight shared by the heads
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise every parameter (works after `to_empty` from the meta device).
+
+        | parameter | init |
+        |---|---|
+        | q, k, v, a, b, g projections | N(0, init_std) |
+        | o_proj | N(0, init_std / sqrt(2 n_layers)), GPT-2's residual scaling |
+        | q/k/v_conv1d | PyTorch's Conv1d default, U(±1/sqrt(conv_size)) |
+        | A_log | log U[1, 16] |
+        | dt_bias | softplus⁻¹(dt), dt ~ logUniform[0.001, 0.1] floored at 1e-4 |
+        | o_norm.weight | 1 |
+        """
+        c = self.config
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
+            nn.init.normal_(lin.weight, std=c.init_std)
+        nn.init.normal_(self.o_proj.weight, std=c.init_std / math.sqrt(2 * c.n_layers))
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d): conv.reset_parameters()
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.o_norm.reset_parameters()
+
+    def forward(self,
+                x: torch.Tensor,  # Inputs [B, T, dim]
+                cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                initial_state: Optional[GDNState] = None,  # State carried from a previous call; None starts fresh
+                output_final_state: bool = False,  # Also return the `GDNState` after the last token
+               ):
+        "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)       # (B, T, 2HK + HV)
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
+        qkv, conv_state = causal_conv1d(qkv, w.to(qkv.dtype), cu_seqlens, None if initial_state is None else initial_state.conv,
+                                        output_final_state)
+        q, k, v = F.silu(qkv).split([H * K, H * K, H * V], -1)
+        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)  # (B, T, H, K), unit norm per head
+        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
+        v = v.view(B, T, H, V)                                                        # (B, T, H, V)
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, H), <= 0
+        beta = self.b_proj(x).float().sigmoid()                                       # (B, T, H), in (0, 1)
+        kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton_rule() else "torch")
+        o, S = self._rule(kernel)(q, k, v, g, beta, None, None if initial_state is None else initial_state.recurrent,
+                                  output_final_state, cu_seqlens)                     # (B, T, H, V)
+        o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
+        y = self.o_proj(o.reshape(B, T, H * V))
+        return (y, GDNState(S, conv_state)) if output_final_state else y
+
+    def _rule(self, kernel: str):
+        "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."
+        if kernel == "triton":
+            rule = _load_triton_rule()
+            if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
+            return rule
+        if kernel == "torch":
+            return lambda *a: chunk_gated_delta_rule_torch(*a, chunk_size=self.chunk_size)
+        if kernel == "naive": return naive_gated_delta_rule
+        raise ValueError(f"gdn_kernel={kernel!r}: choose 'auto', 'triton', 'torch' or 'naive'")
+
+# %% ../../nbs/12_gated_deltanet.ipynb #3d924e76
+class GatedDeltaNetBlock(nn.Module):
+    "A GDN block: `x + mixer(norm1(x))`, then `x + ffn(norm2(x))`. `[B, T, dim]` → `[B, T, dim]`."
+    def __init__(self, config: ModelConfig):  # Uses the mixer's fields plus ffn_inter_dim
+        super().__init__()
+        self.config = config
+        self.norm1 = RMSNorm(config.dim, config.norm_eps)
+        self.mixer = GatedDeltaNet(config)
+        self.norm2 = RMSNorm(config.dim, config.norm_eps)
+        self.ffn = SwiGLU(config.dim, config.ffn_inter_dim)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise every parameter: the mixer as in `GatedDeltaNet.reset_parameters`; norms 1;
+        ffn.w1, ffn.w3 N(0, init_std); ffn.w2 N(0, init_std / sqrt(2 n_layers))."""
+        c = self.config
+        self.norm1.reset_parameters(); self.norm2.reset_parameters()
+        self.mixer.reset_parameters()
+        nn.init.normal_(self.ffn.w1.weight, std=c.init_std)
+        nn.init.normal_(self.ffn.w3.weight, std=c.init_std)
+        nn.init.normal_(self.ffn.w2.weight, std=c.init_std / math.sqrt(2 * c.n_layers))
+
+    def forward(self,
+                x: torch.Tensor,  # Inputs [B, T, dim]
+                cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                initial_state: Optional[GDNState] = None,  # The mixer's state from a previous call
+                output_final_state: bool = False,  # Also return the mixer's `GDNState`
+               ):
+        "Returns `x [B, T, dim]`, or `(x, GDNState)` if `output_final_state`."
+        if output_final_state: h, state = self.mixer(self.norm1(x), cu_seqlens, initial_state, output_final_state=True)
+        else: h, state = self.mixer(self.norm1(x), cu_seqlens, initial_state), None
+        x = x + h
+        x = x + self.ffn(self.norm2(x))
+        return (x, state) if output_final_state else x

@@ -1,0 +1,211 @@
+"""The gated delta rule: the chunked path equals the loop (outputs, states, gradients), documents stay apart,
+and the Gated DeltaNet block is causal, learns, and builds on the meta device."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hymo.config import load_config
+from hymo.models.gdn import (GatedDeltaNet, GatedDeltaNetBlock, causal_conv1d, chunk_gated_delta_rule_torch,
+                             naive_gated_delta_rule)
+
+H, K, V = 3, 12, 20  # deliberately not powers of two
+
+
+def inputs(B=2, T=100, seed=0, g_zero=False, beta_value=None):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+    g = torch.zeros(B, T, H) if g_zero else F.logsigmoid(r(B, T, H) + 3) * 6
+    beta = torch.full((B, T, H), beta_value) if beta_value is not None else torch.rand(B, T, H, generator=gen)
+    return q, k, r(B, T, H, V), g, beta
+
+
+def run_with_grads(rule, args, h0, **kw):
+    args = [x.clone().requires_grad_() for x in args]
+    h0 = h0.clone().requires_grad_()
+    o, S = rule(*args, initial_state=h0, output_final_state=True, **kw)
+    gen = torch.Generator().manual_seed(1)
+    ((o * torch.randn(o.shape, generator=gen)).sum() + (S * torch.randn(S.shape, generator=gen)).sum()).backward()
+    return [o.detach(), S.detach()] + [x.grad for x in args] + [h0.grad]
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+def test_chunk_matches_naive_values_and_grads(T):
+    args, h0 = inputs(T=T, seed=T), torch.randn(2, H, K, V)
+    ref = run_with_grads(naive_gated_delta_rule, args, h0)
+    got = run_with_grads(chunk_gated_delta_rule_torch, args, h0)
+    names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"]
+    for name, a, b in zip(names, ref, got):
+        # 1e-5 absolute for O(1) tensors; gradients here reach ~15, so the bound scales with their size
+        # (fp32 rounding of the chunked sums is ~1e-6 relative; in fp64 the two agree to 1e-14, see below)
+        err, bound = (a - b).abs().max().item(), 1e-5 * max(1.0, a.abs().max().item())
+        assert err <= bound, f"T={T}: {name} differs by {err:.2e} > {bound:.1e}"
+
+
+def test_chunk_is_exact_in_fp64():
+    "The chunked form is an exact rearrangement: in fp64 it matches the loop to rounding, values and gradients."
+    args, h0 = [x.double() for x in inputs(T=130, seed=7)], torch.randn(2, H, K, V, dtype=torch.float64)
+    for a, b in zip(run_with_grads(naive_gated_delta_rule, args, h0), run_with_grads(chunk_gated_delta_rule_torch, args, h0)):
+        assert a.dtype == torch.float64 and (a - b).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("case", ["no_decay", "no_write"])
+def test_edge_cases(case):
+    args = inputs(T=90, g_zero=case == "no_decay", beta_value=1e-7 if case == "no_write" else None)
+    h0 = torch.randn(2, H, K, V)
+    ref = run_with_grads(naive_gated_delta_rule, args, h0)
+    got = run_with_grads(chunk_gated_delta_rule_torch, args, h0)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-5 * max(1.0, a.abs().max().item()), rtol=0)
+    if case == "no_write":  # nothing written: the state is the initial one, only decayed
+        decay = args[3].sum(1).exp()[..., None, None]  # (B, H, 1, 1)
+        torch.testing.assert_close(got[1], h0 * decay, atol=1e-5, rtol=0)
+
+
+def test_decay_only_forgets():
+    "beta = 0 and a constant g: the state is exp(T g) times the initial state."
+    q, k, v, g, beta = inputs(T=70)
+    g, beta = torch.full_like(g, -0.05), torch.zeros_like(beta)
+    h0 = torch.randn(2, H, K, V)
+    _, S = chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(S, h0 * math.exp(-0.05 * 70))
+
+
+def test_chunk_size_does_not_change_the_result():
+    args = inputs(T=77)
+    a, _ = chunk_gated_delta_rule_torch(*args, chunk_size=64)
+    b, _ = chunk_gated_delta_rule_torch(*args, chunk_size=16)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rule", [naive_gated_delta_rule, chunk_gated_delta_rule_torch])
+def test_cu_seqlens_equals_separate_documents(rule):
+    args = inputs(B=1, T=200, seed=5)
+    cu = torch.tensor([0, 5, 69, 133, 133, 200])  # includes an empty document
+    h0 = torch.randn(5, H, K, V)
+    o, S = rule(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    for n in range(5):
+        s, e = cu[n].item(), cu[n + 1].item()
+        o_n, S_n = naive_gated_delta_rule(*(x[:, s:e] for x in args), initial_state=h0[n:n + 1], output_final_state=True)
+        torch.testing.assert_close(o[:, s:e], o_n, atol=1e-5, rtol=0)
+        torch.testing.assert_close(S[n:n + 1], S_n, atol=1e-5, rtol=0)
+
+
+def test_dtype_and_state_dtype():
+    q, k, v, g, beta = inputs(T=40)
+    o, S = chunk_gated_delta_rule_torch(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o_ref, _ = naive_gated_delta_rule(q, k, v, g, beta)
+    assert (o.float() - o_ref).abs().max() < 0.05
+
+
+def test_bad_shapes_have_clear_errors():
+    q, k, v, g, beta = inputs(T=10)
+    with pytest.raises(ValueError, match="beta must be"):
+        chunk_gated_delta_rule_torch(q, k, v, g, beta[:, :5])
+    with pytest.raises(ValueError, match="B must be 1"):
+        chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match="initial_state must be"):
+        naive_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, H, K, K))
+
+
+def test_conv_respects_documents_and_cache():
+    x, w = torch.randn(1, 30, 7), torch.randn(7, 4)
+    cu = torch.tensor([0, 2, 20, 30])
+    y, cache = causal_conv1d(x, w, cu_seqlens=cu, output_final_state=True)
+    for n in range(3):
+        s, e = cu[n].item(), cu[n + 1].item()
+        y_n, c_n = causal_conv1d(x[:, s:e], w, output_final_state=True)
+        torch.testing.assert_close(y[:, s:e], y_n)
+        torch.testing.assert_close(cache[n:n + 1], c_n)
+    assert cache[0, 0].abs().sum() == 0  # a 2-token document: the oldest cache slot is still the zero start
+
+
+# ---------------------------------------------------------------- the block
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_config("hymo_tiny", gdn_head_k_dim=12, gdn_head_v_dim=20, gdn_n_heads=3).model
+
+
+def test_block_shape_and_causality(cfg):
+    torch.manual_seed(0)
+    block = GatedDeltaNetBlock(cfg)
+    x = torch.randn(2, 90, cfg.dim)
+    y = block(x)
+    assert y.shape == x.shape
+    for t in (1, 40, 89):
+        x2 = x.clone(); x2[:, t] += 1
+        y2 = block(x2)
+        assert (y2[:, :t] - y[:, :t]).abs().max() == 0, f"changing token {t} changed earlier outputs"
+        assert (y2[:, t] - y[:, t]).abs().max() > 1e-4
+
+
+def test_mixer_kernels_agree_and_state_carries(cfg):
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(cfg)
+    x = torch.randn(2, 70, cfg.dim)
+    mixer.kernel = "naive"; y_naive = mixer(x)
+    mixer.kernel = "torch"; y = mixer(x)
+    torch.testing.assert_close(y, y_naive, atol=1e-5, rtol=1e-5)
+    y1, st = mixer(x[:, :65], output_final_state=True)
+    y2, _ = mixer(x[:, 65:], initial_state=st, output_final_state=True)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y, atol=1e-5, rtol=1e-5)
+
+
+def test_mixer_packed_documents_do_not_leak(cfg):
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(cfg)
+    docs = [torch.randn(1, n, cfg.dim) for n in (2, 66, 30)]
+    cu = torch.tensor([0, 2, 68, 98])
+    y = mixer(torch.cat(docs, 1), cu_seqlens=cu)
+    for n, d in enumerate(docs):
+        torch.testing.assert_close(y[:, cu[n]:cu[n + 1]], mixer(d), atol=1e-5, rtol=1e-5)
+
+
+def test_decay_parameters_init(cfg):
+    cfg = load_config("hymo_tiny", gdn_n_heads=64).model
+    m = GatedDeltaNet(cfg)
+    A, dt = m.A_log.exp(), F.softplus(m.dt_bias)
+    assert ((A >= 1) & (A <= 16)).all() and A.std() > 1
+    assert ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
+    assert m.A_log.dtype == m.dt_bias.dtype == torch.float32
+
+
+def test_block_overfits_a_batch(cfg):
+    torch.manual_seed(0)
+    block = GatedDeltaNetBlock(cfg)
+    x = torch.randn(4, 48, cfg.dim)
+    target = F.pad(x[:, :-1], (0, 0, 1, 0))  # output the previous token: needs the time axis
+    opt = torch.optim.Adam(block.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss = F.mse_loss(block(x), target)
+        opt.zero_grad(); loss.backward(); opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_meta_device_build(cfg):
+    with torch.device("meta"):
+        block = GatedDeltaNetBlock(cfg)
+    assert all(p.is_meta for p in block.parameters())
+    block.to_empty(device="cpu")
+    block.reset_parameters()
+    m = block.mixer
+    assert all(p.isfinite().all() for p in block.parameters())
+    assert ((m.A_log.exp() >= 1) & (m.A_log.exp() <= 16)).all()
+    assert abs(m.q_proj.weight.std().item() - cfg.init_std) < 2e-3
+    assert abs(m.o_proj.weight.std().item() - cfg.init_std / math.sqrt(2 * cfg.n_layers)) < 2e-3
+    assert (block.norm1.weight == 1).all() and (m.o_norm.weight == 1).all()
+    x = torch.randn(1, 10, cfg.dim)
+    assert block(x).shape == x.shape
+
+
+def test_unknown_kernel_is_refused(cfg):
+    m = GatedDeltaNet(cfg)
+    m.kernel = "cuda"
+    with pytest.raises(ValueError, match="choose"):
+        m(torch.randn(1, 4, cfg.dim))
