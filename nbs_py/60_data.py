@@ -1,0 +1,941 @@
+# %% [markdown]
+# # Data
+#
+# > Text in, token shards out, and a loader that hands every rank its own windows in a order that
+# > survives a restart.
+
+# %%
+#| default_exp training.data
+
+# %% [markdown]
+# A language model sees its data as one long stream of token ids. This chapter builds that stream
+# and reads it back:
+#
+# 1. **Documents.** Read text files, folders, `.jsonl` and `.parquet`; cut them into documents.
+# 2. **Split.** The last 10 % of the bytes (cut on a line boundary) is the validation split.
+# 3. **Tokenizer.** Train a byte-level BPE on the training split (Hugging Face `tokenizers`), with
+#    one special token, `<|endoftext|>` (EOT), that ends every document.
+# 4. **Shards.** Encode, append an EOT after every document, and write `uint16` shards (`.npy`)
+#    plus a JSON manifest. Everything goes to a temporary folder that is renamed when complete, and
+#    an input that was already prepared is not prepared again.
+# 5. **Loader.** Memory-map the shards and cut them into windows of `seq_len + 1` tokens; shuffle
+#    the windows per epoch from a seeded generator; give each data-parallel rank its own; return
+#    the document boundaries (`cu_seqlens`) when asked; save and restore the position.
+#
+# `python -m hymo.data prepare` (the next chapter) runs step 1–4 from the command line;
+# `python -m hymo.train` with no data argument calls `prepare_default`, which prepares the bundled
+# Shakespeare once into a cache folder.
+
+# %%
+#| export
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+from tqdm import tqdm
+
+from hymo.config import package_dir
+
+# %% [markdown]
+# `torch` is imported only where tensors are made (the loader), so that `python -m hymo.data
+# prepare` starts without paying for it.
+
+# %%
+import tempfile
+import time
+
+import matplotlib.pyplot as plt
+import torch
+from fastcore.test import test_close, test_eq, test_fail, test_ne
+
+# %% [markdown]
+# The constants every other function refers to. The dataset format carries a version, so that a
+# later change of layout is detected instead of misread.
+
+# %%
+#| export
+EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
+FORMAT = "hymo-tokens-v1"  # Version of the shard + manifest layout
+SUFFIXES = (".txt", ".md", ".jsonl", ".parquet")  # File types `prepare` reads
+DEFAULT_VOCAB_SIZE = 2048  # The vocabulary of hymo_tiny
+CORPUS = package_dir() / "assets" / "tinyshakespeare.txt"  # The bundled corpus
+
+
+class DataError(ValueError):
+    "Data that cannot be used; the message says what to do."
+
+
+# %% [markdown]
+# ## Documents
+#
+# A *document* is a unit the model should be able to tell apart from its neighbours: an EOT token
+# follows each one, and with document masking attention never crosses from one to the next. Rows
+# of `.jsonl` (the `text` field) and `.parquet` (the `text` column) are documents. Plain text
+# (`.txt`, `.md`) has no such structure, so there is a choice:
+#
+# - `doc_split="blank"` (the default): a run of blank lines ends a document. In Shakespeare that
+#   makes every speech a document (7 222 of them, 153 bytes on average), which gives the loader
+#   real document boundaries to pack and mask.
+# - `doc_split="file"`: every file is one document, right for books or source files whose
+#   paragraphs belong together.
+#
+# A document keeps its inner newlines and ends with exactly one `"\n"`; the blank lines between
+# documents are replaced by the EOT token.
+
+# %%
+#| export
+_BLANK_LINES = re.compile(r"\n\s*\n")
+
+
+def split_text(text: str, # Plain text, e.g. a whole file
+               doc_split: str = "blank", # 'blank': blank lines end a document; 'file': the text is one document
+              ) -> list[str]:
+    "Cut plain text into documents, each ending in one newline; whitespace-only pieces are dropped."
+    if doc_split not in ("blank", "file"): raise DataError(f"doc_split={doc_split!r}: choose 'blank' or 'file'")
+    pieces = _BLANK_LINES.split(text) if doc_split == "blank" else [text]
+    return [p.rstrip("\r\n") + "\n" for p in pieces if p.strip()]
+
+
+# %%
+docs = split_text("First Citizen:\nSpeak, speak.\n\n\nAll:\n  Speak.\n\n")
+test_eq(docs, ["First Citizen:\nSpeak, speak.\n", "All:\n  Speak.\n"])
+test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
+
+
+# %% [markdown]
+# Inputs are files or folders. A folder is searched recursively for the four supported types, in
+# sorted order of their relative paths (so the stream does not depend on the file system's
+# listing order); a file of any other type given by name is an error rather than silently skipped.
+
+# %%
+#| export
+def find_files(inputs: Iterable, # Paths of files or folders
+              ) -> list[tuple[Path, str]]:
+    "The files to read, in order, as `(path, name)`: `name` is the path relative to the input given."
+    inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
+    if not inputs: raise DataError("no input given: pass one or more text files, folders, .jsonl or .parquet files")
+    files = []
+    for p in inputs:
+        if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
+        if p.is_dir():
+            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES
+                            and not any(part.startswith(".") for part in f.relative_to(p).parts)),
+                           key=lambda f: f.relative_to(p).as_posix())
+            if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files")
+            files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
+        elif p.suffix in SUFFIXES: files.append((p, p.name))
+        else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
+    return files
+
+
+# %% [markdown]
+# Reading one file yields its documents. `.parquet` needs `pyarrow` (a dev dependency) and is
+# read in record batches, so a large file is never fully in memory.
+
+# %%
+#| export
+def _parquet_docs(path: Path) -> Iterator[str]:
+    try: import pyarrow.parquet as pq
+    except ImportError as e: raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    f = pq.ParquetFile(path)
+    names = f.schema_arrow.names
+    strings = [n for n in names if str(f.schema_arrow.field(n).type) in ("string", "large_string", "string_view")]
+    col = "text" if "text" in names else (strings[0] if len(strings) == 1 else None)
+    if col is None: raise DataError(f"{path}: no 'text' column and not exactly one string column (columns: {names}); name the text column 'text'")
+    for batch in f.iter_batches(columns=[col], batch_size=4096):
+        for t in batch.column(0).to_pylist():
+            if t and t.strip(): yield t
+
+
+def _jsonl_docs(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh, 1):
+            if not line.strip(): continue
+            try: row = json.loads(line)
+            except json.JSONDecodeError as e: raise DataError(f"{path}:{i} is not valid JSON ({e.msg}): one JSON object per line") from e
+            t = row.get("text") if isinstance(row, dict) else None
+            if not isinstance(t, str): raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
+            if t.strip(): yield t
+
+
+def read_documents(path: Path, # A .txt, .md, .jsonl or .parquet file
+                   doc_split: str = "blank", # How plain text is cut: 'blank' or 'file' (see `split_text`)
+                  ) -> Iterator[str]:
+    "The non-empty documents of one file, in order."
+    path = Path(path)
+    if path.suffix == ".jsonl": yield from _jsonl_docs(path)
+    elif path.suffix == ".parquet": yield from _parquet_docs(path)
+    elif path.suffix in (".txt", ".md"):
+        try: text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e: raise DataError(f"{path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from e
+        yield from split_text(text, doc_split)
+    else: raise DataError(f"unknown file type '{path.suffix}' of {path}: give {', '.join(SUFFIXES)} files")
+
+
+# %%
+shakespeare = list(read_documents(CORPUS))
+n_bytes = sum(len(d.encode()) for d in shakespeare)
+print(f"{len(shakespeare)} speeches, {n_bytes:,} bytes, {n_bytes / len(shakespeare):.0f} bytes each on average")
+print(shakespeare[0] + "---\n" + shakespeare[1])
+test_eq(len(shakespeare), 7222)
+assert all(d.endswith("\n") and not d.endswith("\n\n") for d in shakespeare)
+
+
+# %% [markdown]
+# ## The validation split
+#
+# The validation split is the end of the corpus: with $N$ bytes of documents in order and a
+# fraction $f$, the cut is the first line boundary at or after byte $c = \lfloor (1 - f) N \rfloor$.
+# A document that straddles $c$ is cut at that newline (its head ends the training split, its
+# tail opens the validation split); a document that does not contain a newline after $c$ stays
+# whole in training. Taking the *end* rather than random documents keeps the split free of
+# near-duplicates of training text (neighbouring speeches share characters and phrases), so the
+# validation loss measures generalisation to a later part of the play collection.
+
+# %%
+#| export
+def split_train_val(docs: Iterable[str], # Documents in corpus order
+                    total_bytes: int, # UTF-8 bytes of all documents (a first pass counts them)
+                    val_fraction: float = 0.1, # Fraction of the bytes, at the end, that goes to validation
+                   ) -> Iterator[tuple[str, str]]:
+    "Yield `('train', doc)` then `('val', doc)`: the cut is the first line boundary at or after `(1 - val_fraction) * total_bytes`."
+    if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+    cut, pos = int((1 - val_fraction) * total_bytes), 0
+    for d in docs:
+        b = d.encode("utf-8")
+        if pos + len(b) <= cut: yield "train", d
+        elif pos >= cut: yield "val", d
+        else:  # the cut falls inside this document: end it at the next newline
+            i = b.find(b"\n", cut - pos)
+            head, tail = (b, b"") if i < 0 else (b[:i + 1], b[i + 1:])
+            yield "train", head.decode("utf-8")
+            if tail.strip(): yield "val", tail.decode("utf-8")
+        pos += len(b)
+
+
+# %%
+toy = ["aaaa\nbbbb\n", "cccc\n", "dddd\neeee\n"]  # 25 bytes; 40 % validation cuts at byte 15
+test_eq(list(split_train_val(toy, 25, 0.4)), [("train", "aaaa\nbbbb\n"), ("train", "cccc\n"), ("val", "dddd\neeee\n")])
+test_eq(list(split_train_val(toy, 25, 0.3)), [("train", "aaaa\nbbbb\n"), ("train", "cccc\n"), ("train", "dddd\n"), ("val", "eeee\n")])
+test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 1)")
+
+
+# %% [markdown]
+# ## The tokenizer
+#
+# Byte-level BPE (GPT-2's scheme): text is first turned into bytes, each byte mapped to one of 256
+# printable symbols, so every string is encodable and decoding is exact; the GPT-2 regex
+# pre-tokenizer splits words, numbers and punctuation; BPE then learns `vocab_size - 257` merges
+# (256 byte symbols and EOT are fixed). On the 1 MB corpus, training takes about a second.
+#
+# `encode_special_tokens = True` makes the tokenizer encode a literal `<|endoftext|>` *in the
+# text* as ordinary characters. Without it, a document that quotes the string would inject a
+# document boundary; EOT ids then come only from the pipeline.
+
+# %%
+#| export
+def train_tokenizer(docs: Iterable[str], # Training documents
+                    vocab_size: int = DEFAULT_VOCAB_SIZE, # Target vocabulary, EOT included (>= 257)
+                    progress: bool = False, # Show the trainer's progress bar
+                   ):
+    "A byte-level BPE `tokenizers.Tokenizer` trained on `docs`, with EOT as token 0."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    if vocab_size < 257: raise DataError(f"vocab_size={vocab_size} must be at least 257: the 256 byte symbols and {EOT}")
+    if vocab_size > 2**32: raise DataError(f"vocab_size={vocab_size} does not fit uint32 token ids")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(docs, trainer)
+    tok.encode_special_tokens = True
+    return tok
+
+
+# %%
+t0 = time.perf_counter()
+tok = train_tokenizer(shakespeare[:6500], 2048)
+print(f"trained in {time.perf_counter() - t0:.2f} s, vocabulary {tok.get_vocab_size()}")
+line = "To be, or not to be, that is the question:"
+enc = tok.encode(line)
+print(enc.tokens)
+print(enc.ids)
+print(f"{len(line.encode())} bytes -> {len(enc.ids)} tokens")
+test_eq(tok.decode(enc.ids), line)
+test_eq(tok.token_to_id(EOT), 0)
+
+# %% [markdown]
+# The round trip is exact for any Unicode, and the literal EOT string in text is not a boundary:
+
+# %%
+for s in ["Héllo,\r\n\twörld ☃ 𝄞", "a <|endoftext|> b"]: test_eq(tok.decode(tok.encode(s).ids), s)
+assert 0 not in tok.encode("a <|endoftext|> b").ids
+
+
+# %% [markdown]
+# ## Shards and the manifest
+#
+# `prepare` makes the dataset folder:
+#
+# ```
+# DIR/manifest.json      format, fingerprint, tokenizer sha256, vocab size, dtype, EOT id, and per
+#                        split: tokens, documents, bytes, shards
+# DIR/tokenizer.json     the tokenizer (Hugging Face format)
+# DIR/train_0000.npy ... the training stream: doc EOT doc EOT ..., cut into shards
+# DIR/val_0000.npy  ...  the validation stream
+# ```
+#
+# Token ids are `uint16` when the vocabulary fits ($V \le 2^{16}$; the 750M model's 64 256 does),
+# else `uint32`: half the disk and page-cache traffic of `int32`. Shards are plain `.npy` files
+# (the header carries the dtype and length) of `shard_tokens` tokens each, the last one shorter;
+# documents run across shard boundaries, because the loader reads the splits as one stream.
+#
+# **The fingerprint** is a sha256 of everything that determines the output: the format version,
+# every input file's name and content hash, and the options. Re-running `prepare` with the same
+# fingerprint returns at once without writing (so file times do not change); a different
+# fingerprint in an existing dataset folder is refused unless `overwrite=True`. Tokenizer
+# training and encoding are deterministic, and the manifest holds no time stamps, so two
+# preparations of the same input are byte-identical.
+
+# %%
+#| export
+def sha256_file(path: Path) -> str:
+    "Hex sha256 of a file's bytes."
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
+    return h.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    "The smallest unsigned dtype holding ids `0 .. vocab_size-1`: uint16 or uint32."
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+class _ShardWriter:
+    "Appends token arrays to one split and writes `{split}_{i:04d}.npy` shards of `shard_tokens` tokens."
+    def __init__(self, folder: Path, split: str, dtype, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.buf, self.n_buf, self.shards, self.tokens, self.documents, self.bytes = [], 0, [], 0, 0, 0
+
+    def add(self, ids: np.ndarray, n_bytes: int):
+        "Append one document's ids (EOT included)."
+        self.buf.append(ids); self.n_buf += len(ids)
+        self.tokens += len(ids); self.documents += 1; self.bytes += n_bytes
+        while self.n_buf >= self.shard_tokens: self._flush(self.shard_tokens)
+
+    def _flush(self, n: int):
+        arr = np.concatenate(self.buf) if self.buf else np.zeros(0, self.dtype)
+        name = f"{self.split}_{len(self.shards):04d}.npy"
+        np.save(self.folder / name, arr[:n])
+        self.shards.append({"file": name, "tokens": int(n)})
+        self.buf, self.n_buf = ([arr[n:]] if len(arr) > n else []), len(arr) - n
+
+    def close(self) -> dict:
+        if self.n_buf: self._flush(self.n_buf)
+        return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "shards": self.shards}
+
+
+# %% [markdown]
+# `prepare` reads the inputs twice (once to count bytes for the split, once to encode) and a third
+# time, up to `tokenizer_train_bytes`, to train the tokenizer, so memory stays bounded for large
+# corpora. Documents are encoded in batches (`encode_batch` runs on all cores) under a progress bar.
+
+# %%
+#| export
+def _fingerprint(files, tokenizer_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes) -> str:
+    spec = {"format": FORMAT, "inputs": [[name, sha256_file(p)] for p, name in files], "tokenizer": tokenizer_sha,
+            "vocab_size": None if tokenizer_sha else vocab_size, "doc_split": doc_split, "val_fraction": val_fraction,
+            "shard_tokens": shard_tokens, "tokenizer_train_bytes": None if tokenizer_sha else tokenizer_train_bytes}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _all_docs(files, doc_split) -> Iterator[str]:
+    for p, _ in files: yield from read_documents(p, doc_split)
+
+
+def _head(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
+    "The first documents of `docs` up to `max_bytes` UTF-8 bytes."
+    n = 0
+    for d in docs:
+        if n >= max_bytes: return
+        n += len(d.encode("utf-8")); yield d
+
+
+def _batches(items: Iterable[tuple[str, str]], max_bytes: int = 1 << 22) -> Iterator[list[tuple[str, str]]]:
+    batch, n = [], 0
+    for it in items:
+        batch.append(it); n += len(it[1])
+        if n >= max_bytes: yield batch; batch, n = [], 0
+    if batch: yield batch
+
+
+# %%
+#| export
+def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: str, doc_split: str,
+                   val_fraction: float, shard_tokens: int, total_bytes: int, progress: bool) -> dict:
+    "Encode every document into shards under `folder`; write tokenizer.json and, last, manifest.json."
+    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    vocab_size, eot_id = tok.get_vocab_size(), tok.token_to_id(EOT)
+    dtype = token_dtype(vocab_size)
+    writers = {s: _ShardWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
+    eot = np.array([eot_id], dtype)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no offsets: faster where available
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+        for batch in _batches(split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction)):
+            for (split, d), e in zip(batch, encode([d for _, d in batch])):
+                n = len(d.encode("utf-8"))
+                writers[split].add(np.concatenate([np.asarray(e.ids, dtype), eot]), n)
+                bar.update(n)
+    manifest = {"format": FORMAT, "fingerprint": fingerprint, "tokenizer": "tokenizer.json",
+                "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(),
+                "vocab_size": vocab_size, "eot_id": eot_id, "eot_token": EOT, "dtype": dtype.name,
+                "doc_split": doc_split, "val_fraction": val_fraction, "inputs": [name for _, name in files],
+                "splits": {s: w.close() for s, w in writers.items()}}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return manifest
+
+
+# %% [markdown]
+# The dataset appears all at once. Everything is written into a hidden sibling folder
+# `.DIR.tmp-<pid>-<random>`, which is renamed to `DIR` only when the manifest is written. An
+# interrupted run (Ctrl-C, an exception) removes its temporary folder; a killed one leaves a
+# hidden folder that nothing mistakes for a dataset. If two processes prepare the same data at
+# once (say every rank of a `torchrun`), the second to finish finds a dataset with the same
+# fingerprint already in place and drops its own copy.
+
+# %%
+#| export
+def load_manifest(data_dir: Path) -> dict:
+    "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
+    m = Path(data_dir) / "manifest.json"
+    if not m.exists():
+        raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run "
+                        f"`python -m hymo.data prepare --input TEXT... --out {data_dir}`")
+    manifest = json.loads(m.read_text())
+    if manifest.get("format") != FORMAT:
+        raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it again")
+    return manifest
+
+
+def _install(tmp: Path, out: Path, fingerprint: str):
+    "Move the finished `tmp` to `out`, replacing an older dataset there."
+    if out.exists() and (out / "manifest.json").exists() and load_manifest(out)["fingerprint"] == fingerprint:
+        shutil.rmtree(tmp); return  # another process finished the same work first
+    old = None
+    if out.exists():
+        if any(out.iterdir()):
+            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(out, old)
+        else: out.rmdir()
+    os.replace(tmp, out)
+    if old is not None: shutil.rmtree(old, ignore_errors=True)
+
+
+# %%
+#| export
+def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .parquet (a 'text' column)
+            out, # Dataset folder to create
+            vocab_size: Optional[int] = None, # BPE vocabulary to train (default 2048); with `tokenizer`, must match it if given
+            tokenizer=None, # A tokenizer.json to use instead of training one; it must contain <|endoftext|>
+            doc_split: str = "blank", # Plain text: 'blank' (blank lines end a document) or 'file' (one document per file)
+            val_fraction: float = 0.1, # Fraction of the bytes, at the end, kept for validation
+            shard_tokens: int = 2**27, # Tokens per shard file (the last is shorter)
+            tokenizer_train_bytes: int = 2**30, # The tokenizer is trained on at most this many bytes of training documents
+            overwrite: bool = False, # Replace a dataset in `out` prepared from other inputs or options
+            progress: bool = True, # Show progress bars
+           ) -> Path:
+    "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return `out`."
+    out = Path(out).expanduser()
+    files = find_files(inputs)
+    if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
+        tokenizer = Path(tokenizer)
+        if not tokenizer.exists(): raise DataError(f"tokenizer {tokenizer} does not exist: give a Hugging Face tokenizer.json")
+        tokenizer_json = tokenizer.read_text(encoding="utf-8")
+        tok = Tokenizer.from_str(tokenizer_json)
+        if tok.token_to_id(EOT) is None: raise DataError(f"tokenizer {tokenizer} has no {EOT} token: add it as a special token")
+        if vocab_size is not None and vocab_size != tok.get_vocab_size():
+            raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
+        tok.encode_special_tokens = True
+    vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
+    tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
+    fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").exists():
+            raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
+        if load_manifest(out)["fingerprint"] == fingerprint: return out  # already prepared: nothing to write
+        if not overwrite:
+            raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass overwrite=True "
+                            f"(--overwrite) to replace it, or choose another --out")
+    total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
+    if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
+    if tokenizer is None:
+        train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
+        tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
+        tokenizer_json = tok.to_str()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        _write_dataset(tmp, files, tok, tokenizer_json, fingerprint, doc_split, val_fraction, shard_tokens, total_bytes, progress)
+        _install(tmp, out, fingerprint)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# %% [markdown]
+# Preparing the whole bundled corpus takes a couple of seconds:
+
+# %%
+work = Path(tempfile.mkdtemp())
+t0 = time.perf_counter()
+ds = prepare(CORPUS, work / "shakespeare", vocab_size=2048, progress=False)
+print(f"prepared in {time.perf_counter() - t0:.1f} s: {sorted(p.name for p in ds.iterdir())}")
+manifest = load_manifest(ds)
+for s, v in manifest["splits"].items():
+    print(f"{s:5s} {v['tokens']:8,} tokens {v['documents']:6,} documents {v['bytes']:9,} bytes "
+          f"({v['bytes'] / v['tokens']:.2f} bytes/token)")
+print({k: manifest[k] for k in ("vocab_size", "dtype", "eot_id", "doc_split", "inputs")})
+
+# %% [markdown]
+# The checks: the validation split holds about 10 % of the bytes, every document ends in exactly
+# one EOT, the shards add up to the manifest's counts, and decoding the stream gives back the
+# text.
+
+# %%
+tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
+test_close(va["bytes"] / (tr["bytes"] + va["bytes"]), 0.1, eps=0.002)
+test_eq(tr["documents"] + va["documents"], len(shakespeare) + 1)  # the speech cut at the split counts twice
+test_eq(manifest["dtype"], "uint16")
+stream = np.load(ds / "train_0000.npy", mmap_mode="r")
+test_eq(len(stream), tr["tokens"])
+test_eq(int((stream == manifest["eot_id"]).sum()), tr["documents"])
+test_eq(int(stream[-1]), manifest["eot_id"])
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(str(ds / "tokenizer.json"))
+first = np.flatnonzero(stream == manifest["eot_id"])[:2]
+test_eq(tok.decode(stream[:first[0]].tolist()), shakespeare[0])
+test_eq(tok.decode(stream[first[0] + 1:first[1]].tolist()), shakespeare[1])
+
+# %% [markdown]
+# Running it again is a no-op (same fingerprint: no file is touched), and the output is
+# deterministic: a second folder gets byte-identical files.
+
+# %%
+mtimes = {p.name: p.stat().st_mtime_ns for p in ds.iterdir()}
+t0 = time.perf_counter()
+prepare(CORPUS, ds, vocab_size=2048, progress=False)
+print(f"second call: {1e3 * (time.perf_counter() - t0):.0f} ms")
+test_eq({p.name: p.stat().st_mtime_ns for p in ds.iterdir()}, mtimes)
+ds2 = prepare(CORPUS, work / "again", vocab_size=2048, progress=False)
+test_eq({p.name: sha256_file(p) for p in ds2.iterdir()}, {p.name: sha256_file(p) for p in ds.iterdir()})
+test_fail(lambda: prepare(CORPUS, ds, vocab_size=1024, progress=False), contains="overwrite=True")
+
+# %% [markdown]
+# How long are the documents? Most speeches are short, which matters for document masking: a
+# window of 128 tokens holds several of them.
+
+# %%
+starts = np.flatnonzero(stream == manifest["eot_id"])
+lengths = np.diff(np.concatenate([[-1], starts]))  # tokens per document, EOT included
+fig, ax = plt.subplots(figsize=(5, 2.5))
+ax.hist(lengths, bins=np.arange(0, 400, 8))
+ax.set_xlabel("tokens per document (speech)"); ax.set_ylabel("documents")
+ax.set_title(f"median {np.median(lengths):.0f}, mean {lengths.mean():.0f} tokens")
+plt.tight_layout(); plt.show()
+
+
+# %% [markdown]
+# ## Using a prepared dataset
+#
+# The trainer needs two things from a dataset folder besides its tokens: the tokenizer (to print
+# samples) and the assurance that the token ids fit the model. `check_compatible` verifies that
+# `tokenizer.json` is the one the shards were encoded with (its sha256 is in the manifest), that
+# every shard is present with the recorded length and dtype, and that the largest possible id,
+# $V_\text{data} - 1$, is a row of the model's embedding: $V_\text{data} \le V_\text{model}$. A
+# model vocabulary larger than the data's is allowed (the 750M model pads 64 000 to 64 256, a
+# multiple of 128); a smaller one would index past the embedding.
+
+# %%
+#| export
+def load_tokenizer(data_dir: Path):
+    "The `tokenizers.Tokenizer` of a prepared dataset: `.encode(text).ids` and `.decode(ids)`."
+    from tokenizers import Tokenizer
+    manifest = load_manifest(data_dir)
+    path = Path(data_dir) / manifest["tokenizer"]
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
+        raise DataError(f"{path} is missing or is not the tokenizer the shards were encoded with (sha256 differs "
+                        f"from the manifest): prepare the dataset again")
+    tok = Tokenizer.from_str(text)
+    tok.encode_special_tokens = True
+    return tok
+
+
+def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]:
+    "Memory-map the shards of `split`, checking each against the manifest."
+    if split not in manifest["splits"]: raise DataError(f"split {split!r}: choose one of {sorted(manifest['splits'])}")
+    arrays = []
+    for s in manifest["splits"][split]["shards"]:
+        p = Path(data_dir) / s["file"]
+        if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again")
+        a = np.load(p, mmap_mode="r")
+        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"]:
+            raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
+                            f"{manifest['dtype']}: the dataset is damaged, prepare it again")
+        arrays.append(a)
+    return arrays
+
+
+def check_compatible(data_dir: Path, # A prepared dataset folder
+                     vocab_size: int, # The model's vocabulary (embedding rows)
+                    ) -> dict:
+    "Raise a `DataError` unless the dataset is intact and its ids fit a model of `vocab_size`; return its manifest."
+    manifest = load_manifest(data_dir)
+    tok = load_tokenizer(data_dir)
+    if tok.get_vocab_size() != manifest["vocab_size"]:
+        raise DataError(f"tokenizer.json has {tok.get_vocab_size()} tokens, the manifest says {manifest['vocab_size']}: prepare again")
+    for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
+    if manifest["vocab_size"] > vocab_size:
+        raise DataError(f"{data_dir} was tokenized with {manifest['vocab_size']} tokens but the model has vocab_size="
+                        f"{vocab_size}: set model.vocab_size >= {manifest['vocab_size']}, or prepare the data "
+                        f"with --vocab-size {vocab_size}")
+    return manifest
+
+
+# %%
+test_eq(check_compatible(ds, 2048)["vocab_size"], 2048)
+check_compatible(ds, 4096)  # a larger embedding is fine
+test_fail(lambda: check_compatible(ds, 1024), contains="set model.vocab_size >= 2048")
+test_fail(lambda: check_compatible(work, 2048), contains="python -m hymo.data prepare")
+
+
+# %% [markdown]
+# ## The default dataset
+#
+# With no data argument the trainer calls `prepare_default`, which prepares the bundled
+# Shakespeare into `$HYMO_CACHE` (default `~/.cache/hymo`), in a folder named by the vocabulary
+# size, and reuses it on every later run.
+
+# %%
+#| export
+def default_cache_dir() -> Path:
+    "`$HYMO_CACHE`, or `~/.cache/hymo`."
+    return Path(os.environ.get("HYMO_CACHE") or Path.home() / ".cache" / "hymo").expanduser()
+
+
+def prepare_default(cache_dir: Optional[Path] = None, # Where datasets are cached; None: `default_cache_dir()`
+                    vocab_size: int = DEFAULT_VOCAB_SIZE, # BPE vocabulary to train
+                    progress: bool = True, # Show progress bars
+                   ) -> Path:
+    "Prepare the bundled Shakespeare (once) into the cache and return the dataset folder."
+    out = Path(cache_dir or default_cache_dir()) / "data" / f"tinyshakespeare-bpe{vocab_size}"
+    return prepare(CORPUS, out, vocab_size=vocab_size, overwrite=True, progress=progress)
+
+
+# %%
+test_eq(prepare_default(work / "cache", progress=False), work / "cache" / "data" / "tinyshakespeare-bpe2048")
+test_eq(load_manifest(work / "cache/data/tinyshakespeare-bpe2048")["fingerprint"], manifest["fingerprint"])
+
+
+# %% [markdown]
+# ## The loader
+#
+# A split is one stream of $N$ tokens $x_0 \dots x_{N-1}$ (its shards end to end). Window $k$
+# starts at $s_k = kT$ and holds the $T + 1$ tokens $x_{s_k} \dots x_{s_k + T}$: inputs are the
+# first $T$, targets the last $T$ (shifted by one). There are $K = \lfloor (N - 1) / T \rfloor$
+# windows; consecutive windows share one token, so every token is a target exactly once.
+#
+# **Order.** Epoch $e$ visits the windows in the permutation $\pi_e$ drawn from a generator seeded
+# with $(\text{seed}, e)$. A micro-batch step takes $W B$ windows for $W$ data-parallel ranks with
+# $B$ sequences each, so an epoch has $S = \lfloor K / (W B) \rfloor$ steps (the at most $WB - 1$
+# windows left over are different ones every epoch). Step $t$ belongs to epoch $e = \lfloor t / S
+# \rfloor$, and rank $r$ reads, for $b = 0 \dots B - 1$,
+# $$k = \pi_e\big((t \bmod S)\, W B + r B + b\big).$$
+# Nothing but $(\text{seed}, t, r)$ enters: the ranks' windows are disjoint (distinct entries of
+# one permutation), together they cover the epoch, and the loader's whole state is the step $t$.
+# Resuming is `load_state_dict({'step': t, ...})`.
+#
+# **Document boundaries.** With `doc_masking=True` the loader also returns `cu_seqlens`, the
+# offsets where documents start. EOT *opens* a segment: it acts as the beginning-of-sequence
+# token of the document after it, so that document is predicted from nothing that came before,
+# while the EOT that ends a document is still a target of its last token (the model learns when
+# to stop). A segment also starts at every row start. For `B > 1` the offsets index the batch
+# *flattened* to one row of $BT$ tokens, exactly what a model that packs sequences (the
+# varlen kernels, run with batch size 1) needs: `cu_seqlens` is `int32` of shape `[S + 1]`,
+# $0 = c_0 < c_1 < \dots < c_S = BT$, and segment $j$ is tokens $c_j \dots c_{j+1} - 1$ of
+# `tokens.view(1, B * T)`.
+
+# %%
+#| export
+def doc_cu_seqlens(tokens: torch.Tensor, # [B, T] token ids
+                   eot_id: int, # The id that opens a document
+                  ) -> torch.Tensor:
+    "Document start offsets in the flattened `[1, B*T]` batch, and `B*T` at the end: int32 `[S + 1]`."
+    import torch
+    B, T = tokens.shape
+    starts = tokens == eot_id  # (B, T)
+    starts[:, 0] = True  # every row starts a segment
+    idx = torch.nonzero(starts.reshape(-1)).squeeze(1)  # (S,) offsets into the flattened B*T tokens
+    return torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
+
+
+# %%
+E = 0
+x = torch.tensor([[5, 6, E, 7, 8, 9, E, 4],
+                  [E, 1, 2, 3, 3, 3, E, 2]])
+test_eq(doc_cu_seqlens(x, E).tolist(), [0, 2, 6, 8, 14, 16])
+
+
+# %%
+#| export
+class TokenLoader:
+    "Micro-batches of `seq_len` windows from a prepared split: `(tokens, targets)` `[B, T]` int64, plus `cu_seqlens` with `doc_masking`."
+    def __init__(self, data_dir: Path, # A prepared dataset folder
+                 split: str = "train", # 'train' or 'val'
+                 seq_len: int = 128, # T: tokens per sequence (each window reads T + 1)
+                 micro_batch_size: int = 16, # B: sequences per batch on this rank
+                 rank: int = 0, # This data-parallel rank
+                 world_size: int = 1, # W: data-parallel ranks
+                 seed: int = 0, # Seeds the per-epoch window order
+                 doc_masking: bool = False, # Also return `cu_seqlens` (document starts in the flattened batch)
+                ):
+        self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
+        self.rank, self.world_size, self.seed, self.doc_masking = rank, world_size, seed, doc_masking
+        if not 0 <= rank < world_size: raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
+        if seq_len <= 0 or micro_batch_size <= 0: raise DataError("seq_len and micro_batch_size must be positive")
+        self.manifest = load_manifest(data_dir)
+        self.eot_id = self.manifest["eot_id"]
+        self.shards = _open_shards(data_dir, self.manifest, split)
+        self.offsets = np.cumsum([0] + [len(a) for a in self.shards])  # shard i holds stream[offsets[i]:offsets[i+1]]
+        self.n_tokens = int(self.offsets[-1])
+        self.n_windows = max(self.n_tokens - 1, 0) // seq_len  # K
+        per_step = world_size * micro_batch_size
+        if self.n_windows == 0:
+            raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
+                            f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
+        if self.n_windows < per_step:
+            raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than the "
+                            f"{per_step} one step needs (world_size {world_size} x micro_batch_size "
+                            f"{micro_batch_size}): use a shorter seq_len, a smaller batch or more data")
+        self.steps_per_epoch = self.n_windows // per_step  # S
+        self.step, self._perm = 0, (None, None)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm[0] != epoch: self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
+        return self._perm[1]
+
+    def window_ids(self, step: int) -> np.ndarray:
+        "The window indices $k$ this rank reads at `step`: `[B]`."
+        epoch, t = divmod(step, self.steps_per_epoch)
+        B = self.micro_batch_size
+        first = t * self.world_size * B + self.rank * B
+        return self._permutation(epoch)[first:first + B]
+
+    def _read(self, start: int, n: int) -> np.ndarray:
+        "Tokens `start .. start+n-1` of the stream, across shard boundaries."
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts = []
+        while n > 0:
+            lo = start - self.offsets[i]
+            part = self.shards[i][lo:lo + n]
+            parts.append(part); n -= len(part); start += len(part); i += 1
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def _batch(self, windows: np.ndarray):
+        import torch
+        T = self.seq_len
+        xy = torch.from_numpy(np.stack([self._read(int(k) * T, T + 1) for k in windows]).astype(np.int64))  # (B, T+1)
+        tokens, targets = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
+        if self.doc_masking: return tokens, targets, doc_cu_seqlens(tokens, self.eot_id)
+        return tokens, targets
+
+    def batch(self, step: int):
+        "The micro-batch of `step` on this rank (a pure function of seed, step and rank)."
+        return self._batch(self.window_ids(step))
+
+    def __iter__(self): return self
+
+    def __next__(self):
+        b = self.batch(self.step)
+        self.step += 1
+        return b
+
+    @property
+    def epoch(self) -> float:
+        "Epochs done so far, fractional."
+        return self.step / self.steps_per_epoch
+
+    def state_dict(self) -> dict:
+        "Everything needed to continue with the next batch: the step, and what the order depends on."
+        return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
+                "world_size": self.world_size, "split": self.split, "fingerprint": self.manifest["fingerprint"]}
+
+    def load_state_dict(self, state: dict):
+        "Continue from a `state_dict()`; the order-defining settings must be the same."
+        mine = self.state_dict()
+        diff = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in mine if k != "step" and state.get(k) != mine[k]]
+        if diff: raise DataError("cannot resume the data order, settings differ (" + "; ".join(diff) + "): "
+                                 "resume with the same data, seed, seq_len, micro_batch_size and world_size")
+        self.step = int(state["step"])
+
+    def eval_batches(self, n_batches: Optional[int] = None, # Batches to yield; None: all full batches
+                    ) -> Iterator:
+        "Validation micro-batches: windows in stream order, rank-sharded, the same on every call."
+        per_step = self.world_size * self.micro_batch_size
+        n = self.n_windows // per_step if n_batches is None else min(n_batches, self.n_windows // per_step)
+        for t in range(n):
+            first = t * per_step + self.rank * self.micro_batch_size
+            yield self._batch(np.arange(first, first + self.micro_batch_size))
+
+
+# %% [markdown]
+# On the prepared Shakespeare with the tiny preset's shapes ($T = 128$, $B = 16$): the targets are
+# the inputs shifted by one, and a window is a slice of the stream.
+
+# %%
+T, B = 128, 16
+loader = TokenLoader(ds, "train", seq_len=T, micro_batch_size=B, seed=0)
+print(f"{loader.n_tokens:,} tokens, {loader.n_windows} windows, {loader.steps_per_epoch} steps per epoch")
+tokens, targets = next(loader)
+test_eq(tokens.shape, (B, T)); test_eq(tokens.dtype, torch.int64)
+test_eq(tokens[:, 1:], targets[:, :-1])
+k = int(loader.window_ids(0)[0])
+test_eq(tokens[0].numpy(), stream[k * T:k * T + T])
+print(repr(tok.decode(tokens[0, :40].tolist())))
+
+# %% [markdown]
+# Two ranks see disjoint windows and, together, a whole epoch:
+
+# %%
+W = 2
+ranks = [TokenLoader(ds, seq_len=T, micro_batch_size=B, rank=r, world_size=W, seed=0) for r in range(W)]
+S = ranks[0].steps_per_epoch
+seen = [np.concatenate([l.window_ids(t) for t in range(S)]) for l in ranks]
+assert not set(seen[0]) & set(seen[1])
+test_eq(len(set(seen[0]) | set(seen[1])), S * W * B)
+test_eq(len(np.unique(seen[0])), S * B)
+test_ne(ranks[0].window_ids(S).tolist(), ranks[0].window_ids(0).tolist())  # the next epoch has a new order
+
+# %% [markdown]
+# Resuming: a loader restored from a state dict continues with exactly the batches an
+# uninterrupted one would have produced, across an epoch boundary too.
+
+# %%
+a = TokenLoader(ds, seq_len=T, micro_batch_size=B, seed=3)
+stream_a = [next(a)[0] for _ in range(S + 5)]
+b = TokenLoader(ds, seq_len=T, micro_batch_size=B, seed=3)
+for _ in range(S - 2): next(b)
+c = TokenLoader(ds, seq_len=T, micro_batch_size=B, seed=3)
+c.load_state_dict(b.state_dict())
+for i in range(S - 2, S + 5): test_eq(next(c)[0], stream_a[i])
+test_fail(lambda: c.load_state_dict({**b.state_dict(), "seed": 4}), contains="seed: saved 4")
+
+# %% [markdown]
+# With document masking, each batch also carries its document starts in the flattened batch:
+
+# %%
+dm = TokenLoader(ds, seq_len=T, micro_batch_size=B, doc_masking=True)
+tokens, targets, cu = next(dm)
+flat = tokens.reshape(-1)  # (B*T,)
+test_eq(int(cu[0]), 0); test_eq(int(cu[-1]), B * T); test_eq(cu.dtype, torch.int32)
+assert bool((flat[cu[:-1].long()] == manifest["eot_id"]).logical_or(cu[:-1] % T == 0).all())
+is_start = (flat == manifest["eot_id"]) | (torch.arange(B * T) % T == 0)
+test_eq(cu[:-1].long(), torch.nonzero(is_start).squeeze(1))
+print(f"{len(cu) - 1} segments in {B} x {T} tokens, longest {int(cu.diff().max())}")
+
+# %% [markdown]
+# The validation iterator ignores the training position: windows in stream order, the same
+# every time it is called.
+
+# %%
+val = TokenLoader(ds, "val", seq_len=T, micro_batch_size=B)
+first = [x for x, _ in val.eval_batches(4)]
+next(val)
+test_eq([x for x, _ in val.eval_batches(4)], first)
+test_eq(first[1][0].numpy(), np.load(ds / "val_0000.npy")[B * T:B * T + T])
+print(f"validation: {val.n_tokens:,} tokens, {val.n_windows} windows, {val.n_windows // B} full batches")
+
+# %% [markdown]
+# And the errors, each with what to do:
+
+# %%
+test_fail(lambda: TokenLoader(ds, "val", seq_len=10**6, micro_batch_size=1), contains="use a shorter seq_len")
+test_fail(lambda: TokenLoader(ds, "val", seq_len=T, micro_batch_size=10**4), contains="fewer than")
+test_fail(lambda: prepare(work / "nothing.txt", work / "x"), contains="does not exist")
+(work / "table.csv").write_text("a,b\n")
+test_fail(lambda: prepare(work / "table.csv", work / "x"), contains="unknown file type '.csv'")
+(work / "empty.txt").write_text("\n\n  \n")
+test_fail(lambda: prepare(work / "empty.txt", work / "x"), contains="the inputs are empty")
+shutil.rmtree(work)
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why byte-level BPE rather than a character or word vocabulary?
+# Mapping the 256 byte values to symbols first makes every string encodable: there is no
+# unknown token, and `decode(encode(s)) == s` for any Unicode (accents, emoji, a stray `\r`). BPE
+# then merges frequent byte pairs into tokens, so common words cost one token and rare ones fall
+# back to pieces. A character vocabulary wastes the model's context (about 4× longer sequences);
+# a word vocabulary cannot spell unseen words. The price is that the vocabulary depends on the
+# training corpus: a Shakespeare tokenizer compresses modern English worse.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why store tokens as uint16, and what breaks above 65 536 tokens?
+# Ids below $2^{16}$ fit two bytes, half of `int32`: 30 B tokens are 60 GB instead of 120 GB, and
+# the loader moves half as many bytes per step. A vocabulary of more than 65 536 tokens would wrap
+# silently in `uint16`, so the dtype is chosen from the vocabulary size (`uint32` above it) and
+# recorded in the manifest; the loader widens to `int64` only for the small batch it returns.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## How does the loader resume exactly where it stopped, and why is that a single integer?
+# The batch at step $t$ on rank $r$ is a pure function of $(\text{seed}, t, r)$: the epoch
+# $e = \lfloor t/S \rfloor$ selects a permutation seeded with $(\text{seed}, e)$, and the position
+# in the epoch selects the slice. So the state is $t$ (plus the settings it depends on, which
+# `load_state_dict` checks). A loader that keeps an iterator over a shuffled buffer, or worker
+# processes with their own random state, needs all of that state saved, and usually replays or
+# skips data after a restart.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why make EOT open the next document's segment rather than close the current one?
+# With document masking no information may cross a boundary. The input at an EOT position
+# predicts the first token of the next document; if EOT belonged to the previous segment, that
+# prediction would be conditioned on the previous document. Opening the segment with EOT makes it
+# a beginning-of-sequence token: the first token is predicted from EOT alone, the way generation
+# starts from a prompt of one EOT. The EOT that ends a document is still a *target* of its last
+# token, so the model learns where documents end.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why must `prepare` write to a temporary folder and rename?
+# A dataset that looks complete but is not (a crash after three of five shards, or a manifest
+# written before the shards) trains silently on the wrong data. Writing everything into a hidden
+# temporary folder and renaming it in one `os.replace` means the folder `DIR` either does not
+# exist or is complete; on the same file system the rename is atomic. The fingerprint check
+# makes a re-run free, and also lets concurrent ranks that all prepared the same data keep one
+# copy.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why is the validation split the end of the corpus and not a random 10 % of documents?
+# Neighbouring speeches share names, phrases and plot, so a random split leaks near-copies of the
+# validation text into training and makes the validation loss optimistic. Cutting at the end
+# (on a line boundary, so no line is split) keeps the two splits apart, is reproducible without a
+# seed, and needs only one byte count to compute.
+# :::

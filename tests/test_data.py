@@ -1,0 +1,249 @@
+"""The data pipeline: documents, tokenizer, shards and manifest, idempotent prepare, the loader's order and resumption."""
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import hymo.training.data as D
+from hymo.training.data import (CORPUS, EOT, DataError, TokenLoader, check_compatible, doc_cu_seqlens, load_manifest,
+                                load_tokenizer, prepare, prepare_default, split_text, token_dtype, train_tokenizer)
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    "The first ~40 KB of Shakespeare (whole lines) as a file: speeches separated by blank lines."
+    raw = CORPUS.read_text()[:40_000]
+    p = tmp_path_factory.mktemp("src") / "play.txt"
+    p.write_text(raw[:raw.rindex("\n") + 1])
+    return p
+
+
+@pytest.fixture(scope="module")
+def ds(text, tmp_path_factory):
+    "A prepared dataset with small shards, so windows cross shard boundaries."
+    return prepare(text, tmp_path_factory.mktemp("ds") / "data", vocab_size=VOCAB, shard_tokens=1000, progress=False)
+
+
+def stream_of(ds, split):
+    m = load_manifest(ds)
+    return np.concatenate([np.load(ds / s["file"]) for s in m["splits"][split]["shards"]])
+
+
+def test_round_trip_text_tokens_text():
+    docs = split_text(CORPUS.read_text()[:20_000])
+    tok = train_tokenizer(docs, VOCAB)
+    assert tok.get_vocab_size() == VOCAB and tok.token_to_id(EOT) == 0
+    for s in docs[:50] + ["Héllo,\r\n\twörld ☃ 𝄞", "tabs\tand  spaces  \n\n\n"]:
+        assert tok.decode(tok.encode(s).ids) == s
+    ids = tok.encode("a <|endoftext|> b").ids  # the literal string in text is not a document boundary
+    assert 0 not in ids and tok.decode(ids) == "a <|endoftext|> b"
+
+
+def test_documents_of_plain_text():
+    assert split_text("A:\nx\n\n \n\nB:\ny") == ["A:\nx\n", "B:\ny\n"]
+    assert split_text("A\n\nB\n", "file") == ["A\n\nB\n"]
+    with pytest.raises(DataError, match="choose 'blank' or 'file'"): split_text("a", "lines")
+
+
+def test_shards_and_manifest(ds, text):
+    m = load_manifest(ds)
+    docs = split_text(text.read_text())
+    assert m["vocab_size"] == VOCAB and m["dtype"] == "uint16" and m["eot_id"] == 0 and m["inputs"] == ["play.txt"]
+    assert m["tokenizer_sha256"] == hashlib.sha256((ds / "tokenizer.json").read_bytes()).hexdigest()
+    tok = load_tokenizer(ds)
+    decoded = []
+    for split in ("train", "val"):
+        info, s = m["splits"][split], stream_of(ds, split)
+        assert len(info["shards"]) == -(-info["tokens"] // 1000) and all(x["tokens"] == 1000 for x in info["shards"][:-1])
+        assert s.dtype == np.uint16 and len(s) == info["tokens"]
+        assert int((s == 0).sum()) == info["documents"] and s[-1] == 0  # one EOT after every document
+        decoded += [tok.decode(d.tolist()) for d in np.split(s, np.flatnonzero(s == 0) + 1)[:-1]]
+    assert "".join(decoded) == "".join(docs)  # the split only cuts one document at a newline
+    tr, va = m["splits"]["train"]["bytes"], m["splits"]["val"]["bytes"]
+    assert abs(va / (tr + va) - 0.1) < 0.01 and decoded[m["splits"]["train"]["documents"] - 1].endswith("\n")
+    assert token_dtype(2**16) == np.uint16 and token_dtype(2**16 + 1) == np.uint32
+
+
+def test_rerun_is_idempotent_and_deterministic(ds, text, tmp_path):
+    before = {p.name: (p.stat().st_mtime_ns, D.sha256_file(p)) for p in ds.iterdir()}
+    assert prepare(text, ds, vocab_size=VOCAB, shard_tokens=1000, progress=False) == ds
+    assert {p.name: (p.stat().st_mtime_ns, D.sha256_file(p)) for p in ds.iterdir()} == before
+    other = prepare(text, tmp_path / "again", vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    assert {p.name: D.sha256_file(p) for p in other.iterdir()} == {k: v[1] for k, v in before.items()}
+    with pytest.raises(DataError, match="overwrite=True"): prepare(text, ds, vocab_size=VOCAB + 1, progress=False)
+    assert not [p for p in ds.parent.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_interrupted_prepare_leaves_nothing(text, tmp_path, monkeypatch):
+    def boom(folder, *a, **k):
+        np.save(folder / "train_0000.npy", np.zeros(3, np.uint16))
+        raise KeyboardInterrupt
+    monkeypatch.setattr(D, "_write_dataset", boom)
+    with pytest.raises(KeyboardInterrupt): prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite_replaces_dataset(text, tmp_path):
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    prepare(text, out, vocab_size=VOCAB + 20, overwrite=True, progress=False)
+    assert load_manifest(out)["vocab_size"] == VOCAB + 20 and sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_resumption_gives_the_same_batches(ds):
+    mk = lambda: TokenLoader(ds, seq_len=16, micro_batch_size=4, seed=7)
+    full = mk()
+    S = full.steps_per_epoch
+    ref = [next(full) for _ in range(S + 3)]  # crosses an epoch boundary
+    first = mk()
+    for _ in range(S - 2): next(first)
+    resumed = mk()
+    resumed.load_state_dict(first.state_dict())
+    for i in range(S - 2, S + 3):
+        x, y = next(resumed)
+        assert torch.equal(x, ref[i][0]) and torch.equal(y, ref[i][1])
+    assert not torch.equal(TokenLoader(ds, seq_len=16, micro_batch_size=4, seed=8).batch(0)[0], ref[0][0])
+    with pytest.raises(DataError, match="seq_len: saved 16, now 32"):
+        TokenLoader(ds, seq_len=32, micro_batch_size=4, seed=7).load_state_dict(first.state_dict())
+
+
+def test_windows_are_slices_of_the_stream(ds):
+    s, T = stream_of(ds, "train"), 16
+    loader = TokenLoader(ds, seq_len=T, micro_batch_size=4, seed=1)
+    for step in (0, 5, loader.steps_per_epoch + 1):
+        x, y = loader.batch(step)
+        for row, k in enumerate(loader.window_ids(step)):
+            assert np.array_equal(x[row].numpy(), s[k * T:k * T + T]) and np.array_equal(y[row].numpy(), s[k * T + 1:k * T + T + 1])
+    assert loader.n_windows == (len(s) - 1) // T
+
+
+def test_ranks_are_disjoint_and_cover_an_epoch(ds):
+    W, B, T = 3, 2, 16
+    loaders = [TokenLoader(ds, seq_len=T, micro_batch_size=B, rank=r, world_size=W, seed=0) for r in range(W)]
+    S, K = loaders[0].steps_per_epoch, loaders[0].n_windows
+    seen = [np.concatenate([l.window_ids(t) for t in range(S)]) for l in loaders]
+    allw = np.concatenate(seen)
+    assert len(np.unique(allw)) == len(allw) == S * W * B and K - len(allw) < W * B
+    for t in (0, S + 2):  # the batches too, not only the ids
+        rows = torch.cat([l.batch(t)[0] for l in loaders])
+        assert len({tuple(r.tolist()) for r in rows}) == W * B
+
+
+def test_cu_seqlens_match_known_boundaries(tmp_path):
+    rng = np.random.default_rng(0)
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    docs = [" ".join(rng.choice(words, rng.integers(1, 30))) + "\n" for _ in range(300)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    ds = prepare(tmp_path / "docs.jsonl", tmp_path / "ds", vocab_size=VOCAB, val_fraction=0.0, progress=False)
+    tok = load_tokenizer(ds)
+    ends = np.cumsum([len(tok.encode(d).ids) + 1 for d in docs])  # EOT positions + 1 in the stream
+    eot_pos = set((ends - 1).tolist())
+    T, B = 24, 3
+    loader = TokenLoader(ds, seq_len=T, micro_batch_size=B, seed=0, doc_masking=True)
+    for step in range(5):
+        x, y, cu = loader.batch(step)
+        expect = [0]
+        for row, k in enumerate(loader.window_ids(step)):
+            if row: expect.append(row * T)
+            expect += [row * T + p - k * T for p in range(k * T, k * T + T) if p in eot_pos and p != k * T]
+        assert cu.dtype == torch.int32 and cu.tolist() == expect + [B * T]
+    x = torch.tensor([[3, 0, 4], [0, 5, 0]])
+    assert doc_cu_seqlens(x, 0).tolist() == [0, 1, 3, 5, 6]
+
+
+def test_validation_iterator_is_fixed_and_sharded(ds):
+    T, B = 16, 2
+    a = TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, rank=0, world_size=2)
+    b = TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, rank=1, world_size=2)
+    first = [x for x, _ in a.eval_batches(3)]
+    next(a); next(a)
+    assert all(torch.equal(u, v) for u, v in zip(first, [x for x, _ in a.eval_batches(3)]))
+    s = stream_of(ds, "val")
+    x1 = next(iter(b.eval_batches(1)))[0]
+    assert np.array_equal(first[0][0].numpy(), s[:T]) and np.array_equal(x1[0].numpy(), s[2 * T:3 * T])
+    assert len(list(a.eval_batches())) == a.n_windows // (2 * B)
+
+
+def test_jsonl_and_parquet_inputs(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = [f"Row {i} says {'hello ' * (i % 5)}there.\nSecond line {i}." for i in range(60)]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(rows[:30])))
+    pq.write_table(pa.table({"body": rows[30:], "n": list(range(30))}), tmp_path / "in" / "b.parquet")  # one string column
+    (tmp_path / "in" / "notes.csv").write_text("ignored in a folder\n")
+    ds = prepare(tmp_path / "in", tmp_path / "ds", vocab_size=VOCAB, val_fraction=0.0, progress=False)
+    m = load_manifest(ds)
+    assert m["inputs"] == ["in/a.jsonl", "in/b.parquet"] and m["splits"]["train"]["documents"] == 60
+    s, tok = stream_of(ds, "train"), load_tokenizer(ds)
+    assert [tok.decode(d.tolist()) for d in np.split(s, np.flatnonzero(s == 0) + 1)[:-1]] == rows
+    pq.write_table(pa.table({"a": ["x"], "b": ["y"]}), tmp_path / "two.parquet")
+    with pytest.raises(DataError, match="no 'text' column"): prepare(tmp_path / "two.parquet", tmp_path / "x", progress=False)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2 has no string field 'text'"): prepare(tmp_path / "bad.jsonl", tmp_path / "x", progress=False)
+
+
+def test_given_tokenizer_is_used(ds, text, tmp_path):
+    out = prepare(text, tmp_path / "ds", tokenizer=ds / "tokenizer.json", progress=False)
+    assert load_manifest(out)["tokenizer_sha256"] == load_manifest(ds)["tokenizer_sha256"]
+    assert np.array_equal(stream_of(out, "train"), stream_of(ds, "train"))
+    with pytest.raises(DataError, match="drop --vocab-size"): prepare(text, tmp_path / "x", vocab_size=512, tokenizer=ds / "tokenizer.json")
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.BPE()).save(str(tmp_path / "no_eot.json"))
+    with pytest.raises(DataError, match="has no <|endoftext|> token"): prepare(text, tmp_path / "y", tokenizer=tmp_path / "no_eot.json")
+
+
+def test_input_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"): prepare(tmp_path / "missing.txt", tmp_path / "o")
+    (tmp_path / "empty.txt").write_text("\n \n\n")
+    with pytest.raises(DataError, match="the inputs are empty"): prepare(tmp_path / "empty.txt", tmp_path / "o")
+    (tmp_path / "t.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"unknown file type '\.csv'"): prepare(tmp_path / "t.csv", tmp_path / "o")
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(DataError, match="holds no"): prepare(tmp_path / "sub", tmp_path / "o")
+    (tmp_path / "ok.txt").write_text("hello\n")
+    (tmp_path / "busy").mkdir(); (tmp_path / "busy" / "mine.txt").write_text("keep me")
+    with pytest.raises(DataError, match="not a HyMo dataset"): prepare(tmp_path / "ok.txt", tmp_path / "busy")
+    with pytest.raises(DataError, match="at least 257"): prepare(tmp_path / "ok.txt", tmp_path / "o", vocab_size=100, progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_dataset_errors(ds, text, tmp_path):
+    assert check_compatible(ds, VOCAB)["vocab_size"] == VOCAB and check_compatible(ds, 4 * VOCAB)
+    with pytest.raises(DataError, match=f"set model.vocab_size >= {VOCAB}"): check_compatible(ds, 256)
+    with pytest.raises(DataError, match="use a shorter seq_len"): TokenLoader(ds, "val", seq_len=10**6, micro_batch_size=1)
+    with pytest.raises(DataError, match="python -m hymo.data prepare"): TokenLoader(tmp_path, "train")
+    bad = prepare(text, tmp_path / "bad", vocab_size=VOCAB, progress=False)
+    (bad / "tokenizer.json").write_text((bad / "tokenizer.json").read_text().replace('"Ġthe"', '"Ġteh"'))
+    with pytest.raises(DataError, match="not the tokenizer the shards were encoded with"): check_compatible(bad, VOCAB)
+    bad2 = prepare(text, tmp_path / "bad2", vocab_size=VOCAB, progress=False)
+    np.save(bad2 / "val_0000.npy", np.load(bad2 / "val_0000.npy")[:-5])
+    with pytest.raises(DataError, match="damaged"): check_compatible(bad2, VOCAB)
+
+
+def test_prepare_default_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYMO_CACHE", str(tmp_path))
+    out = prepare_default(vocab_size=VOCAB, progress=False)
+    assert out == tmp_path / "data" / f"tinyshakespeare-bpe{VOCAB}"
+    m = check_compatible(out, VOCAB)
+    assert m["inputs"] == ["tinyshakespeare.txt"] and m["splits"]["val"]["tokens"] > 0
+    t = (out / "manifest.json").stat().st_mtime_ns
+    assert prepare_default(vocab_size=VOCAB, progress=False) == out and (out / "manifest.json").stat().st_mtime_ns == t
+
+
+def test_cli(ds, text, tmp_path, capsys):
+    from hymo.data import main
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hymo.data", *a], capture_output=True, text=True)
+    r = run("prepare", "--input", str(text), "--out", str(tmp_path / "cli"), "--vocab-size", str(VOCAB),
+            "--shard-tokens", "1000", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert load_manifest(tmp_path / "cli") == load_manifest(ds)  # another process: the same dataset
+    assert main(["info", str(tmp_path / "cli")]) == 0 and json.loads(capsys.readouterr().out)["vocab_size"] == VOCAB
+    assert main(["info", str(tmp_path)]) == 1 and "not a prepared dataset" in capsys.readouterr().err
+    r = run("prepare", "--input", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x"))
+    assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
