@@ -1,0 +1,253 @@
+"""The offline docs site in a real browser.
+
+Builds `_site/` once (`python tools/site.py`), serves it on 127.0.0.1 and loads every page in
+headless Debian Chromium through Playwright: no console error, no failed request, nothing fetched
+from outside 127.0.0.1, maths rendered as MathML, Q&A callouts closed until clicked, internal links
+(and their #anchors) resolving, the sidebar listing every chapter in order, and the decks working.
+Screenshots of the home page, a chapter and a slide go to `artifacts/screenshots/` for review.
+"""
+import json
+import re
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections import namedtuple
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urldefrag, urljoin, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "_site"
+SHOTS = ROOT / "artifacts" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+Page = namedtuple("Page", "src html title")
+
+# What every page reports: read from the DOM once the page has loaded.
+PAGE_FACTS = """() => {
+  const clone = document.body.cloneNode(true);
+  clone.querySelectorAll('pre, code, script, style, math, .sourceCode').forEach(e => e.remove());
+  return {
+    text: clone.innerText,
+    maths: document.querySelectorAll('math').length,
+    rawMath: document.querySelectorAll('span.math:not(:has(math))').length,
+    hrefs: [...document.querySelectorAll('a[href]')].map(a => a.href),
+    ids: [...document.querySelectorAll('[id]')].map(e => e.id),
+    sidebar: [...document.querySelectorAll('nav.sidebar a')].map(a => [a.textContent.trim(), a.getAttribute('href')]),
+    prev: document.querySelector('nav.pager a.prev')?.getAttribute('href') ?? null,
+    next: document.querySelector('nav.pager a.next')?.getAttribute('href') ?? null,
+  };
+}"""
+
+
+@pytest.fixture(scope="session")
+def site():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"Debian chromium is not installed at {CHROMIUM} (CI installs it with apt-get install chromium)")
+    before = {p.name for p in (ROOT / "nbs").glob("*.ipynb")}
+    subprocess.run([sys.executable, "tools/site.py"], cwd=ROOT, check=True, capture_output=True)
+    built = json.loads((SITE / "pages.json").read_text())
+    assert before <= {Path(c["src"]).name for c in built["chapters"]}, "a notebook has no page"
+    return SITE
+
+
+@pytest.fixture(scope="session")
+def built(site):
+    "The chapters and decks of this build, as `tools/site.py` saw them (chapters may land meanwhile)."
+    m = json.loads((site / "pages.json").read_text())
+    return ([Page(ROOT / c["src"], c["html"], c["title"]) for c in m["chapters"]],
+            [Page(ROOT / d["src"], d["html"], d["title"]) for d in m["decks"]])
+
+
+@pytest.fixture(scope="session")
+def server(site):
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args): pass
+    class Server(ThreadingHTTPServer):
+        def handle_error(self, request, client_address):  # the browser may drop a connection: not an error
+            if not isinstance(sys.exc_info()[1], ConnectionError): super().handle_error(request, client_address)
+    httpd = Server(("127.0.0.1", 0), partial(Quiet, directory=str(site)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="session")
+def browser(server):
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def pages_of(site: Path) -> list[str]:
+    "Every HTML page of the site (reveal.js's own files excluded)."
+    return sorted(str(p.relative_to(site)) for p in site.rglob("*.html") if "reveal.js" not in p.parts)
+
+
+def new_page(browser, log: dict):
+    "A page that records console errors, page errors, failed and non-local requests; outside requests are blocked."
+    ctx = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = ctx.new_page()
+    page.on("console", lambda m: m.type == "error" and log["errors"].append(f"console: {m.text}"))
+    page.on("pageerror", lambda e: log["errors"].append(f"pageerror: {e}"))
+    page.on("requestfailed", lambda r: log["failed"].append(f"{r.url} ({r.failure})"))
+    page.on("response", lambda r: r.status >= 400 and log["failed"].append(f"{r.url} (HTTP {r.status})"))
+
+    def route(r):
+        host = urlparse(r.request.url).hostname
+        if host == "127.0.0.1": return r.continue_()
+        log["outside"].append(r.request.url)
+        r.abort()
+    page.route("**/*", route)
+    return ctx, page
+
+
+@pytest.fixture(scope="session")
+def visits(site, server, browser):
+    "Load every page once; page name -> what happened and what its DOM holds."
+    out = {}
+    for name in pages_of(site):
+        log = {"errors": [], "failed": [], "outside": []}
+        ctx, page = new_page(browser, log)
+        page.goto(server + name, wait_until="load")
+        if name.startswith("slides/"): page.wait_for_function("() => window.Reveal && Reveal.isReady()")
+        log.update(page.evaluate(PAGE_FACTS))
+        ctx.close()
+        out[name] = log
+    return out
+
+
+def test_every_page_loads_without_errors(visits):
+    assert len(visits) >= 3 + 4, sorted(visits)  # home, two chapters at least, four decks
+    bad = {n: v["errors"] + v["failed"] for n, v in visits.items() if v["errors"] or v["failed"]}
+    assert not bad, json.dumps(bad, indent=1)
+
+
+def test_no_request_leaves_localhost(visits):
+    outside = {n: v["outside"] for n, v in visits.items() if v["outside"]}
+    assert not outside, json.dumps(outside, indent=1)
+
+
+def test_sidebar_lists_every_chapter_in_order_with_prev_next(visits, built):
+    chapters, decks = built
+    assert chapters[0].html == "index.html" and len(decks) == 4
+    nums = [int(c.src.name.split("_")[0]) for c in chapters[1:]]
+    assert nums == sorted(nums), "chapters are not in reading (number) order"
+    # titles straight from the notebooks, independently of the renderer
+    for ch in chapters:
+        cells = json.loads(ch.src.read_text())["cells"]
+        first = "".join(next(c for c in cells if c["cell_type"] == "markdown")["source"])
+        assert ch.title == re.match(r"\s*#\s+(.+)", first).group(1).strip(), ch.src
+    want = [[c.title.replace("`", ""), c.html] for c in chapters] + [[d.title, d.html] for d in decks]
+    for i, ch in enumerate(chapters):
+        v = visits[ch.html]
+        assert v["sidebar"] == want, ch.html
+        assert v["prev"] == (chapters[i - 1].html if i else None), ch.html
+        assert v["next"] == (chapters[i + 1].html if i + 1 < len(chapters) else None), ch.html
+
+
+def test_maths_renders_as_mathml(visits, built):
+    chapters, decks = built
+    with_maths = 0
+    for ch in chapters:
+        cells = json.loads(ch.src.read_text())["cells"]
+        md = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        v = visits[ch.html]
+        if re.search(r"\$[^$\s][^$]*\$", md):
+            with_maths += 1
+            assert v["maths"] > 0, f"{ch.html}: the notebook has $...$ but the page has no <math>"
+    for name, v in visits.items():
+        assert v["rawMath"] == 0, f"{name}: {v['rawMath']} formulas were left as TeX (pandoc could not convert them)"
+        leftover = re.findall(r"\$\$?[^$\n]{1,80}\$|\\\(|\\\[|\\begin\{", v["text"])
+        assert not leftover, f"{name}: raw TeX left in the text: {leftover[:5]}"
+    assert with_maths >= 1
+    assert all(visits[d.html]["maths"] > 0 for d in decks)
+
+
+def test_qa_callouts_start_collapsed_and_open_on_click(built, server, browser):
+    def n_collapsed(ch):
+        cells = json.loads(ch.src.read_text())["cells"]
+        return sum("".join(c["source"]).count('collapse="true"') for c in cells if c["cell_type"] == "markdown")
+    chapters = [c for c in built[0] if n_collapsed(c) >= 2]
+    assert chapters, "no chapter has interview questions yet"
+    ch, n_src = chapters[0], n_collapsed(chapters[0])
+    log = {"errors": [], "failed": [], "outside": []}
+    ctx, page = new_page(browser, log)
+    page.goto(server + ch.html)
+    qa = page.locator("details.callout")
+    assert qa.count() == n_src, f"{ch.html}: {qa.count()} collapsible callouts for {n_src} in the notebook"
+    for i in range(qa.count()):
+        d = qa.nth(i)
+        assert d.get_attribute("open") is None
+        assert d.locator("summary").is_visible() and d.locator("summary").inner_text().strip()
+        assert not d.locator(".callout-body").is_visible()
+    first = qa.nth(0)
+    first.locator("summary").click()
+    assert first.get_attribute("open") is not None
+    assert first.locator(".callout-body").is_visible()
+    assert first.locator(".callout-body").inner_text().strip()
+    assert not qa.nth(1).locator(".callout-body").is_visible()  # the others stay closed
+    ctx.close()
+
+
+def test_internal_links_resolve(visits, server):
+    checked = set()
+    for name, v in visits.items():
+        for href in v["hrefs"]:
+            if not href.startswith(server): continue
+            url, frag = urldefrag(href)
+            if url not in checked:
+                with urllib.request.urlopen(url) as r: assert r.status == 200, href
+                checked.add(url)
+            if frag.startswith("/"):  # reveal.js: #/slide-id (or #/h/v indices)
+                frag = "" if re.fullmatch(r"/[\d/]*", frag) else frag[1:]
+            if frag:
+                target = url[len(server):] or "index.html"
+                assert target in visits, f"{name}: #{frag} on a page that was not visited: {href}"
+                assert frag in visits[target]["ids"], f"{name}: {href}: no element with id {frag!r}"
+    assert any(u.endswith(".html") and "slides/" in u for u in checked), "the site does not link the decks"
+
+
+def test_decks_have_slides_maths_and_fragment_answers(built, server, browser):
+    for deck in built[1]:
+        log = {"errors": [], "failed": [], "outside": []}
+        ctx, page = new_page(browser, log)
+        page.goto(server + deck.html)
+        page.wait_for_function("() => window.Reveal && Reveal.isReady()")
+        n = page.evaluate("Reveal.getTotalSlides()")
+        assert 8 <= n <= 14, f"{deck.html}: {n} slides"
+        answers = page.locator(".fragment.answer")
+        assert answers.count() >= 3, f"{deck.html}: {answers.count()} interview answers"
+        # go to the slide of the first answer: the answer is hidden until the next click
+        h, _ = page.evaluate("(el => { const i = Reveal.getIndices(el.closest('section')); return [i.h, i.v]; })",
+                             answers.first.element_handle())
+        page.evaluate(f"Reveal.slide({h}, 0, -1)")
+        assert "visible" not in (answers.first.get_attribute("class") or "")
+        page.evaluate("Reveal.next()")
+        page.wait_for_function("el => el.classList.contains('visible')", arg=answers.first.element_handle())
+        assert not log["errors"] and not log["failed"] and not log["outside"], log
+        ctx.close()
+
+
+def test_screenshots(built, server, browser):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    chapter = max(built[0][1:], key=lambda c: (c.src.read_text().count("$"), c.src.name))
+    deck = built[1][0]
+    shots = [("home.png", "index.html", None), ("chapter.png", chapter.html, None),
+             ("slide.png", deck.html, "#/the-gated-delta-rule")]
+    for fname, url, frag in shots:
+        log = {"errors": [], "failed": [], "outside": []}
+        ctx, page = new_page(browser, log)
+        page.goto(server + url + (frag or ""))
+        if frag: page.wait_for_function("() => window.Reveal && Reveal.isReady()")
+        page.screenshot(path=str(SHOTS / fname))
+        ctx.close()
+        assert (SHOTS / fname).stat().st_size > 10_000, fname
