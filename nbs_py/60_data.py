@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Data
 #
-# > Text in, token shards out, and a loader that hands every rank its own windows in a order that
+# > Text in, token shards out, and a loader that hands every rank its own windows in an order that
 # > survives a restart.
 
 # %%
@@ -22,7 +22,7 @@
 #    the windows per epoch from a seeded generator; give each data-parallel rank its own; return
 #    the document boundaries (`cu_seqlens`) when asked; save and restore the position.
 #
-# `python -m hymo.data prepare` (the next chapter) runs step 1–4 from the command line;
+# `python -m hymo.data prepare` (the next chapter) runs steps 1–4 from the command line;
 # `python -m hymo.train` with no data argument calls `prepare_default`, which prepares the bundled
 # Shakespeare once into a cache folder.
 
@@ -426,17 +426,23 @@ def load_manifest(data_dir: Path) -> dict:
     return manifest
 
 
+def _same_dataset(out: Path, fingerprint: str) -> bool:
+    return (out / "manifest.json").exists() and load_manifest(out)["fingerprint"] == fingerprint
+
+
 def _install(tmp: Path, out: Path, fingerprint: str):
     "Move the finished `tmp` to `out`, replacing an older dataset there."
-    if out.exists() and (out / "manifest.json").exists() and load_manifest(out)["fingerprint"] == fingerprint:
-        shutil.rmtree(tmp); return  # another process finished the same work first
+    if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     old = None
     if out.exists():
         if any(out.iterdir()):
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(out, old)
         else: out.rmdir()
-    os.replace(tmp, out)
+    try: os.replace(tmp, out)
+    except OSError:  # another process installed `out` between our check and our rename
+        if not _same_dataset(out, fingerprint): raise
+        shutil.rmtree(tmp)
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 
 

@@ -247,3 +247,11 @@ def test_cli(ds, text, tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 1 and "not a prepared dataset" in capsys.readouterr().err
     r = run("prepare", "--input", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x"))
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_concurrent_prepares_agree(text, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(3) as ex:
+        outs = list(ex.map(lambda _: prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False), range(3)))
+    assert outs == [tmp_path / "ds"] * 3 and sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    check_compatible(tmp_path / "ds", VOCAB)

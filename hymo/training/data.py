@@ -1,4 +1,4 @@
-"""Text in, token shards out, and a loader that hands every rank its own windows in a order that
+"""Text in, token shards out, and a loader that hands every rank its own windows in an order that
 survives a restart.
 
 Docs: https://hymo-lm.github.io/hymo/data.html.md"""
@@ -246,17 +246,23 @@ def load_manifest(data_dir: Path) -> dict:
     return manifest
 
 
+def _same_dataset(out: Path, fingerprint: str) -> bool:
+    return (out / "manifest.json").exists() and load_manifest(out)["fingerprint"] == fingerprint
+
+
 def _install(tmp: Path, out: Path, fingerprint: str):
     "Move the finished `tmp` to `out`, replacing an older dataset there."
-    if out.exists() and (out / "manifest.json").exists() and load_manifest(out)["fingerprint"] == fingerprint:
-        shutil.rmtree(tmp); return  # another process finished the same work first
+    if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     old = None
     if out.exists():
         if any(out.iterdir()):
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(out, old)
         else: out.rmdir()
-    os.replace(tmp, out)
+    try: os.replace(tmp, out)
+    except OSError:  # another process installed `out` between our check and our rename
+        if not _same_dataset(out, fingerprint): raise
+        shutil.rmtree(tmp)
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 
 # %% ../../nbs/60_data.ipynb #8bdbd9d0
