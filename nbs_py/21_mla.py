@@ -116,6 +116,10 @@ def naive_mla(x, # [T, D] one sequence
 # Packed documents (`cu_seqlens`, batch of one row) attend only within their own document: the
 # module runs SDPA once per document, which is exact and keeps the flash backend; RoPE positions
 # restart at every document. (A varlen flash kernel would do the same in one launch.)
+#
+# `forward_decode`, the cached decoder, is derived in its own section below. Two limits to know:
+# `cu_seqlens.tolist()` synchronises with the GPU and breaks a `torch.compile` graph once per
+# forward, and every row of a decoding batch has the same length.
 
 # %%
 #| exports
@@ -701,17 +705,23 @@ with torch.no_grad():
 
 # %% [markdown]
 # On a GPU, in bf16, the flash backend must accept the 750M shapes (equal q/k and v widths, grouped
-# keys): forcing it with `sdpa_kernel` fails loudly if it cannot run.
+# keys): forcing it with `sdpa_kernel` fails loudly if it cannot run. Against an fp32 reference its
+# error should be bf16 rounding, well under 2 % of the output's spread. On one H200 with torch 2.11
+# this measured 0.6 % (the math backend in bf16: the same), and a forward plus backward of one
+# block at B = 2, T = 4096 took 4.4 ms.
 
 # %%
 #| gpu
 from torch.nn.attention import SDPBackend, sdpa_kernel
-with torch.device("cuda"): g = MultiHeadLatentAttention(cfg750, layer_idx=3).to(torch.bfloat16)
-g.reset_parameters()
-xg = torch.randn(2, 4096, cfg750.dim, device="cuda", dtype=torch.bfloat16)
-with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION): y_flash = g(xg)
-with torch.no_grad(), sdpa_kernel(SDPBackend.MATH): y_math = g(xg)
-print("flash vs math, bf16:", (y_flash - y_math).abs().max().item(), "output std", y_math.float().std().item())
+torch.backends.cuda.matmul.allow_tf32 = False
+with torch.device("cuda"): g = MultiHeadLatentAttention(cfg750, layer_idx=3)
+randomize_(g)
+xg = torch.randn(2, 4096, cfg750.dim, device="cuda")
+with torch.no_grad(), sdpa_kernel(SDPBackend.MATH): y_ref = g(xg)  # fp32 reference
+with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION): y_flash = g.to(torch.bfloat16)(xg.bfloat16()).float()
+rel = ((y_flash - y_ref).pow(2).mean().sqrt() / y_ref.std()).item()
+print(f"flash (bf16) vs fp32: rms error / output std = {rel:.4f}")
+assert rel < 0.02
 
 # %% [markdown]
 # ## Interview questions
