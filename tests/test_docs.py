@@ -36,6 +36,7 @@ PAGE_FACTS = """() => {
   return {
     text: clone.innerText,
     maths: document.querySelectorAll('math').length,
+    closedQA: document.querySelectorAll('details.callout:not([open])').length,
     rawMath: document.querySelectorAll('span.math:not(:has(math))').length,
     hrefs: [...document.querySelectorAll('a[href]')].map(a => a.href),
     ids: [...document.querySelectorAll('[id]')].map(e => e.id),
@@ -172,10 +173,19 @@ def test_maths_renders_as_mathml(visits, built):
     assert all(visits[d.html]["maths"] > 0 for d in decks)
 
 
+def n_collapsed(ch) -> int:
+    "Collapsed callouts in the notebook's markdown (the interview questions)."
+    cells = json.loads(ch.src.read_text())["cells"]
+    return sum("".join(c["source"]).count('collapse="true"') for c in cells if c["cell_type"] == "markdown")
+
+
+def test_every_collapsed_callout_is_a_closed_details(visits, built):
+    counts = {c.html: (n_collapsed(c), visits[c.html]["closedQA"]) for c in built[0]}
+    assert all(want == got for want, got in counts.values()), counts
+    assert sum(want for want, _ in counts.values()) >= 4
+
+
 def test_qa_callouts_start_collapsed_and_open_on_click(built, server, browser):
-    def n_collapsed(ch):
-        cells = json.loads(ch.src.read_text())["cells"]
-        return sum("".join(c["source"]).count('collapse="true"') for c in cells if c["cell_type"] == "markdown")
     chapters = [c for c in built[0] if n_collapsed(c) >= 2]
     assert chapters, "no chapter has interview questions yet"
     ch, n_src = chapters[0], n_collapsed(chapters[0])

@@ -32,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,7 +112,11 @@ def part_of(p: Path) -> str:
 
 
 def read_nb(p: Path) -> list[dict]:
-    cells = json.loads(p.read_text())["cells"]
+    for attempt in range(5):  # a notebook being saved by `tools/nb.py sync` may be half-written for a moment
+        try: cells = json.loads(p.read_text())["cells"]; break
+        except json.JSONDecodeError:
+            if attempt == 4: raise
+            time.sleep(1)
     for c in cells: c["source"] = "".join(c.get("source", ""))
     return cells
 
@@ -287,6 +292,7 @@ def notebook_md(page: Page, symbols: dict, nb_pages: dict) -> str:
                 parts.append(f'<details class="code-fold" open>\n<summary>Exported source</summary>\n\n'
                              f'{fence(code, "{.python}")}\n\n</details>')
             continue
+        if re.match(r"show_doc\(", code): d["echo"] = "false"  # nbdev shows only its output
         if code and d.get("echo") != "false":
             block = fence(code, "{.python}")
             fold = d.get("code-fold")
