@@ -16,7 +16,7 @@ from collections import namedtuple
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urldefrag, urljoin, urlparse
+from urllib.parse import urldefrag, urlparse
 
 import pytest
 
@@ -52,7 +52,8 @@ def site():
     if not Path(CHROMIUM).exists():
         pytest.skip(f"Debian chromium is not installed at {CHROMIUM} (CI installs it with apt-get install chromium)")
     before = {p.name for p in (ROOT / "nbs").glob("*.ipynb")}
-    subprocess.run([sys.executable, "tools/site.py"], cwd=ROOT, check=True, capture_output=True)
+    res = subprocess.run([sys.executable, "tools/site.py"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, f"python tools/site.py failed:\n{res.stdout}\n{res.stderr}"
     built = json.loads((SITE / "pages.json").read_text())
     assert before <= {Path(c["src"]).name for c in built["chapters"]}, "a notebook has no page"
     return SITE

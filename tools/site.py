@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import base64
 import html
 import json
 import re
