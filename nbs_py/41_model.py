@@ -1,0 +1,740 @@
+# %% [markdown]
+# # The hybrid model
+#
+# > HyMo end to end: 3 Gated DeltaNet blocks for every MLA block, MoE on the attention blocks, a tied head, MTP; and what it costs in parameters, FLOPs and decode state, computed from the model.
+
+# %%
+#| default_exp models.model
+
+# %% [markdown]
+# The previous chapters built the parts: the Gated DeltaNet block (a linear-time recurrent mixer
+# plus a dense SwiGLU FFN), the MLA block (softmax attention over a compressed key/value latent,
+# with a DeepSeek-style mixture of experts as its FFN), and the multi-token-prediction heads. This
+# chapter stacks them into `HyMo`, the model the trainer trains, and then counts, from the built
+# model rather than by hand, how many parameters it stores and uses per token, how many FLOPs a
+# training token costs, and how much state a sequence carries while decoding.
+#
+# | exported | what it is |
+# |---|---|
+# | `HyMo` | embedding → 32 blocks (3 GDN : 1 MLA) → final RMSNorm → tied head; MTP heads; `generate` |
+# | `build_hymo` | build on the meta device, materialise on a device, `init_weights()` |
+# | `param_breakdown`, `flops_breakdown`, `state_breakdown` | the accounting, part by part |
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hymo.config import ModelConfig
+from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock
+from hymo.models.layers import RMSNorm
+from hymo.models.mla import MLABlock, MultiHeadLatentAttention
+from hymo.models.moe import DeepSeekMoE
+from hymo.models.mtp import MultiTokenPrediction, lm_loss
+
+# %%
+import matplotlib.pyplot as plt
+from fastcore.test import test_eq, test_close, test_fail
+from torch.testing import assert_close
+
+from hymo.config import load_config
+
+torch.set_num_threads(1)  # the tiny model's tensors are small: on a shared 2-core machine more threads only add contention
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## The stack
+#
+# With `mla_every = 4`, blocks $3, 7, 11, \dots$ (0-based) are MLA blocks and the other three in
+# every four are GDN blocks: 24 GDN and 8 MLA in the 32-block design. `config.layer_types` spells
+# the layout out; here it is drawn as one letter per block (G: GDN + dense SwiGLU, M: MLA + MoE).
+
+# %%
+big = load_config("hymo_750m").model
+tiny = load_config("hymo_tiny").model
+layout = "".join("M" if t == "mla" else "G" for t in big.layer_types)
+print(" ".join(layout[i:i + 4] for i in range(0, len(layout), 4)))
+test_eq([i for i, t in enumerate(big.layer_types) if t == "mla"], [3, 7, 11, 15, 19, 23, 27, 31])
+test_eq(tiny.layer_types, ["gdn", "gdn", "gdn", "mla"])
+
+# %% [markdown]
+# Putting the attention block *last* in each group of four means the model ends on an attention
+# block, and every attention block reads a residual stream that three recurrent blocks have
+# already processed: the recurrent blocks summarise local context cheaply, the attention blocks
+# retrieve exact tokens from anywhere in the window.
+#
+# ### Where the experts go
+#
+# Every block has a feed-forward network; what differs is its kind.
+#
+# * **GDN blocks: a dense SwiGLU** of width `ffn_inter_dim` (2560). The design document says in
+#   one place that the GDN blocks are "recurrence-only"; that is not HyMo. A block without an FFN
+#   would leave a quarter of the model's depth with no per-token non-linear capacity; every GDN
+#   block has its SwiGLU, as the hybrid section and the FLOP table of the design assume.
+# * **MLA blocks: the mixture of experts**, 1 shared + 16 routed SwiGLU experts of width
+#   `moe_inter_dim` (2304), each token sent to the top 2 routed ones.
+#
+# Why not experts everywhere? An MoE layer multiplies *stored* parameters (16 routed experts) at a
+# fixed *active* cost (2 of them), and each MoE layer is also a dispatch point: tokens are
+# gathered per expert and, under expert parallelism, exchanged between GPUs. Eight MoE layers keep
+# the stored size near a billion parameters and the dispatch points to eight per forward pass; 32
+# MoE layers would quadruple the expert storage. This is a design choice made for a small model on
+# one node, not a law: Jamba puts MoE on every other layer, Qwen3-Next and Kimi Linear on every
+# layer.
+#
+# The design document also argues that the split gives "uniform" per-layer compute because every
+# layer runs two experts. That is wrong on both counts: GDN blocks run no experts, and an MLA
+# block's FFN (the shared expert plus two routed ones) costs about three times a GDN block's dense
+# FFN. The numbers, from the 750M preset's shapes:
+
+# %%
+ffn_dense = 2 * 3 * big.dim * big.ffn_inter_dim  # SwiGLU: 3 matrices, 2 FLOPs per multiply-add
+ffn_moe = 2 * 3 * big.dim * big.moe_inter_dim * (big.moe_n_shared + big.moe_top_k)
+print(f"forward FLOPs per token: GDN block FFN {ffn_dense/1e6:.1f} M, MLA block MoE {ffn_moe/1e6:.1f} M")
+assert ffn_moe > 2.5 * ffn_dense
+
+
+# %% [markdown]
+# ### HyMo among the hybrids
+#
+# | model | mixers | linear : attention | attention | FFN / MoE placement |
+# |---|---|---|---|---|
+# | Jamba (AI21, 2024) | Mamba (S6) + softmax attention | 7 : 1 (one attention layer per 8) | GQA, no positional encoding | MoE (16 experts, top-2) replaces the MLP in every other layer; 52 B stored, 12 B active |
+# | Zamba-7B (Zyphra, 2024) | Mamba + **one shared** attention+MLP block | the shared block is applied after every 6 Mamba blocks | softmax attention, one set of weights reused at every application | dense (no MoE) |
+# | StripedHyena-7B (Together, 2023) | Hyena (gated long convolutions) + attention | about 1 : 1 (the released config alternates them) | GQA with RoPE | dense MLP in every block |
+# | Qwen3-Next-80B-A3B (Alibaba, 2025) | Gated DeltaNet + gated attention | 3 : 1 | softmax attention with an output gate, GQA, partial RoPE | high-sparsity MoE in every layer (512 experts, 10 routed + 1 shared); 80 B stored, ~3 B active; MTP |
+# | Kimi Linear 48B-A3B (Moonshot, 2025) | Kimi Delta Attention (GDN with per-channel decay) + MLA | 3 : 1 | MLA without positional encoding (NoPE) | MoE in every layer; 48 B stored, ~3 B active |
+# | **HyMo 750M** | Gated DeltaNet + MLA | 3 : 1 | MLA (latent KV cache), partial RoPE on 32 of 128 query/key dims | MoE (16 routed top-2 + 1 shared) on the 8 MLA blocks only; dense SwiGLU on the 24 GDN blocks; MTP depth 2 |
+#
+# Two corrections to the design document's version of this comparison: StripedHyena-7B is not a
+# 1 : 7 hybrid (its public configuration interleaves attention and Hyena about one for one), and
+# HyMo's closest relatives are not Jamba or Zamba but Qwen3-Next (same linear mixer, same 3 : 1
+# ratio) and Kimi Linear (a GDN-family mixer with MLA at 3 : 1). Both put experts in every layer;
+# HyMo's placement of MoE on the attention blocks only is its own choice.
+
+# %% [markdown]
+# ## The model
+#
+# The forward pass reads as the architecture: embed, run the blocks, normalise, project onto the
+# vocabulary with the embedding matrix itself (the *tied* head, $\text{logits} = h E^\top$ with
+# $E \in \mathbb{R}^{|V| \times d}$ the embedding).
+#
+# `forward` is the single entry point the trainer calls: given `targets` it also runs the MTP heads
+# and returns `(loss, parts)` from `lm_loss`, so that a wrapper such as FSDP-2, whose hooks run
+# around the root module's `forward`, sees the whole step. Without targets it returns logits.
+# `cu_seqlens` (document boundaries of a packed row, $B = 1$) goes to every block: the GDN state
+# and convolution restart at each boundary, and MLA masks attention across documents.
+
+# %%
+#| export
+class HyMo(nn.Module):
+    "The HyMo language model: embedding, the 3:1 GDN/MLA stack, final RMSNorm, tied head, MTP heads."
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = c = config
+        self.embed = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(MLABlock(c, i) if c.is_mla(i) else GatedDeltaNetBlock(c) for i in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.mtp = MultiTokenPrediction(c)
+        self.init_weights()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:  # h [..., D] -> logits [..., V]
+        "The output head, tied to the embedding: `h @ embed.weight.T`."
+        return F.linear(h, self.embed.weight)
+
+    def forward_with_hidden(self,
+                            tokens: torch.Tensor,  # Token ids [B, T], long
+                            cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        "Logits [B, T, V] and the hidden states after the final norm [B, T, D]."
+        self._check_tokens(tokens, cu_seqlens)
+        x = self.embed(tokens)                                    # (B, T, D)
+        for layer in self.layers: x = layer(x, cu_seqlens=cu_seqlens)
+        h = self.norm(x)
+        return self.head(h), h
+
+    def forward(self,
+                tokens: torch.Tensor,  # Token ids [B, T], long
+                targets: Optional[torch.Tensor] = None,  # Next-token ids [B, T] (`targets[:, t]` = x_{t+1}); None returns logits
+                cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+               ):
+        "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
+        logits, h = self.forward_with_hidden(tokens, cu_seqlens)
+        if targets is None: return logits
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
+        return lm_loss(logits, targets, self.mtp(h, targets, self.head))
+
+    def _check_tokens(self, tokens, cu_seqlens):
+        "Raise `ValueError` for token tensors the model cannot take."
+        if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}: "
+                             "crop the input or raise max_seq_len")
+        if cu_seqlens is not None and tokens.shape[0] != 1:
+            raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Set every parameter and buffer; works after `to_empty` from the meta device.
+
+        | what | init |
+        |---|---|
+        | `embed.weight` (also the output head) | N(0, init_std) |
+        | hidden matrices: GDN q/k/v/a/b/g projections; MLA q_a, q_b, kv_a, kv_b; SwiGLU w1, w3 (dense FFN, shared and routed experts); MTP proj_in | N(0, init_std) |
+        | output projections into the residual stream: GDN and MLA `o_proj`, every SwiGLU `w2` (dense, shared and routed experts), MTP `proj_out` | N(0, init_std / sqrt(2 n_layers)) |
+        | MoE router `gate.weight` | N(0, 0.006), near-uniform first routing (`DeepSeekMoE.reset_parameters`) |
+        | every RMSNorm weight | 1 |
+        | GDN `A_log`, `dt_bias` | log U[1, 16]; softplus⁻¹ of logUniform[0.001, 0.1] (`GatedDeltaNet.reset_parameters`) |
+        | GDN short convolutions | PyTorch's Conv1d default, U(±1/sqrt(conv_size)) |
+        | MoE `gate_bias` and load counters (buffers) | 0 (`DeepSeekMoE.reset_parameters`) |
+
+        Each block's `reset_parameters` sets its rows of this table; the experts' `w2` are then
+        redrawn here at the residual scale. The embedding, the final norm and the MTP heads are set here.
+        """
+        c = self.config
+        nn.init.normal_(self.embed.weight, std=c.init_std)
+        out_std = c.init_std / math.sqrt(2 * c.n_layers)
+        for layer in self.layers: layer.reset_parameters()
+        for moe in self.moe_layers():  # the experts' down projections also write into the residual stream
+            nn.init.normal_(moe.w2, std=out_std)
+            if moe.shared is not None: nn.init.normal_(moe.shared.w2.weight, std=out_std)
+        self.norm.reset_parameters()
+        for blk in self.mtp.heads:
+            blk.norm.reset_parameters(); blk.out_norm.reset_parameters()
+            nn.init.normal_(blk.proj_in.weight, std=c.init_std)
+            nn.init.normal_(blk.proj_out.weight, std=out_std)
+
+    def moe_layers(self) -> list[DeepSeekMoE]:
+        "The MoE modules, in depth order (the trainer calls `update_gate_bias()` on each after an optimiser step)."
+        return [m for m in self.modules() if isinstance(m, DeepSeekMoE)]
+
+    def num_params(self, active: bool = False) -> int:
+        "Stored parameters (the tied embedding/head once, MTP heads included), or those one token uses if `active`."
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
+        return n - (_inactive_expert_params(self) if active else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:  # Training window length T
+        "Training FLOPs per token (forward + backward = 3 × forward, a multiply-add = 2 FLOPs); see `flops_breakdown`."
+        return sum(flops_breakdown(self, seq_len).values())
+
+    def state_bytes(self, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
+        "Bytes of decode state one sequence of `seq_len` tokens holds; see `state_breakdown`."
+        return sum(state_breakdown(self, seq_len, dtype).values())
+
+    @torch.no_grad()
+    def generate(self,
+                 tokens: torch.Tensor,  # Prompt ids [1, T]
+                 max_new_tokens: int,  # Tokens to append
+                 temperature: float = 1.0,  # Softmax temperature; 0 picks the most likely token
+                 top_k: Optional[int] = None,  # Sample among the k most likely tokens only; None: all
+                ) -> torch.Tensor:  # [1, T + max_new_tokens]
+        "Sample a continuation, re-running the full forward pass on the last `max_seq_len` tokens at every step."
+        if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"generate takes one prompt [1, T]; got {tuple(tokens.shape)}")
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float()  # (1, V)
+            if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1)                   # (1, 1)
+            tokens = torch.cat([tokens, nxt], 1)
+        self.train(was_training)
+        return tokens
+
+
+# %% [markdown]
+# `build_hymo` is how the trainer makes a model: construct it on the meta device (no memory, no
+# initialisation work, even for a model that would not fit on one device), allocate real storage
+# with `to_empty`, then run `init_weights` once. The caller seeds the generator.
+
+# %%
+#| export
+def build_hymo(config: ModelConfig,  # The architecture
+               device: Optional[torch.device | str] = None,  # Where the weights live; None: the default device ('cpu')
+              ) -> HyMo:
+    "Build `HyMo(config)` on the meta device, materialise it on `device` and initialise it (`init_weights`)."
+    with torch.device("meta"):
+        model = HyMo(config)
+    model.to_empty(device=device or "cpu")
+    model.init_weights()
+    return model
+
+
+# %% [markdown]
+# ### The tiny model, end to end
+#
+# One forward pass without targets gives logits; with targets, the loss and its parts. At
+# initialisation the logits are small and every part of the loss is close to $\ln |V|$.
+
+# %%
+torch.manual_seed(0)
+model = build_hymo(tiny)
+print(model.layers)
+
+# %%
+B, T, V = 2, 64, tiny.vocab_size
+tokens = torch.randint(0, V, (B, T))
+targets = torch.randint(0, V, (B, T))
+test_eq(model(tokens).shape, (B, T, V))
+loss, parts = model(tokens, targets)
+print({k: round(v.item(), 3) for k, v in parts.items()}, "ln V =", round(math.log(V), 3))
+for v in parts.values(): test_close(v, math.log(V), eps=0.3)
+test_close(loss, parts["main"] + 0.3 * parts["mtp_1"] + 0.1 * parts["mtp_2"], eps=1e-4)
+
+# %% [markdown]
+# The head is tied: there is one vocabulary matrix, and it is the embedding.
+
+# %%
+logits, h = model.forward_with_hidden(tokens)
+assert_close(logits, h @ model.embed.weight.T)
+assert not any(p.shape == model.embed.weight.shape for n, p in model.named_parameters() if n != "embed.weight")
+
+# %% [markdown]
+# Bad input is refused with a message that says what to do:
+
+# %%
+test_fail(lambda: model(tokens.float()), contains="integer ids of shape [B, T]")
+test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long)), contains="max_seq_len")
+test_fail(lambda: model(tokens, cu_seqlens=torch.tensor([0, 32, 64])), contains="must be [1, T]")
+
+# %% [markdown]
+# **Causality.** Changing token $t$ must never change a logit before $t$: that holds for every
+# block (the GDN recurrence and convolution only look back, MLA is masked) and so for the stack.
+# One caveat belongs to the MoE: with a *capacity factor*, whether a token is dropped by its expert
+# depends on how many other tokens of the batch, later ones included, chose that expert. Dropping
+# is thus not causal, which is one reason DeepSeek-V3 trains dropless. The check below uses a
+# dropless configuration so that it tests the architecture.
+
+# %%
+causal_cfg = load_config("hymo_tiny", moe_capacity_factor=None).model
+torch.manual_seed(0)
+m_causal = build_hymo(causal_cfg)
+x = torch.randint(0, V, (1, 48))
+ref = m_causal(x)
+for t in (0, 20, 47):
+    x2 = x.clone(); x2[0, t] = (x2[0, t] + 1) % V
+    out = m_causal(x2)
+    test_eq((out[:, :t] - ref[:, :t]).abs().max().item() if t else 0.0, 0.0)
+    assert (out[:, t] - ref[:, t]).abs().max() > 0
+
+# %% [markdown]
+# **Packed documents.** With `cu_seqlens`, a row holding several documents gives each document the
+# logits it would get alone.
+#
+# (With packing, the targets that cross a document boundary, for the main head and each MTP head,
+# should be set to $-100$ by the data loader; `lm_loss`'s cross-entropy ignores them.)
+
+# %%
+docs = [torch.randint(0, V, (1, n)) for n in (5, 70, 21)]
+cu = torch.tensor([0, 5, 75, 96])
+packed = m_causal(torch.cat(docs, 1), cu_seqlens=cu)
+for n, d in enumerate(docs):
+    assert_close(packed[:, cu[n]:cu[n + 1]], m_causal(d), atol=1e-4, rtol=1e-4)
+
+# %% [markdown]
+# **Generation** re-runs the whole forward pass for every new token: quadratic in the length, and
+# fine for the tiny model. (A decoder that carries the GDN states and the MLA latent cache from
+# step to step needs only one token's work per step; the state it carries is counted below.)
+
+# %%
+torch.manual_seed(1)
+out = model.generate(tokens[:1, :8], max_new_tokens=6, temperature=0.8, top_k=50)
+test_eq(out.shape, (1, 14))
+test_eq(out[:, :8], tokens[:1, :8])
+test_eq(model.generate(tokens[:1, :8], 3, temperature=0), model.generate(tokens[:1, :8], 3, temperature=0))
+assert model.training  # generate restores the mode it found
+
+
+# %% [markdown]
+# ### The initialisation, checked
+#
+# Every matrix that writes into the residual stream (`o_proj`, `w2`, `proj_out`) is drawn with
+# standard deviation $\sigma / \sqrt{2L}$, the other matrices with $\sigma$ (`init_std`, 0.02). Each
+# block adds two residual branches, so after $L$ blocks $2L$ roughly independent terms have been
+# summed; scaling their last matrix by $1/\sqrt{2L}$ keeps the residual stream's variance at
+# initialisation independent of depth (GPT-2's rule). The empirical standard deviations of the
+# built 750M model's weights (on CPU, a few blocks) follow the table:
+
+# %%
+def weight_stds(model):
+    "Empirical std of every matrix but the convolutions and routers, grouped into residual outputs and the rest."
+    out_names = ("o_proj", "w2", "proj_out")
+    res, rest = {}, {}
+    for n, p in model.named_parameters():
+        if p.ndim < 2 or "conv" in n or n == "embed.weight" or n.endswith("gate.weight"): continue
+        (res if n.split(".")[-1] in out_names or n.split(".")[-2] in out_names else rest)[n] = p.float().std().item()
+    return res, rest
+
+small_big = load_config("hymo_750m", n_layers=4, vocab_size=4096, moe_n_routed=4).model  # the 750M widths, 4 blocks
+torch.manual_seed(0)
+res, rest = weight_stds(build_hymo(small_big))
+target = small_big.init_std / math.sqrt(2 * small_big.n_layers)
+for n, s in res.items(): test_close(s, target, eps=0.1 * target)
+for n, s in rest.items(): test_close(s, small_big.init_std, eps=0.1 * small_big.init_std)
+print(f"{len(res)} output projections at std {target:.4f}; {len(rest)} other matrices at std {small_big.init_std}")
+
+# %% [markdown]
+# Building on the meta device and then `to_empty` + `init_weights` gives the same model as
+# building directly, tensor for tensor, when both start from the same seed: every value set in
+# `__init__` is set again by `init_weights`.
+
+# %%
+torch.manual_seed(3); a = build_hymo(tiny)
+torch.manual_seed(3); b = HyMo(tiny); torch.manual_seed(3); b.init_weights()
+for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()): assert_close(p, q, msg=n)
+
+
+# %% [markdown]
+# ## Accounting
+#
+# Everything below is read off a built model: parameter counts from its tensors, FLOPs from its
+# matrices and the attention and recurrence shapes of its blocks. The 750M model is built on the
+# meta device, so it costs no memory.
+#
+# ### Parameters
+#
+# *Stored* parameters are everything in a checkpoint, the tied embedding/head counted once and the
+# MTP heads included. *Active* parameters are those one token touches in a forward pass: the same,
+# minus the routed experts it is not sent to. Each MoE layer holds `moe_n_routed` routed experts of
+# $3 \cdot d \cdot d_\text{moe}$ weights and a token uses `moe_top_k` of them, so
+# $$N_\text{active} = N_\text{stored} - n_\text{MLA} \cdot (n_\text{routed} - k) \cdot 3\, d\, d_\text{moe}.$$
+
+# %%
+#| export
+def _routed_expert_params(moe: DeepSeekMoE) -> int:
+    "Parameters of the routed experts of one MoE layer (all `moe_n_routed` of them)."
+    return moe.w1.numel() + moe.w2.numel() + moe.w3.numel()
+
+
+def _inactive_expert_params(model: HyMo) -> int:
+    "Routed-expert parameters a token does not use, over all MoE layers."
+    c = model.config
+    return sum(_routed_expert_params(m) * (c.moe_n_routed - c.moe_top_k) // c.moe_n_routed for m in model.moe_layers())
+
+
+def _numel(module: nn.Module) -> int: return sum(p.numel() for p in module.parameters())
+
+
+def param_breakdown(model: HyMo) -> dict[str, int]:
+    "Stored parameters by part of the model; the parts add up to `model.num_params()`."
+    gdn = [l for l in model.layers if isinstance(l, GatedDeltaNetBlock)]
+    mla = [l for l in model.layers if isinstance(l, MLABlock)]
+    moes = model.moe_layers()
+    of_type = lambda blocks, cls: sum(_numel(m) for b in blocks for m in b.modules() if type(m) is cls)
+    norms = sum(_numel(n) for b in model.layers for n in b.children() if isinstance(n, RMSNorm)) + _numel(model.norm)
+    routed = sum(_routed_expert_params(m) for m in moes)
+    return {"embedding (= tied head)": model.embed.weight.numel(),
+            "GDN mixers": of_type(gdn, GatedDeltaNet),
+            "GDN dense SwiGLU FFNs": sum(_numel(b.ffn) for b in gdn),
+            "MLA attention": of_type(mla, MultiHeadLatentAttention),
+            "MoE routed experts": routed,
+            "MoE shared experts + routers": sum(_numel(m) for m in moes) - routed,
+            "block norms + final norm": norms,
+            "MTP heads": _numel(model.mtp)}
+
+
+# %% [markdown]
+# ### FLOPs per training token
+#
+# The convention: a multiply-add is 2 FLOPs, and a training step (forward + backward) costs
+# 3 × the forward pass (the backward computes gradients with respect to both the activations and
+# the weights, two matrix products for every one in the forward). Four terms:
+#
+# 1. **Matrices.** Every weight a token uses is one multiply-add: $2 N_\text{mat}$ forward, where
+#    $N_\text{mat}$ counts the active matrices (projections, FFNs, the shared and the $k$ chosen
+#    experts, routers, the depthwise convolutions) plus the output head $|V| \cdot d$, which is a
+#    matrix product even though its weights are the embedding's. The embedding lookup costs
+#    nothing. This is the familiar $6N$ per training token.
+# 2. **MTP heads.** Each head runs its small MLP *and* the $|V| \times d$ vocabulary projection
+#    again: $2\,(N_\text{mtp} + D \cdot |V| \cdot d)$ forward for $D$ heads.
+# 3. **Attention** grows with the window $T$. A query at position $t$ scores $t+1$ keys with
+#    $d_{qk} = d_\text{nope} + d_\text{rope}$ dimensions and sums as many values of $d_v$; over a
+#    causal window the mean is about $T/2$ keys, so per token and MLA block the forward costs
+#    $2 H (d_{qk} + d_v) \cdot T/2 = H (d_{qk} + d_v)\, T$.
+#    (PaLM's convention counts the full $T$, twice this; we count the causal half, which is what a
+#    FlashAttention-style kernel computes.)
+# 4. **The chunked gated delta rule**, per head and chunk of $C$ tokens (chapter 12's
+#    `_chunk_rule`): $KK^\top$, $W = T(\ldots K)$, $QK^\top$ cost $2C^2K$ each; $U = T(\ldots V)$ and
+#    the intra-chunk $(QK^\top \odot D) V_\text{new}$ cost $2C^2V$ each; $V_\text{new} = U - WS$,
+#    $QS$ and the state update $K^\top V_\text{new}$ cost $2CKV$ each; the triangular inverse about
+#    $C^3/3$. Per token: $6CK + 4CV + 6KV + C^2/3$ per head.
+#
+# Element-wise work (norms, gates, softmax, SiLU) is left out, as usual; it is a few percent.
+
+# %%
+#| export
+def _matrix_params(module: nn.Module, exclude: tuple = ()) -> int:
+    "Weights of `module` that are used in one multiply-add per token: every tensor with ndim >= 2."
+    ex = {id(p) for p in exclude}
+    return sum(p.numel() for p in module.parameters() if p.ndim >= 2 and id(p) not in ex)
+
+
+def flops_breakdown(model: HyMo,
+                    seq_len: int,  # Training window T
+                   ) -> dict[str, float]:
+    "Training FLOPs per token by term (3 × forward, multiply-add = 2 FLOPs); they sum to `model.flops_per_token`."
+    c, T = model.config, seq_len
+    n_mla = sum(c.is_mla(i) for i in range(c.n_layers))
+    n_gdn = c.n_layers - n_mla
+    trunk = _matrix_params(model.layers) - _inactive_expert_params(model)
+    vocab = c.vocab_size * c.dim
+    H, dqk, dv = c.mla_n_heads, c.mla_qk_nope_dim + c.mla_qk_rope_dim, c.mla_v_head_dim
+    Hg, K, Vd, C = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim, c.gdn_chunk_size
+    gdn_rule = 6 * C * K + 4 * C * Vd + 6 * K * Vd + C * C / 3
+    return {"matrices (blocks)": 3 * 2 * trunk,
+            "output head": 3 * 2 * vocab,
+            "MTP heads (MLP + vocabulary projection)": 3 * 2 * (_matrix_params(model.mtp) + c.mtp_depth * vocab),
+            "MLA attention scores + values": 3 * n_mla * H * (dqk + dv) * T,
+            "GDN chunked rule": 3 * n_gdn * Hg * gdn_rule}
+
+
+# %% [markdown]
+# ### Decode state per sequence
+#
+# What one sequence carries while generating, after $T$ tokens:
+#
+# * each GDN block: the delta-rule state $S \in \mathbb{R}^{H \times K \times V}$, kept in fp32
+#   whatever the activation dtype (it accumulates over the whole sequence), and the last $W-1$
+#   inputs of the short convolution on $q, k, v$: $(W-1)(2HK + HV)$ values. Neither grows with $T$.
+# * each MLA block: the latent cache, $T \cdot (d_c + d_\text{rope})$ values: the compressed
+#   key/value latent $c^{KV}$ (`mla_kv_lora_rank`) and the one RoPE key shared by all heads. With
+#   the up-projections absorbed into the query and output sides, nothing else is cached.
+
+# %%
+#| export
+def state_breakdown(model: HyMo,
+                    seq_len: int,  # Tokens seen so far, T
+                    dtype: torch.dtype = torch.bfloat16,  # Dtype of the convolution window and the latent cache
+                   ) -> dict[str, int]:
+    "Bytes of decode state per sequence by kind; the GDN recurrent state is counted in fp32."
+    c = model.config
+    es = torch.empty(0, dtype=dtype).element_size()
+    n_mla = sum(c.is_mla(i) for i in range(c.n_layers))
+    n_gdn = c.n_layers - n_mla
+    H, K, Vd = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim
+    return {"GDN recurrent state (fp32)": n_gdn * H * K * Vd * 4,
+            "GDN convolution windows": n_gdn * (c.gdn_conv_size - 1) * (2 * H * K + H * Vd) * es,
+            "MLA latent cache": n_mla * seq_len * (c.mla_kv_lora_rank + c.mla_qk_rope_dim) * es}
+
+
+# %% [markdown]
+# ### The numbers
+#
+# Both presets, the 750M one built on the meta device:
+
+# %%
+with torch.device("meta"):
+    model_750m = HyMo(big)
+models = {"hymo_tiny": model, "hymo_750m": model_750m}
+for name, m in models.items():
+    test_eq(m.num_params(), sum(p.numel() for p in m.parameters()))
+    test_eq(sum(param_breakdown(m).values()), m.num_params())
+
+rows = list(param_breakdown(model_750m))
+print(f"{'stored parameters':34s}" + "".join(f"{n:>14s}" for n in models))
+for r in rows: print(f"{r:34s}" + "".join(f"{param_breakdown(m)[r]:>14,d}" for m in models.values()))
+print(f"{'total stored':34s}" + "".join(f"{m.num_params():>14,d}" for m in models.values()))
+print(f"{'active per token':34s}" + "".join(f"{m.num_params(active=True):>14,d}" for m in models.values()))
+
+# %% [markdown]
+# The difference between stored and active is exactly the unused routed experts:
+
+# %%
+for m in models.values():
+    c = m.config
+    n_mla = c.layer_types.count("mla")
+    test_eq(m.num_params() - m.num_params(active=True), n_mla * (c.moe_n_routed - c.moe_top_k) * 3 * c.dim * c.moe_inter_dim)
+
+# %% [markdown]
+# Training FLOPs per token at each preset's window, and the decode state at $T = 4096$ in bf16:
+
+# %%
+for name, m in models.items():
+    T = load_config(name).train.seq_len
+    fb = flops_breakdown(m, T)
+    print(f"{name}, T = {T}: {m.flops_per_token(T)/1e9:.3f} GFLOPs per training token")
+    for k, v in fb.items(): print(f"    {k:42s}{v/1e6:12.1f} M  ({v / m.flops_per_token(T):5.1%})")
+    sb = state_breakdown(m, 4096)
+    print(f"  decode state at T = 4096 (bf16): {m.state_bytes(4096)/2**20:.2f} MiB per sequence")
+    for k, v in sb.items(): print(f"    {k:42s}{v/2**20:12.3f} MiB")
+
+# %% [markdown]
+# The matrices dominate; the MTP heads' two extra vocabulary projections are the next largest term
+# at this vocabulary, larger than all the attention at $T = 4096$. How the two sequence-dependent
+# terms grow with the window:
+
+# %%
+Ts = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
+for k in ("matrices (blocks)", "MLA attention scores + values", "GDN chunked rule"):
+    ax[0].plot(Ts, [flops_breakdown(model_750m, T)[k] / 1e9 for T in Ts], marker="o", label=k)
+ax[0].set(xscale="log", yscale="log", xlabel="window T", ylabel="GFLOPs / training token", title="750M: FLOPs by term")
+ax[0].legend(fontsize=7)
+hybrid = [model_750m.state_bytes(T) / 2**20 for T in Ts]
+all_mla = [big.n_layers * T * (big.mla_kv_lora_rank + big.mla_qk_rope_dim) * 2 / 2**20 for T in Ts]
+mha = [big.n_layers * T * 2 * big.mla_n_heads * big.mla_v_head_dim * 2 / 2**20 for T in Ts]
+for y, lab in ((hybrid, "HyMo (24 GDN + 8 MLA)"), (all_mla, "32 MLA blocks"), (mha, "32 MHA blocks, 16 heads × 128")):
+    ax[1].plot(Ts, y, marker="o", label=lab)
+ax[1].set(xscale="log", yscale="log", xlabel="tokens T", ylabel="MiB per sequence (bf16)", title="decode state")
+ax[1].legend(fontsize=7)
+plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# At $T = 4096$ HyMo carries about 14 MiB per sequence: about 4 MiB of GDN states and convolution
+# windows, fixed in $T$, and 10 MiB of latent cache growing with it. A 32-layer multi-head-attention transformer with the same
+# heads would cache $2 \cdot 16 \cdot 128$ values per token and layer, about 1 GiB.
+
+# %%
+test_eq(model_750m.state_bytes(4096), sum(state_breakdown(model_750m, 4096).values()))
+assert model_750m.state_bytes(8192) - model_750m.state_bytes(4096) == state_breakdown(model_750m, 4096)["MLA latent cache"]
+assert mha[Ts.index(4096)] / hybrid[Ts.index(4096)] > 50
+
+# %% [markdown]
+# ### The design document's figures, corrected
+#
+# | quantity | design document | HyMo as built (computed above) |
+# |---|---|---|
+# | stored parameters | ~1.13 B | see below |
+# | active parameters | ~434 M | see below |
+# | MTP: new parameters per head | 59.6 M (counts the tied vocabulary matrix again) | see below |
+# | GDN state | "3.9 MB per token" | the same 3.9 MB (fp32), but per *sequence*, fixed in $T$ |
+# | dense FFN FLOPs | 24 × 6.2 M = 149 M per token | 24 × 2 × 3 · 896 · 2560: see below |
+# | forward FLOPs per token | ~340 M (inference) | see below |
+#
+# The printed column, from the model:
+
+# %%
+pb = param_breakdown(model_750m)
+gdn_blocks = [l for l in model_750m.layers if isinstance(l, GatedDeltaNetBlock)]
+fwd = model_750m.flops_per_token(4096) / 3
+fwd_no_mtp = fwd - flops_breakdown(model_750m, 4096)["MTP heads (MLP + vocabulary projection)"] / 3
+corrected = {
+    "stored parameters": (1.13e9, model_750m.num_params()),
+    "active parameters": (434e6, model_750m.num_params(active=True)),
+    "MTP new parameters per head": (59.6e6, pb["MTP heads"] / big.mtp_depth),
+    "GDN state per sequence, bytes": (3.9e6, state_breakdown(model_750m, 4096)["GDN recurrent state (fp32)"]),
+    "dense FFN forward FLOPs per token": (149e6, 2 * sum(_matrix_params(b.ffn) for b in gdn_blocks)),
+    "forward FLOPs per token, no MTP, T=4096": (340e6, fwd_no_mtp),
+    "training FLOPs per token, T=4096": (None, model_750m.flops_per_token(4096)),
+}
+print(f"{'quantity':42s}{'document':>12s}{'as built':>14s}")
+for k, (doc, real) in corrected.items(): print(f"{k:42s}{f'{doc/1e6:.1f}M' if doc else '-':>12s}{real/1e6:>13.1f}M")
+
+# %% [markdown]
+# So the 750M design stores about 1.24 B parameters and uses about 0.54 B per token; "750M" is a
+# name, not a count. Over the planned run of about 30 B tokens, training costs the FLOPs per
+# token times the tokens:
+
+# %%
+run = load_config("hymo_750m").train
+tokens_run = run.max_steps * run.global_batch_size * run.seq_len
+total = model_750m.flops_per_token(run.seq_len) * tokens_run
+print(f"{tokens_run/1e9:.1f} B tokens × {model_750m.flops_per_token(run.seq_len)/1e9:.2f} GFLOPs = {total:.2e} FLOPs")
+print(f"= {total / (8 * 989e12 * 0.4) / 3600:.0f} hours on 8 H100s at 40% of their 989 TFLOP/s dense bf16 peak")
+
+# %% [markdown]
+# ### Inference, estimated properly
+#
+# The design document's inference answer adds milliseconds to FLOPs and ends "3 µs per token,
+# roughly 3× peak", which cannot be. At batch 1, decoding is bound by memory bandwidth, not
+# compute: every step reads every active weight once (bf16: 2 bytes each) and the cache, and does
+# two FLOPs per weight. On an H100 (3.35 TB/s, 989 TFLOP/s dense bf16):
+
+# %%
+bytes_step = model_750m.num_params(active=True) * 2 + model_750m.state_bytes(4096)
+flops_step = fwd_no_mtp
+t_mem, t_flop = bytes_step / 3.35e12, flops_step / 989e12
+print(f"per token at T=4096, batch 1: {bytes_step/1e9:.2f} GB read -> {t_mem*1e3:.2f} ms; "
+      f"{flops_step/1e9:.2f} GFLOPs -> {t_flop*1e6:.1f} µs")
+print(f"bandwidth-bound: about {1/t_mem:,.0f} tokens/s per sequence at most")
+assert t_mem > 50 * t_flop
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why does HyMo put the MoE on the MLA blocks and a dense SwiGLU on every GDN block?
+# Every block needs a per-token non-linear FFN; the question is only which kind. An MoE layer adds
+# stored capacity (16 routed experts) at a fixed active cost (2 of them) but is also a dispatch
+# point (gathering tokens per expert, and an all-to-all under expert parallelism). Placing it on
+# the 8 attention blocks gives the model about 0.8 B parameters of expert capacity with 8 dispatch
+# points per forward; MoE on all 32 blocks would quadruple the expert storage. It is a choice for a
+# small model, not a law: Qwen3-Next and Kimi Linear use MoE in every layer. The GDN blocks are
+# not "recurrence-only": each has a dense SwiGLU of width 2560.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Is the per-layer compute uniform across the stack?
+# No. A GDN block's dense SwiGLU costs $2 \cdot 3 \cdot 896 \cdot 2560 \approx 13.8$ MFLOPs per token
+# forward; an MLA block's MoE runs the shared expert and two routed ones,
+# $3 \times 2 \cdot 3 \cdot 896 \cdot 2304 \approx 37.2$ MFLOPs, plus attention that grows with $T$.
+# The design document's "every layer runs 2 of 16 experts" is false for the GDN blocks, which run
+# no experts at all.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## How many parameters does the 750M model have, stored and active, and why do they differ?
+# About 1.24 B stored and 0.54 B active (computed from the built model above; the design
+# document's 1.13 B and 434 M do not match its own shapes). The difference is the routed experts
+# a token is not sent to: $8 \text{ layers} \times (16 - 2) \times 3 \cdot 896 \cdot 2304
+# \approx 0.69$ B. The tied embedding/head ($64256 \times 896 \approx 57.6$ M) is counted once; the
+# two MTP heads add only about 4.1 M each.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Is "6N" a good estimate of the training FLOPs per token here?
+# Only for the matrices. Three more terms: the output head is a $|V| \times d$ matrix product even
+# though its weights are the (free to look up) embedding; each MTP head runs that vocabulary
+# projection again, about 0.35 GFLOPs per training token per head at $|V| = 64256$; and MLA's
+# scores and values grow with the window, $3 H (d_{qk} + d_v) T$ per token per MLA block
+# (causal). The chunked GDN rule adds a term linear in the chunk size but not in $T$. At $T = 4096$
+# the total is about 4.4 GFLOPs per token, training = 3 × forward with a multiply-add = 2 FLOPs.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What state does a HyMo sequence carry while decoding, and how does it compare with a transformer?
+# Each GDN block keeps a fixed $H \times K \times V = 40 \times 32 \times 32$ fp32 state (160 KiB)
+# plus a 3-token convolution window, whatever $T$; each MLA block caches $d_c + d_\text{rope} =
+# 160$ values per token. At $T = 4096$ in bf16 that is about 4 MiB + 10 MiB ≈ 14 MiB per
+# sequence, against about 1 GiB for a 32-layer MHA transformer with 16 heads of 128. The GDN
+# state is per sequence, not per token, as the design document says.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why can a token-choice MoE with a capacity factor break causality in training?
+# An expert accepts at most (capacity factor × mean load) tokens of the batch; which tokens are
+# dropped depends on how many *other* tokens chose that expert, including tokens later in the same
+# sequence. So a future token can change whether an earlier token gets its expert's output, a leak
+# that does not exist at inference. Dropless routing (DeepSeek-V3) avoids it; HyMo keeps the 1.5
+# factor, counts drops, and tests causality with dropless routing.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why are the output projections initialised with std $\sigma/\sqrt{2L}$?
+# Each block adds two branches to the residual stream (mixer and FFN), so $2L$ terms are summed
+# by the end of the stack. If each had variance $\sigma^2$ the stream's variance would grow with
+# depth; scaling the last matrix of each branch by $1/\sqrt{2L}$ keeps the sum's variance at
+# initialisation independent of $L$ (GPT-2). The input-side matrices keep $\sigma = 0.02$.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What is a realistic decoding speed for the 750M model?
+# At batch 1, decoding is bandwidth-bound: each step reads the active weights (about 1.1 GB in
+# bf16) plus the cache, about a third of a millisecond on an H100's 3.35 TB/s, while its
+# ~1.2 GFLOPs would take about a microsecond of compute. So about 3000 tokens/s per sequence is an
+# upper bound; batching many sequences amortises the weight reads until compute or the cache
+# becomes the limit (and at large batch nearly all experts are touched, so the full 1.24 B
+# parameters are read).
+# :::

@@ -1,0 +1,181 @@
+"""The full HyMo model: forward/backward, causality, packed documents, learning, initialisation, accounting."""
+import math
+
+import pytest
+import torch
+
+from hymo.config import load_config
+from hymo.models.gdn import GatedDeltaNetBlock
+from hymo.models.mla import MLABlock
+from hymo.models.model import HyMo, build_hymo, flops_breakdown, param_breakdown, state_breakdown
+from hymo.models.moe import DeepSeekMoE
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    "The tiny model's tensors are small: on a shared 2-core machine, extra threads only add contention."
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_config("hymo_tiny").model
+
+
+@pytest.fixture(scope="module")
+def dropless():
+    "Capacity dropping depends on the whole batch (later tokens included), so exactness tests route dropless."
+    return load_config("hymo_tiny", moe_capacity_factor=None).model
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return build_hymo(cfg)
+
+
+def test_layout_and_parts(tiny):
+    m = _model(tiny)
+    kinds = ["mla" if isinstance(l, MLABlock) else "gdn" for l in m.layers]
+    assert kinds == tiny.layer_types
+    assert all(isinstance(l, (MLABlock, GatedDeltaNetBlock)) for l in m.layers)
+    assert len(m.moe_layers()) == tiny.layer_types.count("mla")
+    assert all(isinstance(l.ffn, DeepSeekMoE) for l in m.layers if isinstance(l, MLABlock))
+
+
+def test_forward_backward_every_parameter_gets_a_gradient(tiny):
+    m = _model(tiny)
+    B, T, V = 2, 40, tiny.vocab_size
+    tokens, targets = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
+    assert m(tokens).shape == (B, T, V)
+    loss, parts = m(tokens, targets)
+    assert set(parts) == {"main", "mtp_1", "mtp_2"}
+    assert abs(parts["main"].item() - math.log(V)) < 0.3  # near-uniform predictions at init
+    loss.backward()
+    missing = [n for n, p in m.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
+    assert not missing, f"no gradient reaches {missing}"
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_tied_head(tiny):
+    m = _model(tiny)
+    logits, h = m.forward_with_hidden(torch.randint(0, tiny.vocab_size, (1, 12)))
+    torch.testing.assert_close(logits, h @ m.embed.weight.T)
+    big = [n for n, p in m.named_parameters() if p.shape[0] == tiny.vocab_size]
+    assert big == ["embed.weight"], "the output head must reuse the embedding, not own a matrix"
+
+
+def test_causal(dropless):
+    m = _model(dropless)
+    V = dropless.vocab_size
+    x = torch.randint(0, V, (1, 40))
+    ref = m(x)
+    for t in (5, 39):
+        x2 = x.clone(); x2[0, t] = (x2[0, t] + 7) % V
+        out = m(x2)
+        assert torch.equal(out[:, :t], ref[:, :t]), f"changing token {t} changed earlier logits"
+        assert not torch.equal(out[:, t], ref[:, t])
+
+
+def test_packed_documents_equal_separate_runs(dropless):
+    m = _model(dropless)
+    docs = [torch.randint(0, dropless.vocab_size, (1, n)) for n in (7, 66, 3)]
+    cu = torch.tensor([0, 7, 73, 76])
+    packed = m(torch.cat(docs, 1), cu_seqlens=cu)
+    for n, d in enumerate(docs):
+        torch.testing.assert_close(packed[:, cu[n]:cu[n + 1]], m(d), atol=1e-4, rtol=1e-4)
+
+
+def test_overfits_one_batch(tiny):
+    m = _model(tiny)
+    x = torch.randint(0, tiny.vocab_size, (1, 17))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(30):
+        loss, _ = m(x[:, :-1], x[:, 1:])
+        opt.zero_grad(); loss.backward(); opt.step()
+        for moe in m.moe_layers(): moe.update_gate_bias()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+def test_meta_build_equals_direct_build(tiny):
+    torch.manual_seed(3); a = build_hymo(tiny)
+    torch.manual_seed(3); b = HyMo(tiny); torch.manual_seed(3); b.init_weights()
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(p, q, msg=n)
+
+
+def test_init_scales():
+    cfg = load_config("hymo_tiny", dim=256, ffn_inter_dim=512, moe_inter_dim=512, n_layers=8).model
+    m = _model(cfg)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    outs = {n: p for n, p in m.named_parameters() if any(k in n.split(".")[-2:] for k in ("o_proj", "w2", "proj_out"))}
+    assert len(outs) == cfg.n_layers * 2 + cfg.layer_types.count("mla") + cfg.mtp_depth  # o_proj + w2 per block, shared w2, MTP
+    for n, p in outs.items(): assert abs(p.std().item() / out_std - 1) < 0.15, n
+    assert abs(m.embed.weight.std().item() / cfg.init_std - 1) < 0.05
+    assert all((p == 1).all() for n, p in m.named_parameters() if "norm" in n)
+
+
+def test_param_accounting(tiny):
+    m = _model(tiny)
+    n = m.num_params()
+    assert n == sum(p.numel() for p in m.parameters())
+    assert sum(param_breakdown(m).values()) == n
+    n_mla = tiny.layer_types.count("mla")
+    expert = 3 * tiny.dim * tiny.moe_inter_dim
+    assert n - m.num_params(active=True) == n_mla * (tiny.moe_n_routed - tiny.moe_top_k) * expert
+
+
+def test_750m_on_meta_device():
+    c = load_config("hymo_750m").model
+    with torch.device("meta"):
+        m = HyMo(c)
+    assert all(p.is_meta for p in m.parameters())
+    n_mla, n_gdn = c.layer_types.count("mla"), c.layer_types.count("gdn")
+    H, K, V = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim
+    gdn = (2 * c.dim * H * K + 2 * c.dim * H * V + 2 * c.dim * H + H * V * c.dim  # q, k; v, g; a, b; o
+           + c.gdn_conv_size * (2 * H * K + H * V) + 2 * H + V  # convs, A_log and dt_bias, o_norm
+           + 3 * c.dim * c.ffn_inter_dim + 2 * c.dim)  # dense SwiGLU, two block norms
+    G, dn, dr, dv, dc, r = (c.mla_n_kv_groups, c.mla_qk_nope_dim, c.mla_qk_rope_dim, c.mla_v_head_dim,
+                            c.mla_kv_lora_rank, c.mla_q_lora_rank)
+    mla = (c.dim * r + r + r * c.mla_n_heads * (dn + dr) + c.dim * (dc + dr) + dc + dc * G * (dn + dv)
+           + c.mla_n_heads * dv * c.dim + 2 * c.dim)
+    moe = (c.moe_n_routed + c.moe_n_shared) * 3 * c.dim * c.moe_inter_dim + c.dim * c.moe_n_routed
+    mtp = c.mtp_depth * (2 * c.dim * c.mtp_inter_dim + 2 * c.dim)
+    expected = c.vocab_size * c.dim + n_gdn * gdn + n_mla * (mla + moe) + c.dim + mtp
+    assert m.num_params() == expected
+    active = m.num_params(active=True)
+    assert m.num_params() - active == n_mla * (c.moe_n_routed - c.moe_top_k) * 3 * c.dim * c.moe_inter_dim
+    f4k = m.flops_per_token(4096)
+    assert f4k > 6 * (active - c.vocab_size * c.dim)  # 6N is a lower bound: head, MTP, attention, GDN come on top
+    assert m.flops_per_token(8192) - f4k == pytest.approx(3 * n_mla * c.mla_n_heads * (dn + dr + dv) * 4096)
+    assert flops_breakdown(m, 4096)["output head"] == 6 * c.vocab_size * c.dim
+    s = state_breakdown(m, 4096, torch.bfloat16)
+    assert s["GDN recurrent state (fp32)"] == n_gdn * H * K * V * 4
+    assert m.state_bytes(8192) - m.state_bytes(4096) == n_mla * 4096 * (dc + dr) * 2
+    print(f"750M: {m.num_params()/1e9:.3f} B stored, {active/1e6:.1f} M active, {f4k/1e9:.2f} GFLOPs/token, "
+          f"{m.state_bytes(4096)/2**20:.1f} MiB state at T=4096")
+
+
+def test_generate(dropless):
+    m = _model(dropless)
+    prompt = torch.randint(0, dropless.vocab_size, (1, 6))
+    torch.manual_seed(0)
+    out = m.generate(prompt, 4, temperature=0.9, top_k=5)
+    assert out.shape == (1, 10) and torch.equal(out[:, :6], prompt)
+    greedy = m.generate(prompt, 3, temperature=0)
+    logits = m.eval()(greedy[:, :-1])
+    assert torch.equal(greedy[0, 6:], logits[0, 5:].argmax(-1))  # each greedy token is the argmax given its prefix
+    m.train()
+    assert m.generate(prompt, 1).shape == (1, 7) and m.training
+
+
+def test_bad_input_is_a_clear_error(tiny):
+    m = _model(tiny)
+    with pytest.raises(ValueError, match=r"\[B, T\]"): m(torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_seq_len"): m(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[1, T\]"): m(torch.zeros(2, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="shape of tokens"): m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
