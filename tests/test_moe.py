@@ -1,0 +1,230 @@
+"""DeepSeekMoE: dispatch paths equal a dense reference, the bias steers selection only, capacity drops
+exactly the over-capacity assignments, the balancing rules move the right way, resume is exact."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hymo.config import load_config
+from hymo.models.moe import DeepSeekMoE, experts_grouped, experts_loop, sort_assignments
+
+
+def make(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return DeepSeekMoE(load_config("hymo_tiny", **overrides).model)
+
+
+def dense_reference(moe, x):
+    "Every routed expert on every token, masked by a dense [N, E] weight matrix built from first principles."
+    B, T, d = x.shape
+    xf = x.reshape(B * T, d)
+    logits = xf.double() @ moe.gate.weight.double().T
+    s = logits.softmax(-1) if moe.score_func == "softmax" else logits.sigmoid()  # (N, E)
+    idx = (s + moe.gate_bias.double()).topk(moe.top_k).indices
+    w = s.gather(1, idx)
+    if moe.score_func == "sigmoid": w = w / w.sum(-1, keepdim=True)
+    W = torch.zeros_like(s).scatter(1, idx, w)  # (N, E)
+    C = moe.capacity(B * T)
+    if C is not None:  # per expert keep the C highest scores, ties to the earlier token
+        for e in range(moe.n_routed):
+            rows = [n for n in range(B * T) if e in idx[n].tolist()]
+            rows.sort(key=lambda n: (-s[n, e].item(), n))
+            for n in rows[C:]: W[n, e] = 0
+    Y = torch.stack([F.linear(F.silu(F.linear(xf, moe.w1[e])) * F.linear(xf, moe.w3[e]), moe.w2[e])
+                     for e in range(moe.n_routed)], 1)  # (N, E, d)
+    y = (W.unsqueeze(-1).float() * Y).sum(1) + moe.shared(xf)
+    return y.view(B, T, d)
+
+
+def grouped_available():
+    xs, c = torch.randn(3, 8), torch.tensor([1, 2])
+    w = torch.randn(2, 8, 8)
+    try: experts_grouped(xs, c, w, w, w)
+    except (RuntimeError, NotImplementedError, AttributeError): return False
+    return True
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("cf", [None, 1.5, 0.6])
+def test_dispatch_matches_dense_reference(score_func, cf):
+    moe = make(moe_score_func=score_func, moe_capacity_factor=cf).eval()
+    with torch.no_grad(): moe.gate.weight.normal_(0, 0.1)  # decisive routing: no near-ties vs the fp64 reference
+    moe.gate_bias.copy_(torch.tensor([0.05, -0.02, 0.0, 0.01]))
+    x = torch.randn(2, 24, moe.dim)
+    ref = dense_reference(moe, x)
+    impls = ["loop"] + (["grouped"] if grouped_available() else [])
+    for impl in impls:
+        moe.impl = impl
+        torch.testing.assert_close(moe(x), ref, atol=1e-5, rtol=1e-4, msg=impl)
+
+
+def test_loop_and_grouped_kernels_agree_with_empty_experts():
+    if not grouped_available(): pytest.skip("this torch has no CPU torch._grouped_mm")
+    w1, w3 = torch.randn(2, 5, 24, 16)
+    w2 = torch.randn(5, 16, 24)
+    counts = torch.tensor([3, 0, 7, 0, 1])
+    xs = torch.randn(11, 16, requires_grad=True)
+    g = torch.randn(11, 16)
+    grads = []
+    for f in (experts_loop, experts_grouped):
+        ws = [w.clone().requires_grad_() for w in (w1, w2, w3)]
+        xs.grad = None
+        y = f(xs, counts, *ws)
+        y.backward(g)
+        grads.append((y.detach(), xs.grad.clone(), *[w.grad for w in ws]))
+    for a, b in zip(*grads): torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_bias_changes_selection_not_weights():
+    moe = make(moe_score_func="sigmoid")
+    x = torch.randn(64, moe.dim)
+    idx0, w0, _ = moe.route(x)
+    moe.gate_bias.copy_(torch.tensor([1.0, 0.0, 0.0, 0.0]))  # expert 0 now always selected
+    idx1, w1, score1 = moe.route(x)
+    assert (idx1 == 0).any(-1).all() and not torch.equal(idx0, idx1)
+    s = moe.gate_forward(x)
+    torch.testing.assert_close(score1, s.gather(1, idx1))  # unbiased scores
+    torch.testing.assert_close(w1, score1 / score1.sum(-1, keepdim=True))
+    moe.gate_bias.fill_(0.3)  # a uniform shift changes nothing
+    idx2, w2, _ = moe.route(x)
+    assert torch.equal(idx2, idx0) and torch.equal(w2, w0)
+
+
+def test_gate_scores_are_fp32_under_bf16_input():
+    moe = make()
+    s = moe.gate_forward(torch.randn(8, moe.dim).bfloat16())
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(s.sum(-1), torch.ones(8))
+
+
+def test_capacity_drops_lowest_scores_and_counts_them():
+    moe = make(moe_capacity_factor=1.0).train()
+    with torch.no_grad(): moe.gate.weight[0] += 0.5 * torch.randn(moe.dim)  # skew
+    x = torch.randn(1, 64, moe.dim)
+    xf = x.view(64, -1)
+    idx, _, score = moe.route(xf)
+    C = moe.capacity(64)
+    assert C == 64 * moe.top_k // moe.n_routed
+    counts = torch.bincount(idx.flatten(), minlength=moe.n_routed)
+    assert counts.max() > C, "the test needs an over-full expert"
+    moe.expert_counts.zero_(); moe.dropped_tokens.zero_()
+    moe(x)
+    expected = int((counts - C).clamp_min(0).sum())
+    assert int(moe.dropped_tokens) == expected
+    assert moe.expert_counts.tolist() == counts.tolist()
+    _, _, keep = sort_assignments(idx, score, moe.n_routed, C)
+    for e in range(moe.n_routed):  # the kept ones of an over-full expert outscore every dropped one
+        mine = idx == e
+        if counts[e] > C: assert score[mine & keep].min() >= score[mine & ~keep].max()
+        else: assert keep[mine].all()
+    m = moe.update_gate_bias()
+    torch.testing.assert_close(m["moe_drop_frac"], torch.tensor(expected / (64 * moe.top_k)))
+    assert int(moe.dropped_tokens) == 0 and int(moe.expert_counts.sum()) == 0
+
+
+def test_eval_does_not_accumulate():
+    moe = make().eval()
+    moe(torch.randn(1, 16, moe.dim))
+    assert int(moe.expert_counts.sum()) == 0
+
+
+def test_ema_rule_direction_and_dead_band():
+    moe = make(moe_balance="ema")
+    moe.ema_counts.copy_(torch.tensor([150.0, 104.0, 50.0, 96.0]))  # mean 100: ±5 % band is [95, 105]
+    moe.expert_counts.copy_(torch.tensor([150, 104, 50, 96]))
+    for _ in range(3):
+        moe.expert_counts.copy_(torch.tensor([150, 104, 50, 96]))
+        moe.update_gate_bias()
+    torch.testing.assert_close(moe.gate_bias, torch.tensor([-3.0, 0.0, 3.0, 0.0]) * moe.bias_speed)
+    # the EMA follows the counts with decay 0.98
+    moe.expert_counts.copy_(torch.tensor([200, 104, 50, 96]))
+    moe.update_gate_bias()
+    torch.testing.assert_close(moe.ema_counts[0], torch.tensor(0.98 * 150 + 0.02 * 200))
+
+
+def test_sign_rule_direction():
+    moe = make(moe_balance="sign")
+    moe.expert_counts.copy_(torch.tensor([10, 30, 20, 20]))  # mean 20
+    moe.update_gate_bias()
+    torch.testing.assert_close(moe.gate_bias, torch.tensor([1.0, -1.0, 0.0, 0.0]) * moe.bias_speed)
+    assert torch.equal(moe.ema_counts, torch.zeros(4))
+
+
+def test_none_rule_keeps_bias():
+    moe = make(moe_balance="none")
+    moe.expert_counts.copy_(torch.tensor([100, 0, 0, 0]))
+    m = moe.update_gate_bias()
+    assert torch.equal(moe.gate_bias, torch.zeros(4)) and float(m["moe_load_max_mean"]) == 4.0
+
+
+@pytest.mark.parametrize("balance", ["sign", "ema"])
+def test_bias_rule_rebalances_a_skewed_router(balance):
+    def run(balance):
+        moe = make(moe_balance=balance, moe_capacity_factor=None, moe_bias_speed=0.005)
+        g = torch.Generator().manual_seed(0)
+        mu = torch.randn(moe.dim, generator=g)
+        mu = 2 * mu / mu.norm()
+        with torch.no_grad(): moe.gate.weight.normal_(0, 0.05, generator=g); moe.gate.weight[0] += 0.3 * mu
+        loads = []
+        for _ in range(150):
+            x = torch.randn(512, moe.dim, generator=g) + mu
+            idx, _, score = moe.route(x)
+            moe.expert_counts += sort_assignments(idx, score, moe.n_routed, None)[1]
+            loads.append(float(moe.update_gate_bias()["moe_load_max_mean"]))
+        return sum(loads[-20:]) / 20
+    assert run("none") > 1.6 and run(balance) < 1.2
+
+
+def train_steps(moe, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    for _ in range(steps):
+        for _ in range(2):  # two micro-batches per optimiser step
+            loss = moe(torch.randn(2, 16, moe.dim, generator=g)).pow(2).mean()
+            loss.backward()
+        opt.step(); opt.zero_grad()
+        moe.update_gate_bias()
+        outs.append(loss.detach())
+    return torch.stack(outs)
+
+
+def test_resume_is_bit_identical():
+    moe = make(moe_balance="ema", moe_bias_speed=0.05)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-2)
+    train_steps(moe, opt, 3, seed=1)
+    assert moe.gate_bias.abs().sum() > 0 and moe.ema_counts.sum() > 0
+    sd, osd = copy.deepcopy(moe.state_dict()), copy.deepcopy(opt.state_dict())
+    assert {"gate_bias", "ema_counts"} <= set(sd)
+    a = train_steps(moe, opt, 3, seed=2)
+    resumed = make(seed=123, moe_balance="ema", moe_bias_speed=0.05)
+    resumed.load_state_dict(sd)
+    ropt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    ropt.load_state_dict(osd)
+    b = train_steps(resumed, ropt, 3, seed=2)
+    assert torch.equal(a, b)
+    for (n, p), q in zip(moe.state_dict().items(), resumed.state_dict().values()): assert torch.equal(p, q), n
+
+
+def test_gradients_reach_the_gate():
+    moe = make()
+    moe(torch.randn(2, 16, moe.dim)).pow(2).mean().backward()
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
+    assert moe.gate_bias.grad is None  # a buffer, not a parameter
+
+
+def test_meta_build_and_reset():
+    cfg = load_config("hymo_tiny").model
+    with torch.device("meta"): moe = DeepSeekMoE(cfg)
+    moe = moe.to_empty(device="cpu")
+    moe.gate_bias.fill_(float("nan")); moe.expert_counts.fill_(7)
+    torch.manual_seed(0); moe.reset_parameters()
+    assert torch.equal(moe.gate_bias, torch.zeros(cfg.moe_n_routed)) and int(moe.expert_counts.sum()) == 0
+    assert abs(moe.gate.weight.std().item() - 0.006) < 0.001
+    assert abs(moe.w1.std().item() - cfg.init_std) < 0.002
+    assert all(torch.isfinite(p).all() for p in moe.parameters())
+
+
+def test_bf16_cast_module_refuses_bias_update():
+    moe = make().bfloat16()
+    with pytest.raises(TypeError, match="fp32"): moe.update_gate_bias()
