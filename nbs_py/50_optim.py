@@ -1,0 +1,1023 @@
+# %% [markdown]
+# # Optimisers
+#
+# > NorMuon for the hidden matrices, AdamW for everything else, cautious weight decay, and the warmup-stable-decay schedule.
+
+# %%
+#| default_exp training.optim
+
+# %% [markdown]
+# HyMo trains with two optimisers at once. The 2-D weight matrices inside the blocks (every
+# `*_proj`, the SwiGLU `w1/w2/w3`, the stacked expert weights) are updated by **NorMuon**, a
+# variant of Muon that orthogonalises the momentum before it is applied. Everything else (the
+# tied embedding/head, norms, biases, the GDN gate parameters `A_log` and `dt_bias`, the depthwise
+# convolutions, the MoE router) is updated by **AdamW**. Both use **cautious weight decay**, and
+# both follow the same **warmup-stable-decay** (WSD) learning-rate schedule.
+#
+# This chapter builds each piece from a plain reference, checks the exported version against it,
+# and ends with what changes when the parameters are FSDP-2 shards.
+
+# %%
+#| export
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hymo.config import TrainingConfig
+
+# %%
+import matplotlib.pyplot as plt
+from fastcore.test import test_eq, test_close, test_fail
+
+from hymo.config import load_config
+from hymo.models.layers import RMSNorm, SwiGLU
+
+
+# %% [markdown]
+# ## From SGD with momentum to Muon
+#
+# SGD with momentum keeps $M \leftarrow \beta M + (1-\beta) G$ and steps $W \leftarrow W - \eta M$.
+# For a weight matrix $W \in \mathbb{R}^{m \times n}$ the gradient is a sum of outer products
+# $\sum_t \delta_t x_t^\top$ over the tokens of the batch, and in practice such matrices have a very
+# skewed spectrum: a handful of singular directions carry most of the norm. Stepping along $M$
+# therefore moves the weights a lot in those few directions and hardly at all in the others.
+#
+# Muon (Jordan et al., 2024) replaces $M = U \Sigma V^\top$ by its *orthogonal polar factor*
+# $O = U V^\top$: same singular vectors, every singular value set to 1. It is the steepest-descent
+# direction under the spectral norm: of all updates with $\|\Delta W\|_2 \le 1$, $-UV^\top$ decreases
+# the linearised loss $\langle G, \Delta W \rangle$ the most. Every direction the gradient touches gets
+# the same step, however small its singular value was.
+#
+# The naive reference computes the polar factor with an SVD:
+
+# %%
+def orthogonalize_svd(G):
+    "Reference polar factor U Vᵀ of G [..., m, n] (singular values set to 1), in fp32."
+    U, S, Vh = torch.linalg.svd(G.float(), full_matrices=False)
+    return U @ Vh
+
+
+# %%
+torch.manual_seed(0)
+G = torch.randn(32, 32) @ torch.diag(torch.logspace(0, -2, 32)) @ torch.randn(32, 64)  # (32, 64), skewed spectrum
+O = orthogonalize_svd(G)
+test_close(torch.linalg.svdvals(O), torch.ones(32), eps=1e-4)
+test_close(O @ O.T, torch.eye(32), eps=1e-4)  # a wide O has orthonormal rows
+
+# %% [markdown]
+# ### Newton–Schulz: the polar factor with matrix products only
+#
+# An SVD is slow on a GPU and does not run in bf16. Muon instead applies an odd matrix polynomial a
+# few times. Normalise $X_0 = G / \|G\|_F$ so that every singular value is in $(0, 1]$, then iterate
+# $$A = X X^\top, \qquad B = b A + c A^2, \qquad X \leftarrow a X + B X ,$$
+# which is $X \leftarrow a X + b (XX^\top) X + c (XX^\top)^2 X$. Because the polynomial is odd it acts
+# on each singular value separately: $U \Sigma V^\top \mapsto U \varphi(\Sigma) V^\top$ with
+# $\varphi(\sigma) = a\sigma + b\sigma^3 + c\sigma^5$. The quintic coefficients
+# $(a, b, c) = (3.4445, -4.7750, 2.0315)$ are tuned for speed rather than exact convergence: the
+# slope $a \approx 3.4$ at zero inflates small singular values fast, at the price that the
+# fixed point is not 1 but a band around it. Five iterations in bf16 are enough.
+#
+# When $m > n$ the iteration runs on $X^\top$ so that the Gram matrix $XX^\top$ is the smaller
+# $\min(m, n)^2$ one. A leading batch dimension (stacked experts `[E, m, n]`) is orthogonalised matrix
+# by matrix, because every product works on the last two dimensions.
+
+# %%
+#| export
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of the quintic φ(σ) = aσ + bσ³ + cσ⁵
+
+
+def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are independent matrices
+                  steps: int = 5, # Quintic Newton–Schulz iterations
+                  eps: float = 1e-7, # Guards the Frobenius normalisation of an all-zero G
+                 ) -> torch.Tensor:
+    "Approximate polar factor U Vᵀ of each matrix of G [..., m, n], in bf16; singular values land in about [0.68, 1.14]."
+    if G.ndim < 2: raise ValueError(f"newton_schulz needs a matrix [..., m, n]; got shape {tuple(G.shape)}")
+    a, b, c = NS_COEFFS
+    X = G.bfloat16()
+    tall = G.size(-2) > G.size(-1)
+    if tall: X = X.mT  # (..., n, m): iterate on the wide side, Gram matrix min(m, n)²
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # every σ in (0, 1]
+    for _ in range(steps):
+        A = X @ X.mT  # (..., k, k) with k = min(m, n)
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+# %% [markdown]
+# Where do singular values go? The scalar map $\varphi$ applied $k$ times shows it: the curves on
+# the left start at $\sigma/\|G\|_F$ (log axis) and after five steps everything above about $10^{-2}$
+# sits in a band around 1. On the right, the spectrum of a skewed $128 \times 512$ matrix before
+# (normalised by its largest value) and after five bf16 iterations.
+
+# %%
+def phi(s, k=1):
+    "The scalar quintic applied k times (float64)."
+    a, b, c = NS_COEFFS
+    for _ in range(k): s = a * s + b * s**3 + c * s**5
+    return s
+
+s0 = torch.logspace(-3, 0, 400, dtype=torch.float64)
+band = phi(s0[s0 >= 0.03], 5)
+print(f"after 5 steps, σ0 ≥ 0.03 lands in [{band.min():.3f}, {band.max():.3f}]")
+assert 0.65 < band.min() and band.max() < 1.2
+
+torch.manual_seed(0)
+G = torch.randn(128, 32) @ torch.randn(32, 512) + 0.3 * torch.randn(128, 512)  # (128, 512): a strong rank-32 part plus noise
+sv_before = torch.linalg.svdvals(G)
+sv_after = torch.linalg.svdvals(newton_schulz(G).float())
+
+fig, ax = plt.subplots(1, 2, figsize=(9, 3))
+for k in range(1, 6): ax[0].semilogx(s0, phi(s0, k), label=f"{k} step{'s' if k > 1 else ''}")
+ax[0].set(xlabel="σ / ‖G‖_F", ylabel="φᵏ(σ)", title="quintic Newton–Schulz"); ax[0].legend(fontsize=7)
+ax[1].plot(sv_before / sv_before.max(), ".", ms=3, label="G (÷ σ_max)")
+ax[1].plot(sv_after, ".", ms=3, label="newton_schulz(G)")
+ax[1].set(xlabel="index", ylabel="singular value", title="a 128×512 gradient"); ax[1].legend(fontsize=7)
+plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# The bf16 iteration keeps the singular vectors of the SVD reference: projected onto them,
+# $U^\top \mathrm{NS}(G) V$ is diagonal up to bf16 noise, and its diagonal is in the band.
+
+# %%
+U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+D = U.T @ newton_schulz(G).float() @ Vh.T  # (128, 128)
+off = D - torch.diag(torch.diag(D))
+print(f"diag in [{torch.diag(D).min():.3f}, {torch.diag(D).max():.3f}], largest off-diagonal {off.abs().max():.3f}")
+assert off.abs().max() < 0.05 and 0.6 < torch.diag(D).min() and torch.diag(D).max() < 1.25  # band + bf16 rounding
+for shape in [(64, 256), (256, 64), (3, 96, 32)]:  # wide, tall, stacked experts
+    sv = torch.linalg.svdvals(newton_schulz(torch.randn(shape)).float())
+    assert 0.6 < sv.min() and sv.max() < 1.2, (shape, sv.min(), sv.max())
+test_fail(lambda: newton_schulz(torch.randn(5)), contains="needs a matrix")
+
+
+# %% [markdown]
+# ### Shape scaling, and what Muon's learning rate means in AdamW units
+#
+# An $m \times n$ matrix with $k = \min(m, n)$ unit singular values has $\|O\|_F = \sqrt{k}$, so the
+# root mean square of its entries is $\sqrt{k / mn} = 1/\sqrt{\max(m, n)}$. HyMo multiplies the
+# orthogonalised update by
+# $$s(m, n) = \sqrt{\max(1, m/n)} ,$$
+# the rule of Keller Jordan's Muon and modded-nanogpt. For a wide or square matrix ($m \le n$) the
+# RMS stays $1/\sqrt{n}$; for a tall one it becomes $\sqrt{m/n}/\sqrt{m} = 1/\sqrt{n}$ as well. Either
+# way the per-entry step is $\eta_\text{muon}/\sqrt{n}$, with $n$ the fan-in: the RMS of the
+# pre-activation change $\Delta W x$ for a unit-RMS input is the same for every layer width, which is
+# what "the learning rate transfers across widths" asks for.
+#
+# The other common rule (Moonshot's *Muon is Scalable*, 2025) multiplies by $0.2\sqrt{\max(m,n)}$,
+# which sets the update RMS to exactly 0.2, about what AdamW's update RMS is in practice, so that
+# Muon can reuse AdamW's learning rate. We keep the first rule because HyMo's `muon_lr = 0.02` is in
+# its units; the two are related by
+# $$\eta_\text{AdamW-equivalent} = \frac{\eta_\text{muon}}{0.2\,\sqrt{n}} ,$$
+# for the 750M model's fan-ins:
+
+# %%
+#| export
+def muon_shape_scale(rows: int, # m: output features (rows of the weight)
+                     cols: int, # n: input features (columns, the fan-in)
+                    ) -> float:
+    "Factor max(1, m/n)^½ applied to an orthogonalised [m, n] update: its RMS becomes 1/√n for any shape."
+    return max(1.0, rows / cols) ** 0.5
+
+
+# %%
+cfg750 = load_config("hymo_750m")
+print(f"{'matrix':24s} {'m × n':>12s} {'update RMS':>11s} {'≈ AdamW lr':>11s}")
+for name, (m, n) in {"ffn.w1 (up, tall)": (2560, 896), "ffn.w2 (down, wide)": (896, 2560),
+                     "experts.w1 (tall)": (2304, 896), "GDN o_proj (wide)": (896, 1280)}.items():
+    Q = torch.linalg.qr(torch.randn(max(m, n), min(m, n))).Q  # orthonormal columns: all singular values 1
+    O = (Q if m >= n else Q.T) * muon_shape_scale(m, n)  # (m, n)
+    rms = O.pow(2).mean().sqrt().item()
+    test_close(rms, n ** -0.5, eps=1e-4)
+    print(f"{name:24s} {f'{m} × {n}':>12s} {rms:11.4f} {cfg750.train.muon_lr * rms / 0.2:11.2e}")
+print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
+
+
+# %% [markdown]
+# The residual-stream fan-in $n = 896$ gives an AdamW-equivalent rate of $3.3 \times 10^{-3}$, the
+# same as HyMo's `adamw_lr`: the two optimisers move their weights at about the same per-entry speed.
+# (The wide down-projections, $n = 2560$, step about $1.7\times$ slower per entry, as $1/\sqrt{n}$ says
+# they should.)
+#
+# ## NorMuon: normalise each output neuron
+#
+# An orthogonal update is balanced across singular directions, but not across *neurons*. For a
+# wide matrix ($m \le n$) the exact polar factor has orthonormal rows, so every output neuron gets
+# the same step; for a tall matrix ($m > n$: `w1`, `w3`, the expert up-projections) only the columns
+# are orthonormal, the $n$ units of squared norm are shared unevenly among the $m$ rows, and some
+# neurons get much larger updates than others. Newton–Schulz's band of $[0.68, 1.14]$ adds more
+# unevenness on top.
+#
+# NorMuon (Li et al., 2025) adds Adam's per-coordinate idea at the granularity of a neuron: keep a
+# running mean of each row's mean square and divide by its root,
+# $$v \leftarrow \beta_2 v + (1 - \beta_2)\, \tfrac1n \textstyle\sum_j O_{ij}^2, \qquad
+#   \hat O_{ij} = O_{ij} / \sqrt{v_i}, \qquad
+#   U = \hat O \cdot \frac{\|O\|_F}{\|\hat O\|_F} ,$$
+# with $v \in \mathbb{R}^{m \times 1}$ (one number per output neuron, $\beta_2 = 0.95$). The last factor
+# gives the update back the Frobenius norm of $O$, so the shape scaling and learning rate above keep
+# their meaning: NorMuon redistributes the step among neurons without changing its size. It also
+# makes a bias correction of $v$ unnecessary: dividing $v$ by $1 - \beta_2^t$ scales $\hat O$ by one
+# number, which the rescale removes. The state is $m$ floats per matrix, negligible next to the
+# momentum's $mn$.
+
+# %%
+#| export
+def normuon_rownorm(O: torch.Tensor, # Orthogonalised update [..., m, n], fp32
+                    v: torch.Tensor, # Running mean square of each row [..., m, 1], fp32
+                    beta2: float, # Decay of v
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    "NorMuon's step: update v, divide each row of O by √v, rescale each matrix to O's Frobenius norm; returns (U, v)."
+    v = v.lerp(O.square().mean(-1, keepdim=True), 1 - beta2)  # (..., m, 1)
+    U = O * v.clamp_min(1e-10).rsqrt()
+    U = U * (O.norm(dim=(-2, -1), keepdim=True) / U.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
+    return U, v
+
+
+# %% [markdown]
+# On a tall matrix whose gradient is much larger in a few rows, the orthogonalised update still
+# leaves row norms spread over a wide range; after a few NorMuon steps they are nearly equal, and the
+# total norm has not moved.
+
+# %%
+torch.manual_seed(0)
+m, n = 384, 128
+row_scale = torch.ones(m, 1); row_scale[:16] = 20.0  # 16 "loud" neurons
+v = torch.zeros(m, 1)
+for t in range(10):
+    O = newton_schulz(row_scale * torch.randn(m, n)).float()
+    U, v = normuon_rownorm(O, v, beta2=0.95)
+cv = lambda X: (X.norm(dim=1).std() / X.norm(dim=1).mean()).item()  # spread of row norms
+print(f"row-norm spread (std/mean): orthogonalised {cv(O):.3f} → NorMuon {cv(U):.3f}")
+print(f"loud rows / quiet rows norm: {O[:16].norm(dim=1).mean() / O[16:].norm(dim=1).mean():.2f} → "
+      f"{U[:16].norm(dim=1).mean() / U[16:].norm(dim=1).mean():.2f}")
+test_close(U.norm(), O.norm(), eps=1e-3)
+assert cv(U) < 0.5 * cv(O)
+
+
+# %% [markdown]
+# ## Cautious weight decay
+#
+# Decoupled weight decay pulls every weight towards zero: $x \leftarrow x - \eta(u + \lambda x)$,
+# where $u$ is the optimiser's update. Where the update is pushing $x$ *away* from zero, the decay
+# and the update fight each other, and the decay wins on weights the loss wants large. Cautious
+# weight decay (Chen et al., 2025) applies the decay only where the two agree in sign,
+# $$x \leftarrow x - \eta\big(u + \lambda\, \mathbb{1}[u \odot x \ge 0] \odot x\big) ,$$
+# that is, only on the coordinates the update is already shrinking. The mask is computed from the
+# weights before the step.
+
+# %%
+#| export
+def weight_decay_term(x: torch.Tensor, # Parameter before the step
+                      u: torch.Tensor, # The optimiser's update (the step is x ← x − η·u)
+                      cautious: bool, # Decay only where u and x agree in sign
+                     ) -> torch.Tensor:
+    "The decay direction d in x ← x − η(u + λd): x itself, or 1[u⊙x ≥ 0]⊙x when cautious."
+    return x * (u * x >= 0) if cautious else x
+
+
+# %%
+x = torch.tensor([1.0, 1.0, -1.0, -1.0, 0.5])
+u = torch.tensor([0.3, -0.3, -0.2, 0.2, 0.0])
+test_eq(weight_decay_term(x, u, cautious=True), torch.tensor([1.0, 0.0, -1.0, 0.0, 0.5]))
+test_eq(weight_decay_term(x, u, cautious=False), x)
+
+
+# %% [markdown]
+# Entries 0 and 2 are being shrunk by the update anyway, so they are decayed too; entries 1 and 3
+# are being grown, so they are left alone.
+#
+# ## NorMuon, the optimiser
+#
+# Putting the pieces together, one step for a matrix $W$ with gradient $G$:
+#
+# 1. momentum $M \leftarrow \beta M + (1-\beta) G$, Nesterov look-ahead $N = (1-\beta) G + \beta M$ ($\beta$ = `momentum`);
+# 2. $O$ = `newton_schulz(N)` in bf16;
+# 3. $U, v$ = `normuon_rownorm(O, v, beta2)`, then $U \leftarrow s(m, n)\,U$;
+# 4. $W \leftarrow W - \eta\,(U + \lambda\, d)$ with $d$ the (cautious) decay term.
+#
+# First the plain loop on one matrix, written without any of the helpers:
+
+# %%
+def normuon_reference(W, grads, lr, momentum=0.95, beta2=0.95, wd=0.1, steps=5):
+    "From-scratch NorMuon with Nesterov momentum and cautious weight decay on one [m, n] matrix."
+    W, M, v = W.clone(), torch.zeros_like(W), torch.zeros(W.shape[0], 1)
+    m, n = W.shape
+    for G in grads:
+        M = momentum * M + (1 - momentum) * G
+        N = (1 - momentum) * G + momentum * M
+        X = N.bfloat16()                              # Newton–Schulz on the wide side
+        if m > n: X = X.T
+        X = X / (X.norm() + 1e-7)
+        for _ in range(steps):
+            A = X @ X.T
+            X = 3.4445 * X + (-4.7750 * A + 2.0315 * A @ A) @ X
+        O = (X.T if m > n else X).float()
+        v = beta2 * v + (1 - beta2) * (O**2).mean(1, keepdim=True)
+        Oh = O / v.sqrt()
+        U = Oh * O.norm() / Oh.norm() * max(1, m / n) ** 0.5
+        W = W - lr * (U + wd * W * (U * W >= 0))
+    return W
+
+
+# %% [markdown]
+# The exported optimiser does the same for any number of 2-D `[m, n]` or stacked 3-D `[E, m, n]`
+# parameters (each expert's matrix is orthogonalised and row-normalised on its own), and for
+# FSDP-2 shards (see the end of the chapter). `_full` and `_like` are the only places where a
+# sharded tensor becomes whole or goes back to its shard.
+
+# %%
+#| export
+def _full(t: torch.Tensor) -> torch.Tensor:
+    "The whole tensor: all-gathers a DTensor (communication!), returns a plain tensor as is."
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(full: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    "`full` laid out like `ref`: this rank's shard of it as a DTensor when `ref` is one (local slicing, no communication)."
+    if not isinstance(ref, DTensor): return full
+    return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+class NorMuon(torch.optim.Optimizer):
+    "NorMuon: Nesterov momentum, Newton–Schulz orthogonalisation, per-row second-moment normalisation, cautious weight decay."
+    def __init__(self, params: Iterable, # 2-D [m, n] or stacked 3-D [E, m, n] parameters (or param groups)
+                 lr: float = 0.02, # η; the update RMS is η/√n (see `muon_shape_scale`)
+                 momentum: float = 0.95, # β of the momentum
+                 nesterov: bool = True, # Orthogonalise the Nesterov look-ahead (1-β)G + βM instead of M
+                 beta2: float = 0.95, # Decay of the per-row second moment v
+                 ns_steps: int = 5, # Newton–Schulz iterations
+                 weight_decay: float = 0.0, # λ: decoupled decay, x ← x − ηλx
+                 cautious: bool = True, # Decay only where the update and the parameter agree in sign
+                ):
+        if lr < 0 or not 0 <= momentum < 1 or not 0 <= beta2 < 1 or ns_steps < 1 or weight_decay < 0:
+            raise ValueError(f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
+                             f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, ns_steps=ns_steps,
+                                      weight_decay=weight_decay, cautious=cautious))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"NorMuon takes 2-D [m, n] or stacked 3-D [E, m, n] matrices; got shape {tuple(p.shape)}. "
+                                     "Give 1-D parameters, embeddings and convolutions to AdamW (see `param_group`).")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        "One update of every parameter that has a gradient."
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(): loss = closure()
+        for group in self.param_groups:
+            lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None: continue
+                state = self.state[p]
+                if not state:  # both in p's layout: a DTensor shard when p is one, so DCP saves them sharded
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["second_moment"] = _like(torch.zeros(*p.shape[:-1], 1, device=p.device), p)  # (..., m, 1)
+                M = state["momentum_buffer"]
+                M.lerp_(p.grad, 1 - beta)
+                N = p.grad.lerp(M, beta) if group["nesterov"] else M
+                O = newton_schulz(_full(N.bfloat16()), group["ns_steps"]).float()  # all-gather in bf16 (NS runs in bf16 anyway)
+                U, v = normuon_rownorm(O, _full(state["second_moment"]), group["beta2"])
+                state["second_moment"].copy_(_like(v, p))
+                U = _like((U * muon_shape_scale(p.shape[-2], p.shape[-1])).to(p.dtype), p)  # back to this rank's shard
+                p.sub_(lr * (U + wd * weight_decay_term(p, U, group["cautious"])) if wd else lr * U)
+        return loss
+
+
+# %% [markdown]
+# Five steps on one matrix agree with the from-scratch loop, for a tall and a wide matrix:
+
+# %%
+torch.manual_seed(0)
+for shape in [(48, 16), (16, 40)]:
+    W0 = torch.randn(shape) * 0.1
+    grads = [torch.randn(shape) for _ in range(5)]
+    p = nn.Parameter(W0.clone())
+    opt = NorMuon([p], lr=0.02, weight_decay=0.1)
+    for g in grads: p.grad = g; opt.step()
+    torch.testing.assert_close(p.data, normuon_reference(W0, grads, lr=0.02))
+test_fail(lambda: NorMuon([nn.Parameter(torch.ones(3))]), contains="Give 1-D parameters")
+
+# %% [markdown]
+# A stacked expert weight `[E, m, n]` is the same as E separate matrices:
+
+# %%
+torch.manual_seed(0)
+W0, grads = torch.randn(3, 24, 8), [torch.randn(3, 24, 8) for _ in range(3)]
+stacked, single = nn.Parameter(W0.clone()), [nn.Parameter(W0[e].clone()) for e in range(3)]
+o1, o2 = NorMuon([stacked], weight_decay=0.1), NorMuon(single, weight_decay=0.1)
+for g in grads:
+    stacked.grad = g.clone(); o1.step()
+    for e in range(3): single[e].grad = g[e].clone()
+    o2.step()
+torch.testing.assert_close(stacked.data, torch.stack([s.data for s in single]))
+
+
+# %% [markdown]
+# ## AdamW, with cautious weight decay
+#
+# The parameters NorMuon does not take go to AdamW. We write AdamW out (it is short) rather than
+# use `torch.optim.AdamW`, so that it can apply the same cautious decay: the sign of Adam's update
+# $\hat m / (\sqrt{\hat v} + \epsilon)$ is the sign of its first moment $m$, so the mask is
+# $\mathbb{1}[m \odot x \ge 0]$. With `cautious=False` it is plain decoupled AdamW (Loshchilov &
+# Hutter), step for step the same arithmetic as PyTorch's single-tensor implementation:
+# $$m \leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2, \quad
+#   x \leftarrow x - \eta\Big(\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon} + \lambda d\Big).$$
+
+# %%
+#| export
+class CautiousAdamW(torch.optim.Optimizer):
+    "AdamW with decoupled weight decay, optionally cautious (decay only where the update and the parameter agree in sign)."
+    def __init__(self, params: Iterable, # Parameters or param groups
+                 lr: float = 1e-3, # η
+                 betas: tuple[float, float] = (0.9, 0.95), # (β1, β2)
+                 eps: float = 1e-8, # ε added to √v̂
+                 weight_decay: float = 0.0, # λ: decoupled decay, x ← x − ηλx
+                 cautious: bool = True, # Decay only where the update and the parameter agree in sign
+                ):
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"CautiousAdamW: need lr, eps, weight_decay ≥ 0 and betas in [0, 1); got lr={lr}, "
+                             f"betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, cautious=cautious))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        "One update of every parameter that has a gradient."
+        loss = None
+        if closure is not None:
+            with torch.enable_grad(): loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None: continue
+                g, state = p.grad, self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                t = state["step"].item()
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                if wd and group["cautious"]: p.sub_(lr * wd * weight_decay_term(p, m, cautious=True))  # sign(update) = sign(m)
+                elif wd: p.mul_(1 - lr * wd)  # PyTorch's form of x − ηλx
+                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
+                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+        return loss
+
+
+# %% [markdown]
+# The mask uses the first moment *after* this step's update and the parameter *before* it, as the
+# formula says. Checked against a from-scratch loop, and against `torch.optim.AdamW` when not
+# cautious:
+
+# %%
+def adamw_reference(x, grads, lr, betas=(0.9, 0.95), eps=1e-8, wd=0.1, cautious=True):
+    "From-scratch AdamW with (cautious) decoupled decay: x ← x − η(u + λ·1[u⊙x ≥ 0]⊙x)."
+    x, m, v = x.clone(), torch.zeros_like(x), torch.zeros_like(x)
+    for t, g in enumerate(grads, 1):
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        u = (m / (1 - betas[0]**t)) / ((v / (1 - betas[1]**t)).sqrt() + eps)
+        x = x - lr * (u + wd * (x * (u * x >= 0) if cautious else x))
+    return x
+
+
+# %%
+torch.manual_seed(0)
+x0, grads = torch.randn(64), [torch.randn(64) for _ in range(5)]
+for cautious in (True, False):
+    p = nn.Parameter(x0.clone()); opt = CautiousAdamW([p], lr=0.1, weight_decay=0.1, cautious=cautious)
+    for g in grads: p.grad = g; opt.step()
+    torch.testing.assert_close(p.data, adamw_reference(x0, grads, lr=0.1, cautious=cautious))
+
+p, q = nn.Parameter(x0.clone()), nn.Parameter(x0.clone())
+o1 = CautiousAdamW([p], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, cautious=False)
+o2 = torch.optim.AdamW([q], lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+for g in grads:
+    p.grad, q.grad = g.clone(), g.clone(); o1.step(); o2.step()
+torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
+
+
+# %% [markdown]
+# AdamW therefore keeps plain decoupled decay available (`cautious=False`, identical to
+# `torch.optim.AdamW`), and HyMo's `cautious_weight_decay=True` applies the same rule in both
+# optimisers, so one flag means one thing. The price of writing it out is speed: this is a
+# per-parameter loop, not PyTorch's fused kernel. AdamW holds few tensors in HyMo (the embedding
+# and the small per-layer vectors), so the loop costs little next to NorMuon.
+#
+# ## Which parameter goes where
+#
+# Muon's argument is about matrices that map one hidden activation to another: a linear map whose
+# input and output are both dense vectors, where "every singular direction gets the same step"
+# makes sense. Everything else goes to AdamW:
+#
+# - **the embedding** (and the head, tied to it): a lookup table, not a map; each row is touched
+#   only by the tokens that use it, so a per-coordinate adaptive step is right. Muon's authors also
+#   found AdamW better for the input and output layers;
+# - **1-D parameters**: norm gains, biases, and GDN's `A_log` and `dt_bias` (per-head decay rate and
+#   time-step offset): vectors have no singular values. They get **no weight decay**: decaying a norm
+#   gain or `A_log` towards zero changes what the layer computes rather than regularising it;
+# - **depthwise convolution kernels** (`q_conv1d` etc., `[C, 1, K]`): each channel's $K$ taps form
+#   an independent tiny filter, not a matrix mapping $C$ inputs to $C$ outputs;
+# - **the MoE router** `gate.weight` `[E, d]`: its rows are the experts' keys, and their relative
+#   norms *are* the routing; orthogonalising would equalise them and erase that signal.
+#
+# Stacked expert weights `[E, out, in]` go to NorMuon, each expert's matrix on its own (shown above).
+# The rules look at the name and the shape, and are written as one small function so that you can
+# read them, test them, and change them in one place. An unexpected shape raises rather than falling
+# through silently.
+
+# %%
+#| export
+def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g. 'layers.3.moe.gate.weight'
+                p: torch.Tensor, # The parameter (only its shape is used)
+               ) -> str:
+    "Which optimiser group a parameter belongs to: 'normuon', 'adamw' (with decay) or 'adamw_no_decay'."
+    parts = name.split(".")
+    if p.ndim < 2 or parts[-1] in ("bias", "A_log", "dt_bias") or any("norm" in c for c in parts):
+        return "adamw_no_decay"  # gains, biases, GDN's per-head decay parameters
+    if (any(c.startswith("embed") for c in parts) or "head" in parts or any("conv" in c for c in parts)
+            or parts[-2:] == ["gate", "weight"]):
+        return "adamw"  # embedding / tied head, depthwise conv kernels, the MoE router
+    if p.ndim in (2, 3): return "normuon"  # hidden matrices [m, n] and stacked experts [E, m, n]
+    raise ValueError(f"param_group: no rule for '{name}' with shape {tuple(p.shape)}; add one to `param_group`")
+
+
+# %% [markdown]
+# The model is written in other chapters, so we demonstrate on a small stand-in that uses the
+# same parameter names: a GDN-style block (projections, three depthwise convolutions, `A_log`,
+# `dt_bias`, an output norm, a SwiGLU FFN) and an MLA-style block with a MoE (router `gate`,
+# stacked experts, a shared expert), the final norm and a head tied to the embedding. Its forward
+# is a cheap imitation (not GDN, not MLA), just enough that every parameter gets a gradient.
+
+# %%
+import torch.nn.functional as F
+
+class StandInGDN(nn.Module):
+    "GDN-named mixer: q/k/v/a/b/g/o projections, causal depthwise convs, A_log, dt_bias, o_norm. Not the real recurrence."
+    def __init__(self, d, H, K):
+        super().__init__()
+        self.H, self.K = H, K
+        self.q_proj, self.k_proj, self.v_proj, self.g_proj = (nn.Linear(d, H * K, bias=False) for _ in range(4))
+        self.a_proj, self.b_proj = nn.Linear(d, H, bias=False), nn.Linear(d, H, bias=False)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (nn.Conv1d(H * K, H * K, 4, groups=H * K, bias=False) for _ in range(3))
+        self.A_log, self.dt_bias = nn.Parameter(torch.zeros(H)), nn.Parameter(torch.zeros(H))
+        self.o_norm = RMSNorm(K)
+        self.o_proj = nn.Linear(H * K, d, bias=False)
+
+    def forward(self, x):  # (B, T, d)
+        B, T, _ = x.shape
+        conv = lambda c, y: F.silu(c(F.pad(y.mT, (3, 0))).mT)  # causal depthwise conv, (B, T, H*K)
+        q, k, v = (conv(c, p(x)).view(B, T, self.H, self.K) for c, p in  # (B, T, H, K)
+                   [(self.q_conv1d, self.q_proj), (self.k_conv1d, self.k_proj), (self.v_conv1d, self.v_proj)])
+        g = -self.A_log.exp() * F.softplus(self.a_proj(x) + self.dt_bias)  # (B, T, H), log decay ≤ 0
+        w = (q * k).sum(-1).sigmoid() * self.b_proj(x).sigmoid() * g.exp()  # (B, T, H)
+        y = self.o_norm(v * w[..., None]).view(B, T, -1) * F.silu(self.g_proj(x))  # (B, T, H*K)
+        return self.o_proj(y)
+
+
+class StandInMLA(nn.Module):
+    "MLA-named mixer: q_proj, kv_a_proj → kv_norm → kv_b_proj, o_proj; plain causal attention."
+    def __init__(self, d, H, r):
+        super().__init__()
+        self.H = H
+        self.q_proj, self.kv_a_proj = nn.Linear(d, d, bias=False), nn.Linear(d, r, bias=False)
+        self.kv_norm, self.kv_b_proj, self.o_proj = RMSNorm(r), nn.Linear(r, 2 * d, bias=False), nn.Linear(d, d, bias=False)
+
+    def forward(self, x):  # (B, T, d)
+        B, T, d = x.shape
+        k, v = self.kv_b_proj(self.kv_norm(self.kv_a_proj(x))).chunk(2, -1)  # (B, T, d) each
+        q, k, v = (t.view(B, T, self.H, -1).transpose(1, 2) for t in (self.q_proj(x), k, v))  # (B, H, T, d/H)
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d))
+
+
+class StandInExperts(nn.Module):
+    "E stacked SwiGLU experts: w1, w3 [E, h, d], w2 [E, d, h]."
+    def __init__(self, E, d, h):
+        super().__init__()
+        self.w1, self.w3 = (nn.Parameter(torch.randn(E, h, d) * 0.02) for _ in range(2))
+        self.w2 = nn.Parameter(torch.randn(E, d, h) * 0.02)
+
+    def forward(self, x):  # (N, d) -> (N, E, d), every expert on every token (a stand-in: no dispatch)
+        h = F.silu(torch.einsum("nd,ehd->neh", x, self.w1)) * torch.einsum("nd,ehd->neh", x, self.w3)
+        return torch.einsum("neh,edh->ned", h, self.w2)
+
+
+class StandInMoE(nn.Module):
+    "Router `gate` [E, d], stacked routed experts, one shared SwiGLU expert; dense soft mixing."
+    def __init__(self, d, E, h):
+        super().__init__()
+        self.gate, self.experts, self.shared = nn.Linear(d, E, bias=False), StandInExperts(E, d, h), SwiGLU(d, h)
+
+    def forward(self, x):  # (B, T, d)
+        probs = self.gate(x).float().softmax(-1)  # (B, T, E)
+        y = torch.einsum("ne,ned->nd", probs.flatten(0, 1), self.experts(x.flatten(0, 1)))  # (B*T, d)
+        return y.view_as(x) + self.shared(x)
+
+
+class StandInBlock(nn.Module):
+    def __init__(self, mixer, ffn_name, ffn, d):
+        super().__init__()
+        self.norm1, self.mixer, self.norm2 = RMSNorm(d), mixer, RMSNorm(d)
+        self.ffn_name = ffn_name
+        setattr(self, ffn_name, ffn)  # 'ffn' (dense SwiGLU) or 'moe'
+
+    def forward(self, x):
+        x = x + self.mixer(self.norm1(x))
+        return x + getattr(self, self.ffn_name)(self.norm2(x))
+
+
+class StandIn(nn.Module):
+    "Two blocks (GDN + SwiGLU, MLA + MoE) with HyMo's parameter names; head tied to the embedding."
+    def __init__(self, V=256, d=64, H=4, K=16, E=4, h=96):
+        super().__init__()
+        self.embed = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([StandInBlock(StandInGDN(d, H, K), "ffn", SwiGLU(d, h), d),
+                                     StandInBlock(StandInMLA(d, H, 16), "moe", StandInMoE(d, E, h), d)])
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, V, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        nn.init.normal_(self.embed.weight, std=0.02)  # HyMo's init_std; N(0, 1) would start with huge logits through the tied head
+
+    def forward(self, idx):  # (B, T) -> logits (B, T, V)
+        x = self.embed(idx)
+        for layer in self.layers: x = layer(x)
+        return self.head(self.norm(x))
+
+
+# %% [markdown]
+# `param_table` lists every parameter with the group the rules give it. A tied weight appears once
+# (`named_parameters` removes duplicates), so the head is trained through `embed.weight`.
+
+# %%
+#| export
+def param_table(model: nn.Module) -> list[tuple[str, tuple, str]]:
+    "(name, shape, group) for every trainable parameter of `model`, in order."
+    return [(n, tuple(p.shape), param_group(n, p)) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# %%
+torch.manual_seed(0)
+model = StandIn()
+table = param_table(model)
+for name, shape, group in table: print(f"{name:36s} {str(list(shape)):14s} {group}")
+groups = {name: group for name, _, group in table}
+test_eq(groups["embed.weight"], "adamw")
+test_eq("head.weight" in groups, False)  # tied: trained as embed.weight
+for n in ["layers.0.mixer.A_log", "layers.0.mixer.dt_bias", "layers.0.norm1.weight", "layers.0.mixer.o_norm.weight",
+          "layers.1.mixer.kv_norm.weight", "norm.weight"]: test_eq(groups[n], "adamw_no_decay")
+for n in ["layers.0.mixer.q_conv1d.weight", "layers.1.moe.gate.weight"]: test_eq(groups[n], "adamw")
+for n in ["layers.0.mixer.q_proj.weight", "layers.0.mixer.g_proj.weight", "layers.0.ffn.w1.weight",
+          "layers.1.moe.experts.w1", "layers.1.moe.shared.w2.weight", "layers.1.mixer.kv_b_proj.weight"]: test_eq(groups[n], "normuon")
+test_eq(param_group("layers.1.moe.gate.bias", torch.zeros(4)), "adamw_no_decay")
+test_eq(param_group("mtp.heads.0.proj_in.weight", torch.zeros(8, 4)), "normuon")  # 'heads' is not the output 'head'
+test_fail(lambda: param_group("layers.0.odd", torch.zeros(2, 2, 2, 2)), contains="no rule")
+
+
+# %% [markdown]
+# ## Building the two optimisers
+#
+# `build_optimizers` sorts the parameters with `param_group` and returns `(normuon, adamw)`. AdamW
+# has two param groups, `decay` and `no_decay`; every hyper-parameter comes from `TrainingConfig`.
+# The trainer steps both after each backward and sets both learning rates from the same schedule.
+
+# %%
+#| export
+def build_optimizers(model: nn.Module, # Plain or FSDP-2 sharded model
+                     cfg: TrainingConfig, # Reads muon_lr, muon_momentum, normuon_beta2, ns_steps, adamw_*, weight_decay, cautious_weight_decay
+                    ) -> tuple[NorMuon, CautiousAdamW]:
+    "NorMuon for hidden matrices and AdamW (groups 'decay' and 'no_decay') for the rest, as `param_group` sorts them."
+    groups = {"normuon": [], "adamw": [], "adamw_no_decay": []}
+    for name, p in model.named_parameters():
+        if p.requires_grad: groups[param_group(name, p)].append(p)
+    if not groups["normuon"]: raise ValueError("build_optimizers: no parameter goes to NorMuon; check `param_table(model)`")
+    normuon = NorMuon(groups["normuon"], lr=cfg.muon_lr, momentum=cfg.muon_momentum, beta2=cfg.normuon_beta2,
+                      ns_steps=cfg.ns_steps, weight_decay=cfg.weight_decay, cautious=cfg.cautious_weight_decay)
+    adamw = CautiousAdamW([dict(params=groups["adamw"], weight_decay=cfg.weight_decay, name="decay"),
+                           dict(params=groups["adamw_no_decay"], weight_decay=0.0, name="no_decay")],
+                          lr=cfg.adamw_lr, betas=tuple(cfg.adamw_betas), eps=cfg.adamw_eps, cautious=cfg.cautious_weight_decay)
+    return normuon, adamw
+
+
+# %%
+tcfg = load_config("hymo_tiny").train
+normuon, adamw = build_optimizers(model, tcfg)
+n_of = lambda ps: sum(p.numel() for p in ps)
+print(f"NorMuon: {len(normuon.param_groups[0]['params'])} tensors, {n_of(normuon.param_groups[0]['params']):,} values")
+for g in adamw.param_groups: print(f"AdamW {g['name']:8s}: {len(g['params'])} tensors, {n_of(g['params']):,} values, wd={g['weight_decay']}")
+test_eq(n_of(normuon.param_groups[0]["params"]) + sum(n_of(g["params"]) for g in adamw.param_groups), n_of(model.parameters()))
+test_eq((normuon.defaults["lr"], adamw.defaults["lr"], adamw.param_groups[1]["weight_decay"]), (tcfg.muon_lr, tcfg.adamw_lr, 0.0))
+
+# %% [markdown]
+# A quick check that the pair trains: next-byte prediction on the bundled Shakespeare text, 60
+# steps of the stand-in with NorMuon + AdamW against AdamW alone (every parameter, decay on the
+# matrices, the same learning rate as HyMo's AdamW). This is a smoke test on a toy, not a
+# benchmark.
+
+# %%
+from hymo.config import package_dir
+
+data = torch.tensor(list((package_dir() / "assets" / "tinyshakespeare.txt").read_bytes()[:200_000]))
+
+def train_standin(use_normuon, steps=60, B=8, T=64, seed=0):
+    "Loss curve of the stand-in trained for `steps` steps on random windows of the text."
+    torch.manual_seed(seed)
+    m = StandIn()
+    if use_normuon: opts = build_optimizers(m, tcfg)
+    else: opts = (CautiousAdamW([dict(params=[p for n, p in m.named_parameters() if param_group(n, p) != "adamw_no_decay"]),
+                                 dict(params=[p for n, p in m.named_parameters() if param_group(n, p) == "adamw_no_decay"], weight_decay=0.0)],
+                                lr=tcfg.adamw_lr, weight_decay=tcfg.weight_decay),)
+    g, losses = torch.Generator().manual_seed(seed), []
+    for _ in range(steps):
+        i = torch.randint(0, len(data) - T - 1, (B,), generator=g)
+        x = torch.stack([data[j:j + T + 1] for j in i.tolist()])  # (B, T+1)
+        loss = F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        for o in opts: o.step(); o.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+l_mix, l_adam = train_standin(True), train_standin(False)
+print(f"mean loss of the last 10 steps: NorMuon+AdamW {sum(l_mix[-10:]) / 10:.3f}, AdamW only {sum(l_adam[-10:]) / 10:.3f}")
+assert sum(l_mix[-10:]) < sum(l_mix[:10])
+plt.figure(figsize=(4.5, 2.8))
+plt.plot(l_mix, label="NorMuon + AdamW"); plt.plot(l_adam, label="AdamW only")
+plt.xlabel("step"); plt.ylabel("loss"); plt.legend(); plt.tight_layout(); plt.show()
+
+
+# %% [markdown]
+# On this toy, with each optimiser at HyMo's learning rate, the pair ends lower than AdamW alone
+# (the numbers are printed above). One seed on a 160k-parameter model says little about scale;
+# the Muon and NorMuon papers make that case with proper sweeps.
+#
+# ## The warmup-stable-decay schedule
+#
+# Both optimisers multiply their peak learning rate by one schedule. With $W$ = `warmup_steps`,
+# $N$ = `max_steps`, $D = \mathrm{round}(f N)$ decay steps ($f$ = `decay_fraction`), decay start
+# $S = N - D$, and $r$ = `min_lr_ratio`:
+# $$\mathrm{mult}(t) = \begin{cases}
+#   (t+1)/W & t < W \\
+#   1 & W \le t < S \\
+#   r + (1 - r)\, \psi\big((t - S)/D\big) & S \le t
+# \end{cases}
+# \qquad \psi(p) = 1 - p,\;\; 1 - \sqrt{p},\;\; \tfrac12(1 + \cos \pi p)$$
+# for the `linear`, `1-sqrt` and `cosine` shapes; $p$ is clipped to 1 past the end. Steps are
+# 0-based and the warmup starts at $1/W$ rather than 0, so no step is wasted. The multiplier reaches
+# $r$ exactly at step $N$, one past the last trained step $N - 1$.
+
+# %%
+#| export
+def wsd_schedule(step: int, # Optimiser step, 0-based
+                 cfg: TrainingConfig, # Reads warmup_steps, max_steps, decay_fraction, decay_shape, min_lr_ratio
+                ) -> float:
+    "Learning-rate multiplier at `step`: linear warmup, constant, then a decay to `min_lr_ratio` over the last `decay_fraction` of `max_steps`."
+    W, N = cfg.warmup_steps, cfg.max_steps
+    D = round(cfg.decay_fraction * N)
+    S = N - D  # first step of the decay
+    if W > S:
+        raise ValueError(f"warmup_steps={W} runs into the decay, which starts at step {S} = max_steps·(1 − decay_fraction); "
+                         "lower warmup_steps or decay_fraction")
+    if step < W: return (step + 1) / W
+    if step < S or D == 0: return 1.0
+    p = min(1.0, (step - S) / D)
+    shapes = {"linear": 1 - p, "1-sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}
+    if cfg.decay_shape not in shapes: raise ValueError(f"decay_shape={cfg.decay_shape!r}: choose one of {', '.join(map(repr, shapes))}")
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shapes[cfg.decay_shape]
+
+
+def wsd_lambda(cfg: TrainingConfig, # The run's training config
+              ):
+    "`step -> multiplier` for `torch.optim.lr_scheduler.LambdaLR`."
+    return lambda step: wsd_schedule(step, cfg)
+
+
+# %% [markdown]
+# The tiny preset (300 steps, 30 warmup, the last 30 % decaying), with each shape, and on the
+# right the reason WSD suits continued training: one long stable run, and a short decay branched
+# off any of its checkpoints gives a finished model for that budget.
+
+# %%
+import dataclasses
+
+tcfg = load_config("hymo_tiny").train
+steps = range(tcfg.max_steps + 1)
+fig, ax = plt.subplots(1, 2, figsize=(9, 2.8))
+for shape in ("linear", "1-sqrt", "cosine"):
+    c = dataclasses.replace(tcfg, decay_shape=shape)
+    ax[0].plot(steps, [wsd_schedule(t, c) for t in steps], label=shape)
+ax[0].set(xlabel="step", ylabel="lr multiplier", title="hymo_tiny: WSD"); ax[0].legend(fontsize=8)
+long = dataclasses.replace(tcfg, max_steps=1000, decay_fraction=0.0)
+ax[1].plot(range(1000), [wsd_schedule(t, long) for t in range(1000)], "k", lw=1, label="stable run")
+for s in (300, 600, 900):  # branch a 100-step decay off the checkpoint at step s
+    b = dataclasses.replace(tcfg, max_steps=s + 100, decay_fraction=100 / (s + 100))
+    ax[1].plot(range(s, s + 101), [wsd_schedule(t, b) for t in range(s, s + 101)])
+ax[1].set(xlabel="step", title="decays branched from checkpoints"); ax[1].legend(fontsize=8)
+plt.tight_layout(); plt.show()
+
+# %% [markdown]
+# Values at chosen steps, computed by hand from the formula ($W = 30$, $N = 300$, $D = 90$, $S = 210$):
+
+# %%
+test_close(wsd_schedule(0, tcfg), 1 / 30)
+test_close(wsd_schedule(29, tcfg), 1.0)
+test_eq(wsd_schedule(100, tcfg), 1.0)
+test_eq(wsd_schedule(210, tcfg), 1.0)
+test_close(wsd_schedule(255, tcfg), 1 - math.sqrt(45 / 90))  # 1-sqrt is the preset's default
+test_close(wsd_schedule(255, dataclasses.replace(tcfg, decay_shape="cosine")), 0.5)
+test_close(wsd_schedule(255, dataclasses.replace(tcfg, decay_shape="linear", min_lr_ratio=0.1)), 0.1 + 0.9 * 0.5)
+test_eq(wsd_schedule(300, tcfg), 0.0)
+test_fail(lambda: wsd_schedule(0, dataclasses.replace(tcfg, warmup_steps=250)), contains="lower warmup_steps")
+
+opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, wsd_lambda(tcfg))
+for _ in range(255): opt.step(); sched.step()
+test_close(opt.param_groups[0]["lr"], 0.5 * wsd_schedule(255, tcfg))
+
+# %% [markdown]
+# Why WSD rather than cosine: a cosine schedule fixes the run length before the first step, and
+# every intermediate checkpoint sits at a learning rate that is neither high nor annealed, so it is
+# neither a good model nor a good starting point. Under WSD the stable phase is the same whatever
+# the final budget: you can extend a run, resume it from any stable checkpoint without re-warming,
+# or branch short decays (10–20 % of the steps; the `1-sqrt` shape does well there, Hägele et al.
+# 2024) off several checkpoints to get a family of finished models, or a scaling-law sweep, from
+# one run. WSD was introduced by MiniCPM (Hu et al., 2024).
+#
+# ## FSDP-2: orthogonalising sharded matrices
+#
+# Under FSDP-2 (`torch.distributed.fsdp.fully_shard`) every parameter is a `DTensor` whose rank-local
+# piece is a slice along dimension 0 (`Shard(0)`), and so are its gradient and every optimiser state
+# created with `zeros_like`. AdamW is elementwise, so it runs on the shards as they are. Newton–Schulz
+# is not: $XX^\top$ needs the whole matrix. `NorMuon.step` therefore gathers on purpose, in exactly
+# two places:
+#
+# 1. `_full(N.bfloat16())`: all-gather the Nesterov update in bf16 (the iteration runs in bf16, so
+#    gathering in fp32 would double the traffic for nothing); every rank then orthogonalises the
+#    whole matrix;
+# 2. `_full(second_moment)`: all-gather the $m$ row statistics (the rescale needs the whole
+#    matrix's norm).
+#
+# Then `_like` takes this rank's shard back with `distribute_tensor(..., src_data_rank=None)`,
+# which slices locally by the parameter's placements (no communication: every rank holds the same
+# full result). The momentum and the second moment stay DTensors laid out like the parameter, so a
+# distributed checkpoint (DCP) saves them sharded and reloads them on any number of ranks. Nothing
+# is gathered by accident: an operation that mixed a DTensor with a plain tensor would raise.
+#
+# **Cost.** Per matrix $[m, n]$ and step, each of $R$ ranks receives $2mn(R-1)/R$ bytes (bf16), the
+# same volume as FSDP's own forward all-gather of that weight, and computes the full
+# Newton–Schulz, $5\,(4k^2 l + 2k^3)$ FLOPs with $k = \min(m,n)$, $l = \max(m,n)$, redundantly on
+# every rank:
+
+# %%
+ns_flops = lambda m, n, steps=5: steps * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)
+for name, (m, n) in {"ffn.w1 2560×896": (2560, 896), "expert w1 2304×896": (2304, 896), "GDN q_proj 1280×896": (1280, 896)}.items():
+    print(f"{name:22s} all-gather {2 * m * n / 2**20:5.1f} MiB (bf16), Newton–Schulz {ns_flops(m, n) / 1e9:5.1f} GFLOP per rank per step")
+test_eq(ns_flops(4, 2, steps=1), 4 * 4 * 4 + 2 * 8)
+
+# %% [markdown]
+# At HyMo's size that is small next to a step's forward and backward, but it does not shrink as
+# ranks are added: the Newton–Schulz work is repeated $R$ times. The scalable alternative is
+# **owner-compute**: assign each matrix to one rank (round-robin, balanced by size); the owner
+# gathers only its matrices' updates, orthogonalises them, and sends each rank its shard back (a
+# gather and a scatter per matrix, or one all-to-all for all of them). Each rank then receives about
+# $2P/R$ values instead of $P(R-1)/R$, with $P$ the NorMuon parameter count, and does $1/R$ of the
+# Newton–Schulz work. modded-nanogpt, Moonshot's distributed Muon and Dion do variants of this. HyMo
+# keeps the simple all-gather because it is easy to check and its cost is modest at 8 GPUs.
+#
+# The check: two CPU processes (gloo), a model with uneven shards (9 rows over 2 ranks, 3 experts
+# over 2 ranks), five NorMuon steps sharded and unsharded from the same initial weights and batches.
+# The script is written to a file and run in a subprocess because spawned workers must be importable.
+
+# %%
+FSDP_CHECK = r'''
+import socket, sys, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from hymo.training.optim import NorMuon
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 9, bias=False)                      # [9, 6]: rows split 5 + 4
+        self.experts = nn.Parameter(torch.randn(3, 5, 9) * 0.3)    # [E, 5, 9]: experts split 2 + 1
+        self.down = nn.Linear(5, 4, bias=False)                    # [4, 5]
+    def forward(self, x):                                          # (B, 6) -> (B, 4)
+        h = torch.tanh(self.up(x))                                 # (B, 9)
+        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts))  # (B, 5)
+        return self.down(h)
+
+def train(model, steps=5):
+    opt, g = NorMuon(model.parameters(), lr=0.05, weight_decay=0.1), torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)  # same batch on every rank
+        (model(x) - y).pow(2).mean().backward()
+        opt.step(); opt.zero_grad()
+    return opt
+
+def worker(rank, port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0); ref = Net()
+    torch.manual_seed(0); net = fully_shard(Net())
+    train(ref); opt = train(net)
+    diff = max((p.full_tensor() - r).abs().max().item() for p, r in zip(net.parameters(), ref.parameters()))
+    sharded = all(isinstance(s, DTensor) and s.placements == p.placements for p in net.parameters() for s in opt.state[p].values())
+    if rank == 0: print(f"max |FSDP − single| = {diff:.2e}; states sharded like their parameters: {sharded}")
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    mp.spawn(worker, args=(port,), nprocs=2)
+'''
+
+# %%
+import re, subprocess, sys, tempfile
+from pathlib import Path
+
+with tempfile.TemporaryDirectory() as d:
+    (Path(d) / "fsdp_check.py").write_text(FSDP_CHECK)
+    out = subprocess.run([sys.executable, "fsdp_check.py"], cwd=d, capture_output=True, text=True, timeout=300)
+print(out.stdout.strip() or out.stderr[-2000:])
+assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sharded like their parameters: True" in out.stdout
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why orthogonalise the update, and why Newton–Schulz rather than an SVD?
+# The momentum of a weight matrix is dominated by a few singular directions, so an SGD step
+# mostly moves the weights along those. Replacing $M = U\Sigma V^\top$ by $UV^\top$ gives every
+# direction the gradient touches the same step: it is steepest descent under the spectral norm.
+# An SVD is slow and fp32-only on GPUs; five iterations of an odd quintic polynomial,
+# $X \leftarrow aX + b(XX^\top)X + c(XX^\top)^2X$, need only matrix products, run in bf16 on tensor
+# cores, and bring every singular value above about 1 % of the Frobenius norm into $[0.68, 1.14]$,
+# which is exact enough for an optimiser.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What does NorMuon add to Muon, and why rescale afterwards?
+# A per-output-neuron second moment: an EMA ($\beta_2 = 0.95$) of each row's mean square of the
+# orthogonalised update, and each row divided by its root. Muon equalises singular directions but
+# not neurons: a tall matrix's polar factor shares its norm unevenly among rows, and Newton–Schulz
+# adds unevenness, so some neurons get much larger steps. Dividing by $\sqrt{v}$ evens them out,
+# as Adam does per coordinate, at the cost of one float per row. The rescale back to the Frobenius
+# norm of $O$ keeps the update size (and thus the learning rate and shape scaling) of Muon, and
+# makes a bias correction of $v$ unnecessary.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## How does Muon's learning rate of 0.02 compare with AdamW's 3e-3?
+# With the $\sqrt{\max(1, m/n)}$ shape factor the update's entries have RMS $1/\sqrt{n}$ ($n$ the
+# fan-in), so the per-entry step is $0.02/\sqrt{896} \approx 6.7 \times 10^{-4}$ for the residual
+# width. AdamW's update RMS is typically about 0.2, so its per-entry step is
+# $0.2 \times 3 \times 10^{-3} = 6 \times 10^{-4}$: the same speed. Equivalently, Muon's rate in AdamW
+# units is $\eta/(0.2\sqrt{n})$. Moonshot's alternative scales the update to RMS 0.2 directly
+# ($0.2\sqrt{\max(m,n)}$) so that AdamW's learning rate can be reused.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Which parameters must not go to Muon, and why?
+# Embeddings and the (tied) output head: they are lookup tables whose rows are updated only by the
+# tokens that use them, and an adaptive per-coordinate step works better there. 1-D parameters
+# (norm gains, biases, `A_log`, `dt_bias`): a vector has no singular directions; they also get no
+# weight decay, since shrinking them changes what the layer computes. Depthwise convolution
+# kernels: each channel's taps are an independent filter, not a linear map between hidden spaces.
+# The MoE router: the norms of its rows are the routing signal, which orthogonalisation would
+# flatten. Stacked expert weights do go to Muon, one matrix per expert.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What is cautious weight decay, and why does it help?
+# Decoupled decay subtracts $\eta\lambda x$ from every weight. Where the update is growing a weight
+# that the loss wants large, decay and update fight, and the equilibrium weight is biased towards
+# zero. Cautious decay applies $\lambda x$ only where $u \odot x \ge 0$, i.e. where the update already
+# moves the weight towards zero, so it regularises without opposing the gradient. It costs one
+# comparison per entry and no state. For Adam the sign of the update is the sign of the first
+# moment, so the mask is $\mathbb{1}[m \odot x \ge 0]$.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why does Muon need extra communication under FSDP, and how would you remove most of it?
+# FSDP shards each matrix by rows across ranks, but $XX^\top$ needs the whole matrix, so each rank
+# all-gathers the update (in bf16: the size of one forward all-gather of the weights), runs
+# Newton–Schulz on the whole matrix, and keeps its rows. The compute is repeated on every rank. With
+# owner-compute, each matrix is assigned to one rank, which alone gathers, orthogonalises and
+# scatters shards back: about $2P/R$ values received per rank instead of $P(R-1)/R$, and $1/R$ of the
+# Newton–Schulz FLOPs.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why warmup-stable-decay instead of cosine?
+# Cosine ties the schedule to a run length fixed in advance, and its intermediate checkpoints are
+# half-annealed. WSD's stable phase does not depend on the final budget, so a run can be extended
+# or resumed from any stable checkpoint, and a short decay (10–20 % of the steps, `1-sqrt` shape)
+# branched off any checkpoint gives a finished model for that budget, which also makes scaling-law
+# sweeps cheap. The warmup protects the early steps, when Adam's second moments are still
+# inaccurate and the loss surface is sharp.
+# :::
