@@ -32,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hymo.config import ModelConfig
-from hymo.models.layers import RMSNorm, SwiGLU
+from hymo.models.layers import RMSNorm
+from hymo.models.moe import DeepSeekMoE
 from hymo.models.rope import apply_rope, positions_from_cu_seqlens, rope_cos_sin
 
 # %%
@@ -635,8 +636,8 @@ print(f"per head per step at L={L} (up-projection shared over heads): naive {nai
 # ## The block
 #
 # An MLA block is pre-norm attention then pre-norm feed-forward, two residual lines. Its
-# feed-forward is the mixture of experts (`DeepSeekMoE` from `hymo.models.moe`); until the model
-# chapter wires it in, a SwiGLU of width `moe_inter_dim` stands in, with the same interface.
+# feed-forward is the mixture of experts, `DeepSeekMoE` from `hymo.models.moe`: one shared and
+# `moe_n_routed` routed SwiGLU experts, each token sent to the top `moe_top_k` of them.
 
 # %%
 #| exports
@@ -649,19 +650,15 @@ class MLABlock(nn.Module):
         self.norm1 = RMSNorm(config.dim, config.norm_eps)
         self.attn = MultiHeadLatentAttention(config, layer_idx)
         self.norm2 = RMSNorm(config.dim, config.norm_eps)
-        # Stand-in for DeepSeekMoE(config) from hymo.models.moe; the model chapter swaps it in.
-        self.ffn = SwiGLU(config.dim, config.moe_inter_dim)
+        self.ffn = DeepSeekMoE(config)
 
     @torch.no_grad()
     def reset_parameters(self):
         """Initialise every parameter: attention as in `MultiHeadLatentAttention.reset_parameters`;
-        norms 1; stand-in ffn.w1, ffn.w3 N(0, init_std), ffn.w2 N(0, init_std / sqrt(2 n_layers))."""
-        c = self.config
+        norms 1; the MoE as in `DeepSeekMoE.reset_parameters`."""
         self.norm1.reset_parameters(); self.norm2.reset_parameters()
         self.attn.reset_parameters()
-        nn.init.normal_(self.ffn.w1.weight, std=c.init_std)
-        nn.init.normal_(self.ffn.w3.weight, std=c.init_std)
-        nn.init.normal_(self.ffn.w2.weight, std=c.init_std / math.sqrt(2 * c.n_layers))
+        self.ffn.reset_parameters()
 
     def forward(self, x: torch.Tensor, # [B, T, D]
                 cu_seqlens: Optional[torch.Tensor] = None, # [N+1] boundaries of packed documents (B == 1)
@@ -681,8 +678,10 @@ class MLABlock(nn.Module):
 
 # %% [markdown]
 # Built on the meta device, moved with `to_empty`, and reset, a block holds exactly the values of
-# one built normally and reset from the same seed: `reset_parameters` restores every parameter and
-# there are no buffers.
+# one built normally and reset from the same seed: `reset_parameters` restores every parameter, and
+# the only buffers, the MoE's balancing counters, start at zero. Decoding in two calls, and a packed
+# row, give the outputs of one plain call (with the MoE dropless: how many tokens an expert may take
+# depends on how many tokens the call holds).
 
 # %%
 def build(meta: bool, seed: int = 0):
@@ -693,10 +692,11 @@ def build(meta: bool, seed: int = 0):
 
 
 a, b = build(meta=False), build(meta=True)
-test_eq(list(a.buffers()), [])
+assert all((buf == 0).all() for buf in a.buffers())
 for (n, p), (_, q_) in zip(a.state_dict().items(), b.state_dict().items()): test_eq(p, q_)
 test_close(a.attn.kv_b_proj.weight.std(), cfg.init_std, eps=2e-3)
 xb = torch.randn(1, 12, cfg.dim)
+b.ffn.capacity_factor = None  # expert capacity depends on how many tokens a call holds: compare dropless
 with torch.no_grad():
     cache = MLACache.empty(cfg, 1, 12)
     y_dec = torch.cat([b.forward_decode(xb[:, :5], cache), b.forward_decode(xb[:, 5:], cache)], 1)

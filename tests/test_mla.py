@@ -9,7 +9,7 @@ from hymo.config import load_config
 from hymo.models.mla import MLABlock, MLACache, MultiHeadLatentAttention
 from hymo.models.rope import apply_rope, positions_from_cu_seqlens, rope_cos_sin
 
-CFG = load_config("hymo_tiny").model
+CFG = load_config("hymo_tiny", moe_capacity_factor=None).model  # dropless: expert capacity depends on the tokens per call
 CFG_MHA = load_config("hymo_tiny", mla_n_kv_groups=CFG.mla_n_heads).model  # G = H: DeepSeek-V3's MLA
 
 
@@ -18,7 +18,7 @@ def randomize_(m: nn.Module, seed: int = 0) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() == 2
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]) if p.dim() >= 2
                     else 1 + 0.1 * torch.randn(p.shape, generator=g))
     return m
 

@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .layers import RMSNorm, SwiGLU
+from .layers import RMSNorm
+from .moe import DeepSeekMoE
 from .rope import apply_rope, positions_from_cu_seqlens, rope_cos_sin
 
 # %% auto #0
@@ -195,19 +196,15 @@ class MLABlock(nn.Module):
         self.norm1 = RMSNorm(config.dim, config.norm_eps)
         self.attn = MultiHeadLatentAttention(config, layer_idx)
         self.norm2 = RMSNorm(config.dim, config.norm_eps)
-        # Stand-in for DeepSeekMoE(config) from hymo.models.moe; the model chapter swaps it in.
-        self.ffn = SwiGLU(config.dim, config.moe_inter_dim)
+        self.ffn = DeepSeekMoE(config)
 
     @torch.no_grad()
     def reset_parameters(self):
         """Initialise every parameter: attention as in `MultiHeadLatentAttention.reset_parameters`;
-        norms 1; stand-in ffn.w1, ffn.w3 N(0, init_std), ffn.w2 N(0, init_std / sqrt(2 n_layers))."""
-        c = self.config
+        norms 1; the MoE as in `DeepSeekMoE.reset_parameters`."""
         self.norm1.reset_parameters(); self.norm2.reset_parameters()
         self.attn.reset_parameters()
-        nn.init.normal_(self.ffn.w1.weight, std=c.init_std)
-        nn.init.normal_(self.ffn.w3.weight, std=c.init_std)
-        nn.init.normal_(self.ffn.w2.weight, std=c.init_std / math.sqrt(2 * c.n_layers))
+        self.ffn.reset_parameters()
 
     def forward(self, x: torch.Tensor, # [B, T, D]
                 cu_seqlens: Optional[torch.Tensor] = None, # [N+1] boundaries of packed documents (B == 1)
