@@ -133,6 +133,8 @@ class DeepSeekMoE(nn.Module):
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_routed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: # x: [B, T, d]
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"DeepSeekMoE expects [B, T, {self.dim}], got {list(x.shape)}: reshape the input to (batch, time, dim)")
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
