@@ -592,7 +592,7 @@ assert sum(d for _, _, d in runs["ema"][-50:]) < sum(d for _, _, d in runs["none
 #   mean from sampling noise alone, so a max/mean of 1.2 per step is balance.)
 # - The **EMA rule** overshoots: the EMA reports the load of the last ~50 steps, so the bias keeps
 #   moving for tens of steps after the load has crossed the mean, and then has to come back. With
-#   softmax scores near $1/E pprox 0.06$, an overshoot of tens of $\gamma$ is large. Once settled,
+#   softmax scores near $1/E \approx 0.06$, an overshoot of tens of $\gamma$ is large. Once settled,
 #   the EMA and the dead band stop the jitter, and it ends slightly better balanced than the sign
 #   rule. That is the trade HyMo's variant makes: smoother steady state, slower and oscillating
 #   approach. A smaller decay (a shorter window) or a larger band shortens the lag.
