@@ -1,0 +1,340 @@
+"""Optimisers: Newton–Schulz, NorMuon against a from-scratch loop, AdamW against PyTorch's, cautious decay,
+parameter groups, the WSD schedule, and NorMuon on FSDP-2 shards in two processes."""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hymo.config import load_config
+from hymo.training.optim import (CautiousAdamW, NorMuon, build_optimizers, newton_schulz, param_group, param_table,
+                                 weight_decay_term, wsd_lambda, wsd_schedule)
+
+
+# ---------------------------------------------------------------- Newton–Schulz
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 96 * 3), (3, 80, 24)])
+def test_newton_schulz_singular_values_in_band(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape)
+    sv = torch.linalg.svdvals(newton_schulz(G).float())
+    assert sv.min() > 0.65 and sv.max() < 1.2, (sv.min().item(), sv.max().item())
+
+
+def test_newton_schulz_keeps_singular_vectors():
+    torch.manual_seed(0)
+    G = torch.randn(48, 12) @ torch.diag(torch.logspace(0, -1, 12)) @ torch.randn(12, 100) + 0.01 * torch.randn(48, 100)
+    U, S, Vh = torch.linalg.svd(G, full_matrices=False)
+    D = U.T @ newton_schulz(G).float() @ Vh.T  # diagonal when the singular vectors are kept
+    strong = D[:12]  # the 12 well-separated directions (the noise directions are nearly degenerate, so their vectors are not unique)
+    off = strong.clone()
+    off[range(12), range(12)] = 0.0
+    assert off.abs().max() < 0.05
+    assert 0.65 < torch.diag(D)[:12].min() and torch.diag(D)[:12].max() < 1.25
+
+
+def test_newton_schulz_rejects_vectors():
+    with pytest.raises(ValueError, match="needs a matrix"):
+        newton_schulz(torch.randn(4))
+
+
+# ---------------------------------------------------------------- NorMuon
+
+def ns_from_scratch(M, steps=5):
+    a, b, c = 3.4445, -4.7750, 2.0315
+    X = M.bfloat16()
+    tall = M.shape[0] > M.shape[1]
+    if tall: X = X.T
+    X = X / (X.norm() + 1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return (X.T if tall else X).float()
+
+
+def normuon_from_scratch(W, grads, lr, beta=0.95, beta2=0.95, wd=0.1, cautious=True, nesterov=True):
+    m, n = W.shape
+    W, M, v = W.clone(), torch.zeros_like(W), torch.zeros(m, 1)
+    for G in grads:
+        M = beta * M + (1 - beta) * G
+        N = (1 - beta) * G + beta * M if nesterov else M
+        O = ns_from_scratch(N)
+        v = beta2 * v + (1 - beta2) * (O * O).mean(dim=1, keepdim=True)
+        Oh = O / v.sqrt()
+        U = Oh * (O.norm() / Oh.norm()) * math.sqrt(max(1.0, m / n))
+        mask = (U * W >= 0).float() if cautious else torch.ones_like(W)
+        W = W - lr * (U + wd * mask * W)
+    return W
+
+
+@pytest.mark.parametrize("shape, cautious, nesterov", [((40, 16), True, True), ((16, 40), True, True),
+                                                       ((24, 24), False, True), ((30, 10), True, False)])
+def test_normuon_equals_from_scratch_loop(shape, cautious, nesterov):
+    torch.manual_seed(0)
+    W0 = 0.1 * torch.randn(shape)
+    grads = [torch.randn(shape) for _ in range(6)]
+    p = nn.Parameter(W0.clone())
+    opt = NorMuon([p], lr=0.03, momentum=0.95, nesterov=nesterov, beta2=0.95, weight_decay=0.1, cautious=cautious)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(p.data, normuon_from_scratch(W0, grads, lr=0.03, cautious=cautious, nesterov=nesterov))
+    assert opt.state[p]["second_moment"].shape == (shape[0], 1)
+
+
+def test_normuon_stacked_experts_are_separate_matrices():
+    torch.manual_seed(0)
+    W0, grads = torch.randn(4, 20, 8), [torch.randn(4, 20, 8) for _ in range(3)]
+    stacked = nn.Parameter(W0.clone())
+    single = [nn.Parameter(W0[e].clone()) for e in range(4)]
+    o1, o2 = NorMuon([stacked], weight_decay=0.1), NorMuon(single, weight_decay=0.1)
+    for g in grads:
+        stacked.grad = g.clone(); o1.step()
+        for e in range(4): single[e].grad = g[e].clone()
+        o2.step()
+    torch.testing.assert_close(stacked.data, torch.stack([s.data for s in single]))
+
+
+def test_normuon_rejects_vectors_and_bad_hyperparameters():
+    with pytest.raises(ValueError, match="AdamW"):
+        NorMuon([nn.Parameter(torch.ones(5))])
+    with pytest.raises(ValueError, match="momentum"):
+        NorMuon([nn.Parameter(torch.ones(2, 2))], momentum=1.0)
+
+
+# ---------------------------------------------------------------- cautious weight decay
+
+def test_weight_decay_term_masks_disagreeing_signs():
+    x = torch.tensor([2.0, 2.0, -2.0, -2.0, 0.0, 1.0])
+    u = torch.tensor([1.0, -1.0, -1.0, 1.0, 5.0, 0.0])
+    assert torch.equal(weight_decay_term(x, u, cautious=True), torch.tensor([2.0, 0.0, -2.0, 0.0, 0.0, 1.0]))
+    assert torch.equal(weight_decay_term(x, u, cautious=False), x)
+
+
+def test_normuon_decays_exactly_where_update_and_weight_agree():
+    torch.manual_seed(0)
+    W0, g, lr, wd = torch.randn(12, 20), torch.randn(12, 20), 0.05, 0.2
+    a, b = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
+    a.grad, b.grad = g.clone(), g.clone()
+    NorMuon([a], lr=lr, weight_decay=0.0).step()
+    NorMuon([b], lr=lr, weight_decay=wd, cautious=True).step()
+    u = (W0 - a.data) / lr  # the update without decay
+    mask = u * W0 >= 0
+    assert 0 < mask.sum() < mask.numel()  # some coordinates are decayed, some are not
+    torch.testing.assert_close(a.data - b.data, lr * wd * W0 * mask)
+
+
+# ---------------------------------------------------------------- AdamW
+
+def test_adamw_equals_torch_adamw():
+    torch.manual_seed(0)
+    shapes = [(8, 5), (7,), (3, 4, 2)]
+    x0 = [torch.randn(s) for s in shapes]
+    ours, ref = [nn.Parameter(x.clone()) for x in x0], [nn.Parameter(x.clone()) for x in x0]
+    o1 = CautiousAdamW([dict(params=ours[:2]), dict(params=ours[2:], weight_decay=0.0)], lr=0.02, betas=(0.9, 0.95),
+                       eps=1e-8, weight_decay=0.1, cautious=False)
+    o2 = torch.optim.AdamW([dict(params=ref[:2]), dict(params=ref[2:], weight_decay=0.0)], lr=0.02, betas=(0.9, 0.95),
+                           eps=1e-8, weight_decay=0.1)
+    for _ in range(8):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.clone()
+        o1.step(); o2.step()
+    for p, q in zip(ours, ref): torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
+
+
+def test_cautious_adamw_equals_formula():
+    torch.manual_seed(1)
+    x0, grads, lr, wd, (b1, b2), eps = torch.randn(50), [torch.randn(50) for _ in range(6)], 0.05, 0.3, (0.9, 0.95), 1e-8
+    p = nn.Parameter(x0.clone())
+    opt = CautiousAdamW([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, cautious=True)
+    x, m, v, masked = x0.clone(), torch.zeros(50), torch.zeros(50), 0
+    for t, g in enumerate(grads, 1):
+        p.grad = g.clone(); opt.step()
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        keep = u * x >= 0
+        masked += int((~keep).sum())
+        x = x - lr * (u + wd * keep * x)
+    assert masked > 0
+    torch.testing.assert_close(p.data, x)
+
+
+# ---------------------------------------------------------------- parameter groups
+
+@pytest.mark.parametrize("name, shape, group", [
+    ("embed.weight", (100, 16), "adamw"),
+    ("head.weight", (100, 16), "adamw"),
+    ("layers.0.mixer.A_log", (4,), "adamw_no_decay"),
+    ("layers.0.mixer.dt_bias", (4,), "adamw_no_decay"),
+    ("layers.0.norm1.weight", (16,), "adamw_no_decay"),
+    ("layers.3.attn.kv_a_layernorm.weight", (8,), "adamw_no_decay"),
+    ("layers.0.mixer.o_proj.bias", (16,), "adamw_no_decay"),
+    ("layers.0.mixer.q_conv1d.weight", (64, 1, 4), "adamw"),
+    ("layers.0.mixer.conv1d.weight", (64, 4), "adamw"),
+    ("layers.3.ffn.gate.weight", (4, 16), "adamw"),
+    ("layers.3.moe.gate.weight", (4, 16), "adamw"),
+    ("layers.0.mixer.q_proj.weight", (64, 16), "normuon"),
+    ("layers.0.ffn.w1.weight", (48, 16), "normuon"),
+    ("layers.3.ffn.w1", (4, 48, 16), "normuon"),
+    ("layers.3.moe.experts.w2", (4, 16, 48), "normuon"),
+    ("layers.3.ffn.shared.w3.weight", (48, 16), "normuon"),
+    ("layers.0.mixer.gate_proj.weight", (64, 16), "normuon"),
+    ("mtp.heads.0.proj_in.weight", (32, 16), "normuon"),
+])
+def test_param_group_rules(name, shape, group):
+    assert param_group(name, torch.empty(shape)) == group
+
+
+def test_param_group_refuses_unknown_shapes():
+    with pytest.raises(ValueError, match="no rule"):
+        param_group("layers.0.odd", torch.empty(2, 2, 2, 2))
+
+
+class TinyNamed(nn.Module):
+    "Stand-in with HyMo's names: tied head, GDN bits, a dense FFN, a router and stacked experts."
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.head = nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+        self.layers = nn.ModuleDict({"0": nn.ModuleDict({"mixer": nn.ModuleDict({"q_proj": nn.Linear(8, 8, bias=False),
+                                                                                  "conv1d": nn.Conv1d(8, 8, 4, groups=8, bias=False)}),
+                                                         "norm1": nn.LayerNorm(8)})})
+        self.layers["0"].mixer.A_log = nn.Parameter(torch.zeros(2))
+        self.gate = nn.Linear(8, 3, bias=False)
+        self.w1 = nn.Parameter(torch.randn(3, 12, 8))
+        self.frozen = nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+
+def test_build_optimizers_groups_and_hyperparameters():
+    cfg = load_config("hymo_tiny", muon_lr=0.03, adamw_lr=1e-3, weight_decay=0.05, cautious_weight_decay=False).train
+    model = TinyNamed()
+    normuon, adamw = build_optimizers(model, cfg)
+    ids = lambda ps: {id(p) for p in ps}
+    assert ids(normuon.param_groups[0]["params"]) == ids([model.layers["0"].mixer.q_proj.weight, model.w1])
+    decay, no_decay = adamw.param_groups
+    assert (decay["name"], no_decay["name"]) == ("decay", "no_decay")
+    assert ids(decay["params"]) == ids([model.embed.weight, model.layers["0"].mixer.conv1d.weight, model.gate.weight])
+    assert ids(no_decay["params"]) == ids([model.layers["0"].norm1.weight, model.layers["0"].norm1.bias, model.layers["0"].mixer.A_log])
+    assert (normuon.defaults["lr"], normuon.defaults["momentum"], normuon.defaults["beta2"], normuon.defaults["ns_steps"]) == \
+           (0.03, cfg.muon_momentum, cfg.normuon_beta2, cfg.ns_steps)
+    assert (decay["lr"], decay["weight_decay"], no_decay["weight_decay"], decay["betas"]) == (1e-3, 0.05, 0.0, tuple(cfg.adamw_betas))
+    assert normuon.defaults["cautious"] is False and adamw.defaults["cautious"] is False
+    assert id(model.frozen) not in ids(normuon.param_groups[0]["params"]) | ids(decay["params"]) | ids(no_decay["params"])
+
+
+def test_real_hymo_parameters_are_all_grouped():
+    build_hymo = pytest.importorskip("hymo.models.model").build_hymo
+    with torch.device("meta"):
+        model = build_hymo(load_config("hymo_tiny").model)
+    table = param_table(model)
+    assert {g for _, _, g in table} == {"normuon", "adamw", "adamw_no_decay"}
+    for name, shape, group in table:
+        if len(shape) == 1: assert group == "adamw_no_decay", name
+        if len(shape) == 3 and "conv" not in name: assert group == "normuon", name
+        if name.startswith("embed") or "conv" in name or name.endswith("gate.weight"): assert group == "adamw", name
+        if name.endswith(("q_proj.weight", "o_proj.weight", "w1.weight", "w2.weight", "w3.weight")): assert group == "normuon", name
+
+
+# ---------------------------------------------------------------- WSD
+
+def test_wsd_values_by_hand():
+    c = load_config("hymo_tiny", max_steps=1000, warmup_steps=100, decay_fraction=0.2, min_lr_ratio=0.0).train
+    # W = 100, D = 200, decay starts at S = 800
+    assert wsd_schedule(0, c) == pytest.approx(0.01)
+    assert wsd_schedule(49, c) == pytest.approx(0.5)
+    assert wsd_schedule(99, c) == pytest.approx(1.0)
+    assert wsd_schedule(500, c) == 1.0 and wsd_schedule(800, c) == 1.0
+    for shape, want in [("linear", 1 - 0.25), ("1-sqrt", 1 - 0.5), ("cosine", 0.5 * (1 + math.cos(math.pi / 4)))]:
+        assert wsd_schedule(850, dataclasses.replace(c, decay_shape=shape)) == pytest.approx(want)  # p = 50/200
+    c2 = dataclasses.replace(c, decay_shape="linear", min_lr_ratio=0.1)
+    assert wsd_schedule(900, c2) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert wsd_schedule(1000, c2) == pytest.approx(0.1) and wsd_schedule(5000, c2) == pytest.approx(0.1)
+    assert wsd_schedule(999, dataclasses.replace(c, decay_fraction=0.0)) == 1.0
+
+
+def test_wsd_is_monotone_and_rejects_overlap():
+    c = load_config("hymo_tiny").train
+    m = [wsd_schedule(t, c) for t in range(c.max_steps + 1)]
+    W = c.warmup_steps
+    assert all(a < b for a, b in zip(m[:W], m[1:W])) and all(a >= b for a, b in zip(m[W:], m[W + 1:]))
+    with pytest.raises(ValueError, match="lower warmup_steps"):
+        wsd_schedule(0, dataclasses.replace(c, warmup_steps=c.max_steps))
+
+
+def test_wsd_lambda_drives_lambdalr():
+    c = load_config("hymo_tiny").train
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, wsd_lambda(c))
+    for t in range(c.max_steps):
+        assert opt.param_groups[0]["lr"] == pytest.approx(2.0 * wsd_schedule(t, c))
+        opt.step(); sched.step()
+
+
+# ---------------------------------------------------------------- FSDP-2, two processes
+
+FSDP_SCRIPT = r'''
+import json, socket, sys, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from hymo.training.optim import CautiousAdamW, NorMuon
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 9, bias=True)                     # weight [9, 6]: rows split 5 + 4; bias -> AdamW
+        self.experts = nn.Parameter(0.3 * torch.randn(3, 5, 9))  # [E, 5, 9]: experts split 2 + 1
+        self.wide = nn.Linear(5, 11, bias=False)                 # [11, 5]
+        self.down = nn.Linear(11, 4, bias=False)                 # [4, 11]: 2 + 2
+    def forward(self, x):                                        # (B, 6) -> (B, 4)
+        h = torch.tanh(self.up(x))
+        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts))
+        return self.down(torch.tanh(self.wide(h)))
+
+def train(model, steps):
+    mats = [p for p in model.parameters() if p.ndim >= 2]
+    opts = (NorMuon(mats, lr=0.05, weight_decay=0.1), CautiousAdamW([model.up.bias], lr=0.01, weight_decay=0.1))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)  # the same batch on every rank
+        (model(x) - y).pow(2).mean().backward()
+        for o in opts: o.step(); o.zero_grad()
+    return opts[0]
+
+def worker(rank, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0); ref = Net()
+    torch.manual_seed(0); net = fully_shard(Net())
+    train(ref, 5); opt = train(net, 5)
+    diffs = {n: (p.full_tensor() - r).abs().max().item() for (n, p), r in zip(net.named_parameters(), ref.parameters())}
+    layout = all(isinstance(s, DTensor) and s.placements == p.placements and s.device_mesh == p.device_mesh
+                 for p in opt.state for s in opt.state[p].values())
+    local_rows = {n: p.to_local().shape[0] for n, p in net.named_parameters()}
+    if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows), open(out, "w"))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, sys.argv[1]), nprocs=2)
+'''
+
+
+def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
+    script, out = tmp_path / "fsdp_normuon.py", tmp_path / "result.json"
+    script.write_text(FSDP_SCRIPT)
+    for attempt in range(2):  # a second try only if the free port was taken between choosing and binding it
+        r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode == 0 or "Address already in use" not in r.stderr: break
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["local_rows"] == {"up.weight": 5, "up.bias": 5, "experts": 2, "wide.weight": 6, "down.weight": 2}  # really sharded
+    assert max(res["diffs"].values()) <= 1e-6, res["diffs"]
+    assert res["layout"] and res["n_state"] == 4  # momentum and second moment stay sharded like the parameters
