@@ -281,6 +281,7 @@ def test_wsd_lambda_drives_lambdalr():
 FSDP_SCRIPT = r'''
 import json, socket, sys, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from hymo.training.optim import CautiousAdamW, NorMuon
 
@@ -316,7 +317,13 @@ def worker(rank, port, out):
     layout = all(isinstance(s, DTensor) and s.placements == p.placements and s.device_mesh == p.device_mesh
                  for p in opt.state for s in opt.state[p].values())
     local_rows = {n: p.to_local().shape[0] for n, p in net.named_parameters()}
-    if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows), open(out, "w"))
+    # the state goes through the distributed-checkpoint state-dict API and back into a fresh optimiser unchanged
+    sd = get_optimizer_state_dict(net, opt)
+    fresh = NorMuon([p for p in net.parameters() if p.ndim >= 2], lr=0.05, weight_decay=0.1)
+    set_optimizer_state_dict(net, fresh, sd)
+    dcp_ok = all(torch.equal(fresh.state[p][k].full_tensor(), opt.state[p][k].full_tensor()) for p in opt.state for k in opt.state[p])
+    if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
+                                 sd_keys=sorted(sd["state"])), open(out, "w"))
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -338,3 +345,4 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
     assert res["local_rows"] == {"up.weight": 5, "up.bias": 5, "experts": 2, "wide.weight": 6, "down.weight": 2}  # really sharded
     assert max(res["diffs"].values()) <= 1e-6, res["diffs"]
     assert res["layout"] and res["n_state"] == 4  # momentum and second moment stay sharded like the parameters
+    assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "up.weight", "wide.weight"]  # keyed by name for DCP
