@@ -43,6 +43,8 @@ import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 from torch.testing import assert_close
 
+from IPython.display import Markdown, display
+
 from hymo.config import load_config
 
 torch.set_num_threads(1)  # the tiny model's tensors are small: on a shared 2-core machine more threads only add contention
@@ -85,8 +87,8 @@ test_eq(tiny.layer_types, ["gdn", "gdn", "gdn", "mla"])
 # gathered per expert and, under expert parallelism, exchanged between GPUs. Eight MoE layers keep
 # the stored size near a billion parameters and the dispatch points to eight per forward pass; 32
 # MoE layers would quadruple the expert storage. This is a design choice made for a small model on
-# one node, not a law: Jamba puts MoE on every other layer, Qwen3-Next and Kimi Linear on every
-# layer.
+# one node, not a law: Jamba puts MoE on every other layer, Qwen3-Next and Kimi Linear throughout
+# the stack.
 #
 # The design document also argues that the split gives "uniform" per-layer compute because every
 # layer runs two experts. That is wrong on both counts: GDN blocks run no experts, and an MLA
@@ -109,14 +111,15 @@ assert ffn_moe > 2.5 * ffn_dense
 # | Zamba-7B (Zyphra, 2024) | Mamba + **one shared** attention+MLP block | the shared block is applied after every 6 Mamba blocks | softmax attention, one set of weights reused at every application | dense (no MoE) |
 # | StripedHyena-7B (Together, 2023) | Hyena (gated long convolutions) + attention | about 1 : 1 (the released config alternates them) | GQA with RoPE | dense MLP in every block |
 # | Qwen3-Next-80B-A3B (Alibaba, 2025) | Gated DeltaNet + gated attention | 3 : 1 | softmax attention with an output gate, GQA, partial RoPE | high-sparsity MoE in every layer (512 experts, 10 routed + 1 shared); 80 B stored, ~3 B active; MTP |
-# | Kimi Linear 48B-A3B (Moonshot, 2025) | Kimi Delta Attention (GDN with per-channel decay) + MLA | 3 : 1 | MLA without positional encoding (NoPE) | MoE in every layer; 48 B stored, ~3 B active |
+# | Kimi Linear 48B-A3B (Moonshot, 2025) | Kimi Delta Attention (GDN with per-channel decay) + MLA | 3 : 1 | MLA without positional encoding (NoPE) | MoE FFNs throughout the stack (DeepSeek-V3 style); 48 B stored, ~3 B active |
 # | **HyMo 750M** | Gated DeltaNet + MLA | 3 : 1 | MLA (latent KV cache), partial RoPE on 32 of 128 query/key dims | MoE (16 routed top-2 + 1 shared) on the 8 MLA blocks only; dense SwiGLU on the 24 GDN blocks; MTP depth 2 |
 #
-# Two corrections to the design document's version of this comparison: StripedHyena-7B is not a
-# 1 : 7 hybrid (its public configuration interleaves attention and Hyena about one for one), and
-# HyMo's closest relatives are not Jamba or Zamba but Qwen3-Next (same linear mixer, same 3 : 1
-# ratio) and Kimi Linear (a GDN-family mixer with MLA at 3 : 1). Both put experts in every layer;
-# HyMo's placement of MoE on the attention blocks only is its own choice.
+# Three corrections to the design document's version of this comparison: StripedHyena-7B is not a
+# 1 : 7 hybrid (its public configuration interleaves attention and Hyena about one for one); Jamba
+# puts its MoE on every other layer, not on every layer; and HyMo's closest relatives are not
+# Jamba or Zamba but Qwen3-Next (same linear mixer, same 3 : 1 ratio) and Kimi Linear (a GDN-family
+# mixer with MLA at 3 : 1). Both of those put experts throughout the stack; HyMo's placement of
+# MoE on the attention blocks only is its own choice.
 
 # %% [markdown]
 # ## The model
@@ -333,8 +336,9 @@ for t in (0, 20, 47):
 # **Packed documents.** With `cu_seqlens`, a row holding several documents gives each document the
 # logits it would get alone.
 #
-# (With packing, the targets that cross a document boundary, for the main head and each MTP head,
-# should be set to $-100$ by the data loader; `lm_loss`'s cross-entropy ignores them.)
+# (In a packed row the main head's last position of a document, and MTP head $k$'s last $k$
+# positions, have targets in the next document. A loader that wants to hide them sets those
+# targets to $-100$, which `lm_loss`'s cross-entropy ignores.)
 
 # %%
 docs = [torch.randint(0, V, (1, n)) for n in (5, 70, 21)]
@@ -456,7 +460,8 @@ def param_breakdown(model: HyMo) -> dict[str, int]:
 #    $N_\text{mat}$ counts the active matrices (projections, FFNs, the shared and the $k$ chosen
 #    experts, routers, the depthwise convolutions) plus the output head $|V| \cdot d$, which is a
 #    matrix product even though its weights are the embedding's. The embedding lookup costs
-#    nothing. This is the familiar $6N$ per training token.
+#    nothing. This is the familiar $6N$ per training token. (It assumes no expert drops: with a
+#    capacity factor, dropped assignments make the real count slightly lower.)
 # 2. **MTP heads.** Each head runs its small MLP *and* the $|V| \times d$ vocabulary projection
 #    again: $2\,(N_\text{mtp} + D \cdot |V| \cdot d)$ forward for $D$ heads.
 # 3. **Attention** grows with the window $T$. A query at position $t$ scores $t+1$ keys with
@@ -542,11 +547,11 @@ for name, m in models.items():
     test_eq(m.num_params(), sum(p.numel() for p in m.parameters()))
     test_eq(sum(param_breakdown(m).values()), m.num_params())
 
-rows = list(param_breakdown(model_750m))
-print(f"{'stored parameters':34s}" + "".join(f"{n:>14s}" for n in models))
-for r in rows: print(f"{r:34s}" + "".join(f"{param_breakdown(m)[r]:>14,d}" for m in models.values()))
-print(f"{'total stored':34s}" + "".join(f"{m.num_params():>14,d}" for m in models.values()))
-print(f"{'active per token':34s}" + "".join(f"{m.num_params(active=True):>14,d}" for m in models.values()))
+bd = {name: param_breakdown(m) for name, m in models.items()}
+rows = [(r, *(f"{bd[n][r]:,}" for n in models)) for r in bd["hymo_750m"]]
+rows += [("**total stored**", *(f"**{m.num_params():,}**" for m in models.values())),
+         ("**active per token**", *(f"**{m.num_params(active=True):,}**" for m in models.values()))]
+display(Markdown("| stored parameters | hymo_tiny | hymo_750m |\n|---|---:|---:|\n" + "\n".join("| " + " | ".join(r) + " |" for r in rows)))
 
 # %% [markdown]
 # The difference between stored and active is exactly the unused routed experts:
@@ -592,7 +597,8 @@ ax[1].legend(fontsize=7)
 plt.tight_layout(); plt.show()
 
 # %% [markdown]
-# At $T = 4096$ HyMo carries about 14 MiB per sequence: about 4 MiB of GDN states and convolution
+# On the left: near $T = 30$k the MLA attention alone costs as much as all the matrices, while the
+# GDN term does not grow at all. On the right: at $T = 4096$ HyMo carries about 14 MiB per sequence: about 4 MiB of GDN states and convolution
 # windows, fixed in $T$, and 10 MiB of latent cache growing with it. A 32-layer multi-head-attention transformer with the same
 # heads would cache $2 \cdot 16 \cdot 128$ values per token and layer, about 1 GiB.
 
@@ -604,33 +610,26 @@ assert mha[Ts.index(4096)] / hybrid[Ts.index(4096)] > 50
 # %% [markdown]
 # ### The design document's figures, corrected
 #
-# | quantity | design document | HyMo as built (computed above) |
-# |---|---|---|
-# | stored parameters | ~1.13 B | see below |
-# | active parameters | ~434 M | see below |
-# | MTP: new parameters per head | 59.6 M (counts the tied vocabulary matrix again) | see below |
-# | GDN state | "3.9 MB per token" | the same 3.9 MB (fp32), but per *sequence*, fixed in $T$ |
-# | dense FFN FLOPs | 24 × 6.2 M = 149 M per token | 24 × 2 × 3 · 896 · 2560: see below |
-# | forward FLOPs per token | ~340 M (inference) | see below |
-#
-# The printed column, from the model:
+# The design document's numbers next to the model's (the right-hand column is computed here):
 
 # %%
 pb = param_breakdown(model_750m)
 gdn_blocks = [l for l in model_750m.layers if isinstance(l, GatedDeltaNetBlock)]
 fwd = model_750m.flops_per_token(4096) / 3
 fwd_no_mtp = fwd - flops_breakdown(model_750m, 4096)["MTP heads (MLP + vocabulary projection)"] / 3
-corrected = {
-    "stored parameters": (1.13e9, model_750m.num_params()),
-    "active parameters": (434e6, model_750m.num_params(active=True)),
-    "MTP new parameters per head": (59.6e6, pb["MTP heads"] / big.mtp_depth),
-    "GDN state per sequence, bytes": (3.9e6, state_breakdown(model_750m, 4096)["GDN recurrent state (fp32)"]),
-    "dense FFN forward FLOPs per token": (149e6, 2 * sum(_matrix_params(b.ffn) for b in gdn_blocks)),
-    "forward FLOPs per token, no MTP, T=4096": (340e6, fwd_no_mtp),
-    "training FLOPs per token, T=4096": (None, model_750m.flops_per_token(4096)),
-}
-print(f"{'quantity':42s}{'document':>12s}{'as built':>14s}")
-for k, (doc, real) in corrected.items(): print(f"{k:42s}{f'{doc/1e6:.1f}M' if doc else '-':>12s}{real/1e6:>13.1f}M")
+M = lambda x: f"{x/1e6:,.1f} M"
+corrected = [
+    ("stored parameters", "~1.13 B", M(model_750m.num_params()), "embedding once, MTP heads included"),
+    ("active parameters per token", "~434 M", M(model_750m.num_params(active=True)), "shared + top-2 of 16 routed experts"),
+    ("MoE parameters, 8 layers", "840 M", M(pb["MoE routed experts"] + pb["MoE shared experts + routers"]), "17 experts of 6.19 M per layer, plus routers"),
+    ("new parameters per MTP head", "59.6 M", M(pb["MTP heads"] / big.mtp_depth), "the vocabulary matrix is the tied embedding, not new"),
+    ("GDN recurrent state", "3.9 MB per token", f"{state_breakdown(model_750m, 4096)['GDN recurrent state (fp32)']/1e6:.2f} MB per sequence", "fixed in T"),
+    ("24 dense FFNs, forward FLOPs per token", "149 M", M(2 * sum(_matrix_params(b.ffn) for b in gdn_blocks)), "each is 3 · 896 · 2560 = 6.9 M weights, not 6.2 M"),
+    ("forward FLOPs per token, T = 4096, no MTP", "~340 M", M(fwd_no_mtp), "all matrices, head, attention, GDN"),
+    ("training FLOPs per token, T = 4096", "", M(model_750m.flops_per_token(4096)), "3 × forward, MTP included"),
+]
+display(Markdown("| quantity | design document | as built | note |\n|---|---|---|---|\n" +
+                 "\n".join(f"| {q} | {d} | {r} | {n} |" for q, d, r, n in corrected)))
 
 # %% [markdown]
 # So the 750M design stores about 1.24 B parameters and uses about 0.54 B per token; "750M" is a
@@ -671,7 +670,7 @@ assert t_mem > 50 * t_flop
 # point (gathering tokens per expert, and an all-to-all under expert parallelism). Placing it on
 # the 8 attention blocks gives the model about 0.8 B parameters of expert capacity with 8 dispatch
 # points per forward; MoE on all 32 blocks would quadruple the expert storage. It is a choice for a
-# small model, not a law: Qwen3-Next and Kimi Linear use MoE in every layer. The GDN blocks are
+# small model, not a law: Qwen3-Next and Kimi Linear use MoE throughout. The GDN blocks are
 # not "recurrence-only": each has a dense SwiGLU of width 2560.
 # :::
 #
