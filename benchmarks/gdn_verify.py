@@ -22,6 +22,7 @@ from hymo.models.gdn import naive_gated_delta_rule  # noqa: E402
 from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule, triton_gated_delta_rule  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run under TRITON_INTERPRET=1
+LOW = (torch.bfloat16,) if DEV == "cuda" else (torch.float16,)  # the CPU interpreter runs bf16 in fp32
 NAMES = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 
 
@@ -69,7 +70,7 @@ def main():
     Ts = (63, 256) if args.quick else (63, 256, 1000, 4096)
     shapes = ((4, 40, 32, 32), (4, 16, 128, 128))
     if DEV == "cpu": Ts, shapes = (63,), ((1, 2, 16, 16),)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in LOW + (torch.float32,):
         for (B, H, K, V) in shapes:
             for T in Ts:
                 b = B if T <= 1000 else (2 if K <= 32 else 1)  # the autograd loop at T=4096 needs B*T*H*K*V*4*~4 bytes
@@ -80,14 +81,14 @@ def main():
                 print(json.dumps(r), flush=True)
     # packed documents, odd head sizes
     cu = torch.tensor([0, 1, 64, 65, 300, 1000] if DEV == "cuda" else [0, 1, 64, 70], device=DEV)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in LOW + (torch.float32,):
         T, H = int(cu[-1]), (8 if DEV == "cuda" else 1)
         r = parity(1, T, H, 24, 40, dtype, cu=cu, seed=7)
         r.update(kind="chunk_varlen", dtype=str(dtype).split(".")[-1], B=1, T=T, H=H, K=24, V=40, docs=cu.tolist())
         rows.append(r)
         print(json.dumps(r), flush=True)
     # fused recurrent (forward only)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in LOW + (torch.float32,):
         for (B, H, K, V) in shapes:
             xs = inputs(B, 63, H, K, V, dtype, 3)
             h0 = torch.randn(B, H, K, V, device=DEV)

@@ -25,7 +25,7 @@ def _tile(base, r0, R, stride, c0, C, BR: tl.constexpr, BC: tl.constexpr):
     "Pointers and in-bounds mask of the [BR, BC] tile at (r0, c0) of a row-major [R, C] matrix with row stride `stride`."
     o_r = r0 + tl.arange(0, BR)
     o_c = c0 + tl.arange(0, BC)
-    return base + o_r[:, None] * stride + o_c[None, :], (o_r[:, None] < R) & (o_c[None, :] < C)
+    return base + o_r[:, None] * stride + o_c[None, :], (o_r[:, None] >= 0) & (o_r[:, None] < R) & (o_c[None, :] < C)
 
 
 @triton.jit
@@ -61,6 +61,28 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 
 # %% ../../nbs/13_gdn_triton.ipynb #c8552a0e
 @triton.jit
+def _solve_unit_lower(b_L, BT: tl.constexpr):
+    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 16x16 diagonal blocks, then merged."
+    tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
+    NB: tl.constexpr = BT // 16
+    o_b = tl.arange(0, NB)
+    o_j = tl.arange(0, 16)
+    m_bd = o_b[:, None, None, None] == o_b[None, None, :, None]                      # same block, [NB, 1, NB, 1]
+    b_Ld = tl.sum(tl.where(m_bd, tl.reshape(b_L, (NB, 16, NB, 16)), 0.), 2)        # diagonal blocks [NB, 16, 16]
+    b_D = tl.zeros([NB, 16, 16], dtype=tl.float32)                                  # D - I, rows >= i still zero
+    for i in range(1, 16):
+        b_l = tl.sum(tl.where(o_j[None, :, None] == i, b_Ld, 0.), 1)               # row i of every block [NB, 16]
+        b_a = -b_l - tl.sum(b_l[:, :, None] * b_D, 1)
+        b_D = tl.where(o_j[None, :, None] == i, b_a[:, None, :], b_D)
+    b_D += (o_j[:, None] == o_j[None, :]).to(tl.float32)[None, :, :]
+    b_D = tl.reshape(tl.where(m_bd, b_D[:, :, None, :], 0.), (BT, BT))             # block diagonal [BT, BT]
+    o_i = tl.arange(0, BT)
+    b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
+    b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
+    return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
+
+
+@triton.jit
 def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
                  H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     "Chunk-parallel: cumulative log-decays `gc` [B, T, H] and A = (I + strict_tril(diag(beta) K K^T ⊙ Γ))^-1 [B, T, H, BT]."
@@ -74,17 +96,11 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
     tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m_t)
     b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
     p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-    b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
     m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
     b_L = tl.dot(b_k, tl.trans(b_k)) * b_beta[:, None] * _decay_tril(b_g, m_L, BT)
-    b_A = tl.zeros([BT, BT], dtype=tl.float32)                      # A' (rows >= i still zero)
-    for i in range(1, tl.minimum(BT, T - i_t * BT)):
-        b_l = tl.sum(tl.where(o_i[:, None] == i, b_L, 0.), 0)       # row i of L
-        b_a = -b_l - tl.sum(b_l[:, None] * b_A, 0)
-        b_A = tl.where(o_i[:, None] == i, b_a[None, :], b_A)
-    b_A += (o_i[:, None] == o_i[None, :]).to(tl.float32)
     p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
-    tl.store(p_A, b_A.to(A.dtype.element_ty), mask=m_A)
+    tl.store(p_A, _solve_unit_lower(b_L, BT).to(A.dtype.element_ty), mask=m_A)
 
 # %% ../../nbs/13_gdn_triton.ipynb #48f5dfb9
 BT = 64  # chunk length C; the kernels' tiles are BT x BT
@@ -114,27 +130,40 @@ def _prepare(k, g, beta, cu_seqlens, tables):
     return gc, A
 
 
-LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(num_warps=4), dh=dict(num_warps=4), local=dict(num_warps=4))  # per-kernel launch options
+LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(num_warps=4), states=dict(num_warps=4), local=dict(num_warps=4))  # per-kernel launch options
 
 # %% ../../nbs/13_gdn_triton.ipynb #380a8a80
 @triton.jit
-def _chunk_gates(gc, beta, bos, T, i_t, i_h, H: tl.constexpr, BT: tl.constexpr):
-    "Cumulative log-decays `b_g`, `b_beta`, the in-sequence row mask `m_t` and the chunk's last cumulative decay `b_gl`."
+def _load_chunk(q, k, x, gc, beta, A, bos, T, i_t, i_h, i_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BV: tl.constexpr, LOAD_Q: tl.constexpr):
+    "Everything a state pass reads of chunk `i_t` (zeros outside the sequence): gates, A, K, Q and a `[BT, BV]` block of `x` (V or dO)."
     o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
+    m_t = (o_t >= 0) & (o_t < T)
     b_g = tl.load(gc + (bos + o_t) * H + i_h, mask=m_t, other=0.)
     b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.)
-    b_gl = tl.load(gc + (bos + tl.minimum(i_t * BT + BT, T) - 1) * H + i_h)
-    return b_g, b_beta, m_t, b_gl
+    i_l = tl.minimum(i_t * BT + BT, T) - 1                                  # last token of the chunk
+    b_gl = tl.load(gc + (bos + i_l) * H + i_h, mask=(i_l >= 0) & (i_l < T), other=0.)
+    p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
+    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    p_x, m_x = _tile(x + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
+    b_A = tl.load(p_A, mask=m_A, other=0.)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_x = tl.load(p_x, mask=m_x, other=0.)
+    if LOAD_Q:
+        p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+        b_q = tl.load(p_q, mask=m_q, other=0.)
+    else:
+        b_q = b_k
+    return b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_x
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, scale, T,
+def _state_pass(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, scale, T, i_v, i_nh,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, SAVE_O: tl.constexpr,
                 IS_VARLEN: tl.constexpr):
-    "Sequential over chunks: the program keeps S[:, i_v*BV:(i_v+1)*BV] of one (sequence, head) on chip, in fp32."
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    "Walk the chunks of (sequence, head) `i_nh` in order, carrying S[:, i_v*BV:(i_v+1)*BV] in fp32."
+    DT = k.dtype.element_ty
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
     o_i = tl.arange(0, BT)
@@ -142,32 +171,37 @@ def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, s
     if USE_H0:
         p_h0, m_h0 = _tile(h0 + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
         b_h = tl.load(p_h0, mask=m_h0, other=0.).to(tl.float32)
+    b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_v = _load_chunk(q, k, v, gc, beta, A, bos, T, 0, i_h, i_v, H, K, V, BT, BV, SAVE_O)
     for i_t in range(0, NT):
+        n_g, n_beta, n_t, n_gl, n_A, n_k, n_q, n_v = _load_chunk(q, k, v, gc, beta, A, bos, T, i_t + 1, i_h, i_v,
+                                                                 H, K, V, BT, BV, SAVE_O)   # prefetch
         if SAVE_H:                                                   # S_0 of chunk i_t, for the backward
             p_h, m_h = _tile(h + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
             tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_h)
-        b_g, b_beta, m_t, b_gl = _chunk_gates(gc, beta, bos, T, i_t, i_h, H, BT)
-        p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
-        p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-        p_v, m_v = _tile(v + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
-        b_A = tl.load(p_A, mask=m_A, other=0.).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
-        b_w = tl.dot(b_A, b_k * (b_beta * tl.exp(b_g))[:, None])     # W = A diag(beta e^G) K        (BT, K)
-        b_u = tl.dot(b_A, b_v * b_beta[:, None]) - tl.dot(b_w, b_h)  # U = A diag(beta) V - W S_0     (BT, BV)
+        b_w = tl.dot(b_A, (b_k * (b_beta * tl.exp(b_g))[:, None]).to(DT))          # W = A diag(beta e^G) K     (BT, K)
+        b_u = tl.dot(b_A, (b_v * b_beta[:, None]).to(DT)) - tl.dot(b_w.to(DT), b_h.to(DT))   # U = A diag(beta) V - W S_0
+        b_uD = b_u.to(DT)
         if SAVE_O:
-            p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-            b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
             m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
             b_P = tl.dot(b_q, tl.trans(b_k)) * _decay_tril(b_g, m_s, BT) * scale
-            b_o = tl.dot(b_q * (tl.exp(b_g) * scale)[:, None], b_h) + tl.dot(b_P, b_u)   # O = Qbar S_0 + P U
+            b_o = tl.dot((b_q * (tl.exp(b_g) * scale)[:, None]).to(DT), b_h.to(DT)) + tl.dot(b_P.to(DT), b_uD)  # Qbar S_0 + P U
             p_o, m_o = _tile(o + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
             tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_o)
-        b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)   # e^{G_C - G_i} <= 1
-        b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans(b_k * b_e[:, None]), b_u)   # S_C = e^{G_C} S_0 + Kbar^T U
+        b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)             # e^{G_C - G_i} <= 1
+        b_h = b_h * tl.exp(b_gl) + tl.dot(tl.trans((b_k * b_e[:, None]).to(DT)), b_uD)   # S_C = e^{G_C} S_0 + Kbar^T U
+        b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_v = n_g, n_beta, n_t, n_gl, n_A, n_k, n_q, n_v
     if STORE_HT:
         p_ht, m_ht = _tile(ht + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
         tl.store(p_ht, b_h.to(ht.dtype.element_ty), mask=m_ht)
+
+
+@triton.jit
+def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, cu_seqlens, chunk_offsets, scale, T,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Sequential over chunks: one program per (value block, sequence x head) computes o and the final state."
+    _state_pass(q, k, v, gc, beta, A, h0, ht, o, None, cu_seqlens, chunk_offsets, scale, T, tl.program_id(0), tl.program_id(1),
+                H, K, V, BT, BV, USE_H0, STORE_HT, False, True, IS_VARLEN)
 
 
 def _bv(V: int) -> int:
@@ -175,28 +209,26 @@ def _bv(V: int) -> int:
     return min(V, 32)
 
 
-def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, tables, save_h=False, save_o=True):
-    "Launch `_fwd_kernel` on padded contiguous inputs: `(o or None, final state or None, chunk states [NC, H, K, V] or None)`."
+def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, chunk_offsets):
+    "Launch `_fwd_kernel` on padded contiguous inputs: `(o, final state or None)`."
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    chunk_indices, chunk_offsets, nc = tables
-    o = torch.empty_like(v) if save_o else None
-    hs = q.new_empty(nc, H, K, V, dtype=torch.float32) if save_h else None
+    o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     BV = _bv(V)
-    _fwd_kernel[(triton.cdiv(V, BV), N * H)](q, k, v, gc, beta, A, h0, ht, o, hs, cu_seqlens, chunk_offsets, scale, T,
-                                            H, K, V, BT, BV, h0 is not None, output_final_state, save_h, save_o,
+    _fwd_kernel[(triton.cdiv(V, BV), N * H)](q, k, v, gc, beta, A, h0, ht, o, cu_seqlens, chunk_offsets,
+                                            scale, T, H, K, V, BT, BV, h0 is not None, output_final_state,
                                             cu_seqlens is not None, **LAUNCH["fwd"])
-    return o, ht, hs
+    return o, ht
 
 # %% ../../nbs/13_gdn_triton.ipynb #3484a8ea
 @triton.jit
-def _bwd_dh_kernel(q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T,
-                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                   USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    "Sequential over chunks, last to first: carries dS on chip and stores dS_C, the gradient of each chunk's final state."
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+def _dstate_pass(q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T, i_v, i_nh,
+                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                 USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Walk the chunks last to first carrying dS in fp32; store dS_C, the gradient of each chunk's final state."
+    DT = k.dtype.element_ty
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, NT, boh = _seq_bounds(cu_seqlens, chunk_offsets, i_n, T, BT, IS_VARLEN)
     o_i = tl.arange(0, BT)
@@ -204,29 +236,39 @@ def _bwd_dh_kernel(q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offset
     if USE_DHT:
         p_dht, m_dht = _tile(dht + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
         b_dh = tl.load(p_dht, mask=m_dht, other=0.).to(tl.float32)
+    b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_do = _load_chunk(q, k, do, gc, beta, A, bos, T, NT - 1, i_h, i_v, H, K, V, BT, BV, True)
     for i_r in range(0, NT):
         i_t = NT - 1 - i_r
+        n_g, n_beta, n_t, n_gl, n_A, n_k, n_q, n_do = _load_chunk(q, k, do, gc, beta, A, bos, T, i_t - 1, i_h, i_v,
+                                                                  H, K, V, BT, BV, True)   # prefetch
         p_dh, m_dh = _tile(dh + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
         tl.store(p_dh, b_dh.to(dh.dtype.element_ty), mask=m_dh)
-        b_g, b_beta, m_t, b_gl = _chunk_gates(gc, beta, bos, T, i_t, i_h, H, BT)
-        p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
-        p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-        p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-        p_do, m_do = _tile(do + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
-        b_A = tl.load(p_A, mask=m_A, other=0.).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-        b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
-        b_do = tl.load(p_do, mask=m_do, other=0.).to(tl.float32)
-        b_w = tl.dot(b_A, b_k * (b_beta * tl.exp(b_g))[:, None])
+        b_w = tl.dot(b_A, (b_k * (b_beta * tl.exp(b_g))[:, None]).to(DT))
         m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
         b_P = tl.dot(b_q, tl.trans(b_k)) * _decay_tril(b_g, m_s, BT) * scale
         b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)
-        b_du = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_k * b_e[:, None], b_dh)        # dU = P^T dO + Kbar dS_C
-        b_dh = (b_dh * tl.exp(b_gl) + tl.dot(tl.trans(b_q * (tl.exp(b_g) * scale)[:, None]), b_do)
-                - tl.dot(tl.trans(b_w), b_du))                                        # dS_0
+        b_dhD = b_dh.to(DT)
+        b_du = tl.dot(tl.trans(b_P.to(DT)), b_do) + tl.dot((b_k * b_e[:, None]).to(DT), b_dhD)    # dU = P^T dO + Kbar dS_C
+        b_dh = (b_dh * tl.exp(b_gl) + tl.dot(tl.trans((b_q * (tl.exp(b_g) * scale)[:, None]).to(DT)), b_do)
+                - tl.dot(tl.trans(b_w.to(DT)), b_du.to(DT)))                                       # dS_0
+        b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_do = n_g, n_beta, n_t, n_gl, n_A, n_k, n_q, n_do
     if STORE_DH0:
         p_dh0, m_dh0 = _tile(dh0 + i_nh * K * V, 0, K, V, i_v * BV, V, K, BV)
         tl.store(p_dh0, b_dh.to(dh0.dtype.element_ty), mask=m_dh0)
+
+
+@triton.jit
+def _bwd_states_kernel(q, k, v, gc, beta, A, h0, h, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                       USE_H0: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Grid (value blocks, N*H, 2): `i_d = 0` stores every chunk's S_0 (forward pass), `i_d = 1` every chunk's dS_C (backward pass)."
+    i_v, i_nh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_d == 0:
+        _state_pass(q, k, v, gc, beta, A, h0, None, None, h, cu_seqlens, chunk_offsets, scale, T, i_v, i_nh,
+                    H, K, V, BT, BV, USE_H0, False, True, False, IS_VARLEN)
+    else:
+        _dstate_pass(q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T, i_v, i_nh,
+                     H, K, V, BT, BV, USE_DHT, STORE_DH0, IS_VARLEN)
 
 
 @triton.jit
@@ -235,28 +277,25 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       IS_VARLEN: tl.constexpr):
     "Chunk-parallel: with S_0 and dS_C of its chunk stored, a program computes dq, dk, dv, dg, dbeta of its 64 tokens."
+    DT = k.dtype.element_ty
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
     o_i = tl.arange(0, BT)
     o_t = i_t * BT + o_i
-    b_g, b_beta, m_t, b_gl = _chunk_gates(gc, beta, bos, T, i_t, i_h, H, BT)
-    p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
-    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-    p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-    b_A = tl.load(p_A, mask=m_A, other=0.).to(tl.float32)
-    b_k = tl.load(p_k, mask=m_k, other=0.).to(tl.float32)
-    b_q = tl.load(p_q, mask=m_q, other=0.).to(tl.float32)
+    b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_v = _load_chunk(q, k, v, gc, beta, A, bos, T, i_t, i_h, 0, H, K, V, BT, BV, True)
     m_s = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
     m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
     b_G = _decay_tril(b_g, m_s, BT)                                   # Gamma
     b_eg = tl.where(m_t, tl.exp(b_g), 0.)                             # e^{G_i}
     b_e = tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_g, 0.)), 0.)    # e^{G_C - G_i}
-    b_kb = b_k * (b_beta * b_eg)[:, None]                             # diag(beta e^G) K
-    b_w = tl.dot(b_A, b_kb)                                           # W
+    b_kb = (b_k * (b_beta * b_eg)[:, None]).to(DT)                    # diag(beta e^G) K
+    b_AT = tl.trans(b_A)
+    b_wD = tl.dot(b_A, b_kb).to(DT)                                   # W
     b_P = tl.dot(b_q, tl.trans(b_k)) * b_G * scale                    # P
-    b_kd = b_k * b_e[:, None]                                         # Kbar
-    b_qg = b_q * (b_eg * scale)[:, None]                              # Qbar
+    b_PT = tl.trans(b_P.to(DT))
+    b_kd = (b_k * b_e[:, None]).to(DT)                                # Kbar
+    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                          # K K^T * Gamma
     b_dw = tl.zeros([BT, K], dtype=tl.float32)
     b_dqg = tl.zeros([BT, K], dtype=tl.float32)
     b_dkd = tl.zeros([BT, K], dtype=tl.float32)
@@ -269,49 +308,55 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
         p_do, m_do = _tile(do + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
         p_h, m_h = _tile(h + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
         p_dh, m_dh = _tile(dh + ((boh + i_t) * H + i_h) * K * V, 0, K, V, i_v * BV, V, K, BV)
-        b_v = tl.load(p_v, mask=m_v, other=0.).to(tl.float32)
-        b_do = tl.load(p_do, mask=m_do, other=0.).to(tl.float32)
-        b_h = tl.load(p_h, mask=m_h, other=0.).to(tl.float32)
-        b_dh = tl.load(p_dh, mask=m_dh, other=0.).to(tl.float32)
-        b_vb = b_v * b_beta[:, None]
-        b_u = tl.dot(b_A, b_vb) - tl.dot(b_w, b_h)                    # U
-        b_du = tl.dot(tl.trans(b_P), b_do) + tl.dot(b_kd, b_dh)       # dU
+        b_v = tl.load(p_v, mask=m_v, other=0.)
+        b_do = tl.load(p_do, mask=m_do, other=0.)
+        b_h = tl.load(p_h, mask=m_h, other=0.)
+        b_dh = tl.load(p_dh, mask=m_dh, other=0.)
+        b_vb = (b_v * b_beta[:, None]).to(DT)
+        b_u = (tl.dot(b_A, b_vb) - tl.dot(b_wD, b_h)).to(DT)          # U
+        b_du = (tl.dot(b_PT, b_do) + tl.dot(b_kd, b_dh)).to(DT)       # dU
         b_dw -= tl.dot(b_du, tl.trans(b_h))
         b_dqg += tl.dot(b_do, tl.trans(b_h))
         b_dkd += tl.dot(b_u, tl.trans(b_dh))
         b_dP += tl.dot(b_do, tl.trans(b_u))
         b_dA += tl.dot(b_du, tl.trans(b_vb))
-        b_dvb = tl.dot(tl.trans(b_A), b_du)                           # d(diag(beta) V)
+        b_dvb = tl.dot(b_AT, b_du)                                    # d(diag(beta) V)
         b_dbeta += tl.sum(b_dvb * b_v, 1)
-        b_dhh += b_dh * b_h
+        b_dhh += b_dh.to(tl.float32) * b_h.to(tl.float32)
         p_dv, m_dv = _tile(dv + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
         tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_dv)
     b_dgl = tl.sum(tl.sum(b_dhh, 1), 0) * tl.exp(b_gl)               # G_C from e^{G_C} S_0
+    # load K and Q again rather than keep K-wide tiles in shared memory across the loop (wide heads)
+    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
+    b_k = tl.load(p_k, mask=m_k, other=0.)
+    b_q = tl.load(p_q, mask=m_q, other=0.)
     # W = A diag(beta e^G) K
-    b_dA += tl.dot(b_dw, tl.trans(b_kb))
-    b_dkb = tl.dot(tl.trans(b_A), b_dw)
+    b_dwD = b_dw.to(DT)
+    b_kb = (b_k * (b_beta * b_eg)[:, None]).to(DT)
+    b_dA += tl.dot(b_dwD, tl.trans(b_kb))
+    b_dkb = tl.dot(b_AT, b_dwD)
     b_dk = b_dkb * (b_beta * b_eg)[:, None]
     b_dbeta += tl.sum(b_dkb * b_k, 1) * b_eg
     b_dG = tl.sum(b_dkb * b_kb, 1)
     # A = (I + L)^-1, L = strict_tril(diag(beta) K K^T * Gamma)
-    b_dL = tl.where(m_L, -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A)), 0.)
-    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G
+    b_dL = tl.where(m_L, -tl.dot(tl.dot(b_AT, b_dA.to(DT)).to(DT), b_AT), 0.)
     b_dbeta += tl.sum(b_dL * b_kkG, 1)
     b_dLL = b_dL * b_kkG * b_beta[:, None]                            # dL * L
     b_dG += tl.sum(b_dLL, 1) - tl.sum(b_dLL, 0)
-    b_dkk = b_dL * b_G * b_beta[:, None]
+    b_dkk = (b_dL * b_G * b_beta[:, None]).to(DT)
     b_dk += tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
     # P = scale (Q K^T * Gamma)
     b_dP = tl.where(m_s, b_dP, 0.)
     b_dPP = b_dP * b_P
     b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
-    b_dqk = b_dP * b_G * scale
+    b_dqk = (b_dP * b_G * scale).to(DT)
     b_dq = tl.dot(b_dqk, b_k) + b_dqg * (b_eg * scale)[:, None]      # ... + from Qbar
     b_dk += tl.dot(tl.trans(b_dqk), b_q)
-    b_dG += tl.sum(b_dqg * b_qg, 1)
+    b_dG += tl.sum(b_dqg * b_q * (b_eg * scale)[:, None], 1)
     # Kbar = diag(e^{G_C - G}) K
     b_dk += b_dkd * b_e[:, None]
-    b_x = tl.sum(b_dkd * b_kd, 1)
+    b_x = tl.sum(b_dkd * b_k * b_e[:, None], 1)
     b_dG -= b_x
     b_dgl += tl.sum(b_x, 0)
     b_dG += tl.where(o_t == tl.minimum(i_t * BT + BT, T) - 1, b_dgl, 0.)
@@ -325,6 +370,11 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta, mask=m_t)
 
 
+def _bv_local(K: int, V: int) -> int:
+    "Value columns per step of the local-gradient kernel (wide heads take narrower steps to fit shared memory)."
+    return min(V, 32 if K <= 64 else 16)
+
+
 def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
     "Recompute gc, A and the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
     B, T, H, K = q.shape
@@ -333,18 +383,17 @@ def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
     tables = _chunk_tables(cu_seqlens, B, T)
     chunk_indices, chunk_offsets, nc = tables
     gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-    _, _, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, h0, False, cu_seqlens, tables, save_h=True, save_o=False)
-    dh = q.new_empty(nc, H, K, V, dtype=torch.float32)
+    hs, dh = q.new_empty(nc, H, K, V), q.new_empty(nc, H, K, V)        # S_0 and dS_C of every chunk, in the input dtype
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV = _bv(V)
-    _bwd_dh_kernel[(triton.cdiv(V, BV), N * H)](q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T,
-                                               H, K, V, BT, BV, dht is not None, need_dh0, cu_seqlens is not None,
-                                               **LAUNCH["dh"])
+    _bwd_states_kernel[(triton.cdiv(V, BV), N * H, 2)](q, k, v, gc, beta, A, h0, hs, do, dht, dh0, dh, cu_seqlens, chunk_offsets,
+                                                      scale, T, H, K, V, BT, BV, h0 is not None, dht is not None, need_dh0,
+                                                      cu_seqlens is not None, **LAUNCH["states"])
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
     _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
-                            chunk_offsets, scale, T, H, K, V, BT, BV, cu_seqlens is not None, **LAUNCH["local"])
+                            chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None, **LAUNCH["local"])
     return dq, dk, dv, dg, dbeta, dh0
 
 # %% ../../nbs/13_gdn_triton.ipynb #c99ec25d
@@ -356,7 +405,7 @@ class TritonGDNFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         tables = _chunk_tables(cu_seqlens, B, T)
         gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-        o, ht, _ = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables)
+        o, ht = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1])
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
         ctx.scale = scale
         return o, ht
@@ -391,6 +440,8 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
                            "or use chunk_gated_delta_rule_torch")
     K, V = q.shape[-1], v.shape[-1]
     Kp, Vp = _padded(K), _padded(V)
+    if triton.knobs.runtime.interpret and q.dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9)
+        q, k, v = q.float(), k.float(), v.float()
     q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
     if cu_seqlens is not None: cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     return (q, k, v, g.float().contiguous(), beta.float().contiguous(), K ** -0.5 if scale is None else scale,
@@ -417,7 +468,7 @@ def triton_gated_delta_rule(
         S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
     o, ht = TritonGDNFunction.apply(*args[:7], output_final_state, args[7])
-    return o[..., :V], (ht[:, :, :K, :V] if ht is not None else None)
+    return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if ht is not None else None)
 
 # %% ../../nbs/13_gdn_triton.ipynb #29949bd1
 @triton.jit
@@ -478,7 +529,7 @@ def fused_recurrent_gated_delta_rule(
         raise RuntimeError("fused_recurrent_gated_delta_rule has no backward; use triton_gated_delta_rule for training, "
                            "or call it under torch.no_grad()")
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    V, dtype = v.shape[-1], v.dtype
     q, k, v, g, beta, scale, h0, cu_seqlens = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     Kp, Vp = q.shape[-1], v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -487,4 +538,4 @@ def fused_recurrent_gated_delta_rule(
     BV = min(Vp, 32)
     _fused_recurrent_kernel[(triton.cdiv(Vp, BV), N * H)](q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T, H, Kp, Vp, BV,
                                                          h0 is not None, output_final_state, cu_seqlens is not None)
-    return o[..., :V], (ht[:, :, :K, :V] if ht is not None else None)
+    return o[..., :V].to(dtype), (ht[:, :, :K, :V] if ht is not None else None)
