@@ -80,7 +80,7 @@ def kernel_breakdown(xs):
 
     def states(n_d):
         gt._bwd_states_kernel[(triton.cdiv(V, BV), B * H, n_d)](q, k, v, gc, beta, A, None, hs, do, None, None, dh, None, None, scale, T,
-                                                               H, K, V, gt.BT, BV, False, False, False, False, **gt.LAUNCH["states"])
+                                                               H, K, V, gt.BT, BV, False, False, False, False, **gt._state_launch("states", K, V))
 
     def local():
         gt._bwd_local_kernel[(triton.cdiv(T, gt.BT), B * H)](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, None, None,
@@ -106,11 +106,13 @@ def main():
     ap.add_argument("--out", default="gdn_kernel.json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--naive-T", type=int, default=256)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
     args = ap.parse_args()
     results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                              triton=triton.__version__, dtype="bfloat16", timer="triton.testing.do_bench, median, ms"),
                    shapes={})
-    for name, (B, T, H, K, V) in SHAPES.items():
+    for name in args.shapes.split(","):
+        B, T, H, K, V = SHAPES[name]
         r = dict(B=B, T=T, H=H, K=K, V=V)
         xs = inputs(B, T, H, K, V)
         xg = inputs(B, T, H, K, V, grad=True)

@@ -64,11 +64,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gdn_verify.json")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed and recurrent checks); wide: H=16, K=V=128")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     Ts = (63, 256) if args.quick else (63, 256, 1000, 4096)
-    shapes = ((4, 40, 32, 32), (4, 16, 128, 128))
+    shapes = tuple(s for n, s in (("hymo", (4, 40, 32, 32)), ("wide", (4, 16, 128, 128))) if n in args.shapes.split(","))
     if DEV == "cpu": Ts, shapes = (63,), ((1, 2, 16, 16),)
     for dtype in LOW + (torch.float32,):
         for (B, H, K, V) in shapes:
@@ -81,7 +82,7 @@ def main():
                 print(json.dumps(r), flush=True)
     # packed documents, odd head sizes
     cu = torch.tensor([0, 1, 64, 65, 300, 1000] if DEV == "cuda" else [0, 1, 64, 70], device=DEV)
-    for dtype in LOW + (torch.float32,):
+    for dtype in (LOW + (torch.float32,)) * ("hymo" in args.shapes):
         T, H = int(cu[-1]), (8 if DEV == "cuda" else 1)
         r = parity(1, T, H, 24, 40, dtype, cu=cu, seed=7)
         r.update(kind="chunk_varlen", dtype=str(dtype).split(".")[-1], B=1, T=T, H=H, K=24, V=40, docs=cu.tolist())

@@ -130,7 +130,7 @@ def _prepare(k, g, beta, cu_seqlens, tables):
     return gc, A
 
 
-LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(num_warps=4), states=dict(num_warps=4), local=dict(num_warps=4))  # per-kernel launch options
+LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(), states=dict(), local=dict(num_warps=4))  # per-kernel launch options (benchmarks sweep them)
 
 # %% ../../nbs/13_gdn_triton.ipynb #380a8a80
 @triton.jit
@@ -205,8 +205,13 @@ def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, cu_seqlens, chunk_offsets, scal
 
 
 def _bv(V: int) -> int:
-    "Value columns per program of the sequential kernels."
-    return min(V, 32)
+    "Value columns per program of the sequential kernels: all of them, one program per (sequence, head)."
+    return V
+
+
+def _state_launch(name: str, K: int, V: int) -> dict:
+    "Launch options of a sequential kernel: 8 warps once the state passes 64 x 64 (fewer register spills), unless `LAUNCH` says."
+    return {"num_warps": 4 if K * V <= 64 * 64 else 8, **LAUNCH[name]}
 
 
 def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, chunk_offsets):
@@ -219,7 +224,7 @@ def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, 
     BV = _bv(V)
     _fwd_kernel[(triton.cdiv(V, BV), N * H)](q, k, v, gc, beta, A, h0, ht, o, cu_seqlens, chunk_offsets,
                                             scale, T, H, K, V, BT, BV, h0 is not None, output_final_state,
-                                            cu_seqlens is not None, **LAUNCH["fwd"])
+                                            cu_seqlens is not None, **_state_launch("fwd", K, V))
     return o, ht
 
 # %% ../../nbs/13_gdn_triton.ipynb #3484a8ea
@@ -388,7 +393,7 @@ def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
     BV = _bv(V)
     _bwd_states_kernel[(triton.cdiv(V, BV), N * H, 2)](q, k, v, gc, beta, A, h0, hs, do, dht, dh0, dh, cu_seqlens, chunk_offsets,
                                                       scale, T, H, K, V, BT, BV, h0 is not None, dht is not None, need_dh0,
-                                                      cu_seqlens is not None, **LAUNCH["states"])
+                                                      cu_seqlens is not None, **_state_launch("states", K, V))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
@@ -535,7 +540,7 @@ def fused_recurrent_gated_delta_rule(
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, Kp, Vp, dtype=torch.float32) if output_final_state else None
-    BV = min(Vp, 32)
+    BV = _bv(Vp)
     _fused_recurrent_kernel[(triton.cdiv(Vp, BV), N * H)](q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T, H, Kp, Vp, BV,
                                                          h0 is not None, output_final_state, cu_seqlens is not None)
     return o[..., :V].to(dtype), (ht[:, :, :K, :V] if ht is not None else None)
