@@ -1,0 +1,109 @@
+"""The Triton gated delta rule against the fp32 loop, on CPU through Triton's interpreter.
+
+TRITON_INTERPRET=1 is read when a kernel is decorated, so the kernels run in a fresh Python process
+that sets it before importing anything (another test module may already have imported triton and
+`hymo.models.gdn_triton` in this one, compiled for a GPU). The child runs every case once and
+prints the largest absolute error of each output and gradient as JSON; the tests below judge them.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import torch.nn.functional as F
+    from hymo.models.gdn import naive_gated_delta_rule
+    from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule, triton_gated_delta_rule
+
+    def inputs(B, T, H, K, V, dtype, seed):
+        gen = torch.Generator().manual_seed(seed)
+        r = lambda *s: torch.randn(*s, generator=gen)
+        q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+        g = F.logsigmoid(r(B, T, H) + 3) * 6                       # mostly near 0, a few near -10
+        return [q.to(dtype), k.to(dtype), r(B, T, H, V).to(dtype), g, torch.rand(B, T, H, generator=gen)]
+
+    def run(rule, xs, h0, cu, seed):
+        leaves = [x.detach().clone().requires_grad_() for x in (*xs, h0)]
+        o, ht = rule(*leaves[:5], None, leaves[5], True, cu)
+        gen = torch.Generator().manual_seed(seed)
+        ((o.float() * torch.randn(o.shape, generator=gen)).sum() + (ht * torch.randn(ht.shape, generator=gen)).sum()).backward()
+        return [o.float(), ht] + [x.grad.float() for x in leaves]
+
+    def case(B, T, H, K, V, dtype=torch.float32, cu=None, seed=0):
+        xs = inputs(B, T, H, K, V, dtype, seed)
+        h0 = torch.randn(B if cu is None else len(cu) - 1, H, K, V)
+        ref = run(naive_gated_delta_rule, [x.float() for x in xs], h0, cu, seed)
+        out = run(triton_gated_delta_rule, xs, h0, cu, seed)
+        names = "o ht dq dk dv dg dbeta dh0".split()
+        return {n: [(a - b).abs().max().item(), b.abs().max().item()] for n, a, b in zip(names, out, ref)}
+
+    res = {}
+    res["odd_T_padded_dims"] = case(2, 70, 1, 12, 20, seed=1)
+    res["two_value_blocks"] = case(1, 40, 1, 16, 64, seed=2)
+    res["packed"] = case(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=3)
+    res["fp16"] = case(1, 70, 1, 16, 32, dtype=torch.float16, seed=4)
+
+    # decoding: prefill 66 tokens with the chunked kernel, then 2 tokens one at a time, against one loop
+    q, k, v, g, beta = inputs(2, 68, 2, 12, 20, torch.float32, 5)
+    o_ref, S_ref = naive_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    with torch.no_grad():
+        o, S = triton_gated_delta_rule(q[:, :66], k[:, :66], v[:, :66], g[:, :66], beta[:, :66], output_final_state=True)
+        outs = [o]
+        for t in (66, 67):
+            o_t, S = fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                                      beta[:, t:t + 1], initial_state=S, output_final_state=True)
+            outs.append(o_t)
+    res["decode"] = {"o": [(torch.cat(outs, 1) - o_ref).abs().max().item(), o_ref.abs().max().item()],
+                     "ht": [(S - S_ref).abs().max().item(), S_ref.abs().max().item()]}
+    print("RESULT" + json.dumps(res))
+''')
+
+
+@pytest.fixture(scope="module")
+def errors():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.split("RESULT", 1)[1])
+
+
+def _check(case, tol):
+    for name, (err, scale) in case.items():
+        assert scale > 0, f"{name}: the reference is all zeros, the check would prove nothing"
+        assert err <= tol * max(scale, 1.0), f"{name}: max error {err:.3g} (reference max {scale:.3g})"
+
+
+@pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed"])
+def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
+    "fp32: o, the final state and the gradients of q, k, v, g, beta and the initial state, to fp32 rounding."
+    _check(errors[name], 1e-4)
+    assert set(errors[name]) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+
+
+def test_half_precision_inputs(errors):
+    "fp16 inputs (products in fp16, accumulation and state in fp32) stay within fp16 rounding of the fp32 loop."
+    _check(errors["fp16"], 1e-2)
+
+
+def test_decoding_continues_a_prefill(errors):
+    "Chunked prefill, then the recurrent kernel token by token from the carried state, equals one pass of the loop."
+    _check(errors["decode"], 1e-4)
+
+
+def test_bad_inputs_are_refused_with_a_clear_message():
+    from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule, triton_gated_delta_rule
+    q = k = torch.randn(1, 8, 2, 16)
+    v, g, beta = torch.randn(1, 8, 2, 16), -torch.rand(1, 8, 2), torch.rand(1, 8, 2)
+    with pytest.raises(ValueError, match="v must be"):
+        triton_gated_delta_rule(q, k, v[:, :4], g, beta)
+    with pytest.raises(TypeError, match="must share one dtype"):
+        triton_gated_delta_rule(q, k, v.half(), g, beta)
+    with pytest.raises(RuntimeError, match="no backward"):
+        fused_recurrent_gated_delta_rule(q.clone().requires_grad_(), k, v, g, beta)
