@@ -245,6 +245,11 @@ def validate_training(t: TrainingConfig):
              "an optimiser step is a whole number of micro-batches")
     if len(t.adamw_betas) != 2: raise ConfigError(f"train.adamw_betas={t.adamw_betas}: give two numbers, (beta1, beta2)")
     if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
+    decay_start = t.max_steps - round(t.decay_fraction * t.max_steps)  # as in the WSD schedule
+    if t.warmup_steps > decay_start:
+        raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
+                          f"= max_steps={t.max_steps} × (1 − decay_fraction={t.decay_fraction}): lower warmup_steps "
+                          f"(e.g. warmup_steps={max(decay_start // 10, min(1, decay_start))}) or decay_fraction, or raise max_steps")
     _choice("train.decay_shape", t.decay_shape, ("linear", "1-sqrt", "cosine"))
     _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
     return t
@@ -407,6 +412,7 @@ test_fail(lambda: load_config("hymo_tiny", global_batch_size=10, micro_batch_siz
 test_fail(lambda: load_config("hymo_tiny", mtp_depth=3), contains="one weight per MTP head")
 test_fail(lambda: load_config("no_such_preset"), contains="Presets:")
 test_fail(lambda: load_config("hymo_tiny", gdn_kernel="cuda"), contains="choose one of")
+test_fail(lambda: load_config("hymo_tiny", max_steps=20), contains="warmup_steps=30 runs into the decay")
 
 # %% [markdown]
 # ## Interview questions

@@ -364,7 +364,7 @@ class DeepSeekMoE(nn.Module):
         return idx, weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
-        "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless)."
+        "C = ceil(capacity_factor · N · k / E) assignments per expert in training, or None (dropless). Eval is always dropless."
         if self.capacity_factor is None: return None
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_routed)
 
@@ -374,7 +374,8 @@ class DeepSeekMoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
-        order, counts, keep = sort_assignments(idx, score, self.n_routed, self.capacity(B * T))
+        cap = self.capacity(B * T) if self.training else None  # inference is dropless, hence causal
+        order, counts, keep = sort_assignments(idx, score, self.n_routed, cap)
         if self.training:  # balancing statistics (eval batches must not steer the bias)
             self.expert_counts += counts
             self.dropped_tokens += (~keep).sum()

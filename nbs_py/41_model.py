@@ -317,8 +317,9 @@ test_fail(lambda: model(tokens, cu_seqlens=torch.tensor([0, 32, 64])), contains=
 # block (the GDN recurrence and convolution only look back, MLA is masked) and so for the stack.
 # One caveat belongs to the MoE: with a *capacity factor*, whether a token is dropped by its expert
 # depends on how many other tokens of the batch, later ones included, chose that expert. Dropping
-# is thus not causal, which is one reason DeepSeek-V3 trains dropless. The check below uses a
-# dropless configuration so that it tests the architecture.
+# is thus not causal, which is one reason DeepSeek-V3 trains dropless. HyMo applies the capacity
+# only in training mode: evaluation and generation route dropless, so inference is causal. The
+# check below uses a dropless configuration so that it also holds in training mode.
 
 # %%
 causal_cfg = load_config("hymo_tiny", moe_capacity_factor=None).model

@@ -91,14 +91,22 @@ test_close(O @ O.T, torch.eye(32), eps=1e-4)  # a wide O has orthonormal rows
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of the quintic φ(σ) = aσ + bσ³ + cσ⁵
 
 
+def ns_dtype(t: torch.Tensor) -> torch.dtype:
+    """The Newton–Schulz compute dtype: bf16 on a GPU, where tensor cores make the five iterations
+    cheap; fp32 on a CPU, where bf16 is no faster, so CPU runs stay reproducible across world sizes
+    (bf16 rounding would turn reduction-order noise in the gradients into visible differences)."""
+    return torch.bfloat16 if t.is_cuda else torch.float32
+
+
 def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are independent matrices
                   steps: int = 5, # Quintic Newton–Schulz iterations
                   eps: float = 1e-7, # Guards the Frobenius normalisation of an all-zero G
+                  dtype: torch.dtype | None = None, # Compute dtype; None: `ns_dtype(G)` (bf16 on GPU, fp32 on CPU)
                  ) -> torch.Tensor:
-    "Approximate polar factor U Vᵀ of each matrix of G [..., m, n], in bf16; singular values land in about [0.68, 1.14]."
+    "Approximate polar factor U Vᵀ of each matrix of G [..., m, n]; singular values land in about [0.68, 1.14]."
     if G.ndim < 2: raise ValueError(f"newton_schulz needs a matrix [..., m, n]; got shape {tuple(G.shape)}")
     a, b, c = NS_COEFFS
-    X = G.bfloat16()
+    X = G.to(dtype or ns_dtype(G))
     tall = G.size(-2) > G.size(-1)
     if tall: X = X.mT  # (..., n, m): iterate on the wide side, Gram matrix min(m, n)²
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # every σ in (0, 1]
@@ -310,7 +318,7 @@ def normuon_reference(W, grads, lr, momentum=0.95, beta2=0.95, wd=0.1, steps=5):
     for G in grads:
         M = momentum * M + (1 - momentum) * G
         N = (1 - momentum) * G + momentum * M
-        X = N.bfloat16()                              # Newton–Schulz on the wide side
+        X = N.to(ns_dtype(N))                         # Newton–Schulz (bf16 on GPU, fp32 on CPU) on the wide side
         if m > n: X = X.T
         X = X / (X.norm() + 1e-7)
         for _ in range(steps):
@@ -382,7 +390,7 @@ class NorMuon(torch.optim.Optimizer):
                 M = state["momentum_buffer"]
                 M.lerp_(p.grad, 1 - beta)
                 N = p.grad.lerp(M, beta) if group["nesterov"] else M
-                O = newton_schulz(_full(N.bfloat16()), group["ns_steps"]).float()  # all-gather in bf16 (NS runs in bf16 anyway)
+                O = newton_schulz(_full(N.to(ns_dtype(N))), group["ns_steps"]).float()  # all-gather in the NS dtype
                 U, v = normuon_rownorm(O, _full(state["second_moment"]), group["beta2"])
                 state["second_moment"].copy_(_like(v, p))
                 U = _like((U * muon_shape_scale(p.shape[-2], p.shape[-1])).to(p.dtype), p)  # back to this rank's shard
@@ -857,8 +865,9 @@ test_close(opt.param_groups[0]["lr"], 0.5 * wsd_schedule(255, tcfg))
 # is not: $XX^\top$ needs the whole matrix. `NorMuon.step` therefore gathers on purpose, in exactly
 # two places:
 #
-# 1. `_full(N.bfloat16())`: all-gather the Nesterov update in bf16 (the iteration runs in bf16, so
-#    gathering in fp32 would double the traffic for nothing); every rank then orthogonalises the
+# 1. `_full(N.to(ns_dtype(N)))`: all-gather the Nesterov update in the iteration's dtype, bf16 on a
+#    GPU (gathering in fp32 would double the traffic for nothing; on a CPU both are fp32, which keeps
+#    one- and two-process CPU runs equal); every rank then orthogonalises the
 #    whole matrix;
 # 2. `_full(second_moment)`: all-gather the $m$ row statistics (the rescale needs the whole
 #    matrix's norm).

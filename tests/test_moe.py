@@ -25,7 +25,7 @@ def dense_reference(moe, x):
     w = s.gather(1, idx)
     if moe.score_func == "sigmoid": w = w / w.sum(-1, keepdim=True)
     W = torch.zeros_like(s).scatter(1, idx, w)  # (N, E)
-    C = moe.capacity(B * T)
+    C = moe.capacity(B * T) if moe.training else None  # capacity applies in training only
     if C is not None:  # per expert keep the C highest scores, ties to the earlier token
         for e in range(moe.n_routed):
             rows = [n for n in range(B * T) if e in idx[n].tolist()]
@@ -48,7 +48,7 @@ def grouped_available():
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("cf", [None, 1.5, 0.6])
 def test_dispatch_matches_dense_reference(score_func, cf):
-    moe = make(moe_score_func=score_func, moe_capacity_factor=cf).eval()
+    moe = make(moe_score_func=score_func, moe_capacity_factor=cf).train()  # train: capacity applies
     with torch.no_grad(): moe.gate.weight.normal_(0, 0.1)  # decisive routing: no near-ties vs the fp64 reference
     moe.gate_bias.copy_(torch.tensor([0.05, -0.02, 0.0, 0.01]))
     x = torch.randn(2, 24, moe.dim)
@@ -121,6 +121,19 @@ def test_capacity_drops_lowest_scores_and_counts_them():
     m = moe.update_gate_bias()
     torch.testing.assert_close(m["moe_drop_frac"], torch.tensor(expected / (64 * moe.top_k)))
     assert int(moe.dropped_tokens) == 0 and int(moe.expert_counts.sum()) == 0
+
+
+def test_eval_is_dropless_so_inference_is_causal():
+    moe = make(moe_capacity_factor=0.5)
+    with torch.no_grad(): moe.gate.weight[0] += 0.5 * torch.randn(moe.dim)  # skew: drops in training
+    x = torch.randn(1, 48, moe.dim)
+    dropless = copy.deepcopy(moe); dropless.capacity_factor = None
+    with torch.no_grad():
+        torch.testing.assert_close(moe.eval()(x), dropless.eval()(x))
+        assert not torch.allclose(moe.train()(x), dropless.train()(x))
+        moe.eval()
+        x2 = x.clone(); x2[0, 40:] = torch.randn(8, moe.dim)  # the future changes; the past must not
+        torch.testing.assert_close(moe(x2)[0, :40], moe(x)[0, :40])
 
 
 def test_eval_does_not_accumulate():

@@ -46,7 +46,7 @@ def test_newton_schulz_rejects_vectors():
 
 def ns_from_scratch(M, steps=5):
     a, b, c = 3.4445, -4.7750, 2.0315
-    X = M.bfloat16()
+    X = M.bfloat16() if M.is_cuda else M.float()  # bf16 on GPU; CPUs run NS in fp32 (see ns_dtype)
     tall = M.shape[0] > M.shape[1]
     if tall: X = X.T
     X = X / (X.norm() + 1e-7)

@@ -1,0 +1,99 @@
+"""One optimiser step of hymo_750m on one GPU: tokens/s, step time, MFU and peak memory.
+
+    python benchmarks/train_step.py                          # Triton GDN, bf16 autocast, micro-batch 4 x 4096
+    python benchmarks/train_step.py --gdn torch              # GDN through the PyTorch chunked path
+    python benchmarks/train_step.py --all-mla                # 32 MLA + MoE blocks (dense-attention comparison)
+    python benchmarks/train_step.py --ac                     # activation checkpointing on
+    python benchmarks/train_step.py --profile                # also a torch.profiler table of the top kernels
+    python benchmarks/train_step.py --out results.json       # append the result as JSON
+
+The step is `Trainer.train_step` itself (forward with main + MTP losses, backward, clipping, NorMuon +
+AdamW, MoE bias update) on synthetic tokens, so what is measured is what training runs.
+MFU = tokens/s x HyMo.flops_per_token(seq_len) / 989e12 (H100/H200 dense bf16 peak).
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hymo.config import load_config
+from hymo.training.trainer import Trainer, peak_flops
+
+PEAK = 989e12
+
+
+class SyntheticTrainer(Trainer):
+    "A `Trainer` whose batches are random tokens (no corpus, no tokenizer)."
+    def setup_data(self):
+        V, T, B = self.mcfg.vocab_size, self.cfg.seq_len, self.cfg.micro_batch_size
+        g = torch.Generator().manual_seed(0)
+
+        def batches():
+            while True:
+                x = torch.randint(0, V, (B, T + 1), generator=g)
+                yield x[:, :-1], x[:, 1:]
+        self.data_dir, self.train_loader, self.val_loader = None, batches(), None
+
+
+def run(args) -> dict:
+    over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch,
+                activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
+                warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
+    if args.all_mla: over["mla_every"] = 1
+    cfg = load_config("hymo_750m", **over)
+    torch.cuda.reset_peak_memory_stats()
+    t = SyntheticTrainer(cfg.model, cfg.train, run_dir="/tmp/hymo_bench", resume=False, quiet=True)
+    flops = t.model.flops_per_token(args.seq_len)
+    for _ in range(args.warmup): t.train_step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        m = t.train_step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    step = sorted(times)[len(times) // 2]
+    tok_s = args.micro_batch * args.seq_len / step
+    res = dict(variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}",
+               step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
+               peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
+               params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
+               gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak_flops(t.d.device),
+               date=time.strftime("%Y-%m-%d"), mfu_formula="tokens/s * flops_per_token / 989e12")
+    try:
+        import triton; res["triton"] = triton.__version__
+    except ImportError: pass
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t.train_step(); torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        print(table)
+        res["profile_top"] = table
+    del t
+    torch.cuda.empty_cache()
+    return res
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gdn", default="triton", choices=["triton", "torch", "auto"])
+    p.add_argument("--all-mla", action="store_true")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--out", default=None, help="append the result to this JSON list")
+    args = p.parse_args()
+    if not torch.cuda.is_available(): raise SystemExit("this benchmark needs a CUDA GPU")
+    r = run(args)
+    print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))
+    if args.out:
+        path = Path(args.out)
+        old = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(old + [r], indent=1))

@@ -1,0 +1,647 @@
+# %% [markdown]
+# # The trainer
+#
+# > FSDP-2 training with gradient accumulation, NorMuon + AdamW on a WSD schedule, MoE bias updates, exact resume, and logging.
+
+# %%
+#| default_exp training.trainer
+
+# %% [markdown]
+# This chapter puts the pieces together. A `Trainer` owns a model, two optimisers, a data loader,
+# and a run folder. One optimiser step is:
+#
+# 1. for each of `accum` micro-batches: forward (main + MTP loss), backward of `loss / accum`;
+# 2. if the loss or the gradient norm is not finite, throw the gradients away and count a bad step;
+# 3. clip the global gradient norm, set each group's learning rate from the WSD schedule, step
+#    NorMuon and AdamW;
+# 4. update every MoE layer's gate bias from the token counts of this step (summed over
+#    micro-batches and all-reduced over ranks).
+#
+# Everything that changes what training does next is in the checkpoint: weights, both optimisers'
+# state, the MoE buffers, the data loader's position, every RNG, and the step. A resumed run is
+# therefore the same run: on CPU its losses equal the uninterrupted run's exactly.
+
+# %%
+#| export
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hymo.config import Config, ModelConfig, TrainingConfig
+from hymo.models.model import HyMo, build_hymo
+from hymo.training.data import TokenLoader, check_compatible, load_tokenizer, prepare_default
+from hymo.training.optim import build_optimizers, wsd_schedule
+
+# %%
+import tempfile
+from fastcore.test import test_eq, test_close, test_fail
+from hymo.config import load_config
+
+
+# %% [markdown]
+# ## Processes and devices
+#
+# Without `torchrun`, the trainer is one process on one device: the GPU if there is one, else the
+# CPU. Under `torchrun --nproc_per_node N` every process reads its rank from the environment and
+# joins a process group: NCCL on GPUs, gloo on CPUs. Several nodes work the same way through
+# torchrun's rendezvous:
+#
+# ```sh
+# torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
+#     -m hymo.train --config hymo_750m data_dir=/data/shards
+# ```
+
+# %%
+#| export
+@dataclass
+class Dist:
+    "Where this process runs: its rank, the world size and its device."
+    rank: int = 0  # Global rank
+    world_size: int = 1  # Number of processes
+    local_rank: int = 0  # Rank on this node (picks the GPU)
+    device: torch.device = torch.device("cpu")  # This process's device
+
+    @property
+    def is_main(self) -> bool: return self.rank == 0
+
+    @property
+    def distributed(self) -> bool: return dist.is_available() and dist.is_initialized()
+
+
+def setup_distributed() -> Dist:
+    "Join the process group when launched by torchrun (NCCL on GPU, gloo on CPU); else a single process."
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda": torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device)
+
+
+# %% [markdown]
+# ## Parallelising the model
+#
+# The model code is single-device. `parallelize` applies everything else from outside, always in
+# the same order, because each step wraps the result of the one before:
+#
+# 1. **activation checkpointing** (by config): each block recomputes its activations in backward;
+# 2. **`torch.compile`** (by config): each block is compiled on its own, so the compiled regions
+#    are small and identical;
+# 3. **`fully_shard` per block**: each block's parameters become DTensor shards, all-gathered just
+#    before the block runs and freed after, with gradients reduce-scattered;
+# 4. **`fully_shard` on the root**: the embedding, final norm and MTP heads.
+#
+# On a GPU the FSDP mixed-precision policy computes in bf16 and reduces gradients in fp32, while
+# the optimiser keeps fp32 master weights. On CPU everything stays fp32. A single GPU process
+# without torchrun runs under `torch.autocast(bfloat16)` instead, with the same numerics.
+
+# %%
+#| export
+def parallelize(model: HyMo, cfg: TrainingConfig, d: Dist) -> HyMo:
+    "Activation checkpointing → compile → `fully_shard` per block → root. Returns the model."
+    if cfg.activation_checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, blk in enumerate(model.layers): model.layers[i] = checkpoint_wrapper(blk)
+    if cfg.compile:
+        for blk in model.layers: blk.compile()
+    if d.distributed:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        bf16 = resolve_precision(cfg, d.device) == torch.bfloat16
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        for blk in model.layers: fully_shard(blk, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    return model
+
+
+def resolve_precision(cfg: TrainingConfig, device: torch.device) -> torch.dtype:
+    "The compute dtype: `precision='auto'` is bf16 on CUDA and fp32 on CPU."
+    if cfg.precision == "auto": return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.precision]
+
+
+# %% [markdown]
+# ## MFU
+#
+# Model FLOPs utilisation is the FLOPs the model needs per second (from the model's own
+# accounting, `flops_per_token`) divided by what the hardware could do at peak. The peak comes
+# from a small table of dense bf16 figures; on a CPU there is no meaningful peak, so no MFU.
+
+# %%
+#| export
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    "Dense bf16 peak FLOP/s of `device`, or None when unknown (CPUs)."
+    if device.type != "cuda": return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+# %% [markdown]
+# ## Checkpoints
+#
+# A checkpoint is a folder `checkpoints/step_000100/` written with `torch.distributed.checkpoint`
+# (DCP): every rank writes its own shards, and a later run with a different number of ranks
+# reshards them on load. Beside the DCP files, each rank writes its RNG states, and rank 0 writes
+# `meta.json` (step, counters, the config).
+#
+# The folder is written as `step_000100.tmp` and renamed only when every rank has finished. A crash
+# mid-write leaves a `.tmp` folder that is never read, so the last complete checkpoint stays the
+# one a resume uses. After a successful save, only the newest `keep_last_k` are kept.
+
+# %%
+#| export
+CKPT_RE = "step_"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    "Complete checkpoints in `run_dir/checkpoints`, oldest first (`.tmp` folders are ignored)."
+    root = Path(run_dir) / "checkpoints"
+    if not root.exists(): return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CKPT_RE) and not p.name.endswith(".tmp")
+            and (p / "meta.json").exists()]
+    return sorted(done, key=lambda p: int(p.name[len(CKPT_RE):]))
+
+
+def _rng_state() -> dict:
+    s = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def _set_rng_state(s: dict):
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+
+
+# %% [markdown]
+# ## The trainer
+
+# %%
+#| export
+class NonFiniteError(RuntimeError):
+    "Too many consecutive steps had a non-finite loss or gradient."
+
+
+class Trainer:
+    "Builds the model, optimisers and data for a `Config`, and trains with exact resume."
+    def __init__(self, model_cfg: ModelConfig, # The architecture
+                 train_cfg: TrainingConfig, # The run
+                 run_dir: str | Path | None = None, # Run folder (default: train_cfg.run_dir, else runs/<name>-<time>)
+                 resume: str | Path | bool = True, # A checkpoint folder, True (latest in the run folder, if any) or False
+                 name: str = "hymo", # Preset name, used in the default run folder
+                 quiet: bool = False): # No progress bar or prints (tests)
+        self.mcfg, self.cfg, self.quiet = model_cfg, train_cfg, quiet
+        self.d = setup_distributed()
+        self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if self.d.is_main: self.run_dir.mkdir(parents=True, exist_ok=True)
+        micro_per_step = train_cfg.global_batch_size // train_cfg.micro_batch_size
+        if micro_per_step % self.d.world_size:
+            raise ValueError(f"global_batch_size={train_cfg.global_batch_size} is {micro_per_step} micro-batches of "
+                             f"{train_cfg.micro_batch_size}, which does not split over {self.d.world_size} ranks: "
+                             f"make global_batch_size a multiple of micro_batch_size × world_size")
+        self.accum = micro_per_step // self.d.world_size
+
+        self.setup_data()  # first: preparing the default corpus is the slow part of a first run
+
+        torch.manual_seed(train_cfg.seed)
+        self.model = parallelize(build_hymo(model_cfg, device=self.d.device), train_cfg, self.d)
+        self.optimizers = build_optimizers(self.model, train_cfg)
+        for opt in self.optimizers:
+            for g in opt.param_groups: g.setdefault("peak_lr", g["lr"])
+        self.dtype = resolve_precision(train_cfg, self.d.device)
+        self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
+        self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
+        self._train_iter = iter(self.train_loader)
+        ckpt = self._resolve_resume(resume)
+        if ckpt is not None: self.load(ckpt)
+
+    def setup_data(self):
+        "Set `data_dir`, `train_loader` and `val_loader` (a benchmark on synthetic tokens overrides this)."
+        self.data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else self._prepare_default()
+        check_compatible(self.data_dir, self.mcfg.vocab_size)
+        mk = lambda split: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
+                                       rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
+                                       doc_masking=self.cfg.doc_masking)
+        self.train_loader, self.val_loader = mk("train"), mk("val")
+
+    def _prepare_default(self) -> Path:
+        "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
+        if self.d.is_main: prepare_default(vocab_size=self.mcfg.vocab_size)
+        if self.d.distributed: dist.barrier()
+        return prepare_default(vocab_size=self.mcfg.vocab_size)
+
+    def _resolve_resume(self, resume) -> Path | None:
+        if resume is False or resume is None: return None
+        if resume is True:
+            done = list_checkpoints(self.run_dir)
+            return done[-1] if done else None
+        p = Path(resume)
+        if not (p / "meta.json").exists():
+            raise FileNotFoundError(f"{p} is not a complete checkpoint (no meta.json); "
+                                    f"complete ones in {self.run_dir}: {[c.name for c in list_checkpoints(self.run_dir)]}")
+        return p
+
+    def log(self, *a):
+        if self.d.is_main and not self.quiet: print(*a, flush=True)
+
+    def autocast(self):
+        "bf16 autocast for a single GPU process; FSDP's policy handles the distributed case; fp32 on CPU."
+        if self.d.device.type == "cuda" and self.dtype == torch.bfloat16 and not self.d.distributed:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+
+# %% [markdown]
+# ### One optimiser step
+#
+# `train_step` consumes `accum` micro-batches. The loss of each is divided by `accum` so the
+# accumulated gradient is the mean over the global batch; FSDP's reduce-scatter then averages over
+# ranks. The learning rate of every group is set from the schedule before the step, from its
+# `peak_lr`, so the schedule has no state beyond `step`.
+
+# %%
+#| export
+def _to_device(self: Trainer, batch) -> tuple:
+    """`(tokens, targets, cu_seqlens or None)` on the device. With document masking the loader's
+    `cu_seqlens` index the batch flattened to one row, so the batch is packed to `[1, B*T]`."""
+    tokens, targets = batch[0].to(self.d.device), batch[1].to(self.d.device)
+    if len(batch) < 3: return tokens, targets, None
+    return tokens.view(1, -1), targets.view(1, -1), batch[2].to(self.d.device)
+
+
+def _grad_norm(self: Trainer) -> torch.Tensor:
+    "Global gradient norm (clipped in place when `grad_clip > 0`)."
+    params = [p for p in self.model.parameters() if p.grad is not None]
+    clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def train_step(self: Trainer) -> dict:
+    "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
+    self.model.train()
+    totals, n_tokens = {}, 0
+    for _ in range(self.accum):
+        tokens, targets, cu = _to_device(self, next(self._train_iter))
+        with self.autocast():
+            loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+        (loss / self.accum).backward()
+        for k, v in parts.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
+        n_tokens += tokens.numel()
+    losses = {k: v for k, v in totals.items()}
+    if self.d.distributed:
+        stacked = torch.stack([losses[k] for k in sorted(losses)])
+        dist.all_reduce(stacked, op=dist.ReduceOp.AVG)
+        losses = dict(zip(sorted(losses), stacked))
+    gnorm = _grad_norm(self)
+    lr_mult = wsd_schedule(self.step, self.cfg)
+    finite = bool(torch.isfinite(gnorm)) and all(bool(torch.isfinite(v)) for v in losses.values())
+    moe = {}
+    if finite:
+        for opt in self.optimizers:
+            for g in opt.param_groups: g["lr"] = g["peak_lr"] * lr_mult
+            opt.step()
+        for i, m in enumerate(self.model.moe_layers()):
+            for k, v in (m.update_gate_bias() or {}).items(): moe[f"moe{i}/{k}"] = float(v)
+        self.consecutive_bad = 0
+    else:
+        for m in self.model.moe_layers():  # this step's routing counts must not steer the bias
+            m.expert_counts.zero_(); m.dropped_tokens.zero_()
+        self.bad_steps += 1
+        self.consecutive_bad += 1
+    for opt in self.optimizers: opt.zero_grad(set_to_none=True)
+    self.step += 1
+    metrics = {"step": self.step, "loss": float(losses["main"] + sum(w * losses[f"mtp_{k}"] for k, w in
+                                                  enumerate(self.mcfg.mtp_loss_weights, 1) if f"mtp_{k}" in losses)),
+               **{f"loss/{k}": float(v) for k, v in losses.items()}, "grad_norm": float(gnorm), "lr_mult": lr_mult,
+               "tokens": n_tokens * self.d.world_size, "skipped": not finite, "bad_steps": self.bad_steps, **moe}
+    if not finite and self.consecutive_bad > self.cfg.max_bad_steps:
+        last = list_checkpoints(self.run_dir)
+        raise NonFiniteError(f"{self.consecutive_bad} consecutive steps had a non-finite loss or gradient (step {self.step}); "
+                             f"stopping. The last good checkpoint is {last[-1] if last else 'none (no checkpoint was saved yet)'}; "
+                             f"lower the learning rate or check the data, then resume from it.")
+    return metrics
+
+Trainer.train_step = train_step
+
+
+# %% [markdown]
+# ### Evaluation
+#
+# The validation loader yields the same windows every time, so validation losses are comparable
+# across steps and across runs. Only the main next-token loss is reported as `val_loss`.
+
+# %%
+#| export
+@torch.no_grad()
+def evaluate(self: Trainer) -> float:
+    "Mean main loss over `eval_batches` validation micro-batches (identical windows every call)."
+    self.model.eval()
+    total = torch.zeros((), device=self.d.device)
+    it = self.val_loader.eval_batches(self.cfg.eval_batches)
+    n = 0
+    for batch in it:
+        tokens, targets, cu = _to_device(self, batch)
+        with self.autocast():
+            _, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+        total += parts["main"].float(); n += 1
+    if self.d.distributed: dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    self.model.train()
+    return float(total / max(n, 1))
+
+Trainer.evaluate = evaluate
+
+
+# %% [markdown]
+# ### Saving and loading
+#
+# `get_state_dict` / `set_state_dict` from `torch.distributed.checkpoint.state_dict` give the
+# model and both optimisers' state keyed by parameter names, whether the parameters are plain
+# tensors or FSDP shards; that is what lets DCP reshard between world sizes. Buffers (the MoE EMA
+# counts and gate biases) are part of the model's state dict.
+
+# %%
+#| export
+def save(self: Trainer) -> Path:
+    "Write a complete checkpoint for the current step (temp folder, then rename), keep the last k."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    root = self.run_dir / "checkpoints"
+    final, tmp = root / f"{CKPT_RE}{self.step:06d}", root / f"{CKPT_RE}{self.step:06d}.tmp"
+    if self.d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if self.d.distributed: dist.barrier()
+    model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, tmp / f"rank{self.d.rank}.pt")
+    if self.d.distributed: dist.barrier()
+    if self.d.is_main:
+        meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
+                "history": self.history, "world_size": self.d.world_size,
+                "config": Config(self.mcfg, self.cfg).to_dict()}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        if final.exists(): shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]: shutil.rmtree(old)
+    if self.d.distributed: dist.barrier()
+    return final
+
+
+def load(self: Trainer, ckpt: Path):
+    "Restore everything from checkpoint folder `ckpt` (any world size for the weights and optimisers)."
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(ckpt))
+    set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = json.loads((Path(ckpt) / "meta.json").read_text())
+    self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
+    self.history = meta["history"]
+    mine = Path(ckpt) / f"rank{self.d.rank}.pt"
+    if meta["world_size"] == self.d.world_size and mine.exists():
+        extra = torch.load(mine, weights_only=False)
+        _set_rng_state(extra["rng"])
+        self.train_loader.load_state_dict(extra["loader"])
+    else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
+        self.train_loader.step = self.step * self.accum
+    self._train_iter = iter(self.train_loader)
+    self.log(f"resumed from {ckpt} at step {self.step}")
+
+Trainer.save, Trainer.load = save, load
+
+
+# %% [markdown]
+# ### The loop
+#
+# `fit` runs until `max_steps` (or `num_steps` more steps, which is how a test stops a run
+# half-way). It logs a JSON line per step to `metrics.jsonl`, shows a progress bar, evaluates
+# every `eval_every` steps, checkpoints every `ckpt_every` steps and at the end, then writes the
+# loss curve, a generated sample and `model.safetensors`.
+
+# %%
+#| export
+def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
+    "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
+    from tqdm.auto import tqdm
+    end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
+    logger = _wandb(self)
+    out, metrics_file = [], (self.run_dir / "metrics.jsonl")
+    bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
+    peak = peak_flops(self.d.device)
+    while self.step < end:
+        t0 = time.perf_counter()
+        m = self.train_step()
+        if self.d.device.type == "cuda": torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        m["tokens_per_s"] = m["tokens"] / dt
+        m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / (peak * self.d.world_size)) if peak else None
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0: m["val_loss"] = self.evaluate()
+        self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
+        out.append(m)
+        if self.d.is_main:
+            with open(metrics_file, "a") as f: f.write(json.dumps(m) + "\n")
+            if logger: logger.log(m, step=self.step)
+        bar.update(1)
+        bar.set_postfix_str(f"loss {m['loss']:.3f} tok/s {m['tokens_per_s']:.0f}" +
+                            (f" mfu {m['mfu']:.1%}" if m["mfu"] is not None else "") +
+                            (f" val {m['val_loss']:.3f}" if "val_loss" in m else ""))
+        due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
+        if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
+    bar.close()
+    if self.step >= self.cfg.max_steps and (not out or out[-1]["step"] == self.step):
+        self.finish()
+    if logger: logger.finish()
+    return out
+
+
+def _wandb(self: Trainer):
+    "A wandb run when enabled: online if you are logged in, else offline (sync later with `wandb sync`)."
+    if not (self.cfg.wandb and self.d.is_main): return None
+    import wandb
+    online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
+    return wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
+                      config=Config(self.mcfg, self.cfg).to_dict(), resume="allow")
+
+Trainer.fit = fit
+
+
+# %% [markdown]
+# ### The end of a run
+#
+# The final checkpoint, a validation pass, a loss-curve PNG, a short sample from the model, and
+# the weights as one `safetensors` file (full tensors, gathered to rank 0) for inference.
+
+# %%
+#| export
+def finish(self: Trainer) -> dict:
+    "Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary."
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    self.save()
+    summary = {"step": self.step, "val_loss": self.evaluate(), "bad_steps": self.bad_steps}
+    full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sample = self.sample()
+    if self.d.is_main:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in full.items()}, str(self.run_dir / "model.safetensors"))
+        plot_losses(self.history, self.run_dir / "loss.png")
+        summary["sample"] = sample
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.log(f"final val loss {summary['val_loss']:.4f}\n--- sample ---\n{sample}\n--------------")
+    self.summary = summary
+    return summary
+
+
+@torch.no_grad()
+def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = None, temperature: float = 0.8) -> str:
+    "Generate text from `prompt` with the current weights (seeded, so it is reproducible)."
+    tok = load_tokenizer(self.data_dir)
+    ids = torch.tensor([tok.encode(prompt).ids], device=self.d.device)
+    devices = [self.d.device] if self.d.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), self.autocast():  # every rank draws the same tokens
+        torch.manual_seed(self.cfg.seed)
+        out = self.model.generate(ids, max_new_tokens or self.cfg.sample_tokens, temperature=temperature, top_k=50)
+    return tok.decode(out[0].tolist())
+
+
+def plot_losses(history: list[dict], path: Path):
+    "Training and validation loss against step, saved as a PNG."
+    import matplotlib; matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train (main + MTP)", lw=1)
+    val = [h for h in history if h.get("val_loss") is not None]
+    if val: ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation (main)")
+    ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.legend(); ax.grid(alpha=0.3)
+    fig.tight_layout(); fig.savefig(path, dpi=110); plt.close(fig)
+
+Trainer.finish, Trainer.sample = finish, sample
+
+# %% [markdown]
+# ## A short run
+#
+# The tiny model on the bundled corpus, shortened to a few steps on short windows so this chapter
+# runs in seconds. (`python -m hymo.train` runs the full tiny preset.) The data preparation is
+# cached, so only the first run anywhere pays for training the tokenizer.
+
+# %%
+torch.set_num_threads(1)  # tiny matrices: one thread is faster than two fighting over a small CPU
+work = Path(tempfile.mkdtemp())
+small = dict(seq_len=32, micro_batch_size=4, global_batch_size=8, max_steps=12, warmup_steps=2, eval_every=6,
+             ckpt_every=6, sample_tokens=16)
+cfg = load_config("hymo_tiny", **small)
+trainer = Trainer(cfg.model, cfg.train, run_dir=work / "run", quiet=True)
+print(f"accumulation: {trainer.accum} micro-batches per step; {trainer.flops_per_token/1e6:.1f} MFLOPs per token")
+metrics = trainer.fit()
+for m in metrics[::3]: print({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items() if "/" not in k})
+test_eq(trainer.step, 12)
+assert metrics[-1]["loss"] < metrics[0]["loss"]
+
+# %% [markdown]
+# The run folder holds the metrics, the checkpoints (the last `keep_last_k`), the loss curve, the
+# sample and the exported weights:
+
+# %%
+print(sorted(p.name for p in trainer.run_dir.iterdir()))
+print([p.name for p in list_checkpoints(trainer.run_dir)])
+print(trainer.summary["sample"])
+
+# %% [markdown]
+# ## Resume is exact
+#
+# Stop after 6 steps (there is a checkpoint at step 6), build a new `Trainer` on the same folder,
+# and finish: the losses are those of the uninterrupted run above, to the last bit.
+
+# %%
+t1 = Trainer(cfg.model, cfg.train, run_dir=work / "resumed", quiet=True)
+first = t1.fit(num_steps=6)
+del t1
+t2 = Trainer(cfg.model, cfg.train, run_dir=work / "resumed", quiet=True)
+test_eq(t2.step, 6)
+second = t2.fit()
+test_eq([m["loss"] for m in first + second], [m["loss"] for m in metrics])
+
+# %% [markdown]
+# ## Mistakes that are caught
+#
+# A global batch that does not split over the ranks, a checkpoint path that is not a complete
+# checkpoint, and a dataset built for another vocabulary each stop with a message that says what
+# to do.
+
+# %%
+test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work / "run" / "nope", quiet=True),
+          contains="not a complete checkpoint")
+bad = load_config("hymo_tiny", **small, vocab_size=1024, data_dir=str(trainer.data_dir))  # ids up to 2047 do not fit
+test_fail(lambda: Trainer(bad.model, bad.train, run_dir=work / "y", quiet=True), contains="vocab")
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why does `parallelize` apply activation checkpointing, compile and `fully_shard` in that order?
+# Each wraps what the previous step produced. Checkpointing must wrap the plain block so that the
+# recomputation replays the block's own forward; compiling the checkpointed block lets the compiler
+# see (and fuse) the recomputation; `fully_shard` goes on last so that its all-gather and
+# reduce-scatter hooks sit outside the compiled region and run around each block exactly once per
+# forward and backward. The root is sharded after the blocks so that it owns only what is left: the
+# embedding, the final norm and the MTP heads.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## What must a checkpoint hold for a resumed run to equal the uninterrupted one?
+# Everything that influences the next step: the weights, both optimisers' moments and momentum
+# buffers, the learning-rate schedule's position (here just the step), the MoE gate biases and EMA
+# counts (buffers, so they are in the model's state dict), the data loader's position, and the RNG
+# states. Missing any one makes the resumed run diverge; the MoE EMA counts are the one the design
+# document left out (it registered them as non-persistent).
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why write a checkpoint to a temporary folder and rename it?
+# A process can die mid-write (pre-emption, out of disk). If the checkpoint were written in place,
+# a half-written folder would look like the newest checkpoint and the resume would fail or, worse,
+# load garbage. Renaming a finished folder is atomic on one filesystem, so the newest complete
+# checkpoint is always a good one; the `.tmp` leftovers are ignored and overwritten.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why is the MoE gate bias updated once per optimiser step, with counts summed over micro-batches and ranks?
+# The bias should respond to the load of the batch the optimiser step was computed on, not to one
+# micro-batch's noise, and all ranks must hold the same bias or they would route identical tokens
+# differently. Summing counts over micro-batches and all-reducing them over ranks gives every rank
+# the same global counts, hence the same update, at the cost of one tiny all-reduce per MoE layer
+# per step.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why skip a step whose loss or gradient is not finite, and why stop after several in a row?
+# One bad batch or a transient overflow should not poison the weights: skipping it (zeroing the
+# gradients, not stepping the optimisers or the MoE bias) costs one step. Several in a row mean
+# something is systematically wrong (a learning rate too high, corrupt data), and continuing would
+# only burn compute, so the run stops and points at the last good checkpoint.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## How is MFU computed, and why is it not reported on a CPU?
+# MFU = tokens per second × training FLOPs per token ÷ (peak FLOP/s × number of devices). The
+# FLOPs per token come from the model's own accounting (`HyMo.flops_per_token`: 3 × the forward,
+# counting a multiply-add as two FLOPs, with attention and the GDN recurrence included), and the
+# peak from a table of dense bf16 figures (989 TFLOP/s for an H100/H200). A CPU has no comparable
+# single peak figure, so the trainer reports tokens per second only.
+# :::

@@ -1,0 +1,123 @@
+# %% [markdown]
+# # `python -m hymo.train`
+#
+# > The command line: a preset, `key=value` overrides, resume, and a help text that lists every option.
+
+# %%
+#| default_exp train
+
+# %% [markdown]
+# ```sh
+# python -m hymo.train                                   # hymo_tiny on the bundled corpus (CPU, minutes)
+# python -m hymo.train max_steps=50 dim=96               # overrides: any config field, bare or as model./train.
+# python -m hymo.train --config hymo_750m data_dir=/data/shards   # the full run (use torchrun for several GPUs)
+# python -m hymo.train --config my_run.yaml run_dir=runs/a       # a YAML file of overrides
+# python -m hymo.train run_dir=runs/a                    # again: resumes from runs/a's latest checkpoint
+# ```
+#
+# The command is thin: it parses, loads the config (whose errors already say what to do), builds a
+# `Trainer` and calls `fit`. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
+# and `mtp_loss_weights=[0.5,0.2]` all work.
+
+# %%
+#| export
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import yaml
+
+from hymo.config import ConfigError, ModelConfig, TrainingConfig, load_config, presets
+
+# %%
+from fastcore.test import test_eq, test_fail
+
+
+# %%
+#| export
+def _options_help() -> str:
+    "Every config field with its default and its docment, for `--help`."
+    from fastcore.docments import docments
+    lines = []
+    for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)):
+        docs = docments(cls)
+        lines.append(f"\n{sec} options (key=value, or {sec}.key=value):")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {f.name}={yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip():<14} {docs.get(f.name) or ''}")
+    return "\n".join(lines)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    "`['dim=64', 'train.wandb=true']` → `{'dim': 64, 'train.wandb': True}` (values parsed as YAML)."
+    out = {}
+    for item in items:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
+        k, v = item.split("=", 1)
+        out[k.strip()] = None if v.strip() in ("None", "none") else yaml.safe_load(v)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hymo.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train HyMo. With no arguments: hymo_tiny on the bundled Shakespeare corpus, on CPU in minutes.",
+        epilog=f"presets: {', '.join(presets())}\n" + _options_help())
+    p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny)")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                   help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if run_dir has checkpoints")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (listed below)")
+    return p
+
+
+# %% [markdown]
+# An unknown `--option` gets the closest real one, like an unknown config key does:
+
+# %%
+#| export
+def main(argv: list[str] | None = None) -> dict:
+    "Parse `argv`, train, and return the run's summary."
+    import difflib
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    for u in unknown:
+        near = difflib.get_close_matches(u.split("=")[0], ["--config", "--resume", "--no-resume", "--help"], n=1)
+        parser.error(f"unknown option {u}" + (f"; did you mean {near[0]}?" if near else "") +
+                     " Config values are written key=value without dashes, e.g. max_steps=100.")
+    try:
+        cfg = load_config(args.config, **parse_overrides(args.overrides))
+    except ConfigError as e:
+        parser.error(str(e))
+    from hymo.training.trainer import Trainer
+    resume = False if args.no_resume else (args.resume or True)
+    trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
+    trainer.log(f"run folder: {trainer.run_dir.resolve()}")
+    trainer.fit()
+    trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
+    return getattr(trainer, "summary", {})
+
+
+# %%
+#| export
+def _in_ipython() -> bool:
+    "True inside Jupyter/IPython (where `__name__` is also '__main__')."
+    import builtins
+    return hasattr(builtins, "get_ipython")
+
+
+if __name__ == "__main__" and not _in_ipython():
+    main()
+
+# %%
+test_eq(parse_overrides(["dim=64", "train.wandb=true", "moe_capacity_factor=None", "mtp_loss_weights=[0.5,0.2]"]),
+        {"dim": 64, "train.wandb": True, "moe_capacity_factor": None, "mtp_loss_weights": [0.5, 0.2]})
+test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
+
+# %%
+h = build_parser().format_help()
+print(h[:600])
+assert "muon_lr=0.02" in h and "gdn_kernel=auto" in h

@@ -1,0 +1,205 @@
+"""The trainer and `python -m hymo.train`: the default command end to end, FSDP-2 on two CPU processes,
+exact kill-and-resume, crash-safe checkpoints, skipped non-finite steps, and CLI errors."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hymo.config import load_config
+
+# Small and fast: the tiny model on short windows. Data comes from the bundled corpus, prepared once
+# per test session into a private cache.
+FAST = dict(seq_len=32, micro_batch_size=4, global_batch_size=4, eval_every=0, ckpt_every=0, sample_tokens=8,
+            warmup_steps=2, log_every=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hymo_cache")
+    old = os.environ.get("HYMO_CACHE")
+    os.environ["HYMO_CACHE"] = str(d)
+    yield d
+    if old is None: os.environ.pop("HYMO_CACHE", None)
+    else: os.environ["HYMO_CACHE"] = old
+
+
+def make(run_dir, resume=True, **over):
+    from hymo.training.trainer import Trainer
+    cfg = load_config("hymo_tiny", **{**FAST, **over})
+    return Trainer(cfg.model, cfg.train, run_dir=run_dir, resume=resume, quiet=True)
+
+
+def losses(metrics):
+    return [m["loss"] for m in metrics]
+
+
+def read_jsonl(path):
+    return [json.loads(l) for l in Path(path).read_text().splitlines()]
+
+
+def run_cli(*args, cwd, env_extra=None, timeout=600):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "hymo.train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_default_command_end_to_end(tmp_path):
+    """The README's command, shortened by overrides: it trains, evaluates, samples and writes every artefact."""
+    r = run_cli("max_steps=6", "warmup_steps=1", "eval_every=3", "sample_tokens=12", "seq_len=64", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "run folder:" in r.stdout and "sample" in r.stdout
+    run = next((tmp_path / "runs").iterdir())
+    assert run.name.startswith("hymo_tiny-")
+    m = read_jsonl(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == list(range(1, 7))
+    assert all(x["tokens_per_s"] > 0 and x["mfu"] is None for x in m)  # no MFU on a CPU
+    assert "val_loss" in m[2] and "val_loss" in m[5]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["step"] == 6 and summary["val_loss"] < 8.0 and summary["sample"].startswith("ROMEO:")
+    assert (run / "loss.png").stat().st_size > 1000
+    from safetensors.torch import load_file
+    w = load_file(str(run / "model.safetensors"))
+    assert w["embed.weight"].shape == (2048, 128) and all(torch.isfinite(v).all() for v in w.values())
+
+
+def test_loss_falls(tmp_path):
+    t = make(tmp_path / "a", max_steps=25, warmup_steps=3)
+    m = t.fit()
+    assert sum(losses(m)[-5:]) / 5 < sum(losses(m)[:5]) / 5 - 0.5
+
+
+def test_kill_and_resume_equals_straight_run(tmp_path):
+    straight = make(tmp_path / "straight", max_steps=20, ckpt_every=10).fit()
+    first = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)
+    part1 = first.fit(num_steps=10)  # "killed" right after the checkpoint at step 10
+    del first
+    second = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)
+    assert second.step == 10
+    part2 = second.fit()
+    assert losses(part1 + part2) == losses(straight)  # bit-identical on CPU
+    assert [m["grad_norm"] for m in part1 + part2] == [m["grad_norm"] for m in straight]
+
+
+def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+    from hymo.training.trainer import list_checkpoints
+    t = make(tmp_path / "run", max_steps=10, ckpt_every=3, keep_last_k=5)
+    t.fit(num_steps=3)
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000003"]
+    real_save = dcp.save
+
+    def crash(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)  # the shards are written ...
+        raise KeyboardInterrupt("killed mid-checkpoint")  # ... but the process dies before the rename
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(num_steps=3)
+    monkeypatch.setattr(dcp, "save", real_save)
+    assert (t.run_dir / "checkpoints" / "step_000006.tmp").exists()
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000003"]
+    again = make(tmp_path / "run", max_steps=10, ckpt_every=3, keep_last_k=5)
+    assert again.step == 3
+
+
+def test_keeps_only_last_k_checkpoints(tmp_path):
+    from hymo.training.trainer import list_checkpoints
+    t = make(tmp_path / "run", max_steps=8, ckpt_every=2, keep_last_k=2)
+    t.fit()
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000006", "step_000008"]
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
+    t = make(tmp_path / "run", max_steps=6, max_bad_steps=2)
+    t.fit(num_steps=2)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    bias_before = [m.gate_bias.clone() for m in t.model.moe_layers()]
+    real_forward = type(t.model).forward
+    calls = {"n": 0}
+
+    def nan_once(self, tokens, targets=None, cu_seqlens=None):
+        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+        calls["n"] += 1
+        if targets is not None and calls["n"] == 1:
+            loss, parts = out
+            return loss * float("nan"), {**parts, "main": parts["main"] * float("nan")}
+        return out
+
+    monkeypatch.setattr(type(t.model), "forward", nan_once)
+    m = t.fit(num_steps=1)[0]
+    assert m["skipped"] and m["bad_steps"] == 1 and t.bad_steps == 1
+    for n, p in t.model.named_parameters(): assert torch.equal(p, before[n]), n  # nothing moved
+    for b0, moe in zip(bias_before, t.model.moe_layers()):
+        assert torch.equal(b0, moe.gate_bias) and moe.expert_counts.sum() == 0
+    m = t.fit(num_steps=1)[0]  # the next step is normal again
+    assert not m["skipped"] and all(torch.isfinite(p).all() for p in t.model.parameters())
+    assert json.loads((t.run_dir / "metrics.jsonl").read_text().splitlines()[2])["skipped"] is True
+
+
+def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, monkeypatch):
+    from hymo.training.trainer import NonFiniteError
+    t = make(tmp_path / "run", max_steps=10, max_bad_steps=2, ckpt_every=2)
+    t.fit(num_steps=2)
+    real_forward = type(t.model).forward
+
+    def always_nan(self, tokens, targets=None, cu_seqlens=None):
+        loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+        return loss * float("nan"), parts
+
+    monkeypatch.setattr(type(t.model), "forward", always_nan)
+    with pytest.raises(NonFiniteError, match="3 consecutive steps.*step_000002"):
+        t.fit()
+
+
+def test_two_processes_fsdp_equal_one_process(tmp_path):
+    """torchrun with 2 CPU processes (gloo, FSDP-2) gives the losses of one process with the same global batch."""
+    common = ["max_steps=5", "seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0",
+              "ckpt_every=0", "sample_tokens=4", "warmup_steps=1"]
+    env = {"HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1"}
+    one = run_cli(*common, "run_dir=one", cwd=tmp_path, env_extra=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "hymo.train", *common, "run_dir=two"], cwd=tmp_path,
+                       env={**os.environ, **env, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    a, b = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["loss"], y["loss"])
+    # a checkpoint written by 2 processes resumes in 1 (DCP reshards)
+    resumed = run_cli(*[c if not c.startswith("max_steps") else "max_steps=6" for c in common], "run_dir=two",
+                      cwd=tmp_path, env_extra=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and read_jsonl(tmp_path / "two" / "metrics.jsonl")[-1]["step"] == 6
+
+
+def test_cli_help_lists_every_option(tmp_path):
+    r = run_cli("--help", cwd=tmp_path)
+    assert r.returncode == 0
+    from dataclasses import fields
+    from hymo.config import ModelConfig, TrainingConfig
+    for f in fields(ModelConfig) + fields(TrainingConfig): assert f"  {f.name}=" in r.stdout, f.name
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--max-steps", "3"], "unknown option --max-steps"),
+    (["--confg", "hymo_tiny"], "did you mean --config"),
+    (["max_step=3"], "Did you mean 'max_steps'"),
+    (["dim=wide"], "expected int"),
+    (["--config", "hymo_nano"], "Presets: hymo_750m, hymo_tiny"),
+    (["max_steps"], "write key=value"),
+])
+def test_cli_errors_say_what_to_do(tmp_path, args, expect):
+    r = run_cli(*args, cwd=tmp_path)
+    assert r.returncode == 2 and expect in r.stderr, r.stderr
+
+
+def test_data_dir_that_does_not_match_the_model_is_refused(tmp_path):
+    from hymo.training.data import prepare_default
+    ds = prepare_default(vocab_size=2048, progress=False)
+    with pytest.raises(Exception, match="vocab"):
+        make(tmp_path / "run", data_dir=str(ds), vocab_size=1024)
