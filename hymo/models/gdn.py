@@ -258,8 +258,9 @@ class GatedDeltaNet(nn.Module):
         qkv, conv_state = causal_conv1d(qkv, w.to(qkv.dtype), cu_seqlens, None if initial_state is None else initial_state.conv,
                                         output_final_state)
         q, k, v = F.silu(qkv).split([H * K, H * K, H * V], -1)
-        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)  # (B, T, H, K), unit norm per head
-        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(x.dtype)
+        # back to the projections' dtype (bf16 under autocast, where x itself may be fp32): q, k, v share one dtype
+        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(qkv.dtype)  # (B, T, H, K), unit norm per head
+        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(qkv.dtype)
         v = v.view(B, T, H, V)                                                        # (B, T, H, V)
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, H), <= 0
         beta = self.b_proj(x).float().sigmoid()                                       # (B, T, H), in (0, 1)
