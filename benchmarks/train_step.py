@@ -5,6 +5,7 @@
     python benchmarks/train_step.py --all-mla                # 32 MLA + MoE blocks (dense-attention comparison)
     python benchmarks/train_step.py --ac                     # activation checkpointing on
     python benchmarks/train_step.py --profile                # also a torch.profiler table of the top kernels
+    python benchmarks/train_step.py --accum 8                # 8 micro-batches per optimiser step
     python benchmarks/train_step.py --out results.json       # append the result as JSON
 
 The step is `Trainer.train_step` itself (forward with main + MTP losses, backward, clipping, NorMuon +
@@ -38,7 +39,7 @@ class SyntheticTrainer(Trainer):
 
 
 def run(args) -> dict:
-    over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch,
+    over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
     if args.all_mla: over["mla_every"] = 1
@@ -55,8 +56,8 @@ def run(args) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     step = sorted(times)[len(times) // 2]
-    tok_s = args.micro_batch * args.seq_len / step
-    res = dict(variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}",
+    tok_s = args.micro_batch * args.accum * args.seq_len / step
+    res = dict(variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile} accum={args.accum}",
                step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
@@ -85,6 +86,7 @@ if __name__ == "__main__":
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimiser step (the 750M run uses 32 on one GPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", action="store_true")
