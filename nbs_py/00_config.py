@@ -376,8 +376,8 @@ test_eq(tiny.name, "hymo_tiny")
 # Overrides take a bare field name or a `section.field` name:
 
 # %%
-c = load_config("hymo_tiny", dim=96, max_steps=7, **{"model.n_layers": 8})
-test_eq((c.model.dim, c.train.max_steps, c.model.n_layers), (96, 7, 8))
+c = load_config("hymo_tiny", dim=96, max_steps=70, **{"model.n_layers": 8})
+test_eq((c.model.dim, c.train.max_steps, c.model.n_layers), (96, 70, 8))
 test_eq(c.model.layer_types.count("mla"), 2)
 
 

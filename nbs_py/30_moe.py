@@ -457,7 +457,8 @@ def moe_dense_reference(moe, x):
     B, T, d = x.shape
     xf = x.reshape(B * T, d)
     idx, weight, score = moe.route(xf)
-    _, _, keep = sort_assignments(idx, score, moe.n_routed, moe.capacity(B * T))
+    cap = moe.capacity(B * T) if moe.training else None  # the capacity applies in training only
+    _, _, keep = sort_assignments(idx, score, moe.n_routed, cap)
     W = torch.zeros(B * T, moe.n_routed).scatter(1, idx, torch.where(keep, weight, 0.0))  # (N, E)
     Y = torch.stack([F.linear(F.silu(F.linear(xf, moe.w1[e])) * F.linear(xf, moe.w3[e]), moe.w2[e])
                      for e in range(moe.n_routed)], 1)  # (N, E, d)
@@ -465,8 +466,14 @@ def moe_dense_reference(moe, x):
     return y.view(B, T, d)
 
 
+# %% [markdown]
+# The capacity is a training-time device: in `eval()` mode (validation, generation) the MoE routes
+# dropless, so that whether a token reaches its experts never depends on the other tokens of the
+# batch, later ones included, and inference stays causal. The comparison therefore runs in training
+# mode, where the capacity bites.
+
 # %%
-moe.eval()
+moe.train()
 for cf in (None, 1.0, 0.5):
     moe.capacity_factor = cf
     ref = moe_dense_reference(moe, x)
@@ -476,7 +483,7 @@ for cf in (None, 1.0, 0.5):
     try: torch.testing.assert_close(moe(x), ref, atol=1e-5, rtol=1e-4)
     except (RuntimeError, NotImplementedError) as e: print("no CPU _grouped_mm:", e)
 moe.impl, moe.capacity_factor = "auto", cfg.moe_capacity_factor
-moe.train();
+moe.expert_counts.zero_(); moe.dropped_tokens.zero_();  # these calls were checks, not training steps
 
 # %% [markdown]
 # On a GPU the grouped path runs in bf16; there it is checked against the loop in the same precision

@@ -43,7 +43,7 @@ def test_every_field_has_a_docment():
 
 
 def test_overrides_bare_and_dotted():
-    c = load_config("hymo_tiny", dim=64, **{"train.max_steps": 3, "model.n_layers": 8})
+    c = load_config("hymo_tiny", dim=64, warmup_steps=1, **{"train.max_steps": 3, "model.n_layers": 8})
     assert (c.model.dim, c.train.max_steps, c.model.n_layers) == (64, 3, 8)
     assert c.model.layer_types == ["gdn", "gdn", "gdn", "mla"] * 2
 
@@ -109,3 +109,9 @@ def test_print_from_the_command_line():
     out = subprocess.run([sys.executable, "-c", "from hymo.config import load_config; print(load_config('hymo_750m'))"],
                          capture_output=True, text=True, check=True).stdout
     assert "dim: 896" in out and "mla_n_kv_groups: 4" in out and "max_steps: 57220" in out
+
+
+def test_warmup_must_end_before_the_decay():
+    with pytest.raises(ConfigError, match=r"warmup_steps=30 runs into the decay, which starts at step 14"):
+        load_config("hymo_tiny", max_steps=20)
+    assert load_config("hymo_tiny", max_steps=20, warmup_steps=14).train.warmup_steps == 14
