@@ -412,7 +412,7 @@ test_fail(lambda: load_config("hymo_tiny", global_batch_size=10, micro_batch_siz
 test_fail(lambda: load_config("hymo_tiny", mtp_depth=3), contains="one weight per MTP head")
 test_fail(lambda: load_config("no_such_preset"), contains="Presets:")
 test_fail(lambda: load_config("hymo_tiny", gdn_kernel="cuda"), contains="choose one of")
-test_fail(lambda: load_config("hymo_tiny", max_steps=20), contains="warmup_steps=30 runs into the decay")
+test_fail(lambda: load_config("hymo_tiny", max_steps=10), contains="warmup_steps=12 runs into the decay")
 
 # %% [markdown]
 # ## Interview questions

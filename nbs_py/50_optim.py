@@ -807,14 +807,14 @@ def wsd_lambda(cfg: TrainingConfig, # The run's training config
 
 
 # %% [markdown]
-# The tiny preset (300 steps, 30 warmup, the last 30 % decaying), with each shape, and on the
+# A 300-step schedule (30 warmup, the last 30 % decaying, as in the tiny preset), with each shape, and on the
 # right the reason WSD suits continued training: one long stable run, and a short decay branched
 # off any of its checkpoints gives a finished model for that budget.
 
 # %%
 import dataclasses
 
-tcfg = load_config("hymo_tiny").train
+tcfg = dataclasses.replace(load_config("hymo_tiny").train, max_steps=300, warmup_steps=30)
 steps = range(tcfg.max_steps + 1)
 fig, ax = plt.subplots(1, 2, figsize=(9, 2.8))
 for shape in ("linear", "1-sqrt", "cosine"):

@@ -112,6 +112,6 @@ def test_print_from_the_command_line():
 
 
 def test_warmup_must_end_before_the_decay():
-    with pytest.raises(ConfigError, match=r"warmup_steps=30 runs into the decay, which starts at step 14"):
-        load_config("hymo_tiny", max_steps=20)
-    assert load_config("hymo_tiny", max_steps=20, warmup_steps=14).train.warmup_steps == 14
+    with pytest.raises(ConfigError, match=r"warmup_steps=12 runs into the decay, which starts at step 7"):
+        load_config("hymo_tiny", max_steps=10)
+    assert load_config("hymo_tiny", max_steps=10, warmup_steps=7).train.warmup_steps == 7
