@@ -30,7 +30,8 @@ import math
 import os
 import shutil
 import time
-from contextlib import nullcontext
+import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -377,6 +378,14 @@ Trainer.evaluate = evaluate
 
 # %%
 #| export
+@contextmanager
+def _single_process_quiet():
+    "Silence DCP's warning that it runs without a process group: that is the normal single-process case."
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save(self: Trainer) -> Path:
     "Write a complete checkpoint for the current step (temp folder, then rename), keep the last k."
     import torch.distributed.checkpoint as dcp
@@ -388,7 +397,8 @@ def save(self: Trainer) -> Path:
         tmp.mkdir(parents=True)
     if self.d.distributed: dist.barrier()
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _single_process_quiet():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, tmp / f"rank{self.d.rank}.pt")
     if self.d.distributed: dist.barrier()
     if self.d.is_main:
@@ -409,7 +419,8 @@ def load(self: Trainer, ckpt: Path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(ckpt))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(ckpt))
     set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     meta = json.loads((Path(ckpt) / "meta.json").read_text())
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
