@@ -34,46 +34,48 @@ steps = json.loads((RESULTS / "train_step.json").read_text())
 # (main + MTP losses, backward, clipping, NorMuon + AdamW, MoE bias update) on synthetic tokens.
 
 # %%
-print(f"{'variant':52s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
+print(f"{'variant':52s} {'normuon':>17s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
 for r in steps:
-    print(f"{r['variant']:52s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
+    print(f"{r['variant']:52s} {r['normuon']:>17s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
 print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('triton')}, {steps[0]['date']}")
 
 # %%
 fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-names = [r["variant"].replace(" compile=False", "").replace("hybrid ", "") for r in steps]
+names = [r["variant"].replace(" compile=False", "").replace("hybrid ", "") + (" *" if r["normuon"] == "batched by shape" else "")
+         for r in steps]
 ax[0].barh(names, [r["tokens_per_s"] / 1e3 for r in steps], color="tab:blue")
 ax[0].set_xlabel("thousand tokens / s"); ax[0].invert_yaxis()
 ax[1].barh(names, [r["peak_mem_gb"] for r in steps], color="tab:orange")
 ax[1].axvline(80, ls="--", c="k", lw=1); ax[1].set_xlabel("peak memory, GB (target 80)"); ax[1].invert_yaxis()
 ax[1].set_yticklabels([])
+ax[0].set_title("* = NorMuon batched by shape", fontsize=9)
 fig.tight_layout(); plt.show()
 
 # %% [markdown]
-# What the table says, and where the time goes:
+# What the table says, and where the time goes (the `normuon` column says whether the step ran
+# NorMuon one matrix at a time or, as now, batched by shape):
 #
 # * **The Triton GDN kernel makes the hybrid 3.1× faster per step than the PyTorch chunked path**
-#   (0.85 s against 2.60 s) and cuts peak memory from 131 GB to 92 GB. The kernel alone is 27×
-#   faster at the 750M shape (1.44 ms against 73 ms forward + backward per layer, see the Triton
-#   chapter); the rest of the step does not get faster with it, so the whole-step ratio is lower
-#   than the 5× the project aimed for.
-# * **MFU is 8.7 % at one micro-batch per step and 12.9 % at eight** — far below the 40 % target.
-#   The profile (`benchmarks/results/train_step_profile.txt`) shows why: at one micro-batch per
-#   step, `NorMuon.step` takes about 0.5 s of wall time, issuing thousands of small kernels (one
-#   Newton–Schulz per matrix, 5 577 matmuls per step) from Python. In the real run an optimiser step
-#   covers 32 micro-batches (global batch 128 on one GPU), which amortises it; batching same-shape
-#   matrices into one stacked Newton–Schulz, and fusing the elementwise tail of the step, are the
-#   obvious next fixes. The forward/backward itself is dominated by many small elementwise kernels
-#   (casts, the fp32 router and norms), which is what `torch.compile` should fuse: it cut the peak
-#   memory from 92 to 71 GB but not the time on this run.
+#   (0.85 s against 2.60 s, both with the per-matrix NorMuon) and cuts peak memory from 131 GB to
+#   92 GB. The kernel alone is 51× faster at the 750M shape (1.44 ms against 73 ms forward +
+#   backward per layer, see the Triton chapter); the rest of the step does not get faster with it,
+#   so the whole-step ratio is lower than the 5× the project aimed for.
+# * **MFU is 10.8 % at one micro-batch per step and 13.6 % at eight**, far below the 40 % target.
+#   The first profile showed `NorMuon.step` taking about 0.5 s of wall time per step, issuing
+#   thousands of small kernels (one Newton–Schulz per matrix, 5 577 matmuls). Stacking same-shape
+#   matrices into one Newton–Schulz cut the step from 0.85 s to 0.68 s (957 matmuls). What remains
+#   (`benchmarks/results/train_step_profile.txt`) is dominated by many small elementwise kernels
+#   (dtype casts, the fp32 router and norms, the optimiser's elementwise tail), which is what
+#   `torch.compile` and fused optimiser kernels should remove; in the real run an optimiser step
+#   covers 32 micro-batches (global batch 128 on one GPU), which amortises the optimiser further.
 # * **Memory:** 92 GB without activation checkpointing at micro-batch 4, above the 80 GB target;
 #   37 GB with it (at 26 % lower throughput). Three fp32 logit tensors of 4 × 4096 × 64 256 (main
 #   and two MTP heads, 4.2 GB each, plus their gradients) are a large part of it; a chunked
-#   cross-entropy would remove them.
+#   cross-entropy would remove them. `torch.compile` brought the peak to 71 GB, not the time.
 # * **All-MLA** (32 MLA + MoE blocks, activation checkpointing): 1.10 s per step at 6.8 GFLOPs per
-#   token, so it does more arithmetic per second (10.2 % MFU) but fewer tokens per second than the
-#   hybrid with the same checkpointing (14.9 k against 14.2 k tokens/s: about equal), while storing
-#   3.5 B parameters instead of 1.2 B.
+#   token, so it does more arithmetic per second (10.2 % MFU) but about the same tokens per second
+#   as the hybrid with the same checkpointing (14.9 k against 14.2 k), while storing 3.5 B
+#   parameters instead of 1.2 B and keeping a KV cache in every layer.
 
 # %% [markdown]
 # ## GDN kernel parity on the H200

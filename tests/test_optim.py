@@ -346,3 +346,20 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
     assert max(res["diffs"].values()) <= 1e-6, res["diffs"]
     assert res["layout"] and res["n_state"] == 4  # momentum and second moment stay sharded like the parameters
     assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "up.weight", "wide.weight"]  # keyed by name for DCP
+
+
+def test_same_shape_matrices_batched_equal_one_at_a_time():
+    """NorMuon stacks plain parameters of one shape into one Newton–Schulz; each must still get its own update."""
+    torch.manual_seed(0)
+    W0 = [torch.randn(24, 16) * 0.1 for _ in range(3)] + [torch.randn(16, 24) * 0.1]
+    grads = [[torch.randn_like(w) for w in W0] for _ in range(4)]
+    together = [nn.Parameter(w.clone()) for w in W0]
+    alone = [nn.Parameter(w.clone()) for w in W0]
+    opt = NorMuon(together, weight_decay=0.1)
+    opts = [NorMuon([p], weight_decay=0.1) for p in alone]
+    for gs in grads:
+        for p, q, g in zip(together, alone, gs): p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        for o in opts: o.step()
+    for p, q in zip(together, alone): torch.testing.assert_close(p.data, q.data, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(together[0].data, together[1].data)
