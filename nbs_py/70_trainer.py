@@ -166,16 +166,16 @@ def peak_flops(device: torch.device) -> float | None:
 
 # %%
 #| export
-CKPT_RE = "step_"
+CKPT_PREFIX = "step_"
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     "Complete checkpoints in `run_dir/checkpoints`, oldest first (`.tmp` folders are ignored)."
     root = Path(run_dir) / "checkpoints"
     if not root.exists(): return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CKPT_RE) and not p.name.endswith(".tmp")
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CKPT_PREFIX) and not p.name.endswith(".tmp")
             and (p / "meta.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(CKPT_RE):]))
+    return sorted(done, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
 
 
 def _rng_state() -> dict:
@@ -302,9 +302,9 @@ def train_step(self: Trainer) -> dict:
         with self.autocast():
             loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
         (loss / self.accum).backward()
-        for k, v in parts.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
+        for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
         n_tokens += tokens.numel()
-    losses = {k: v for k, v in totals.items()}
+    losses = totals  # mean over the micro-batches: the total and each part
     if self.d.distributed:
         stacked = torch.stack([losses[k] for k in sorted(losses)])
         dist.all_reduce(stacked, op=dist.ReduceOp.AVG)
@@ -327,8 +327,7 @@ def train_step(self: Trainer) -> dict:
         self.consecutive_bad += 1
     for opt in self.optimizers: opt.zero_grad(set_to_none=True)
     self.step += 1
-    metrics = {"step": self.step, "loss": float(losses["main"] + sum(w * losses[f"mtp_{k}"] for k, w in
-                                                  enumerate(self.mcfg.mtp_loss_weights, 1) if f"mtp_{k}" in losses)),
+    metrics = {"step": self.step, "loss": float(losses.pop("total")),
                **{f"loss/{k}": float(v) for k, v in losses.items()}, "grad_norm": float(gnorm), "lr_mult": lr_mult,
                "tokens": n_tokens * self.d.world_size, "skipped": not finite, "bad_steps": self.bad_steps, **moe}
     if not finite and self.consecutive_bad > self.cfg.max_bad_steps:
@@ -391,7 +390,7 @@ def save(self: Trainer) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     root = self.run_dir / "checkpoints"
-    final, tmp = root / f"{CKPT_RE}{self.step:06d}", root / f"{CKPT_RE}{self.step:06d}.tmp"
+    final, tmp = root / f"{CKPT_PREFIX}{self.step:06d}", root / f"{CKPT_PREFIX}{self.step:06d}.tmp"
     if self.d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -476,8 +475,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
         if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
     bar.close()
-    if self.step >= self.cfg.max_steps and (not out or out[-1]["step"] == self.step):
-        self.finish()
+    if self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
     return out
 

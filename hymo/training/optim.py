@@ -116,43 +116,31 @@ class NorMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
-            lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
-            plain = [p for p in group["params"] if p.grad is not None and not isinstance(p, DTensor)]
-            for ps in _same_shape(plain): self._step_batched(ps, group)
-            for p in group["params"]:  # sharded (FSDP-2) parameters: one matrix at a time, gathered explicitly
-                if p.grad is None or not isinstance(p, DTensor): continue
-                state = self.state[p]
-                if not state:  # both in p's layout: a DTensor shard when p is one, so DCP saves them sharded
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                    state["second_moment"] = _like(torch.zeros(*p.shape[:-1], 1, device=p.device), p)  # (..., m, 1)
-                M = state["momentum_buffer"]
-                M.lerp_(p.grad, 1 - beta)
-                N = p.grad.lerp(M, beta) if group["nesterov"] else M
-                O = newton_schulz(_full(N.to(ns_dtype(N))), group["ns_steps"]).float()  # all-gather in the NS dtype
-                U, v = normuon_rownorm(O, _full(state["second_moment"]), group["beta2"])
-                state["second_moment"].copy_(_like(v, p))
-                U = _like((U * muon_shape_scale(p.shape[-2], p.shape[-1])).to(p.dtype), p)  # back to this rank's shard
-                p.sub_(lr * (U + wd * weight_decay_term(p, U, group["cautious"])) if wd else lr * U)
+            live = [p for p in group["params"] if p.grad is not None]
+            # plain parameters of one shape are updated together; FSDP-2 shards one at a time, gathered explicitly
+            plain = _same_shape([p for p in live if not isinstance(p, DTensor)])
+            for ps in plain + [[p] for p in live if isinstance(p, DTensor)]: self._update(ps, group)
         return loss
 
-    def _step_batched(self, ps: list, group: dict):
-        """The same update for plain (unsharded) parameters of one shape, as one stacked computation:
-        one Newton–Schulz over `[k, m, n]` instead of k separate ones (far fewer, larger kernels)."""
+    def _update(self, ps: list, group: dict):
+        """Update parameters of one shape together: one Newton–Schulz over the stacked `[k, m, n]`
+        (far fewer, larger kernels than k separate ones). A DTensor (always alone) is all-gathered in
+        the Newton–Schulz dtype and each result is sliced back to this rank's shard."""
         lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
         for p in ps:
-            if not self.state[p]:
+            if not self.state[p]:  # both in p's layout: a DTensor shard when p is one, so DCP saves them sharded
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                self.state[p]["second_moment"] = torch.zeros(*p.shape[:-1], 1, device=p.device)  # (..., m, 1)
-        Ms = [self.state[p]["momentum_buffer"] for p in ps]
-        grads = [p.grad for p in ps]
+                self.state[p]["second_moment"] = _like(torch.zeros(*p.shape[:-1], 1, device=p.device), p)  # (..., m, 1)
+        Ms, grads = [self.state[p]["momentum_buffer"] for p in ps], [p.grad for p in ps]
         torch._foreach_lerp_(Ms, grads, 1 - beta)
-        N = torch.stack([g.lerp(M, beta) for g, M in zip(grads, Ms)] if group["nesterov"] else Ms)  # (k, ..., m, n)
-        O = newton_schulz(N.to(ns_dtype(N)), group["ns_steps"]).float()
-        U, v = normuon_rownorm(O, torch.stack([self.state[p]["second_moment"] for p in ps]), group["beta2"])
+        Ns = [g.lerp(M, beta) for g, M in zip(grads, Ms)] if group["nesterov"] else Ms
+        N = torch.stack([_full(n.to(ns_dtype(n))) for n in Ns])  # (k, ..., m, n): all-gather in the NS dtype
+        O = newton_schulz(N, group["ns_steps"]).float()
+        U, v = normuon_rownorm(O, torch.stack([_full(self.state[p]["second_moment"]) for p in ps]), group["beta2"])
         U = U * muon_shape_scale(ps[0].shape[-2], ps[0].shape[-1])
         for i, p in enumerate(ps):
-            self.state[p]["second_moment"].copy_(v[i])
-            u = U[i].to(p.dtype)
+            self.state[p]["second_moment"].copy_(_like(v[i], p))
+            u = _like(U[i].to(p.dtype), p)  # back to this rank's shard
             p.sub_(lr * (u + wd * weight_decay_term(p, u, group["cautious"])) if wd else lr * u)
 
 
