@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -95,21 +95,25 @@ class MTPBlock(nn.Module):
         self.proj_out = nn.Linear(inter_dim, dim, bias=False)
         self.out_norm = RMSNorm(dim, eps)
 
+    def hidden(self, h: torch.Tensor) -> torch.Tensor: # [B, T', D] -> [B, T', D], what the vocabulary projection reads
+        return self.out_norm(self.proj_out(F.silu(self.proj_in(self.norm(h)))))
+
     def forward(self, h: torch.Tensor, # Hidden states [B, T', D]
                 head: Callable[[torch.Tensor], torch.Tensor], # The tied vocabulary projection, [.., D] -> [.., V]
                ) -> torch.Tensor: # Logits [B, T', V]
-        return head(self.out_norm(self.proj_out(F.silu(self.proj_in(self.norm(h))))))
+        return head(self.hidden(h))
 
 
 # %%
 #| export
 @dataclass
 class MTPOutput:
-    "What MTP head `k` produced: logits for hidden positions `0..T-1-k` and their targets."
+    "What MTP head `k` produced for hidden positions `0..T-1-k`: its hidden states, logits if a head was given, targets."
     k: int  # Head index, 1-based: predicts token t+1+k
-    logits: torch.Tensor  # [B, T-k, V]
+    hidden: torch.Tensor  # [B, T-k, D], the head's output before the vocabulary projection
     targets: torch.Tensor  # [B, T-k] token ids, `targets[:, k:]`
     weight: float  # Loss weight w_k
+    logits: Optional[torch.Tensor] = None  # [B, T-k, V] when `forward` was given the vocabulary projection
 
 
 class MultiTokenPrediction(nn.Module):
@@ -122,13 +126,16 @@ class MultiTokenPrediction(nn.Module):
 
     def forward(self, hidden: torch.Tensor, # Main hidden states h_0..h_{T-1} [B, T, D] (after the final norm)
                 targets: torch.Tensor, # Main targets x_1..x_T [B, T]
-                head: Callable[[torch.Tensor], torch.Tensor], # The tied vocabulary projection
+                head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, # The tied vocabulary projection; None: no logits
                ) -> list[MTPOutput]:
         T = hidden.shape[1]
         if T <= len(self.heads):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
-        return [MTPOutput(k, blk(hidden[:, :T - k], head), targets[:, k:], w)
-                for k, (blk, w) in enumerate(zip(self.heads, self.weights), start=1)]
+        outs = []
+        for k, (blk, w) in enumerate(zip(self.heads, self.weights), start=1):
+            hk = blk.hidden(hidden[:, :T - k])  # (B, T-k, D)
+            outs.append(MTPOutput(k, hk, targets[:, k:], w, None if head is None else head(hk)))
+        return outs
 
 
 # %% [markdown]
@@ -149,24 +156,29 @@ test_eq(outs[1].targets, targets[:, 2:])
 # %% [markdown]
 # ## The loss
 #
-# `lm_loss` is what the trainer calls: it returns the weighted total and every part, so each can be
-# logged. Cross-entropy runs in fp32 whatever the logits' dtype.
+# `lm_loss` returns the weighted total and every part, so each can be logged. Cross-entropy runs in
+# fp32 whatever the logits' dtype. It is the reference: it takes logits, which the next section
+# learns to avoid.
 
 # %%
 #| export
-def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
-            targets: torch.Tensor, # Main targets [B, T]
-            mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction`
-           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
-    ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
-    main = ce(logits, targets)
+def _weighted_total(main: torch.Tensor, mtp_outputs, loss_of: Callable[[MTPOutput], torch.Tensor]):
+    "`main + Σ_k w_k loss_of(o_k)` and the detached parts {'main', 'mtp_1', ...}."
     total, parts = main, {"main": main.detach()}
     for o in mtp_outputs:
-        lk = ce(o.logits, o.targets)
+        lk = loss_of(o)
         total = total + o.weight * lk
         parts[f"mtp_{o.k}"] = lk.detach()
     return total, parts
+
+
+def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
+            targets: torch.Tensor, # Main targets [B, T]
+            mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction`, called with the head
+           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
+    ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
+    return _weighted_total(ce(logits, targets), mtp_outputs, lambda o: ce(o.logits, o.targets))
 
 
 # %%
@@ -180,8 +192,125 @@ print({k: round(v.item(), 3) for k, v in parts.items()})
 # near $\ln |V|$.
 
 # %%
-small = lm_loss(logits * 1e-3, targets, [MTPOutput(o.k, o.logits * 1e-3, o.targets, o.weight) for o in outs])[1]
+small = lm_loss(logits * 1e-3, targets, [MTPOutput(o.k, o.hidden, o.targets, o.weight, o.logits * 1e-3) for o in outs])[1]
 for v in small.values(): test_close(v, torch.tensor(float(V)).log(), eps=1e-2)
+
+# %% [markdown]
+# ## The loss without the logits
+#
+# At the 750M shape one batch is $N = 4 \times 4096 = 16384$ positions and $|V| = 64256$, so one
+# head's logits are $N |V| \approx 1.05$ G numbers: 2.1 GB in bf16, 4.2 GB once cast to fp32 for
+# the cross-entropy, and autograd keeps the softmax for the backward. Three heads (main, MTP 1, MTP
+# 2) hold well over 20 GB of logits at the peak, more than all the weights and optimiser state
+# together.
+#
+# None of it has to exist at once. For one row with hidden state $h$, logits $z = W h$ and target
+# $y$, the loss and its gradient are
+# $$\ell = \operatorname{logsumexp}(z) - z_y, \qquad \frac{\partial \ell}{\partial z} = \operatorname{softmax}(z) - e_y,$$
+# and the chain rule through $z = W h$ gives
+# $$\frac{\partial \ell}{\partial h} = W^\top (\operatorname{softmax}(z) - e_y), \qquad
+# \frac{\partial \ell}{\partial W} = (\operatorname{softmax}(z) - e_y)\, h^\top.$$
+# Everything a row needs is its own logits. So `linear_cross_entropy` walks the rows in chunks:
+# per chunk it computes the logits, the loss, and (because the loss is the end of the graph, its
+# gradient is known up to the scalar that will arrive in the backward) the gradients for $h$ and
+# $W$, then frees the logits. The backward only multiplies the stored gradients by that scalar.
+# Peak memory for the loss is one chunk's logits (about 1 GB by default) instead of three
+# full sets, the matrix FLOPs are the same ($2N|V|d$ forward, $4N|V|d$ for the two gradients), and
+# the passes over the $N \times |V|$ tensor shrink to a few per chunk.
+#
+# Under autocast the matrix products run in the autocast dtype (bf16) and the softmax in fp32,
+# exactly as in `lm_loss`; the gradient of $W$ is summed over chunks in fp32. Targets equal to
+# $-100$ are ignored, as in `F.cross_entropy`.
+
+# %%
+#| export
+IGNORE_INDEX = -100
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    "Mean cross-entropy of `h @ w.T` against `targets`, chunk by chunk, gradients computed in the forward."
+
+    @staticmethod
+    def forward(ctx, h, w, targets, chunk_rows):  # h [N, D], w [V, D], targets [N]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        valid = targets != IGNORE_INDEX                                   # (N,)
+        n_valid = valid.sum()
+        safe = targets.clamp_min(0)                                       # ignored rows read class 0, then are zeroed
+        acc = torch.promote_types(h.dtype, torch.float32)                 # fp32 (fp64 stays fp64, for checks)
+        n_valid = n_valid.to(acc)
+        loss = torch.zeros((), dtype=acc, device=h.device)
+        dh = torch.empty_like(h) if want_h else None
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
+        for s in range(0, h.shape[0], chunk_rows):
+            hc, yc, vc = h[s:s + chunk_rows], safe[s:s + chunk_rows], valid[s:s + chunk_rows]
+            z = (hc @ w.T).to(acc)                                         # (c, V) logits, fp32
+            lse = z.logsumexp(-1)                                          # (c,)
+            loss += ((lse - z.gather(1, yc[:, None])[:, 0]) * vc).sum()
+            if want_h or want_w:
+                dz = z.sub_(lse[:, None]).exp_()                           # softmax(z), in place
+                dz.scatter_add_(1, yc[:, None], -torch.ones_like(lse)[:, None])  # - e_y
+                dz = (dz * (vc / n_valid)[:, None]).to(h.dtype)            # (c, V) d(mean loss)/dz
+                if want_h: dh[s:s + chunk_rows] = dz @ w
+                if want_w: dw += (dz.T @ hc).to(acc)
+        ctx.save_for_backward(dh, dw)
+        ctx.w_dtype = w.dtype
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: () the scalar that multiplies the loss downstream
+        dh, dw = ctx.saved_tensors
+        return (None if dh is None else dh * grad.to(dh.dtype),
+                None if dw is None else (dw * grad).to(ctx.w_dtype), None, None)
+
+
+def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
+                         weight: torch.Tensor, # Vocabulary projection [V, D] (the tied embedding)
+                         targets: torch.Tensor, # Token ids [...], IGNORE_INDEX (-100) to skip a position
+                         chunk_rows: Optional[int] = None, # Rows per chunk; None keeps one chunk's fp32 logits near 1 GB
+                        ) -> torch.Tensor: # Mean cross-entropy, fp32 scalar
+    "`F.cross_entropy(h @ weight.T, targets)` without materialising the [N, V] logits."
+    if h.shape[:-1] != targets.shape or h.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"h {tuple(h.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}: "
+                         "need h [..., D], weight [V, D] and targets of h's leading shape")
+    dev = h.device.type
+    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
+    chunk = chunk_rows or max(1, 2 ** 28 // weight.shape[0])
+    with torch.autocast(dev, enabled=False):
+        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk)
+
+
+def lm_loss_fused(h: torch.Tensor, # Main hidden states after the final norm [B, T, D]
+                  weight: torch.Tensor, # The tied vocabulary projection [V, D]
+                  targets: torch.Tensor, # Main targets [B, T]
+                  mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction` (no head needed)
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    "`lm_loss` from hidden states: the same total and parts, with `linear_cross_entropy` for every head."
+    return _weighted_total(linear_cross_entropy(h, weight, targets), mtp_outputs,
+                           lambda o: linear_cross_entropy(o.hidden, weight, o.targets))
+
+
+# %% [markdown]
+# The check: the chunked loss and both gradients against `F.cross_entropy` on materialised logits,
+# with chunks that do not divide the rows and a few ignored targets.
+
+# %%
+hh = torch.randn(37, D, dtype=torch.float64, requires_grad=True)
+W = (torch.randn(V, D, dtype=torch.float64) * 0.1).requires_grad_()
+tt = torch.randint(0, V, (37,)); tt[[3, 20]] = IGNORE_INDEX
+ref = F.cross_entropy(hh @ W.T, tt)
+got = linear_cross_entropy(hh, W, tt, chunk_rows=8)
+test_close(got, ref, eps=1e-12)
+for a, b in zip(torch.autograd.grad(3 * got, (hh, W)), torch.autograd.grad(3 * ref, (hh, W))): test_close(a, b, eps=1e-12)
+
+# %% [markdown]
+# And `lm_loss_fused` against `lm_loss` on the MTP heads from above:
+
+# %%
+outs = mtp(hidden, targets, lambda h: h @ emb.T)
+want, want_parts = lm_loss(hidden @ emb.T, targets, outs)
+got, got_parts = lm_loss_fused(hidden, emb, targets, outs)
+test_close(got, want, eps=1e-5)
+for k in want_parts: test_close(got_parts[k], want_parts[k], eps=1e-5)
 
 # %% [markdown]
 # ## What MTP costs

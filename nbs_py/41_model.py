@@ -36,7 +36,7 @@ from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock
 from hymo.models.layers import RMSNorm
 from hymo.models.mla import MLABlock, MultiHeadLatentAttention
 from hymo.models.moe import DeepSeekMoE
-from hymo.models.mtp import MultiTokenPrediction, lm_loss
+from hymo.models.mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
 
 # %%
 import matplotlib.pyplot as plt
@@ -129,8 +129,11 @@ assert ffn_moe > 2.5 * ffn_dense
 # $E \in \mathbb{R}^{|V| \times d}$ the embedding).
 #
 # `forward` is the single entry point the trainer calls: given `targets` it also runs the MTP heads
-# and returns `(loss, parts)` from `lm_loss`, so that a wrapper such as FSDP-2, whose hooks run
-# around the root module's `forward`, sees the whole step. Without targets it returns logits.
+# and returns `(loss, parts)`, so that a wrapper such as FSDP-2, whose hooks run around the root
+# module's `forward`, sees the whole step. Without targets it returns logits. With targets it never
+# builds the logits: `lm_loss_fused` (from the MTP chapter) computes the three cross-entropies
+# chunk by chunk from the hidden states; `model.loss_impl = "logits"` switches to the reference
+# `lm_loss` on full logits, and a check below shows the two agree.
 # `cu_seqlens` (document boundaries of a packed row, $B = 1$) goes to every block: the GDN state
 # and convolution restart at each boundary, and MLA masks attention across documents.
 
@@ -145,6 +148,7 @@ class HyMo(nn.Module):
         self.layers = nn.ModuleList(MLABlock(c, i) if c.is_mla(i) else GatedDeltaNetBlock(c) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.mtp = MultiTokenPrediction(c)
+        self.loss_impl = "fused"  # 'fused': `lm_loss_fused`, no [B, T, V] logits; 'logits': the reference `lm_loss`
         self.init_weights()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:  # h [..., D] -> logits [..., V]
@@ -156,11 +160,18 @@ class HyMo(nn.Module):
                             cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         "Logits [B, T, V] and the hidden states after the final norm [B, T, D]."
+        h = self.hidden_states(tokens, cu_seqlens)
+        return self.head(h), h
+
+    def hidden_states(self,
+                      tokens: torch.Tensor,  # Token ids [B, T], long
+                      cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                     ) -> torch.Tensor:  # [B, T, D]
+        "The trunk: embed, every block, the final norm."
         self._check_tokens(tokens, cu_seqlens)
         x = self.embed(tokens)                                    # (B, T, D)
         for layer in self.layers: x = layer(x, cu_seqlens=cu_seqlens)
-        h = self.norm(x)
-        return self.head(h), h
+        return self.norm(x)
 
     def forward(self,
                 tokens: torch.Tensor,  # Token ids [B, T], long
@@ -168,11 +179,13 @@ class HyMo(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                ):
         "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
-        logits, h = self.forward_with_hidden(tokens, cu_seqlens)
-        if targets is None: return logits
+        h = self.hidden_states(tokens, cu_seqlens)
+        if targets is None: return self.head(h)
         if targets.shape != tokens.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
-        return lm_loss(logits, targets, self.mtp(h, targets, self.head))
+        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head))
+        if self.loss_impl != "fused": raise ValueError(f"loss_impl={self.loss_impl!r}: choose 'fused' or 'logits'")
+        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets))
 
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."
@@ -304,6 +317,27 @@ logits, h = model.forward_with_hidden(tokens)
 assert_close(logits, h @ model.embed.weight.T)
 assert not any(p.shape == model.embed.weight.shape for n, p in model.named_parameters() if n != "embed.weight")
 
+
+# %% [markdown]
+# The fused loss (the default) and the reference on full logits agree, loss and every gradient.
+# (MoE capacity drops depend on the batch, not on the loss, so both runs route alike.)
+
+# %%
+def loss_and_grads(impl):
+    model.loss_impl = impl
+    model.zero_grad()
+    loss, parts = model(tokens, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+(l_f, g_f), (l_r, g_r) = loss_and_grads("fused"), loss_and_grads("logits")
+model.loss_impl = "fused"; model.zero_grad()
+test_close(l_f, l_r, eps=1e-5)
+test_eq(g_f.keys(), g_r.keys())
+for n in g_r: assert_close(g_f[n], g_r[n], atol=1e-6, rtol=1e-4)
+test_fail(lambda: setattr(model, "loss_impl", "chunked") or model(tokens, targets), contains="choose 'fused' or 'logits'")
+model.loss_impl = "fused"
+
 # %% [markdown]
 # Bad input is refused with a message that says what to do:
 
@@ -339,7 +373,7 @@ for t in (0, 20, 47):
 #
 # (In a packed row the main head's last position of a document, and MTP head $k$'s last $k$
 # positions, have targets in the next document. A loader that wants to hide them sets those
-# targets to $-100$, which `lm_loss`'s cross-entropy ignores.)
+# targets to $-100$, which both losses ignore.)
 
 # %%
 docs = [torch.randint(0, V, (1, n)) for n in (5, 70, 21)]

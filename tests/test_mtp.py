@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hymo.config import load_config
-from hymo.models.mtp import MTPOutput, MultiTokenPrediction, lm_loss
+from hymo.models.mtp import IGNORE_INDEX, MTPOutput, MultiTokenPrediction, linear_cross_entropy, lm_loss, lm_loss_fused
 
 
 @pytest.fixture
@@ -70,3 +70,59 @@ def test_no_mtp_heads():
     logits, targets = torch.randn(1, 4, 7), torch.randint(0, 7, (1, 4))
     total, parts = lm_loss(logits, targets, [])
     assert list(parts) == ["main"] and torch.equal(total.detach(), parts["main"])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64, None])
+def test_linear_cross_entropy_matches_full_logits(chunk):
+    torch.manual_seed(0)
+    h = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (3, 7)); t[0, 2] = t[2, 6] = IGNORE_INDEX
+    ref = torch.nn.functional.cross_entropy((h @ w.T).flatten(0, 1), t.flatten())
+    got = linear_cross_entropy(h, w, t, chunk_rows=chunk)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got * 0.7, (h, w)), torch.autograd.grad(ref * 0.7, (h, w))):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_cross_entropy_under_bf16_autocast_matches_reference():
+    """Under autocast both paths project in bf16 and take the softmax in fp32: they agree to bf16 rounding."""
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = (torch.randn(300, 32) * 0.3).requires_grad_()
+    t = torch.randint(0, 300, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = torch.nn.functional.cross_entropy((h @ w.T).float(), t)
+        got = linear_cross_entropy(h, w, t, chunk_rows=16)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3)
+    ga, gb = torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))
+    for a, b in zip(ga, gb):
+        assert a.dtype == torch.float32  # gradients reach the fp32 leaves
+        assert (a - b).norm() / b.norm() < 2e-2
+
+
+def test_linear_cross_entropy_without_grad_and_bad_shapes():
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    with torch.no_grad(): loss = linear_cross_entropy(h, w, t)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(h @ w.T, t))
+    with pytest.raises(ValueError, match="targets of h's leading shape"):
+        linear_cross_entropy(h, w, t[:3])
+    with pytest.raises(ValueError, match="weight"):
+        linear_cross_entropy(h, torch.randn(10, 9), t)
+
+
+def test_fused_lm_loss_equals_lm_loss(cfg):
+    T = 10
+    h = torch.randn(2, T, cfg.dim, requires_grad=True)
+    emb = (torch.randn(cfg.vocab_size, cfg.dim) * 0.05).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (2, T))
+    mtp = MultiTokenPrediction(cfg)
+    outs = mtp(h, targets, lambda z: z @ emb.T)
+    ref, ref_parts = lm_loss(h @ emb.T, targets, outs)
+    got, got_parts = lm_loss_fused(h, emb, targets, outs)
+    assert ref_parts.keys() == got_parts.keys()
+    torch.testing.assert_close(got, ref)
+    leaves = [h, emb, *mtp.parameters()]
+    for a, b in zip(torch.autograd.grad(got, leaves, retain_graph=True), torch.autograd.grad(ref, leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

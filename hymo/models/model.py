@@ -19,7 +19,7 @@ from .gdn import GatedDeltaNet, GatedDeltaNetBlock
 from .layers import RMSNorm
 from .mla import MLABlock, MultiHeadLatentAttention
 from .moe import DeepSeekMoE
-from .mtp import MultiTokenPrediction, lm_loss
+from .mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
 
 # %% auto #0
 __all__ = ['HyMo', 'build_hymo', 'param_breakdown', 'flops_breakdown', 'state_breakdown']
@@ -34,6 +34,7 @@ class HyMo(nn.Module):
         self.layers = nn.ModuleList(MLABlock(c, i) if c.is_mla(i) else GatedDeltaNetBlock(c) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.mtp = MultiTokenPrediction(c)
+        self.loss_impl = "fused"  # 'fused': `lm_loss_fused`, no [B, T, V] logits; 'logits': the reference `lm_loss`
         self.init_weights()
 
     def head(self, h: torch.Tensor) -> torch.Tensor:  # h [..., D] -> logits [..., V]
@@ -45,11 +46,18 @@ class HyMo(nn.Module):
                             cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         "Logits [B, T, V] and the hidden states after the final norm [B, T, D]."
+        h = self.hidden_states(tokens, cu_seqlens)
+        return self.head(h), h
+
+    def hidden_states(self,
+                      tokens: torch.Tensor,  # Token ids [B, T], long
+                      cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                     ) -> torch.Tensor:  # [B, T, D]
+        "The trunk: embed, every block, the final norm."
         self._check_tokens(tokens, cu_seqlens)
         x = self.embed(tokens)                                    # (B, T, D)
         for layer in self.layers: x = layer(x, cu_seqlens=cu_seqlens)
-        h = self.norm(x)
-        return self.head(h), h
+        return self.norm(x)
 
     def forward(self,
                 tokens: torch.Tensor,  # Token ids [B, T], long
@@ -57,11 +65,13 @@ class HyMo(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                ):
         "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
-        logits, h = self.forward_with_hidden(tokens, cu_seqlens)
-        if targets is None: return logits
+        h = self.hidden_states(tokens, cu_seqlens)
+        if targets is None: return self.head(h)
         if targets.shape != tokens.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
-        return lm_loss(logits, targets, self.mtp(h, targets, self.head))
+        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head))
+        if self.loss_impl != "fused": raise ValueError(f"loss_impl={self.loss_impl!r}: choose 'fused' or 'logits'")
+        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets))
 
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."
