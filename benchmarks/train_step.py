@@ -5,7 +5,9 @@
     python benchmarks/train_step.py --all-mla                # 32 MLA + MoE blocks (dense-attention comparison)
     python benchmarks/train_step.py --ac                     # activation checkpointing on
     python benchmarks/train_step.py --profile                # also a torch.profiler table of the top kernels
-    python benchmarks/train_step.py --accum 8                # 8 micro-batches per optimiser step
+    python benchmarks/train_step.py --accum 32               # the preset's global batch on one GPU: 32 micro-batches per step
+    python benchmarks/train_step.py --compile                # torch.compile each block
+    python benchmarks/train_step.py --loss logits            # the reference loss on full [B, T, V] logits
     python benchmarks/train_step.py --out results.json       # append the result as JSON
 
 The step is `Trainer.train_step` itself (forward with main + MTP losses, backward, clipping, NorMuon +
@@ -46,6 +48,7 @@ def run(args) -> dict:
     cfg = load_config("hymo_750m", **over)
     torch.cuda.reset_peak_memory_stats()
     t = SyntheticTrainer(cfg.model, cfg.train, run_dir="/tmp/hymo_bench", resume=False, quiet=True)
+    t.model.loss_impl = args.loss
     flops = t.model.flops_per_token(args.seq_len)
     for _ in range(args.warmup): t.train_step()
     torch.cuda.synchronize()
@@ -57,7 +60,7 @@ def run(args) -> dict:
         times.append(time.perf_counter() - t0)
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
-    res = dict(variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile} accum={args.accum}",
+    res = dict(variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile} accum={args.accum} loss={args.loss}",
                step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
@@ -70,7 +73,7 @@ def run(args) -> dict:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t.train_step(); torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
         print(table)
         res["profile_top"] = table
     del t
@@ -84,6 +87,7 @@ if __name__ == "__main__":
     p.add_argument("--all-mla", action="store_true")
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--loss", default="fused", choices=["fused", "logits"], help="HyMo.loss_impl")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimiser step (the 750M run uses 32 on one GPU)")

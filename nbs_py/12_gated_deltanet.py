@@ -477,7 +477,9 @@ for T in (256, 1024):
 # $y_t = \sum_{j=0}^{W-1} w_{W-1-j}\, x_{t-j}$ per channel, where $x_{t-j}$ is taken only from the
 # same document: at a document's start the taps read the carried `cache` (the last $W-1$ inputs of
 # that sequence, zeros for a fresh one) instead of the previous document. The general path gathers
-# the $W$ taps by index; the common case (no documents, no cache) is one `F.conv1d`.
+# the $W$ taps by index. The common case (no documents, no cache) is $W$ shifted multiply-adds on
+# the zero-padded input: `torch.compile` fuses them, forward and backward, into a kernel or two,
+# where cuDNN's depthwise `conv1d` backward took 1.35 ms per layer in the 750M profile.
 
 # %%
 #| export
@@ -491,8 +493,9 @@ def causal_conv1d(
     "Causal depthwise convolution that never reads across documents. Returns `(y [B, T, C], cache or None)`."
     B, T, C = x.shape
     W = weight.shape[-1]
-    if cu_seqlens is None and cache is None and not output_final_state:  # the common case: one library call
-        return F.conv1d(F.pad(x.transpose(1, 2), (W - 1, 0)), weight[:, None], groups=C).transpose(1, 2), None
+    if cu_seqlens is None and cache is None and not output_final_state:  # the common case: W shifted multiply-adds
+        xp = F.pad(x, (0, 0, W - 1, 0))                                      # (B, T+W-1, C), zeros before the start
+        return sum(xp[:, j:j + T] * weight[:, j] for j in range(W)), None
     if cu_seqlens is None:  # every row is its own document
         cu_seqlens, x = torch.arange(B + 1, device=x.device) * T, x.reshape(1, B * T, C)
     elif B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
@@ -522,7 +525,8 @@ def causal_conv1d(
 # %%
 xc, wc = torch.randn(2, 10, 6), torch.randn(6, 4)
 ref = F.conv1d(F.pad(xc.transpose(1, 2), (3, 0)), wc[:, None], groups=6).transpose(1, 2)
-assert_close(causal_conv1d(xc, wc, output_final_state=True)[0], ref)
+assert_close(causal_conv1d(xc, wc)[0], ref)                         # shifted multiply-adds
+assert_close(causal_conv1d(xc, wc, output_final_state=True)[0], ref)  # gathered taps
 y_packed, _ = causal_conv1d(xc.reshape(1, 20, 6), wc, cu_seqlens=torch.tensor([0, 10, 20]))
 assert_close(y_packed.view(2, 10, 6), ref)
 y_a, c_a = causal_conv1d(xc[:, :7], wc, output_final_state=True)   # run 7 tokens, carry the cache ...

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Gated DeltaNet in Triton
 #
-# > The chunked gated delta rule as Triton kernels: a forward, a hand-written backward behind an autograd Function, a fused recurrent kernel for decoding, and packed sequences.
+# > The chunked gated delta rule as Triton kernels: a forward, a hand-written backward behind a PyTorch operator, a fused recurrent kernel for decoding, and packed sequences.
 
 # %%
 #| default_exp models.gdn_triton
@@ -15,7 +15,7 @@
 # | function | what it is |
 # |---|---|
 # | `triton_gated_delta_rule` | chunked forward and hand-written backward (training, prefill); differentiable in q, k, v, g, beta and the initial state |
-# | `TritonGDNFunction` | the `torch.autograd.Function` that joins the two |
+# | `gdn_chunk_fwd`, `gdn_chunk_bwd` | the PyTorch operators (`torch.library.custom_op`) that join the two, with autograd and `torch.compile` support |
 # | `fused_recurrent_gated_delta_rule` | forward only, a token at a time with the state on chip (decoding) |
 #
 # Every kernel is checked against `naive_gated_delta_rule`, the loop of chapter 12. On a machine
@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 
 from hymo.models.gdn import _check_rule_inputs
+
+INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1, read once: kernels are decorated at import
 
 # %%
 import json
@@ -636,38 +638,73 @@ def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
 
 
 # %% [markdown]
-# ## The autograd Function
+# ## A PyTorch operator with a hand-written backward
 #
-# `torch.autograd.Function` joins a forward and a backward that autograd cannot derive itself.
-# `forward(ctx, ...)` runs the kernels and saves on `ctx` what the backward needs (here only the
-# inputs: everything else is recomputed); `backward(ctx, *grad_outputs)` receives one gradient per
-# output (`None` for an output nobody used) and returns one gradient per input, `None` for the
-# non-tensor ones (`scale`, the flag, `cu_seqlens`). `ctx.needs_input_grad` says which gradients are
-# wanted: the initial state's is computed only when asked for.
+# The two launchers become one differentiable PyTorch operator. `torch.library.custom_op` registers
+# a Python function as an operator (`torch.ops.hymo.gdn_chunk_fwd`); `register_fake` says what it
+# returns from the shapes alone, so `torch.compile` can trace a model through it as one opaque node
+# instead of breaking the graph around it; `register_autograd` attaches the backward, itself an
+# operator. `setup_context` saves only the inputs (everything else is recomputed), and the gradient
+# of the initial state is computed only when it is asked for. An operator returns tensors, never
+# `None`: a final state nobody asked for, or a `dh0` nobody needs, is an empty tensor.
 
 # %%
 #| export
-class TritonGDNFunction(torch.autograd.Function):
-    "The chunked gated delta rule with a hand-written backward; inputs padded, contiguous, g and beta fp32."
+def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if x is None or x.numel() == 0 else x
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-        B, T, H, K = q.shape
-        tables = _chunk_tables(cu_seqlens, B, T)
-        gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-        o, ht = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1])
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
-        ctx.scale = scale
-        return o, ht
 
-    @staticmethod
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
-        need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-        dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
-                                                do.contiguous(), None if dht is None else dht.contiguous(), need_dh0)
-        if dh0 is not None: dh0 = dh0.to(initial_state.dtype)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+@torch.library.custom_op("hymo::gdn_chunk_fwd", mutates_args=())
+def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                  initial_state: Optional[torch.Tensor], output_final_state: bool,
+                  cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor)`."
+    B, T, H, K = q.shape
+    tables = _chunk_tables(cu_seqlens, B, T)
+    gc, A = _prepare(k, g, beta, cu_seqlens, tables)
+    o, ht = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1])
+    return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32))
+
+
+@gdn_chunk_fwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = q.new_empty(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(v), ht
+
+
+@torch.library.custom_op("hymo::gdn_chunk_bwd", mutates_args=())
+def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                  initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+                  dht: Optional[torch.Tensor], need_dh0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`."
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
+                                            None if dht is None else dht.contiguous(), need_dh0)
+    return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
+
+
+@gdn_chunk_bwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, need_dh0):
+    dh0 = torch.empty_like(initial_state) if need_dh0 and initial_state is not None else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.scale = scale
+
+
+def _gdn_backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+    need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
+    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do,
+                                               _none_if_empty(dht), need_dh0)
+    return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None
+
+
+gdn_chunk_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
 
 
 # %% [markdown]
@@ -693,12 +730,12 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.device.type == "cpu" and not triton.knobs.runtime.interpret:
+    if q.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use chunk_gated_delta_rule_torch")
     K, V = q.shape[-1], v.shape[-1]
     Kp, Vp = _padded(K), _padded(V)
-    if triton.knobs.runtime.interpret and q.dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9)
+    if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9)
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
     if cu_seqlens is not None: cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
@@ -725,8 +762,8 @@ def triton_gated_delta_rule(
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
         S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
-    o, ht = TritonGDNFunction.apply(*args[:7], output_final_state, args[7])
-    return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if ht is not None else None)
+    o, ht = gdn_chunk_fwd(*args[:7], output_final_state, args[7])
+    return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if output_final_state else None)
 
 
 # %% [markdown]
