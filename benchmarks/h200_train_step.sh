@@ -12,6 +12,13 @@ case "${1:-main}" in
     run --profile > "$OUT/train_step_profile_eager.txt"; tail -22 "$OUT/train_step_profile_eager.txt"
     run --loss logits
     run --compile --accum 32 --warmup 1 --steps 2 ;;
+  second)
+    run --compile --accum 32 --warmup 1 --steps 2
+    run --compile --profile micro --steps 3 > "$OUT/train_step_profile_micro.txt"; tail -45 "$OUT/train_step_profile_micro.txt" | cut -c1-100,180-290
+    run --compile --ac
+    run --compile --all-mla
+    run --compile --gdn torch --warmup 2 --steps 3
+    run --gdn torch --warmup 2 --steps 3 ;;
   variants)
     run --compile --ac
     run --compile --all-mla

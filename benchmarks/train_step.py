@@ -4,7 +4,7 @@
     python benchmarks/train_step.py --gdn torch              # GDN through the PyTorch chunked path
     python benchmarks/train_step.py --all-mla                # 32 MLA + MoE blocks (dense-attention comparison)
     python benchmarks/train_step.py --ac                     # activation checkpointing on
-    python benchmarks/train_step.py --profile                # also a torch.profiler table of the top kernels
+    python benchmarks/train_step.py --profile [micro]        # also a torch.profiler table of the top kernels (a step, or 3 micro-batches)
     python benchmarks/train_step.py --accum 32               # the preset's global batch on one GPU: 32 micro-batches per step
     python benchmarks/train_step.py --compile                # torch.compile each block
     python benchmarks/train_step.py --loss logits            # the reference loss on full [B, T, V] logits
@@ -72,7 +72,13 @@ def run(args) -> dict:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t.train_step(); torch.cuda.synchronize()
+            if args.profile == "step": t.train_step()
+            else:  # forward + backward of micro-batches only: what an accumulation step repeats
+                for _ in range(3):
+                    tokens, targets = (x.to(t.d.device) for x in next(t._train_iter))
+                    with t.autocast(): loss, _ = t.model(tokens, targets=targets)
+                    loss.backward()
+            torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
         print(table)
         res["profile_top"] = table
@@ -93,7 +99,8 @@ if __name__ == "__main__":
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimiser step (the 750M run uses 32 on one GPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", nargs="?", const="step", choices=["step", "micro"],
+                   help="torch.profiler table of one optimiser step, or ('micro') of 3 forward+backward passes")
     p.add_argument("--out", default=None, help="append the result to this JSON list")
     args = p.parse_args()
     if not torch.cuda.is_available(): raise SystemExit("this benchmark needs a CUDA GPU")

@@ -126,3 +126,18 @@ def test_fused_lm_loss_equals_lm_loss(cfg):
     leaves = [h, emb, *mtp.parameters()]
     for a, b in zip(torch.autograd.grad(got, leaves, retain_graph=True), torch.autograd.grad(ref, leaves)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_ce_chunk_matches_eager():
+    """The chunk arithmetic that CUDA runs through torch.compile (compiled here for CPU) equals the eager one."""
+    from hymo.models import mtp
+    compiled = mtp._ce_chunk_for("cuda")
+    torch.manual_seed(0)
+    for c in (7, 5):  # two chunk sizes: the last chunk of a head is shorter
+        z, y = torch.randn(c, 97), torch.randint(0, 97, (c,))
+        w = torch.full((c,), 1 / 9); w[1] = 0
+        for want in (True, False):
+            (la, ga), (lb, gb) = compiled(z, y, w, want), mtp.ce_chunk(z, y, w, want)
+            torch.testing.assert_close(la, lb)
+            assert (ga is None) == (gb is None) == (not want)
+            if want: torch.testing.assert_close(ga, gb)

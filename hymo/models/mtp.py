@@ -18,7 +18,8 @@ from ..config import ModelConfig
 from .layers import RMSNorm
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'MTPBlock', 'MTPOutput', 'MultiTokenPrediction', 'lm_loss', 'linear_cross_entropy', 'lm_loss_fused']
+__all__ = ['IGNORE_INDEX', 'MTPBlock', 'MTPOutput', 'MultiTokenPrediction', 'lm_loss', 'ce_chunk', 'linear_cross_entropy',
+           'lm_loss_fused']
 
 # %% ../../nbs/40_mtp.ipynb #dbafef09
 class MTPBlock(nn.Module):
@@ -95,34 +96,54 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
 IGNORE_INDEX = -100
 
 
+def ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V], in the compute dtype
+             y: torch.Tensor, # Targets [c], ignored rows clamped to a valid id
+             w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
+             want_grad: bool, # Also return d(loss)/dz
+            ):
+    "`(Σ_rows w · (logsumexp(z) - z_y), (softmax(z) - e_y) · w or None)`, softmax in fp32 (fp64 stays fp64)."
+    zf = z.to(torch.promote_types(z.dtype, torch.float32))
+    lse = zf.logsumexp(-1)                                                 # (c,)
+    loss = ((lse - zf.gather(1, y[:, None])[:, 0]) * w).sum()
+    if not want_grad: return loss, None
+    onehot = torch.arange(z.shape[1], device=z.device) == y[:, None]      # (c, V), never stored when compiled
+    return loss, ((zf - lse[:, None]).exp() - onehot.to(zf.dtype)).mul(w[:, None]).to(z.dtype)
+
+
+_ce_chunk_compiled = None
+
+
+def _ce_chunk_for(device_type: str):
+    "`ce_chunk`, compiled on CUDA: one pass over the chunk's logits instead of a pass per operation."
+    global _ce_chunk_compiled
+    if device_type != "cuda": return ce_chunk
+    if _ce_chunk_compiled is None: _ce_chunk_compiled = torch.compile(ce_chunk, dynamic=True)
+    return _ce_chunk_compiled
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of `h @ w.T` against `targets`, chunk by chunk, gradients computed in the forward."
 
     @staticmethod
     def forward(ctx, h, w, targets, chunk_rows):  # h [N, D], w [V, D], targets [N]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        valid = targets != IGNORE_INDEX                                   # (N,)
-        n_valid = valid.sum()
-        safe = targets.clamp_min(0)                                       # ignored rows read class 0, then are zeroed
         acc = torch.promote_types(h.dtype, torch.float32)                 # fp32 (fp64 stays fp64, for checks)
-        n_valid = n_valid.to(acc)
+        valid = targets != IGNORE_INDEX                                   # (N,)
+        row_w = valid.to(acc) / valid.sum().to(acc)                       # (N,) 1/n_valid or 0
+        safe = targets.clamp_min(0)                                       # ignored rows read class 0, weighted 0
+        step = _ce_chunk_for(h.device.type)
         loss = torch.zeros((), dtype=acc, device=h.device)
         dh = torch.empty_like(h) if want_h else None
         dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
         for s in range(0, h.shape[0], chunk_rows):
-            hc, yc, vc = h[s:s + chunk_rows], safe[s:s + chunk_rows], valid[s:s + chunk_rows]
-            z = (hc @ w.T).to(acc)                                         # (c, V) logits, fp32
-            lse = z.logsumexp(-1)                                          # (c,)
-            loss += ((lse - z.gather(1, yc[:, None])[:, 0]) * vc).sum()
-            if want_h or want_w:
-                dz = z.sub_(lse[:, None]).exp_()                           # softmax(z), in place
-                dz.scatter_add_(1, yc[:, None], -torch.ones_like(lse)[:, None])  # - e_y
-                dz = (dz * (vc / n_valid)[:, None]).to(h.dtype)            # (c, V) d(mean loss)/dz
-                if want_h: dh[s:s + chunk_rows] = dz @ w
-                if want_w: dw += (dz.T @ hc).to(acc)
+            hc = h[s:s + chunk_rows]                                       # (c, D)
+            lc, dz = step(hc @ w.T, safe[s:s + chunk_rows], row_w[s:s + chunk_rows], want_h or want_w)  # dz (c, V)
+            loss += lc
+            if want_h: dh[s:s + chunk_rows] = dz @ w
+            if want_w: dw += (dz.T @ hc).to(acc)
         ctx.save_for_backward(dh, dw)
         ctx.w_dtype = w.dtype
-        return loss / n_valid
+        return loss
 
     @staticmethod
     def backward(ctx, grad):  # grad: () the scalar that multiplies the loss downstream
