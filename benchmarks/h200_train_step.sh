@@ -19,6 +19,11 @@ case "${1:-main}" in
     run --compile --all-mla
     run --compile --gdn torch --warmup 2 --steps 3
     run --gdn torch --warmup 2 --steps 3 ;;
+  final)
+    run --compile --accum 32 --warmup 1 --steps 2
+    run --compile --profile micro > "$OUT/train_step_profile.txt"; grep -A12 '^{' "$OUT/train_step_profile.txt" | head -14
+    run --accum 32 --warmup 1 --steps 2
+    run --compile --gdn torch --accum 32 --warmup 1 --steps 2 ;;
   variants)
     run --compile --ac
     run --compile --all-mla

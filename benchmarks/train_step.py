@@ -40,6 +40,28 @@ class SyntheticTrainer(Trainer):
         self.data_dir, self.train_loader, self.val_loader = None, batches(), None
 
 
+CATEGORIES = [  # first match wins; names of the CUDA kernels in the profile
+    ("cross-entropy (compiled ce_chunk)", r"logsumexp"),
+    ("GDN Triton kernels", r"^_(prep|fwd|bwd_states|bwd_local)_kernel"),
+    ("attention (cuDNN SDPA)", r"sdpa|flash|fmha|attention"),
+    ("matrix multiplies", r"nvjet|cutlass|gemm|xmma|cublas|splitK|grouped"),
+    ("compiled elementwise (inductor)", r"^triton_"),
+    ("eager elementwise, copies, reductions", r"elementwise|copy|reduce|index|scatter|gather|sort|fill|cat|embedding"),
+]
+
+
+def breakdown(prof, n_micro: int) -> dict:
+    "Self CUDA time of every kernel, summed by category, in ms per micro-batch."
+    import re
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CUDA: continue
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        cat = next((c for c, rx in CATEGORIES if re.search(rx, e.key)), "other")
+        out[cat] = out.get(cat, 0.0) + t / 1e3 / n_micro
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def run(args) -> dict:
     over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
@@ -79,6 +101,10 @@ def run(args) -> dict:
                     with t.autocast(): loss, _ = t.model(tokens, targets=targets)
                     loss.backward()
             torch.cuda.synchronize()
+        try:
+            res["profile_ms_per_micro_batch"] = breakdown(prof, 3 if args.profile == "micro" else args.accum)
+            print(json.dumps(res["profile_ms_per_micro_batch"], indent=1))
+        except Exception as e: print("breakdown failed:", repr(e))
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
         print(table)
         res["profile_top"] = table

@@ -85,7 +85,7 @@ print("head 2 at position 0 must predict", mtp_targets(targets, 2)[0, 0].item())
 # %%
 #| export
 class MTPBlock(nn.Module):
-    "One MTP head: `h -> norm -> Linear -> SiLU -> Linear -> norm`, logits through the shared (tied) head."
+    "One MTP head: `h -> norm -> Linear -> SiLU -> Linear -> norm`, then logits through the shared (tied) head if given."
     def __init__(self, dim: int, # Model width d
                  inter_dim: int, # Hidden width of the head's MLP
                  eps: float = 1e-6): # RMSNorm epsilon
@@ -95,13 +95,11 @@ class MTPBlock(nn.Module):
         self.proj_out = nn.Linear(inter_dim, dim, bias=False)
         self.out_norm = RMSNorm(dim, eps)
 
-    def hidden(self, h: torch.Tensor) -> torch.Tensor: # [B, T', D] -> [B, T', D], what the vocabulary projection reads
-        return self.out_norm(self.proj_out(F.silu(self.proj_in(self.norm(h)))))
-
     def forward(self, h: torch.Tensor, # Hidden states [B, T', D]
-                head: Callable[[torch.Tensor], torch.Tensor], # The tied vocabulary projection, [.., D] -> [.., V]
-               ) -> torch.Tensor: # Logits [B, T', V]
-        return head(self.hidden(h))
+                head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, # The tied vocabulary projection, [.., D] -> [.., V]
+               ) -> torch.Tensor: # Logits [B, T', V], or without `head` the head's hidden states [B, T', D]
+        z = self.out_norm(self.proj_out(F.silu(self.proj_in(self.norm(h)))))
+        return z if head is None else head(z)
 
 
 # %%
@@ -133,7 +131,7 @@ class MultiTokenPrediction(nn.Module):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
         outs = []
         for k, (blk, w) in enumerate(zip(self.heads, self.weights), start=1):
-            hk = blk.hidden(hidden[:, :T - k])  # (B, T-k, D)
+            hk = blk(hidden[:, :T - k])  # (B, T-k, D)
             outs.append(MTPOutput(k, hk, targets[:, k:], w, None if head is None else head(hk)))
         return outs
 

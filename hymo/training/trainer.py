@@ -65,7 +65,7 @@ def parallelize(model: HyMo, cfg: TrainingConfig, d: Dist) -> HyMo:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
         for i, blk in enumerate(model.layers): model.layers[i] = checkpoint_wrapper(blk)
     if cfg.compile:
-        for blk in model.layers: blk.compile()
+        for blk in (*model.layers, *model.mtp.heads): blk.compile()
     if d.distributed:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         bf16 = resolve_precision(cfg, d.device) == torch.bfloat16
