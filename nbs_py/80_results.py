@@ -9,9 +9,12 @@
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
-# python benchmarks/train_step.py --profile            # + --ac, --compile, --gdn torch, --all-mla, --accum 8
+# python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
+# python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
 # ```
+#
+# (`benchmarks/h200_train_step.sh` runs the whole set, one process per variant.)
 #
 # **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the H200's dense bf16
 # peak). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
@@ -27,55 +30,82 @@ import matplotlib.pyplot as plt
 RESULTS = Path("../benchmarks/results")
 steps = json.loads((RESULTS / "train_step.json").read_text())
 
+
 # %% [markdown]
 # ## The 750M training step
 #
 # Micro-batch 4 × 4096 tokens, bf16 autocast with fp32 master weights, the full `Trainer.train_step`
 # (main + MTP losses, backward, clipping, NorMuon + AdamW, MoE bias update) on synthetic tokens.
+# `accum` is the number of micro-batches per optimiser step: 1 measures one micro-batch plus a
+# whole optimiser step; 32 is what `hymo_750m` (global batch 128 sequences) really does on one GPU.
 
 # %%
-print(f"{'variant':52s} {'normuon':>17s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
+def label(r):
+    v = r["variant"].replace("hybrid ", "").replace(" loss=fused", "").replace("gdn=triton ", "")
+    return v.replace("ac=False ", "").replace("ac=True", "AC").replace("compile=True", "compiled").replace("compile=False", "eager")
+
+print(f"{'variant':40s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
 for r in steps:
-    print(f"{r['variant']:52s} {r['normuon']:>17s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
+    print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
 print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('triton')}, {steps[0]['date']}")
 
 # %%
-fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-names = [r["variant"].replace(" compile=False", "").replace("hybrid ", "") + (" *" if r["normuon"] == "batched by shape" else "")
-         for r in steps]
-ax[0].barh(names, [r["tokens_per_s"] / 1e3 for r in steps], color="tab:blue")
-ax[0].set_xlabel("thousand tokens / s"); ax[0].invert_yaxis()
+fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+names = [label(r) for r in steps]
+ax[0].barh(names, [100 * r["mfu"] for r in steps], color="tab:blue")
+ax[0].axvline(40, ls="--", c="k", lw=1); ax[0].set_xlabel("MFU, % (target 40)"); ax[0].invert_yaxis()
 ax[1].barh(names, [r["peak_mem_gb"] for r in steps], color="tab:orange")
 ax[1].axvline(80, ls="--", c="k", lw=1); ax[1].set_xlabel("peak memory, GB (target 80)"); ax[1].invert_yaxis()
 ax[1].set_yticklabels([])
-ax[0].set_title("* = NorMuon batched by shape", fontsize=9)
 fig.tight_layout(); plt.show()
 
 # %% [markdown]
-# What the table says, and where the time goes (the `normuon` column says whether the step ran
-# NorMuon one matrix at a time or, as now, batched by shape):
+# ### Where a micro-batch's time goes
 #
-# * **The Triton GDN kernel makes the hybrid 3.1× faster per step than the PyTorch chunked path**
-#   (0.85 s against 2.60 s, both with the per-matrix NorMuon) and cuts peak memory from 131 GB to
-#   92 GB. The kernel alone is 51× faster at the 750M shape (1.44 ms against 73 ms forward +
-#   backward per layer, see the Triton chapter); the rest of the step does not get faster with it,
-#   so the whole-step ratio is lower than the 5× the project aimed for.
-# * **MFU is 10.8 % at one micro-batch per step and 13.6 % at eight**, far below the 40 % target.
-#   The first profile showed `NorMuon.step` taking about 0.5 s of wall time per step, issuing
-#   thousands of small kernels (one Newton–Schulz per matrix, 5 577 matmuls). Stacking same-shape
-#   matrices into one Newton–Schulz cut the step from 0.85 s to 0.68 s (957 matmuls). What remains
-#   (`benchmarks/results/train_step_profile.txt`) is dominated by many small elementwise kernels
-#   (dtype casts, the fp32 router and norms, the optimiser's elementwise tail), which is what
-#   `torch.compile` and fused optimiser kernels should remove; in the real run an optimiser step
-#   covers 32 micro-batches (global batch 128 on one GPU), which amortises the optimiser further.
-# * **Memory:** 92 GB without activation checkpointing at micro-batch 4, above the 80 GB target;
-#   37 GB with it (at 26 % lower throughput). Three fp32 logit tensors of 4 × 4096 × 64 256 (main
-#   and two MTP heads, 4.2 GB each, plus their gradients) are a large part of it; a chunked
-#   cross-entropy would remove them. `torch.compile` brought the peak to 71 GB, not the time.
-# * **All-MLA** (32 MLA + MoE blocks, activation checkpointing): 1.10 s per step at 6.8 GFLOPs per
-#   token, so it does more arithmetic per second (10.2 % MFU) but about the same tokens per second
-#   as the hybrid with the same checkpointing (14.9 k against 14.2 k), while storing 3.5 B
-#   parameters instead of 1.2 B and keeping a KV cache in every layer.
+# The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
+# summed by kind (`--profile micro`; the full table is `benchmarks/results/train_step_profile.txt`):
+
+# %%
+prof = next((r for r in steps if "profile_ms_per_micro_batch" in r), None)
+if prof:
+    total = sum(prof["profile_ms_per_micro_batch"].values())
+    for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
+    print(f"{'total':40s} {total:6.1f} ms")
+
+# %% [markdown]
+# What the numbers say:
+#
+# * **Memory: 52 GB at the preset's step, inside the 80 GB target.** The loss used to build three
+#   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
+#   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
+#   chunk: 73 GB eager, 47 GB compiled. Activation checkpointing brings it to 25 GB for 18 % fewer
+#   tokens per second.
+# * **MFU: 26.8 % at the preset's step (32 micro-batches per optimiser step, 60 k tokens/s),
+#   17.1 % with one micro-batch per step; the target was 40 %.** `torch.compile` is worth 1.8× at
+#   the preset's step (15.9 s eager, 8.7 s compiled); an earlier run of the same step, before the
+#   MTP heads were compiled too, measured 8.48 s (27.7 %), which is about the run-to-run spread.
+#   Three changes took the one-micro-batch step from 0.68 s to 0.43 s: the fused loss; the GDN
+#   kernel registered as a PyTorch operator, so that `torch.compile` compiles a whole GDN block as
+#   one graph (before, the kernel broke the graph); and the loss's per-chunk softmax compiled into
+#   one reduction and one elementwise kernel. The optimiser step (NorMuon's batched Newton–Schulz
+#   plus AdamW) costs about 0.16 s, which 32 micro-batches amortise.
+# * **What is left** (the breakdown above, 245 ms per micro-batch). Matrix multiplies are 40 %
+#   (99 ms for about 65 TFLOP, some 650 TFLOP/s, near what the H200 gives at these widths).
+#   Inductor's fused elementwise kernels are 28 %: norms, gates, SiLU, the short convolution,
+#   casts and MoE routing around narrow layers (width 896, heads of 32). The GDN kernels are 15 %
+#   (recomputing the chunk matrices in the backward and the 16 × 16 triangular solves are their
+#   largest parts), cuDNN attention 6 %, the loss 4 %. 40 % MFU would need the non-matmul part cut
+#   by more than half: a fused GDN block (projections' epilogues, convolution, norms and gates
+#   inside the kernels), saving rather than recomputing the chunk matrices, and larger
+#   micro-batches.
+# * **Triton GDN against the PyTorch chunked path: 3.9× faster per preset step, both compiled
+#   (8.7 s against 34.1 s); 2.3× with one micro-batch per step (0.43 s against 0.96 s), 3.6×
+#   eager (0.71 s against 2.53 s). The target was 5×.** The kernel itself is 51× faster (1.44 ms
+#   against 73 ms per layer, forward + backward; see the Triton chapter), but GDN is only part of
+#   the step.
+# * **All-MLA** (32 MLA + MoE blocks): 0.75 s per one-micro-batch step at 6.8 GFLOPs per token,
+#   15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B stored parameters,
+#   and a KV cache in every layer.
 
 # %% [markdown]
 # ## GDN kernel parity on the H200
