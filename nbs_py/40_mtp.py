@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from hymo.config import ModelConfig
 from hymo.models.layers import RMSNorm
@@ -175,6 +176,8 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
             mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction`, called with the head
            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
+    if any(o.logits is None for o in mtp_outputs):
+        raise ValueError("lm_loss needs MTP logits: call MultiTokenPrediction with the head, or use lm_loss_fused")
     ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
     return _weighted_total(ce(logits, targets), mtp_outputs, lambda o: ce(o.logits, o.targets))
 
@@ -217,15 +220,19 @@ for v in small.values(): test_close(v, torch.tensor(float(V)).log(), eps=1e-2)
 # the passes over the $N \times |V|$ tensor shrink to a few per chunk.
 #
 # Under autocast the matrix products run in the autocast dtype (bf16) and the softmax in fp32,
-# exactly as in `lm_loss`; the gradient of $W$ is summed over chunks in fp32. Targets equal to
-# $-100$ are ignored, as in `F.cross_entropy`.
+# exactly as in `lm_loss`; the gradient of $W$ is summed over chunks in fp32 and handed to
+# autograd in the compute dtype, like the reference's. Targets equal to $-100$ are ignored, as in
+# `F.cross_entropy`; a head whose targets are all ignored has loss 0 and zero gradients (where
+# `F.cross_entropy` returns NaN). Without grad mode (evaluation) only the loss is computed. fp16 is
+# refused: the gradient is rounded to the compute dtype before any loss scale could reach it, and
+# entries near $1/(N|V|) \approx 10^{-9}$ would flush to zero.
 #
 # `ce_chunk` is the per-chunk arithmetic, written as plain tensor operations. Run eagerly, each
 # operation is a pass over the $c \times |V|$ chunk (a cast, a max, a sum, a subtraction, an
 # exponential, the one-hot, a scale, a cast back): at the 750M shape those passes took about 60 ms
 # of a 320 ms micro-batch on the H200. On CUDA it goes through `torch.compile`, which fuses them
-# into a reduction and one elementwise kernel that read the bf16 logits twice and write the bf16
-# gradient once, and never build the one-hot.
+# into one reduction kernel per chunk that reads the bf16 logits, writes the bf16 gradient, and
+# never builds the one-hot.
 
 # %%
 #| export
@@ -261,11 +268,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of `h @ w.T` against `targets`, chunk by chunk, gradients computed in the forward."
 
     @staticmethod
-    def forward(ctx, h, w, targets, chunk_rows):  # h [N, D], w [V, D], targets [N]
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, h, w, targets, chunk_rows, grad_enabled):  # h [N, D], w [V, D], targets [N]
+        want_h, want_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
         acc = torch.promote_types(h.dtype, torch.float32)                 # fp32 (fp64 stays fp64, for checks)
         valid = targets != IGNORE_INDEX                                   # (N,)
-        row_w = valid.to(acc) / valid.sum().to(acc)                       # (N,) 1/n_valid or 0
+        row_w = valid.to(acc) / valid.sum().clamp_min(1).to(acc)          # (N,) 1/n_valid or 0
         safe = targets.clamp_min(0)                                       # ignored rows read class 0, weighted 0
         step = _ce_chunk_for(h.device.type)
         loss = torch.zeros((), dtype=acc, device=h.device)
@@ -282,10 +289,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad):  # grad: () the scalar that multiplies the loss downstream
+    @once_differentiable
+    def backward(ctx, grad):  # grad: () the scalar that multiplies the loss downstream, fp32
         dh, dw = ctx.saved_tensors
-        return (None if dh is None else dh * grad.to(dh.dtype),
-                None if dw is None else (dw * grad).to(ctx.w_dtype), None, None)
+        acc = torch.promote_types(grad.dtype, torch.float32)  # scale in fp32 (fp64 stays fp64): w_k/accum is no bf16 number
+        return (None if dh is None else (dh.to(acc) * grad).to(dh.dtype),
+                None if dw is None else (dw * grad).to(ctx.w_dtype), None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
@@ -299,9 +308,13 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
                          "need h [..., D], weight [V, D] and targets of h's leading shape")
     dev = h.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
+    if cdt == torch.float16:
+        raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "
+                        "scaling); use bf16 autocast or fp32")
     chunk = chunk_rows or max(1, 2 ** 28 // weight.shape[0])
     with torch.autocast(dev, enabled=False):
-        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk)
+        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk,
+                                         torch.is_grad_enabled())
 
 
 def lm_loss_fused(h: torch.Tensor, # Main hidden states after the final norm [B, T, D]

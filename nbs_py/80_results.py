@@ -87,17 +87,17 @@ if prof:
 #   Three changes took the one-micro-batch step from 0.68 s to 0.43 s: the fused loss; the GDN
 #   kernel registered as a PyTorch operator, so that `torch.compile` compiles a whole GDN block as
 #   one graph (before, the kernel broke the graph); and the loss's per-chunk softmax compiled into
-#   one reduction and one elementwise kernel. The optimiser step (NorMuon's batched Newton–Schulz
+#   one fused reduction kernel. The optimiser step (NorMuon's batched Newton–Schulz
 #   plus AdamW) costs about 0.16 s, which 32 micro-batches amortise.
 # * **What is left** (the breakdown above, 245 ms per micro-batch). Matrix multiplies are 40 %
-#   (99 ms for about 65 TFLOP, some 650 TFLOP/s, near what the H200 gives at these widths).
-#   Inductor's fused elementwise kernels are 28 %: norms, gates, SiLU, the short convolution,
-#   casts and MoE routing around narrow layers (width 896, heads of 32). The GDN kernels are 15 %
-#   (recomputing the chunk matrices in the backward and the 16 × 16 triangular solves are their
-#   largest parts), cuDNN attention 6 %, the loss 4 %. 40 % MFU would need the non-matmul part cut
-#   by more than half: a fused GDN block (projections' epilogues, convolution, norms and gates
-#   inside the kernels), saving rather than recomputing the chunk matrices, and larger
-#   micro-batches.
+#   (99 ms for about 65 TFLOP, some 650 TFLOP/s, near what the H200 gives at these widths; the
+#   loss's three vocabulary projections, about 17 TFLOP, are among them). Inductor's fused
+#   elementwise kernels are 28 %: norms, gates, SiLU, the short convolution, casts and MoE routing
+#   around narrow layers (width 896, heads of 32). The GDN kernels are 15 % (recomputing the chunk
+#   matrices in the backward and the 16 × 16 triangular solves are their largest parts), cuDNN
+#   attention 6 %, the loss's softmax kernel 4 %. 40 % MFU would need the non-matmul part cut by
+#   more than half: a fused GDN block (projections' epilogues, convolution, norms and gates inside
+#   the kernels), saving rather than recomputing the chunk matrices, and larger micro-batches.
 # * **Triton GDN against the PyTorch chunked path: 3.9× faster per preset step, both compiled
 #   (8.7 s against 34.1 s); 2.3× with one micro-batch per step (0.43 s against 0.96 s), 3.6×
 #   eager (0.71 s against 2.53 s). The target was 5×.** The kernel itself is 51× faster (1.44 ms

@@ -141,3 +141,43 @@ def test_compiled_ce_chunk_matches_eager():
             torch.testing.assert_close(la, lb)
             assert (ga is None) == (gb is None) == (not want)
             if want: torch.testing.assert_close(ga, gb)
+
+
+def test_linear_cross_entropy_edge_cases():
+    torch.manual_seed(0)
+    h = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    # a head whose targets are all ignored: loss 0 and zero gradients (not NaN)
+    t = torch.full((6,), IGNORE_INDEX)
+    loss = linear_cross_entropy(h, w, t)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    assert loss.item() == 0 and gh.abs().sum() == 0 and gw.abs().sum() == 0
+    # fp16 is refused with a way out
+    with pytest.raises(TypeError, match="bf16"):
+        linear_cross_entropy(h.half(), w.half(), torch.zeros(6, dtype=torch.long))
+    # lm_loss needs logits: a clear error when the MTP heads ran without the vocabulary projection
+    mtp_out = [MTPOutput(1, h[None, :5], torch.zeros(1, 5, dtype=torch.long), 0.3)]
+    with pytest.raises(ValueError, match="lm_loss_fused"):
+        lm_loss(torch.randn(1, 6, 11), torch.zeros(1, 6, dtype=torch.long), mtp_out)
+
+
+def test_linear_cross_entropy_skips_gradients_without_grad_mode(monkeypatch):
+    """Evaluation (no grad mode) computes only the loss, even for a weight that requires grad."""
+    from hymo.models import mtp
+    seen = []
+    real = mtp.ce_chunk
+    monkeypatch.setattr(mtp, "ce_chunk", lambda *a: seen.append(a[3]) or real(*a))
+    h, w = torch.randn(6, 8), torch.randn(11, 8, requires_grad=True)
+    with torch.no_grad(): linear_cross_entropy(h, w, torch.zeros(6, dtype=torch.long), chunk_rows=4)
+    assert seen == [False, False]
+
+
+def test_fused_loss_scales_bf16_gradients_in_fp32():
+    """The incoming scale (an MTP weight over the accumulation steps) is not a bf16 number: dh is scaled in fp32."""
+    torch.manual_seed(0)
+    h = torch.randn(16, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(20, 8, dtype=torch.bfloat16)
+    t = torch.randint(0, 20, (16,))
+    g1, = torch.autograd.grad(linear_cross_entropy(h, w, t), h)
+    g2, = torch.autograd.grad(linear_cross_entropy(h, w, t) * (0.3 / 32), h)
+    torch.testing.assert_close(g2, (g1.float() * (0.3 / 32)).to(torch.bfloat16), rtol=0, atol=0)

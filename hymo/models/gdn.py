@@ -161,8 +161,8 @@ def causal_conv1d(
     B, T, C = x.shape
     W = weight.shape[-1]
     if cu_seqlens is None and cache is None and not output_final_state:  # the common case: W shifted multiply-adds
-        xp = F.pad(x, (0, 0, W - 1, 0))                                      # (B, T+W-1, C), zeros before the start
-        return sum(xp[:, j:j + T] * weight[:, j] for j in range(W)), None
+        xp, wf = F.pad(x, (0, 0, W - 1, 0)).float(), weight.float()          # (B, T+W-1, C), zeros before the start
+        return sum(xp[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype), None  # summed in fp32, rounded once
     if cu_seqlens is None:  # every row is its own document
         cu_seqlens, x = torch.arange(B + 1, device=x.device) * T, x.reshape(1, B * T, C)
     elif B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig
 from .layers import RMSNorm
@@ -87,6 +88,8 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
             mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction`, called with the head
            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
+    if any(o.logits is None for o in mtp_outputs):
+        raise ValueError("lm_loss needs MTP logits: call MultiTokenPrediction with the head, or use lm_loss_fused")
     ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
     return _weighted_total(ce(logits, targets), mtp_outputs, lambda o: ce(o.logits, o.targets))
 
@@ -123,11 +126,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     "Mean cross-entropy of `h @ w.T` against `targets`, chunk by chunk, gradients computed in the forward."
 
     @staticmethod
-    def forward(ctx, h, w, targets, chunk_rows):  # h [N, D], w [V, D], targets [N]
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, h, w, targets, chunk_rows, grad_enabled):  # h [N, D], w [V, D], targets [N]
+        want_h, want_w = (grad_enabled and ctx.needs_input_grad[i] for i in (0, 1))
         acc = torch.promote_types(h.dtype, torch.float32)                 # fp32 (fp64 stays fp64, for checks)
         valid = targets != IGNORE_INDEX                                   # (N,)
-        row_w = valid.to(acc) / valid.sum().to(acc)                       # (N,) 1/n_valid or 0
+        row_w = valid.to(acc) / valid.sum().clamp_min(1).to(acc)          # (N,) 1/n_valid or 0
         safe = targets.clamp_min(0)                                       # ignored rows read class 0, weighted 0
         step = _ce_chunk_for(h.device.type)
         loss = torch.zeros((), dtype=acc, device=h.device)
@@ -144,10 +147,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad):  # grad: () the scalar that multiplies the loss downstream
+    @once_differentiable
+    def backward(ctx, grad):  # grad: () the scalar that multiplies the loss downstream, fp32
         dh, dw = ctx.saved_tensors
-        return (None if dh is None else dh * grad.to(dh.dtype),
-                None if dw is None else (dw * grad).to(ctx.w_dtype), None, None)
+        acc = torch.promote_types(grad.dtype, torch.float32)  # scale in fp32 (fp64 stays fp64): w_k/accum is no bf16 number
+        return (None if dh is None else (dh.to(acc) * grad).to(dh.dtype),
+                None if dw is None else (dw * grad).to(ctx.w_dtype), None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
@@ -161,9 +166,13 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
                          "need h [..., D], weight [V, D] and targets of h's leading shape")
     dev = h.device.type
     cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
+    if cdt == torch.float16:
+        raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "
+                        "scaling); use bf16 autocast or fp32")
     chunk = chunk_rows or max(1, 2 ** 28 // weight.shape[0])
     with torch.autocast(dev, enabled=False):
-        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk)
+        return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk,
+                                         torch.is_grad_enabled())
 
 
 def lm_loss_fused(h: torch.Tensor, # Main hidden states after the final norm [B, T, D]
