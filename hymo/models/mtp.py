@@ -155,6 +155,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None if dw is None else (dw * grad).to(ctx.w_dtype), None, None, None)
 
 
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    "The matrix products' dtype: autocast's where it is on (as `F.linear` would), else the inputs' common dtype."
+    dev = h.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
+
+
 def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
                          weight: torch.Tensor, # Vocabulary projection [V, D] (the tied embedding)
                          targets: torch.Tensor, # Token ids [...], IGNORE_INDEX (-100) to skip a position
@@ -164,8 +170,7 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
     if h.shape[:-1] != targets.shape or h.shape[-1] != weight.shape[-1]:
         raise ValueError(f"h {tuple(h.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}: "
                          "need h [..., D], weight [V, D] and targets of h's leading shape")
-    dev = h.device.type
-    cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
+    dev, cdt = h.device.type, _compute_dtype(h, weight)
     if cdt == torch.float16:
         raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "
                         "scaling); use bf16 autocast or fp32")
@@ -181,5 +186,6 @@ def lm_loss_fused(h: torch.Tensor, # Main hidden states after the final norm [B,
                   mtp_outputs: list[MTPOutput] = (), # From `MultiTokenPrediction` (no head needed)
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     "`lm_loss` from hidden states: the same total and parts, with `linear_cross_entropy` for every head."
+    weight = weight.to(_compute_dtype(h, weight))  # cast once for the three heads (a no-op for each call below)
     return _weighted_total(linear_cross_entropy(h, weight, targets), mtp_outputs,
                            lambda o: linear_cross_entropy(o.hidden, weight, o.targets))
