@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The train-step rows of the results page, one process each (clean peak-memory numbers).
-# On the GPU machine: OUT=/some/dir bash benchmarks/h200_train_step.sh main|variants   (each fits 10 minutes)
+# On the GPU machine: OUT=/some/dir bash benchmarks/h200_train_step.sh kernels|main|variants   (each fits 10 minutes)
 set -u
 export PYTHONPATH=$PWD
 OUT=${OUT:-benchmarks/results}
 J=$OUT/train_step.json
 run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" "$@" 2>&1 | grep -v Warning | tail -70; }
 case "${1:-main}" in
+  kernels)  # parity and speed of the two Triton parts of a GDN layer: the prelude (chapter 14) and the rule (chapter 13)
+    timeout 200 python benchmarks/gdn_conv_kernel.py --sweep --out "$OUT/gdn_conv_kernel.json" 2>&1 | grep -v Warning | tail -40
+    timeout 150 python benchmarks/gdn_verify.py --quick --out "$OUT/gdn_verify.json" 2>&1 | grep -v Warning | tail -25
+    timeout 200 python benchmarks/gdn_kernel.py --shapes hymo_750m --out "$OUT/gdn_kernel.json" 2>&1 | grep -v Warning | tail -25 ;;
   main)  # the preset's step compiled and eager, and the one-micro-batch step with its profile
     run --compile --accum 32 --warmup 1 --steps 2
     run --compile --profile micro > "$OUT/train_step_profile.txt"; grep -A12 '^{' "$OUT/train_step_profile.txt" | head -14
@@ -19,5 +23,5 @@ case "${1:-main}" in
     run --compile --gdn torch --accum 32 --warmup 1 --steps 2
     run --compile --gdn torch --warmup 2 --steps 3
     run --gdn torch --warmup 2 --steps 3 ;;
-  *) echo "usage: OUT=dir bash $0 main|variants" >&2; exit 2 ;;
+  *) echo "usage: OUT=dir bash $0 kernels|main|variants" >&2; exit 2 ;;
 esac

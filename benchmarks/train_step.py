@@ -105,7 +105,7 @@ def run(args) -> dict:
             res["profile_ms_per_micro_batch"] = breakdown(prof, 3 if args.profile == "micro" else args.accum)
             print(json.dumps(res["profile_ms_per_micro_batch"], indent=1))
         except Exception as e: print("breakdown failed:", repr(e))
-        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.profile_rows, max_name_column_width=90)
         print(table)
         res["profile_top"] = table
     del t
@@ -127,6 +127,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", nargs="?", const="step", choices=["step", "micro"],
                    help="torch.profiler table of one optimiser step, or ('micro') of 3 forward+backward passes")
+    p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
     p.add_argument("--out", default=None, help="append the result to this JSON list")
     args = p.parse_args()
     if not torch.cuda.is_available(): raise SystemExit("this benchmark needs a CUDA GPU")

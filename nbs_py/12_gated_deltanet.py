@@ -472,6 +472,11 @@ for T in (256, 1024):
 # 5. The rule; then an RMSNorm over each head's $V$ outputs, multiplied by $\mathrm{SiLU}$ of a
 #    gate from `g_proj`, and `o_proj` back to $D$.
 #
+# The six input projections all read the same $x$, so the forward runs them as one matrix product
+# with their weights stacked (`in_proj_weight`) and splits the result. One product of width
+# $2HK + 2HV + 2H$ keeps the GPU busier than six narrow ones (two of them only $H$ wide). The
+# parameters stay six separate matrices, which is what the optimiser (chapter 50) orthogonalises.
+#
 # ### The short convolution, document-aware
 #
 # $y_t = \sum_{j=0}^{W-1} w_{W-1-j}\, x_{t-j}$ per channel, where $x_{t-j}$ is taken only from the
@@ -535,6 +540,36 @@ assert_close(torch.cat([y_a, y_b], 1), ref)
 
 
 # %% [markdown]
+# ### The prelude: convolution, SiLU, norm
+#
+# Steps 1 and 2 together are the mixer's *prelude*, which turns the projected $[B, T, 2HK + HV]$
+# into the rule's inputs. It is written once, here, as the reference; chapter 14 fuses it into one
+# Triton kernel forward and one backward with the same contract, and the mixer uses that on the GPU.
+
+# %%
+#| export
+def conv_silu_norm(
+    qkv: torch.Tensor,  # Projected q, k, v [B, T, 2HK + HV]
+    weight: torch.Tensor,  # Depthwise conv weights [2HK + HV, W]; weight[:, -1] multiplies the current token
+    n_heads: int,  # H
+    head_k_dim: int,  # K; the value head size is (C - 2HK) / H
+    cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+    cache: Optional[torch.Tensor] = None,  # The conv window carried from a previous call, [B, W-1, C]
+    output_final_state: bool = False,  # Also return the new conv window
+):
+    "Short conv, SiLU, unit L2 norm per head of q and k. Returns `(q [B, T, H, K], k, v [B, T, H, V], conv cache or None)`."
+    B, T, C = qkv.shape
+    H, K = n_heads, head_k_dim
+    V = (C - 2 * H * K) // H
+    y, cache = causal_conv1d(qkv, weight.to(qkv.dtype), cu_seqlens, cache, output_final_state)
+    q, k, v = F.silu(y).split([H * K, H * K, H * V], -1)
+    # back to the input's dtype (bf16 under autocast, where the norm itself runs in fp32)
+    q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(y.dtype)  # (B, T, H, K), unit norm per head
+    k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(y.dtype)
+    return q, k, v.view(B, T, H, V), cache
+
+
+# %% [markdown]
 # ### The decay parameters and their initialisation
 #
 # `A_log` and `dt_bias` are initialised as in Mamba-2 and the GDN reference code:
@@ -553,13 +588,15 @@ class GDNState(NamedTuple):
     conv: torch.Tensor  # The last W-1 inputs of the short convolution, [B, W-1, 2HK + HV]
 
 
-def _load_triton_rule():
-    "The Triton kernel `triton_gated_delta_rule`, or None where Triton or `hymo.models.gdn_triton` is missing."
-    try: from hymo.models.gdn_triton import triton_gated_delta_rule
+def _load_triton(part: str):
+    "The Triton function for `part`: 'rule' (chapter 13) or 'prelude' (chapter 14); None where Triton or its module is missing."
+    try:  # plain imports, which torch.compile can trace
+        if part == "rule": from hymo.models.gdn_triton import triton_gated_delta_rule as fn
+        else: from hymo.models.gdn_conv_triton import triton_conv_silu_norm as fn
     except ModuleNotFoundError as e:
-        if e.name in ("triton", "hymo.models.gdn_triton"): return None
+        if e.name in ("triton", "hymo.models.gdn_triton", "hymo.models.gdn_conv_triton"): return None
         raise  # a real import bug inside the kernel module must not silently fall back
-    return triton_gated_delta_rule
+    return fn
 
 
 # %%
@@ -617,28 +654,33 @@ class GatedDeltaNet(nn.Module):
         "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)       # (B, T, 2HK + HV)
+        # the six input projections as one matrix product (the parameters stay separate matrices)
+        qkv, gate, a, b = F.linear(x, self.in_proj_weight()).split([2 * H * K + H * V, H * V, H, H], -1)
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
-        qkv, conv_state = causal_conv1d(qkv, w.to(qkv.dtype), cu_seqlens, None if initial_state is None else initial_state.conv,
-                                        output_final_state)
-        q, k, v = F.silu(qkv).split([H * K, H * K, H * V], -1)
-        # back to the projections' dtype (bf16 under autocast, where x itself may be fp32): q, k, v share one dtype
-        q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(qkv.dtype)  # (B, T, H, K), unit norm per head
-        k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(qkv.dtype)
-        v = v.view(B, T, H, V)                                                        # (B, T, H, V)
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())  # (B, T, H), <= 0
-        beta = self.b_proj(x).float().sigmoid()                                       # (B, T, H), in (0, 1)
-        kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton_rule() else "torch")
-        o, S = self._rule(kernel)(q, k, v, g, beta, None, None if initial_state is None else initial_state.recurrent,
+        kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton("rule") else "torch")
+        rule = self._rule(kernel)
+        if kernel == "triton" and initial_state is None and not output_final_state:  # the fused prelude (chapter 14)
+            q, k, v = _load_triton("prelude")(qkv, w, H, K, cu_seqlens)
+            conv_state = None
+        else:
+            q, k, v, conv_state = conv_silu_norm(qkv, w, H, K, cu_seqlens, None if initial_state is None else initial_state.conv,
+                                                 output_final_state)                 # (B, T, H, K) x 2, (B, T, H, V)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (B, T, H), <= 0
+        beta = b.float().sigmoid()                                                    # (B, T, H), in (0, 1)
+        o, S = rule(q, k, v, g, beta, None, None if initial_state is None else initial_state.recurrent,
                                   output_final_state, cu_seqlens)                     # (B, T, H, V)
-        o = self.o_norm(o) * F.silu(self.g_proj(x).view(B, T, H, V))
+        o = self.o_norm(o) * F.silu(gate.view(B, T, H, V))
         y = self.o_proj(o.reshape(B, T, H * V))
         return (y, GDNState(S, conv_state)) if output_final_state else y
+
+    def in_proj_weight(self) -> torch.Tensor:
+        "The q, k, v, g, a, b projections stacked: `[2HK + 2HV + 2H, dim]`, in the order the forward splits them."
+        return torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.a_proj, self.b_proj)])
 
     def _rule(self, kernel: str):
         "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."
         if kernel == "triton":
-            rule = _load_triton_rule()
+            rule = _load_triton("rule")
             if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
             return rule
         if kernel == "torch":

@@ -1,0 +1,99 @@
+"""The GDN prelude (short conv, SiLU, L2 norm of q and k) at the 750M shape on a GPU: parity of the Triton
+kernels against the fp32 PyTorch prelude, and forward / forward+backward times against PyTorch eager and
+`torch.compile`, with a small sweep of the kernels' tiles.
+
+    python benchmarks/gdn_conv_kernel.py --out benchmarks/results/gdn_conv_kernel.json [--sweep]
+"""
+import argparse
+import json
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import hymo.models.gdn_conv_triton as ct
+from hymo.models.gdn import conv_silu_norm
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: parity only, under TRITON_INTERPRET=1 (a smoke run)
+B, T, H, K, V, W = 4, 4096, 40, 32, 32, 4  # hymo_750m: micro-batch 4 x 4096, 40 heads of 32
+C = 2 * H * K + H * V
+EXTRA = H * V + 2 * H  # the mixer's projection also holds g (HV), a and b (H each)
+
+
+def inputs(seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    wide = torch.randn(B, T, C + EXTRA, device=DEV, generator=gen).bfloat16()   # qkv is a column slice of it
+    w = torch.randn(C, W, device=DEV, generator=gen) * 0.5
+    cots = [torch.randn(B, T, H, d, device=DEV, generator=gen).bfloat16() for d in (K, K, V)]
+    return wide, w, cots
+
+
+def fwd_bwd(fn, wide, w, cots):
+    x, ww = wide.detach().requires_grad_(), w.detach().requires_grad_()
+    ys = fn(x[..., :C], ww, H, K)[:3]
+    torch.autograd.backward(ys, cots)
+    return [*ys, x.grad[..., :C], ww.grad]
+
+
+def parity() -> dict:
+    "Relative RMSE of q, k, v, dx, dw: the kernels on bf16 inputs against the fp32 prelude on the same inputs."
+    wide, w, cots = inputs()
+    ref = fwd_bwd(conv_silu_norm, wide.float(), w, [c.float() for c in cots])
+    out = fwd_bwd(ct.triton_conv_silu_norm, wide, w, cots)
+    eager = fwd_bwd(conv_silu_norm, wide, w, cots)  # PyTorch in bf16, for scale
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return {"triton_vs_fp32": {n: rel(o, r) for n, o, r in zip("q k v dx dw".split(), out, ref)},
+            "pytorch_bf16_vs_fp32": {n: rel(o, r) for n, o, r in zip("q k v dx dw".split(), eager, ref)}}
+
+
+def timings() -> dict:
+    wide, w, cots = inputs()
+    compiled = torch.compile(conv_silu_norm)
+    res = {}
+    for name, fn in (("triton", ct.triton_conv_silu_norm), ("pytorch_eager", conv_silu_norm), ("pytorch_compiled", compiled)):
+        res[f"{name}_fwd_ms"] = do_bench(lambda: fn(wide[..., :C], w, H, K), return_mode="median")
+        res[f"{name}_fwd_bwd_ms"] = do_bench(lambda: fwd_bwd(fn, wide, w, cots), return_mode="median")
+    # what a layer must move at least: read x, write q k v; backward read x and dq dk dv, write dx (bf16)
+    mb = B * T * C * 2 / 1e6
+    res.update(bytes_fwd_MB=2 * mb, bytes_bwd_MB=3 * mb)
+    res["triton_fwd_TBps"] = 2 * mb / 1e6 / (res["triton_fwd_ms"] / 1e3)
+    return res
+
+
+def sweep() -> dict:
+    wide, w, cots = inputs()
+    out, saved = {}, {k: dict(v) for k, v in ct.LAUNCH.items()}
+    for kind in ("fwd", "bwd"):
+        for BT in (16, 32, 64, 128):
+            for nw in (2, 4, 8):
+                ct.LAUNCH[kind] = dict(BT=BT, num_warps=nw)
+                try:
+                    f = (lambda: ct.triton_conv_silu_norm(wide[..., :C], w, H, K)) if kind == "fwd" else \
+                        (lambda: ct.conv_silu_norm_bwd(wide[..., :C], w, H, K, None, *[c.view(B, T, -1) for c in cots]))
+                    out[f"{kind} BT={BT} warps={nw}"] = do_bench(f, return_mode="median")
+                except Exception as e:
+                    out[f"{kind} BT={BT} warps={nw}"] = repr(e)[:120]
+                ct.LAUNCH[kind] = dict(saved[kind])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+                         triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch=ct.LAUNCH,
+                         timer="triton.testing.do_bench, median, ms"))
+    res["parity"] = parity()
+    print(json.dumps(res["parity"], indent=1), flush=True)
+    res.update(timings())
+    if args.sweep: res["sweep"] = sweep()
+    print(json.dumps({k: v for k, v in res.items() if k != "parity"}, indent=1))
+    if args.out:
+        with open(args.out, "w") as f: json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The fused GDN prelude (conv, SiLU, L2 norm) in Triton against the PyTorch prelude, on CPU through
+Triton's interpreter, and the mixer that uses it against the mixer on the PyTorch path.
+
+As in test_gdn_triton.py, the kernels run in a fresh process that sets TRITON_INTERPRET=1 first; it
+prints the relative error of every output and gradient as JSON, and the tests judge them.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from hymo.config import load_config
+    from hymo.models.gdn import GatedDeltaNet, conv_silu_norm
+    from hymo.models.gdn_conv_triton import triton_conv_silu_norm
+
+    def rel(a, b): return [((a.float() - b.float()).norm() / b.float().norm()).item(), b.float().norm().item()]
+
+    def prelude(B, T, H, K, V, W=4, cu=None, dtype=torch.float32, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        C = 2 * H * K + H * V
+        wide = torch.randn(B, T, C + 5, generator=gen).to(dtype)    # qkv is a column slice, as in the mixer
+        w = torch.randn(C, W, generator=gen) * 0.5
+        cots = [torch.randn(B, T, H, d, generator=gen) for d in (K, K, V)]
+        outs = []
+        for fn, xdt in ((conv_silu_norm, torch.float32), (triton_conv_silu_norm, dtype)):
+            x = wide.detach().to(xdt).requires_grad_(); ww = w.detach().clone().requires_grad_()
+            ys = fn(x[..., 2:2 + C], ww, H, K, cu_seqlens=cu)[:3]
+            sum((y.float() * c).sum() for y, c in zip(ys, cots)).backward()
+            outs.append([*ys, x.grad, ww.grad])
+        return {n: rel(o, r) for n, r, o in zip("q k v dx dw".split(), *outs)}
+
+    def mixer(cu=None, seed=0):
+        torch.manual_seed(seed)
+        m = GatedDeltaNet(load_config("hymo_tiny").model)
+        x = torch.randn(1, 100, m.config.dim)
+        res = []
+        for kernel in ("torch", "triton"):
+            m.kernel = kernel; m.zero_grad()
+            xx = x.clone().requires_grad_()
+            y = m(xx, cu_seqlens=cu)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            res.append([y, xx.grad] + [p.grad for p in m.parameters()])
+        names = ["y", "dx"] + [n for n, _ in m.named_parameters()]
+        return {n: rel(b, a) for n, a, b in zip(names, *res)}
+
+    res = {"odd_T": prelude(2, 70, 3, 32, 32),
+           "padded_heads_W3": prelude(1, 45, 2, 12, 20, W=3, seed=1),
+           "packed": prelude(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=2),
+           "bf16": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3),
+           "mixer": mixer(),
+           "mixer_packed": mixer(cu=torch.tensor([0, 37, 100]), seed=1)}
+    print("RESULT" + json.dumps(res))
+''')
+
+
+@pytest.fixture(scope="module")
+def errors():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.split("RESULT", 1)[1])
+
+
+def _check(case, tol):
+    for name, (err, scale) in case.items():
+        assert scale > 0, f"{name}: the reference is all zeros, the check would prove nothing"
+        assert err <= tol, f"{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", ["odd_T", "padded_heads_W3", "packed"])
+def test_prelude_outputs_and_gradients_match_pytorch(errors, name):
+    "fp32: q, k, v and the gradients of the input and the conv weights, to fp32 rounding."
+    _check(errors[name], 1e-5)
+    assert set(errors[name]) == {"q", "k", "v", "dx", "dw"}
+
+
+def test_prelude_in_bf16_is_within_bf16_rounding(errors):
+    "bf16 inputs against the fp32 prelude: within a few bf16 roundings (2^-8 relative)."
+    _check(errors["bf16"], 1e-2)
+
+
+@pytest.mark.parametrize("name", ["mixer", "mixer_packed"])
+def test_mixer_on_the_triton_path_equals_the_pytorch_path(errors, name):
+    "The whole mixer (stacked projection, fused prelude, Triton rule) against the PyTorch path: output and every gradient."
+    assert {"y", "dx", "q_proj.weight", "a_proj.weight", "q_conv1d.weight", "A_log", "dt_bias"} <= set(errors[name])
+    _check(errors[name], 1e-4)
+
+
+def test_bad_inputs_are_refused_with_a_clear_message():
+    from hymo.models.gdn_conv_triton import triton_conv_silu_norm
+    with pytest.raises(ValueError, match="2\\*H\\*K \\+ H\\*V"):
+        triton_conv_silu_norm(torch.randn(1, 8, 101), torch.randn(101, 4), 2, 16)
+    with pytest.raises(ValueError, match="weight must be"):
+        triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(90, 4), 2, 16)
+    with pytest.raises(ValueError, match="B must be 1"):
+        triton_conv_silu_norm(torch.randn(2, 8, 96), torch.randn(96, 4), 2, 16, cu_seqlens=torch.tensor([0, 8]))
