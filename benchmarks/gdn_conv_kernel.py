@@ -62,19 +62,24 @@ def timings() -> dict:
 
 
 def sweep() -> dict:
+    "Median ms of the forward and of the backward operator for each tile (BT rows) and warp count, and the best of each."
     wide, w, cots = inputs()
     out, saved = {}, {k: dict(v) for k, v in ct.LAUNCH.items()}
-    for kind in ("fwd", "bwd"):
-        for BT in (16, 32, 64, 128):
-            for nw in (2, 4, 8):
-                ct.LAUNCH[kind] = dict(BT=BT, num_warps=nw)
-                try:
-                    f = (lambda: ct.triton_conv_silu_norm(wide[..., :C], w, H, K)) if kind == "fwd" else \
-                        (lambda: ct.conv_silu_norm_bwd(wide[..., :C], w, H, K, None, *[c.view(B, T, -1) for c in cots]))
-                    out[f"{kind} BT={BT} warps={nw}"] = do_bench(f, return_mode="median")
-                except Exception as e:
-                    out[f"{kind} BT={BT} warps={nw}"] = repr(e)[:120]
-                ct.LAUNCH[kind] = dict(saved[kind])
+    dys = [c.reshape(B, T, -1) for c in cots]
+    grid = {"fwd": [dict(BT=bt, num_warps=nw) for bt in (8, 16, 32) for nw in (2, 4)],
+            "bwd": [dict(BT=bt, RT=rt, num_warps=nw) for bt in (8, 16) for rt in (64, 128, 256) for nw in (4, 8)]}
+    for kind, configs in grid.items():
+        f = (lambda: ct.triton_conv_silu_norm(wide[..., :C], w, H, K)) if kind == "fwd" else \
+            (lambda: ct.conv_silu_norm_bwd(wide[..., :C], w, H, K, None, *dys))
+        times, by_name = {}, {}
+        for cfg in configs:
+            ct.LAUNCH[kind] = cfg
+            name = f"{kind} " + " ".join(f"{k}={v}" for k, v in cfg.items())
+            by_name[name] = cfg
+            try: out[name] = times[name] = do_bench(f, return_mode="median")
+            except Exception as e: out[name] = repr(e)[:120]
+        out[f"best_{kind}"] = by_name[min(times, key=times.get)] if times else saved[kind]
+        ct.LAUNCH[kind] = dict(saved[kind])
     return out
 
 
@@ -82,14 +87,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--best-out", default=None, help="with --sweep: write the fastest tiles here (train_step.py --conv-launch reads them)")
     args = ap.parse_args()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                          triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch=ct.LAUNCH,
                          timer="triton.testing.do_bench, median, ms"))
     res["parity"] = parity()
     print(json.dumps(res["parity"], indent=1), flush=True)
+    if args.sweep:
+        res["sweep"] = sweep()
+        best = {k: res["sweep"][f"best_{k}"] for k in ("fwd", "bwd")}
+        print("fastest tiles:", best, flush=True)
+        ct.LAUNCH.update(best)
+        if args.best_out:
+            with open(args.best_out, "w") as f: json.dump(best, f)
+    res["launch_timed"] = {k: dict(v) for k, v in ct.LAUNCH.items()}
     res.update(timings())
-    if args.sweep: res["sweep"] = sweep()
     print(json.dumps({k: v for k, v in res.items() if k != "parity"}, indent=1))
     if args.out:
         with open(args.out, "w") as f: json.dump(res, f, indent=1)

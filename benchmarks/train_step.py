@@ -43,6 +43,7 @@ class SyntheticTrainer(Trainer):
 CATEGORIES = [  # first match wins; names of the CUDA kernels in the profile
     ("cross-entropy (compiled ce_chunk)", r"logsumexp"),
     ("GDN Triton kernels", r"^_(prep|fwd|bwd_states|bwd_local)_kernel"),
+    ("GDN prelude kernels (conv, SiLU, norm)", r"^_conv_(fwd|bwd)_kernel"),
     ("attention (cuDNN SDPA)", r"sdpa|flash|fmha|attention"),
     ("matrix multiplies", r"nvjet|cutlass|gemm|xmma|cublas|splitK|grouped"),
     ("compiled elementwise (inductor)", r"^triton_"),
@@ -62,7 +63,17 @@ def breakdown(prof, n_micro: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _conv_launch():
+    "The prelude kernels' tiles this run used (None where the module was never imported)."
+    import sys
+    m = sys.modules.get("hymo.models.gdn_conv_triton")
+    return None if m is None else {k: dict(v) for k, v in m.LAUNCH.items()}
+
+
 def run(args) -> dict:
+    if args.conv_launch:
+        import hymo.models.gdn_conv_triton as ct
+        with open(args.conv_launch) as f: ct.LAUNCH.update(json.load(f))
     over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
@@ -82,7 +93,7 @@ def run(args) -> dict:
         times.append(time.perf_counter() - t0)
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
-    res = dict(variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile} accum={args.accum} loss={args.loss}",
+    res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile} accum={args.accum} loss={args.loss}",
                step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
@@ -127,6 +138,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", nargs="?", const="step", choices=["step", "micro"],
                    help="torch.profiler table of one optimiser step, or ('micro') of 3 forward+backward passes")
+    p.add_argument("--conv-launch", default=None, help="JSON of tiles for the GDN prelude kernels (gdn_conv_kernel.py --best-out)")
     p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
     p.add_argument("--out", default=None, help="append the result to this JSON list")
     args = p.parse_args()

@@ -45,13 +45,15 @@ def label(r):
     return v.replace("ac=False ", "").replace("ac=True", "AC").replace("compile=True", "compiled").replace("compile=False", "eager")
 
 print(f"{'variant':40s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>8s}")
-for r in steps:
-    print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
+for code in dict.fromkeys(r["code"] for r in steps):  # rows grouped by the code they measured, newest first
+    print(f"-- {code}")
+    for r in (r for r in steps if r["code"] == code):
+        print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
 print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('triton')}, {steps[0]['date']}")
 
 # %%
 fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-names = [label(r) for r in steps]
+names = [label(r) + (" (before)" if r["code"].startswith("before") else "") for r in steps]
 ax[0].barh(names, [100 * r["mfu"] for r in steps], color="tab:blue")
 ax[0].axvline(40, ls="--", c="k", lw=1); ax[0].set_xlabel("MFU, % (target 40)"); ax[0].invert_yaxis()
 ax[1].barh(names, [r["peak_mem_gb"] for r in steps], color="tab:orange")
@@ -75,34 +77,42 @@ if prof:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 52 GB at the preset's step, inside the 80 GB target.** The loss used to build three
+# * **Memory: 48.8 GB at the preset's step, inside the 80 GB target.** The loss used to build three
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
-#   chunk: 73 GB eager, 47 GB compiled. Activation checkpointing brings it to 25 GB for 18 % fewer
-#   tokens per second.
-# * **MFU: 26.8 % at the preset's step (32 micro-batches per optimiser step, 60 k tokens/s),
-#   17.1 % with one micro-batch per step; the target was 40 %.** `torch.compile` is worth 1.8× at
-#   the preset's step (15.9 s eager, 8.7 s compiled); an earlier run of the same step, before the
-#   MTP heads were compiled too, measured 8.48 s (27.7 %), which is about the run-to-run spread.
-#   Three changes took the one-micro-batch step from 0.68 s to 0.43 s: the fused loss; the GDN
-#   kernel registered as a PyTorch operator, so that `torch.compile` compiles a whole GDN block as
-#   one graph (before, the kernel broke the graph); and the loss's per-chunk softmax compiled into
-#   one fused reduction kernel. The optimiser step (NorMuon's batched Newton–Schulz
-#   plus AdamW) costs about 0.16 s, which 32 micro-batches amortise.
-# * **What is left** (the breakdown above, 245 ms per micro-batch). Matrix multiplies are 40 %
-#   (99 ms for about 65 TFLOP, some 650 TFLOP/s, near what the H200 gives at these widths; the
+#   chunk. The Triton prelude (chapter 14) saves no activation of its own: 52.0 → 48.8 GB compiled,
+#   72.6 → 60.2 GB eager. Activation checkpointing brought it to 25 GB for 18 % fewer tokens per
+#   second (measured before the prelude kernel).
+# * **MFU: 28.0 % at the preset's step (32 micro-batches per optimiser step, 62.7 k tokens/s); the
+#   target was 40 %.** Before this round it was 26.8 % (8.75 s); the step is now 8.37 s, a gain of
+#   the size of the run-to-run spread seen before (8.48 and 8.75 s for nearly the same code).
+#   `torch.compile` was worth 1.8× at the preset's step (15.9 s eager). The optimiser step (NorMuon's batched Newton–Schulz plus AdamW) costs about 0.16 s, which
+#   32 micro-batches amortise.
+# * **The Triton prelude.** It replaced inductor's kernels for the short convolution, SiLU and q/k
+#   norm (27 ms of a micro-batch) with two Triton kernels (29 ms). Compiled, that is a wash. The
+#   gain of the compiled step comes from stacking the six GDN input projections into one matrix
+#   product (matrix multiplies 98.8 → 95.1 ms). Eager, the prelude is 5.3× faster than PyTorch's
+#   (1.6 against 8.4 ms per layer, forward + backward), and the eager one-micro-batch step went
+#   from 0.71 to 0.51 s.
+#   Its backward (1.0 ms per layer) is still about 8× the time its memory traffic needs. It
+#   recomputes the convolution at four row offsets on 8-row tiles, and larger tiles spill
+#   registers. A better backward is the first open item below.
+# * **What is left** (the breakdown above, 241 ms per micro-batch). Matrix multiplies are 39 %
+#   (95 ms for about 65 TFLOP, some 680 TFLOP/s, near what the H200 gives at these widths; the
 #   loss's three vocabulary projections, about 17 TFLOP, are among them). Inductor's fused
-#   elementwise kernels are 28 %: norms, gates, SiLU, the short convolution, casts and MoE routing
-#   around narrow layers (width 896, heads of 32). The GDN kernels are 15 % (recomputing the chunk
-#   matrices in the backward and the 16 × 16 triangular solves are their largest parts), cuDNN
-#   attention 6 %, the loss's softmax kernel 4 %. 40 % MFU would need the non-matmul part cut by
-#   more than half: a fused GDN block (projections' epilogues, convolution, norms and gates inside
-#   the kernels), saving rather than recomputing the chunk matrices, and larger micro-batches.
-# * **Triton GDN against the PyTorch chunked path: 3.9× faster per preset step, both compiled
-#   (8.7 s against 34.1 s); 2.3× with one micro-batch per step (0.43 s against 0.96 s), 3.6×
-#   eager (0.71 s against 2.53 s). The target was 5×.** The kernel itself is 51× faster (1.44 ms
-#   against 73 ms per layer, forward + backward; see the Triton chapter), but GDN is only part of
-#   the step.
+#   elementwise kernels are 17 %: RMSNorms with the fp32 residual stream, the output gate, SwiGLU,
+#   MoE routing; those read and write at close to the memory bandwidth. The GDN kernels are 15 %
+#   (recomputing the chunk matrices in the backward and the 16 × 16 triangular solves are their
+#   largest parts; keeping $A$ from the forward would save 6 ms but breaks the kernel's 2× memory
+#   bound), the prelude 12 %, cuDNN attention 6 %, the loss's softmax kernel 4 %. 40 % MFU needs
+#   183 ms per micro-batch, about 178 ms once the optimiser step is shared out: with the matrix
+#   multiplies as they are, the rest would have to fall from 146 to about 83 ms.
+# * **Triton GDN path against the PyTorch chunked path: 4.1× faster per preset step, both compiled
+#   (8.37 s against 34.1 s; the PyTorch path measured before this round, and it has no part that changed
+#   apart from the stacked projection); 2.3× with one micro-batch per step (0.43 s against 0.96 s,
+#   both before this round) and 4.97× eager with one micro-batch (0.51 s against 2.53 s). The target
+#   was 5× per step.** The rule kernel itself is 51× faster (1.44 ms against 73 ms per layer, forward
+#   + backward; see the Triton chapter), but GDN is only part of the step.
 # * **All-MLA** (32 MLA + MoE blocks): 0.75 s per one-micro-batch step at 6.8 GFLOPs per token,
 #   15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B stored parameters,
 #   and a KV cache in every layer.

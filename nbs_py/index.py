@@ -16,7 +16,7 @@
 # | Part | Chapters |
 # |---|---|
 # | Foundations | configuration; shared layers (RMSNorm, SwiGLU) |
-# | Linear attention | linear attention; the delta rule and the gated delta rule; the chunked WY form and the GDN block; the Triton kernel |
+# | Linear attention | linear attention; the delta rule and the gated delta rule; the chunked WY form and the GDN block; the Triton kernels for the rule and for the prelude (short conv, SiLU, norm) |
 # | Attention | RoPE and partial RoPE; Multi-Head Latent Attention and its latent KV cache |
 # | Sparsity | DeepSeek-style MoE and aux-loss-free load balancing |
 # | The model | multi-token prediction; the hybrid model and its accounting |
