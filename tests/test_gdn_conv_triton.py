@@ -4,14 +4,11 @@ Triton's interpreter, and the mixer that uses it against the mixer on the PyTorc
 As in test_gdn_triton.py, the kernels run in a fresh process that sets TRITON_INTERPRET=1 first; it
 prints the relative error of every output and gradient as JSON, and the tests judge them.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _interpret import run_child
 
 CHILD = textwrap.dedent('''
     import json, os
@@ -71,10 +68,7 @@ CHILD = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def errors():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.split("RESULT", 1)[1])
+    return run_child(CHILD)
 
 
 def _check(case, tol):

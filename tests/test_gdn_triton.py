@@ -5,14 +5,11 @@ that sets it before importing anything (another test module may already have imp
 `hymo.models.gdn_triton` in this one, compiled for a GPU). The child runs every case once and
 prints the largest absolute error of each output and gradient as JSON; the tests below judge them.
 """
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from _interpret import run_child
 
 CHILD = textwrap.dedent('''
     import json, os
@@ -68,10 +65,7 @@ CHILD = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def errors():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return json.loads(p.stdout.split("RESULT", 1)[1])
+    return run_child(CHILD)
 
 
 def _check(case, tol):
