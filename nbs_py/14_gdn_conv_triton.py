@@ -49,9 +49,7 @@ from hymo.models.gdn_triton import INTERPRET  # importing it also readies Triton
 EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
 
 # %%
-import torch.nn.functional as F
 from fastcore.test import test_eq, test_fail
-from torch.testing import assert_close
 
 from hymo.models.gdn import conv_silu_norm
 

@@ -1,8 +1,8 @@
 """The fused GDN prelude (conv, SiLU, L2 norm) in Triton against the PyTorch prelude, on CPU through
 Triton's interpreter, and the mixer that uses it against the mixer on the PyTorch path.
 
-As in test_gdn_triton.py, the kernels run in a fresh process that sets TRITON_INTERPRET=1 first; it
-prints the relative error of every output and gradient as JSON, and the tests judge them.
+The kernels run in a fresh process (`_interpret.run_child`), which prints the relative error of every
+output and gradient as JSON; the tests judge them.
 """
 import textwrap
 

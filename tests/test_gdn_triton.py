@@ -1,9 +1,7 @@
 """The Triton gated delta rule against the fp32 loop, on CPU through Triton's interpreter.
 
-TRITON_INTERPRET=1 is read when a kernel is decorated, so the kernels run in a fresh Python process
-that sets it before importing anything (another test module may already have imported triton and
-`hymo.models.gdn_triton` in this one, compiled for a GPU). The child runs every case once and
-prints the largest absolute error of each output and gradient as JSON; the tests below judge them.
+The kernels run in a fresh process (`_interpret.run_child` says why). The child runs every case once
+and prints the largest absolute error of each output and gradient as JSON; the tests below judge them.
 """
 import textwrap
 
