@@ -58,16 +58,20 @@ def timings() -> dict:
     mb = B * T * C * 2 / 1e6
     res.update(bytes_fwd_MB=2 * mb, bytes_bwd_MB=3 * mb)
     res["triton_fwd_TBps"] = 2 * mb / 1e6 / (res["triton_fwd_ms"] / 1e3)
+    dys = [c.reshape(B, T, -1) for c in cots]
+    res["triton_bwd_ms"] = do_bench(lambda: ct.conv_silu_norm_bwd(wide[..., :C], w, H, K, None, *dys), return_mode="median")
     return res
 
 
 def sweep() -> dict:
-    "Median ms of the forward and of the backward operator for each tile (BT rows) and warp count, and the best of each."
+    """Median ms of the forward and of the backward operator for each tile and warp count, and the best of each.
+    The backward's two kernels are swept one after the other: du's tiles with dx's current ones, then dx's with du's best."""
     wide, w, cots = inputs()
     out, saved = {}, {k: dict(v) for k, v in ct.LAUNCH.items()}
     dys = [c.reshape(B, T, -1) for c in cots]
     grid = {"fwd": [dict(BT=bt, num_warps=nw) for bt in (8, 16, 32) for nw in (2, 4)],
-            "bwd": [dict(BT=bt, RT=rt, num_warps=nw) for bt in (8, 16) for rt in (64, 128, 256) for nw in (4, 8)]}
+            "du": [dict(BT=bt, RT=rt, num_warps=nw) for bt in (8, 16, 32) for rt in (64, 128) for nw in (4, 8)],
+            "dx": [dict(BT=bt, BC=bc, num_warps=nw) for bt in (16, 32, 64) for bc in (64, 128, 256) for nw in (4, 8)]}
     for kind, configs in grid.items():
         f = (lambda: ct.triton_conv_silu_norm(wide[..., :C], w, H, K)) if kind == "fwd" else \
             (lambda: ct.conv_silu_norm_bwd(wide[..., :C], w, H, K, None, *dys))
@@ -79,7 +83,8 @@ def sweep() -> dict:
             try: out[name] = times[name] = do_bench(f, return_mode="median")
             except Exception as e: out[name] = repr(e)[:120]
         out[f"best_{kind}"] = by_name[min(times, key=times.get)] if times else saved[kind]
-        ct.LAUNCH[kind] = dict(saved[kind])
+        ct.LAUNCH[kind] = dict(out[f"best_{kind}"])   # the next kind is swept with this one's best
+    ct.LAUNCH.update(saved)
     return out
 
 
@@ -96,7 +101,7 @@ def main():
     print(json.dumps(res["parity"], indent=1), flush=True)
     if args.sweep:
         res["sweep"] = sweep()
-        best = {k: res["sweep"][f"best_{k}"] for k in ("fwd", "bwd")}
+        best = {k: res["sweep"][f"best_{k}"] for k in ct.LAUNCH}
         print("fastest tiles:", best, flush=True)
         ct.LAUNCH.update(best)
         if args.best_out:

@@ -7,8 +7,9 @@ OUT=${OUT:-benchmarks/results}
 J=$OUT/train_step.json
 run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" "$@" 2>&1 | grep -v Warning | tail -70; }
 case "${1:-main}" in
-  kernels)  # parity and speed of the two Triton parts of a GDN layer: the prelude (chapter 14) and the rule (chapter 13)
+  kernels)  # parity and speed of the Triton kernels: GDN prelude (chapter 14), cross-entropy chunk (42), GDN rule (13)
     timeout 150 python benchmarks/gdn_conv_kernel.py --out "$OUT/gdn_conv_kernel.json" 2>&1 | grep -v Warning | tail -40
+    timeout 100 python benchmarks/ce_kernel.py --out "$OUT/ce_kernel.json" 2>&1 | grep -v Warning | tail -12
     timeout 150 python benchmarks/gdn_verify.py --quick --out "$OUT/gdn_verify.json" 2>&1 | grep -v Warning | tail -25
     timeout 200 python benchmarks/gdn_kernel.py --shapes hymo_750m --out "$OUT/gdn_kernel.json" 2>&1 | grep -v Warning | tail -25 ;;
   main)  # the preset's step compiled and eager, and the one-micro-batch step with its profile

@@ -41,9 +41,9 @@ class SyntheticTrainer(Trainer):
 
 
 CATEGORIES = [  # first match wins; names of the CUDA kernels in the profile
-    ("cross-entropy (compiled ce_chunk)", r"logsumexp"),
+    ("cross-entropy softmax pass", r"^_ce_kernel|logsumexp"),
     ("GDN Triton kernels", r"^_(prep|fwd|bwd_states|bwd_local)_kernel"),
-    ("GDN prelude kernels (conv, SiLU, norm)", r"^_conv_(fwd|bwd)_kernel"),
+    ("GDN prelude kernels (conv, SiLU, norm)", r"^_conv_(fwd|bwd|du|dx)_kernel"),
     ("attention (cuDNN SDPA)", r"sdpa|flash|fmha|attention"),
     ("matrix multiplies", r"nvjet|cutlass|gemm|xmma|cublas|splitK|grouped"),
     ("compiled elementwise (inductor)", r"^triton_"),

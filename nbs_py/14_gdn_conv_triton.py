@@ -1,7 +1,7 @@
 # %% [markdown]
 # # The GDN prelude in one kernel
 #
-# > Short convolution, SiLU and the per-head L2 norm of q and k as one Triton kernel forward and one backward, checked against chapter 12's PyTorch prelude.
+# > Short convolution, SiLU and the per-head L2 norm of q and k as one Triton kernel forward and two backward, checked against chapter 12's PyTorch prelude.
 
 # %%
 #| default_exp models.gdn_conv_triton
@@ -18,8 +18,8 @@
 #
 # None of this needs that much memory traffic. A program can hold a tile of $T$ rows × a few heads,
 # read the $W - 1$ rows before it as well, and do the whole prelude in registers. The backward can
-# recompute the forward from the input rather than saving it. This chapter writes both kernels and
-# checks them against `conv_silu_norm`, forward and gradients.
+# recompute the forward from the input rather than saving it. This chapter writes the kernels (one
+# forward, two backward) and checks them against `conv_silu_norm`, forward and gradients.
 #
 # | function | what it is |
 # |---|---|
@@ -76,12 +76,17 @@ torch.manual_seed(0)
 # - the convolution: $\bar x_t = \sum_j w_j\, \bar u_{t+W-1-j}$ (the same taps, read forwards,
 #   and $\bar u_\tau = 0$ past the end of the document), and $\bar w_j = \sum_t \bar u_t\, x_{t-W+1+j}$.
 #
-# So $\bar x$ at rows $t..t+B_T-1$ needs $\bar u$ at rows up to $t+B_T+W-2$, which in turn needs
-# $x$ from row $t-W+1$ to $t+B_T+W-2$. A backward program recomputes $u$ and $\bar u$ at the $W$
-# shifted row sets it needs. That costs about $W$ times the forward's arithmetic. The extra loads are of rows its
-# neighbours also read, which stay in cache. Memory traffic is what this
-# kernel is bound by, and it is the minimum: read $x$ and $\bar y$ once, write $\bar x$ once. The
-# weight gradient is summed per program and the per-program partial sums are added up in PyTorch.
+# So $\bar x$ at rows $t..t+B_T-1$ needs $\bar u$ at rows up to $t+B_T+W-2$, which belong partly
+# to the next tile. The backward is therefore two kernels. The first recomputes $u$ from $x$
+# (the same shifted loads as the forward), goes back through the norm and the SiLU, and writes
+# $\bar u$ (in fp32, a $[B, T, 2HK + HV]$ buffer). It also sums $\bar u_t\, x_{t-W+1+j}$ for the
+# weight gradient, per program, and the per-program partial sums are added up in PyTorch. The
+# second reads $\bar u$ at the $W$ shifted rows and writes $\bar x$; it handles all channels at
+# once, since it no longer needs whole heads. The extra loads of shifted rows are of rows the
+# neighbouring programs also read, which stay in cache. (The first version of this backward was a
+# single kernel that recomputed $u$ and $\bar u$ at all $W$ row offsets a tile needs. It moved less
+# memory but did $W$ times the arithmetic on tiles so small that they fit in registers, and it was
+# 1.5× slower: see "Speed on an H200".)
 #
 # ## The kernels
 #
@@ -125,64 +130,75 @@ def _conv_fwd_kernel(x, w, y, starts, T, sxb, sxt, NH, D: tl.constexpr, W: tl.co
 
 
 @triton.jit
-def _conv_bwd_kernel(x, w, dy, dx, dwp, starts, T, NT, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr,
-                     NORM: tl.constexpr, HAS_STARTS: tl.constexpr, BT: tl.constexpr, RT: tl.constexpr,
-                     G: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
-    "One segment: dx [B, T, C] (at the segment's offset) and partial dw [B*NT, C, W] per RT rows, recomputing u."
+def _conv_du_kernel(x, w, dy, du, dwp, starts, T, NT, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr,
+                    NORM: tl.constexpr, HAS_STARTS: tl.constexpr, BT: tl.constexpr, RT: tl.constexpr,
+                    G: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
+    "One segment: du [B, T, C] (at the segment's offset) and partial dw [B*NT, C, W] fp32 per RT rows, recomputing u."
     i_t, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_h, o_d, o_w = i_g * G + tl.arange(0, G), tl.arange(0, DP), tl.arange(0, WP)
     o_c = o_h[None, :, None] * D + o_d[None, None, :]
     m_c = (o_h[None, :, None] < NH) & (o_d[None, None, :] < D)
     x_b = x + i_b * sxb
-    b_dw = tl.zeros([G, DP, WP], dtype=tl.float32)           # this program's dw, tap j in lane j
+    b_dw = tl.zeros([BT, G, DP, WP], dtype=tl.float32)       # du * x per row and tap (tap j in lane j), summed at the end
     for i_s in range(0, RT // BT):                            # BT rows at a time (few registers), RT rows in all
-        rows0 = i_t * RT + i_s * BT + tl.arange(0, BT)
-        b_dx = tl.zeros([BT, G, DP], dtype=tl.float32)
-        for s in tl.static_range(W):  # du at rows t + s feeds dx at row t through tap W-1-s
-            rows = rows0 + s
-            m_r = rows < T
-            b_u = _conv_tile(x_b, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
-            b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m_r[:, None, None] & m_c,
-                          other=0.).to(tl.float32)
-            b_sig = 1 / (1 + tl.exp(-b_u))
-            if NORM:
-                b_sv = b_u * b_sig
-                b_n = tl.sqrt(tl.sum(b_sv * b_sv, axis=2))[:, :, None]
-                b_r = tl.maximum(b_n, EPS)
-                b_y = b_sv / b_r
-                b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
-            b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
-            if HAS_STARTS:  # a du from the next document does not reach back into this one
-                b_du = tl.where((tl.load(starts + rows, mask=m_r, other=0) <= rows0)[:, None, None], b_du, 0.)
-            b_dx += b_du * tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.).to(tl.float32)
-            if s == 0:  # dw[c, j] += sum_t du[t, c] x[t - W + 1 + j, c] over these rows
-                b_st = tl.zeros([BT], dtype=tl.int32)
-                if HAS_STARTS: b_st = tl.load(starts + rows0, mask=rows0 < T, other=0)
-                for j in tl.static_range(W):
-                    r = rows0 - (W - 1) + j
-                    m_x = ((r >= b_st) & (r < T))[:, None, None] & m_c
-                    b_x = tl.load(x_b + r[:, None, None] * sxt + o_c, mask=m_x, other=0.).to(tl.float32)
-                    b_dw += tl.where(o_w[None, None, :] == j, tl.sum(b_du * b_x, axis=0)[:, :, None], 0.)
-        p_dx = dx + (i_b * T + rows0[:, None, None]) * C + o_c
-        tl.store(p_dx, b_dx.to(dx.dtype.element_ty), mask=(rows0 < T)[:, None, None] & m_c)
+        rows = i_t * RT + i_s * BT + tl.arange(0, BT)
+        m_r = rows < T
+        b_u = _conv_tile(x_b, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
+        b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m_r[:, None, None] & m_c,
+                      other=0.).to(tl.float32)
+        b_sig = 1 / (1 + tl.exp(-b_u))
+        if NORM:
+            b_sv = b_u * b_sig
+            b_n = tl.sqrt(tl.sum(b_sv * b_sv, axis=2))[:, :, None]
+            b_r = tl.maximum(b_n, EPS)
+            b_y = b_sv / b_r
+            b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
+        b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
+        tl.store(du + (i_b * T + rows[:, None, None]) * C + o_c, b_du.to(du.dtype.element_ty), mask=m_r[:, None, None] & m_c)
+        b_st = tl.zeros([BT], dtype=tl.int32)
+        if HAS_STARTS: b_st = tl.load(starts + rows, mask=m_r, other=0)
+        for j in tl.static_range(W):  # dw[c, j] += du[t, c] x[t - W + 1 + j, c], rows summed once per program
+            r = rows - (W - 1) + j
+            m_x = ((r >= b_st) & (r < T))[:, None, None] & m_c
+            b_x = tl.load(x_b + r[:, None, None] * sxt + o_c, mask=m_x, other=0.).to(tl.float32)
+            b_dw += tl.where(o_w[None, None, None, :] == j, (b_du * b_x)[:, :, :, None], 0.)
     o_c2 = o_h[:, None, None] * D + o_d[None, :, None]                                    # (G, DP, 1)
     m_w = (o_h[:, None, None] < NH) & (o_d[None, :, None] < D) & (o_w[None, None, :] < W)
-    tl.store(dwp + ((i_b * NT + i_t) * C + o_c2) * W + o_w[None, None, :], b_dw, mask=m_w)
+    tl.store(dwp + ((i_b * NT + i_t) * C + o_c2) * W + o_w[None, None, :], tl.sum(b_dw, axis=0), mask=m_w)
+
+
+@triton.jit
+def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr):
+    "All channels: dx[t, c] = sum_s w[c, W-1-s] du[t+s, c] over the du of t's own document, on [BT, BC] tiles."
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, o_c = i_t * BT + tl.arange(0, BT), i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    b_dx = tl.zeros([BT, BC], dtype=tl.float32)
+    for s in tl.static_range(W):  # du at row t + s feeds dx at row t through tap W-1-s
+        r = rows + s
+        m_r = r < T
+        if HAS_STARTS: m_r = m_r & (tl.load(starts + r, mask=m_r, other=0) <= rows)  # not from the next document
+        b_du = tl.load(du + (i_b * T + r[:, None]) * C + o_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0.).to(tl.float32)
+        b_dx += b_du * tl.load(w + o_c * W + (W - 1 - s), mask=m_c, other=0.)[None, :]
+    tl.store(dx + (i_b * T + rows[:, None]) * C + o_c[None, :], b_dx.to(dx.dtype.element_ty),
+             mask=(rows < T)[:, None] & m_c[None, :])
 
 
 # %% [markdown]
 # ## Host side: three segments, two operators
 #
-# The input is one `[B, T, 2HK + HV]` tensor (the mixer's fused projection, possibly a column slice
-# of a wider one: only its channel stride must be 1). It holds three segments, q, k and v, and each
-# is one launch of the same kernel, at its own channel offset, writing its own contiguous output.
+# The input is one `[B, T, 2HK + HV]` tensor (the mixer's q, k, v projection, possibly a column
+# slice of a wider one: only its channel stride must be 1). It holds three segments, q, k and v. The
+# forward and the backward's first kernel run once per segment, at its own channel offset (q and k
+# are normalised, v is not); the backward's second kernel runs once over all channels.
 # `LAUNCH` holds the tile sizes; `_tile_sizes` picks $G$ so that a tile row spans about 128 channels.
 
 # %%
 #| export
-# Tiles: BT rows per step; the backward walks RT rows per program and sums dw over them. The fastest in
-# benchmarks/gdn_conv_kernel.py --sweep on an H200; larger backward tiles spill registers (see "Speed on an H200").
-LAUNCH = dict(fwd=dict(BT=32, num_warps=4), bwd=dict(BT=8, RT=64, num_warps=4))
+# Tiles: BT rows (x BC channels for dx); the du kernel walks RT rows per program and sums dw over them.
+# The fastest in benchmarks/gdn_conv_kernel.py --sweep on an H200 (see "Speed on an H200").
+LAUNCH = dict(fwd=dict(BT=8, num_warps=2), du=dict(BT=8, RT=64, num_warps=8), dx=dict(BT=32, BC=128, num_warps=4))
 
 
 def _segments(H: int, K: int, V: int):
@@ -236,17 +252,21 @@ def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     B, T, C = x.shape
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
-    BT = LAUNCH["bwd"]["BT"]
-    RT = BT * triton.cdiv(LAUNCH["bwd"]["RT"], BT)                       # a whole number of BT steps
+    BT = LAUNCH["du"]["BT"]
+    RT = BT * triton.cdiv(LAUNCH["du"]["RT"], BT)                        # a whole number of BT steps
     NT = triton.cdiv(T, RT)
-    dx = x.new_empty(B, T, C)
+    du = torch.empty(B, T, C, dtype=torch.float32, device=x.device)     # the conv's output gradient, kept in fp32
     dwp = torch.empty(B * NT, C, Wd, dtype=torch.float32, device=x.device)
     for (off, NH, D, norm), dy in zip(_segments(H, K, V), (dq, dk, dv)):
         G, DP = _tile_sizes(NH, D)
-        _conv_bwd_kernel[(NT, triton.cdiv(NH, G), B)](
-            x[..., off:], w[off:], dy.contiguous(), dx[..., off:], dwp[:, off:], starts, T, NT, x.stride(0), x.stride(1),
+        _conv_du_kernel[(NT, triton.cdiv(NH, G), B)](
+            x[..., off:], w[off:], dy.contiguous(), du[..., off:], dwp[:, off:], starts, T, NT, x.stride(0), x.stride(1),
             C, NH, D, Wd, norm, starts is not None, BT, RT, G, DP, triton.next_power_of_2(Wd),
-            num_warps=LAUNCH["bwd"]["num_warps"])
+            num_warps=LAUNCH["du"]["num_warps"])
+    dx = x.new_empty(B, T, C)
+    BT, BC = LAUNCH["dx"]["BT"], LAUNCH["dx"]["BC"]
+    _conv_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](du, w, dx, starts, T, C, Wd, starts is not None, BT, BC,
+                                                                num_warps=LAUNCH["dx"]["num_warps"])
     return dx, dwp.sum(0).to(w.dtype)
 
 
@@ -382,15 +402,18 @@ for who, errs in res["parity"].items(): print(f"relative RMSE {who:22s}", {n: f"
 print(f"{'':22s}{'forward ms':>12s}{'fwd+bwd ms':>12s}")
 for name in ("triton", "pytorch_compiled", "pytorch_eager"):
     print(f"{name:22s}{res[name + '_fwd_ms']:12.3f}{res[name + '_fwd_bwd_ms']:12.3f}")
-best = {k: res["sweep"][f"best_{k}"] for k in ("fwd", "bwd")}
-print("sweep (ms):")
-for k, v in res["sweep"].items():
-    if isinstance(v, float): print(f"  {k:28s}{v:7.3f}")
-print("fastest:", best)
-f0 = res["first_version"]
-print("first version (one tile per program), backward (ms):")
-for k, v in f0["sweep"].items():
-    if k.startswith("bwd") and isinstance(v, float): print(f"  {k:28s}{v:7.3f}")
+print(f"Triton backward operator alone: {res['triton_bwd_ms']:.3f} ms")
+sw = res["sweep"]
+for kind in ("fwd", "du", "dx"):
+    times = {k: v for k, v in sw.items() if k.startswith(kind + " ") and isinstance(v, float)}
+    print(f"sweep {kind}: {min(times.values()):.3f}-{max(times.values()):.3f} ms over {len(times)} tiles, fastest {sw['best_' + kind]}")
+prev = res["previous_backward"]
+pb = {k: v for k, v in prev["sweep"].items() if isinstance(v, float)}
+p1 = {k: v for k, v in prev["first_version_sweep"].items() if isinstance(v, float)}
+print(f"previous backward (one kernel, recomputing at W offsets): best {min(pb.values()):.3f} ms; "
+      f"its first tiling {min(p1.values()):.3f}-{max(p1.values()):.3f} ms")
+e = res["du_bf16_experiment"]
+print(f"du kept in bf16 instead of fp32: backward {e['bwd_ms_du_bf16']:.3f} ms against {e['bwd_ms_du_fp32']:.3f} ms")
 assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 rounding of the fp32 prelude
 
 # %% [markdown]
@@ -399,18 +422,18 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # - **Parity.** The kernels' bf16 outputs and input gradient are within 1.7e-3 of the fp32
 #   prelude, half the error of PyTorch's own bf16 prelude (3.3e-3), because they round once. The
 #   weight gradient is summed in fp32 and matches to 2e-7.
-# - **Forward**: 0.17–0.28 ms for the three launches. That is 0.9–1.5 TB/s, a third of the
-#   bandwidth at best, and the run-to-run spread is wide. The compiled PyTorch forward takes 0.36 ms.
-# - **Backward**: about 1.0 ms at its best tile, against 1.7 ms for compiled PyTorch and 5.8 ms
-#   eager. Tile size decides everything here. The first version, with one tile per program, ran
-#   from 0.88 ms at 8 rows × 8 warps up to 17.8 ms at 64 rows × 2 warps, where the tile no longer
-#   fits in registers. The current version walks 64 rows per program in steps of 8 and sums $\bar w$ over
-#   them. It measured 1.04 ms against the first version's 0.88 ms, in runs on two different
-#   machines of the same kind (the forward's own spread between those runs was 15 %), with an 8×
-#   smaller buffer of partial sums.
-# - **In the 750M model** (results page), the prelude now takes 29 ms of a 241 ms compiled
-#   micro-batch, where inductor's kernels for it took 27 ms. Eager, the one-micro-batch step went
-#   from 0.71 to 0.51 s, and the compiled step holds 3 GB less.
+# - **Forward**: 0.19–0.29 ms for the three launches, depending on the run: 0.9–1.3 TB/s, well under
+#   the H200's bandwidth, and the run-to-run spread is wide. The compiled PyTorch forward takes 0.37 ms.
+# - **Backward**: 0.70 ms, against 1.04 ms for the previous single-kernel backward and 1.7 ms for
+#   compiled PyTorch. Of the 0.70 ms, the $\bar u$ kernel takes about 0.56 (three launches) and the
+#   $\bar x$ kernel 0.12 ms. The $\bar x$ kernel moves its 378 MB at about 3 TB/s. The $\bar u$
+#   kernel runs at about 0.9 TB/s, and no tile in the sweep did better (0.70–1.13 ms for the
+#   whole backward). It is the part still worth work.
+# - **Keeping $\bar u$ in bf16** between the two kernels saves 6 % of the backward (0.66 against
+#   0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of $\bar x$
+#   (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not kept.
+# - **In the 750M model** (results page), the prelude now takes 21 ms of a compiled micro-batch,
+#   where it took 29 ms with the previous backward and inductor's kernels took 27 ms.
 
 # %% [markdown]
 # ## Questions
@@ -420,12 +443,9 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # Because the compiler fused it badly, and because a kernel is the only way to make it fast eager.
 # The convolution reads each input four times at shifted rows, and the backward needs the output
 # gradient at four shifted rows too. Inductor inlined those reads and recomputed them, reaching
-# about 0.3 TB/s. The kernels here fix eager mode (5.3× faster) and save memory. Compiled, they
-# are not yet faster in the 750M model: the inductor kernels they replaced took 27 ms of a
-# micro-batch and they take 29 ms. Most of that is the backward, which recomputes the convolution
-# at four row offsets on tiles of 8 rows, because larger tiles spill registers. A backward that
-# loads the $2W - 1$ shifted input rows once and keeps them in registers would be the next
-# version. The section above has the measurements.
+# about 0.3 TB/s. The kernels here are 5.8× faster than eager PyTorch and save memory. Compiled,
+# the first version was a wash (29 ms of a micro-batch, where inductor's kernels took 27 ms); with
+# the two-kernel backward the prelude takes 21 ms. The section above has the measurements.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -12,6 +12,7 @@
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
 # python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
+# python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
 # ```
 #
 # (`benchmarks/h200_train_step.sh` runs the whole set, one process per variant.)
@@ -51,9 +52,17 @@ for code in dict.fromkeys(r["code"] for r in steps):  # rows grouped by the code
         print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
 print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('triton')}, {steps[0]['date']}")
 
+
 # %%
-fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-names = [label(r) + (" (before)" if r["code"].startswith("before") else "") for r in steps]
+def when(code):
+    return " (previous round)" if code.startswith("previous") else " (two rounds ago)" if code.startswith("before") else ""
+
+names = []
+for r in steps:  # one bar per row: a repeated measurement gets a prime
+    n = label(r) + when(r["code"])
+    while n in names: n += "'"
+    names.append(n)
+fig, ax = plt.subplots(1, 2, figsize=(10, 1 + 0.3 * len(steps)))
 ax[0].barh(names, [100 * r["mfu"] for r in steps], color="tab:blue")
 ax[0].axvline(40, ls="--", c="k", lw=1); ax[0].set_xlabel("MFU, % (target 40)"); ax[0].invert_yaxis()
 ax[1].barh(names, [r["peak_mem_gb"] for r in steps], color="tab:orange")
@@ -82,40 +91,45 @@ if prof:
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own: 52.0 → 48.8 GB compiled,
 #   72.6 → 60.2 GB eager. Activation checkpointing brought it to 25 GB for 18 % fewer tokens per
-#   second (measured before the prelude kernel).
-# * **MFU: 28.0 % at the preset's step (32 micro-batches per optimiser step, 62.7 k tokens/s); the
-#   target was 40 %.** Before this round it was 26.8 % (8.75 s); the step is now 8.37 s, a gain of
-#   the size of the run-to-run spread seen before (8.48 and 8.75 s for nearly the same code).
-#   `torch.compile` was worth 1.8× at the preset's step (15.9 s eager). The optimiser step (NorMuon's batched Newton–Schulz plus AdamW) costs about 0.16 s, which
-#   32 micro-batches amortise.
-# * **The Triton prelude.** It replaced inductor's kernels for the short convolution, SiLU and q/k
-#   norm (27 ms of a micro-batch) with two Triton kernels (29 ms). Compiled, that is a wash. The
-#   gain of the compiled step comes from stacking the six GDN input projections into one matrix
-#   product (matrix multiplies 98.8 → 95.1 ms). Eager, the prelude is 5.3× faster than PyTorch's
-#   (1.6 against 8.4 ms per layer, forward + backward), and the eager one-micro-batch step went
-#   from 0.71 to 0.51 s.
-#   Its backward (1.0 ms per layer) is still about 8× the time its memory traffic needs. It
-#   recomputes the convolution at four row offsets on 8-row tiles, and larger tiles spill
-#   registers. A better backward is the first open item below.
-# * **What is left** (the breakdown above, 241 ms per micro-batch). Matrix multiplies are 39 %
-#   (95 ms for about 65 TFLOP, some 680 TFLOP/s, near what the H200 gives at these widths; the
-#   loss's three vocabulary projections, about 17 TFLOP, are among them). Inductor's fused
-#   elementwise kernels are 17 %: RMSNorms with the fp32 residual stream, the output gate, SwiGLU,
-#   MoE routing; those read and write at close to the memory bandwidth. The GDN kernels are 15 %
+#   second (measured two rounds ago).
+# * **MFU: 31.0 % at the preset's step (32 micro-batches per optimiser step, 7.57 s, 69.2 k
+#   tokens/s); the target was 40 %.** A second run on another machine of the same kind gave 7.68 s
+#   (30.5 %). The previous round measured 8.37 s (28.0 %) and the one before 8.75 s (26.8 %).
+#   `torch.compile` was worth 1.8× at the preset's step (15.9 s eager, measured two rounds ago).
+#   The optimiser step (NorMuon's batched Newton–Schulz plus AdamW) costs about 0.17 s, which 32
+#   micro-batches amortise.
+# * **This round's gains**, per compiled micro-batch (241 → 218 ms of kernel time):
+#   - the prelude's backward as two kernels (chapter 14): prelude 29 → 21 ms;
+#   - the q, k, v projection apart from the g, a, b one (chapter 12): the backward no longer
+#     concatenates the two gradients in a 0.48 ms inductor kernel per layer, nor copies the q, k, v
+#     slice out of a padded buffer for the prelude (together about 11 ms per micro-batch in a
+#     one-block profile; inductor elementwise 40.8 → 29.7 ms);
+#   - a Triton kernel for the loss's softmax pass (chapter 42): 10.8 → 4.9 ms, and the gradient of
+#     the vocabulary matrix accumulated by one fp32-output product per chunk instead of a product,
+#     a cast and an add.
+# * **What is left** (the breakdown above, 218 ms per micro-batch). Matrix multiplies are 45 %
+#   (99 ms for about 65 TFLOP, some 660 TFLOP/s, near what the H200 gives at these widths; the
+#   loss's vocabulary products, about 17 TFLOP, are among them). The GDN rule kernels are 17 %
 #   (recomputing the chunk matrices in the backward and the 16 × 16 triangular solves are their
-#   largest parts; keeping $A$ from the forward would save 6 ms but breaks the kernel's 2× memory
-#   bound), the prelude 12 %, cuDNN attention 6 %, the loss's softmax kernel 4 %. 40 % MFU needs
-#   183 ms per micro-batch, about 178 ms once the optimiser step is shared out: with the matrix
-#   multiplies as they are, the rest would have to fall from 146 to about 83 ms.
-# * **Triton GDN path against the PyTorch chunked path: 4.1× faster per preset step, both compiled
-#   (8.37 s against 34.1 s; the PyTorch path measured before this round, and it has no part that changed
-#   apart from the stacked projection); 2.3× with one micro-batch per step (0.43 s against 0.96 s,
-#   both before this round) and 4.97× eager with one micro-batch (0.51 s against 2.53 s). The target
-#   was 5× per step.** The rule kernel itself is 51× faster (1.44 ms against 73 ms per layer, forward
-#   + backward; see the Triton chapter), but GDN is only part of the step.
-# * **All-MLA** (32 MLA + MoE blocks): 0.75 s per one-micro-batch step at 6.8 GFLOPs per token,
-#   15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B stored parameters,
-#   and a KV cache in every layer.
+#   largest parts; keeping $A$ from the forward would save 5 ms but breaks the kernel's 2× memory
+#   bound). Inductor's fused elementwise kernels are 14 %: RMSNorms with the fp32 residual stream,
+#   the output gate, SwiGLU, MoE routing. The prelude is 10 % (its $\bar u$ kernel runs at a
+#   third of the memory bandwidth), cuDNN attention 7 %, eager kernels 5 % (mostly adding each
+#   micro-batch's gradients into the accumulated ones), the loss's softmax 2 %. The kernels add up
+#   to 218 ms, while a micro-batch of the accumulated step takes about 231 ms: the GPU waits on the
+#   host for the rest. 40 % MFU needs 5.86 s per step, about 178 ms per micro-batch once the
+#   optimiser step is shared out: with the matrix multiplies as they are, everything else would
+#   have to fall from about 130 ms (kernels and host waits) to 80 ms.
+# * **Triton GDN path against the PyTorch chunked path: 4.0× faster per preset step, both compiled
+#   (7.57 s against 30.3 s, measured in the same session). The target was 5×.** Everything outside
+#   GDN got faster for both paths this round, so the ratio stayed where it was (4.1× before, 8.37
+#   against 34.1 s). With one micro-batch per step, two rounds ago: 2.3× compiled, 4.97× eager. The
+#   rule kernel itself is 51× faster (1.44 ms against 73 ms per layer, forward + backward; see the
+#   Triton chapter), but GDN is only part of the step. 5× needs 6.06 s per step, about 184 ms per
+#   micro-batch.
+# * **All-MLA** (32 MLA + MoE blocks, two rounds ago): 0.75 s per one-micro-batch step at 6.8
+#   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
+#   stored parameters, and a KV cache in every layer.
 
 # %% [markdown]
 # ## GDN kernel parity on the H200

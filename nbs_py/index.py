@@ -19,7 +19,7 @@
 # | Linear attention | linear attention; the delta rule and the gated delta rule; the chunked WY form and the GDN block; the Triton kernels for the rule and for the prelude (short conv, SiLU, norm) |
 # | Attention | RoPE and partial RoPE; Multi-Head Latent Attention and its latent KV cache |
 # | Sparsity | DeepSeek-style MoE and aux-loss-free load balancing |
-# | The model | multi-token prediction; the hybrid model and its accounting |
+# | The model | multi-token prediction; the hybrid model and its accounting; the loss's softmax pass as a Triton kernel |
 # | Training | optimisers (NorMuon, AdamW, cautious weight decay, WSD); data; the trainer |
 #
 # Every chapter ends with interview questions whose answers are folded: try before you open them.

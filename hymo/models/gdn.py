@@ -277,8 +277,10 @@ class GatedDeltaNet(nn.Module):
         "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
-        # the six input projections as one matrix product (the parameters stay separate matrices)
-        qkv, gate, a, b = F.linear(x, self.in_proj_weight()).split([2 * H * K + H * V, H * V, H, H], -1)
+        # the six input projections as two matrix products (the parameters stay separate matrices)
+        w_qkv, w_gates = self.in_proj_weights()
+        qkv = F.linear(x, w_qkv)                                                  # (B, T, 2HK + HV)
+        gate, a, b = F.linear(x, w_gates).split([H * V, H, H], -1)               # (B, T, HV), (B, T, H) x 2
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
         kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton("rule") else "torch")
         rule = self._rule(kernel)
@@ -296,9 +298,10 @@ class GatedDeltaNet(nn.Module):
         y = self.o_proj(o.reshape(B, T, H * V))
         return (y, GDNState(S, conv_state)) if output_final_state else y
 
-    def in_proj_weight(self) -> torch.Tensor:
-        "The q, k, v, g, a, b projections stacked: `[2HK + 2HV + 2H, dim]`, in the order the forward splits them."
-        return torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.a_proj, self.b_proj)])
+    def in_proj_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        "The input projections stacked in two: q, k, v `[2HK + HV, dim]` (the prelude's input) and g, a, b `[HV + 2H, dim]`."
+        return (torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj)]),
+                torch.cat([p.weight for p in (self.g_proj, self.a_proj, self.b_proj)]))
 
     def _rule(self, kernel: str):
         "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."

@@ -1,0 +1,39 @@
+"""The cross-entropy chunk kernel (chapter 42) against `ce_chunk`, on CPU through Triton's interpreter.
+
+The kernel runs in a fresh process (`_interpret.run_child`), which prints the errors as JSON; the tests judge them.
+"""
+import textwrap
+
+from _interpret import run_child
+
+CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import hymo.models.ce_triton as ce
+    from hymo.models.mtp import ce_chunk
+
+    out = {}
+    for name, (c, V, dt, BV) in dict(fp32=(6, 1000, torch.float32, 256), bf16=(4, 777, torch.bfloat16, 128),
+                                     one_block=(3, 100, torch.float32, 4096)).items():
+        gen = torch.Generator().manual_seed(len(name))
+        z = (torch.randn(c, V, generator=gen) * 3).to(dt)
+        y = torch.randint(0, V, (c,), generator=gen); y[0] = V - 1              # a target in the masked last block
+        w = torch.full((c,), 1 / (c - 1)); w[1] = 0                            # row 1 ignored
+        ce.LAUNCH["BV"] = BV
+        (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z.float(), y, w, True)
+        lt2, g2 = ce.triton_ce_chunk(z, y, w, False)
+        out[name] = dict(loss=abs(lt.item() - lr.item()) / abs(lr.item()), dz=((gt.float() - gr).norm() / gr.norm()).item(),
+                         ignored_row=gt[1].abs().max().item(), dtype=str(gt.dtype), no_grad_loss=abs(lt2.item() - lt.item()),
+                         no_grad_is_none=g2 is None)
+    print("RESULT", json.dumps(out))
+''')
+
+
+def test_ce_kernel_matches_ce_chunk():
+    res = run_child(CHILD, timeout=300)
+    for name, r in res.items():
+        assert r["loss"] < 1e-6, (name, r)                         # the loss is computed in fp32 in both
+        assert r["dz"] < (1e-6 if name != "bf16" else 8e-3), (name, r)  # bf16: the gradient is rounded to bf16
+        assert r["ignored_row"] == 0.0 and r["no_grad_is_none"] and r["no_grad_loss"] == 0.0, (name, r)
+    assert res["bf16"]["dtype"] == "torch.bfloat16" and res["fp32"]["dtype"] == "torch.float32"
