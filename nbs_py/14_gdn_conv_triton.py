@@ -432,6 +432,13 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # - **Keeping $\bar u$ in bf16** between the two kernels saves 6 % of the backward (0.66 against
 #   0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of $\bar x$
 #   (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not kept.
+# - **Where $\bar w$ is summed is what costs.** In one more experiment the $\bar u$ kernel did not
+#   touch $\bar w$, and the $\bar x$ kernel summed $\bar u_{t+s}\,x_t$ over its rows instead, with
+#   the same document mask it already applies. The $\bar u$ kernel fell from 198 to 76 µs per
+#   segment, and the $\bar x$ kernel rose from 124 to 479 µs: the backward as a whole stayed at
+#   0.68 ms. Summing over a tile's rows at every step (a reduction across threads, for each tap)
+#   costs about the same wherever it is done. A version that accumulates the products per row and
+#   reduces once per program is the next thing to measure.
 # - **In the 750M model** (results page), the prelude now takes 21 ms of a compiled micro-batch,
 #   where it took 29 ms with the previous backward and inductor's kernels took 27 ms.
 

@@ -94,7 +94,9 @@ if prof:
 #   second (measured two rounds ago).
 # * **MFU: 31.0 % at the preset's step (32 micro-batches per optimiser step, 7.57 s, 69.2 k
 #   tokens/s); the target was 40 %.** A second run on another machine of the same kind gave 7.68 s
-#   (30.5 %). The previous round measured 8.37 s (28.0 %) and the one before 8.75 s (26.8 %).
+#   (30.5 %). Step times spread more between machines than kernel times do: a third machine ran a
+#   variant of the prelude whose kernels summed to 216.7 ms per micro-batch (218.3 here) and took
+#   8.09 s per step, so part of each step is spent waiting on the host. The previous round measured 8.37 s (28.0 %) and the one before 8.75 s (26.8 %).
 #   `torch.compile` was worth 1.8× at the preset's step (15.9 s eager, measured two rounds ago).
 #   The optimiser step (NorMuon's batched Newton–Schulz plus AdamW) costs about 0.17 s, which 32
 #   micro-batches amortise.
