@@ -73,7 +73,11 @@ def _conv_launch():
 def run(args) -> dict:
     if args.conv_launch:
         import hymo.models.gdn_conv_triton as ct
-        with open(args.conv_launch) as f: ct.LAUNCH.update(json.load(f))
+        with open(args.conv_launch) as f: tiles = json.load(f)
+        if set(tiles) - set(ct.LAUNCH):
+            raise SystemExit(f"--conv-launch {args.conv_launch}: unknown kernels {sorted(set(tiles) - set(ct.LAUNCH))}; "
+                             f"the prelude's are {sorted(ct.LAUNCH)} (write the file with gdn_conv_kernel.py --sweep --best-out)")
+        ct.LAUNCH.update(tiles)
     over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")

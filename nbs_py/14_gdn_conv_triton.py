@@ -313,6 +313,9 @@ def triton_conv_silu_norm(
         raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    if B * T * max(C, qkv.stride(1)) >= 2 ** 31:
+        raise ValueError(f"qkv spans {B} x {T} x {max(C, qkv.stride(1))} elements, past the kernels' int32 offsets; "
+                         "split the batch or the sequence")
     if qkv.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use conv_silu_norm")
@@ -381,6 +384,8 @@ test_fail(lambda: triton_conv_silu_norm(torch.randn(1, 8, 101, device=DEV), torc
           contains="2*H*K + H*V")
 test_fail(lambda: triton_conv_silu_norm(torch.randn(1, 8, 96, device=DEV), torch.randn(90, 4, device=DEV), 2, 16),
           contains="weight must be")
+test_fail(lambda: triton_conv_silu_norm(torch.zeros(1, 1, 96, device=DEV).expand(1, 2 ** 31 // 96 + 1, 96),  # no memory needed
+                                        torch.randn(96, 4, device=DEV), 2, 16), contains="int32")
 
 # %% [markdown]
 # ## Speed on an H200
@@ -414,6 +419,9 @@ print(f"previous backward (one kernel, recomputing at W offsets): best {min(pb.v
       f"its first tiling {min(p1.values()):.3f}-{max(p1.values()):.3f} ms")
 e = res["du_bf16_experiment"]
 print(f"du kept in bf16 instead of fp32: backward {e['bwd_ms_du_bf16']:.3f} ms against {e['bwd_ms_du_fp32']:.3f} ms")
+print("in the 750M model, us per launch:", res["in_model_us_per_launch"])
+x = res["experiment_dw_in_dx_kernel"]
+print(f"experiment, dw summed in the dx kernel: backward {x['triton_bwd_ms']:.3f} ms; in the model, us per launch {x['in_model_us_per_launch']}")
 assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 rounding of the fp32 prelude
 
 # %% [markdown]
@@ -422,23 +430,27 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # - **Parity.** The kernels' bf16 outputs and input gradient are within 1.7e-3 of the fp32
 #   prelude, half the error of PyTorch's own bf16 prelude (3.3e-3), because they round once. The
 #   weight gradient is summed in fp32 and matches to 2e-7.
-# - **Forward**: 0.19–0.29 ms for the three launches, depending on the run: 0.9–1.3 TB/s, well under
-#   the H200's bandwidth, and the run-to-run spread is wide. The compiled PyTorch forward takes 0.37 ms.
+# - **Forward**: 0.19 and 0.26 ms for the three launches, two timings of the same tiles in the same
+#   run (in the sweep and after it): 1.0–1.35 TB/s, well under the H200's 4.8 TB/s, and the spread
+#   between timings is wide. The compiled PyTorch forward takes 0.37 ms.
 # - **Backward**: 0.70 ms, against 1.04 ms for the previous single-kernel backward and 1.7 ms for
-#   compiled PyTorch. Of the 0.70 ms, the $\bar u$ kernel takes about 0.56 (three launches) and the
-#   $\bar x$ kernel 0.12 ms. The $\bar x$ kernel moves its 378 MB at about 3 TB/s. The $\bar u$
+#   compiled PyTorch. Of the 0.70 ms, the $\bar u$ kernel takes about 0.56–0.6 ms (three launches) and
+#   the $\bar x$ kernel 0.12 ms. The $\bar x$ kernel moves its 378 MB at about 3 TB/s. The $\bar u$
 #   kernel runs at about 0.9 TB/s, and no tile in the sweep did better (0.70–1.13 ms for the
 #   whole backward). It is the part still worth work.
 # - **Keeping $\bar u$ in bf16** between the two kernels saves 6 % of the backward (0.66 against
 #   0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of $\bar x$
 #   (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not kept.
-# - **Where $\bar w$ is summed is what costs.** In one more experiment the $\bar u$ kernel did not
-#   touch $\bar w$, and the $\bar x$ kernel summed $\bar u_{t+s}\,x_t$ over its rows instead, with
-#   the same document mask it already applies. The $\bar u$ kernel fell from 198 to 76 µs per
-#   segment, and the $\bar x$ kernel rose from 124 to 479 µs: the backward as a whole stayed at
-#   0.68 ms. Summing over a tile's rows at every step (a reduction across threads, for each tap)
-#   costs about the same wherever it is done. A version that accumulates the products per row and
-#   reduces once per program is the next thing to measure.
+# - **The weight gradient is the expensive part of the $\bar u$ kernel.** In the 750M profile the
+#   $\bar u$ kernel takes 200 µs per segment and the $\bar x$ kernel 125 µs. In an experiment that
+#   was not kept (`experiment_dw_in_dx_kernel` in the JSON), the $\bar u$ kernel left $\bar w$ alone
+#   and the $\bar x$ kernel summed $\bar u_{t+s}\,x_t$ over its rows instead, with the document mask
+#   it already applies. The $\bar u$ kernel fell to 76 µs and the $\bar x$ kernel rose to 479 µs,
+#   so the backward stayed at about 0.7 ms (0.68 against 0.70 ms). Here $\bar w$ is kept per row and
+#   reduced once per program; there it was reduced over the tile's rows at every step. The
+#   two cost about the same, about 120 µs per 1 280 channels. Our guess is the $W$ shifted reloads
+#   of $x$ and the masked multiply-adds into a tile with a tap axis; that is the next thing to
+#   measure.
 # - **In the 750M model** (results page), the prelude now takes 21 ms of a compiled micro-batch,
 #   where it took 29 ms with the previous backward and inductor's kernels took 27 ms.
 

@@ -58,9 +58,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # are combined the same way: $M = \max_\text{lanes} m$, $S = \sum_\text{lanes} s\, e^{m - M}$,
 # $\operatorname{logsumexp} = M + \log S$. (FlashAttention's softmax is the same recurrence, over
 # blocks of keys.) A second pass reads the row again and writes
-# $\partial\ell/\partial z_j = w\,(e^{z_j - \operatorname{lse}} - [j = y])$. Between the two passes
-# a program's 128 KB stay in the GPU's 50 MB L2 cache, so the second read mostly does not reach
-# memory.
+# $\partial\ell/\partial z_j = w\,(e^{z_j - \operatorname{lse}} - [j = y])$. The second read is of
+# 128 KB the program read moments before, so part of it may come from the GPU's 50 MB L2 cache
+# rather than from memory (not measured: a few hundred rows in flight hold more than 50 MB).
 #
 # The lanes start at $m = -10^{38}$ rather than $-\infty$: masked lanes of the last block read
 # $z = -\infty$, and $e^{-\infty - (-\infty)}$ would be NaN.
@@ -107,7 +107,7 @@ LAUNCH = dict(BV=4096, num_warps=16)
 
 
 def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32), class stride 1
-                    y: torch.Tensor, # Targets [c], ignored rows clamped to a valid id
+                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (not checked: no host sync)
                     w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
                     want_grad: bool, # Also return d(loss)/dz
                    ):

@@ -55,7 +55,7 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 
 # %%
 def when(code):
-    return " (previous round)" if code.startswith("previous") else " (two rounds ago)" if code.startswith("before") else ""
+    return {"previous": " (previous round)", "before": " (two rounds ago)", "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -94,9 +94,10 @@ if prof:
 #   second (measured two rounds ago).
 # * **MFU: 31.0 % at the preset's step (32 micro-batches per optimiser step, 7.57 s, 69.2 k
 #   tokens/s); the target was 40 %.** A second run on another machine of the same kind gave 7.68 s
-#   (30.5 %). Step times spread more between machines than kernel times do: a third machine ran a
-#   variant of the prelude whose kernels summed to 216.7 ms per micro-batch (218.3 here) and took
-#   8.09 s per step, so part of each step is spent waiting on the host. The previous round measured 8.37 s (28.0 %) and the one before 8.75 s (26.8 %).
+#   (30.5 %). Step times spread more between machines than kernel times do: a third machine ran an
+#   experimental variant of the prelude (the "experiment" row) whose kernels summed to 216.7 ms per
+#   micro-batch (218.3 here) and took 8.09 s per step. With the kernels adding up to 218 ms of the
+#   231 ms a micro-batch takes, part of each step is spent waiting on the host. The previous round measured 8.37 s (28.0 %) and the one before 8.75 s (26.8 %).
 #   `torch.compile` was worth 1.8× at the preset's step (15.9 s eager, measured two rounds ago).
 #   The optimiser step (NorMuon's batched Newton–Schulz plus AdamW) costs about 0.17 s, which 32
 #   micro-batches amortise.
@@ -115,8 +116,8 @@ if prof:
 #   (recomputing the chunk matrices in the backward and the 16 × 16 triangular solves are their
 #   largest parts; keeping $A$ from the forward would save 5 ms but breaks the kernel's 2× memory
 #   bound). Inductor's fused elementwise kernels are 14 %: RMSNorms with the fp32 residual stream,
-#   the output gate, SwiGLU, MoE routing. The prelude is 10 % (its $\bar u$ kernel runs at a
-#   third of the memory bandwidth), cuDNN attention 7 %, eager kernels 5 % (mostly adding each
+#   the output gate, SwiGLU, MoE routing. The prelude is 10 % (its $\bar u$ kernel moves data at
+#   about a fifth of the memory bandwidth), cuDNN attention 7 %, eager kernels 5 % (mostly adding each
 #   micro-batch's gradients into the accumulated ones), the loss's softmax 2 %. The kernels add up
 #   to 218 ms, while a micro-batch of the accumulated step takes about 231 ms: the GPU waits on the
 #   host for the rest. 40 % MFU needs 5.86 s per step, about 178 ms per micro-batch once the

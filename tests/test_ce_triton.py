@@ -26,12 +26,24 @@ CHILD = textwrap.dedent('''
         out[name] = dict(loss=abs(lt.item() - lr.item()) / abs(lr.item()), dz=((gt.float() - gr).norm() / gr.norm()).item(),
                          ignored_row=gt[1].abs().max().item(), dtype=str(gt.dtype), no_grad_loss=abs(lt2.item() - lt.item()),
                          no_grad_is_none=g2 is None)
+    gen = torch.Generator().manual_seed(7)                                # logits a column slice of a wider tensor
+    wide = torch.randn(5, 300 + 13, generator=gen) * 3
+    z, y, w = wide[:, :300], torch.randint(0, 300, (5,), generator=gen), torch.full((5,), 0.2)
+    ce.LAUNCH["BV"] = 128
+    (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z, y, w, True)
+    out["row_stride"] = dict(loss=abs(lt.item() - lr.item()) / abs(lr.item()), dz=((gt - gr).norm() / gr.norm()).item(),
+                             stride=z.stride(0))
+    lt, gt = ce.triton_ce_chunk(z, y, torch.zeros(5), True)               # every row ignored
+    out["all_ignored"] = dict(loss=lt.item(), dz_max=gt.abs().max().item())
     print("RESULT", json.dumps(out))
 ''')
 
 
 def test_ce_kernel_matches_ce_chunk():
     res = run_child(CHILD, timeout=300)
+    rs, ig = res.pop("row_stride"), res.pop("all_ignored")
+    assert rs["stride"] == 313 and rs["loss"] < 1e-6 and rs["dz"] < 1e-6, rs  # reads with the row stride, writes dense
+    assert ig == dict(loss=0.0, dz_max=0.0), ig
     for name, r in res.items():
         assert r["loss"] < 1e-6, (name, r)                         # the loss is computed in fp32 in both
         assert r["dz"] < (1e-6 if name != "bf16" else 8e-3), (name, r)  # bf16: the gradient is rounded to bf16

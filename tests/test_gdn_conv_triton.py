@@ -48,10 +48,11 @@ CHILD = textwrap.dedent('''
         names = ["y", "dx"] + [n for n, _ in m.named_parameters()]
         return {n: rel(b, a) for n, a, b in zip(names, *res)}
 
-    def small_tiles():  # several programs per sequence, a partial last one, RT not a multiple of BT
+    def small_tiles():  # several programs per sequence, a partial last one, RT not a multiple of BT, partial channel tiles
         import hymo.models.gdn_conv_triton as ct
         saved = {k: dict(v) for k, v in ct.LAUNCH.items()}
-        ct.LAUNCH.update(fwd=dict(BT=8, num_warps=2), bwd=dict(BT=8, RT=20, num_warps=2))
+        ct.LAUNCH.update(fwd=dict(BT=8, num_warps=2), du=dict(BT=8, RT=20, num_warps=2), dx=dict(BT=16, BC=64, num_warps=2))
+        assert set(ct.LAUNCH) == set(saved), "the test sets tiles the kernels do not read"
         try: return prelude(2, 70, 3, 32, 32, seed=4)
         finally: ct.LAUNCH.update(saved)
 
@@ -59,6 +60,7 @@ CHILD = textwrap.dedent('''
            "small_tiles": small_tiles(),
            "padded_heads_W3": prelude(1, 45, 2, 12, 20, W=3, seed=1),
            "packed": prelude(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=2),
+           "short_docs": prelude(1, 40, 2, 16, 16, cu=torch.tensor([0, 1, 3, 4, 20, 40]), seed=5),  # shorter than W
            "bf16": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3),
            "mixer": mixer(),
            "mixer_packed": mixer(cu=torch.tensor([0, 37, 100]), seed=1)}
@@ -77,7 +79,7 @@ def _check(case, tol):
         assert err <= tol, f"{name}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["odd_T", "small_tiles", "padded_heads_W3", "packed"])
+@pytest.mark.parametrize("name", ["odd_T", "small_tiles", "padded_heads_W3", "packed", "short_docs"])
 def test_prelude_outputs_and_gradients_match_pytorch(errors, name):
     "fp32: q, k, v and the gradients of the input and the conv weights, to fp32 rounding."
     _check(errors[name], 1e-5)
@@ -91,7 +93,7 @@ def test_prelude_in_bf16_is_within_bf16_rounding(errors):
 
 @pytest.mark.parametrize("name", ["mixer", "mixer_packed"])
 def test_mixer_on_the_triton_path_equals_the_pytorch_path(errors, name):
-    "The whole mixer (stacked projection, fused prelude, Triton rule) against the PyTorch path: output and every gradient."
+    "The whole mixer (stacked projections, fused prelude, Triton rule) against the PyTorch path: output and every gradient."
     assert {"y", "dx", "q_proj.weight", "a_proj.weight", "q_conv1d.weight", "A_log", "dt_bias"} <= set(errors[name])
     _check(errors[name], 1e-4)
 

@@ -1,6 +1,7 @@
 """Multi-token prediction: target alignment, loss composition, gradients into the trunk's hidden state."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hymo.config import load_config
 from hymo.models.mtp import IGNORE_INDEX, MTPOutput, MultiTokenPrediction, linear_cross_entropy, lm_loss, lm_loss_fused
@@ -182,3 +183,19 @@ def test_fused_loss_scales_bf16_gradients_in_fp32():
     g1, = torch.autograd.grad(linear_cross_entropy(h, w, t), h)
     g2, = torch.autograd.grad(linear_cross_entropy(h, w, t) * (0.3 / 32), h)
     torch.testing.assert_close(g2, (g1.float() * (0.3 / 32)).to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton chunk kernel and the fp32-output addmm run on CUDA")
+def test_linear_cross_entropy_on_cuda_matches_cross_entropy():
+    """What CUDA runs (chapter 42's kernel, the fp32 accumulation of the vocabulary gradient) in bf16, several
+    chunks and ignored rows, against F.cross_entropy on the same bf16 numbers in fp32."""
+    torch.manual_seed(0)
+    h = torch.randn(300, 64, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(1000, 64, device="cuda") * 0.1).bfloat16().requires_grad_()
+    y = torch.randint(0, 1000, (300,), device="cuda"); y[::7] = -100
+    got = linear_cross_entropy(h, w, y, chunk_rows=128)
+    ref = F.cross_entropy(h.float() @ w.float().T, y)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    assert abs(got.item() - ref.item()) < 1e-3 * ref.item()
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert rel(a, b) < 1e-2

@@ -48,7 +48,7 @@ LAUNCH = dict(BV=4096, num_warps=16)
 
 
 def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32), class stride 1
-                    y: torch.Tensor, # Targets [c], ignored rows clamped to a valid id
+                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (not checked: no host sync)
                     w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
                     want_grad: bool, # Also return d(loss)/dz
                    ):

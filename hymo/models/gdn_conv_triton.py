@@ -219,6 +219,9 @@ def triton_conv_silu_norm(
         raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
     if cu_seqlens is not None and B != 1:
         raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    if B * T * max(C, qkv.stride(1)) >= 2 ** 31:
+        raise ValueError(f"qkv spans {B} x {T} x {max(C, qkv.stride(1))} elements, past the kernels' int32 offsets; "
+                         "split the batch or the sequence")
     if qkv.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use conv_silu_norm")
