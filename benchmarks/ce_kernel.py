@@ -35,25 +35,21 @@ def main():
     z, y, w = inputs()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                          triton=triton.__version__, rows=ROWS, classes=V, timer="triton.testing.do_bench, median, ms"))
-    (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z.float(), y, w, True)
-    res["parity"] = dict(loss=abs(lt.item() - lr.item()) / abs(lr.item()),
-                         dz=((gt.float() - gr).norm() / gr.norm()).item())
-    lc, gc = _compiled_ce_chunk()(z, y, w, True)
-    res["parity_compiled"] = dict(loss=abs(lc.item() - lr.item()) / abs(lr.item()),
-                                  dz=((gc.float() - gr).norm() / gr.norm()).item())
+    lr, gr = ce_chunk(z.float(), y, w, True)
+    for key, fn in (("parity", ce.triton_ce_chunk), ("parity_compiled", _compiled_ce_chunk())):
+        lo, go = fn(z, y, w, True)
+        res[key] = dict(loss=abs(lo.item() - lr.item()) / abs(lr.item()), dz=((go.float() - gr).norm() / gr.norm()).item())
     print(json.dumps(res, indent=1), flush=True)
     if args.sweep:
-        saved, times = dict(ce.LAUNCH), {}
-        for bv in (1024, 2048, 4096, 8192):
-            for nw in (4, 8, 16):
-                ce.LAUNCH.update(BV=bv, num_warps=nw)
-                try: times[f"BV={bv} num_warps={nw}"] = do_bench(lambda: ce.triton_ce_chunk(z, y, w, True), return_mode="median")
-                except Exception as e: times[f"BV={bv} num_warps={nw}"] = repr(e)[:120]
-        ok = {k: v for k, v in times.items() if isinstance(v, float)}
-        best = min(ok, key=ok.get)
+        times, configs = {}, {f"BV={bv} num_warps={nw}": dict(BV=bv, num_warps=nw) for bv in (1024, 2048, 4096, 8192)
+                                                                                  for nw in (4, 8, 16)}
+        for name, cfg in configs.items():
+            ce.LAUNCH.update(cfg)
+            try: times[name] = do_bench(lambda: ce.triton_ce_chunk(z, y, w, True), return_mode="median")
+            except Exception as e: times[name] = repr(e)[:120]
+        best = min((n for n, t in times.items() if isinstance(t, float)), key=times.get)
         res["sweep"] = dict(times, best=best)
-        ce.LAUNCH.update(saved)
-        ce.LAUNCH.update({k: int(v) for k, v in (kv.split("=") for kv in best.split())})
+        ce.LAUNCH.update(configs[best])
         print("sweep:", json.dumps(res["sweep"], indent=1), flush=True)
     res["launch_timed"] = dict(ce.LAUNCH)
     mb = 2 * ROWS * V * 2 / 1e6  # one read of z, one write of dz (bf16)
