@@ -65,13 +65,15 @@ def timings() -> dict:
 
 def sweep() -> dict:
     """Median ms of the forward and of the backward operator for each tile and warp count, and the best of each.
-    The backward's two kernels are swept one after the other: du's tiles with dx's current ones, then dx's with du's best."""
+    The backward's kernels are swept one after the other (du, then dx, then dw), each with the best of those before it."""
     wide, w, cots = inputs()
     out, saved = {}, {k: dict(v) for k, v in ct.LAUNCH.items()}
     dys = [c.reshape(B, T, -1) for c in cots]
     grid = {"fwd": [dict(BT=bt, num_warps=nw) for bt in (8, 16, 32) for nw in (2, 4)],
-            "du": [dict(BT=bt, RT=rt, num_warps=nw) for bt in (8, 16, 32) for rt in (64, 128) for nw in (4, 8)],
-            "dx": [dict(BT=bt, BC=bc, num_warps=nw) for bt in (16, 32, 64) for bc in (64, 128, 256) for nw in (4, 8)]}
+            "du": [dict(BT=bt, num_warps=nw) for bt in (8, 16, 32) for nw in (2, 4, 8)],
+            "dx": [dict(BT=bt, BC=bc, num_warps=nw) for bt, bc, nw in ((32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8))],
+            "dw": [dict(BT=bt, RT=rt, BC=bc, num_warps=nw) for bt in (8, 16) for rt in (128, 256, 512)
+                   for bc in (64, 128) for nw in (4, 8)]}
     for kind, configs in grid.items():
         f = (lambda: ct.triton_conv_silu_norm(wide[..., :C], w, H, K)) if kind == "fwd" else \
             (lambda: ct.conv_silu_norm_bwd(wide[..., :C], w, H, K, None, *dys))

@@ -25,6 +25,7 @@ from hymo.config import load_config
 from hymo.training.trainer import Trainer, peak_flops
 
 PEAK = 989e12
+MARK_STEPS = False  # set by --compile-mode reduce-overhead
 
 
 class SyntheticTrainer(Trainer):
@@ -35,6 +36,7 @@ class SyntheticTrainer(Trainer):
 
         def batches():
             while True:
+                if MARK_STEPS: torch.compiler.cudagraph_mark_step_begin()  # a new micro-batch: CUDA graphs may reuse buffers
                 x = torch.randint(0, V, (B, T + 1), generator=g)
                 yield x[:, :-1], x[:, 1:]
         self.data_dir, self.train_loader, self.val_loader = None, batches(), None
@@ -43,7 +45,7 @@ class SyntheticTrainer(Trainer):
 CATEGORIES = [  # first match wins; names of the CUDA kernels in the profile
     ("cross-entropy softmax pass", r"^_ce_kernel|logsumexp"),
     ("GDN Triton kernels", r"^_(prep|fwd|bwd_states|bwd_local)_kernel"),
-    ("GDN prelude kernels (conv, SiLU, norm)", r"^_conv_(fwd|bwd|du|dx)_kernel"),
+    ("GDN prelude kernels (conv, SiLU, norm)", r"^_conv_(fwd|bwd|du|dx|dw)_kernel"),
     ("attention (cuDNN SDPA)", r"sdpa|flash|fmha|attention"),
     ("matrix multiplies", r"nvjet|cutlass|gemm|xmma|cublas|splitK|grouped"),
     ("compiled elementwise (inductor)", r"^triton_"),
@@ -61,6 +63,24 @@ def breakdown(prof, n_micro: int) -> dict:
         cat = next((c for c, rx in CATEGORIES if re.search(rx, e.key)), "other")
         out[cat] = out.get(cat, 0.0) + t / 1e3 / n_micro
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def gpu_idle(prof, n_micro: int, top: int = 8) -> dict:
+    """Time between the profile's first and last GPU activity when none ran, in ms per micro-batch: in total, by gap
+    length (short gaps are launch latency; long ones mean the GPU waited on the host), and the longest gaps with the
+    activity on either side. The profiler slows the host, so these are upper bounds."""
+    acts = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end, prev = [], acts[0][1], acts[0][2]
+    for s, e, name in acts[1:]:
+        if s > end: gaps.append((s - end, prev, name))
+        if e > end: end, prev = e, name
+    per = lambda us: us / 1e3 / n_micro
+    bins = {"< 10 us": (0, 10), "10-100 us": (10, 100), ">= 100 us": (100, float("inf"))}
+    return dict(span_ms=per(end - acts[0][0]), idle_ms=per(sum(g for g, _, _ in gaps)),
+                idle_ms_by_gap={k: per(sum(g for g, _, _ in gaps if lo <= g < hi)) for k, (lo, hi) in bins.items()},
+                gaps_per_micro_batch=len(gaps) / n_micro,
+                longest=[dict(us=round(g, 1), after=a[:70], before=b[:70]) for g, a, b in sorted(gaps, reverse=True)[:top]])
 
 
 def _conv_launch():
@@ -82,6 +102,13 @@ def run(args) -> dict:
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
     if args.all_mla: over["mla_every"] = 1
+    if args.compile_mode:  # an experiment: the trainer compiles each block with torch.compile's default mode
+        global MARK_STEPS
+        MARK_STEPS = args.compile_mode == "reduce-overhead"
+        from hymo.models.mtp import MTPBlock  # (the MTP heads stay in the default mode: CUDA graphs reused their outputs)
+        plain = torch.nn.Module.compile
+        torch.nn.Module.compile = lambda self, *a, **kw: plain(self, *a, **kw) if isinstance(self, MTPBlock) else \
+            plain(self, *a, **{"mode": args.compile_mode, **kw})
     cfg = load_config("hymo_750m", **over)
     torch.cuda.reset_peak_memory_stats()
     t = SyntheticTrainer(cfg.model, cfg.train, run_dir="/tmp/hymo_bench", resume=False, quiet=True)
@@ -97,7 +124,8 @@ def run(args) -> dict:
         times.append(time.perf_counter() - t0)
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
-    res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile} accum={args.accum} loss={args.loss}",
+    res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
+               + (f" mode={args.compile_mode}" if args.compile_mode else "") + f" accum={args.accum} loss={args.loss}",
                step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
@@ -119,6 +147,8 @@ def run(args) -> dict:
         try:
             res["profile_ms_per_micro_batch"] = breakdown(prof, 3 if args.profile == "micro" else args.accum)
             print(json.dumps(res["profile_ms_per_micro_batch"], indent=1))
+            res["gpu_idle"] = gpu_idle(prof, 3 if args.profile == "micro" else args.accum)
+            print(json.dumps(res["gpu_idle"], indent=1))
         except Exception as e: print("breakdown failed:", repr(e))
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.profile_rows, max_name_column_width=90)
         print(table)
@@ -134,6 +164,8 @@ if __name__ == "__main__":
     p.add_argument("--all-mla", action="store_true")
     p.add_argument("--ac", action="store_true", help="activation checkpointing")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--compile-mode", default=None, choices=["reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="experiment: compile the blocks in this torch.compile mode instead of the default")
     p.add_argument("--loss", default="fused", choices=["fused", "logits"], help="HyMo.loss_impl")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)

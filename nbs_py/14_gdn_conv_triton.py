@@ -1,7 +1,7 @@
 # %% [markdown]
 # # The GDN prelude in one kernel
 #
-# > Short convolution, SiLU and the per-head L2 norm of q and k as one Triton kernel forward and two backward, checked against chapter 12's PyTorch prelude.
+# > Short convolution, SiLU and the per-head L2 norm of q and k as one Triton kernel forward and three backward, checked against chapter 12's PyTorch prelude.
 
 # %%
 #| default_exp models.gdn_conv_triton
@@ -19,7 +19,7 @@
 # None of this needs that much memory traffic. A program can hold a tile of $T$ rows × a few heads,
 # read the $W - 1$ rows before it as well, and do the whole prelude in registers. The backward can
 # recompute the forward from the input rather than saving it. This chapter writes the kernels (one
-# forward, two backward) and checks them against `conv_silu_norm`, forward and gradients.
+# forward, three backward) and checks them against `conv_silu_norm`, forward and gradients.
 #
 # | function | what it is |
 # |---|---|
@@ -77,21 +77,30 @@ torch.manual_seed(0)
 #   and $\bar u_\tau = 0$ past the end of the document), and $\bar w_j = \sum_t \bar u_t\, x_{t-W+1+j}$.
 #
 # So $\bar x$ at rows $t..t+B_T-1$ needs $\bar u$ at rows up to $t+B_T+W-2$, which belong partly
-# to the next tile. The backward is therefore two kernels. The first recomputes $u$ from $x$
-# (the same shifted loads as the forward), goes back through the norm and the SiLU, and writes
-# $\bar u$ (in fp32, a $[B, T, 2HK + HV]$ buffer). It also sums $\bar u_t\, x_{t-W+1+j}$ for the
-# weight gradient, per program, and the per-program partial sums are added up in PyTorch. The
-# second reads $\bar u$ at the $W$ shifted rows and writes $\bar x$; it handles all channels at
-# once, since it no longer needs whole heads. The extra loads of shifted rows are of rows the
-# neighbouring programs also read, which stay in cache. (The first version of this backward was a
-# single kernel that recomputed $u$ and $\bar u$ at all $W$ row offsets a tile needs. It moved less
-# memory but did $W$ times the arithmetic on tiles so small that they fit in registers, and it was
-# 1.5× slower: see "Speed on an H200".)
+# to the next tile. The backward is therefore split at $\bar u$, into three kernels:
+#
+# 1. **$\bar u$** recomputes $u$ from $x$ (the same shifted loads as the forward), goes back through
+#    the norm and the SiLU, and writes $\bar u$ (in fp32, a $[B, T, 2HK + HV]$ buffer).
+# 2. **$\bar x$** reads $\bar u$ at the $W$ shifted rows and writes $\bar x$. It handles all channels
+#    at once, since it no longer needs whole heads.
+# 3. **$\bar w$** reads $\bar u$ and $x$ and sums $\bar u_t\, x_{t-W+1+j}$ over a stretch of rows
+#    per program. The tile is $[B_T, W, B_C]$: rows, taps and channels, with $x$ loaded at the $W$
+#    shifted rows along the tap axis, so that every product lands where it belongs. The rows are
+#    summed once, at the end; PyTorch adds up the per-program sums.
+#
+# The extra loads of shifted rows are of rows the neighbouring programs also read, which stay in
+# cache. Earlier versions did more in fewer kernels and were slower (numbers in "Speed on an
+# H200"). The first was a single kernel that recomputed $u$ and $\bar u$ at all $W$ row offsets a
+# tile needs. It moved less memory but did $W$ times the arithmetic, and it was 1.5× slower than
+# two kernels. The second summed $\bar w$ inside the $\bar u$ kernel, with the tap in a padded lane
+# of a four-dimensional tile, which made that kernel 2.6× slower than it is alone.
 #
 # ## The kernels
 #
-# A program owns $B_T$ rows and $G$ heads of one segment (q, k or v); the tile is
-# $[B_T, G, D_p]$, with $D_p$ the head size rounded up to a power of two and masked. Packed rows
+# A forward or $\bar u$ program owns $B_T$ rows and $G$ heads of one segment (q, k or v); the tile
+# is $[B_T, G, D_p]$, with $D_p$ the head size rounded up to a power of two and masked. A $\bar x$
+# program owns $B_T$ rows × $B_C$ channels, and a $\bar w$ program $R_T$ rows × $B_C$ channels,
+# $B_T$ rows at a time. Packed rows
 # pass `starts`, the first row of each token's document: a tap that reaches before it reads zero,
 # and in the backward a $\bar u$ from another document is not carried back.
 
@@ -130,41 +139,49 @@ def _conv_fwd_kernel(x, w, y, starts, T, sxb, sxt, NH, D: tl.constexpr, W: tl.co
 
 
 @triton.jit
-def _conv_du_kernel(x, w, dy, du, dwp, starts, T, NT, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr,
-                    NORM: tl.constexpr, HAS_STARTS: tl.constexpr, BT: tl.constexpr, RT: tl.constexpr,
-                    G: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
-    "One segment: du [B, T, C] (at the segment's offset) and partial dw [B*NT, C, W] fp32 per RT rows, recomputing u."
+def _conv_du_kernel(x, w, dy, du, starts, T, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr,
+                    HAS_STARTS: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, DP: tl.constexpr):
+    "One segment: du [B, T, C] fp32 (at the segment's offset) for rows [i_t*BT, +BT) and heads [i_g*G, +G), recomputing u."
     i_t, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_h, o_d, o_w = i_g * G + tl.arange(0, G), tl.arange(0, DP), tl.arange(0, WP)
+    rows = i_t * BT + tl.arange(0, BT)
+    o_h, o_d = i_g * G + tl.arange(0, G), tl.arange(0, DP)
     o_c = o_h[None, :, None] * D + o_d[None, None, :]
     m_c = (o_h[None, :, None] < NH) & (o_d[None, None, :] < D)
-    x_b = x + i_b * sxb
-    b_dw = tl.zeros([BT, G, DP, WP], dtype=tl.float32)       # du * x per row and tap (tap j in lane j), summed at the end
-    for i_s in range(0, RT // BT):                            # BT rows at a time (few registers), RT rows in all
+    m = (rows < T)[:, None, None] & m_c
+    b_u = _conv_tile(x + i_b * sxb, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
+    b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m, other=0.).to(tl.float32)
+    b_sig = 1 / (1 + tl.exp(-b_u))
+    if NORM:
+        b_sv = b_u * b_sig
+        b_n = tl.sqrt(tl.sum(b_sv * b_sv, axis=2))[:, :, None]
+        b_r = tl.maximum(b_n, EPS)
+        b_y = b_sv / b_r
+        b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
+    b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
+    tl.store(du + (i_b * T + rows[:, None, None]) * C + o_c, b_du.to(du.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_dw_kernel(du, x, dwp, starts, T, NT, sxb, sxt, C, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    BT: tl.constexpr, RT: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr):
+    "All channels: dwp[b*NT + i, j, c] = sum over the i-th RT rows t of du[t, c] x[t - W + 1 + j, c], fp32."
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_c, o_w = i_c * BC + tl.arange(0, BC), tl.arange(0, WP)
+    m_c = o_c < C
+    b_dw = tl.zeros([BT, WP, BC], dtype=tl.float32)  # per row and tap; the rows are summed once, at the end
+    for i_s in range(0, RT // BT):
         rows = i_t * RT + i_s * BT + tl.arange(0, BT)
         m_r = rows < T
-        b_u = _conv_tile(x_b, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
-        b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m_r[:, None, None] & m_c,
-                      other=0.).to(tl.float32)
-        b_sig = 1 / (1 + tl.exp(-b_u))
-        if NORM:
-            b_sv = b_u * b_sig
-            b_n = tl.sqrt(tl.sum(b_sv * b_sv, axis=2))[:, :, None]
-            b_r = tl.maximum(b_n, EPS)
-            b_y = b_sv / b_r
-            b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
-        b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
-        tl.store(du + (i_b * T + rows[:, None, None]) * C + o_c, b_du.to(du.dtype.element_ty), mask=m_r[:, None, None] & m_c)
-        b_st = tl.zeros([BT], dtype=tl.int32)
-        if HAS_STARTS: b_st = tl.load(starts + rows, mask=m_r, other=0)
-        for j in tl.static_range(W):  # dw[c, j] += du[t, c] x[t - W + 1 + j, c], rows summed once per program
-            r = rows - (W - 1) + j
-            m_x = ((r >= b_st) & (r < T))[:, None, None] & m_c
-            b_x = tl.load(x_b + r[:, None, None] * sxt + o_c, mask=m_x, other=0.).to(tl.float32)
-            b_dw += tl.where(o_w[None, None, None, :] == j, (b_du * b_x)[:, :, :, None], 0.)
-    o_c2 = o_h[:, None, None] * D + o_d[None, :, None]                                    # (G, DP, 1)
-    m_w = (o_h[:, None, None] < NH) & (o_d[None, :, None] < D) & (o_w[None, None, :] < W)
-    tl.store(dwp + ((i_b * NT + i_t) * C + o_c2) * W + o_w[None, None, :], tl.sum(b_dw, axis=0), mask=m_w)
+        b_du = tl.load(du + (i_b * T + rows[:, None]) * C + o_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0.)
+        b_s = tl.zeros([BT], dtype=tl.int32)
+        if HAS_STARTS: b_s = tl.load(starts + rows, mask=m_r, other=0)
+        r = rows[:, None] - (W - 1) + o_w[None, :]                                  # (BT, WP) the row tap j reads
+        m_x = (r >= b_s[:, None]) & m_r[:, None] & (o_w[None, :] < W)
+        b_x = tl.load(x + i_b * sxb + r[:, :, None] * sxt + o_c[None, None, :],
+                      mask=m_x[:, :, None] & m_c[None, None, :], other=0.).to(tl.float32)  # (BT, WP, BC)
+        b_dw += b_du[:, None, :] * b_x
+    tl.store(dwp + ((i_b * NT + i_t) * W + o_w[:, None]) * C + o_c[None, :], tl.sum(b_dw, axis=0),
+             mask=(o_w[:, None] < W) & m_c[None, :])
 
 
 @triton.jit
@@ -190,15 +207,16 @@ def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.con
 #
 # The input is one `[B, T, 2HK + HV]` tensor (the mixer's q, k, v projection, possibly a column
 # slice of a wider one: only its channel stride must be 1). It holds three segments, q, k and v. The
-# forward and the backward's first kernel run once per segment, at its own channel offset (q and k
-# are normalised, v is not); the backward's second kernel runs once over all channels.
+# forward and the $\bar u$ kernel run once per segment, at its own channel offset (q and k are
+# normalised, v is not); the $\bar x$ and $\bar w$ kernels run once over all channels.
 # `LAUNCH` holds the tile sizes; `_tile_sizes` picks $G$ so that a tile row spans about 128 channels.
 
 # %%
 #| export
-# Tiles: BT rows (x BC channels for dx); the du kernel walks RT rows per program and sums dw over them.
+# Tiles: BT rows (x BC channels for dx and dw); the dw kernel walks RT rows per program and sums over them.
 # The fastest in benchmarks/gdn_conv_kernel.py --sweep on an H200 (see "Speed on an H200").
-LAUNCH = dict(fwd=dict(BT=8, num_warps=2), du=dict(BT=8, RT=64, num_warps=8), dx=dict(BT=32, BC=128, num_warps=4))
+LAUNCH = dict(fwd=dict(BT=16, num_warps=2), du=dict(BT=8, num_warps=8), dx=dict(BT=32, BC=128, num_warps=4),
+              dw=dict(BT=8, RT=512, BC=64, num_warps=4))
 
 
 def _segments(H: int, K: int, V: int):
@@ -252,22 +270,25 @@ def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     B, T, C = x.shape
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
-    BT = LAUNCH["du"]["BT"]
-    RT = BT * triton.cdiv(LAUNCH["du"]["RT"], BT)                        # a whole number of BT steps
-    NT = triton.cdiv(T, RT)
     du = torch.empty(B, T, C, dtype=torch.float32, device=x.device)     # the conv's output gradient, kept in fp32
-    dwp = torch.empty(B * NT, C, Wd, dtype=torch.float32, device=x.device)
+    BT = LAUNCH["du"]["BT"]
     for (off, NH, D, norm), dy in zip(_segments(H, K, V), (dq, dk, dv)):
         G, DP = _tile_sizes(NH, D)
-        _conv_du_kernel[(NT, triton.cdiv(NH, G), B)](
-            x[..., off:], w[off:], dy.contiguous(), du[..., off:], dwp[:, off:], starts, T, NT, x.stride(0), x.stride(1),
-            C, NH, D, Wd, norm, starts is not None, BT, RT, G, DP, triton.next_power_of_2(Wd),
-            num_warps=LAUNCH["du"]["num_warps"])
+        _conv_du_kernel[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
+            x[..., off:], w[off:], dy.contiguous(), du[..., off:], starts, T, x.stride(0), x.stride(1),
+            C, NH, D, Wd, norm, starts is not None, BT, G, DP, num_warps=LAUNCH["du"]["num_warps"])
     dx = x.new_empty(B, T, C)
     BT, BC = LAUNCH["dx"]["BT"], LAUNCH["dx"]["BC"]
     _conv_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](du, w, dx, starts, T, C, Wd, starts is not None, BT, BC,
                                                                 num_warps=LAUNCH["dx"]["num_warps"])
-    return dx, dwp.sum(0).to(w.dtype)
+    BT, BC = LAUNCH["dw"]["BT"], LAUNCH["dw"]["BC"]
+    RT = BT * triton.cdiv(LAUNCH["dw"]["RT"], BT)                        # a whole number of BT steps
+    NT = triton.cdiv(T, RT)
+    dwp = torch.empty(B * NT, Wd, C, dtype=torch.float32, device=x.device)
+    _conv_dw_kernel[(NT, triton.cdiv(C, BC), B)](du, x, dwp, starts, T, NT, x.stride(0), x.stride(1), C, Wd,
+                                                starts is not None, BT, RT, BC, triton.next_power_of_2(Wd),
+                                                num_warps=LAUNCH["dw"]["num_warps"])
+    return dx, dwp.sum(0).t().contiguous().to(w.dtype)
 
 
 @conv_silu_norm_bwd.register_fake
@@ -409,9 +430,12 @@ for name in ("triton", "pytorch_compiled", "pytorch_eager"):
     print(f"{name:22s}{res[name + '_fwd_ms']:12.3f}{res[name + '_fwd_bwd_ms']:12.3f}")
 print(f"Triton backward operator alone: {res['triton_bwd_ms']:.3f} ms")
 sw = res["sweep"]
-for kind in ("fwd", "du", "dx"):
+for kind in ("fwd", "du", "dx", "dw"):
     times = {k: v for k, v in sw.items() if k.startswith(kind + " ") and isinstance(v, float)}
     print(f"sweep {kind}: {min(times.values()):.3f}-{max(times.values()):.3f} ms over {len(times)} tiles, fastest {sw['best_' + kind]}")
+p2 = res["previous_two_kernel_backward"]
+print(f"previous backward (du kernel also summing dw, then dx): {p2['triton_bwd_ms']:.3f} ms; in the model, us per launch",
+      {k: v for k, v in p2["in_model_us_per_launch"].items() if k != "note"})
 prev = res["previous_backward"]
 pb = {k: v for k, v in prev["sweep"].items() if isinstance(v, float)}
 p1 = {k: v for k, v in prev["first_version_sweep"].items() if isinstance(v, float)}
@@ -430,29 +454,28 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # - **Parity.** The kernels' bf16 outputs and input gradient are within 1.7e-3 of the fp32
 #   prelude, half the error of PyTorch's own bf16 prelude (3.3e-3), because they round once. The
 #   weight gradient is summed in fp32 and matches to 2e-7.
-# - **Forward**: 0.19 and 0.26 ms for the three launches, two timings of the same tiles in the same
-#   run (in the sweep and after it): 1.0–1.35 TB/s, well under the H200's 4.8 TB/s, and the spread
-#   between timings is wide. The compiled PyTorch forward takes 0.37 ms.
-# - **Backward**: 0.70 ms, against 1.04 ms for the previous single-kernel backward and 1.7 ms for
-#   compiled PyTorch. Of the 0.70 ms, the $\bar u$ kernel takes about 0.56–0.6 ms (three launches) and
-#   the $\bar x$ kernel 0.12 ms. The $\bar x$ kernel moves its 378 MB at about 3 TB/s. The $\bar u$
-#   kernel runs at about 0.9 TB/s, and no tile in the sweep did better (0.70–1.13 ms for the
-#   whole backward). It is the part still worth work.
-# - **Keeping $\bar u$ in bf16** between the two kernels saves 6 % of the backward (0.66 against
-#   0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of $\bar x$
-#   (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not kept.
-# - **The weight gradient is the expensive part of the $\bar u$ kernel.** In the 750M profile the
-#   $\bar u$ kernel takes 200 µs per segment and the $\bar x$ kernel 125 µs. In an experiment that
-#   was not kept (`experiment_dw_in_dx_kernel` in the JSON), the $\bar u$ kernel left $\bar w$ alone
-#   and the $\bar x$ kernel summed $\bar u_{t+s}\,x_t$ over its rows instead, with the document mask
-#   it already applies. The $\bar u$ kernel fell to 76 µs and the $\bar x$ kernel rose to 479 µs,
-#   so the backward stayed at about 0.7 ms (0.68 against 0.70 ms). Here $\bar w$ is kept per row and
-#   reduced once per program; there it was reduced over the tile's rows at every step. The
-#   two cost about the same, about 120 µs per 1 280 channels. Our guess is the $W$ shifted reloads
-#   of $x$ and the masked multiply-adds into a tile with a tap axis; that is the next thing to
-#   measure.
-# - **In the 750M model** (results page), the prelude now takes 21 ms of a compiled micro-batch,
-#   where it took 29 ms with the previous backward and inductor's kernels took 27 ms.
+# - **Forward**: 0.15 ms for the three launches in the sweep, 0.22 ms timed again after it (the
+#   spread between timings of the same tiles is wide): 1.1–1.7 TB/s, under the H200's 4.8 TB/s.
+#   The compiled PyTorch forward takes 0.37 ms.
+# - **Backward**: 0.47 ms, against 0.70 ms for the previous backward (two kernels, $\bar w$ summed in
+#   the $\bar u$ kernel), 1.04 ms for the single kernel before it, and about 1.7 ms for compiled
+#   PyTorch. In the 750M model a layer's backward is three $\bar u$ launches of 76 µs, one $\bar x$
+#   launch of 125 µs and one $\bar w$ launch of 118 µs. The $\bar w$ kernel reads 378 MB ($\bar u$
+#   in fp32 and $x$ in bf16), about 3.2 TB/s; the $\bar x$ kernel moves as much at about 3 TB/s.
+# - **Where $\bar w$ is summed matters more than how much it reads.** Summed inside the $\bar u$
+#   kernel, a $\bar u$ launch took 200 µs instead of 76. In an experiment that was not kept
+#   (`experiment_dw_in_dx_kernel` in the JSON), the $\bar x$ kernel summed it instead, with the
+#   document mask it already applies, and rose from 125 to 479 µs. Both put the tap in a padded
+#   lane of the tile and selected it with a mask at every tap, $W$ times the multiply-adds, in
+#   kernels that were already busy. The separate kernel reads $\bar u$ once more (252 MB) but loads
+#   $x$ with the tap as a real axis of the tile, so each product is computed once.
+# - **Keeping $\bar u$ in bf16** between the kernels saved 6 % of the previous backward (0.66
+#   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
+#   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not
+#   kept.
+# - **In the 750M model** (results page), the prelude now takes 14.8 ms of a compiled micro-batch.
+#   It took 21 ms with the previous backward, 29 ms with the single kernel, and inductor's kernels
+#   took 27 ms.
 
 # %% [markdown]
 # ## Questions
@@ -464,7 +487,7 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # gradient at four shifted rows too. Inductor inlined those reads and recomputed them, reaching
 # about 0.3 TB/s. The kernels here are 5.8× faster than eager PyTorch and save memory. Compiled,
 # the first version was a wash (29 ms of a micro-batch, where inductor's kernels took 27 ms); with
-# the two-kernel backward the prelude takes 21 ms. The section above has the measurements.
+# the three-kernel backward the prelude takes 14.8 ms. The section above has the measurements.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -51,7 +51,8 @@ CHILD = textwrap.dedent('''
     def small_tiles():  # several programs per sequence, a partial last one, RT not a multiple of BT, partial channel tiles
         import hymo.models.gdn_conv_triton as ct
         saved = {k: dict(v) for k, v in ct.LAUNCH.items()}
-        ct.LAUNCH.update(fwd=dict(BT=8, num_warps=2), du=dict(BT=8, RT=20, num_warps=2), dx=dict(BT=16, BC=64, num_warps=2))
+        ct.LAUNCH.update(fwd=dict(BT=8, num_warps=2), du=dict(BT=8, num_warps=2), dx=dict(BT=16, BC=64, num_warps=2),
+                         dw=dict(BT=8, RT=20, BC=64, num_warps=2))
         assert set(ct.LAUNCH) == set(saved), "the test sets tiles the kernels do not read"
         try: return prelude(2, 70, 3, 32, 32, seed=4)
         finally: ct.LAUNCH.update(saved)

@@ -1,4 +1,4 @@
-"""Short convolution, SiLU and the per-head L2 norm of q and k as one Triton kernel forward and two backward, checked against chapter 12's PyTorch prelude.
+"""Short convolution, SiLU and the per-head L2 norm of q and k as one Triton kernel forward and three backward, checked against chapter 12's PyTorch prelude.
 
 Docs: https://hymo-lm.github.io/hymo/gdn_conv_triton.html.md"""
 
@@ -54,41 +54,49 @@ def _conv_fwd_kernel(x, w, y, starts, T, sxb, sxt, NH, D: tl.constexpr, W: tl.co
 
 
 @triton.jit
-def _conv_du_kernel(x, w, dy, du, dwp, starts, T, NT, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr,
-                    NORM: tl.constexpr, HAS_STARTS: tl.constexpr, BT: tl.constexpr, RT: tl.constexpr,
-                    G: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
-    "One segment: du [B, T, C] (at the segment's offset) and partial dw [B*NT, C, W] fp32 per RT rows, recomputing u."
+def _conv_du_kernel(x, w, dy, du, starts, T, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr,
+                    HAS_STARTS: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, DP: tl.constexpr):
+    "One segment: du [B, T, C] fp32 (at the segment's offset) for rows [i_t*BT, +BT) and heads [i_g*G, +G), recomputing u."
     i_t, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_h, o_d, o_w = i_g * G + tl.arange(0, G), tl.arange(0, DP), tl.arange(0, WP)
+    rows = i_t * BT + tl.arange(0, BT)
+    o_h, o_d = i_g * G + tl.arange(0, G), tl.arange(0, DP)
     o_c = o_h[None, :, None] * D + o_d[None, None, :]
     m_c = (o_h[None, :, None] < NH) & (o_d[None, None, :] < D)
-    x_b = x + i_b * sxb
-    b_dw = tl.zeros([BT, G, DP, WP], dtype=tl.float32)       # du * x per row and tap (tap j in lane j), summed at the end
-    for i_s in range(0, RT // BT):                            # BT rows at a time (few registers), RT rows in all
+    m = (rows < T)[:, None, None] & m_c
+    b_u = _conv_tile(x + i_b * sxb, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
+    b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m, other=0.).to(tl.float32)
+    b_sig = 1 / (1 + tl.exp(-b_u))
+    if NORM:
+        b_sv = b_u * b_sig
+        b_n = tl.sqrt(tl.sum(b_sv * b_sv, axis=2))[:, :, None]
+        b_r = tl.maximum(b_n, EPS)
+        b_y = b_sv / b_r
+        b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
+    b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
+    tl.store(du + (i_b * T + rows[:, None, None]) * C + o_c, b_du.to(du.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_dw_kernel(du, x, dwp, starts, T, NT, sxb, sxt, C, W: tl.constexpr, HAS_STARTS: tl.constexpr,
+                    BT: tl.constexpr, RT: tl.constexpr, BC: tl.constexpr, WP: tl.constexpr):
+    "All channels: dwp[b*NT + i, j, c] = sum over the i-th RT rows t of du[t, c] x[t - W + 1 + j, c], fp32."
+    i_t, i_c, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_c, o_w = i_c * BC + tl.arange(0, BC), tl.arange(0, WP)
+    m_c = o_c < C
+    b_dw = tl.zeros([BT, WP, BC], dtype=tl.float32)  # per row and tap; the rows are summed once, at the end
+    for i_s in range(0, RT // BT):
         rows = i_t * RT + i_s * BT + tl.arange(0, BT)
         m_r = rows < T
-        b_u = _conv_tile(x_b, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
-        b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m_r[:, None, None] & m_c,
-                      other=0.).to(tl.float32)
-        b_sig = 1 / (1 + tl.exp(-b_u))
-        if NORM:
-            b_sv = b_u * b_sig
-            b_n = tl.sqrt(tl.sum(b_sv * b_sv, axis=2))[:, :, None]
-            b_r = tl.maximum(b_n, EPS)
-            b_y = b_sv / b_r
-            b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
-        b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
-        tl.store(du + (i_b * T + rows[:, None, None]) * C + o_c, b_du.to(du.dtype.element_ty), mask=m_r[:, None, None] & m_c)
-        b_st = tl.zeros([BT], dtype=tl.int32)
-        if HAS_STARTS: b_st = tl.load(starts + rows, mask=m_r, other=0)
-        for j in tl.static_range(W):  # dw[c, j] += du[t, c] x[t - W + 1 + j, c], rows summed once per program
-            r = rows - (W - 1) + j
-            m_x = ((r >= b_st) & (r < T))[:, None, None] & m_c
-            b_x = tl.load(x_b + r[:, None, None] * sxt + o_c, mask=m_x, other=0.).to(tl.float32)
-            b_dw += tl.where(o_w[None, None, None, :] == j, (b_du * b_x)[:, :, :, None], 0.)
-    o_c2 = o_h[:, None, None] * D + o_d[None, :, None]                                    # (G, DP, 1)
-    m_w = (o_h[:, None, None] < NH) & (o_d[None, :, None] < D) & (o_w[None, None, :] < W)
-    tl.store(dwp + ((i_b * NT + i_t) * C + o_c2) * W + o_w[None, None, :], tl.sum(b_dw, axis=0), mask=m_w)
+        b_du = tl.load(du + (i_b * T + rows[:, None]) * C + o_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0.)
+        b_s = tl.zeros([BT], dtype=tl.int32)
+        if HAS_STARTS: b_s = tl.load(starts + rows, mask=m_r, other=0)
+        r = rows[:, None] - (W - 1) + o_w[None, :]                                  # (BT, WP) the row tap j reads
+        m_x = (r >= b_s[:, None]) & m_r[:, None] & (o_w[None, :] < W)
+        b_x = tl.load(x + i_b * sxb + r[:, :, None] * sxt + o_c[None, None, :],
+                      mask=m_x[:, :, None] & m_c[None, None, :], other=0.).to(tl.float32)  # (BT, WP, BC)
+        b_dw += b_du[:, None, :] * b_x
+    tl.store(dwp + ((i_b * NT + i_t) * W + o_w[:, None]) * C + o_c[None, :], tl.sum(b_dw, axis=0),
+             mask=(o_w[:, None] < W) & m_c[None, :])
 
 
 @triton.jit
@@ -109,9 +117,10 @@ def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.con
              mask=(rows < T)[:, None] & m_c[None, :])
 
 # %% ../../nbs/14_gdn_conv_triton.ipynb #e5311b48
-# Tiles: BT rows (x BC channels for dx); the du kernel walks RT rows per program and sums dw over them.
+# Tiles: BT rows (x BC channels for dx and dw); the dw kernel walks RT rows per program and sums over them.
 # The fastest in benchmarks/gdn_conv_kernel.py --sweep on an H200 (see "Speed on an H200").
-LAUNCH = dict(fwd=dict(BT=8, num_warps=2), du=dict(BT=8, RT=64, num_warps=8), dx=dict(BT=32, BC=128, num_warps=4))
+LAUNCH = dict(fwd=dict(BT=16, num_warps=2), du=dict(BT=8, num_warps=8), dx=dict(BT=32, BC=128, num_warps=4),
+              dw=dict(BT=8, RT=512, BC=64, num_warps=4))
 
 
 def _segments(H: int, K: int, V: int):
@@ -165,22 +174,25 @@ def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     B, T, C = x.shape
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
-    BT = LAUNCH["du"]["BT"]
-    RT = BT * triton.cdiv(LAUNCH["du"]["RT"], BT)                        # a whole number of BT steps
-    NT = triton.cdiv(T, RT)
     du = torch.empty(B, T, C, dtype=torch.float32, device=x.device)     # the conv's output gradient, kept in fp32
-    dwp = torch.empty(B * NT, C, Wd, dtype=torch.float32, device=x.device)
+    BT = LAUNCH["du"]["BT"]
     for (off, NH, D, norm), dy in zip(_segments(H, K, V), (dq, dk, dv)):
         G, DP = _tile_sizes(NH, D)
-        _conv_du_kernel[(NT, triton.cdiv(NH, G), B)](
-            x[..., off:], w[off:], dy.contiguous(), du[..., off:], dwp[:, off:], starts, T, NT, x.stride(0), x.stride(1),
-            C, NH, D, Wd, norm, starts is not None, BT, RT, G, DP, triton.next_power_of_2(Wd),
-            num_warps=LAUNCH["du"]["num_warps"])
+        _conv_du_kernel[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
+            x[..., off:], w[off:], dy.contiguous(), du[..., off:], starts, T, x.stride(0), x.stride(1),
+            C, NH, D, Wd, norm, starts is not None, BT, G, DP, num_warps=LAUNCH["du"]["num_warps"])
     dx = x.new_empty(B, T, C)
     BT, BC = LAUNCH["dx"]["BT"], LAUNCH["dx"]["BC"]
     _conv_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](du, w, dx, starts, T, C, Wd, starts is not None, BT, BC,
                                                                 num_warps=LAUNCH["dx"]["num_warps"])
-    return dx, dwp.sum(0).to(w.dtype)
+    BT, BC = LAUNCH["dw"]["BT"], LAUNCH["dw"]["BC"]
+    RT = BT * triton.cdiv(LAUNCH["dw"]["RT"], BT)                        # a whole number of BT steps
+    NT = triton.cdiv(T, RT)
+    dwp = torch.empty(B * NT, Wd, C, dtype=torch.float32, device=x.device)
+    _conv_dw_kernel[(NT, triton.cdiv(C, BC), B)](du, x, dwp, starts, T, NT, x.stride(0), x.stride(1), C, Wd,
+                                                starts is not None, BT, RT, BC, triton.next_power_of_2(Wd),
+                                                num_warps=LAUNCH["dw"]["num_warps"])
+    return dx, dwp.sum(0).t().contiguous().to(w.dtype)
 
 
 @conv_silu_norm_bwd.register_fake

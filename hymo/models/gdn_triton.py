@@ -397,14 +397,12 @@ def _bv_local(K: int, V: int) -> int:
     return min(V, 32 if K <= 64 else 16)
 
 
-def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
-    "Recompute gc, A and the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
+def _chunk_bwd(q, k, v, gc, beta, A, scale, h0, cu_seqlens, do, dht, need_dh0):
+    "From the forward's gc and A, recompute the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    tables = _chunk_tables(cu_seqlens, B, T)
-    chunk_indices, chunk_offsets, nc = tables
-    gc, A = _prepare(k, g, beta, cu_seqlens, tables)
+    chunk_indices, chunk_offsets, nc = _chunk_tables(cu_seqlens, B, T)
     hs, dh = q.new_empty(nc, H, K, V), q.new_empty(nc, H, K, V)        # S_0 and dS_C of every chunk, in the input dtype
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV = _bv(V)
@@ -412,7 +410,7 @@ def _chunk_bwd(q, k, v, g, beta, scale, h0, cu_seqlens, do, dht, need_dh0):
                                                       scale, T, H, K, V, BT, BV, h0 is not None, dht is not None, need_dh0,
                                                       cu_seqlens is not None, **_state_launch("states", K, V))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+    dg, dbeta = torch.empty_like(gc), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
     _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
                             chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None, **LAUNCH["local"])
@@ -426,49 +424,52 @@ def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 @torch.library.custom_op("hymo::gdn_chunk_fwd", mutates_args=())
 def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   initial_state: Optional[torch.Tensor], output_final_state: bool,
-                  cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor)`."
+                  cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A)`; the backward reuses gc and A."
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
     gc, A = _prepare(k, g, beta, cu_seqlens, tables)
     o, ht = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1])
-    return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32))
+    return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32)), gc, A
 
 
 @gdn_chunk_fwd.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    ht = q.new_empty(N, q.shape[2], q.shape[3], v.shape[3], dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht
+    B, T, H, K = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht = q.new_empty(N, H, K, v.shape[3], dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(v), ht, q.new_empty(B, T, H, dtype=torch.float32), q.new_empty(B, T, H, BT, dtype=k.dtype)
 
 
 @torch.library.custom_op("hymo::gdn_chunk_bwd", mutates_args=())
-def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-                  initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
+                  scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
                   dht: Optional[torch.Tensor], need_dh0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                          torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`."
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, do.contiguous(),
+    "Backward from the forward's gc and A: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`."
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do.contiguous(),
                                             None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, need_dh0):
+def _(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do, dht, need_dh0):
     dh0 = torch.empty_like(initial_state) if need_dh0 and initial_state is not None else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), torch.empty_like(beta), dh0
 
 
 def _gdn_setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    _, _, gc, A = output
+    ctx.mark_non_differentiable(gc, A)
+    ctx.save_for_backward(q, k, v, gc, beta, A, initial_state, cu_seqlens)
     ctx.scale = scale
 
 
-def _gdn_backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens = ctx.saved_tensors
+def _gdn_backward(ctx, do, dht, dgc, dA):
+    q, k, v, gc, beta, A, initial_state, cu_seqlens = ctx.saved_tensors
     need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do,
+    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, gc, beta, A, ctx.scale, initial_state, cu_seqlens, do,
                                                _none_if_empty(dht), need_dh0)
     return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None
 
@@ -523,7 +524,7 @@ def triton_gated_delta_rule(
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
         S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
-    o, ht = gdn_chunk_fwd(*args[:7], output_final_state, args[7])
+    o, ht, _, _ = gdn_chunk_fwd(*args[:7], output_final_state, args[7])
     return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if output_final_state else None)
 
 # %% ../../nbs/13_gdn_triton.ipynb #29949bd1

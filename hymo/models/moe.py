@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from .layers import SwiGLU
 
 # %% auto #0
-__all__ = ['HAS_GROUPED_MM', 'experts_loop', 'experts_grouped', 'sort_assignments', 'SwiGLUExpert', 'DeepSeekMoE']
+__all__ = ['HAS_GROUPED_MM', 'experts_loop', 'experts_grouped', 'sort_assignments', 'GatherRows', 'SwiGLUExpert', 'DeepSeekMoE']
 
 # %% ../../nbs/30_moe.ipynb #587a5909
 def experts_loop(xs: torch.Tensor, # [M, d] assignments sorted by expert
@@ -58,7 +58,7 @@ def sort_assignments(idx: torch.Tensor, # [N, k] chosen experts
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Order the N·k assignments by expert (then by score, for capacity); return `order` [M], `counts` [E], `keep` [N, k]."
     e = idx.flatten()  # (M,) with M = N*k
-    counts = torch.zeros(n_experts, dtype=torch.long, device=e.device).index_add_(0, e, torch.ones_like(e))
+    counts = (e[:, None] == torch.arange(n_experts, device=e.device)).sum(0)  # (E,) a reduction: no scatter, no sync
     if capacity is None:
         return torch.argsort(e, stable=True), counts, torch.ones_like(idx, dtype=torch.bool)
     by_score = torch.argsort(score.flatten(), descending=True, stable=True)  # ties: earlier token first
@@ -67,6 +67,22 @@ def sort_assignments(idx: torch.Tensor, # [N, k] chosen experts
     rank = torch.arange(e.numel(), device=e.device) - starts[e[order]]  # position inside the segment
     keep = torch.empty_like(e, dtype=torch.bool).scatter_(0, order, rank < capacity)
     return order, counts, keep.view_as(idx)
+
+# %% ../../nbs/30_moe.ipynb #15a78c07
+class GatherRows(torch.autograd.Function):
+    """`x[idx // k]` for a permutation `idx` of `range(len(x) * k)` with inverse `inv`: each row of x lands k times.
+    The backward is a gather through `inv` and a sum over each row's k copies, not a scatter-add."""
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, k: int = 1) -> torch.Tensor:  # x: [N, d] -> [N*k, d]
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[idx // k] if k > 1 else x[idx]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # g: [N*k, d] -> [N, d]
+        inv, = ctx.saved_tensors
+        gx = g[inv]
+        return (gx.view(-1, ctx.k, g.shape[-1]).sum(1) if ctx.k > 1 else gx), None, None, None
 
 # %% ../../nbs/30_moe.ipynb #9b4ed2b2
 class SwiGLUExpert(SwiGLU):
@@ -143,13 +159,13 @@ class DeepSeekMoE(nn.Module):
         if self.training:  # balancing statistics (eval batches must not steer the bias)
             self.expert_counts += counts
             self.dropped_tokens += (~keep).sum()
-        xs = xf[order // self.top_k]  # (M, d) tokens sorted by expert
+        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         cdt = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
         mode = self.impl if self.impl != "auto" else ("grouped" if HAS_GROUPED_MM and x.is_cuda and cdt == torch.bfloat16 else "loop")
         run = experts_grouped if mode == "grouped" else experts_loop
-        ys = run(xs.to(cdt) if mode == "grouped" else xs, counts, self.w1, self.w2, self.w3)  # (M, d)
-        inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        ys = ys[inv].view(B * T, self.top_k, d)  # (N, k, d) back in token order
+        xs = GatherRows.apply(xf.to(cdt) if mode == "grouped" else xf, order, inv, self.top_k)  # (M, d) sorted by expert
+        ys = run(xs, counts, self.w1, self.w2, self.w3)  # (M, d)
+        ys = GatherRows.apply(ys, inv, order).view(B * T, self.top_k, d)  # (N, k, d) back in token order
         w = torch.where(keep, weight, 0.0)  # dropped assignments contribute nothing
         y = (ys.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d)
         if self.shared is not None: y = y + self.shared(xf)
