@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hymo.config import load_config
-from hymo.training.trainer import Trainer, peak_flops
+from hymo.training.trainer import Trainer, _to_device, peak_flops
 
 PEAK = 989e12
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
@@ -140,7 +140,7 @@ def run(args) -> dict:
             if args.profile == "step": t.train_step()
             else:  # forward + backward of micro-batches only: what an accumulation step repeats
                 for _ in range(3):
-                    tokens, targets = (x.to(t.d.device) for x in next(t._train_iter))
+                    tokens, targets, _ = _to_device(t, next(t._train_iter))
                     with t.autocast(): loss, _ = t.model(tokens, targets=targets)
                     loss.backward()
             torch.cuda.synchronize()

@@ -85,6 +85,13 @@ test_close(O @ O.T, torch.eye(32), eps=1e-4)  # a wide O has orthonormal rows
 # When $m > n$ the iteration runs on $X^\top$ so that the Gram matrix $XX^\top$ is the smaller
 # $\min(m, n)^2$ one. A leading batch dimension (stacked experts `[E, m, n]`) is orthogonalised matrix
 # by matrix, because every product works on the last two dimensions.
+#
+# Each iteration is three batched products and nothing else: `baddbmm` computes $bA + cA^2$ and
+# $aX + BX$ with the scalars applied inside the matrix multiply, instead of a product followed by
+# two elementwise passes over the result. $X$ is made contiguous once, after the transpose. (With
+# the scalars applied separately, and $X$ left a transposed view so that its elementwise passes
+# could not be vectorised, those passes took two thirds of NorMuon's 155 ms step on the 750M
+# model on an H200.)
 
 # %%
 #| export
@@ -109,11 +116,14 @@ def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are 
     X = G.to(dtype or ns_dtype(G))
     tall = G.size(-2) > G.size(-1)
     if tall: X = X.mT  # (..., n, m): iterate on the wide side, Gram matrix min(m, n)²
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # every σ in (0, 1]
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + eps)).contiguous()  # every σ in (0, 1]
+    lead = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # (batch, k, l) with k = min(m, n)
     for _ in range(steps):
-        A = X @ X.mT  # (..., k, k) with k = min(m, n)
-        B = b * A + c * A @ A
-        X = a * X + B @ X
+        A = torch.bmm(X, X.mT)  # (batch, k, k)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = X.view(*lead, *X.shape[-2:])
     return X.mT if tall else X
 
 

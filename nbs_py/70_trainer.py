@@ -277,15 +277,22 @@ class Trainer:
 # accumulated gradient is the mean over the global batch; FSDP's reduce-scatter then averages over
 # ranks. The learning rate of every group is set from the schedule before the step, from its
 # `peak_lr`, so the schedule has no state beyond `step`.
+#
+# A batch goes to the GPU from pinned (page-locked) host memory, without blocking. A copy from
+# ordinary memory makes the host wait until the GPU has finished everything queued before it, the
+# whole backward of the previous micro-batch, and the GPU then idles while the host queues the next
+# forward: on the 750M model on an H200 that was about 1 ms per micro-batch.
 
 # %%
 #| export
 def _to_device(self: Trainer, batch) -> tuple:
     """`(tokens, targets, cu_seqlens or None)` on the device. With document masking the loader's
     `cu_seqlens` index the batch flattened to one row, so the batch is packed to `[1, B*T]`."""
-    tokens, targets = batch[0].to(self.d.device), batch[1].to(self.d.device)
+    dev = self.d.device
+    move = (lambda t: t.pin_memory().to(dev, non_blocking=True)) if dev.type == "cuda" else (lambda t: t.to(dev))
+    tokens, targets = move(batch[0]), move(batch[1])
     if len(batch) < 3: return tokens, targets, None
-    return tokens.view(1, -1), targets.view(1, -1), batch[2].to(self.d.device)
+    return tokens.view(1, -1), targets.view(1, -1), move(batch[2])
 
 
 def _grad_norm(self: Trainer) -> torch.Tensor:

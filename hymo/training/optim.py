@@ -42,11 +42,14 @@ def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are 
     X = G.to(dtype or ns_dtype(G))
     tall = G.size(-2) > G.size(-1)
     if tall: X = X.mT  # (..., n, m): iterate on the wide side, Gram matrix min(m, n)²
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)  # every σ in (0, 1]
+    X = (X / (X.norm(dim=(-2, -1), keepdim=True) + eps)).contiguous()  # every σ in (0, 1]
+    lead = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # (batch, k, l) with k = min(m, n)
     for _ in range(steps):
-        A = X @ X.mT  # (..., k, k) with k = min(m, n)
-        B = b * A + c * A @ A
-        X = a * X + B @ X
+        A = torch.bmm(X, X.mT)  # (batch, k, k)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = X.view(*lead, *X.shape[-2:])
     return X.mT if tall else X
 
 # %% ../../nbs/50_optim.ipynb #87f22de9

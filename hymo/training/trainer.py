@@ -190,9 +190,11 @@ class Trainer:
 def _to_device(self: Trainer, batch) -> tuple:
     """`(tokens, targets, cu_seqlens or None)` on the device. With document masking the loader's
     `cu_seqlens` index the batch flattened to one row, so the batch is packed to `[1, B*T]`."""
-    tokens, targets = batch[0].to(self.d.device), batch[1].to(self.d.device)
+    dev = self.d.device
+    move = (lambda t: t.pin_memory().to(dev, non_blocking=True)) if dev.type == "cuda" else (lambda t: t.to(dev))
+    tokens, targets = move(batch[0]), move(batch[1])
     if len(batch) < 3: return tokens, targets, None
-    return tokens.view(1, -1), targets.view(1, -1), batch[2].to(self.d.device)
+    return tokens.view(1, -1), targets.view(1, -1), move(batch[2])
 
 
 def _grad_norm(self: Trainer) -> torch.Tensor:
