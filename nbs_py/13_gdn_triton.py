@@ -455,7 +455,8 @@ assert_close(o, o_ref, rtol=0, atol=3e-3); assert_close(ht, ht_ref, rtol=0, atol
 # The second line is a recurrence running from the last chunk to the first, and neither line needs
 # $S_0$. So the backward has three launches:
 #
-# 1. kernel 1 again (gates and $A$, recomputed rather than kept from the forward);
+# 1. kernel 1 again (gates and $A$, recomputed rather than kept from the forward, unless the caller
+#    asks to keep them: `keep_prep`, below);
 # 2. one launch with two kinds of program: `i_d = 0` re-runs the state pass and stores $S_0$ of
 #    every chunk; `i_d = 1` walks the chunks backwards carrying $dS$ and stores $dS_C$ of every
 #    chunk, ending at the initial state's gradient. Neither waits for the other, and at HyMo's
@@ -471,8 +472,8 @@ assert_close(o, o_ref, rtol=0, atol=3e-3); assert_close(ht, ht_ref, rtol=0, atol
 # Finally $G = \mathrm{cumsum}(g)$ inside the chunk, so $dg_i = \sum_{j \ge i} dG_j$, a reversed
 # cumulative sum.
 #
-# What is kept between forward and backward is only the inputs: $A$, the chunk states and
-# everything derived are recomputed, so a 24-layer model's activation memory holds each layer's
+# By default what is kept between forward and backward is only the inputs: $A$, the chunk states
+# and everything derived are recomputed, so a 24-layer model's activation memory holds each layer's
 # inputs and nothing more.
 
 # %%
@@ -630,7 +631,7 @@ def _bv_local(K: int, V: int) -> int:
 
 
 def _chunk_bwd(q, k, v, gc, beta, A, scale, h0, cu_seqlens, do, dht, need_dh0):
-    "From the forward's gc and A, recompute the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
+    "With kernel 1's gc and A (kept or recomputed), recompute the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -656,13 +657,17 @@ def _chunk_bwd(q, k, v, gc, beta, A, scale, h0, cu_seqlens, do, dht, need_dh0):
 # a Python function as an operator (`torch.ops.hymo.gdn_chunk_fwd`); `register_fake` says what it
 # returns from the shapes alone, so `torch.compile` can trace a model through it as one opaque node
 # instead of breaking the graph around it; `register_autograd` attaches the backward, itself an
-# operator. The forward also returns kernel 1's cumulative gates `gc` and the inverses `A`, and
-# `setup_context` saves them beside the inputs, so the backward does not run kernel 1 again. They
-# cost memory, `A` being as large as a 64-wide head of values (84 MB per layer at the 750M model's
-# 4 × 4096 tokens, 2 GB for its 24 GDN layers), and save a launch of kernel 1 per layer (0.25 ms
-# there on an H200). The chunk states are still recomputed: they are $K \times V$ per chunk per head.
-# The gradient of the initial state is computed only when it is asked for. An operator returns
-# tensors, never `None`: a final state nobody asked for, or a `dh0` nobody needs, is an empty tensor.
+# operator. `setup_context` saves the inputs. The forward also returns kernel 1's cumulative gates
+# `gc` and the inverses `A`; with `keep_prep` they are saved too and the backward does not run kernel
+# 1 again, otherwise they are dropped and recomputed. Keeping them costs memory, `A` being as large
+# as a 64-wide head of values (84 MB per layer at the 750M model's 4 × 4096 tokens, 2 GB for its 24
+# GDN layers), and saves a launch of kernel 1 per layer (0.25 ms there on an H200). The default is
+# to recompute, which keeps this operator's peak within 2× its inputs and outputs (measured below);
+# the model's mixer keeps them (`GatedDeltaNet.keep_prep`), where 84 MB is small beside the rest of
+# a layer's activations. The chunk states are recomputed either way: they are $K \times V$ per chunk
+# per head. The gradient of the initial state is computed only when it is asked for. An operator
+# returns tensors, never `None`: a final state nobody asked for, or a `dh0` nobody needs, is an
+# empty tensor.
 
 # %%
 #| export
@@ -672,9 +677,9 @@ def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 @torch.library.custom_op("hymo::gdn_chunk_fwd", mutates_args=())
 def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-                  initial_state: Optional[torch.Tensor], output_final_state: bool,
-                  cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A)`; the backward reuses gc and A."
+                  initial_state: Optional[torch.Tensor], output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
+                  keep_prep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A)`; with `keep_prep` autograd keeps gc and A."
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
     gc, A = _prepare(k, g, beta, cu_seqlens, tables)
@@ -683,7 +688,7 @@ def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 @gdn_chunk_fwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_prep):
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ht = q.new_empty(N, H, K, v.shape[3], dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
@@ -691,36 +696,38 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
 
 
 @torch.library.custom_op("hymo::gdn_chunk_bwd", mutates_args=())
-def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
-                  scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-                  dht: Optional[torch.Tensor], need_dh0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Backward from the forward's gc and A: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`."
+def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                  initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+                  dht: Optional[torch.Tensor], need_dh0: bool, gc: Optional[torch.Tensor],
+                  A: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc and A from the forward, or None to recompute them."
+    if gc is None: gc, A = _prepare(k, g, beta, cu_seqlens, _chunk_tables(cu_seqlens, q.shape[0], q.shape[1]))
     dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do.contiguous(),
                                             None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do, dht, need_dh0):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, need_dh0, gc, A):
     dh0 = torch.empty_like(initial_state) if need_dh0 and initial_state is not None else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), torch.empty_like(beta), dh0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens = inputs
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_prep = inputs
     _, _, gc, A = output
     ctx.mark_non_differentiable(gc, A)
-    ctx.save_for_backward(q, k, v, gc, beta, A, initial_state, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *((gc, A) if keep_prep else (None, None)))
     ctx.scale = scale
 
 
 def _gdn_backward(ctx, do, dht, dgc, dA):
-    q, k, v, gc, beta, A, initial_state, cu_seqlens = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, A = ctx.saved_tensors
     need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, gc, beta, A, ctx.scale, initial_state, cu_seqlens, do,
-                                               _none_if_empty(dht), need_dh0)
-    return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None
+    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do,
+                                               _none_if_empty(dht), need_dh0, gc, A)
+    return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None, None
 
 
 gdn_chunk_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
@@ -772,6 +779,7 @@ def triton_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
     output_final_state: bool = False,  # Also return the state after the last token, fp32
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
+    keep_prep: bool = False,  # Keep kernel 1's gc and A [B, T, H, 64] for the backward instead of recomputing them
 ):
     "The chunked gated delta rule in Triton, differentiable. Returns `(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None)`."
     B, T, H, K = q.shape
@@ -781,7 +789,7 @@ def triton_gated_delta_rule(
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
         S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
-    o, ht, _, _ = gdn_chunk_fwd(*args[:7], output_final_state, args[7])
+    o, ht, _, _ = gdn_chunk_fwd(*args[:7], output_final_state, args[7], keep_prep)
     return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if output_final_state else None)
 
 
@@ -1016,8 +1024,10 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # launch). The Function keeps only its inputs, and one forward + backward peaks at 1.74× the bytes
 # of its inputs and outputs (measured), against 3.1 GB for the PyTorch chunked path under autograd.
 # Keeping $A$ and the gates from the forward was measured too, on the H200: forward + backward
-# 1.44 → 1.24 ms per layer (about 5 ms of a 750M micro-batch), but a peak of 2.24× the inputs and
-# outputs, over the 2× this kernel was built to. So the backward recomputes them.
+# 1.44 → 1.24 ms per layer, but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
+# built to. So by default the backward recomputes them, and `keep_prep=True` keeps them. The model
+# asks for that: in the 750M model's compiled micro-batch the GDN rule kernels fell from 36.5 to
+# 30.0 ms with it, for 2 GB more at the peak (48.8 → 50.9 GB).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

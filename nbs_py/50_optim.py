@@ -88,10 +88,12 @@ test_close(O @ O.T, torch.eye(32), eps=1e-4)  # a wide O has orthonormal rows
 #
 # Each iteration is three batched products and nothing else: `baddbmm` computes $bA + cA^2$ and
 # $aX + BX$ with the scalars applied inside the matrix multiply, instead of a product followed by
-# two elementwise passes over the result. $X$ is made contiguous once, after the transpose. (With
-# the scalars applied separately, and $X$ left a transposed view so that its elementwise passes
-# could not be vectorised, those passes took two thirds of NorMuon's 155 ms step on the 750M
-# model on an H200.)
+# two elementwise passes over the result. $X$ is made contiguous once after the transpose, and the
+# result once on the way back, so that NorMuon's row norms read contiguous rows. On an H200 the
+# iterations for the 750M model's stacked expert matrices (`[16, 16, 2304, 896]` in bf16) take
+# 28 ms this way, against 43 ms with the scalars applied in separate passes, and land closer to
+# the fp32 result (relative error 1.0e-2 against 2.2e-2), because the scalars are applied to the
+# fp32 accumulator.
 
 # %%
 #| export
@@ -124,7 +126,7 @@ def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are 
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
         X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
     X = X.view(*lead, *X.shape[-2:])
-    return X.mT if tall else X
+    return X.mT.contiguous() if tall else X  # rows contiguous again for the row norms that follow
 
 
 # %% [markdown]

@@ -49,13 +49,15 @@ print(f"{'variant':40s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>
 for code in dict.fromkeys(r["code"] for r in steps):  # rows grouped by the code they measured, newest first
     print(f"-- {code}")
     for r in (r for r in steps if r["code"] == code):
-        print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}")
+        print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}"
+              + (f"   {r['note']}" if r.get("note") else ""))
 print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('triton')}, {steps[0]['date']}")
 
 
 # %%
 def when(code):
-    return {"previous": " (previous round)", "before": " (two rounds ago)", "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
+    return {"previous": " (previous round)", "two": " (two rounds ago)", "three": " (three rounds ago)",
+            "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -74,7 +76,10 @@ fig.tight_layout(); plt.show()
 # ### Where a micro-batch's time goes
 #
 # The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
-# summed by kind (`--profile micro`; the full table is `benchmarks/results/train_step_profile.txt`):
+# summed by kind (`--profile micro`; the full table is `benchmarks/results/train_step_profile.txt`),
+# and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs are the launch
+# latency between back-to-back kernels, longer ones mean the GPU waited for the host; the
+# profiler slows the host, so these are upper bounds):
 
 # %%
 prof = next((r for r in steps if "profile_ms_per_micro_batch" in r), None)
@@ -82,55 +87,65 @@ if prof:
     total = sum(prof["profile_ms_per_micro_batch"].values())
     for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
     print(f"{'total':40s} {total:6.1f} ms")
+    idle = prof.get("gpu_idle")
+    if idle:
+        print(f"\nGPU idle between the first and last kernel: {idle['idle_ms']:.1f} of {idle['span_ms']:.1f} ms per micro-batch, "
+              f"{idle['gaps_per_micro_batch']:.0f} gaps; by gap length", {k: round(v, 1) for k, v in idle["idle_ms_by_gap"].items()})
 
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 48.8 GB at the preset's step, inside the 80 GB target.** The loss used to build three
+# * **Memory: 50.9 GB at the preset's step, inside the 80 GB target.** The loss used to build three
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
-#   chunk. The Triton prelude (chapter 14) saves no activation of its own: 52.0 → 48.8 GB compiled,
-#   72.6 → 60.2 GB eager. Activation checkpointing brought it to 25 GB for 18 % fewer tokens per
-#   second (measured two rounds ago).
-# * **MFU: 31.0 % at the preset's step (32 micro-batches per optimiser step, 7.57 s, 69.2 k
-#   tokens/s); the target was 40 %.** A second run on another machine of the same kind gave 7.68 s
-#   (30.5 %). Step times spread more between machines than kernel times do: a third machine ran an
-#   experimental variant of the prelude (the "experiment" row) whose kernels summed to 216.7 ms per
-#   micro-batch (218.3 here) and took 8.09 s per step. With the kernels adding up to 218 ms of the
-#   231 ms a micro-batch takes, part of each step is spent waiting on the host. The previous round measured 8.37 s (28.0 %) and the one before 8.75 s (26.8 %).
-#   `torch.compile` was worth 1.8× at the preset's step (15.9 s eager, measured two rounds ago).
-#   The optimiser step (NorMuon's batched Newton–Schulz plus AdamW) costs about 0.17 s, which 32
-#   micro-batches amortise.
-# * **This round's gains**, per compiled micro-batch (241 → 218 ms of kernel time):
-#   - the prelude's backward as two kernels (chapter 14): prelude 29 → 21 ms;
-#   - the q, k, v projection apart from the g, a, b one (chapter 12): the backward no longer
-#     concatenates the two gradients in a 0.48 ms inductor kernel per layer, nor copies the q, k, v
-#     slice out of a padded buffer for the prelude (together about 11 ms per micro-batch in a
-#     one-block profile; inductor elementwise 40.8 → 29.7 ms);
-#   - a Triton kernel for the loss's softmax pass (chapter 42): 10.8 → 4.9 ms, and the gradient of
-#     the vocabulary matrix accumulated by one fp32-output product per chunk instead of a product,
-#     a cast and an add.
-# * **What is left** (the breakdown above, 218 ms per micro-batch). Matrix multiplies are 45 %
-#   (99 ms for about 65 TFLOP, some 660 TFLOP/s, near what the H200 gives at these widths; the
-#   loss's vocabulary products, about 17 TFLOP, are among them). The GDN rule kernels are 17 %
-#   (recomputing the chunk matrices in the backward and the 16 × 16 triangular solves are their
-#   largest parts; keeping $A$ from the forward would save 5 ms but breaks the kernel's 2× memory
-#   bound). Inductor's fused elementwise kernels are 14 %: RMSNorms with the fp32 residual stream,
-#   the output gate, SwiGLU, MoE routing. The prelude is 10 % (its $\bar u$ kernel moves data at
-#   about a fifth of the memory bandwidth), cuDNN attention 7 %, eager kernels 5 % (mostly adding each
-#   micro-batch's gradients into the accumulated ones), the loss's softmax 2 %. The kernels add up
-#   to 218 ms, while a micro-batch of the accumulated step takes about 231 ms: the GPU waits on the
-#   host for the rest. 40 % MFU needs 5.86 s per step, about 178 ms per micro-batch once the
-#   optimiser step is shared out: with the matrix multiplies as they are, everything else would
-#   have to fall from about 130 ms (kernels and host waits) to 80 ms.
-# * **Triton GDN path against the PyTorch chunked path: 4.0× faster per preset step, both compiled
-#   (7.57 s against 30.3 s, measured in the same session). The target was 5×.** Everything outside
-#   GDN got faster for both paths this round, so the ratio stayed where it was (4.1× before, 8.37
-#   against 34.1 s). With one micro-batch per step, two rounds ago: 2.3× compiled, 4.97× eager. The
-#   rule kernel itself is 51× faster (1.44 ms against 73 ms per layer, forward + backward; see the
-#   Triton chapter), but GDN is only part of the step. 5× needs 6.06 s per step, about 184 ms per
-#   micro-batch.
-# * **All-MLA** (32 MLA + MoE blocks, two rounds ago): 0.75 s per one-micro-batch step at 6.8
+#   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
+#   two rounds ago). This round the GDN forward keeps its triangular inverses $A$ for the backward:
+#   +2 GB (84 MB per layer), for one kernel launch fewer per layer. Activation checkpointing brought
+#   the peak to 25 GB for 18 % fewer tokens per second (three rounds ago).
+# * **MFU: 33.8 % at the preset's step (32 micro-batches per optimiser step, 6.93 s, 75.7 k
+#   tokens/s); the target was 40 %.** The same step measured 6.98 s (33.6 %) on another machine
+#   earlier this round, before the Newton–Schulz change, which only touches the optimiser step.
+#   Earlier rounds: 7.57 s (31.0 %), 8.37 s (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8×
+#   at the preset's step (15.9 s eager, three rounds ago). The optimiser step (NorMuon's batched
+#   Newton–Schulz plus AdamW) takes about 0.18 s, which 32 micro-batches amortise.
+# * **This round's gains**, per compiled micro-batch (218 → 199 ms of kernel time), and the GPU's
+#   waits:
+#   - the prelude's weight gradient in a kernel of its own (chapter 14): prelude 21.0 → 14.6 ms;
+#   - the GDN backward reuses the forward's $A$ and cumulative gates instead of running the
+#     preparation kernel again (chapter 13): GDN rule 36.5 → 30.0 ms;
+#   - MoE routing without scatter-adds (chapter 30): the expert counts as a reduction (compiled,
+#     `index_add_` had fallen back to a sorting scatter of 0.23 ms per layer), and the rows moved to
+#     and from the experts by gathers in both directions: eager kernels 10.1 → 7.8 ms;
+#   - batches copied from pinned memory without blocking (chapter 70): a copy from ordinary memory
+#     made the host wait for the previous backward at every micro-batch, after which the GPU waited
+#     for the host. GPU idle in the profile fell from 21.4 to 10.4 ms per micro-batch;
+#   - Newton–Schulz as three batched products per iteration (chapter 50): on the stacked expert
+#     matrices 43 → 28 ms in isolation. At the step it is lost in the spread between machines: the
+#     optimiser phase is partly limited by the host (one-micro-batch steps took 0.370 and 0.389 s
+#     before the change on two machines and 0.403 s after it on a third, whose profile shows the GPU
+#     idle for 79 ms of the 510 ms step).
+# * **What is left** (the breakdown above, 199 ms of kernels per micro-batch). Matrix multiplies are
+#   48 % (96 ms for about 65 TFLOP, some 680 TFLOP/s, near what the H200 gives at these widths; the
+#   loss's vocabulary products, about 17 TFLOP, are among them). The GDN rule kernels are 15 %: the
+#   local-gradient kernel alone is 0.51 ms per layer. Inductor's fused elementwise kernels are 14 %:
+#   RMSNorms with the fp32 residual stream, the output gate, SwiGLU, the MoE's routing and weight
+#   casts. cuDNN attention is 7.5 %, the prelude 7.4 %, eager kernels 4 % (mostly adding each
+#   micro-batch's gradients into the accumulated ones), the loss's softmax 2.4 %. A micro-batch of
+#   the accumulated step takes about 211 ms, so the GPU still waits on the host for about 12 ms
+#   of it, and about 6 ms of that is the launch latency of some 4 000 kernels. 40 % MFU needs
+#   5.86 s per step, about 177 ms per micro-batch: with the matrix multiplies as they are,
+#   everything else would have to fall from about 115 ms (kernels and waits) to 80 ms.
+# * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
+#   remove the launch latency and the host's share. They failed here: a later replay overwrote
+#   outputs that the backward still needed (first an MTP head's, then, with the heads left out, an
+#   MLA block's). Not pursued this round.
+# * **Triton GDN path against the PyTorch chunked path: 4.1× faster per preset step, both compiled
+#   (6.93 s against 28.3 s, this round). The target was 5×.** The MoE changes sped up both paths,
+#   so the ratio moved little (4.0× last round, 7.57 against 30.3 s). With one micro-batch per step,
+#   three rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is 51× faster (1.44 ms
+#   against 73 ms per layer, forward + backward; see the Triton chapter), but GDN is only part of
+#   the step. 5× needs 5.66 s per step.
+# * **All-MLA** (32 MLA + MoE blocks, three rounds ago): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
 
@@ -152,3 +167,10 @@ worst_o = max(max(r["o"], r["ht"]) for r in ver["rows"])
 worst_g = max(r[n] for r in ver["rows"] for n in names[2:] if n in r)
 print(f"worst output/state {worst_o:.1e} (target 5e-3), worst gradient {worst_g:.1e} (target 1e-2)")
 assert worst_o <= 5e-3 and worst_g <= 1e-2
+
+# %% [markdown]
+# This round the backward started reusing the forward's $A$ and cumulative gates (chapter 13).
+# `gdn_verify.py --quick` re-checked the chunk kernel on the H200 afterwards, at both head sizes,
+# $T$ = 63 and 256, bf16 and fp32: worst output or state 3.3e-3 and worst gradient 3.6e-3 in bf16,
+# 1.7e-3 in fp32, all runs deterministic. (The table above is the earlier full run, which also
+# covers the packed and recurrent kernels.)

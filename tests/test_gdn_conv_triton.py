@@ -65,6 +65,8 @@ CHILD = textwrap.dedent('''
            "bf16": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3),
            "mixer": mixer(),
            "mixer_packed": mixer(cu=torch.tensor([0, 37, 100]), seed=1)}
+    x, w = torch.randn(1, 20, 2 * 2 * 16 + 2 * 16, requires_grad=True), torch.randn(96, 4, requires_grad=True)
+    res["opcheck"] = torch.library.opcheck(torch.ops.hymo.conv_silu_norm_fwd.default, (x, w, 2, 16, None))
     print("RESULT" + json.dumps(res))
 ''')
 
@@ -107,3 +109,8 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(90, 4), 2, 16)
     with pytest.raises(ValueError, match="B must be 1"):
         triton_conv_silu_norm(torch.randn(2, 8, 96), torch.randn(96, 4), 2, 16, cu_seqlens=torch.tensor([0, 8]))
+
+
+def test_operator_passes_opcheck(errors):
+    "torch.library.opcheck on `hymo::conv_silu_norm_fwd` (and through its autograd, the backward operator)."
+    assert errors["opcheck"] and all(v == "SUCCESS" for v in errors["opcheck"].values()), errors["opcheck"]

@@ -230,6 +230,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         c = config
         self.config, self.kernel, self.chunk_size = c, c.gdn_kernel, c.gdn_chunk_size
+        self.keep_prep = True  # the Triton rule keeps its gates and A [B, T, H, 64] for the backward (chapter 13)
         self.n_heads, self.head_k_dim, self.head_v_dim = H, K, V = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim
         self.q_proj = nn.Linear(c.dim, H * K, bias=False)
         self.k_proj = nn.Linear(c.dim, H * K, bias=False)
@@ -308,7 +309,7 @@ class GatedDeltaNet(nn.Module):
         if kernel == "triton":
             rule = _load_triton("rule")
             if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
-            return rule
+            return lambda *a: rule(*a, keep_prep=self.keep_prep)
         if kernel == "torch":
             return lambda *a: chunk_gated_delta_rule_torch(*a, chunk_size=self.chunk_size)
         if kernel == "naive": return naive_gated_delta_rule

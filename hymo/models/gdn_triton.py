@@ -398,7 +398,7 @@ def _bv_local(K: int, V: int) -> int:
 
 
 def _chunk_bwd(q, k, v, gc, beta, A, scale, h0, cu_seqlens, do, dht, need_dh0):
-    "From the forward's gc and A, recompute the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
+    "With kernel 1's gc and A (kept or recomputed), recompute the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -423,9 +423,9 @@ def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 @torch.library.custom_op("hymo::gdn_chunk_fwd", mutates_args=())
 def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
-                  initial_state: Optional[torch.Tensor], output_final_state: bool,
-                  cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A)`; the backward reuses gc and A."
+                  initial_state: Optional[torch.Tensor], output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
+                  keep_prep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A)`; with `keep_prep` autograd keeps gc and A."
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
     gc, A = _prepare(k, g, beta, cu_seqlens, tables)
@@ -434,7 +434,7 @@ def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 @gdn_chunk_fwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_prep):
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ht = q.new_empty(N, H, K, v.shape[3], dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
@@ -442,36 +442,38 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
 
 
 @torch.library.custom_op("hymo::gdn_chunk_bwd", mutates_args=())
-def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor, A: torch.Tensor,
-                  scale: float, initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-                  dht: Optional[torch.Tensor], need_dh0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Backward from the forward's gc and A: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`."
+def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+                  initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
+                  dht: Optional[torch.Tensor], need_dh0: bool, gc: Optional[torch.Tensor],
+                  A: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc and A from the forward, or None to recompute them."
+    if gc is None: gc, A = _prepare(k, g, beta, cu_seqlens, _chunk_tables(cu_seqlens, q.shape[0], q.shape[1]))
     dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do.contiguous(),
                                             None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do, dht, need_dh0):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, need_dh0, gc, A):
     dh0 = torch.empty_like(initial_state) if need_dh0 and initial_state is not None else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), torch.empty_like(beta), dh0
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens = inputs
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_prep = inputs
     _, _, gc, A = output
     ctx.mark_non_differentiable(gc, A)
-    ctx.save_for_backward(q, k, v, gc, beta, A, initial_state, cu_seqlens)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *((gc, A) if keep_prep else (None, None)))
     ctx.scale = scale
 
 
 def _gdn_backward(ctx, do, dht, dgc, dA):
-    q, k, v, gc, beta, A, initial_state, cu_seqlens = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, A = ctx.saved_tensors
     need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
-    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, gc, beta, A, ctx.scale, initial_state, cu_seqlens, do,
-                                               _none_if_empty(dht), need_dh0)
-    return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None
+    dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do,
+                                               _none_if_empty(dht), need_dh0, gc, A)
+    return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None, None
 
 
 gdn_chunk_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
@@ -515,6 +517,7 @@ def triton_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
     output_final_state: bool = False,  # Also return the state after the last token, fp32
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
+    keep_prep: bool = False,  # Keep kernel 1's gc and A [B, T, H, 64] for the backward instead of recomputing them
 ):
     "The chunked gated delta rule in Triton, differentiable. Returns `(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None)`."
     B, T, H, K = q.shape
@@ -524,7 +527,7 @@ def triton_gated_delta_rule(
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
         S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
-    o, ht, _, _ = gdn_chunk_fwd(*args[:7], output_final_state, args[7])
+    o, ht, _, _ = gdn_chunk_fwd(*args[:7], output_final_state, args[7], keep_prep)
     return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if output_final_state else None)
 
 # %% ../../nbs/13_gdn_triton.ipynb #29949bd1

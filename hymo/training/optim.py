@@ -50,7 +50,7 @@ def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are 
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A²
         X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
     X = X.view(*lead, *X.shape[-2:])
-    return X.mT if tall else X
+    return X.mT.contiguous() if tall else X  # rows contiguous again for the row norms that follow
 
 # %% ../../nbs/50_optim.ipynb #87f22de9
 def muon_shape_scale(rows: int, # m: output features (rows of the weight)
