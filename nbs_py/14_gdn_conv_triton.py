@@ -465,10 +465,12 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 # - **Where $\bar w$ is summed matters more than how much it reads.** Summed inside the $\bar u$
 #   kernel, a $\bar u$ launch took 200 µs instead of 76. In an experiment that was not kept
 #   (`experiment_dw_in_dx_kernel` in the JSON), the $\bar x$ kernel summed it instead, with the
-#   document mask it already applies, and rose from 125 to 479 µs. Both put the tap in a padded
-#   lane of the tile and selected it with a mask at every tap, $W$ times the multiply-adds, in
-#   kernels that were already busy. The separate kernel reads $\bar u$ once more (252 MB) but loads
-#   $x$ with the tap as a real axis of the tile, so each product is computed once.
+#   document mask it already applies, and rose from 125 to 479 µs. The $\bar u$ version kept
+#   $\bar w$ per row in a four-dimensional tile with the tap in a padded lane, chosen by a mask at
+#   every tap ($W$ times the multiply-adds); the $\bar x$ version reduced over the tile's rows at
+#   every step. Both added that work to kernels that were already busy. The separate kernel reads
+#   $\bar u$ once more (252 MB) but loads $x$ with the tap as a real axis of the tile, so each
+#   product is computed once and the rows are summed once.
 # - **Keeping $\bar u$ in bf16** between the kernels saved 6 % of the previous backward (0.66
 #   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
 #   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not

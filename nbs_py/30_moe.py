@@ -240,8 +240,9 @@ print("per-expert counts", cnt.tolist(), "capacity", C_, "dropped", int((~keep).
 # Plain indexing (`x[order // k]`) would be right too, but autograd's backward of an index is a
 # scatter-add (`index_put_` with `accumulate=True`), which on a GPU adds with atomics or sorts the
 # indices first. Here the backward of each move is again a gather through the other permutation,
-# followed, for the dispatch, by a sum over the $k$ copies of a token. On the 750M model's
-# 16 384-token micro-batch a scatter-add took 0.27 ms per MoE layer on an H200.
+# followed, for the dispatch, by a sum over the $k$ copies of a token. The change was not timed on
+# its own: in the 750M model's profile on an H200, inductor's kernels (which include these moves)
+# fell from 29.7 to 28.8 ms per micro-batch in the round that made it.
 
 # %%
 #| export

@@ -281,7 +281,9 @@ class Trainer:
 # A batch goes to the GPU from pinned (page-locked) host memory, without blocking. A copy from
 # ordinary memory makes the host wait until the GPU has finished everything queued before it, the
 # whole backward of the previous micro-batch, and the GPU then idles while the host queues the next
-# forward: on the 750M model on an H200 that was about 1 ms per micro-batch.
+# forward. In a profile of the 750M model on an H200 the GPU's idle time fell from 21.4 to 10.4 ms
+# per micro-batch when the copies stopped blocking (the profiler slows the host, which exaggerates
+# such waits).
 
 # %%
 #| export

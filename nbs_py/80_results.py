@@ -114,8 +114,9 @@ if prof:
 #   - the GDN backward reuses the forward's $A$ and cumulative gates instead of running the
 #     preparation kernel again (chapter 13): GDN rule 36.5 → 30.0 ms;
 #   - MoE routing without scatter-adds (chapter 30): the expert counts as a reduction (compiled,
-#     `index_add_` had fallen back to a sorting scatter of 0.23 ms per layer), and the rows moved to
-#     and from the experts by gathers in both directions: eager kernels 10.1 → 7.8 ms;
+#     `index_add_` had fallen back to a sorting scatter of 0.23 ms per layer; eager kernels
+#     10.1 → 7.8 ms), and the rows moved to and from the experts by gathers in both directions
+#     (not timed on its own);
 #   - batches copied from pinned memory without blocking (chapter 70): a copy from ordinary memory
 #     made the host wait for the previous backward at every micro-batch, after which the GPU waited
 #     for the host. GPU idle in the profile fell from 21.4 to 10.4 ms per micro-batch;
