@@ -397,12 +397,14 @@ def _bv_local(K: int, V: int) -> int:
     return min(V, 32 if K <= 64 else 16)
 
 
-def _chunk_bwd(q, k, v, gc, beta, A, scale, h0, cu_seqlens, do, dht, need_dh0):
-    "With kernel 1's gc and A (kept or recomputed), recompute the chunk states, then run kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
+def _chunk_bwd(q, k, v, g, beta, gc, A, scale, h0, cu_seqlens, do, dht, need_dh0):
+    "Kernel 1's gc and A as kept from the forward (or recomputed when None), the chunk states recomputed, then kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
-    chunk_indices, chunk_offsets, nc = _chunk_tables(cu_seqlens, B, T)
+    tables = _chunk_tables(cu_seqlens, B, T)
+    chunk_indices, chunk_offsets, nc = tables
+    if gc is None: gc, A = _prepare(k, g, beta, cu_seqlens, tables)
     hs, dh = q.new_empty(nc, H, K, V), q.new_empty(nc, H, K, V)        # S_0 and dS_C of every chunk, in the input dtype
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV = _bv(V)
@@ -410,7 +412,7 @@ def _chunk_bwd(q, k, v, gc, beta, A, scale, h0, cu_seqlens, do, dht, need_dh0):
                                                       scale, T, H, K, V, BT, BV, h0 is not None, dht is not None, need_dh0,
                                                       cu_seqlens is not None, **_state_launch("states", K, V))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg, dbeta = torch.empty_like(gc), torch.empty_like(beta)
+    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
     _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
                             chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None, **LAUNCH["local"])
@@ -448,8 +450,7 @@ def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   A: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
     "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc and A from the forward, or None to recompute them."
-    if gc is None: gc, A = _prepare(k, g, beta, cu_seqlens, _chunk_tables(cu_seqlens, q.shape[0], q.shape[1]))
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, gc, beta, A, scale, initial_state, cu_seqlens, do.contiguous(),
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, scale, initial_state, cu_seqlens, do.contiguous(),
                                             None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
