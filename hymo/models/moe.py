@@ -76,7 +76,7 @@ class GatherRows(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, k: int = 1) -> torch.Tensor:  # x: [N, d] -> [N*k, d]
         ctx.save_for_backward(inv)
         ctx.k = k
-        return x[idx // k] if k > 1 else x[idx]
+        return x[idx // k]
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # g: [N*k, d] -> [N, d]
