@@ -78,9 +78,10 @@ def kernel_breakdown(xs):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
 
-    def states(n_d):
+    def states(n_d, only_ds=0):
         gt._bwd_states_kernel[(triton.cdiv(V, BV), B * H, n_d)](q, k, v, gc, beta, A, None, hs, do, None, None, dh, None, None, scale, T,
-                                                               H, K, V, gt.BT, BV, False, False, False, False, **gt._state_launch("states", K, V))
+                                                               H, K, V, gt.BT, BV, False, False, False, False, only_ds,
+                                                               **gt._state_launch("states", K, V))
 
     def local():
         gt._bwd_local_kernel[(triton.cdiv(T, gt.BT), B * H)](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, None, None,
@@ -90,9 +91,29 @@ def kernel_breakdown(xs):
         "prep (gates, A)": do_bench(lambda: gt._prepare(k, g, beta, None, tables), return_mode="median"),
         "state pass + o": do_bench(lambda: gt._chunk_fwd(q, k, v, gc, beta, A, scale, None, False, None, None), return_mode="median"),
         "S and dS passes": do_bench(lambda: states(2), return_mode="median"),
+        "state pass + o, saving S_0": do_bench(lambda: gt._chunk_fwd(q, k, v, gc, beta, A, scale, None, False, None, None, True),
+                                               return_mode="median"),
         "S pass alone": do_bench(lambda: states(1), return_mode="median"),
+        "dS pass alone (S_0 kept)": do_bench(lambda: states(1, 1), return_mode="median"),
         "local grads": do_bench(local, return_mode="median"),
     }
+
+
+def full_timings(r: dict, xs, xg, B, T, nT):
+    "Forward and forward + backward of the Triton rule, the PyTorch chunked path and the loop (at nT, scaled); peak memory; the launches."
+    r["triton_fwd_ms"] = t_fwd(gt.triton_gated_delta_rule, xs)
+    r["triton_fwd_bwd_ms"] = t_fwd_bwd(gt.triton_gated_delta_rule, xg)
+    r["torch_chunk_fwd_ms"] = t_fwd(chunk_gated_delta_rule_torch, xs)
+    r["torch_chunk_fwd_bwd_ms"] = t_fwd_bwd(chunk_gated_delta_rule_torch, xg)
+    xn, xng = [x[:, :nT].contiguous() for x in xs], [x[:, :nT].detach().contiguous().requires_grad_() for x in xg]
+    r["naive_T_measured"] = nT
+    r["naive_fwd_ms_extrapolated"] = t_fwd(naive_gated_delta_rule, xn, warmup=5, rep=50) * T / nT
+    r["naive_fwd_bwd_ms_extrapolated"] = t_fwd_bwd(naive_gated_delta_rule, xng, warmup=5, rep=50) * T / nT
+    peak, io = peak_memory(gt.triton_gated_delta_rule, xg)
+    r.update(triton_fwd_bwd_peak_MB=peak / 2**20, inputs_outputs_MB=io / 2**20, peak_over_io=peak / io)
+    tpeak, _ = peak_memory(chunk_gated_delta_rule_torch, xg)
+    r["torch_chunk_fwd_bwd_peak_MB"] = tpeak / 2**20
+    r["triton_kernels_ms"] = kernel_breakdown(xs)
 
 
 def safe(f):
@@ -105,6 +126,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gdn_kernel.json")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--kernels-only", action="store_true", help="only the Triton launches (and --sweep): no PyTorch path, loop or memory")
     ap.add_argument("--naive-T", type=int, default=256)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
     args = ap.parse_args()
@@ -116,24 +138,14 @@ def main():
         r = dict(B=B, T=T, H=H, K=K, V=V)
         xs = inputs(B, T, H, K, V)
         xg = inputs(B, T, H, K, V, grad=True)
-        r["triton_fwd_ms"] = t_fwd(gt.triton_gated_delta_rule, xs)
-        r["triton_fwd_bwd_ms"] = t_fwd_bwd(gt.triton_gated_delta_rule, xg)
-        r["torch_chunk_fwd_ms"] = t_fwd(chunk_gated_delta_rule_torch, xs)
-        r["torch_chunk_fwd_bwd_ms"] = t_fwd_bwd(chunk_gated_delta_rule_torch, xg)
-        nT = args.naive_T
-        xn, xng = [x[:, :nT].contiguous() for x in xs], [x[:, :nT].detach().contiguous().requires_grad_() for x in xg]
-        r["naive_T_measured"] = nT
-        r["naive_fwd_ms_extrapolated"] = t_fwd(naive_gated_delta_rule, xn, warmup=5, rep=50) * T / nT
-        r["naive_fwd_bwd_ms_extrapolated"] = t_fwd_bwd(naive_gated_delta_rule, xng, warmup=5, rep=50) * T / nT
-        peak, io = peak_memory(gt.triton_gated_delta_rule, xg)
-        r.update(triton_fwd_bwd_peak_MB=peak / 2**20, inputs_outputs_MB=io / 2**20, peak_over_io=peak / io)
-        tpeak, _ = peak_memory(chunk_gated_delta_rule_torch, xg)
-        r["torch_chunk_fwd_bwd_peak_MB"] = tpeak / 2**20
-        r["triton_kernels_ms"] = kernel_breakdown(xs)
+        if args.kernels_only: r["triton_kernels_ms"] = kernel_breakdown(xs)
+        else: full_timings(r, xs, xg, B, T, args.naive_T)
         if args.sweep:
             sweep = {}
             saved_launch, saved_bv = {k: dict(v) for k, v in gt.LAUNCH.items()}, gt._bv
-            for bv, w in ((16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (128, 8)):
+            # BV=16 < V, and 8 warps at K = V = 32, end in an illegal memory access on the H200 under Triton 3.6 (chapter 13),
+            # which breaks the CUDA context for the rest of the sweep: left out
+            for bv, w in ((32, 2), (32, 4), (64, 4), (128, 8)):
                 if bv > V: continue
                 gt._bv = lambda V, bv=bv: min(V, bv)
                 for kname in ("fwd", "states"): gt.LAUNCH[kname] = dict(num_warps=w)
@@ -141,8 +153,10 @@ def main():
             gt._bv = saved_bv
             for kname, v in saved_launch.items(): gt.LAUNCH[kname] = v
             for w in (2, 4, 8):
-                for kname in ("prep", "local"): gt.LAUNCH[kname] = dict(num_warps=w)
-                sweep[f"prep/local warps={w}"] = safe(lambda: {n: t for n, t in kernel_breakdown(xs).items() if n in ("prep (gates, A)", "local grads")})
+                for st in ((None, 1, 2, 3) if w >= 4 else (None,)):
+                    for kname in ("prep", "local"): gt.LAUNCH[kname] = dict(num_warps=w, **({} if st is None else dict(num_stages=st)))
+                    sweep[f"prep/local warps={w}" + (f" stages={st}" if st else "")] = safe(
+                        lambda: {n: t for n, t in kernel_breakdown(xs).items() if n in ("prep (gates, A)", "local grads")})
             for kname, v in saved_launch.items(): gt.LAUNCH[kname] = v
             gt.LAUNCH["fwd"] = dict(num_warps=4, num_stages=1)
             sweep["fwd num_stages=1"] = safe(lambda: {"state pass + o": kernel_breakdown(xs)["state pass + o"]})
@@ -155,10 +169,10 @@ def main():
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\n{'shape':12s} {'path':14s} {'fwd ms':>9s} {'fwd+bwd ms':>11s}")
     for name, r in results["shapes"].items():
-        for path, a, b in (("triton", "triton_fwd_ms", "triton_fwd_bwd_ms"), ("torch chunked", "torch_chunk_fwd_ms", "torch_chunk_fwd_bwd_ms"),
+        for path, a, b in () if args.kernels_only else (("triton", "triton_fwd_ms", "triton_fwd_bwd_ms"), ("torch chunked", "torch_chunk_fwd_ms", "torch_chunk_fwd_bwd_ms"),
                            (f"naive (x{r['T'] // r['naive_T_measured']})", "naive_fwd_ms_extrapolated", "naive_fwd_bwd_ms_extrapolated")):
             print(f"{name:12s} {path:14s} {r[a]:9.3f} {r[b]:11.3f}")
-        print(f"{name:12s} triton fwd+bwd peak {r['triton_fwd_bwd_peak_MB']:.0f} MB = {r['peak_over_io']:.2f} x inputs+outputs "
+        if not args.kernels_only: print(f"{name:12s} triton fwd+bwd peak {r['triton_fwd_bwd_peak_MB']:.0f} MB = {r['peak_over_io']:.2f} x inputs+outputs "
               f"({r['inputs_outputs_MB']:.0f} MB); torch chunked peak {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MB")
         print(f"{name:12s} " + ", ".join(f"{k} {v:.3f}" for k, v in r["triton_kernels_ms"].items()))
         for k, v in r.get("sweep", {}).items(): print(f"   {k}: " + ", ".join(f"{a} {b:.3f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items()))

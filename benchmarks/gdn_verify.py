@@ -6,7 +6,8 @@ For each dtype (bf16, fp32), T in {63, 256, 1000, 4096} and head shape (H=40, K=
 relative RMSE ||ref - out|| / ||ref|| of o, the final state and the gradients of q, k, v, g, beta and
 the initial state. The reference is the fp32 loop, differentiated by autograd, on the same (rounded)
 inputs upcast to fp32. Long runs of the loop use a smaller batch (B in the table). Also: packed
-sequences (cu_seqlens), the fused recurrent kernel, and run-to-run determinism.
+sequences (cu_seqlens), the fused recurrent kernel, run-to-run determinism, and the path that keeps the
+forward's gates, A and chunk states for the backward (`keep_prep=True`, what the model's mixer uses).
 """
 import argparse
 import json
@@ -56,6 +57,9 @@ def parity(B, T, H, K, V, dtype, cu=None, seed=0):
     again = run(triton_gated_delta_rule, xs, h0, cu, w_o, w_h)
     res = {n: rel(a, b) for n, a, b in zip(NAMES, out, ref)}
     res["deterministic"] = all(torch.equal(a, b) for a, b in zip(out, again))
+    kept = run(lambda *a: triton_gated_delta_rule(*a, keep_prep=True), xs, h0, cu, w_o, w_h)  # the model's path
+    res["keep_prep_worst"] = max(rel(a, b) for a, b in zip(kept, ref))
+    res["keep_prep_max_abs_vs_recompute"] = max((a - b).abs().max().item() for a, b in zip(kept, out))
     res["finite"] = all(bool(torch.isfinite(a).all()) for a in out)
     return res
 
@@ -110,6 +114,9 @@ def main():
         print(f"{r['kind']:15s} {r['dtype']:8s} {r['T']:5d} {r['K']:4d}  " + "  ".join(f"{r[n]:7.1e}" if n in r else "      -" for n in NAMES)
               + ("" if r.get("deterministic", True) and r.get("finite", True) else "  NONDETERMINISTIC/NONFINITE"))
     print("worst:", worst)
+    kept = [r for r in rows if "keep_prep_worst" in r]
+    print(f"keep_prep=True: worst {max(r['keep_prep_worst'] for r in kept):.1e}, "
+          f"max |kept - recomputed| {max(r['keep_prep_max_abs_vs_recompute'] for r in kept):.1e}")
 
 
 if __name__ == "__main__":

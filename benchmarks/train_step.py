@@ -90,6 +90,27 @@ def _conv_launch():
     return None if m is None else {k: dict(v) for k, v in m.LAUNCH.items()}
 
 
+def time_optimizers(trainer) -> dict:
+    "Wrap each optimiser's `step` to record, per call, its GPU span (CUDA events) and the host's time to issue it."
+    spans = {}
+    for opt in trainer.optimizers:
+        def timed(*a, plain=opt.step, name=type(opt).__name__, **kw):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            h0 = time.perf_counter(); e0.record()
+            out = plain(*a, **kw)
+            e1.record(); spans.setdefault(name, []).append((e0, e1, (time.perf_counter() - h0) * 1e3))
+            return out
+        opt.step = timed
+    return spans
+
+
+def optimizer_ms(spans: dict) -> dict:
+    "Median GPU span and host time (ms) of each optimiser's step; the span is the larger of the two when the host is the limit."
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    return {name: {"gpu_span_ms": med([e0.elapsed_time(e1) for e0, e1, _ in rows]), "host_ms": med([h for _, _, h in rows])}
+            for name, rows in spans.items()}
+
+
 def run(args) -> dict:
     if args.conv_launch:
         import hymo.models.gdn_conv_triton as ct
@@ -116,6 +137,7 @@ def run(args) -> dict:
     flops = t.model.flops_per_token(args.seq_len)
     for _ in range(args.warmup): t.train_step()
     torch.cuda.synchronize()
+    spans = time_optimizers(t)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -130,7 +152,7 @@ def run(args) -> dict:
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak_flops(t.d.device),
-               date=time.strftime("%Y-%m-%d"), mfu_formula="tokens/s * flops_per_token / 989e12")
+               date=time.strftime("%Y-%m-%d"), mfu_formula="tokens/s * flops_per_token / 989e12", optimizer=optimizer_ms(spans))
     try:
         import triton; res["triton"] = triton.__version__
     except ImportError: pass

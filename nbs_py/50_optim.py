@@ -244,18 +244,30 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 # makes a bias correction of $v$ unnecessary: dividing $v$ by $1 - \beta_2^t$ scales $\hat O$ by one
 # number, which the rescale removes. The state is $m$ floats per matrix, negligible next to the
 # momentum's $mn$.
+#
+# Written as three passes over $O$ (divide, take both norms, rescale), this is mostly memory
+# traffic: at the 750M model's 1.1 billion NorMuon weights each fp32 pass is some 9 GB. One pass
+# is enough, because everything except the final product is a number per row. With
+# $a_i = \sum_j O_{ij}^2$ (one reduction), $\|O\|_F^2 = \sum_i a_i$ and
+# $\|\hat O\|_F^2 = \sum_i a_i / v_i$, so
+# $$U_{ij} = O_{ij} \cdot \frac{s(m, n)}{\sqrt{v_i}} \sqrt{\frac{\sum_k a_k}{\sum_k a_k / v_k}}$$
+# is one multiply by a per-row factor, into which the shape scale $s(m, n)$ of the step above is
+# folded too (`gain`). $O$ may stay in bf16: the row sums accumulate in fp32 and the product comes out in
+# fp32.
 
 # %%
 #| export
-def normuon_rownorm(O: torch.Tensor, # Orthogonalised update [..., m, n], fp32
+def normuon_rownorm(O: torch.Tensor, # Orthogonalised update [..., m, n] (bf16 from Newton–Schulz, or fp32)
                     v: torch.Tensor, # Running mean square of each row [..., m, 1], fp32
                     beta2: float, # Decay of v
+                    gain: float = 1.0, # Shape scale s(m, n), applied in the same product
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    "NorMuon's step: update v, divide each row of O by √v, rescale each matrix to O's Frobenius norm; returns (U, v)."
-    v = v.lerp(O.square().mean(-1, keepdim=True), 1 - beta2)  # (..., m, 1)
-    U = O * v.clamp_min(1e-10).rsqrt()
-    U = U * (O.norm(dim=(-2, -1), keepdim=True) / U.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
-    return U, v
+    "NorMuon's step: update v, divide each row of O by √v, rescale each matrix to gain · ‖O‖_F; returns (U fp32, v)."
+    s = torch.linalg.vector_norm(O, dim=-1, keepdim=True, dtype=torch.float32).square()  # (..., m, 1) row sums of squares
+    v = v.lerp(s / O.size(-1), 1 - beta2)
+    r = v.clamp_min(1e-10).rsqrt()
+    rescale = (s.sum((-2, -1), keepdim=True) / (r.square() * s).sum((-2, -1), keepdim=True).clamp_min(1e-20)).sqrt()
+    return O * (r * (rescale * gain)), v  # one pass over O; fp32 by type promotion
 
 
 # %% [markdown]
@@ -271,6 +283,8 @@ v = torch.zeros(m, 1)
 for t in range(10):
     O = newton_schulz(row_scale * torch.randn(m, n)).float()
     U, v = normuon_rownorm(O, v, beta2=0.95)
+    Oh = O / v.clamp_min(1e-10).sqrt()                                # the three-pass form, for comparison
+    torch.testing.assert_close(U, Oh * O.norm() / Oh.norm())
 cv = lambda X: (X.norm(dim=1).std() / X.norm(dim=1).mean()).item()  # spread of row norms
 print(f"row-norm spread (std/mean): orthogonalised {cv(O):.3f} → NorMuon {cv(U):.3f}")
 print(f"loud rows / quiet rows norm: {O[:16].norm(dim=1).mean() / O[16:].norm(dim=1).mean():.2f} → "
@@ -311,13 +325,39 @@ test_eq(weight_decay_term(x, u, cautious=False), x)
 # Entries 0 and 2 are being shrunk by the update anyway, so they are decayed too; entries 1 and 3
 # are being grown, so they are left alone.
 #
+# The optimisers below update many tensors at once with PyTorch's `_foreach_*` operations (one
+# launch for a whole list instead of one per tensor). There is no `_foreach` comparison, so the
+# list form builds the mask from a sign: $\mathbb{1}[u x \ge 0] = \min(\operatorname{sign}(u x) + 1,\ 1)$,
+# which is 0 where the signs disagree and 1 elsewhere, exactly the mask above. The decay term is
+# then `mask * x`, which `_foreach_addcmul` folds into the update.
+
+# %%
+#| export
+def foreach_decay_mask(xs: list[torch.Tensor], # Parameters before the step
+                       us: list[torch.Tensor], # The updates, one per parameter
+                      ) -> list[torch.Tensor]:
+    "The cautious mask 1[u⊙x ≥ 0] of each (x, u) pair as 0/1 floats, in four list-wide launches."
+    mask = torch._foreach_mul(us, xs)
+    torch._foreach_sign_(mask)
+    torch._foreach_add_(mask, 1)
+    torch._foreach_clamp_max_(mask, 1)  # sign -1 -> 0, sign 0 or 1 -> 1
+    return mask
+
+
+# %%
+xs, us = [x, -x, torch.randn(7)], [u, u, torch.randn(7)]
+for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
+    test_eq(m_ * x_, weight_decay_term(x_, u_, cautious=True))
+
+
+# %% [markdown]
 # ## NorMuon, the optimiser
 #
 # Putting the pieces together, one step for a matrix $W$ with gradient $G$:
 #
 # 1. momentum $M \leftarrow \beta M + (1-\beta) G$, Nesterov look-ahead $N = (1-\beta) G + \beta M$ ($\beta$ = `momentum`);
 # 2. $O$ = `newton_schulz(N)` in bf16;
-# 3. $U, v$ = `normuon_rownorm(O, v, beta2)`, then $U \leftarrow s(m, n)\,U$;
+# 3. $U, v$ = `normuon_rownorm(O, v, beta2, gain=s(m, n))`: the row-normalised update, scaled by $s(m, n)$;
 # 4. $W \leftarrow W - \eta\,(U + \lambda\, d)$ with $d$ the (cautious) decay term.
 #
 # First the plain loop on one matrix, written without any of the helpers:
@@ -409,15 +449,24 @@ class NorMuon(torch.optim.Optimizer):
                 self.state[p]["second_moment"] = _like(torch.zeros(*p.shape[:-1], 1, device=p.device), p)  # (..., m, 1)
         Ms, grads = [self.state[p]["momentum_buffer"] for p in ps], [p.grad for p in ps]
         torch._foreach_lerp_(Ms, grads, 1 - beta)
-        Ns = [g.lerp(M, beta) for g, M in zip(grads, Ms)] if group["nesterov"] else Ms
-        N = torch.stack([_full(n.to(ns_dtype(n))) for n in Ns])  # (k, ..., m, n): all-gather in the NS dtype
-        O = newton_schulz(N, group["ns_steps"]).float()
-        U, v = normuon_rownorm(O, torch.stack([_full(self.state[p]["second_moment"]) for p in ps]), group["beta2"])
-        U = U * muon_shape_scale(ps[0].shape[-2], ps[0].shape[-1])
-        for i, p in enumerate(ps):
-            self.state[p]["second_moment"].copy_(_like(v[i], p))
-            u = _like(U[i].to(p.dtype), p)  # back to this rank's shard
-            p.sub_(lr * (u + wd * weight_decay_term(p, u, group["cautious"])) if wd else lr * u)
+        if isinstance(ps[0], DTensor):  # all-gathered in the NS dtype
+            n = grads[0].lerp(Ms[0], beta) if group["nesterov"] else Ms[0]
+            N = _full(n.to(ns_dtype(n)))[None]
+        else:  # each look-ahead written straight into its slice of the stack, in the NS dtype
+            N = grads[0].new_empty(len(ps), *ps[0].shape, dtype=ns_dtype(grads[0]))  # (k, ..., m, n)
+            for i, (g, M) in enumerate(zip(grads, Ms)):
+                if group["nesterov"]: torch.lerp(g, M, beta, out=N[i])
+                else: N[i].copy_(M)
+        O = newton_schulz(N, group["ns_steps"])
+        U, v = normuon_rownorm(O, torch.stack([_full(self.state[p]["second_moment"]) for p in ps]), group["beta2"],
+                               muon_shape_scale(ps[0].shape[-2], ps[0].shape[-1]))
+        vs = [self.state[p]["second_moment"] for p in ps]
+        if isinstance(ps[0], DTensor): vs[0].copy_(_like(v[0], ps[0]))  # alone; DTensor has no _foreach_copy_
+        else: torch._foreach_copy_(vs, list(v.unbind(0)))
+        us = [_like(U[i].to(p.dtype), p) for i, p in enumerate(ps)]  # views of U, or this rank's shard of it
+        if wd and group["cautious"]: us = torch._foreach_addcmul(us, foreach_decay_mask(ps, us), ps, value=wd)  # u + λ d
+        elif wd: us = torch._foreach_add(us, ps, alpha=wd)
+        torch._foreach_sub_(ps, us, alpha=lr)  # p ← p − η (u + λ d)
 
 
 def _same_shape(params: list) -> list[list]:
@@ -496,23 +545,33 @@ class CautiousAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            batches = {}  # parameters updated together: same step count (t), same kind (plain or DTensor)
             for p in group["params"]:
                 if p.grad is None: continue
-                g, state = p.grad, self.state[p]
+                state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
-                t = state["step"].item()
-                m.lerp_(g, 1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                if wd and group["cautious"]: p.sub_(lr * wd * weight_decay_term(p, m, cautious=True))  # sign(update) = sign(m)
-                elif wd: p.mul_(1 - lr * wd)  # PyTorch's form of x − ηλx
-                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+                batches.setdefault((state["step"].item(), isinstance(p, DTensor)), []).append(p)
+            for (t, _), ps in batches.items(): self._update(ps, group, t)
         return loss
+
+    def _update(self, ps: list, group: dict, t: float):
+        "One AdamW step of the parameters `ps` (all at step t), each line a list-wide `_foreach` launch."
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        gs = [p.grad for p in ps]
+        ms, vs = [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps]
+        torch._foreach_lerp_(ms, gs, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        if wd and group["cautious"]:  # sign(update) = sign(m): x ← x − ηλ·mask·x
+            torch._foreach_addcmul_(ps, foreach_decay_mask(ps, ms), ps, value=-lr * wd)
+        elif wd: torch._foreach_mul_(ps, 1 - lr * wd)  # PyTorch's form of x − ηλx
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - b1**t))
 
 
 # %% [markdown]
@@ -551,9 +610,10 @@ torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 # %% [markdown]
 # AdamW therefore keeps plain decoupled decay available (`cautious=False`, identical to
 # `torch.optim.AdamW`), and HyMo's `cautious_weight_decay=True` applies the same rule in both
-# optimisers, so one flag means one thing. The price of writing it out is speed: this is a
-# per-parameter loop, not PyTorch's fused kernel. AdamW holds few tensors in HyMo (the embedding
-# and the small per-layer vectors), so the loop costs little next to NorMuon.
+# optimisers, so one flag means one thing. Written out, it is still a handful of list-wide
+# `_foreach` launches per step, not one small launch per tensor and operation: the 750M model has
+# about 200 AdamW tensors, mostly small vectors, and a per-tensor loop of some twelve operations
+# each cost the host more time than the GPU spent on them.
 #
 # ## Which parameter goes where
 #

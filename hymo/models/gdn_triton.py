@@ -213,12 +213,12 @@ def _state_pass(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, s
 
 
 @triton.jit
-def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, cu_seqlens, chunk_offsets, scale, T,
+def _fwd_kernel(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, scale, T,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    "Sequential over chunks: one program per (value block, sequence x head) computes o and the final state."
-    _state_pass(q, k, v, gc, beta, A, h0, ht, o, None, cu_seqlens, chunk_offsets, scale, T, tl.program_id(0), tl.program_id(1),
-                H, K, V, BT, BV, USE_H0, STORE_HT, False, True, IS_VARLEN)
+                USE_H0: tl.constexpr, STORE_HT: tl.constexpr, SAVE_H: tl.constexpr, IS_VARLEN: tl.constexpr):
+    "Sequential over chunks: one program per (value block, sequence x head) computes o, the final state and, if asked, every chunk's S_0."
+    _state_pass(q, k, v, gc, beta, A, h0, ht, o, h, cu_seqlens, chunk_offsets, scale, T, tl.program_id(0), tl.program_id(1),
+                H, K, V, BT, BV, USE_H0, STORE_HT, SAVE_H, True, IS_VARLEN)
 
 
 def _bv(V: int) -> int:
@@ -231,18 +231,24 @@ def _state_launch(name: str, K: int, V: int) -> dict:
     return {"num_warps": 4 if K * V <= 64 * 64 else 8, **LAUNCH[name]}
 
 
-def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, chunk_offsets):
-    "Launch `_fwd_kernel` on padded contiguous inputs: `(o, final state or None)`."
+def _max_chunks(B: int, T: int, N: int, varlen: bool) -> int:
+    "Chunks of a batch, or at most this many for N packed documents: sum ceil(l_i / 64) <= (T + 63 N) // 64."
+    return (T + (BT - 1) * N) // BT if varlen else B * triton.cdiv(T, BT)
+
+
+def _chunk_fwd(q, k, v, gc, beta, A, scale, h0, output_final_state, cu_seqlens, chunk_offsets, save_h=False):
+    "Launch `_fwd_kernel` on padded contiguous inputs: `(o, final state or None, S_0 of every chunk [chunks, H, K, V] or None)`."
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    hs = q.new_empty(_max_chunks(B, T, N, cu_seqlens is not None), H, K, V) if save_h else None
     BV = _bv(V)
-    _fwd_kernel[(triton.cdiv(V, BV), N * H)](q, k, v, gc, beta, A, h0, ht, o, cu_seqlens, chunk_offsets,
-                                            scale, T, H, K, V, BT, BV, h0 is not None, output_final_state,
+    _fwd_kernel[(triton.cdiv(V, BV), N * H)](q, k, v, gc, beta, A, h0, ht, o, hs, cu_seqlens, chunk_offsets,
+                                            scale, T, H, K, V, BT, BV, h0 is not None, output_final_state, save_h,
                                             cu_seqlens is not None, **_state_launch("fwd", K, V))
-    return o, ht
+    return o, ht, hs
 
 # %% ../../nbs/13_gdn_triton.ipynb #3484a8ea
 @triton.jit
@@ -282,9 +288,11 @@ def _dstate_pass(q, k, gc, beta, A, do, dht, dh0, dh, cu_seqlens, chunk_offsets,
 @triton.jit
 def _bwd_states_kernel(q, k, v, gc, beta, A, h0, h, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       USE_H0: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr):
-    "Grid (value blocks, N*H, 2): `i_d = 0` stores every chunk's S_0 (forward pass), `i_d = 1` every chunk's dS_C (backward pass)."
-    i_v, i_nh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                       USE_H0: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       ONLY_DS: tl.constexpr):
+    """Grid (value blocks, N*H, 2): `i_d = 0` stores every chunk's S_0 (forward pass), `i_d = 1` every chunk's dS_C
+    (backward pass). With `ONLY_DS = 1` (S_0 kept from the forward) the grid is (value blocks, N*H, 1), all dS."""
+    i_v, i_nh, i_d = tl.program_id(0), tl.program_id(1), tl.program_id(2) + ONLY_DS
     if i_d == 0:
         _state_pass(q, k, v, gc, beta, A, h0, None, None, h, cu_seqlens, chunk_offsets, scale, T, i_v, i_nh,
                     H, K, V, BT, BV, USE_H0, False, True, False, IS_VARLEN)
@@ -397,20 +405,23 @@ def _bv_local(K: int, V: int) -> int:
     return min(V, 32 if K <= 64 else 16)
 
 
-def _chunk_bwd(q, k, v, g, beta, gc, A, scale, h0, cu_seqlens, do, dht, need_dh0):
-    "Kernel 1's gc and A as kept from the forward (or recomputed when None), the chunk states recomputed, then kernels 3 and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."
+def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need_dh0):
+    """Kernel 1's gc and A and the chunk states hs as kept from the forward (or recomputed when None), then kernels 3
+    and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     tables = _chunk_tables(cu_seqlens, B, T)
     chunk_indices, chunk_offsets, nc = tables
     if gc is None: gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-    hs, dh = q.new_empty(nc, H, K, V), q.new_empty(nc, H, K, V)        # S_0 and dS_C of every chunk, in the input dtype
+    only_ds = hs is not None
+    if hs is None: hs = q.new_empty(nc, H, K, V)                       # S_0 of every chunk, in the input dtype
+    dh = q.new_empty(nc, H, K, V)                                      # dS_C of every chunk
     dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if need_dh0 else None
     BV = _bv(V)
-    _bwd_states_kernel[(triton.cdiv(V, BV), N * H, 2)](q, k, v, gc, beta, A, h0, hs, do, dht, dh0, dh, cu_seqlens, chunk_offsets,
-                                                      scale, T, H, K, V, BT, BV, h0 is not None, dht is not None, need_dh0,
-                                                      cu_seqlens is not None, **_state_launch("states", K, V))
+    _bwd_states_kernel[(triton.cdiv(V, BV), N * H, 1 if only_ds else 2)](
+        q, k, v, gc, beta, A, h0, hs, do, dht, dh0, dh, cu_seqlens, chunk_offsets, scale, T, H, K, V, BT, BV, h0 is not None,
+        dht is not None, need_dh0, cu_seqlens is not None, int(only_ds), **_state_launch("states", K, V))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
@@ -426,54 +437,57 @@ def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 @torch.library.custom_op("hymo::gdn_chunk_fwd", mutates_args=())
 def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   initial_state: Optional[torch.Tensor], output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
-                  keep_prep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A)`; with `keep_prep` autograd keeps gc and A."
+                  keep_prep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A, hs)`, hs being
+    every chunk's S_0 with `keep_prep` (else empty); with `keep_prep` autograd keeps gc, A and hs."""
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
     gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-    o, ht = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1])
-    return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32)), gc, A
+    o, ht, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1], keep_prep)
+    return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32)), gc, A, (hs if hs is not None else q.new_empty(0))
 
 
 @gdn_chunk_fwd.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_prep):
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    ht = q.new_empty(N, H, K, v.shape[3], dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(v), ht, q.new_empty(B, T, H, dtype=torch.float32), q.new_empty(B, T, H, BT, dtype=k.dtype)
+    V = v.shape[3]
+    ht = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else q.new_empty(0, dtype=torch.float32)
+    hs = q.new_empty(_max_chunks(B, T, N, cu_seqlens is not None), H, K, V) if keep_prep else q.new_empty(0)
+    return torch.empty_like(v), ht, q.new_empty(B, T, H, dtype=torch.float32), q.new_empty(B, T, H, BT, dtype=k.dtype), hs
 
 
 @torch.library.custom_op("hymo::gdn_chunk_bwd", mutates_args=())
 def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], do: torch.Tensor,
-                  dht: Optional[torch.Tensor], need_dh0: bool, gc: Optional[torch.Tensor],
-                  A: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc and A from the forward, or None to recompute them."
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, scale, initial_state, cu_seqlens, do.contiguous(),
+                  dht: Optional[torch.Tensor], need_dh0: bool, gc: Optional[torch.Tensor], A: Optional[torch.Tensor],
+                  hs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
+    "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc, A and hs from the forward, or None to recompute them."
+    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, initial_state, cu_seqlens, do.contiguous(),
                                             None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, need_dh0, gc, A):
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, need_dh0, gc, A, hs):
     dh0 = torch.empty_like(initial_state) if need_dh0 and initial_state is not None else q.new_empty(0, dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta), dh0
 
 
 def _gdn_setup_context(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, keep_prep = inputs
-    _, _, gc, A = output
-    ctx.mark_non_differentiable(gc, A)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *((gc, A) if keep_prep else (None, None)))
+    _, _, gc, A, hs = output
+    ctx.mark_non_differentiable(gc, A, hs)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, *((gc, A, hs) if keep_prep else (None,) * 3))
     ctx.scale = scale
 
 
-def _gdn_backward(ctx, do, dht, dgc, dA):
-    q, k, v, g, beta, initial_state, cu_seqlens, gc, A = ctx.saved_tensors
+def _gdn_backward(ctx, do, dht, dgc, dA, dhs):
+    q, k, v, g, beta, initial_state, cu_seqlens, gc, A, hs = ctx.saved_tensors
     need_dh0 = initial_state is not None and ctx.needs_input_grad[6]
     dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, do,
-                                               _none_if_empty(dht), need_dh0, gc, A)
+                                               _none_if_empty(dht), need_dh0, gc, A, hs)
     return dq, dk, dv, dg, dbeta, None, _none_if_empty(dh0), None, None, None
 
 
@@ -518,7 +532,7 @@ def triton_gated_delta_rule(
     initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
     output_final_state: bool = False,  # Also return the state after the last token, fp32
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
-    keep_prep: bool = False,  # Keep kernel 1's gc and A [B, T, H, 64] for the backward instead of recomputing them
+    keep_prep: bool = False,  # Keep kernel 1's gc and A [B, T, H, 64] and the chunk states for the backward instead of recomputing them
 ):
     "The chunked gated delta rule in Triton, differentiable. Returns `(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None)`."
     B, T, H, K = q.shape
@@ -528,7 +542,7 @@ def triton_gated_delta_rule(
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
         S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
-    o, ht, _, _ = gdn_chunk_fwd(*args[:7], output_final_state, args[7], keep_prep)
+    o, ht, *_ = gdn_chunk_fwd(*args[:7], output_final_state, args[7], keep_prep)
     return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if output_final_state else None)
 
 # %% ../../nbs/13_gdn_triton.ipynb #29949bd1

@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..config import TrainingConfig
 
 # %% auto #0
-__all__ = ['NS_COEFFS', 'ns_dtype', 'newton_schulz', 'muon_shape_scale', 'normuon_rownorm', 'weight_decay_term', 'NorMuon',
-           'CautiousAdamW', 'param_group', 'param_table', 'build_optimizers', 'wsd_schedule', 'wsd_lambda']
+__all__ = ['NS_COEFFS', 'ns_dtype', 'newton_schulz', 'muon_shape_scale', 'normuon_rownorm', 'weight_decay_term',
+           'foreach_decay_mask', 'NorMuon', 'CautiousAdamW', 'param_group', 'param_table', 'build_optimizers',
+           'wsd_schedule', 'wsd_lambda']
 
 # %% ../../nbs/50_optim.ipynb #7222cc3f
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of the quintic φ(σ) = aσ + bσ³ + cσ⁵
@@ -60,15 +61,17 @@ def muon_shape_scale(rows: int, # m: output features (rows of the weight)
     return max(1.0, rows / cols) ** 0.5
 
 # %% ../../nbs/50_optim.ipynb #ce78ab6d
-def normuon_rownorm(O: torch.Tensor, # Orthogonalised update [..., m, n], fp32
+def normuon_rownorm(O: torch.Tensor, # Orthogonalised update [..., m, n] (bf16 from Newton–Schulz, or fp32)
                     v: torch.Tensor, # Running mean square of each row [..., m, 1], fp32
                     beta2: float, # Decay of v
+                    gain: float = 1.0, # Shape scale s(m, n), applied in the same product
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    "NorMuon's step: update v, divide each row of O by √v, rescale each matrix to O's Frobenius norm; returns (U, v)."
-    v = v.lerp(O.square().mean(-1, keepdim=True), 1 - beta2)  # (..., m, 1)
-    U = O * v.clamp_min(1e-10).rsqrt()
-    U = U * (O.norm(dim=(-2, -1), keepdim=True) / U.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-10))
-    return U, v
+    "NorMuon's step: update v, divide each row of O by √v, rescale each matrix to gain · ‖O‖_F; returns (U fp32, v)."
+    s = torch.linalg.vector_norm(O, dim=-1, keepdim=True, dtype=torch.float32).square()  # (..., m, 1) row sums of squares
+    v = v.lerp(s / O.size(-1), 1 - beta2)
+    r = v.clamp_min(1e-10).rsqrt()
+    rescale = (s.sum((-2, -1), keepdim=True) / (r.square() * s).sum((-2, -1), keepdim=True).clamp_min(1e-20)).sqrt()
+    return O * (r * (rescale * gain)), v  # one pass over O; fp32 by type promotion
 
 # %% ../../nbs/50_optim.ipynb #81ce66a1
 def weight_decay_term(x: torch.Tensor, # Parameter before the step
@@ -77,6 +80,17 @@ def weight_decay_term(x: torch.Tensor, # Parameter before the step
                      ) -> torch.Tensor:
     "The decay direction d in x ← x − η(u + λd): x itself, or 1[u⊙x ≥ 0]⊙x when cautious."
     return x * (u * x >= 0) if cautious else x
+
+# %% ../../nbs/50_optim.ipynb #48d8f446
+def foreach_decay_mask(xs: list[torch.Tensor], # Parameters before the step
+                       us: list[torch.Tensor], # The updates, one per parameter
+                      ) -> list[torch.Tensor]:
+    "The cautious mask 1[u⊙x ≥ 0] of each (x, u) pair as 0/1 floats, in four list-wide launches."
+    mask = torch._foreach_mul(us, xs)
+    torch._foreach_sign_(mask)
+    torch._foreach_add_(mask, 1)
+    torch._foreach_clamp_max_(mask, 1)  # sign -1 -> 0, sign 0 or 1 -> 1
+    return mask
 
 # %% ../../nbs/50_optim.ipynb #8c71f43c
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -136,15 +150,24 @@ class NorMuon(torch.optim.Optimizer):
                 self.state[p]["second_moment"] = _like(torch.zeros(*p.shape[:-1], 1, device=p.device), p)  # (..., m, 1)
         Ms, grads = [self.state[p]["momentum_buffer"] for p in ps], [p.grad for p in ps]
         torch._foreach_lerp_(Ms, grads, 1 - beta)
-        Ns = [g.lerp(M, beta) for g, M in zip(grads, Ms)] if group["nesterov"] else Ms
-        N = torch.stack([_full(n.to(ns_dtype(n))) for n in Ns])  # (k, ..., m, n): all-gather in the NS dtype
-        O = newton_schulz(N, group["ns_steps"]).float()
-        U, v = normuon_rownorm(O, torch.stack([_full(self.state[p]["second_moment"]) for p in ps]), group["beta2"])
-        U = U * muon_shape_scale(ps[0].shape[-2], ps[0].shape[-1])
-        for i, p in enumerate(ps):
-            self.state[p]["second_moment"].copy_(_like(v[i], p))
-            u = _like(U[i].to(p.dtype), p)  # back to this rank's shard
-            p.sub_(lr * (u + wd * weight_decay_term(p, u, group["cautious"])) if wd else lr * u)
+        if isinstance(ps[0], DTensor):  # all-gathered in the NS dtype
+            n = grads[0].lerp(Ms[0], beta) if group["nesterov"] else Ms[0]
+            N = _full(n.to(ns_dtype(n)))[None]
+        else:  # each look-ahead written straight into its slice of the stack, in the NS dtype
+            N = grads[0].new_empty(len(ps), *ps[0].shape, dtype=ns_dtype(grads[0]))  # (k, ..., m, n)
+            for i, (g, M) in enumerate(zip(grads, Ms)):
+                if group["nesterov"]: torch.lerp(g, M, beta, out=N[i])
+                else: N[i].copy_(M)
+        O = newton_schulz(N, group["ns_steps"])
+        U, v = normuon_rownorm(O, torch.stack([_full(self.state[p]["second_moment"]) for p in ps]), group["beta2"],
+                               muon_shape_scale(ps[0].shape[-2], ps[0].shape[-1]))
+        vs = [self.state[p]["second_moment"] for p in ps]
+        if isinstance(ps[0], DTensor): vs[0].copy_(_like(v[0], ps[0]))  # alone; DTensor has no _foreach_copy_
+        else: torch._foreach_copy_(vs, list(v.unbind(0)))
+        us = [_like(U[i].to(p.dtype), p) for i, p in enumerate(ps)]  # views of U, or this rank's shard of it
+        if wd and group["cautious"]: us = torch._foreach_addcmul(us, foreach_decay_mask(ps, us), ps, value=wd)  # u + λ d
+        elif wd: us = torch._foreach_add(us, ps, alpha=wd)
+        torch._foreach_sub_(ps, us, alpha=lr)  # p ← p − η (u + λ d)
 
 
 def _same_shape(params: list) -> list[list]:
@@ -175,23 +198,33 @@ class CautiousAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            batches = {}  # parameters updated together: same step count (t), same kind (plain or DTensor)
             for p in group["params"]:
                 if p.grad is None: continue
-                g, state = p.grad, self.state[p]
+                state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
-                t = state["step"].item()
-                m.lerp_(g, 1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                if wd and group["cautious"]: p.sub_(lr * wd * weight_decay_term(p, m, cautious=True))  # sign(update) = sign(m)
-                elif wd: p.mul_(1 - lr * wd)  # PyTorch's form of x − ηλx
-                denom = (v.sqrt() / math.sqrt(1 - b2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+                batches.setdefault((state["step"].item(), isinstance(p, DTensor)), []).append(p)
+            for (t, _), ps in batches.items(): self._update(ps, group, t)
         return loss
+
+    def _update(self, ps: list, group: dict, t: float):
+        "One AdamW step of the parameters `ps` (all at step t), each line a list-wide `_foreach` launch."
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        gs = [p.grad for p in ps]
+        ms, vs = [self.state[p]["exp_avg"] for p in ps], [self.state[p]["exp_avg_sq"] for p in ps]
+        torch._foreach_lerp_(ms, gs, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        if wd and group["cautious"]:  # sign(update) = sign(m): x ← x − ηλ·mask·x
+            torch._foreach_addcmul_(ps, foreach_decay_mask(ps, ms), ps, value=-lr * wd)
+        elif wd: torch._foreach_mul_(ps, 1 - lr * wd)  # PyTorch's form of x − ηλx
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, math.sqrt(1 - b2**t))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - b1**t))
 
 # %% ../../nbs/50_optim.ipynb #56abff2a
 def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g. 'layers.3.moe.gate.weight'
