@@ -985,6 +985,9 @@ rows = [("Triton (this chapter)", r["triton_fwd_ms"], r["triton_fwd_bwd_ms"]),
 print(f"{'':34s}{'forward ms':>12s}{'fwd+bwd ms':>12s}")
 for name, f, fb in rows: print(f"{name:34s}{f:12.3f}{fb:12.3f}")
 print("Triton launches (ms):", ", ".join(f"{k} {v:.3f}" for k, v in r["triton_kernels_ms"].items()))
+ks = bench["launches_keep_states"]["triton_kernels_ms"]  # a later run, once the forward could store the states
+print("keep_prep (the model's path): forward storing S_0 {:.3f} ms, dS pass alone {:.3f} ms (S and dS together {:.3f} ms)".format(
+      ks["state pass + o, saving S_0"], ks["dS pass alone (S_0 kept)"], ks["S and dS passes"]))
 print(f"fwd+bwd peak memory {r['triton_fwd_bwd_peak_MB']:.0f} MB = {r['peak_over_io']:.2f} x inputs+outputs "
       f"({r['inputs_outputs_MB']:.0f} MB); PyTorch chunked {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MB")
 assert r["triton_fwd_ms"] <= 0.6 and r["triton_fwd_bwd_ms"] <= 2.0 and r["peak_over_io"] <= 2.0  # the targets

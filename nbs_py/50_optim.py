@@ -483,6 +483,16 @@ def _same_shape(params: list) -> list[list]:
 # 0.85 s to 0.68 s). Each matrix is still normalised on its own, so the result is the same as one
 # matrix at a time. FSDP-2 shards take the per-matrix path, which gathers each one explicitly.
 #
+# Around Newton–Schulz the step is memory traffic over 1.2 billion fp32 weights, so the code avoids
+# passes: each Nesterov look-ahead is written by `torch.lerp(..., out=)` straight into its slice
+# of the bf16 stack, the row normalisation is the one-pass form above, and the final update is
+# three list-wide launches, $u + \lambda\,\text{mask} \odot p$ by `_foreach_addcmul` and
+# $p - \eta(\cdot)$ by `_foreach_sub_`, after the mask's four. `benchmarks/optim_step.py` times
+# both optimisers alone on the 750M model (one H200, CUDA events around `step()`): NorMuon over its
+# 332 matrices went from 124.6 to 101.1 ms with these changes. The batched Newton–Schulz is, by
+# count, about 25 TFLOP of it (five iterations of three products on every matrix), some 40 ms at
+# the rate these bf16 products reach; the rest is still the elementwise passes.
+#
 # Five steps on one matrix agree with the from-scratch loop, for a tall and a wide matrix:
 
 # %%
@@ -612,8 +622,9 @@ torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 # `torch.optim.AdamW`), and HyMo's `cautious_weight_decay=True` applies the same rule in both
 # optimisers, so one flag means one thing. Written out, it is still a handful of list-wide
 # `_foreach` launches per step, not one small launch per tensor and operation: the 750M model has
-# about 200 AdamW tensors, mostly small vectors, and a per-tensor loop of some twelve operations
-# each cost the host more time than the GPU spent on them.
+# 238 AdamW tensors, mostly small vectors, and a per-tensor loop of some twelve operations each cost
+# the host more time than the GPU spent on them: 22.9 ms per step on an H200, against 4.4 ms as
+# `_foreach` launches (`benchmarks/optim_step.py`).
 #
 # ## Which parameter goes where
 #

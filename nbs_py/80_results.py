@@ -57,7 +57,7 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 # %%
 def when(code):
     return {"previous": " (previous round)", "two": " (two rounds ago)", "three": " (three rounds ago)",
-            "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
+            "four": " (four rounds ago)", "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -95,58 +95,63 @@ if prof:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 50.9 GB at the preset's step, inside the 80 GB target.** The loss used to build three
+# * **Memory: 51.4 GB at the preset's step, inside the 80 GB target.** The loss used to build three
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
-#   two rounds ago). This round the GDN forward keeps its triangular inverses $A$ for the backward:
-#   +2 GB (84 MB per layer), for one kernel launch fewer per layer. Activation checkpointing brought
-#   the peak to 25 GB for 18 % fewer tokens per second (three rounds ago).
-# * **MFU: 33.8 % at the preset's step (32 micro-batches per optimiser step, 6.93 s, 75.7 k
-#   tokens/s); the target was 40 %.** The same step measured 6.98 s (33.6 %) on another machine
-#   earlier this round, before the Newton–Schulz change, which only touches the optimiser step.
-#   Earlier rounds: 7.57 s (31.0 %), 8.37 s (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8×
-#   at the preset's step (15.9 s eager, three rounds ago). The optimiser step (NorMuon's batched
-#   Newton–Schulz plus AdamW) takes about 0.18 s, which 32 micro-batches amortise.
-# * **This round's gains**, per compiled micro-batch (218 → 199 ms of kernel time), and the GPU's
-#   waits:
-#   - the prelude's weight gradient in a kernel of its own (chapter 14): prelude 21.0 → 14.6 ms;
-#   - the GDN backward reuses the forward's $A$ and cumulative gates instead of running the
-#     preparation kernel again (chapter 13): GDN rule 36.5 → 30.0 ms;
-#   - MoE routing without scatter-adds (chapter 30): the expert counts as a reduction (compiled,
-#     `index_add_` had fallen back to a sorting scatter of 0.23 ms per layer; eager kernels
-#     10.1 → 7.8 ms), and the rows moved to and from the experts by gathers in both directions
-#     (not timed on its own);
-#   - batches copied from pinned memory without blocking (chapter 70): a copy from ordinary memory
-#     made the host wait for the previous backward at every micro-batch, after which the GPU waited
-#     for the host. GPU idle in the profile fell from 21.4 to 10.4 ms per micro-batch;
-#   - Newton–Schulz as three batched products per iteration (chapter 50): on the stacked expert
-#     matrices 43 → 28 ms in isolation. At the step it is lost in the spread between machines: the
-#     optimiser phase is partly limited by the host (one-micro-batch steps took 0.370 and 0.389 s
-#     before the change on two machines and 0.403 s after it on a third, whose profile shows the GPU
-#     idle for 79 ms of the 510 ms step).
-# * **What is left** (the breakdown above, 199 ms of kernels per micro-batch). Matrix multiplies are
-#   48 % (96 ms for about 65 TFLOP, some 680 TFLOP/s, near what the H200 gives at these widths; the
-#   loss's vocabulary products, about 17 TFLOP, are among them). The GDN rule kernels are 15 %: the
-#   local-gradient kernel alone is 0.51 ms per layer. Inductor's fused elementwise kernels are 14 %:
-#   RMSNorms with the fp32 residual stream, the output gate, SwiGLU, the MoE's routing and weight
-#   casts. cuDNN attention is 7.5 %, the prelude 7.4 %, eager kernels 4 % (mostly adding each
-#   micro-batch's gradients into the accumulated ones), the loss's softmax 2.4 %. A micro-batch of
-#   the accumulated step takes about 211 ms, so the GPU still waits on the host for about 12 ms
-#   of it, and about 6 ms of that is the launch latency of some 4 000 kernels. 40 % MFU needs
-#   5.86 s per step, about 177 ms per micro-batch: with the matrix multiplies as they are,
-#   everything else would have to fall from about 115 ms (kernels and waits) to 80 ms.
+#   three rounds ago). The GDN forward keeps its triangular inverses $A$ (previous round, +2 GB) and,
+#   this round, its chunk states (+0.5 GB, 21 MB per layer) for the backward. Activation
+#   checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (four rounds ago).
+# * **MFU: 34.1 % at the preset's step (32 micro-batches per optimiser step, 6.88 s, 76.2 k
+#   tokens/s); the target was 40 %.** On another machine the same code measured 6.84 and 6.84 s
+#   (34.3 %), and the previous round's code 6.93 s beside them: this round's changes are worth
+#   about 95 ms per step, 1.4 %. Earlier rounds: 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
+#   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
+#   four rounds ago).
+# * **This round's gains:**
+#   - the optimiser step (chapter 50; `benchmarks/optim_step.py`, the two optimisers on random
+#     gradients, same machine): NorMuon 124.6 → 101.1 ms of GPU time, AdamW 22.9 → 4.4 ms. AdamW
+#     and NorMuon's final update became list-wide `_foreach` launches instead of a dozen small
+#     launches per tensor, and NorMuon's row normalisation reads the update once instead of three
+#     times, with the shape scale folded into the same product. In the preset's step NorMuon went
+#     from 134.6 to 101.1 ms. The one-micro-batch step, which carries a whole optimiser step, is
+#     0.321 s (0.389 and 0.403 s last round, on other machines);
+#   - the GDN forward stores every chunk's state for the backward (chapter 13, `keep_prep`), which
+#     then runs the $dS$ pass alone: per layer 0.30 → 0.19 ms for that launch, 0.18 → 0.20 ms for the
+#     forward that stores them. GDN rule kernels per micro-batch 30.0 → 28.4 ms.
+# * **Tried and not kept this round:** reading the rows of the $16 \times 16$ diagonal blocks from
+#   a scratch buffer in the solve for $A$ (kernel 1 went from 0.24 to 0.41 ms); forming $KK^\top$
+#   after the value loop in the local-gradient kernel (0.488 → 0.484 ms, within noise); pipelining
+#   stages 1–3 for kernels 1 and 4 (within 1 %; 8 warps doubled both, 2 warps made kernel 4 16×
+#   slower).
+# * **What is left** (the breakdown above, about 200 ms of kernels per micro-batch). Matrix
+#   multiplies are about 49 % (96–99 ms, about 65 TFLOP at some 660–680 TFLOP/s, near what the
+#   H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are among them).
+#   Inductor's fused elementwise kernels are 14 %: RMSNorms with the fp32 residual stream, the
+#   output gate, SwiGLU, the MoE's routing and the weights' casts. The GDN rule kernels are 14 %:
+#   the local-gradient kernel alone is about 0.5 ms per layer, 12 ms per micro-batch. cuDNN attention
+#   is 7.7 %, the prelude 7.4 %, eager kernels 4 % (mostly adding each micro-batch's gradients into
+#   the accumulated ones, 3.2 ms), the loss's softmax 2.4 %. A micro-batch of the accumulated step
+#   takes about 211 ms; about 6 ms of the GPU's waits is the launch latency of some 4 000 kernels.
+#   (The machine of this profile also kept the GPU waiting on its host for 12 ms per micro-batch in
+#   gaps of 10 µs and more; a profile of nearly the same code on another machine this round showed
+#   0.6 ms.)
+#   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
+#   now: with the matrix multiplies as they are, everything else would have to fall from about
+#   113 ms (kernels and waits) to about 82 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency and the host's share. They failed here: a later replay overwrote
-#   outputs that the backward still needed (first an MTP head's, then, with the heads left out, an
-#   MLA block's). Not pursued this round.
-# * **Triton GDN path against the PyTorch chunked path: 4.1× faster per preset step, both compiled
-#   (6.93 s against 28.3 s, this round). The target was 5×.** The MoE changes sped up both paths,
-#   so the ratio moved little (4.0× last round, 7.57 against 30.3 s). With one micro-batch per step,
-#   three rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is 51× faster (1.44 ms
-#   against 73 ms per layer, forward + backward; see the Triton chapter), but GDN is only part of
-#   the step. 5× needs 5.66 s per step.
-# * **All-MLA** (32 MLA + MoE blocks, three rounds ago): 0.75 s per one-micro-batch step at 6.8
+#   remove the launch latency and the host's share. They failed here (previous round): a later
+#   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
+#   heads left out, an MLA block's).
+# * **Triton GDN path against the PyTorch chunked path: about 4.1× faster per preset step, both
+#   compiled; the target was 5×.** The PyTorch path's preset step was last measured at 28.3 s
+#   (previous round; this round's run did not finish inside its time limit on the GPU machine, and
+#   was not repeated). This round's changes touch the optimiser, which both paths share, and the
+#   Triton kernels; 28.3 s against 6.88 s is 4.1×. With one micro-batch per step, four rounds ago:
+#   2.3× compiled, 4.97× eager. The rule kernel itself is 51× faster (1.44 ms against 73 ms per
+#   layer, forward + backward; see the Triton chapter), but GDN is only part of the step. 5× needs
+#   about 5.66 s per step.
+# * **All-MLA** (32 MLA + MoE blocks, four rounds ago): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
 
@@ -170,8 +175,10 @@ print(f"worst output/state {worst_o:.1e} (target 5e-3), worst gradient {worst_g:
 assert worst_o <= 5e-3 and worst_g <= 1e-2
 
 # %% [markdown]
-# This round the backward started reusing the forward's $A$ and cumulative gates (chapter 13).
-# `gdn_verify.py --quick` re-checked the chunk kernel on the H200 afterwards, at both head sizes,
-# $T$ = 63 and 256, bf16 and fp32: worst output or state 3.3e-3 and worst gradient 3.6e-3 in bf16,
-# 1.7e-3 in fp32, all runs deterministic. (The table above is the earlier full run, which also
-# covers the packed and recurrent kernels.)
+# The table above is the full run of an earlier round. Since then the backward reuses the
+# forward's $A$ and cumulative gates (previous round) and, this round, its chunk states (chapter 13).
+# `gdn_verify.py --quick --shapes hymo` re-checked the final code on the H200
+# (`benchmarks/results/gdn_verify_quick_h200.json`): the chunk kernel at $T$ = 63 and 256 and a
+# packed row of five documents, bf16 and fp32: worst output or state 3.3e-3 and worst gradient
+# 3.7e-3 in bf16, 1.7e-3 in fp32, every run deterministic, and the path that keeps $A$, the gates
+# and the states (`keep_prep=True`, what the model uses) equal to the recomputing path bit for bit.

@@ -230,7 +230,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         c = config
         self.config, self.kernel, self.chunk_size = c, c.gdn_kernel, c.gdn_chunk_size
-        self.keep_prep = True  # the Triton rule keeps its gates and A [B, T, H, 64] for the backward (chapter 13)
+        self.keep_prep = True  # the Triton rule keeps its gates, A [B, T, H, 64] and chunk states for the backward (chapter 13)
         self.n_heads, self.head_k_dim, self.head_v_dim = H, K, V = c.gdn_n_heads, c.gdn_head_k_dim, c.gdn_head_v_dim
         self.q_proj = nn.Linear(c.dim, H * K, bias=False)
         self.k_proj = nn.Linear(c.dim, H * K, bias=False)
