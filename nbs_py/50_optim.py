@@ -1044,6 +1044,7 @@ def worker(rank, port):
     diff = max((p.full_tensor() - r).abs().max().item() for p, r in zip(net.parameters(), ref.parameters()))
     sharded = all(isinstance(s, DTensor) and s.placements == p.placements for p in net.parameters() for s in opt.state[p].values())
     if rank == 0: print(f"max |FSDP − single| = {diff:.2e}; states sharded like their parameters: {sharded}")
+    dist.barrier()  # leave together before tearing the process group down
     dist.destroy_process_group()
 
 if __name__ == "__main__":

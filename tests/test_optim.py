@@ -324,6 +324,7 @@ def worker(rank, port, out):
     dcp_ok = all(torch.equal(fresh.state[p][k].full_tensor(), opt.state[p][k].full_tensor()) for p in opt.state for k in opt.state[p])
     if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
                                  sd_keys=sorted(sd["state"])), open(out, "w"))
+    dist.barrier()  # leave together: a rank that tears gloo down while the other still writes can abort it
     dist.destroy_process_group()
 
 if __name__ == "__main__":
