@@ -754,6 +754,20 @@ def _gdn_backward(ctx, do, dht, dgc, dA, dhs):
 
 gdn_chunk_fwd.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
 
+# %% [markdown]
+# The room kept for the chunk states of packed documents is never too small, and is exact when
+# every document but the last is one token longer than a whole number of chunks:
+
+# %%
+gen = torch.Generator().manual_seed(0)
+for _ in range(200):
+    N = int(torch.randint(1, 9, (1,), generator=gen))
+    lens = torch.randint(0, 300, (N,), generator=gen)
+    cu = F.pad(lens.cumsum(0), (1, 0))
+    assert _chunk_tables(cu, 1, int(cu[-1]))[2] <= _max_chunks(1, int(cu[-1]), N, True)
+cu = torch.tensor([0, 65, 130, 140])                                       # 2 + 2 + 1 chunks
+test_eq(_chunk_tables(cu, 1, 140)[2], _max_chunks(1, 140, 3, True))
+
 
 # %% [markdown]
 # The public function checks the inputs (with chapter 12's messages), pads head sizes that are not

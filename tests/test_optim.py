@@ -147,6 +147,24 @@ def test_adamw_equals_torch_adamw():
     for p, q in zip(ours, ref): torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 
 
+def test_adamw_updates_parameters_at_different_steps_like_torch_adamw():
+    """Parameters that skip steps (no gradient) reach the foreach update at different step counts, so at
+    different bias corrections: each must still match torch.optim.AdamW, which counts steps per parameter."""
+    torch.manual_seed(1)
+    x0 = [torch.randn(6, 3), torch.randn(5), torch.randn(4)]
+    ours, ref = [nn.Parameter(x.clone()) for x in x0], [nn.Parameter(x.clone()) for x in x0]
+    o1 = CautiousAdamW(ours, lr=0.02, weight_decay=0.1, cautious=False)
+    o2 = torch.optim.AdamW(ref, lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(6):
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            live = not (i == 1 and step < 2) and not (i == 2 and step % 2)  # p1 starts late, p2 skips every other step
+            p.grad = torch.randn(p.shape) if live else None
+            q.grad = None if p.grad is None else p.grad.clone()
+        o1.step(); o2.step()
+    assert [o1.state[p]["step"].item() for p in ours] == [6.0, 4.0, 3.0]
+    for p, q in zip(ours, ref): torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
+
+
 def test_cautious_adamw_equals_formula():
     torch.manual_seed(1)
     x0, grads, lr, wd, (b1, b2), eps = torch.randn(50), [torch.randn(50) for _ in range(6)], 0.05, 0.3, (0.9, 0.95), 1e-8
