@@ -12,6 +12,7 @@
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
 # python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
+# python benchmarks/optim_step.py                                # NorMuon and AdamW alone, on random gradients
 # python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
 # ```
 #
