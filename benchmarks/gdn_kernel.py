@@ -99,7 +99,7 @@ def kernel_breakdown(xs):
     }
 
 
-def full_timings(r: dict, xs, xg, B, T, nT):
+def full_timings(r: dict, xs, xg, T, nT):
     "Forward and forward + backward of the Triton rule, the PyTorch chunked path and the loop (at nT, scaled); peak memory; the launches."
     r["triton_fwd_ms"] = t_fwd(gt.triton_gated_delta_rule, xs)
     r["triton_fwd_bwd_ms"] = t_fwd_bwd(gt.triton_gated_delta_rule, xg)
@@ -139,7 +139,7 @@ def main():
         xs = inputs(B, T, H, K, V)
         xg = inputs(B, T, H, K, V, grad=True)
         if args.kernels_only: r["triton_kernels_ms"] = kernel_breakdown(xs)
-        else: full_timings(r, xs, xg, B, T, args.naive_T)
+        else: full_timings(r, xs, xg, T, args.naive_T)
         if args.sweep:
             sweep = {}
             saved_launch, saved_bv = {k: dict(v) for k, v in gt.LAUNCH.items()}, gt._bv

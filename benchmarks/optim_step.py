@@ -3,8 +3,9 @@
     python benchmarks/optim_step.py [--out optim_step.json]
 
 Builds the 750M model (fp32 weights), gives every parameter a random gradient, and times
-`opt.step()` of each optimiser built by `build_optimizers`: the GPU span between CUDA events
-around the call (median of --steps calls after --warmup), and the host's time to issue it. A span
+`opt.step()` of each optimiser built by `build_optimizers` with `train_step.py`'s timer: the GPU span
+between CUDA events around the call (median of --steps calls after --warmup, each started on an
+idle GPU), and the host's time to issue it. A span
 close to the host time means the host is the limit. Also checks, on the GPU, that the one-pass
 `normuon_rownorm` on the bf16 Newton–Schulz output equals the three-pass form on its fp32 copy.
 """
@@ -18,21 +19,7 @@ import torch
 from hymo.config import load_config
 from hymo.models.model import HyMo
 from hymo.training.optim import build_optimizers, newton_schulz, normuon_rownorm
-
-
-def time_step(opt, warmup: int, steps: int) -> dict:
-    "Median GPU span and host time (ms) of `opt.step()`."
-    spans, host = [], []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        h0 = time.perf_counter(); e0.record()
-        opt.step()
-        e1.record(); h1 = time.perf_counter()
-        torch.cuda.synchronize()
-        if i >= warmup: spans.append(e0.elapsed_time(e1)); host.append((h1 - h0) * 1e3)
-    med = lambda xs: sorted(xs)[len(xs) // 2]
-    return dict(gpu_span_ms=med(spans), host_ms=med(host))
+from train_step import optimizer_ms, time_optimizers  # the script beside this one
 
 
 def rownorm_parity() -> float:
@@ -59,12 +46,20 @@ def main():
     with torch.device("cuda"): model = HyMo(cfg.model)
     for p in model.parameters(): p.grad = torch.randn_like(p) * 1e-3
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
-    for opt in build_optimizers(model, cfg.train):
-        n = sum(p.numel() for g in opt.param_groups for p in g["params"])
-        res[type(opt).__name__] = dict(params=n, tensors=sum(len(g["params"]) for g in opt.param_groups),
-                                       **time_step(opt, args.warmup, args.steps))
-    try: res["rownorm_one_pass_vs_three_pass"] = rownorm_parity()
-    except TypeError as e: res["rownorm_one_pass_vs_three_pass"] = f"not run: {e}"  # an older normuon_rownorm (no gain)
+    opts = build_optimizers(model, cfg.train)
+    for opt in opts:
+        for _ in range(args.warmup): opt.step()
+    spans = time_optimizers(opts)
+    for opt in opts:
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            opt.step()
+    torch.cuda.synchronize()
+    timings = optimizer_ms(spans)
+    for opt in opts:
+        res[type(opt).__name__] = dict(params=sum(p.numel() for g in opt.param_groups for p in g["params"]),
+                                       tensors=sum(len(g["params"]) for g in opt.param_groups), **timings[type(opt).__name__])
+    res["rownorm_one_pass_vs_three_pass"] = rownorm_parity()
     print(json.dumps(res, indent=1))
     if args.out: Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -90,10 +90,10 @@ def _conv_launch():
     return None if m is None else {k: dict(v) for k, v in m.LAUNCH.items()}
 
 
-def time_optimizers(trainer) -> dict:
+def time_optimizers(optimizers) -> dict:
     "Wrap each optimiser's `step` to record, per call, its GPU span (CUDA events) and the host's time to issue it."
     spans = {}
-    for opt in trainer.optimizers:
+    for opt in optimizers:
         def timed(*a, plain=opt.step, name=type(opt).__name__, **kw):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             h0 = time.perf_counter(); e0.record()
@@ -137,7 +137,7 @@ def run(args) -> dict:
     flops = t.model.flops_per_token(args.seq_len)
     for _ in range(args.warmup): t.train_step()
     torch.cuda.synchronize()
-    spans = time_optimizers(t)
+    spans = time_optimizers(t.optimizers)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()

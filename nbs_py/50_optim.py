@@ -458,9 +458,8 @@ class NorMuon(torch.optim.Optimizer):
                 if group["nesterov"]: torch.lerp(g, M, beta, out=N[i])
                 else: N[i].copy_(M)
         O = newton_schulz(N, group["ns_steps"])
-        U, v = normuon_rownorm(O, torch.stack([_full(self.state[p]["second_moment"]) for p in ps]), group["beta2"],
-                               muon_shape_scale(ps[0].shape[-2], ps[0].shape[-1]))
         vs = [self.state[p]["second_moment"] for p in ps]
+        U, v = normuon_rownorm(O, torch.stack([_full(s) for s in vs]), group["beta2"], muon_shape_scale(*ps[0].shape[-2:]))
         if isinstance(ps[0], DTensor): vs[0].copy_(_like(v[0], ps[0]))  # alone; DTensor has no _foreach_copy_
         else: torch._foreach_copy_(vs, list(v.unbind(0)))
         us = [_like(U[i].to(p.dtype), p) for i, p in enumerate(ps)]  # views of U, or this rank's shard of it
