@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torch._subclasses.fake_tensor import is_fake
+
 from .gdn_triton import INTERPRET  # importing it also readies Triton's library for the interpreter
 
 EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
@@ -37,15 +39,15 @@ def _conv_tile(x, w, starts, rows, o_c, m_c, T, sxt, W: tl.constexpr, HAS_STARTS
 
 
 @triton.jit
-def _conv_fwd_kernel(x, w, y, starts, T, sxb, sxt, NH, D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr,
+def _conv_fwd_kernel(x, w, y, starts, T, sxb, sxt, c0, NH, D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr,
                      HAS_STARTS: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, DP: tl.constexpr):
-    "One segment: y [B, T, NH*D] = norm?(silu(conv(x))) for rows [i_t*BT, +BT) and heads [i_g*G, +G) of sequence i_b."
+    "The segment at channel c0: y [B, T, NH*D] = norm?(silu(conv(x))) for rows [i_t*BT, +BT) and heads [i_g*G, +G) of sequence i_b."
     i_t, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_t * BT + tl.arange(0, BT)
     o_h, o_d = i_g * G + tl.arange(0, G), tl.arange(0, DP)
     o_c = o_h[None, :, None] * D + o_d[None, None, :]                       # (1, G, DP) channel in the segment
     m_c = (o_h[None, :, None] < NH) & (o_d[None, None, :] < D)
-    b_u = _conv_tile(x + i_b * sxb, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
+    b_u = _conv_tile(x + i_b * sxb + c0, w + c0 * W, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
     b_y = b_u * (1 / (1 + tl.exp(-b_u)))
     if NORM:
         b_y = b_y / tl.maximum(tl.sqrt(tl.sum(b_y * b_y, axis=2)), EPS)[:, :, None]
@@ -54,16 +56,16 @@ def _conv_fwd_kernel(x, w, y, starts, T, sxb, sxt, NH, D: tl.constexpr, W: tl.co
 
 
 @triton.jit
-def _conv_du_kernel(x, w, dy, du, starts, T, sxb, sxt, C, NH, D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr,
+def _conv_du_kernel(x, w, dy, du, starts, T, sxb, sxt, C, c0, NH, D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr,
                     HAS_STARTS: tl.constexpr, BT: tl.constexpr, G: tl.constexpr, DP: tl.constexpr):
-    "One segment: du [B, T, C] fp32 (at the segment's offset) for rows [i_t*BT, +BT) and heads [i_g*G, +G), recomputing u."
+    "The segment at channel c0: its columns of du [B, T, C] fp32 for rows [i_t*BT, +BT) and heads [i_g*G, +G), recomputing u."
     i_t, i_g, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = i_t * BT + tl.arange(0, BT)
     o_h, o_d = i_g * G + tl.arange(0, G), tl.arange(0, DP)
     o_c = o_h[None, :, None] * D + o_d[None, None, :]
     m_c = (o_h[None, :, None] < NH) & (o_d[None, None, :] < D)
     m = (rows < T)[:, None, None] & m_c
-    b_u = _conv_tile(x + i_b * sxb, w, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
+    b_u = _conv_tile(x + i_b * sxb + c0, w + c0 * W, starts, rows, o_c, m_c, T, sxt, W, HAS_STARTS, BT, G, DP)
     b_g = tl.load(dy + (i_b * T + rows[:, None, None]) * (NH * D) + o_c, mask=m, other=0.).to(tl.float32)
     b_sig = 1 / (1 + tl.exp(-b_u))
     if NORM:
@@ -73,7 +75,7 @@ def _conv_du_kernel(x, w, dy, du, starts, T, sxb, sxt, C, NH, D: tl.constexpr, W
         b_y = b_sv / b_r
         b_g = b_g / b_r - tl.where(b_n > EPS, b_y * tl.sum(b_y * b_g, axis=2)[:, :, None] / b_r, 0.)
     b_du = b_g * b_sig * (1 + b_u * (1 - b_sig))
-    tl.store(du + (i_b * T + rows[:, None, None]) * C + o_c, b_du.to(du.dtype.element_ty), mask=m)
+    tl.store(du + (i_b * T + rows[:, None, None]) * C + c0 + o_c, b_du.to(du.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -141,7 +143,33 @@ def _starts(cu_seqlens: Optional[torch.Tensor], T: int, device) -> Optional[torc
     return torch.repeat_interleave(cu[:-1], cu.diff().to(torch.int64), output_size=T).contiguous()
 
 
-@torch.library.custom_op("hymo::conv_silu_norm_fwd", mutates_args=())
+def _operator(name: str):
+    """Declare a kernel-backed operator. On a GPU it is a `triton_op`, which `torch.compile` traces into; the
+    interpreter cannot be traced, so there it is an opaque `custom_op` whose shapes come from the same function."""
+    def declare(fn):
+        if not INTERPRET: return torch.library.triton_op(name, fn, mutates_args=())
+        op = torch.library.custom_op(name, fn, mutates_args=())
+        op.register_fake(fn)
+        return op
+    return declare
+
+
+def _traceable(kernel):
+    "`kernel` wrapped for `torch.compile`: inside a compiled graph inductor launches it from its own wrapper code."
+    return _ShapesOnly(kernel) if INTERPRET else torch.library.wrap_triton(kernel)
+
+
+class _ShapesOnly:
+    "Under the interpreter: `kernel[grid](...)` that launches nothing on fake tensors, when PyTorch only wants shapes."
+    def __init__(self, kernel): self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if not any(isinstance(a, torch.Tensor) and is_fake(a) for a in args): self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@_operator("hymo::conv_silu_norm_fwd")
 def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int,
                        starts: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "x [B, T, 2HK+HV] (channel stride 1), w [2HK+HV, W] fp32 → q, k [B, T, HK] and v [B, T, HV] in x's dtype."
@@ -153,21 +181,14 @@ def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
         y = x.new_empty(B, T, NH * D)
         G, DP = _tile_sizes(NH, D)
         BT = LAUNCH["fwd"]["BT"]
-        _conv_fwd_kernel[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
-            x[..., off:], w[off:], y, starts, T, x.stride(0), x.stride(1), NH, D, w.shape[1], norm, starts is not None,
-            BT, G, DP, num_warps=LAUNCH["fwd"]["num_warps"])
+        _traceable(_conv_fwd_kernel)[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
+            x, w, y, w if starts is None else starts, T, x.stride(0), x.stride(1), off, NH, D, w.shape[1], norm,
+            starts is not None, BT, G, DP, num_warps=LAUNCH["fwd"]["num_warps"])
         outs.append(y)
     return tuple(outs)
 
 
-@conv_silu_norm_fwd.register_fake
-def _(x, w, n_heads, head_k_dim, starts):
-    B, T, C = x.shape
-    HK = n_heads * head_k_dim
-    return x.new_empty(B, T, HK), x.new_empty(B, T, HK), x.new_empty(B, T, C - 2 * HK)
-
-
-@torch.library.custom_op("hymo::conv_silu_norm_bwd", mutates_args=())
+@_operator("hymo::conv_silu_norm_bwd")
 def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int, starts: Optional[torch.Tensor],
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Gradients `(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)` from those of q, k, v."
@@ -175,29 +196,25 @@ def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
     du = torch.empty(B, T, C, dtype=torch.float32, device=x.device)     # the conv's output gradient, kept in fp32
+    st = w if starts is None else starts                               # (a placeholder the kernels never read)
     BT = LAUNCH["du"]["BT"]
     for (off, NH, D, norm), dy in zip(_segments(H, K, V), (dq, dk, dv)):
         G, DP = _tile_sizes(NH, D)
-        _conv_du_kernel[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
-            x[..., off:], w[off:], dy.contiguous(), du[..., off:], starts, T, x.stride(0), x.stride(1),
-            C, NH, D, Wd, norm, starts is not None, BT, G, DP, num_warps=LAUNCH["du"]["num_warps"])
+        _traceable(_conv_du_kernel)[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
+            x, w, dy.contiguous(), du, st, T, x.stride(0), x.stride(1), C, off, NH, D, Wd, norm, starts is not None,
+            BT, G, DP, num_warps=LAUNCH["du"]["num_warps"])
     dx = x.new_empty(B, T, C)
     BT, BC = LAUNCH["dx"]["BT"], LAUNCH["dx"]["BC"]
-    _conv_dx_kernel[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](du, w, dx, starts, T, C, Wd, starts is not None, BT, BC,
-                                                                num_warps=LAUNCH["dx"]["num_warps"])
+    _traceable(_conv_dx_kernel)[(triton.cdiv(T, BT), triton.cdiv(C, BC), B)](
+        du, w, dx, st, T, C, Wd, starts is not None, BT, BC, num_warps=LAUNCH["dx"]["num_warps"])
     BT, BC = LAUNCH["dw"]["BT"], LAUNCH["dw"]["BC"]
     RT = BT * triton.cdiv(LAUNCH["dw"]["RT"], BT)                        # a whole number of BT steps
     NT = triton.cdiv(T, RT)
     dwp = torch.empty(B * NT, Wd, C, dtype=torch.float32, device=x.device)
-    _conv_dw_kernel[(NT, triton.cdiv(C, BC), B)](du, x, dwp, starts, T, NT, x.stride(0), x.stride(1), C, Wd,
-                                                starts is not None, BT, RT, BC, triton.next_power_of_2(Wd),
-                                                num_warps=LAUNCH["dw"]["num_warps"])
+    _traceable(_conv_dw_kernel)[(NT, triton.cdiv(C, BC), B)](
+        du, x, dwp, st, T, NT, x.stride(0), x.stride(1), C, Wd, starts is not None, BT, RT, BC, triton.next_power_of_2(Wd),
+        num_warps=LAUNCH["dw"]["num_warps"])
     return dx, dwp.sum(0).t().contiguous().to(w.dtype)
-
-
-@conv_silu_norm_bwd.register_fake
-def _(x, w, n_heads, head_k_dim, starts, dq, dk, dv):
-    return x.new_empty(x.shape), torch.empty_like(w)
 
 
 def _conv_setup_context(ctx, inputs, output):
