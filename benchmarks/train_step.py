@@ -40,7 +40,7 @@ class SyntheticTrainer(Trainer):
             while True:
                 if MARK_STEPS: torch.compiler.cudagraph_mark_step_begin()  # a new micro-batch: CUDA graphs may reuse buffers
                 x = torch.randint(0, V, (B, T + 1), generator=g)
-                yield x[:, :-1], x[:, 1:]
+                yield x[:, :-1].contiguous(), x[:, 1:].contiguous()  # contiguous, as the real loader's: pinned, then copied without waiting
         self.data_dir, self.train_loader, self.val_loader = None, batches(), None
 
 
