@@ -216,11 +216,12 @@ def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.con
 # The two operators are `torch.library.triton_op`s, not opaque `custom_op`s, and every launch goes
 # through `torch.library.wrap_triton`. Run eagerly they behave the same; under `torch.compile`,
 # inductor sees the kernels and launches them from its own generated code. That matters for the
-# host, not for the GPU. On the H200's host, launching one of these kernels from Python takes about
-# 32 µs, and calling the forward operator takes 130 µs, against 9 µs for an eager `torch.add`
-# (`hostbench` in "Speed on an H200"). The 750M model's forward was short of host time: the GPU
-# waited at the start of nearly every GDN block. With inductor launching the prelude, the GPU's
-# waits of 10 µs or more fell from 4.9 to 1.0 ms per micro-batch. Two things keep the kernels
+# host, not for the GPU. On the H200 machines' hosts, launching one of these kernels from Python
+# takes 20–32 µs, and calling the forward operator 116–130 µs, against 8–9 µs for an eager
+# `torch.add` (`benchmarks/host_launch.py`, in "Speed on an H200"). The 750M model's forward was
+# short of host time: the GPU waited at the start of nearly every GDN block. With inductor
+# launching the prelude, the GPU's waits of 10 µs or more fell from 4.9 to 1.0 ms per micro-batch
+# (results page). Two things keep the kernels
 # traceable: each segment is addressed by its channel offset `c0` instead of a slice of the input,
 # so no kernel writes into a view, and a tensor that the kernels never read stands in for a missing
 # `starts`, so no argument is None.
@@ -477,6 +478,11 @@ x = res["experiment_dw_in_dx_kernel"]
 print(f"experiment, dw summed in the dx kernel: backward {x['triton_bwd_ms']:.3f} ms; in the model, us per launch {x['in_model_us_per_launch']}")
 assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 rounding of the fp32 prelude
 
+host = json.loads((Path("..") / "benchmarks/results/host_launch.json").read_text())
+print(f"\nhost time per call, {host['meta']['device']}, {host['meta']['date']} (benchmarks/host_launch.py):")
+for name, us in host.items():
+    if name != "meta": print(f"{us:8.1f} us  {name}")
+
 # %% [markdown]
 # What they say:
 #
@@ -504,6 +510,11 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 #   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
 #   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not
 #   kept.
+# - **Launching costs the host more than the GPU work of a small launch.** A Triton launch from
+#   Python took 20.5 µs of host time on this machine (31.9 µs on another), the eager forward
+#   operator 116 µs for its three launches, and the same forward compiled, where inductor launches
+#   the kernels, 68 µs including the compiled function's own guards. For comparison: an eager
+#   `torch.add` 8 µs, a large `torch.mm` 19 µs.
 # - **In the 750M model** (results page), the prelude now takes 14.8 ms of a compiled micro-batch.
 #   It took 21 ms with the previous backward, 29 ms with the single kernel, and inductor's kernels
 #   took 27 ms.

@@ -5,12 +5,14 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
 # python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
+# python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
+# python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
 # python benchmarks/optim_step.py                                # NorMuon and AdamW alone, on random gradients
 # python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
@@ -58,7 +60,7 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 # %%
 def when(code):
     return {"previous": " (previous round)", "two": " (two rounds ago)", "three": " (three rounds ago)",
-            "four": " (four rounds ago)", "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
+            "four": " (four rounds ago)", "five": " (five rounds ago)", "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -77,10 +79,13 @@ fig.tight_layout(); plt.show()
 # ### Where a micro-batch's time goes
 #
 # The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
-# summed by kind (`--profile micro`; the full table is `benchmarks/results/train_step_profile.txt`),
-# and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs are the launch
-# latency between back-to-back kernels, longer ones mean the GPU waited for the host; the
-# profiler slows the host, so these are upper bounds):
+# summed by kind, and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs
+# are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
+# host). This round's profile records only the GPU's activity (`--profile cuda`), which leaves the
+# host nearly as fast as in an unprofiled run, so its waits are close to the real ones. The
+# full table of kernels and host operators is last round's `--profile micro`, in
+# `benchmarks/results/train_step_profile.txt`; recording the host's operators slows the host
+# about twofold, so the waits it shows are upper bounds.
 
 # %%
 prof = next((r for r in steps if "profile_ms_per_micro_batch" in r), None)
@@ -100,60 +105,71 @@ if prof:
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
-#   three rounds ago). The GDN forward keeps its triangular inverses $A$ (previous round, +2 GB) and,
-#   this round, its chunk states (+0.5 GB, 21 MB per layer) for the backward. Activation
-#   checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (four rounds ago).
-# * **MFU: 34.1 % at the preset's step (32 micro-batches per optimiser step, 6.88 s, 76.2 k
-#   tokens/s); the target was 40 %.** On another machine the same code measured 6.84 and 6.84 s
-#   (34.3 %), and the previous round's code 6.93 s beside them: this round's changes are worth
-#   about 95 ms per step, 1.4 %. Earlier rounds: 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
-#   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
-#   four rounds ago).
-# * **This round's gains:**
-#   - the optimiser step (chapter 50; `benchmarks/optim_step.py`, the two optimisers on random
-#     gradients, same machine): NorMuon 124.6 → 101.1 ms of GPU time, AdamW 22.9 → 4.4 ms. AdamW
-#     and NorMuon's final update became list-wide `_foreach` launches instead of a dozen small
-#     launches per tensor, and NorMuon's row normalisation reads the update once instead of three
-#     times, with the shape scale folded into the same product. In the preset's step NorMuon went
-#     from 134.6 to 101.1 ms. The one-micro-batch step, which carries a whole optimiser step, is
-#     0.321 s (0.389 and 0.403 s last round, on other machines);
-#   - the GDN forward stores every chunk's state for the backward (chapter 13, `keep_prep`), which
-#     then runs the $dS$ pass alone: per layer 0.30 → 0.19 ms for that launch, 0.18 → 0.20 ms for the
-#     forward that stores them. GDN rule kernels per micro-batch 30.0 → 28.4 ms.
-# * **Tried and not kept this round:** reading the rows of the $16 \times 16$ diagonal blocks from
-#   a scratch buffer in the solve for $A$ (kernel 1 went from 0.24 to 0.41 ms); forming $KK^\top$
-#   after the value loop in the local-gradient kernel (0.488 → 0.484 ms, within noise); pipelining
-#   stages 1–3 for kernels 1 and 4 (within 1 %; 8 warps doubled both, 2 warps made kernel 4 16×
-#   slower).
+#   four rounds ago). The GDN forward keeps its triangular inverses $A$ (two rounds ago, +2 GB) and,
+#   since the previous round, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
+#   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (five rounds
+#   ago).
+# * **MFU: 34.1–34.3 % at the preset's step (32 micro-batches per optimiser step, 6.84–6.87 s,
+#   about 76.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
+#   benchmark script, this round's code took 6.839 and 6.872 s and the previous round's 6.869 and
+#   6.884 s: about 20 ms, 0.3 %, on this machine. Earlier rounds: 6.88 s (34.1 %), 6.93 s (33.8 %),
+#   7.57 s (31.0 %), 8.37 s (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the
+#   preset's step (15.9 s eager, five rounds ago).
+# * **This round: the GPU no longer waits on its host.** A profile that records host operators
+#   slows the host, so last round's waits (12 ms per micro-batch on one machine, under 1 ms on
+#   another) could not tell how much was real. Recording only the GPU's activity (`--profile cuda`)
+#   showed that the previous code's GPU waited 4.9 ms per micro-batch in gaps of 10 µs or more,
+#   most of them at the start of a GDN block in the forward. There the host was only just ahead of
+#   the GPU. A Triton launch from Python costs the host 20–32 µs, depending on the machine
+#   (`benchmarks/host_launch.py`; an eager `torch.add` costs 8 µs), and the prelude's forward
+#   operator made three of them. The prelude's operators are now `torch.library.triton_op`s, whose
+#   kernels inductor launches from its generated code (chapter 14). The waits of 10 µs or more fell
+#   to 1.0 ms, then to 0.5 ms once the benchmark's synthetic batches were made contiguous like the
+#   real loader's (a strided slice had been copied through pageable memory, which made the host wait
+#   for the GPU at every micro-batch). What remains idle is about 5.6 ms of launch latency between
+#   some 3 960 back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the
+#   machine of the paired timings above, whose host launches a Triton kernel in 20 µs, the gain was
+#   small; a slower host gains more.
+# * **Tried and not kept this round** (measured on the H200):
+#   - $W_1$ and $W_3$ of every SwiGLU as one stacked product: compiled, inductor's kernels around it
+#     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s. Reverted;
+#   - inductor's coordinate-descent tuning of its own kernels (`TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1`):
+#     those kernels went from 29.7 to 28.6 ms per micro-batch (measured on another machine), at the
+#     cost of about two minutes more compilation per run. Not adopted.
+# * **Previous round's gains:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
+#   124.6 → 101.1 ms of GPU time and AdamW 22.9 → 4.4 ms, through list-wide `_foreach` launches
+#   and a row normalisation that reads the update once; the GDN forward keeping every chunk's state
+#   for the backward (chapter 13, `keep_prep`): GDN rule kernels per micro-batch 30.0 → 28.4 ms.
+#   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
+#   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
+#   noise), pipelining stages 1–3 (within 1 %).
 # * **What is left** (the breakdown above, about 200 ms of kernels per micro-batch). Matrix
-#   multiplies are about 49 % (96–99 ms, about 65 TFLOP at some 660–680 TFLOP/s, near what the
+#   multiplies are about 49 % (96–100 ms, about 65 TFLOP at some 660–680 TFLOP/s, near what the
 #   H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are among them).
 #   Inductor's fused elementwise kernels are 14 %: RMSNorms with the fp32 residual stream, the
 #   output gate, SwiGLU, the MoE's routing and the weights' casts. The GDN rule kernels are 14 %:
 #   the local-gradient kernel alone is about 0.5 ms per layer, 12 ms per micro-batch. cuDNN attention
 #   is 7.7 %, the prelude 7.4 %, eager kernels 4 % (mostly adding each micro-batch's gradients into
-#   the accumulated ones, 3.2 ms), the loss's softmax 2.4 %. A micro-batch of the accumulated step
-#   takes about 211 ms; about 6 ms of the GPU's waits is the launch latency of some 4 000 kernels.
-#   (The machine of this profile also kept the GPU waiting on its host for 12 ms per micro-batch in
-#   gaps of 10 µs and more; a profile of nearly the same code on another machine this round showed
-#   0.6 ms.)
+#   the accumulated ones: some 300 additions, 2.4 ms), the loss's softmax 2.4 %. A micro-batch of the
+#   accumulated step takes about 210 ms, of which about 6 ms are the launch latency between some
+#   3 960 kernels; the GPU no longer waits on its host.
 #   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
 #   now: with the matrix multiplies as they are, everything else would have to fall from about
 #   113 ms (kernels and waits) to about 82 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency and the host's share. They failed here (previous round): a later
+#   remove the launch latency (about 6 ms per micro-batch). They failed here (two rounds ago): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
 #   heads left out, an MLA block's).
 # * **Triton GDN path against the PyTorch chunked path: 3.6× faster per preset step, both
-#   compiled (6.88 s against 24.8 s, this round, on two machines); the target was 5×.** The
-#   PyTorch path's step measured 28.3 s last round, as the slower of two timed steps; this round's
-#   24.8 s is a single timed step after one warm-up step (one device run was all the time left), so
-#   part of the difference may be how it was sampled, and the ratio lies between 3.6× and 4.1×.
+#   compiled (6.84–6.88 s against 24.8 s, measured on different machines); the target was 5×.** The
+#   PyTorch path's step measured 28.3 s two rounds ago, as the slower of two timed steps, and 24.8 s
+#   last round, as a single timed step after one warm-up step (it was not timed again this round),
+#   so part of the difference may be how it was sampled, and the ratio lies between 3.6× and 4.1×.
 #   Either way it is short of 5×, which needs the Triton path's step below 5 s. With one
-#   micro-batch per step, four rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is
+#   micro-batch per step, five rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is
 #   51× faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but
 #   GDN is only part of the step.
-# * **All-MLA** (32 MLA + MoE blocks, four rounds ago): 0.75 s per one-micro-batch step at 6.8
+# * **All-MLA** (32 MLA + MoE blocks, five rounds ago): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
 
@@ -178,8 +194,9 @@ assert worst_o <= 5e-3 and worst_g <= 1e-2
 
 # %% [markdown]
 # The table above is the full run of an earlier round. Since then the backward reuses the
-# forward's $A$ and cumulative gates (previous round) and, this round, its chunk states (chapter 13).
-# `gdn_verify.py --quick --shapes hymo` re-checked the final code on the H200
+# forward's $A$ and cumulative gates (two rounds ago) and its chunk states (previous round; chapter
+# 13); this round did not change the rule's kernels. `gdn_verify.py --quick --shapes hymo` re-checked
+# the previous round's final code on the H200
 # (`benchmarks/results/gdn_verify_quick_h200.json`): the chunk kernel at $T$ = 63 and 256 and a
 # packed row of five documents, bf16 and fp32: worst output or state 3.3e-3 and worst gradient
 # 3.7e-3 in bf16, 1.7e-3 in fp32, every run deterministic, and the path that keeps $A$, the gates
