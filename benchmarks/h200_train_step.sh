@@ -14,7 +14,9 @@ case "${1:-main}" in
     timeout 150 python benchmarks/gdn_verify.py --quick --out "$OUT/gdn_verify.json" 2>&1 | grep -v Warning | tail -25
     timeout 200 python benchmarks/gdn_kernel.py --shapes hymo_750m --out "$OUT/gdn_kernel.json" 2>&1 | grep -v Warning | tail -25
     timeout 100 python benchmarks/optim_step.py --out "$OUT/optim_step.json" 2>&1 | grep -v Warning | tail -20
-    timeout 100 python benchmarks/host_launch.py --out "$OUT/host_launch.json" 2>&1 | grep -v Warning | tail -8 ;;
+    timeout 100 python benchmarks/host_launch.py --out "$OUT/host_launch.json" 2>&1 | grep -v Warning | tail -8
+    timeout 100 python benchmarks/block_step.py --out "$OUT/block_step_gdn.json" 2>&1 | grep -v Warning | tail -4
+    timeout 100 python benchmarks/block_step.py --block mla --out "$OUT/block_step_mla.json" 2>&1 | grep -v Warning | tail -4 ;;
   main)  # the preset's step compiled and eager, and the one-micro-batch step with its profile
     run --compile --accum 32 --warmup 1 --steps 2
     run --compile --profile micro > "$OUT/train_step_profile.txt"; grep -A12 '^{' "$OUT/train_step_profile.txt" | head -14

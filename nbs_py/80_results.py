@@ -13,6 +13,7 @@
 # python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
+# python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
 # python benchmarks/optim_step.py                                # NorMuon and AdamW alone, on random gradients
 # python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
@@ -112,7 +113,8 @@ if prof:
 # * **MFU: 34.1–34.3 % at the preset's step (32 micro-batches per optimiser step, 6.84–6.87 s,
 #   about 76.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
 #   benchmark script, this round's code took 6.839 and 6.872 s and the previous round's 6.869 and
-#   6.884 s: about 20 ms, 0.3 %, on this machine. Earlier rounds: 6.88 s (34.1 %), 6.93 s (33.8 %),
+#   6.884 s: about 20 ms, 0.3 %, on this machine. (Those runs predate this round's second change,
+#   the output gate's projection, below.) Earlier rounds: 6.88 s (34.1 %), 6.93 s (33.8 %),
 #   7.57 s (31.0 %), 8.37 s (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the
 #   preset's step (15.9 s eager, five rounds ago).
 # * **This round: the GPU no longer waits on its host.** A profile that records host operators
@@ -130,6 +132,14 @@ if prof:
 #   some 3 960 back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the
 #   machine of the paired timings above, whose host launches a Triton kernel in 20 µs, the gain was
 #   small; a slower host gains more.
+# * **This round, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
+#   compiled backward had built the gradient of the stacked $[g, a, b]$ projection in one kernel that
+#   mixed three elementwise formulas with a concatenation: 137 µs per layer, about four times what
+#   it moves. With $g$ in its own product, a compiled GDN block (forward and backward) went from
+#   4.51 to 4.45 ms, in two alternating pairs in one process (`benchmarks/results/block_step.json`).
+#   Over 24 GDN blocks that is about 1.5 ms per micro-batch, some 50 ms (0.7 %) per preset step;
+#   **the preset step was not re-timed with this change** (the device time was spent), so the
+#   table's step times do not include it.
 # * **Tried and not kept this round** (measured on the H200):
 #   - $W_1$ and $W_3$ of every SwiGLU as one stacked product: compiled, inductor's kernels around it
 #     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s. Reverted;

@@ -278,10 +278,11 @@ class GatedDeltaNet(nn.Module):
         "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
-        # the six input projections as two matrix products (the parameters stay separate matrices)
-        w_qkv, w_gates = self.in_proj_weights()
+        # the six input projections as three matrix products (the parameters stay separate matrices)
+        w_qkv, w_ab = self.in_proj_weights()
         qkv = F.linear(x, w_qkv)                                                  # (B, T, 2HK + HV)
-        gate, a, b = F.linear(x, w_gates).split([H * V, H, H], -1)               # (B, T, HV), (B, T, H) x 2
+        gate = self.g_proj(x)                                                     # (B, T, HV)
+        a, b = F.linear(x, w_ab).split([H, H], -1)                                # (B, T, H) x 2
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
         kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton("rule") else "torch")
         rule = self._rule(kernel)
@@ -300,9 +301,9 @@ class GatedDeltaNet(nn.Module):
         return (y, GDNState(S, conv_state)) if output_final_state else y
 
     def in_proj_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        "The input projections stacked in two: q, k, v `[2HK + HV, dim]` (the prelude's input) and g, a, b `[HV + 2H, dim]`."
+        "The stacked input projections: q, k, v `[2HK + HV, dim]` (the prelude's input) and a, b `[2H, dim]`; g has its own product."
         return (torch.cat([p.weight for p in (self.q_proj, self.k_proj, self.v_proj)]),
-                torch.cat([p.weight for p in (self.g_proj, self.a_proj, self.b_proj)]))
+                torch.cat([p.weight for p in (self.a_proj, self.b_proj)]))
 
     def _rule(self, kernel: str):
         "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."

@@ -1,0 +1,64 @@
+"""One block of a HyMo preset, forward + backward, compiled, under bf16 autocast: ms per call.
+
+    python benchmarks/block_step.py [--block gdn|mla] [--iters 20] [--out results.json]
+    python benchmarks/block_step.py --config hymo_tiny --batch 2 --seq-len 256 --device cpu --iters 2   # a smoke run
+
+A quicker A/B than the whole train step (train_step.py) when a change touches one block: run it on
+both versions, on the same machine. The default is hymo_750m's shape, micro-batch 4 x 4096; the loss
+is a plain sum of the output; `iters` timed calls follow 3 warm-up calls (CUDA events on a GPU).
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from hymo.config import load_config
+from hymo.models.gdn import GatedDeltaNetBlock
+from hymo.models.mla import MLABlock
+
+
+def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
+    "Mean ms of a compiled forward + backward."
+    f, dev = torch.compile(block), x.device.type
+    def step():
+        with torch.autocast(dev, torch.bfloat16): y = f(x)
+        y.float().sum().backward()
+    for _ in range(3): step()
+    if dev == "cuda":
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters): step()
+        e1.record(); torch.cuda.synchronize()
+        return e0.elapsed_time(e1) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters): step()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def main(args):
+    cfg = load_config(args.config).model
+    torch.manual_seed(0)
+    block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)
+    block = block.to(args.device)
+    x = torch.randn(args.batch, args.seq_len, cfg.dim, device=args.device, requires_grad=True)
+    ms = block_ms(block, x, args.iters)
+    res = dict(config=args.config, block=args.block, ms_fwd_bwd=ms, iters=args.iters, shape=list(x.shape),
+               device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+               date=time.strftime("%Y-%m-%d"))
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w") as f: json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--block", default="gdn", choices=["gdn", "mla"])
+    p.add_argument("--config", default="hymo_750m", help="preset whose model config builds the block")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    main(p.parse_args())
