@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # %% [markdown]
-# An unknown `--option` gets the closest real one, like an unknown config key does:
+# An unknown `--option` gets the closest real one, like an unknown config key does. Under
+# `torchrun`, `main` ends by leaving the process group on every rank together (a barrier, then
+# `destroy_process_group`), so that NCCL does not warn of leaked resources at exit:
 
 # %%
 #| export
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.log(f"run folder: {trainer.run_dir.resolve()}")
     trainer.fit()
     trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
+    if trainer.d.distributed:  # every rank finished: leave the process group together (NCCL warns of a leak otherwise)
+        import torch.distributed as dist
+        dist.barrier()
+        dist.destroy_process_group()
     return getattr(trainer, "summary", {})
 
 

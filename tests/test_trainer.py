@@ -162,10 +162,14 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
     env = {"HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1"}
     one = run_cli(*common, "run_dir=one", cwd=tmp_path, env_extra=env)
     assert one.returncode == 0, one.stderr[-3000:]
+    script = tmp_path / "train_then_report.py"  # `python -m hymo.train`, then whether the process group is left
+    script.write_text("import sys\nimport torch.distributed as dist\nfrom hymo.train import main\n"
+                      "main(sys.argv[1:])\nprint('process group left:', not dist.is_initialized())\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "hymo.train", *common, "run_dir=two"], cwd=tmp_path,
+                        str(script), *common, "run_dir=two"], cwd=tmp_path,
                        env={**os.environ, **env, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.count("process group left: True") == 2, r.stdout[-2000:]  # both ranks tear it down at the end
     a, b = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):
