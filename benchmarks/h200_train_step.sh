@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The train-step rows of the results page, one process each (clean peak-memory numbers).
-# On the GPU machine: OUT=/some/dir bash benchmarks/h200_train_step.sh kernels|main|variants   (each fits 10 minutes)
-# kernels: also the optimiser step alone (optim_step.py) and the host time per launch (host_launch.py)
+# On the GPU machine: OUT=/some/dir bash benchmarks/h200_train_step.sh kernels|main|variants|host   (each fits 10 minutes)
+# kernels: also the optimiser step alone (optim_step.py); host: the host time per launch, and one compiled block of each kind
 set -u
 export PYTHONPATH=$PWD
 OUT=${OUT:-benchmarks/results}
@@ -13,14 +13,15 @@ case "${1:-main}" in
     timeout 100 python benchmarks/ce_kernel.py --out "$OUT/ce_kernel.json" 2>&1 | grep -v Warning | tail -12
     timeout 150 python benchmarks/gdn_verify.py --quick --out "$OUT/gdn_verify.json" 2>&1 | grep -v Warning | tail -25
     timeout 200 python benchmarks/gdn_kernel.py --shapes hymo_750m --out "$OUT/gdn_kernel.json" 2>&1 | grep -v Warning | tail -25
-    timeout 100 python benchmarks/optim_step.py --out "$OUT/optim_step.json" 2>&1 | grep -v Warning | tail -20
+    timeout 100 python benchmarks/optim_step.py --out "$OUT/optim_step.json" 2>&1 | grep -v Warning | tail -20 ;;
+  host)  # the GPU's waits on its host (a profile of GPU activity only), the host's cost per launch, one compiled block of each kind
+    run --compile --profile cuda
     timeout 100 python benchmarks/host_launch.py --out "$OUT/host_launch.json" 2>&1 | grep -v Warning | tail -8
-    timeout 100 python benchmarks/block_step.py --out "$OUT/block_step_gdn.json" 2>&1 | grep -v Warning | tail -4
-    timeout 100 python benchmarks/block_step.py --block mla --out "$OUT/block_step_mla.json" 2>&1 | grep -v Warning | tail -4 ;;
+    timeout 120 python benchmarks/block_step.py --out "$OUT/block_step_gdn.json" 2>&1 | grep -v Warning | tail -4
+    timeout 120 python benchmarks/block_step.py --block mla --out "$OUT/block_step_mla.json" 2>&1 | grep -v Warning | tail -4 ;;
   main)  # the preset's step compiled and eager, and the one-micro-batch step with its profile
     run --compile --accum 32 --warmup 1 --steps 2
     run --compile --profile micro > "$OUT/train_step_profile.txt"; grep -A12 '^{' "$OUT/train_step_profile.txt" | head -14
-    run --compile --profile cuda
     run --accum 32 --warmup 1 --steps 2
     run
     run --loss logits ;;
@@ -30,5 +31,5 @@ case "${1:-main}" in
     run --compile --gdn torch --accum 32 --warmup 1 --steps 2
     run --compile --gdn torch --warmup 2 --steps 3
     run --gdn torch --warmup 2 --steps 3 ;;
-  *) echo "usage: OUT=dir bash $0 kernels|main|variants" >&2; exit 2 ;;
+  *) echo "usage: OUT=dir bash $0 kernels|main|variants|host" >&2; exit 2 ;;
 esac

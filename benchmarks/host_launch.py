@@ -2,7 +2,7 @@
 
     python benchmarks/host_launch.py [--out results.json]
 
-The GPU is first kept busy by a 200 ms sleep, so each loop of 60 calls only queues work and the
+The GPU is first kept busy by a sleep of 200 M GPU cycles (about 0.1 s on an H200), so each loop of 60 calls only queues work and the
 time measured is the host's alone (median of 5 loops). Shapes are the 750M model's
 (B=4, T=4096, 40 heads of 32). Why it matters: a GPU waits whenever its host issues work more slowly
 than the GPU does it, and chapter 14 moved the prelude's launches into inductor's generated code
@@ -25,7 +25,7 @@ def host_us(fn, loops: int = 5, calls: int = 60) -> float:
     torch.cuda.synchronize()
     ts = []
     for _ in range(loops):
-        torch.cuda._sleep(200_000_000)
+        torch.cuda._sleep(200_000_000)  # GPU cycles
         t0 = time.perf_counter()
         for _ in range(calls): fn()
         ts.append((time.perf_counter() - t0) / calls * 1e6)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.log(f"run folder: {trainer.run_dir.resolve()}")
     trainer.fit()
     trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
-    if trainer.d.distributed:  # every rank finished: leave the process group together (NCCL warns of a leak otherwise)
+    if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()

@@ -482,9 +482,10 @@ for T in (256, 1024):
 # $q, k, v$ in a product of their own, the prelude's backward writes that product's gradient
 # directly. The same held, on a smaller scale, for $g$ stacked with $a$ and $b$: the compiled
 # backward built their $[B, T, HV + 2H]$ gradient in one kernel that mixed three elementwise
-# formulas with a concatenation, and took 137 µs per layer, about four times what it moves. With
-# $g$ apart, a compiled GDN block (forward and backward, 4 × 4096 tokens, H200) went from 4.51 to
-# 4.45 ms. The parameters stay six separate matrices, which is what the optimiser (chapter 50)
+# formulas with a concatenation, and took about 140 µs per layer (`benchmarks/results/
+# train_step_profile.txt`), about four times what it moves. With $g$ apart, a compiled GDN block
+# (forward and backward, 4 × 4096 tokens, H200) went from 4.51 to 4.45 ms
+# (`benchmarks/results/block_step.json`). The parameters stay six separate matrices, which is what the optimiser (chapter 50)
 # orthogonalises.
 #
 # ### The short convolution, document-aware

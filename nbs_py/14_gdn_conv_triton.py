@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torch._library.triton import is_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake
 
 from hymo.models.gdn_triton import INTERPRET  # importing it also readies Triton's library for the interpreter
@@ -216,12 +217,13 @@ def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.con
 # The two operators are `torch.library.triton_op`s, not opaque `custom_op`s, and every launch goes
 # through `torch.library.wrap_triton`. Run eagerly they behave the same; under `torch.compile`,
 # inductor sees the kernels and launches them from its own generated code. That matters for the
-# host, not for the GPU. On the H200 machines' hosts, launching one of these kernels from Python
-# takes 20–32 µs, and calling the forward operator 116–130 µs, against 8–9 µs for an eager
-# `torch.add` (`benchmarks/host_launch.py`, in "Speed on an H200"). The 750M model's forward was
-# short of host time: the GPU waited at the start of nearly every GDN block. With inductor
-# launching the prelude, the GPU's waits of 10 µs or more fell from 4.9 to 1.0 ms per micro-batch
-# (results page). Two things keep the kernels
+# host, not for the GPU. On the hosts of two H200 machines, launching one of these kernels from
+# Python took 20.5 and 31.9 µs, and calling the forward operator 116 and 130 µs, against 8–9 µs
+# for an eager `torch.add` (`benchmarks/host_launch.py`, in "Speed on an H200"). The 750M model's
+# forward was short of host time: most of the GPU's long waits came just before the first kernel of
+# a GDN block (`benchmarks/results/host_waits.json`). With inductor launching the prelude, the
+# GPU's waits of 10 µs or more fell from 4.9 to 1.0 ms per micro-batch, measured one after the
+# other on one machine (the results page has the rest of the story). Two things keep the kernels
 # traceable: each segment is addressed by its channel offset `c0` instead of a slice of the input,
 # so no kernel writes into a view, and a tensor that the kernels never read stands in for a missing
 # `starts`, so no argument is None.
@@ -265,16 +267,19 @@ def _operator(name: str):
 
 def _traceable(kernel):
     "`kernel` wrapped for `torch.compile`: inside a compiled graph inductor launches it from its own wrapper code."
-    return _ShapesOnly(kernel) if INTERPRET else torch.library.wrap_triton(kernel)
+    if INTERPRET: return _ShapesOnly(kernel)
+    # Run eagerly, a triton_op switches wrapping off; skipping `wrap_triton` then saves the host ~10 µs a launch.
+    return torch.library.wrap_triton(kernel) if is_wrap_triton_enabled() else kernel
 
 
 class _ShapesOnly:
-    "Under the interpreter: `kernel[grid](...)` that launches nothing on fake tensors, when PyTorch only wants shapes."
+    "Under the interpreter: `kernel[grid](...)` that launches nothing on fake or meta tensors, when PyTorch only wants shapes."
     def __init__(self, kernel): self.kernel = kernel
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            if not any(isinstance(a, torch.Tensor) and is_fake(a) for a in args): self.kernel[grid](*args, **kwargs)
+            if not any(isinstance(a, torch.Tensor) and (is_fake(a) or a.is_meta) for a in args):
+                self.kernel[grid](*args, **kwargs)
         return launch
 
 
@@ -481,7 +486,8 @@ assert max(res["parity"]["triton_vs_fp32"].values()) <= 5e-3  # within bf16 roun
 host = json.loads((Path("..") / "benchmarks/results/host_launch.json").read_text())
 print(f"\nhost time per call, {host['meta']['device']}, {host['meta']['date']} (benchmarks/host_launch.py):")
 for name, us in host.items():
-    if name != "meta": print(f"{us:8.1f} us  {name}")
+    if isinstance(us, float): print(f"{us:8.1f} us  {name}")
+    elif name != "meta": print(f"{name}:", us)
 
 # %% [markdown]
 # What they say:
@@ -510,12 +516,14 @@ for name, us in host.items():
 #   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
 #   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not
 #   kept.
-# - **Launching costs the host more than the GPU work of a small launch.** A Triton launch from
-#   Python took 20.5 µs of host time on this machine (31.9 µs on another), the eager forward
-#   operator 116 µs for its three launches, and the same forward compiled, where inductor launches
-#   the kernels, 68 µs including the compiled function's own guards. For comparison: an eager
-#   `torch.add` 8 µs, a large `torch.mm` 19 µs.
-# - **In the 750M model** (results page), the prelude now takes 14.8 ms of a compiled micro-batch.
+# - **A launch from Python costs the host about as much as a small kernel costs the GPU.** On the
+#   H200 machine of `host_launch.json`, a Triton launch took 20.5 µs of host time (31.9 µs on
+#   another H200 machine), against 49 µs of GPU time for one forward launch at the 750M shape. The
+#   eager forward operator took 116 µs of host time for its three launches, and the same forward
+#   compiled, where inductor launches the kernels, 68 µs including the compiled function's own
+#   guards. For comparison: an eager `torch.add` 8 µs, a large `torch.mm` 19 µs. A GDN block
+#   issues dozens of launches, so when the GPU work between them is short, the host sets the pace.
+# - **In the 750M model** (results page), the prelude takes about 15 ms of a compiled micro-batch.
 #   It took 21 ms with the previous backward, 29 ms with the single kernel, and inductor's kernels
 #   took 27 ms.
 
@@ -529,7 +537,7 @@ for name, us in host.items():
 # gradient at four shifted rows too. Inductor inlined those reads and recomputed them, reaching
 # about 0.3 TB/s. The kernels here are 5.8× faster than eager PyTorch and save memory. Compiled,
 # the first version was a wash (29 ms of a micro-batch, where inductor's kernels took 27 ms); with
-# the three-kernel backward the prelude takes 14.8 ms. The section above has the measurements.
+# the three-kernel backward the prelude takes about 15 ms. The section above has the measurements.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # %% [markdown]
 # An unknown `--option` gets the closest real one, like an unknown config key does. Under
-# `torchrun`, `main` ends by leaving the process group on every rank together (a barrier, then
-# `destroy_process_group`), so that NCCL does not warn of leaked resources at exit:
+# `torchrun`, `main` ends by leaving the process group it joined on every rank together (a barrier,
+# then `destroy_process_group`), so that NCCL does not warn of leaked resources at exit; a group the
+# caller created is left to the caller:
 
 # %%
 #| export
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.log(f"run folder: {trainer.run_dir.resolve()}")
     trainer.fit()
     trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
-    if trainer.d.distributed:  # every rank finished: leave the process group together (NCCL warns of a leak otherwise)
+    if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()

@@ -86,7 +86,7 @@ fig.tight_layout(); plt.show()
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones. The
 # full table of kernels and host operators is last round's `--profile micro`, in
 # `benchmarks/results/train_step_profile.txt`; recording the host's operators slows the host
-# about twofold, so the waits it shows are upper bounds.
+# about twofold, so the waits it shows are not those of an unprofiled run.
 
 # %%
 prof = next((r for r in steps if "profile_ms_per_micro_batch" in r), None)
@@ -114,38 +114,44 @@ if prof:
 #   about 76.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
 #   benchmark script, this round's code took 6.839 and 6.872 s and the previous round's 6.869 and
 #   6.884 s: about 20 ms, 0.3 %, on this machine. (Those runs predate this round's second change,
-#   the output gate's projection, below.) Earlier rounds: 6.88 s (34.1 %), 6.93 s (33.8 %),
+#   the output gate's projection, below.) Earlier rounds: 6.84–6.88 s (34.1–34.3 %), 6.93 s (33.8 %),
 #   7.57 s (31.0 %), 8.37 s (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the
 #   preset's step (15.9 s eager, five rounds ago).
-# * **This round: the GPU no longer waits on its host.** A profile that records host operators
-#   slows the host, so last round's waits (12 ms per micro-batch on one machine, under 1 ms on
-#   another) could not tell how much was real. Recording only the GPU's activity (`--profile cuda`)
-#   showed that the previous code's GPU waited 4.9 ms per micro-batch in gaps of 10 µs or more,
-#   most of them at the start of a GDN block in the forward. There the host was only just ahead of
-#   the GPU. A Triton launch from Python costs the host 20–32 µs, depending on the machine
-#   (`benchmarks/host_launch.py`; an eager `torch.add` costs 8 µs), and the prelude's forward
-#   operator made three of them. The prelude's operators are now `torch.library.triton_op`s, whose
+# * **This round: the GPU hardly waits on its host any more.** A profile that records host
+#   operators slows the host, and hosts differ between machines, so last round's waits (12 ms per
+#   micro-batch on one machine, under 1 ms on another) could not tell how much was real. Recording
+#   only the GPU's activity (`--profile cuda`) showed that the previous code's GPU waited 4.9 ms per
+#   micro-batch in gaps of 10 µs or more, most of them just before the first kernel of a GDN block
+#   in the forward (`benchmarks/results/host_waits.json`). There the host was only just ahead of
+#   the GPU. A Triton launch from Python cost the host 20.5 µs on one machine and 31.9 µs on
+#   another (`benchmarks/host_launch.py`; an eager `torch.add` costs 8–9 µs), and the prelude's
+#   forward operator made three of them. The prelude's operators are now `torch.library.triton_op`s, whose
 #   kernels inductor launches from its generated code (chapter 14). The waits of 10 µs or more fell
-#   to 1.0 ms, then to 0.5 ms once the benchmark's synthetic batches were made contiguous like the
-#   real loader's (a strided slice had been copied through pageable memory, which made the host wait
-#   for the GPU at every micro-batch). What remains idle is about 5.6 ms of launch latency between
-#   some 3 960 back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the
-#   machine of the paired timings above, whose host launches a Triton kernel in 20 µs, the gain was
-#   small; a slower host gains more.
+#   to 1.0 ms (same machine, one run after the other), and to 0.5 ms (another machine) once the
+#   benchmark's synthetic batches were made contiguous like the real loader's: a strided slice had
+#   been copied through pageable memory, which made the host wait for the GPU at every
+#   micro-batch. What is left of them is mostly one wait of about 0.6 ms at the start of each
+#   micro-batch. The rest of the idle time, about 5.6 ms, is the launch latency between some 3 960
+#   back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the machine of the
+#   paired timings above, whose host launches a Triton kernel in 20.5 µs, the gain was small; a
+#   slower host should gain more (not measured).
 # * **This round, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
 #   compiled backward had built the gradient of the stacked $[g, a, b]$ projection in one kernel that
-#   mixed three elementwise formulas with a concatenation: 137 µs per layer, about four times what
-#   it moves. With $g$ in its own product, a compiled GDN block (forward and backward) went from
-#   4.51 to 4.45 ms, in two alternating pairs in one process (`benchmarks/results/block_step.json`).
+#   mixed three elementwise formulas with a concatenation: about 140 µs per layer
+#   (`train_step_profile.txt`), about four times what it moves. With $g$ in its own product, a
+#   compiled GDN block (forward and backward) went from 4.51 to 4.45 ms, in two alternating pairs
+#   in one process (`benchmarks/results/block_step.json`).
 #   Over 24 GDN blocks that is about 1.5 ms per micro-batch, some 50 ms (0.7 %) per preset step;
 #   **the preset step was not re-timed with this change** (the device time was spent), so the
 #   table's step times do not include it.
 # * **Tried and not kept this round** (measured on the H200):
 #   - $W_1$ and $W_3$ of every SwiGLU as one stacked product: compiled, inductor's kernels around it
-#     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s. Reverted;
+#     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s
+#     (`benchmarks/results/experiments.json`). Reverted;
 #   - inductor's coordinate-descent tuning of its own kernels (`TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1`):
-#     those kernels went from 29.7 to 28.6 ms per micro-batch (measured on another machine), at the
-#     cost of about two minutes more compilation per run. Not adopted.
+#     those kernels took 28.6 ms per micro-batch against 29.7 ms in the profile above, measured on
+#     another machine (`experiments.json`), at the cost of about two minutes more compilation per
+#     run. Not adopted.
 # * **Previous round's gains:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
 #   124.6 → 101.1 ms of GPU time and AdamW 22.9 → 4.4 ms, through list-wide `_foreach` launches
 #   and a row normalisation that reads the update once; the GDN forward keeping every chunk's state
@@ -162,7 +168,7 @@ if prof:
 #   is 7.7 %, the prelude 7.4 %, eager kernels 4 % (mostly adding each micro-batch's gradients into
 #   the accumulated ones: some 300 additions, 2.4 ms), the loss's softmax 2.4 %. A micro-batch of the
 #   accumulated step takes about 210 ms, of which about 6 ms are the launch latency between some
-#   3 960 kernels; the GPU no longer waits on its host.
+#   3 960 kernels; the GPU waits on its host for only about 0.5 ms.
 #   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
 #   now: with the matrix multiplies as they are, everything else would have to fall from about
 #   113 ms (kernels and waits) to about 82 ms.

@@ -39,6 +39,7 @@ class Dist:
     world_size: int = 1  # Number of processes
     local_rank: int = 0  # Rank on this node (picks the GPU)
     device: torch.device = torch.device("cpu")  # This process's device
+    joined: bool = False  # True when `setup_distributed` created the process group (and so should leave it)
 
     @property
     def is_main(self) -> bool: return self.rank == 0
@@ -53,10 +54,10 @@ def setup_distributed() -> Dist:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda": torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    joined = world > 1 and not dist.is_initialized()
+    if joined: dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device)
+    return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device, joined)
 
 # %% ../../nbs/70_trainer.ipynb #214e8b10
 def parallelize(model: HyMo, cfg: TrainingConfig, d: Dist) -> HyMo:
