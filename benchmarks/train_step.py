@@ -10,6 +10,7 @@
     python benchmarks/train_step.py --accum 32               # the preset's global batch on one GPU: 32 micro-batches per step
     python benchmarks/train_step.py --compile                # torch.compile each block
     python benchmarks/train_step.py --loss logits            # the reference loss on full [B, T, V] logits
+    python benchmarks/train_step.py --doc-masking 1024       # packed documents of ~1024 tokens: cu_seqlens for GDN and MLA
     python benchmarks/train_step.py --out results.json       # append the result as JSON
 
 The step is `Trainer.train_step` itself (forward with main + MTP losses, backward, clipping, NorMuon +
@@ -24,10 +25,12 @@ from pathlib import Path
 import torch
 
 from hymo.config import load_config
+from hymo.training.data import doc_cu_seqlens
 from hymo.training.trainer import Trainer, _to_device, peak_flops
 
 PEAK = 989e12
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
+DOC_LEN = 0  # set by --doc-masking: mean document length of the synthetic batches (0: no document boundaries)
 
 
 class SyntheticTrainer(Trainer):
@@ -39,8 +42,10 @@ class SyntheticTrainer(Trainer):
         def batches():
             while True:
                 if MARK_STEPS: torch.compiler.cudagraph_mark_step_begin()  # a new micro-batch: CUDA graphs may reuse buffers
-                x = torch.randint(0, V, (B, T + 1), generator=g)
-                yield x[:, :-1].contiguous(), x[:, 1:].contiguous()  # contiguous, as the real loader's: pinned, then copied without waiting
+                x = torch.randint(1, V, (B, T + 1), generator=g)
+                if DOC_LEN: x[torch.rand(B, T + 1, generator=g) < 1 / DOC_LEN] = 0  # token 0 opens a document
+                tokens, targets = x[:, :-1].contiguous(), x[:, 1:].contiguous()  # contiguous, as the real loader's
+                yield (tokens, targets, doc_cu_seqlens(tokens, 0)) if DOC_LEN else (tokens, targets)
         self.data_dir, self.train_loader, self.val_loader = None, batches(), None
 
 
@@ -125,6 +130,9 @@ def run(args) -> dict:
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
     if args.all_mla: over["mla_every"] = 1
+    if args.doc_masking:
+        global DOC_LEN
+        DOC_LEN = args.doc_masking
     if args.compile_mode:  # an experiment: the trainer compiles each block with torch.compile's default mode
         global MARK_STEPS
         MARK_STEPS = args.compile_mode == "reduce-overhead"
@@ -149,7 +157,7 @@ def run(args) -> dict:
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
     res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
-               + (f" mode={args.compile_mode}" if args.compile_mode else "") + f" accum={args.accum} loss={args.loss}",
+               + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "") + f" accum={args.accum} loss={args.loss}",
                step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
@@ -193,6 +201,8 @@ if __name__ == "__main__":
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--compile-mode", default=None, choices=["reduce-overhead", "max-autotune-no-cudagraphs"],
                    help="experiment: compile the blocks in this torch.compile mode instead of the default")
+    p.add_argument("--doc-masking", type=int, default=0, metavar="MEAN_LEN",
+                   help="synthetic batches of packed documents of about MEAN_LEN tokens, kept apart by cu_seqlens (the loader's doc_masking)")
     p.add_argument("--loss", default="fused", choices=["fused", "logits"], help="HyMo.loss_impl")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)
