@@ -68,6 +68,20 @@ CHILD = textwrap.dedent('''
             outs.append(o_t)
     res["decode"] = {"o": [(torch.cat(outs, 1) - o_ref).abs().max().item(), o_ref.abs().max().item()],
                      "ht": [(S - S_ref).abs().max().item(), S_ref.abs().max().item()]}
+
+    # kernel 1's A = (I + L)^-1 where it is hardest: keys sharing a direction, beta near 1, no decay (|A| grows)
+    gen = torch.Generator().manual_seed(8)
+    k = F.normalize(3 * torch.randn(1, 1, 2, 32, generator=gen) + torch.randn(1, 128, 2, 32, generator=gen), dim=-1)
+    beta, g = 0.5 + 0.5 * torch.rand(1, 128, 2, generator=gen), torch.zeros(1, 128, 2)
+    _, A = gt._prepare(k, g, beta, None, gt._chunk_tables(None, 1, 128))
+    eye = torch.eye(64, dtype=torch.float64)
+    err = []
+    for c in range(2):
+        for h in range(2):
+            kc, bc = k[0, 64 * c:64 * c + 64, h].double(), beta[0, 64 * c:64 * c + 64, h].double()
+            ref = torch.linalg.inv(eye + (bc[:, None] * (kc @ kc.T)).tril(-1))
+            err.append([(A[0, 64 * c:64 * c + 64, h].double() - ref).abs().max().item(), ref.abs().max().item()])
+    res["solve_hard"] = {"A": max(err)}
     print("RESULT" + json.dumps(res))
 ''')
 
@@ -93,6 +107,11 @@ def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
 def test_half_precision_inputs(errors):
     "fp16 inputs (products in fp16, accumulation and state in fp32) stay within fp16 rounding of the fp32 loop."
     _check(errors["fp16"], 1e-2)
+
+
+def test_kernel_1_inverts_ill_conditioned_chunks(errors):
+    "A = (I + L)^-1 of chunks whose keys share a direction (entries of L near beta), against float64, to fp32 rounding."
+    _check(errors["solve_hard"], 1e-5)
 
 
 def test_decoding_continues_a_prefill(errors):

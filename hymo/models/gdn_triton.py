@@ -79,22 +79,18 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # %% ../../nbs/13_gdn_triton.ipynb #c8552a0e
 @triton.jit
 def _solve_unit_lower(b_L, BT: tl.constexpr):
-    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 16x16 diagonal blocks, then merged."
+    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 8x8 diagonal blocks, merged to 16, then to 64."
     tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
-    NB: tl.constexpr = BT // 16
-    o_b = tl.arange(0, NB)
-    o_j = tl.arange(0, 16)
-    m_bd = o_b[:, None, None, None] == o_b[None, None, :, None]                      # same block, [NB, 1, NB, 1]
-    b_Ld = tl.sum(tl.where(m_bd, tl.reshape(b_L, (NB, 16, NB, 16)), 0.), 2)        # diagonal blocks [NB, 16, 16]
-    b_D = tl.zeros([NB, 16, 16], dtype=tl.float32)                                  # D - I, rows >= i still zero
-    for i in range(1, 16):
-        b_l = tl.sum(tl.where(o_j[None, :, None] == i, b_Ld, 0.), 1)               # row i of every block [NB, 16]
-        b_a = -b_l - tl.sum(b_l[:, :, None] * b_D, 1)
-        b_D = tl.where(o_j[None, :, None] == i, b_a[:, None, :], b_D)
-    b_D += (o_j[:, None] == o_j[None, :]).to(tl.float32)[None, :, :]
-    b_D = tl.reshape(tl.where(m_bd, b_D[:, :, None, :], 0.), (BT, BT))             # block diagonal [BT, BT]
     o_i = tl.arange(0, BT)
-    b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
+    b8, b16 = o_i // 8, o_i // 16
+    b_M = tl.where(b8[:, None] == b8[None, :], -b_L, 0.)                             # M = -L_8: M^8 = 0
+    b_D = b_M + (o_i[:, None] == o_i[None, :]).to(tl.float32)                       # I + M
+    for _ in tl.static_range(2):                                                     # D = (I + M)(I + M^2)(I + M^4)
+        b_M = tl.dot(b_M, b_M, input_precision="tf32x3")
+        b_D += tl.dot(b_D, b_M, input_precision="tf32x3")
+    b_N = tl.dot(b_D, tl.where((b16[:, None] == b16[None, :]) & (b8[:, None] > b8[None, :]), b_L, 0.), input_precision="tf32x3")
+    b_D -= tl.dot(b_N, b_D, input_precision="tf32x3")                                # (I - N) D, N^2 = 0 inside a 16x16 block
+    b_N = tl.dot(b_D, tl.where(b16[:, None] > b16[None, :], b_L, 0.))                # N = D L_off
     b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
     return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
 
