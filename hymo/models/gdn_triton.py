@@ -78,19 +78,24 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 
 # %% ../../nbs/13_gdn_triton.ipynb #c8552a0e
 @triton.jit
+def _merge_blocks(b_D, b_L, o_i, S: tl.constexpr):
+    "(I + L_2S)^-1 from D = (I + L_S)^-1, L_S being L's S x S diagonal blocks: (I - N) D, N = D L' (N^2 = 0)."
+    m = ((o_i[:, None] // (2 * S)) == (o_i[None, :] // (2 * S))) & ((o_i[:, None] // S) > (o_i[None, :] // S))
+    b_N = tl.dot(b_D, tl.where(m, b_L, 0.))                                          # L': lower-left S x S quarters
+    return b_D - tl.dot(b_N, b_D)
+
+
+@triton.jit
 def _solve_unit_lower(b_L, BT: tl.constexpr):
-    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 8x8 diagonal blocks, merged to 16, then to 64."
-    tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
+    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 4x4 diagonal blocks, merged to 8, 16, 64."
+    tl.static_assert(BT == 64, "the last merge (I - N)(I + N^2) assumes four 16x16 blocks")
     o_i = tl.arange(0, BT)
-    b8, b16 = o_i // 8, o_i // 16
-    b_M = tl.where(b8[:, None] == b8[None, :], -b_L, 0.)                             # M = -L_8: M^8 = 0
+    b_M = tl.where((o_i[:, None] // 4) == (o_i[None, :] // 4), -b_L, 0.)            # M = -L_4: M^4 = 0
     b_D = b_M + (o_i[:, None] == o_i[None, :]).to(tl.float32)                       # I + M
-    for _ in tl.static_range(2):                                                     # D = (I + M)(I + M^2)(I + M^4)
-        b_M = tl.dot(b_M, b_M, input_precision="tf32x3")
-        b_D += tl.dot(b_D, b_M, input_precision="tf32x3")
-    b_N = tl.dot(b_D, tl.where((b16[:, None] == b16[None, :]) & (b8[:, None] > b8[None, :]), b_L, 0.), input_precision="tf32x3")
-    b_D -= tl.dot(b_N, b_D, input_precision="tf32x3")                                # (I - N) D, N^2 = 0 inside a 16x16 block
-    b_N = tl.dot(b_D, tl.where(b16[:, None] > b16[None, :], b_L, 0.))                # N = D L_off
+    b_D += tl.dot(b_D, tl.dot(b_M, b_M))                                             # (I + M)(I + M^2)
+    b_D = _merge_blocks(b_D, b_L, o_i, 4)                                            # 8 x 8 blocks
+    b_D = _merge_blocks(b_D, b_L, o_i, 8)                                            # 16 x 16 blocks
+    b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
     b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
     return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
 
