@@ -3,6 +3,7 @@
 The kernels run in a fresh process (`_interpret.run_child` says why). The child runs every case once
 and prints the largest absolute error of each output and gradient as JSON; the tests below judge them.
 """
+import json
 import textwrap
 
 import pytest
@@ -141,3 +142,20 @@ def test_operators_pass_opcheck(errors):
     "torch.library.opcheck on `hymo::gdn_chunk_fwd` (and through its autograd, `gdn_chunk_bwd`), keeping gc and A or not."
     for kp, checks in errors["opcheck"].items():
         assert checks and all(v == "SUCCESS" for v in checks.values()), (kp, checks)
+
+
+def test_kernel_1_compiles_for_the_h200_without_spilling(tmp_path):
+    """benchmarks/gdn_registers.py compiles the kernels for sm_90 here, without a GPU, and reads ptxas's report.
+    Kernel 1's solve is all tensor-core products in tf32; in tf32x3 (doubling on 8x8 blocks) it spilled."""
+    import os, subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(root / "benchmarks" / "gdn_registers.py"), "--out", str(tmp_path / "r.json")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (table,) = json.loads((tmp_path / "r.json").read_text()).values()
+    k = table["kernels"]
+    assert set(k) == {"prep (gates, A)", "state pass + o, saving S_0", "dS pass (S_0 kept)", "local grads"}
+    assert all(0 < r["registers"] <= 255 for r in k.values())
+    assert k["prep (gates, A)"]["spill_store_bytes"] == 0, k["prep (gates, A)"]
