@@ -199,56 +199,38 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # substitution, $A_i = e_i - \sum_{j<i} L_{ij} A_j$. But a register tile cannot be indexed by a
 # run-time row number: each of the 63 steps must pick its row out with a masked sum across the whole
 # $64\times64$ tile, and those cross-warp reductions made a first version of this kernel take 2.3 ms
-# at HyMo's shape (measured; the whole forward budget is 0.6 ms). So the solve is blocked, and
-# every step of it is a $64\times64$ product on the tensor cores:
+# at HyMo's shape (measured; the whole forward budget is 0.6 ms). So the solve is blocked:
 #
-# 1. **Diagonal $4\times4$ blocks by doubling.** Let $M = -L_4$, the $4\times4$ block diagonal of
-#    $-L$. It is strictly lower inside each block, so $M^4 = 0$ and
-#    $D_4 = (I + L_4)^{-1} = I + M + M^2 + M^3 = (I + M)(I + M^2)$: two products.
-# 2. **Merge to $8\times8$, then to $16\times16$.** Inside a diagonal block of size $2S$,
-#    $I + L_{2S} = (I + L_S)(I + N_1)$ with $N_1 = D_S L'$, where $L'$ holds the lower-left
-#    $S\times S$ quarter of each $2S\times2S$ block. $N_1$ is strictly block lower with two blocks,
-#    so $N_1^2 = 0$ and $D_{2S} = (I - N_1) D_S$: two products per merge.
-# 3. **Merge to $64\times64$.** $I + L = (I + L_{16})(I + N)$ with $N = D_{16} L_\text{off}$,
-#    $L_\text{off}$ being $L$ outside the $16\times16$ diagonal blocks. $N$ is strictly block lower
-#    with four blocks, so $N^4 = 0$ and $(I+N)^{-1} = I - N + N^2 - N^3 = (I - N)(I + N^2)$:
-#    $$A = (I - N)(I + N^2)\,D_{16} = X - N X, \qquad X = D_{16} + N^2 D_{16}.$$
+# 1. Cut $L$ into $16\times16$ blocks; $L_\text{bd}$ is its block diagonal, $L_\text{off}$ the rest.
+#    Forward substitution on the four diagonal blocks *at once* (a `[4, 16, 16]` tile, 15 steps on
+#    small rows) gives $D = (I + L_\text{bd})^{-1}$, in fp32.
+# 2. $I + L = (I + L_\text{bd})(I + N)$ with $N = D L_\text{off}$, strictly *block* lower, so
+#    $N^4 = 0$ and $(I+N)^{-1} = I - N + N^2 - N^3 = (I - N)(I + N^2)$:
+#    $$A = (I - N)(I + N^2)\,D = X - N X, \qquad X = D + N^2 D,$$
+#    four $64\times64$ products on the tensor cores.
 #
-# Why double only on $4\times4$ blocks, when doubling on $16\times16$ blocks,
-# $(I+M)(I+M^2)(I+M^4)(I+M^8)$, would need no merges below 64? Powers of $M$ grow before they
-# cancel. When a chunk's keys share a direction, $L$'s entries come close to $\beta$, and
-# $(M^8)_{ij}$ reaches about $\binom{14}{7}\,0.9^8 \approx 1500$ on a $16\times16$ block. The
-# products run in tf32 (10 mantissa bits), and summing terms that large into entries of size 1
-# leaves an error near 0.1. Merges multiply matrices of moderate size, and the $4\times4$ version's
-# error stays below the rounding of A's bf16 storage. `tf32x3` products (three
-# tf32 products that carry fp32's precision) would rescue doubling on larger blocks, but they
-# need more registers than a program has: the kernel spilled. The cell after the kernel measures
-# these choices, and the tests check the kernel on such chunks against float64.
-#
-# The blocks are masks of the index tile (`o_i // 8`, `o_i // 16`). Products of block-diagonal
-# matrices waste most of their multiplies, but a $64\times64$ tensor-core product costs less than
-# any reduction across warps.
+# `tl.reshape` moves between the `[64, 64]` and `[4, 16, 4, 16]` views of a tile (row-major, so
+# element `[b, i, c, j]` is `[16b + i, 16c + j]`).
 
 # %%
 #| export
 @triton.jit
-def _merge_blocks(b_D, b_L, o_i, S: tl.constexpr):
-    "(I + L_2S)^-1 from D = (I + L_S)^-1, L_S being L's S x S diagonal blocks: (I - N) D, N = D L' (N^2 = 0)."
-    m = ((o_i[:, None] // (2 * S)) == (o_i[None, :] // (2 * S))) & ((o_i[:, None] // S) > (o_i[None, :] // S))
-    b_N = tl.dot(b_D, tl.where(m, b_L, 0.))                                          # L': lower-left S x S quarters
-    return b_D - tl.dot(b_N, b_D)
-
-
-@triton.jit
 def _solve_unit_lower(b_L, BT: tl.constexpr):
-    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 4x4 diagonal blocks, merged to 8, 16, 64."
-    tl.static_assert(BT == 64, "the last merge (I - N)(I + N^2) assumes four 16x16 blocks")
+    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 16x16 diagonal blocks, then merged."
+    tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
+    NB: tl.constexpr = BT // 16
+    o_b = tl.arange(0, NB)
+    o_j = tl.arange(0, 16)
+    m_bd = o_b[:, None, None, None] == o_b[None, None, :, None]                      # same block, [NB, 1, NB, 1]
+    b_Ld = tl.sum(tl.where(m_bd, tl.reshape(b_L, (NB, 16, NB, 16)), 0.), 2)        # diagonal blocks [NB, 16, 16]
+    b_D = tl.zeros([NB, 16, 16], dtype=tl.float32)                                  # D - I, rows >= i still zero
+    for i in range(1, 16):
+        b_l = tl.sum(tl.where(o_j[None, :, None] == i, b_Ld, 0.), 1)               # row i of every block [NB, 16]
+        b_a = -b_l - tl.sum(b_l[:, :, None] * b_D, 1)
+        b_D = tl.where(o_j[None, :, None] == i, b_a[:, None, :], b_D)
+    b_D += (o_j[:, None] == o_j[None, :]).to(tl.float32)[None, :, :]
+    b_D = tl.reshape(tl.where(m_bd, b_D[:, :, None, :], 0.), (BT, BT))             # block diagonal [BT, BT]
     o_i = tl.arange(0, BT)
-    b_M = tl.where((o_i[:, None] // 4) == (o_i[None, :] // 4), -b_L, 0.)            # M = -L_4: M^4 = 0
-    b_D = b_M + (o_i[:, None] == o_i[None, :]).to(tl.float32)                       # I + M
-    b_D += tl.dot(b_D, tl.dot(b_M, b_M))                                             # (I + M)(I + M^2)
-    b_D = _merge_blocks(b_D, b_L, o_i, 4)                                            # 8 x 8 blocks
-    b_D = _merge_blocks(b_D, b_L, o_i, 8)                                            # 16 x 16 blocks
     b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
     b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
     return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
@@ -329,50 +311,6 @@ L = (beta[0, :64, 0, None] * (k[0, :64, 0] @ k[0, :64, 0].T) * (G[:, None] - G[N
 eye = torch.eye(64, device=DEV)
 assert_close(A[0, :64, 0], torch.linalg.solve_triangular(eye + L, eye, upper=False), rtol=0, atol=5e-3)
 assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the 6-token tail chunk restarts its sum
-
-
-# %% [markdown]
-# The block size and the precision of the doubling, checked in PyTorch on one hard chunk (keys
-# sharing a direction, $\beta \in (0.5, 1)$, no decay). `tf32` rounds a float32 to the 10-bit mantissa
-# the tensor cores multiply in plain tf32; `tf32x3` splits each factor into a tf32 head and tail and
-# keeps three of the four products, as Triton's `input_precision="tf32x3"` does:
-
-# %%
-def tf32(x):
-    "Round float32 to tf32 (10 mantissa bits, to nearest)."
-    return ((x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
-
-
-def mm(a, b, prec):
-    if prec == "fp32": return a @ b
-    ah, bh = tf32(a), tf32(b)
-    return ah @ bh if prec == "tf32" else ah @ bh + ah @ tf32(b - bh) + tf32(a - ah) @ bh
-
-
-def diagonal_inverse(L, block, prec):
-    """D = (I + L_16)^-1, L_16 the 16x16 diagonal blocks of L: by doubling on `block` x `block` blocks,
-    (I + M)(I + M^2)(I + M^4)... with M = -L_block, then merged (step 2) up to 16 x 16."""
-    i = torch.arange(L.shape[-1])
-    M = torch.where((i[:, None] // block) == (i[None, :] // block), -L, 0.)
-    D = torch.eye(L.shape[-1]) + M
-    for _ in range(block.bit_length() - 2):
-        M = mm(M, M, prec)
-        D = D + mm(D, M, prec)
-    while block < 16:
-        N1 = mm(D, torch.where(((i[:, None] // (2 * block)) == (i[None, :] // (2 * block))) & ((i[:, None] // block) > (i[None, :] // block)), L, 0.), prec)
-        D, block = D - mm(N1, D, prec), 2 * block
-    return D
-
-
-gen = torch.Generator().manual_seed(8)
-kh = F.normalize(3 * torch.randn(1, 32, generator=gen) + torch.randn(64, 32, generator=gen), dim=-1)
-Lh = ((0.5 + 0.5 * torch.rand(64, 1, generator=gen)) * (kh @ kh.T)).tril(-1)
-i16 = torch.arange(64) // 16
-exact = torch.linalg.inv(torch.eye(64, dtype=torch.float64) + torch.where(i16[:, None] == i16[None, :], Lh, 0.).double())
-err = {(b, p): (diagonal_inverse(Lh, b, p).double() - exact).abs().max().item() for b in (16, 8, 4) for p in ("fp32", "tf32", "tf32x3")}
-print("max |error| of D, the 16x16 diagonal blocks' inverse (|D| <= %.2f); for scale, bf16 rounds 1.0 to within 4e-3:" % exact.abs().max().item())
-for (b, p), e in err.items(): print(f"  doubling on {b:2d}x{b:<2d} blocks{', then merges' if b < 16 else '             '}, {p:6s}: {e:.1e}")
-assert err[(4, "tf32")] < min(err[(16, "tf32")] / 30, 2e-3) and err[(16, "tf32")] > 100 * err[(16, "tf32x3")] and err[(4, "fp32")] < 2e-6
 
 
 # %% [markdown]
@@ -619,10 +557,8 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_kb = (b_k * (b_beta * b_eg)[:, None]).to(DT)                    # diag(beta e^G) K
     b_AT = tl.trans(b_A)
     b_wD = tl.dot(b_A, b_kb).to(DT)                                   # W
-    b_P = tl.dot(b_q, tl.trans(b_k)) * b_G * scale                    # P
-    b_PT = tl.trans(b_P.to(DT))
+    b_PT = tl.trans((tl.dot(b_q, tl.trans(b_k)) * b_G * scale).to(DT))   # P^T, P = scale (Q K^T * Gamma)
     b_kd = (b_k * b_e[:, None]).to(DT)                                # Kbar
-    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                          # K K^T * Gamma
     b_dw = tl.zeros([BT, K], dtype=tl.float32)
     b_dqg = tl.zeros([BT, K], dtype=tl.float32)
     b_dkd = tl.zeros([BT, K], dtype=tl.float32)
@@ -653,7 +589,7 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
         p_dv, m_dv = _tile(dv + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
         tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_dv)
     b_dgl = tl.sum(tl.sum(b_dhh, 1), 0) * tl.exp(b_gl)               # G_C from e^{G_C} S_0
-    # load K and Q again rather than keep K-wide tiles in shared memory across the loop (wide heads)
+    # load K and Q again, and recompute Gamma, P and K K^T * Gamma below, rather than hold them across the loop
     p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
     p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
     b_k = tl.load(p_k, mask=m_k, other=0.)
@@ -668,6 +604,8 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_dG = tl.sum(b_dkb * b_kb, 1)
     # A = (I + L)^-1, L = strict_tril(diag(beta) K K^T * Gamma)
     b_dL = tl.where(m_L, -tl.dot(tl.dot(b_AT, b_dA.to(DT)).to(DT), b_AT), 0.)
+    b_G = _decay_tril(b_g, m_s, BT)                                   # Gamma
+    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                          # K K^T * Gamma
     b_dbeta += tl.sum(b_dL * b_kkG, 1)
     b_dLL = b_dL * b_kkG * b_beta[:, None]                            # dL * L
     b_dG += tl.sum(b_dLL, 1) - tl.sum(b_dLL, 0)
@@ -675,7 +613,7 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_dk += tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
     # P = scale (Q K^T * Gamma)
     b_dP = tl.where(m_s, b_dP, 0.)
-    b_dPP = b_dP * b_P
+    b_dPP = b_dP * (tl.dot(b_q, tl.trans(b_k)) * b_G * scale)        # dP * P
     b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
     b_dqk = (b_dP * b_G * scale).to(DT)
     b_dq = tl.dot(b_dqk, b_k) + b_dqg * (b_eg * scale)[:, None]      # ... + from Qbar
@@ -1118,6 +1056,16 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # blocks from a small fp32 scratch in global memory instead of picking it out of the tile (one
 # masked reduction fewer per step, as flash-linear-attention's solver does) was slower here:
 # 0.41 ms, the store, barrier and reloads costing more than the reduction they replace.
+#
+# Also tried, and slower: no serial steps at all. For $M = -L_4$, the $4\times4$ block diagonal of
+# $-L$, $M^4 = 0$, so $(I + L_4)^{-1} = (I + M)(I + M^2)$; two merges like step 2 (with $N^2 = 0$)
+# take that to the $16\times16$ blocks, ten $64\times64$ tensor-core products in all. It measured
+# 0.253 ms against 0.240 ms (H200, same process), so the 15 row steps are not what this kernel
+# waits on. Doubling straight on $16\times16$ blocks, $(I+M)(I+M^2)(I+M^4)(I+M^8)$, needs fewer
+# products but is not accurate in tf32: when a chunk's keys share a direction, $(M^8)_{ij}$ reaches
+# about $\binom{14}{7}\,0.9^8 \approx 1500$, and summing such terms into entries of size 1 left an
+# error near 0.1 (emulated on CPU). The test `test_kernel_1_inverts_ill_conditioned_chunks` checks
+# this kernel on such chunks against float64.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -191,11 +191,18 @@ class HyMo(nn.Module):
         "Raise `ValueError` for token tensors the model cannot take."
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
             raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}: "
-                             "crop the input or raise max_seq_len")
-        if cu_seqlens is not None and tokens.shape[0] != 1:
+        L = self.config.max_seq_len
+        if cu_seqlens is None:
+            if tokens.shape[1] > L:
+                raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={L}: crop the input or raise max_seq_len")
+            return
+        if tokens.shape[0] != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
+        # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
+        # Lengths on a GPU are not read back (that would wait for the GPU); the trainer's loader cuts documents at seq_len.
+        if cu_seqlens.device.type == "cpu" and len(cu_seqlens) > 1 and int(cu_seqlens.diff().max()) > L:
+            raise ValueError(f"a packed document has {int(cu_seqlens.diff().max())} tokens > max_seq_len={L}: "
+                             "split long documents or raise max_seq_len")
 
     @torch.no_grad()
     def init_weights(self):
@@ -345,6 +352,20 @@ model.loss_impl = "fused"
 test_fail(lambda: model(tokens.float()), contains="integer ids of shape [B, T]")
 test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long)), contains="max_seq_len")
 test_fail(lambda: model(tokens, cu_seqlens=torch.tensor([0, 32, 64])), contains="must be [1, T]")
+long_doc = torch.tensor([0, 5, tiny.max_seq_len + 6])
+test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), cu_seqlens=long_doc), contains="split long documents")
+
+# %% [markdown]
+# With `cu_seqlens` the positions restart at every document, so a packed row may be longer than
+# `max_seq_len` as long as each document fits. The trainer packs a micro-batch of $B$ windows of
+# $T$ tokens into one row of $BT$ (a window always starts a document), which is how
+# `doc_masking=true` trains:
+
+# %%
+rows = torch.randint(0, tiny.vocab_size, (3, tiny.max_seq_len))
+with torch.no_grad():
+    packed = model(rows.reshape(1, -1), cu_seqlens=torch.arange(4) * tiny.max_seq_len)
+    assert_close(packed.reshape(rows.shape + packed.shape[-1:]), model(rows), atol=1e-4, rtol=1e-4)
 
 # %% [markdown]
 # **Causality.** Changing token $t$ must never change a logit before $t$: that holds for every

@@ -1,6 +1,7 @@
 """The trainer and `python -m hymo.train`: the default command end to end, FSDP-2 on two CPU processes,
 exact kill-and-resume, crash-safe checkpoints, skipped non-finite steps, and CLI errors."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -70,6 +71,14 @@ def test_loss_falls(tmp_path):
     t = make(tmp_path / "a", max_steps=25, warmup_steps=3)
     m = t.fit()
     assert sum(losses(m)[-5:]) / 5 < sum(losses(m)[:5]) / 5 - 0.5
+
+
+def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):
+    "doc_masking packs a micro-batch of 16 windows of 32 tokens into one row of 512 > max_seq_len=256: it must still train."
+    t = make(tmp_path / "run", doc_masking=True, micro_batch_size=16, global_batch_size=16, max_steps=3, warmup_steps=1)
+    assert t.cfg.micro_batch_size * t.cfg.seq_len > t.model.config.max_seq_len
+    metrics = t.fit()
+    assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
 
 
 def test_kill_and_resume_equals_straight_run(tmp_path):

@@ -78,23 +78,22 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 
 # %% ../../nbs/13_gdn_triton.ipynb #c8552a0e
 @triton.jit
-def _merge_blocks(b_D, b_L, o_i, S: tl.constexpr):
-    "(I + L_2S)^-1 from D = (I + L_S)^-1, L_S being L's S x S diagonal blocks: (I - N) D, N = D L' (N^2 = 0)."
-    m = ((o_i[:, None] // (2 * S)) == (o_i[None, :] // (2 * S))) & ((o_i[:, None] // S) > (o_i[None, :] // S))
-    b_N = tl.dot(b_D, tl.where(m, b_L, 0.))                                          # L': lower-left S x S quarters
-    return b_D - tl.dot(b_N, b_D)
-
-
-@triton.jit
 def _solve_unit_lower(b_L, BT: tl.constexpr):
-    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 4x4 diagonal blocks, merged to 8, 16, 64."
-    tl.static_assert(BT == 64, "the last merge (I - N)(I + N^2) assumes four 16x16 blocks")
+    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 16x16 diagonal blocks, then merged."
+    tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
+    NB: tl.constexpr = BT // 16
+    o_b = tl.arange(0, NB)
+    o_j = tl.arange(0, 16)
+    m_bd = o_b[:, None, None, None] == o_b[None, None, :, None]                      # same block, [NB, 1, NB, 1]
+    b_Ld = tl.sum(tl.where(m_bd, tl.reshape(b_L, (NB, 16, NB, 16)), 0.), 2)        # diagonal blocks [NB, 16, 16]
+    b_D = tl.zeros([NB, 16, 16], dtype=tl.float32)                                  # D - I, rows >= i still zero
+    for i in range(1, 16):
+        b_l = tl.sum(tl.where(o_j[None, :, None] == i, b_Ld, 0.), 1)               # row i of every block [NB, 16]
+        b_a = -b_l - tl.sum(b_l[:, :, None] * b_D, 1)
+        b_D = tl.where(o_j[None, :, None] == i, b_a[:, None, :], b_D)
+    b_D += (o_j[:, None] == o_j[None, :]).to(tl.float32)[None, :, :]
+    b_D = tl.reshape(tl.where(m_bd, b_D[:, :, None, :], 0.), (BT, BT))             # block diagonal [BT, BT]
     o_i = tl.arange(0, BT)
-    b_M = tl.where((o_i[:, None] // 4) == (o_i[None, :] // 4), -b_L, 0.)            # M = -L_4: M^4 = 0
-    b_D = b_M + (o_i[:, None] == o_i[None, :]).to(tl.float32)                       # I + M
-    b_D += tl.dot(b_D, tl.dot(b_M, b_M))                                             # (I + M)(I + M^2)
-    b_D = _merge_blocks(b_D, b_L, o_i, 4)                                            # 8 x 8 blocks
-    b_D = _merge_blocks(b_D, b_L, o_i, 8)                                            # 16 x 16 blocks
     b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
     b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
     return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
@@ -323,10 +322,8 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_kb = (b_k * (b_beta * b_eg)[:, None]).to(DT)                    # diag(beta e^G) K
     b_AT = tl.trans(b_A)
     b_wD = tl.dot(b_A, b_kb).to(DT)                                   # W
-    b_P = tl.dot(b_q, tl.trans(b_k)) * b_G * scale                    # P
-    b_PT = tl.trans(b_P.to(DT))
+    b_PT = tl.trans((tl.dot(b_q, tl.trans(b_k)) * b_G * scale).to(DT))   # P^T, P = scale (Q K^T * Gamma)
     b_kd = (b_k * b_e[:, None]).to(DT)                                # Kbar
-    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                          # K K^T * Gamma
     b_dw = tl.zeros([BT, K], dtype=tl.float32)
     b_dqg = tl.zeros([BT, K], dtype=tl.float32)
     b_dkd = tl.zeros([BT, K], dtype=tl.float32)
@@ -357,7 +354,7 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
         p_dv, m_dv = _tile(dv + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
         tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_dv)
     b_dgl = tl.sum(tl.sum(b_dhh, 1), 0) * tl.exp(b_gl)               # G_C from e^{G_C} S_0
-    # load K and Q again rather than keep K-wide tiles in shared memory across the loop (wide heads)
+    # load K and Q again, and recompute Gamma, P and K K^T * Gamma below, rather than hold them across the loop
     p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
     p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
     b_k = tl.load(p_k, mask=m_k, other=0.)
@@ -372,6 +369,8 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_dG = tl.sum(b_dkb * b_kb, 1)
     # A = (I + L)^-1, L = strict_tril(diag(beta) K K^T * Gamma)
     b_dL = tl.where(m_L, -tl.dot(tl.dot(b_AT, b_dA.to(DT)).to(DT), b_AT), 0.)
+    b_G = _decay_tril(b_g, m_s, BT)                                   # Gamma
+    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                          # K K^T * Gamma
     b_dbeta += tl.sum(b_dL * b_kkG, 1)
     b_dLL = b_dL * b_kkG * b_beta[:, None]                            # dL * L
     b_dG += tl.sum(b_dLL, 1) - tl.sum(b_dLL, 0)
@@ -379,7 +378,7 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_dk += tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
     # P = scale (Q K^T * Gamma)
     b_dP = tl.where(m_s, b_dP, 0.)
-    b_dPP = b_dP * b_P
+    b_dPP = b_dP * (tl.dot(b_q, tl.trans(b_k)) * b_G * scale)        # dP * P
     b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
     b_dqk = (b_dP * b_G * scale).to(DT)
     b_dq = tl.dot(b_dqk, b_k) + b_dqg * (b_eg * scale)[:, None]      # ... + from Qbar

@@ -77,11 +77,18 @@ class HyMo(nn.Module):
         "Raise `ValueError` for token tensors the model cannot take."
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
             raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={self.config.max_seq_len}: "
-                             "crop the input or raise max_seq_len")
-        if cu_seqlens is not None and tokens.shape[0] != 1:
+        L = self.config.max_seq_len
+        if cu_seqlens is None:
+            if tokens.shape[1] > L:
+                raise ValueError(f"sequence length {tokens.shape[1]} > max_seq_len={L}: crop the input or raise max_seq_len")
+            return
+        if tokens.shape[0] != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
+        # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
+        # Lengths on a GPU are not read back (that would wait for the GPU); the trainer's loader cuts documents at seq_len.
+        if cu_seqlens.device.type == "cpu" and len(cu_seqlens) > 1 and int(cu_seqlens.diff().max()) > L:
+            raise ValueError(f"a packed document has {int(cu_seqlens.diff().max())} tokens > max_seq_len={L}: "
+                             "split long documents or raise max_seq_len")
 
     @torch.no_grad()
     def init_weights(self):
