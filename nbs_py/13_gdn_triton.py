@@ -1097,6 +1097,24 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # :::
 #
 # ::: {.callout-tip collapse="true"}
+# ## Why does the local-gradient kernel compute $\Gamma$, $P$ and $KK^\top\odot\Gamma$ twice?
+# To fit in registers. A thread has at most 255, and at 4 warps a $64\times64$ fp32 tile takes 32
+# of each thread's. The kernel holds several such tiles at once: the accumulators $dP$ and $dA$,
+# $A$, and until this round $\Gamma$, $P$ and $KK^\top\odot\Gamma$, kept from before the value loop
+# to the end. What does not fit is spilled to local memory. You can see this without a GPU:
+# `benchmarks/gdn_registers.py` compiles the kernels for the H200 (compute capability 9.0) and
+# reads `ptxas -v`, which reports 255 registers and 1 076 bytes spilled per thread for the old
+# kernel under Triton 3.9 (1 096 under 3.6). Computing each of the three tiles where it is used,
+# after the loop (two $64\times32\times64$ products and 4 096 exponentials more per chunk), left
+# 476 bytes, and the kernel went from 0.489 to 0.459 ms at HyMo's shape on the H200, with
+# gradients equal bit for bit. Fewer spills is not always faster, though. Reordering the tail so
+# that $dq$ and $dk$ start from $\bar Q$ and $\bar K$ spilled less (232 bytes) but ran at 0.463 ms,
+# and the state passes without their register prefetch of the next chunk spill a tenth as much
+# yet take 0.216 against 0.195 ms: the prefetch hides the loads' latency, which costs more than
+# the spills (`benchmarks/results/experiments.json`).
+# :::
+#
+# ::: {.callout-tip collapse="true"}
 # ## Why pad head sizes, and why is zero padding exact?
 # `tl.arange` and block shapes must be powers of two, and `tl.dot` needs sides of at least 16 (the
 # autotuner has nothing to do with it, whatever the design notes say). The wrapper pads $K$ and $V$

@@ -12,10 +12,11 @@
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
 # python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
-# python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents (not yet measured on the H200)
+# python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
+# python benchmarks/gdn_registers.py                             # registers and spills of the GDN kernels (no GPU needed)
 # python benchmarks/optim_step.py                                # NorMuon and AdamW alone, on random gradients
 # python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
 # ```
@@ -62,7 +63,8 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 # %%
 def when(code):
     return {"previous": " (previous round)", "two": " (two rounds ago)", "three": " (three rounds ago)",
-            "four": " (four rounds ago)", "five": " (five rounds ago)", "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
+            "four": " (four rounds ago)", "five": " (five rounds ago)", "six": " (six rounds ago)",
+            "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -84,10 +86,11 @@ fig.tight_layout(); plt.show()
 # summed by kind, and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs
 # are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
 # host). This round's profile records only the GPU's activity (`--profile cuda`), which leaves the
-# host nearly as fast as in an unprofiled run, so its waits are close to the real ones. The
-# full table of kernels and host operators is last round's `--profile micro`, in
-# `benchmarks/results/train_step_profile.txt`; recording the host's operators slows the host
-# about twofold, so the waits it shows are not those of an unprofiled run.
+# host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
+# of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
+# operators too, two rounds old, is `train_step_profile.txt` (`--profile micro`); recording the
+# host's operators slows the host about twofold, so the waits it shows are not those of an
+# unprofiled run.
 
 # %%
 prof = next((r for r in steps if "profile_ms_per_micro_batch" in r), None)
@@ -107,19 +110,48 @@ if prof:
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
-#   four rounds ago). The GDN forward keeps its triangular inverses $A$ (two rounds ago, +2 GB) and,
-#   since the previous round, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
-#   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (five rounds
+#   five rounds ago). The GDN forward keeps its triangular inverses $A$ (three rounds ago, +2 GB) and,
+#   since two rounds ago, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
+#   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (six rounds
 #   ago).
-# * **MFU: 34.1–34.3 % at the preset's step (32 micro-batches per optimiser step, 6.84–6.87 s,
-#   about 76.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
-#   benchmark script, this round's code took 6.839 and 6.872 s and the previous round's 6.869 and
-#   6.884 s: about 20 ms, 0.3 %, on this machine. (Those runs predate this round's second change,
-#   the output gate's projection, below.) Earlier rounds: 6.84–6.88 s (34.1–34.3 %), 6.93 s (33.8 %),
-#   7.57 s (31.0 %), 8.37 s (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the
-#   preset's step (15.9 s eager, five rounds ago).
-# * **This round: the GPU hardly waits on its host any more.** A profile that records host
-#   operators slows the host, and hosts differ between machines, so last round's waits (12 ms per
+# * **MFU: 35.0–35.1 % at the preset's step (32 micro-batches per optimiser step, 6.675–6.691 s,
+#   about 78.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
+#   script, the previous round's final code (731eef1) took 6.676 and 6.680 s: this round's kernel
+#   change (below; about 0.3 % expected) is below what two pairs of runs resolve. This round's
+#   machines were faster than last round's: the previous round's code measured 6.84–6.88 s then
+#   and 6.68–6.73 s now, so step times of different rounds differ by about 2 % from the machine
+#   alone. Earlier rounds: 6.84–6.88 s (34.1–34.3 %), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
+#   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
+#   six rounds ago).
+# * **This round: the GDN local-gradient kernel spills less** (chapter 13).
+#   `benchmarks/gdn_registers.py` (new) compiles the GDN kernels for the H200 on any machine and
+#   reads `ptxas -v`: all but kernel 1 use the 255 registers a thread has and spill to local memory,
+#   the local-gradient kernel most (1 076 bytes per thread). Recomputing $\Gamma$, $P$ and
+#   $KK^\top\odot\Gamma$ where they are used, instead of holding them across the value loop, halved
+#   that, and the kernel went from 0.489 to 0.459 ms per layer (bit-identical gradients), about
+#   0.7 ms per micro-batch. Profiled with the previous round's output-gate change (which that
+#   round's profile predates), a micro-batch's kernels fell: inductor's from 29.7 to 26.3 ms and
+#   the GDN rule's from 28.7 to 27.7 ms. But its GPU sat
+#   idle 10.5 ms against 6.1 ms in the previous round's profile, 2.2 ms of it in gaps of 100 µs or
+#   more, so the kernels' gain went into waiting for the host, and the step did not move.
+#   Launching fewer kernels, or launching them from CUDA graphs, is what can turn it into time.
+# * **This round, too: `doc_masking=true` trains again.** The trainer packs a micro-batch of $B$
+#   windows into one row of $BT$ tokens with document boundaries, and the model refused any row
+#   longer than `max_seq_len`, so the first step failed on every preset (`python -m hymo.train
+#   doc_masking=true` included). Positions restart at every document, so the model now checks the
+#   documents, not the row (chapter 41; a trainer test packs 512 tokens past a `max_seq_len` of 256).
+# * **Tried this round and not kept** (H200, `benchmarks/results/experiments.json`):
+#   - kernel 1's solve with no serial steps, by doubling on $4\times4$ blocks and merging: ten
+#     tensor-core products, 0.253 ms against 0.240 ms for the row-by-row solve of the
+#     $16\times16$ blocks (chapter 13 says why the doubling must start from blocks that small);
+#   - the sequential passes without their register prefetch of the next chunk: a tenth of the
+#     spills, but 0.216 against 0.195 ms (state pass) and 0.205 against 0.194 ms ($dS$ pass);
+#   - further reorderings of the local-gradient kernel: 232 bytes of spills but 0.463 ms, and
+#     0.522 ms;
+#   - the prelude's backward keeping its $du$ in bf16: inconclusive, the standalone timing was
+#     bound by the host's launches.
+# * **Previous round: the GPU hardly waited on its host any more.** A profile that records host
+#   operators slows the host, and hosts differ between machines, so the waits of the round before (12 ms per
 #   micro-batch on one machine, under 1 ms on another) could not tell how much was real. Recording
 #   only the GPU's activity (`--profile cuda`) showed that the previous code's GPU waited 4.9 ms per
 #   micro-batch in gaps of 10 µs or more, most of them just before the first kernel of a GDN block
@@ -136,16 +168,16 @@ if prof:
 #   back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the machine of the
 #   paired timings above, whose host launches a Triton kernel in 20.5 µs, the gain was small; a
 #   slower host should gain more (not measured).
-# * **This round, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
+# * **Previous round, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
 #   compiled backward had built the gradient of the stacked $[g, a, b]$ projection in one kernel that
 #   mixed three elementwise formulas with a concatenation: about 140 µs per layer
 #   (`train_step_profile.txt`), about four times what it moves. With $g$ in its own product, a
 #   compiled GDN block (forward and backward) went from 4.51 to 4.45 ms, in two alternating pairs
 #   in one process (`benchmarks/results/block_step.json`).
 #   Over 24 GDN blocks that is about 1.5 ms per micro-batch, some 50 ms (0.7 %) per preset step;
-#   **the preset step was not re-timed with this change** (the device time was spent), so the
-#   table's step times do not include it.
-# * **Tried and not kept this round** (measured on the H200):
+#   the preset step was not re-timed with this change in that round; this round's rows of the
+#   previous round's code include it.
+# * **Tried in the previous round and not kept** (measured on the H200):
 #   - $W_1$ and $W_3$ of every SwiGLU as one stacked product: compiled, inductor's kernels around it
 #     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s
 #     (`benchmarks/results/experiments.json`). Reverted;
@@ -153,40 +185,42 @@ if prof:
 #     those kernels took 28.6 ms per micro-batch against 29.7 ms in the profile above, measured on
 #     another machine (`experiments.json`), at the cost of about two minutes more compilation per
 #     run. Not adopted.
-# * **Previous round's gains:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
+# * **Gains two rounds ago:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
 #   124.6 → 101.1 ms of GPU time and AdamW 22.9 → 4.4 ms, through list-wide `_foreach` launches
 #   and a row normalisation that reads the update once; the GDN forward keeping every chunk's state
 #   for the backward (chapter 13, `keep_prep`): GDN rule kernels per micro-batch 30.0 → 28.4 ms.
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
 #   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
-# * **What is left** (the breakdown above, about 200 ms of kernels per micro-batch). Matrix
-#   multiplies are about 49 % (96–100 ms, about 65 TFLOP at some 660–680 TFLOP/s, near what the
-#   H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are among them).
-#   Inductor's fused elementwise kernels are 14 %: RMSNorms with the fp32 residual stream, the
-#   output gate, SwiGLU, the MoE's routing and the weights' casts. The GDN rule kernels are 14 %:
-#   the local-gradient kernel alone is about 0.5 ms per layer, 12 ms per micro-batch. cuDNN attention
-#   is 7.7 %, the prelude 7.4 %, eager kernels 4 % (mostly adding each micro-batch's gradients into
-#   the accumulated ones: some 300 additions, 2.4 ms), the loss's softmax 2.4 %. A micro-batch of the
-#   accumulated step takes about 210 ms, of which about 6 ms are the launch latency between some
-#   3 960 kernels; the GPU waits on its host for only about 0.5 ms.
+# * **What is left** (the breakdown above, this round's profile: about 198 ms of kernels per
+#   micro-batch). Matrix multiplies are about 50 % (98.6 ms, about 65 TFLOP at some 660 TFLOP/s,
+#   near what the H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are
+#   among them). The GDN rule kernels are 14 % (27.7 ms; the local-gradient kernel alone is
+#   0.46 ms per layer, 11 ms per micro-batch). Inductor's fused elementwise kernels are 13 %
+#   (26.3 ms): RMSNorms with the fp32 residual stream, the output gate, SwiGLU, the MoE's routing
+#   and the weights' casts. cuDNN attention is 7.8 %, the prelude 7.5 %, eager kernels 3.9 %
+#   (mostly adding each micro-batch's gradients into the accumulated ones: some 300 additions,
+#   2.4 ms), the loss's softmax 2.5 %. A micro-batch of the accumulated step takes about 205 ms,
+#   of which the GPU is idle 10.5 ms: 5.9 ms of launch latency between some 4 100 kernels, and
+#   4.6 ms in longer gaps, where it waits on the host.
 #   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
 #   now: with the matrix multiplies as they are, everything else would have to fall from about
-#   113 ms (kernels and waits) to about 82 ms.
+#   107 ms (kernels and waits) to about 81 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency (about 6 ms per micro-batch). They failed here (two rounds ago): a later
+#   remove the launch latency (about 6 ms per micro-batch). They failed here (three rounds ago): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
 #   heads left out, an MLA block's).
-# * **Triton GDN path against the PyTorch chunked path: 3.6× faster per preset step, both
-#   compiled (6.84–6.88 s against 24.8 s, measured on different machines); the target was 5×.** The
-#   PyTorch path's step measured 28.3 s two rounds ago, as the slower of two timed steps, and 24.8 s
-#   last round, as a single timed step after one warm-up step (it was not timed again this round),
-#   so part of the difference may be how it was sampled, and the ratio lies between 3.6× and 4.1×.
+# * **Triton GDN path against the PyTorch chunked path: about 3.7× faster per preset step, both
+#   compiled (6.68–6.69 s this round against 24.8 s, measured on different machines); the target
+#   was 5×.** The PyTorch path's step measured 28.3 s three rounds ago, as the slower of two timed
+#   steps, and 24.8 s two rounds ago, as a single timed step after one warm-up step (it was not
+#   timed again since), so part of the difference may be how it was sampled, and the ratio lies
+#   between 3.7× and 4.2×; machines also differ by about 2 %.
 #   Either way it is short of 5×, which needs the Triton path's step below 5 s. With one
-#   micro-batch per step, five rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is
+#   micro-batch per step, six rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is
 #   51× faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but
 #   GDN is only part of the step.
-# * **All-MLA** (32 MLA + MoE blocks, five rounds ago): 0.75 s per one-micro-batch step at 6.8
+# * **All-MLA** (32 MLA + MoE blocks, six rounds ago): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
 
@@ -211,9 +245,9 @@ assert worst_o <= 5e-3 and worst_g <= 1e-2
 
 # %% [markdown]
 # The table above is the full run of an earlier round. Since then the backward reuses the
-# forward's $A$ and cumulative gates (two rounds ago) and its chunk states (previous round; chapter
-# 13); this round did not change the rule's kernels. `gdn_verify.py --quick --shapes hymo` re-checked
-# the previous round's final code on the H200
+# forward's $A$ and cumulative gates (three rounds ago) and its chunk states (two rounds ago; chapter
+# 13); this round changed the local-gradient kernel (chapter 13). `gdn_verify.py --quick --shapes hymo` re-checked
+# this round's final code on the H200
 # (`benchmarks/results/gdn_verify_quick_h200.json`): the chunk kernel at $T$ = 63 and 256 and a
 # packed row of five documents, bf16 and fp32: worst output or state 3.3e-3 and worst gradient
 # 3.7e-3 in bf16, 1.7e-3 in fp32, every run deterministic, and the path that keeps $A$, the gates
