@@ -3,8 +3,9 @@
     python benchmarks/gdn_registers.py [--out gdn_registers.json]
 
 No GPU is needed: Triton compiles each kernel to PTX for compute capability 9.0 (`triton.compile` with a
-GPUTarget), and `ptxas -v` (the ptxas Triton itself uses) reports the registers per thread and the bytes
-spilled to local memory. A thread has at most 255 registers; a kernel at that limit that spills keeps
+GPUTarget), specialised as a launch at HyMo's shape specialises it (arguments passed as None become
+constants; aligned pointers and T = 4096 get Triton's divisibility hint), and `ptxas -v` (the ptxas Triton
+itself uses) reports the registers per thread and the bytes spilled to local memory. A thread has at most 255 registers; a kernel at that limit that spills keeps
 part of its tiles in (cached) local memory, and the stores and loads cost time on the GPU. The launch
 options are the ones `hymo.models.gdn_triton` uses. Compare with `gdn_kernel.py`'s times on a GPU.
 """
@@ -29,10 +30,20 @@ import hymo.models.gdn_triton as gt  # noqa: E402
 H, K, V = 40, 32, 32  # hymo_750m's GDN heads
 
 
-def registers(kernel, types: dict, constants: dict, options: dict) -> dict:
-    "Compile `kernel` for sm_90 and return ptxas's registers per thread and spill bytes."
-    sig = {**types, **{n: "constexpr" for n in constants}}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constants),
+def registers(kernel, args: dict, options: dict) -> dict:
+    """Compile `kernel` for sm_90 as a launch at HyMo's shape specialises it, and return ptxas's registers per thread
+    and spill bytes. `args` maps every argument to a type ("*bf16", "i32", ...), to None (an argument passed as None,
+    which Triton makes a constant) or to ("constexpr", value). Like a launch, pointers (16-byte aligned by PyTorch) and
+    integers divisible by 16 (T = 4096) are marked `tt.divisibility` 16: without those hints the code differs and
+    spills more."""
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, a) in enumerate(args.items()):
+        if a is None or isinstance(a, tuple):
+            sig[name], consts[name] = "constexpr", None if a is None else a[1]
+        else:
+            sig[name] = a
+            if a.startswith("*") or a == "i32": attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
@@ -47,25 +58,24 @@ def registers(kernel, types: dict, constants: dict, options: dict) -> dict:
 
 
 def kernels() -> dict:
-    "Each launch of a forward + backward at K = V = 32 (bf16 tensors, fp32 gates), with the module's launch options."
-    t = lambda names, ty: {n: ty for n in names.split()}
-    tables = dict(cu_seqlens="*i32", chunk_indices="*i32", chunk_offsets="*i32")
+    """Each launch of a forward + backward at K = V = 32, bf16 tensors and fp32 gates, plain rows (no cu_seqlens), no
+    initial or final state, with the module's launch options: `(kernel, arguments in order, options)`."""
+    bf, f32, c = "*bf16", "*fp32", lambda v: ("constexpr", v)
     BT, BV = gt.BT, gt._bv(V)
-    state = {**t("q k v A o h", "*bf16"), **t("gc beta h0 ht", "*fp32"), "cu_seqlens": "*i32", "chunk_offsets": "*i32",
-             "scale": "fp32", "T": "i32"}
-    dstate = {**t("q k v A h do dh", "*bf16"), **t("gc beta h0 dht dh0", "*fp32"), "cu_seqlens": "*i32",
-              "chunk_offsets": "*i32", "scale": "fp32", "T": "i32"}
+    shape = dict(H=c(H), K=c(K), V=c(V), BT=c(BT), BV=c(BV))
     return {
-        "prep (gates, A)": (gt._prep_kernel, {**t("k A", "*bf16"), **t("g beta gc", "*fp32"), **tables, "T": "i32"},
-                            dict(H=H, K=K, BT=BT, IS_VARLEN=False), gt.LAUNCH["prep"]),
-        "state pass + o, saving S_0": (gt._fwd_kernel, state, dict(H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=False, STORE_HT=False,
-                                                                    SAVE_H=True, IS_VARLEN=False), gt._state_launch("fwd", K, V)),
-        "dS pass (S_0 kept)": (gt._bwd_states_kernel, dstate, dict(H=H, K=K, V=V, BT=BT, BV=BV, USE_H0=False, USE_DHT=False,
-                                                                   STORE_DH0=False, IS_VARLEN=False, ONLY_DS=1),
+        "prep (gates, A)": (gt._prep_kernel, dict(k=bf, g=f32, beta=f32, gc=f32, A=bf, cu_seqlens=None, chunk_indices=None,
+                            chunk_offsets=None, T="i32", H=c(H), K=c(K), BT=c(BT), IS_VARLEN=c(False)), gt.LAUNCH["prep"]),
+        "state pass + o, saving S_0": (gt._fwd_kernel, dict(q=bf, k=bf, v=bf, gc=f32, beta=f32, A=bf, h0=None, ht=None, o=bf, h=bf,
+                                       cu_seqlens=None, chunk_offsets=None, scale="fp32", T="i32", **shape, USE_H0=c(False),
+                                       STORE_HT=c(False), SAVE_H=c(True), IS_VARLEN=c(False)), gt._state_launch("fwd", K, V)),
+        "dS pass (S_0 kept)": (gt._bwd_states_kernel, dict(q=bf, k=bf, v=bf, gc=f32, beta=f32, A=bf, h0=None, h=bf, do=bf, dht=None,
+                               dh0=None, dh=bf, cu_seqlens=None, chunk_offsets=None, scale="fp32", T="i32", **shape,
+                               USE_H0=c(False), USE_DHT=c(False), STORE_DH0=c(False), IS_VARLEN=c(False), ONLY_DS=c(1)),
                                gt._state_launch("states", K, V)),
-        "local grads": (gt._bwd_local_kernel, {**t("q k v A h dh do dq dk dv", "*bf16"), **t("gc beta dg dbeta", "*fp32"),
-                                               **tables, "scale": "fp32", "T": "i32"},
-                        dict(H=H, K=K, V=V, BT=BT, BV=gt._bv_local(K, V), IS_VARLEN=False), gt.LAUNCH["local"]),
+        "local grads": (gt._bwd_local_kernel, dict(q=bf, k=bf, v=bf, gc=f32, beta=f32, A=bf, h=bf, dh=bf, do=bf, dq=bf, dk=bf, dv=bf,
+                        dg=f32, dbeta=f32, cu_seqlens=None, chunk_indices=None, chunk_offsets=None, scale="fp32", T="i32",
+                        **{**shape, "BV": c(gt._bv_local(K, V))}, IS_VARLEN=c(False)), gt.LAUNCH["local"]),
     }
 
 
@@ -75,8 +85,8 @@ if __name__ == "__main__":
     args = ap.parse_args()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, target="sm_90a", H=H, K=K, V=V), kernels={})
     print(f"{'kernel':28s} {'registers':>9s} {'spill stores':>13s} {'spill loads':>12s}  (bytes per thread; Triton {triton.__version__})")
-    for name, (kern, types, consts, opts) in kernels().items():
-        r = res["kernels"][name] = registers(kern, types, consts, dict(opts))
+    for name, (kern, kernel_args, opts) in kernels().items():
+        r = res["kernels"][name] = registers(kern, kernel_args, dict(opts))
         print(f"{name:28s} {r['registers']:9d} {r['spill_store_bytes']:13d} {r['spill_load_bytes']:12d}")
     if args.out:
         path = Path(args.out)

@@ -1065,7 +1065,8 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # products but is not accurate in tf32: when a chunk's keys share a direction, $(M^8)_{ij}$ reaches
 # about $\binom{14}{7}\,0.9^8 \approx 1500$, and summing such terms into entries of size 1 left an
 # error near 0.1 (emulated on CPU). The test `test_kernel_1_inverts_ill_conditioned_chunks` checks
-# this kernel on such chunks against float64.
+# this kernel's algebra on such chunks against float64, in Triton's interpreter, whose products
+# are plain fp32 (tf32 rounding only happens on the GPU).
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -1097,21 +1098,21 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # :::
 #
 # ::: {.callout-tip collapse="true"}
-# ## Why does the local-gradient kernel compute $\Gamma$, $P$ and $KK^\top\odot\Gamma$ twice?
+# ## Why does the local-gradient kernel compute $\Gamma$ and $P$ twice?
 # To fit in registers. A thread has at most 255, and at 4 warps a $64\times64$ fp32 tile takes 32
 # of each thread's. The kernel holds several such tiles at once: the accumulators $dP$ and $dA$,
-# $A$, and until this round $\Gamma$, $P$ and $KK^\top\odot\Gamma$, kept from before the value loop
-# to the end. What does not fit is spilled to local memory. You can see this without a GPU:
-# `benchmarks/gdn_registers.py` compiles the kernels for the H200 (compute capability 9.0) and
-# reads `ptxas -v`, which reports 255 registers and 1 076 bytes spilled per thread for the old
-# kernel under Triton 3.9 (1 096 under 3.6). Computing each of the three tiles where it is used,
-# after the loop (two $64\times32\times64$ products and 4 096 exponentials more per chunk), left
-# 476 bytes, and the kernel went from 0.489 to 0.459 ms at HyMo's shape on the H200, with
-# gradients equal bit for bit. Fewer spills is not always faster, though. Reordering the tail so
-# that $dq$ and $dk$ start from $\bar Q$ and $\bar K$ spilled less (232 bytes) but ran at 0.463 ms,
-# and the state passes without their register prefetch of the next chunk spill a tenth as much
-# yet take 0.216 against 0.195 ms: the prefetch hides the loads' latency, which costs more than
-# the spills (`benchmarks/results/experiments.json`).
+# $A$, and (before commit e93a069) $\Gamma$, $P$ and $KK^\top\odot\Gamma$, kept from before the
+# value loop to the end. What does not fit is spilled to local memory. You can see this without a
+# GPU: `benchmarks/gdn_registers.py` compiles the kernels for the H200 (compute capability 9.0),
+# specialised as a launch at HyMo's shape specialises them, and reads `ptxas -v`. The old kernel
+# used 255 registers and spilled 264 bytes per thread under Triton 3.6 (460 under 3.9). Now
+# $\Gamma$ and $P$ are computed again where they are used after the loop (one more
+# $64\times32\times64$ product and 4 096 exponentials per chunk), and $KK^\top\odot\Gamma$ is formed
+# there in the first place. That leaves 148 bytes (88 under 3.9), and the kernel went from 0.489
+# to 0.459 ms at HyMo's shape on the H200, with gradients equal bit for bit. Other orders of the
+# tail ran at 0.463 and 0.522 ms. The sequential passes barely spill (16 bytes, or none), and
+# dropping their register prefetch of the next chunk made them slower (0.216 against 0.195 ms):
+# the prefetch hides the loads' latency (`benchmarks/results/experiments.json`).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -199,10 +199,11 @@ class HyMo(nn.Module):
         if tokens.shape[0] != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
-        # Lengths on a GPU are not read back (that would wait for the GPU); the trainer's loader cuts documents at seq_len.
-        if cu_seqlens.device.type == "cpu" and len(cu_seqlens) > 1 and int(cu_seqlens.diff().max()) > L:
-            raise ValueError(f"a packed document has {int(cu_seqlens.diff().max())} tokens > max_seq_len={L}: "
-                             "split long documents or raise max_seq_len")
+        # Lengths on a GPU are not read back here (a wait for the GPU); the trainer's loader cuts documents at seq_len.
+        if cu_seqlens.device.type == "cpu" and cu_seqlens.ndim == 1 and len(cu_seqlens) > 1:
+            longest = int(cu_seqlens.diff().max())
+            if longest > L:
+                raise ValueError(f"a packed document has {longest} tokens > max_seq_len={L}: split long documents or raise max_seq_len")
 
     @torch.no_grad()
     def init_weights(self):

@@ -12,7 +12,7 @@
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
 # python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
-# python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents
+# python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents (not yet measured on the H200)
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
@@ -85,7 +85,8 @@ fig.tight_layout(); plt.show()
 # The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
 # summed by kind, and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs
 # are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
-# host). This round's profile records only the GPU's activity (`--profile cuda`), which leaves the
+# host). This round's profile (of the code before its last kernel edit; see its note in the table)
+# records only the GPU's activity (`--profile cuda`), which leaves the
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
 # of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
 # operators too, two rounds old, is `train_step_profile.txt` (`--profile micro`); recording the
@@ -118,23 +119,27 @@ if prof:
 #   about 78.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
 #   script, the previous round's final code (731eef1) took 6.676 and 6.680 s: this round's kernel
 #   change (below; about 0.3 % expected) is below what two pairs of runs resolve. This round's
-#   machines were faster than last round's: the previous round's code measured 6.84–6.88 s then
-#   and 6.68–6.73 s now, so step times of different rounds differ by about 2 % from the machine
-#   alone. Earlier rounds: 6.84–6.88 s (34.1–34.3 %), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
+#   machines were faster than last round's: the previous round measured 6.84–6.88 s, before its
+#   output-gate change (an estimated 0.7 %), and its final code measures 6.68–6.73 s now, so about
+#   1–2 % of the difference between rounds is the machine. Earlier rounds: 6.84–6.88 s (34.1–34.3 %,
+#   two rounds: the previous and the one before), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
 #   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
 #   six rounds ago).
 # * **This round: the GDN local-gradient kernel spills less** (chapter 13).
 #   `benchmarks/gdn_registers.py` (new) compiles the GDN kernels for the H200 on any machine and
-#   reads `ptxas -v`: all but kernel 1 use the 255 registers a thread has and spill to local memory,
-#   the local-gradient kernel most (1 076 bytes per thread). Recomputing $\Gamma$, $P$ and
-#   $KK^\top\odot\Gamma$ where they are used, instead of holding them across the value loop, halved
-#   that, and the kernel went from 0.489 to 0.459 ms per layer (bit-identical gradients), about
-#   0.7 ms per micro-batch. Profiled with the previous round's output-gate change (which that
-#   round's profile predates), a micro-batch's kernels fell: inductor's from 29.7 to 26.3 ms and
-#   the GDN rule's from 28.7 to 27.7 ms. But its GPU sat
-#   idle 10.5 ms against 6.1 ms in the previous round's profile, 2.2 ms of it in gaps of 100 µs or
-#   more, so the kernels' gain went into waiting for the host, and the step did not move.
-#   Launching fewer kernels, or launching them from CUDA graphs, is what can turn it into time.
+#   reads `ptxas -v`, the kernels specialised as a launch at HyMo's shape specialises them: the
+#   local-gradient kernel used all 255 registers a thread has and spilled 264 bytes per thread
+#   to local memory (Triton 3.6; 460 under 3.9; `benchmarks/results/gdn_registers.json`).
+#   Recomputing $\Gamma$ and $P$ where they are used, instead of holding them and $KK^\top\odot\Gamma$
+#   across the value loop, left 148 bytes, and the kernel went from 0.489 to 0.459 ms per layer
+#   (bit-identical gradients), about 0.7 ms per micro-batch. This round's profile (its code then
+#   had a variant of this change and kernel 1's doubling solve, below; it also has the previous
+#   round's output-gate change, which that round's profile predates) shows inductor's kernels at
+#   26.3 ms against 29.7 ms and the GDN rule's at 27.7 against 28.7 ms per micro-batch, but the GPU
+#   idle 10.5 ms against 6.1 ms, 2.2 ms of it in gaps of 100 µs or more. The two profiles come
+#   from different machines, so this only suggests that the kernels' gain went into waiting for
+#   the host; the step did not move measurably. Launching fewer kernels, or launching them from
+#   CUDA graphs, is what can turn kernel time into step time then.
 # * **This round, too: `doc_masking=true` trains again.** The trainer packs a micro-batch of $B$
 #   windows into one row of $BT$ tokens with document boundaries, and the model refused any row
 #   longer than `max_seq_len`, so the first step failed on every preset (`python -m hymo.train
@@ -144,10 +149,11 @@ if prof:
 #   - kernel 1's solve with no serial steps, by doubling on $4\times4$ blocks and merging: ten
 #     tensor-core products, 0.253 ms against 0.240 ms for the row-by-row solve of the
 #     $16\times16$ blocks (chapter 13 says why the doubling must start from blocks that small);
-#   - the sequential passes without their register prefetch of the next chunk: a tenth of the
-#     spills, but 0.216 against 0.195 ms (state pass) and 0.205 against 0.194 ms ($dS$ pass);
-#   - further reorderings of the local-gradient kernel: 232 bytes of spills but 0.463 ms, and
-#     0.522 ms;
+#   - the sequential passes without their register prefetch of the next chunk: 0.216 against
+#     0.195 ms (state pass) and 0.205 against 0.194 ms ($dS$ pass). (This was tried on spill counts
+#     taken without the launch's specialisation, which overstated them; as launched, these passes
+#     spill 16 bytes or none.);
+#   - other orders of the local-gradient kernel's tail: 0.463 and 0.522 ms;
 #   - the prelude's backward keeping its $du$ in bf16: inconclusive, the standalone timing was
 #     bound by the host's launches.
 # * **Previous round: the GPU hardly waited on its host any more.** A profile that records host
@@ -165,9 +171,10 @@ if prof:
 #   been copied through pageable memory, which made the host wait for the GPU at every
 #   micro-batch. What is left of them is mostly one wait of about 0.6 ms at the start of each
 #   micro-batch. The rest of the idle time, about 5.6 ms, is the launch latency between some 3 960
-#   back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the machine of the
-#   paired timings above, whose host launches a Triton kernel in 20.5 µs, the gain was small; a
-#   slower host should gain more (not measured).
+#   back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the machine of that
+#   round's paired timings (6.839/6.872 s against 6.869/6.884 s for the code before), whose host
+#   launches a Triton kernel in 20.5 µs, the gain was small; a slower host should gain more (not
+#   measured).
 # * **Previous round, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
 #   compiled backward had built the gradient of the stacked $[g, a, b]$ projection in one kernel that
 #   mixed three elementwise formulas with a concatenation: about 140 µs per layer
@@ -195,13 +202,14 @@ if prof:
 # * **What is left** (the breakdown above, this round's profile: about 198 ms of kernels per
 #   micro-batch). Matrix multiplies are about 50 % (98.6 ms, about 65 TFLOP at some 660 TFLOP/s,
 #   near what the H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are
-#   among them). The GDN rule kernels are 14 % (27.7 ms; the local-gradient kernel alone is
-#   0.46 ms per layer, 11 ms per micro-batch). Inductor's fused elementwise kernels are 13 %
+#   among them). The GDN rule kernels are 14 % (27.7 ms; the local-gradient kernel alone took
+#   0.50 ms per layer in the model, 11.9 ms per micro-batch; its final version runs in 0.459 ms
+#   standalone). Inductor's fused elementwise kernels are 13 %
 #   (26.3 ms): RMSNorms with the fp32 residual stream, the output gate, SwiGLU, the MoE's routing
 #   and the weights' casts. cuDNN attention is 7.8 %, the prelude 7.5 %, eager kernels 3.9 %
 #   (mostly adding each micro-batch's gradients into the accumulated ones: some 300 additions,
-#   2.4 ms), the loss's softmax 2.5 %. A micro-batch of the accumulated step takes about 205 ms,
-#   of which the GPU is idle 10.5 ms: 5.9 ms of launch latency between some 4 100 kernels, and
+#   2.4 ms), the loss's softmax 2.5 %. A profiled micro-batch spans 208 ms, 197.6 ms of kernels
+#   and 10.5 ms idle: 5.9 ms of launch latency between some 4 100 kernels, and
 #   4.6 ms in longer gaps, where it waits on the host.
 #   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
 #   now: with the matrix multiplies as they are, everything else would have to fall from about
