@@ -173,8 +173,8 @@ def run(args) -> dict:
             if args.profile == "step": t.train_step()
             else:  # forward + backward of micro-batches only: what an accumulation step repeats
                 for _ in range(3):
-                    tokens, targets, _ = _to_device(t, next(t._train_iter))
-                    with t.autocast(): loss, _ = t.model(tokens, targets=targets)
+                    tokens, targets, cu = _to_device(t, next(t._train_iter))
+                    with t.autocast(): loss, _ = t.model(tokens, targets=targets, cu_seqlens=cu)
                     loss.backward()
             torch.cuda.synchronize()
         try:
