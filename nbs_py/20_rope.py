@@ -240,6 +240,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1], in
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T} (one entry per document boundary), got {cu_seqlens.tolist()}")
 
 
+@torch.compiler.disable  # data-dependent checks: traced, they would break the graph and recompile for every new N
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1]: 0, L_0, L_0 + L_1, ..., T
                               T: int, # Length of the packed sequence
                              ) -> torch.Tensor: # [T] positions, restarting at 0 at each document

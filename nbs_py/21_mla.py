@@ -120,10 +120,26 @@ def naive_mla(x, # [T, D] one sequence
 #
 # `forward_decode`, the cached decoder, is derived in its own section below. Two limits to know:
 # `cu_seqlens.tolist()` synchronises with the GPU and breaks a `torch.compile` graph once per
-# forward, and every row of a decoding batch has the same length.
+# forward, and every row of a decoding batch has the same length. The per-document loop runs
+# outside any compiled graph (`torch.compiler.disable`): traced, it was compiled again for every
+# new number of documents in a row, eight times on the 750M preset before `torch.compile` gave up.
 
 # %%
 #| exports
+@torch.compiler.disable
+def attend_documents(q: torch.Tensor, # [1, H, T, d_qk]
+                     k: torch.Tensor, # [1, G, T, d_qk]
+                     v: torch.Tensor, # [1, G, T, d_v]
+                     cu_seqlens: torch.Tensor, # [N+1] document boundaries
+                     scale: float, # Softmax scale
+                    ) -> torch.Tensor: # [1, H, T, d_v]
+    "Causal SDPA on each document of a packed row, eagerly (the loop's length is data)."
+    b = cu_seqlens.tolist()
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale,
+                                                     enable_gqa=q.shape[1] != k.shape[1])
+                      for s, e in zip(b[:-1], b[1:])], dim=2)
+
+
 class MultiHeadLatentAttention(nn.Module):
     "DeepSeek-V3 MLA with `mla_n_kv_groups` key/value groups: [B, T, D] -> [B, T, D]."
     def __init__(self, config: ModelConfig, # Uses dim, norm_eps, init_std, n_layers, rope_theta, nope_layers and the mla_* fields
@@ -203,13 +219,8 @@ class MultiHeadLatentAttention(nn.Module):
               ) -> torch.Tensor: # [B, T, H, d_v]
         "Causal attention; query head h reads group h // (H/G); documents of a packed row stay apart."
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        def sdpa(q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                  enable_gqa=self.n_rep > 1)
-        if cu_seqlens is None: o = sdpa(q, k, v)
-        else:
-            b = cu_seqlens.tolist()
-            o = torch.cat([sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in zip(b[:-1], b[1:])], dim=2)
+        if cu_seqlens is not None: return attend_documents(q, k, v, cu_seqlens, self.softmax_scale).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=self.n_rep > 1)
         return o.transpose(1, 2)  # (B, T, H, d_v)
 
     def forward(self, x: torch.Tensor, # [B, T, D]

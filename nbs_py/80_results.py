@@ -145,6 +145,11 @@ if prof:
 #   longer than `max_seq_len`, so the first step failed on every preset (`python -m hymo.train
 #   doc_masking=true` included). Positions restart at every document, so the model now checks the
 #   documents, not the row (chapter 41; a trainer test packs 512 tokens past a `max_seq_len` of 256).
+#   A first document-masked run on the H200 then showed `torch.compile` compiling MLA's
+#   per-document attention loop again for every new number of documents in a row, until it hit
+#   its limit of eight. That loop and the packed positions now run outside the compiled graphs
+#   (chapters 20 and 21; a test counts the graphs compiled on CPU). The document-masked step has
+#   still not been timed: the device time ran out.
 # * **Tried this round and not kept** (H200, `benchmarks/results/experiments.json`):
 #   - kernel 1's solve with no serial steps, by doubling on $4\times4$ blocks and merging: ten
 #     tensor-core products, 0.253 ms against 0.240 ms for the row-by-row solve of the

@@ -137,6 +137,27 @@ def test_cu_seqlens_equals_separate_documents():
         m(x_(2, 20), cu_seqlens=cu)
 
 
+def test_compiled_attention_is_not_recompiled_for_each_document_count():
+    """Under torch.compile the per-document attention of a packed row and its positions run outside the graph: traced,
+    they were compiled again for every new number of documents (8 times, then dynamo gave up, on the 750M preset)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    blk = torch.compile(randomize_(MultiHeadLatentAttention(CFG)), backend=counter)
+    T = 24
+    compiled = []
+    with torch.no_grad():
+        for n_docs in range(1, 7):
+            cu = torch.linspace(0, T, n_docs + 1).round().long()
+            y = blk(x_(1, T), cu_seqlens=cu)
+            assert y.shape == (1, T, CFG.dim)
+            compiled.append(counter.frame_count)
+    torch._dynamo.reset()
+    # the first two calls compile the graphs around the eager parts (the second with a dynamic number of boundaries)
+    assert compiled[1] == compiled[-1], f"graphs compiled after each call, for 1..6 documents: {compiled}"
+
+
 @torch.no_grad()
 def test_nope_layer_ignores_positions():
     cfg = load_config("hymo_tiny", nope_layers=[3]).model
