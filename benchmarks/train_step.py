@@ -72,22 +72,40 @@ def breakdown(prof, n_micro: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def idle_gaps(kernels: list) -> tuple[list, float, float]:
+    """`(gaps, first start, last end)` of `(start, end, name)` intervals of GPU activity, in µs: every stretch with
+    nothing running, as `(length, start, end, activity before, activity after)`."""
+    acts = sorted(kernels)
+    gaps, end, prev = [], acts[0][1], acts[0][2]
+    for s, e, name in acts[1:]:
+        if s > end: gaps.append((s - end, end, s, prev, name))
+        if e > end: end, prev = e, name
+    return gaps, acts[0][0], end
+
+
+def host_during(ops: list, lo: float, hi: float, top: int = 3) -> list:
+    "The host operators `(start, end, name)` that overlap [lo, hi] longest, as `'name (µs of overlap)'`, longest first."
+    over = sorted(((min(e, hi) - max(s, lo), name) for s, e, name in ops if s < hi and e > lo), reverse=True)
+    return [f"{name[:60]} ({us:.0f} us)" for us, name in over[:top]]
+
+
 def gpu_idle(prof, n_micro: int, top: int = 8) -> dict:
     """Time between the profile's first and last GPU activity when none ran, in ms per micro-batch: in total, by gap
     length (short gaps are launch latency; long ones mean the GPU waited on the host), and the longest gaps with the
-    activity on either side. The profiler slows the host, so these are upper bounds."""
-    acts = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA)
-    gaps, end, prev = [], acts[0][1], acts[0][2]
-    for s, e, name in acts[1:]:
-        if s > end: gaps.append((s - end, prev, name))
-        if e > end: end, prev = e, name
+    activity on either side and, when the profile recorded the host, the host operators that ran during the gap.
+    The profiler slows the host, so these are upper bounds."""
+    events = list(prof.events())
+    gaps, first, end = idle_gaps([(e.time_range.start, e.time_range.end, e.name) for e in events
+                                  if e.device_type == torch.autograd.DeviceType.CUDA])
+    ops = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     per = lambda us: us / 1e3 / n_micro
     bins = {"< 10 us": (0, 10), "10-100 us": (10, 100), ">= 100 us": (100, float("inf"))}
-    return dict(span_ms=per(end - acts[0][0]), idle_ms=per(sum(g for g, _, _ in gaps)),
-                idle_ms_by_gap={k: per(sum(g for g, _, _ in gaps if lo <= g < hi)) for k, (lo, hi) in bins.items()},
-                gaps_per_micro_batch=len(gaps) / n_micro,
-                longest=[dict(us=round(g, 1), after=a[:70], before=b[:70]) for g, a, b in sorted(gaps, reverse=True)[:top]])
+    longest = []
+    for g, lo, hi, a, b in sorted(gaps, reverse=True)[:top]:
+        longest.append(dict(us=round(g, 1), after=a[:70], before=b[:70], **({"host": host_during(ops, lo, hi)} if ops else {})))
+    return dict(span_ms=per(end - first), idle_ms=per(sum(g[0] for g in gaps)),
+                idle_ms_by_gap={k: per(sum(g[0] for g in gaps if lo <= g[0] < hi)) for k, (lo, hi) in bins.items()},
+                gaps_per_micro_batch=len(gaps) / n_micro, longest=longest)
 
 
 def _conv_launch():

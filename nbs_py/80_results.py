@@ -10,7 +10,7 @@
 #
 # ```sh
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
-# python benchmarks/train_step.py --compile --profile micro      # + --ac, --gdn torch, --all-mla, --loss logits
+# python benchmarks/train_step.py --compile --profile micro      # also what the host ran in the longest GPU gaps; + --ac, --gdn torch, ...
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
 # python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents (not yet measured on the H200)
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator

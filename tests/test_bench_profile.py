@@ -1,0 +1,24 @@
+"""The profile arithmetic of benchmarks/train_step.py: idle gaps between GPU activity and the host work during them.
+
+The benchmark itself needs a GPU; these helpers take plain `(start, end, name)` intervals and are checked here.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from train_step import host_during, idle_gaps  # noqa: E402
+
+
+def test_gaps_are_the_stretches_with_nothing_running():
+    # overlapping kernels (two streams) leave no gap between them; a kernel nested in a longer one neither
+    kernels = [(0, 10, "a"), (5, 20, "b"), (8, 12, "nested"), (30, 40, "c"), (40, 50, "d"), (150, 160, "e")]
+    gaps, first, last = idle_gaps(kernels)
+    assert (first, last) == (0, 160)
+    assert gaps == [(10, 20, 30, "b", "c"), (100, 50, 150, "d", "e")]
+
+
+def test_host_operators_are_ranked_by_their_overlap_with_a_gap():
+    ops = [(0, 200, "step"), (25, 35, "aten::linear"), (60, 140, "guards"), (100, 149, "launch"), (150, 170, "after")]
+    assert host_during(ops, 50, 150) == ["step (100 us)", "guards (80 us)", "launch (49 us)"]
+    assert host_during(ops, 50, 150, top=1) == ["step (100 us)"]
+    assert host_during(ops, 300, 400) == []
