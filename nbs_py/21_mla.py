@@ -126,6 +126,11 @@ def naive_mla(x, # [T, D] one sequence
 
 # %%
 #| exports
+def causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
+    "Causal `scaled_dot_product_attention` on [B, heads, T, d]; query head h reads key group h // (H/G)."
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 @torch.compiler.disable
 def attend_documents(q: torch.Tensor, # [1, H, T, d_qk]
                      k: torch.Tensor, # [1, G, T, d_qk]
@@ -135,9 +140,7 @@ def attend_documents(q: torch.Tensor, # [1, H, T, d_qk]
                     ) -> torch.Tensor: # [1, H, T, d_v]
     "Causal SDPA on each document of a packed row, eagerly (the loop's length is data)."
     b = cu_seqlens.tolist()
-    return torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale,
-                                                     enable_gqa=q.shape[1] != k.shape[1])
-                      for s, e in zip(b[:-1], b[1:])], dim=2)
+    return torch.cat([causal_sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale) for s, e in zip(b[:-1], b[1:])], dim=2)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -220,8 +223,7 @@ class MultiHeadLatentAttention(nn.Module):
         "Causal attention; query head h reads group h // (H/G); documents of a packed row stay apart."
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
         if cu_seqlens is not None: return attend_documents(q, k, v, cu_seqlens, self.softmax_scale).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=self.n_rep > 1)
-        return o.transpose(1, 2)  # (B, T, H, d_v)
+        return causal_sdpa(q, k, v, self.softmax_scale).transpose(1, 2)  # (B, T, H, d_v)
 
     def forward(self, x: torch.Tensor, # [B, T, D]
                 cu_seqlens: Optional[torch.Tensor] = None, # [N+1] boundaries of packed documents (needs B == 1)
