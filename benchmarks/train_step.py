@@ -19,6 +19,7 @@ MFU = tokens/s x HyMo.flops_per_token(seq_len) / 989e12 (H100/H200 dense bf16 pe
 """
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -62,7 +63,6 @@ CATEGORIES = [  # first match wins; names of the CUDA kernels in the profile
 
 def breakdown(prof, n_micro: int) -> dict:
     "Self CUDA time of every kernel, summed by category, in ms per micro-batch."
-    import re
     out = {}
     for e in prof.key_averages():
         if e.device_type != torch.autograd.DeviceType.CUDA: continue
@@ -87,6 +87,24 @@ def host_during(ops: list, lo: float, hi: float, top: int = 3) -> list:
     "The host operators `(start, end, name)` that overlap [lo, hi] longest, as `'name (µs of overlap)'`, longest first."
     over = sorted(((min(e, hi) - max(s, lo), name) for s, e, name in ops if s < hi and e > lo), reverse=True)
     return [f"{name[:60]} ({us:.0f} us)" for us, name in over[:top]]
+
+
+def launched_by(rows: list, pattern: str, top: int = 6) -> list:
+    """Which host operators launch the kernels whose names match `pattern`: `rows` are `(ancestry, kernels)` of every
+    host operator, its name first and then its callers', and the names of the kernels it launched. Returns
+    `'op < caller < ...: count'`, most kernels first."""
+    counts = {}
+    for ancestry, kernels in rows:
+        n = sum(bool(re.search(pattern, k)) for k in kernels)
+        if n: counts[" < ".join(ancestry)] = counts.get(" < ".join(ancestry), 0) + n
+    return [f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def _ancestry(e, depth: int = 3) -> list:
+    "The names of a profiled host operator and of its first callers."
+    out = []
+    while e is not None and len(out) < depth: out.append(e.name[:50]); e = e.cpu_parent
+    return out
 
 
 def gpu_idle(prof, n_micro: int, top: int = 8) -> dict:
@@ -202,6 +220,12 @@ def run(args) -> dict:
             res["gpu_idle"] = gpu_idle(prof, n_micro)
             res["profile_host_recorded"] = args.profile != "cuda"
             print(json.dumps(res["gpu_idle"], indent=1))
+            if args.profile != "cuda":  # where the many small kernels come from (the host's operators were recorded)
+                rows = [(_ancestry(e), [k.name for k in e.kernels]) for e in prof.events()
+                        if e.device_type == torch.autograd.DeviceType.CPU and e.kernels]
+                res["launched_by"] = {kind: launched_by(rows, rx) for kind, rx in
+                                      [("memsets", r"^Memset"), ("fp32 adds", r"CUDAFunctor_add<float>"), ("copies", r"copy|Memcpy")]}
+                print(json.dumps(res["launched_by"], indent=1))
         except Exception as e: print("breakdown failed:", repr(e))
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.profile_rows, max_name_column_width=90)
         print(table)

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from train_step import host_during, idle_gaps  # noqa: E402
+from train_step import host_during, idle_gaps, launched_by  # noqa: E402
 
 
 def test_gaps_are_the_stretches_with_nothing_running():
@@ -22,3 +22,14 @@ def test_host_operators_are_ranked_by_their_overlap_with_a_gap():
     assert host_during(ops, 50, 150) == ["step (100 us)", "guards (80 us)", "launch (49 us)"]
     assert host_during(ops, 50, 150, top=1) == ["step (100 us)"]
     assert host_during(ops, 300, 400) == []
+
+
+def test_kernels_are_counted_by_the_host_operators_that_launched_them():
+    rows = [(["aten::zero_", "aten::zeros", "CompiledFunctionBackward"], ["Memset (Device)", "Memset (Device)"]),
+            (["aten::add_", "AccumulateGrad"], ["add<float>"]),
+            (["aten::zero_", "aten::zeros", "CompiledFunctionBackward"], ["Memset (Device)", "gemm"]),
+            (["aten::fill_", "aten::zeros"], ["Memset (Device)"])]
+    assert launched_by(rows, r"^Memset") == ["aten::zero_ < aten::zeros < CompiledFunctionBackward: 3",
+                                             "aten::fill_ < aten::zeros: 1"]
+    assert launched_by(rows, r"add<float>", top=5) == ["aten::add_ < AccumulateGrad: 1"]
+    assert launched_by(rows, r"nothing") == []

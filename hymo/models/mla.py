@@ -21,7 +21,8 @@ from .moe import DeepSeekMoE
 from .rope import apply_rope, positions_from_cu_seqlens, rope_cos_sin
 
 # %% auto #0
-__all__ = ['causal_sdpa', 'attend_documents', 'MultiHeadLatentAttention', 'MLACache', 'MLABlock']
+__all__ = ['causal_sdpa', 'attend_documents_loop', 'VarlenFlash', 'varlen_flash_ok', 'varlen_flash_attention', 'attend_documents',
+           'MultiHeadLatentAttention', 'MLACache', 'MLABlock']
 
 # %% ../../nbs/21_mla.ipynb #3677ad35
 def causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
@@ -29,16 +30,65 @@ def causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def attend_documents_loop(q: torch.Tensor, # [1, T, H, d_qk]
+                          k: torch.Tensor, # [1, T, G, d_qk]
+                          v: torch.Tensor, # [1, T, G, d_v]
+                          cu_seqlens: torch.Tensor, # [N+1] document boundaries
+                          scale: float, # Softmax scale
+                         ) -> torch.Tensor: # [1, T, H, d_v]
+    "The reference: causal SDPA on each document of a packed row in turn."
+    b = cu_seqlens.tolist()
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, heads, T, d)
+    return torch.cat([causal_sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale) for s, e in zip(b[:-1], b[1:])], 2).transpose(1, 2)
+
+
+class VarlenFlash(torch.autograd.Function):
+    "Causal attention within each document of a packed row: one flash launch forward, one backward (PyTorch's flash kernels)."
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len: int, scale: float):  # q [T, H, d], k and v [T, G, d], cu [N+1] int32
+        o, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, True, False,
+                                                                          scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse, cu, rng, unused)
+        ctx.max_len, ctx.scale = max_len, scale
+        return o  # (T, H, d_v)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(do.contiguous(), q, k, v, o, lse, cu, cu, ctx.max_len, ctx.max_len,
+                                                               0.0, True, rng, unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def varlen_flash_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
+    "Whether the flash kernels take these: a CUDA GPU of compute capability 8.0 or newer, fp16/bf16, equal head widths up to 256."
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0 and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device)[0] >= 8)
+
+
+def varlen_flash_attention(q: torch.Tensor, # [1, T, H, d]
+                           k: torch.Tensor, # [1, T, G, d]
+                           v: torch.Tensor, # [1, T, G, d]
+                           cu_seqlens: torch.Tensor, # [N+1] document boundaries
+                           scale: float, # Softmax scale
+                          ) -> torch.Tensor: # [1, T, H, d]
+    "`attend_documents_loop` in one flash launch (see `varlen_flash_ok` for what it needs)."
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    max_len = int(cu.diff().max())  # the kernel's grid; reads the GPU once
+    q, k, v = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))  # (T, heads, d)
+    return VarlenFlash.apply(q, k, v, cu, max_len, scale)[None]
+
+
 @torch.compiler.disable
-def attend_documents(q: torch.Tensor, # [1, H, T, d_qk]
-                     k: torch.Tensor, # [1, G, T, d_qk]
-                     v: torch.Tensor, # [1, G, T, d_v]
+def attend_documents(q: torch.Tensor, # [1, T, H, d_qk]
+                     k: torch.Tensor, # [1, T, G, d_qk]
+                     v: torch.Tensor, # [1, T, G, d_v]
                      cu_seqlens: torch.Tensor, # [N+1] document boundaries
                      scale: float, # Softmax scale
-                    ) -> torch.Tensor: # [1, H, T, d_v]
-    "Causal SDPA on each document of a packed row, eagerly (the loop's length is data)."
-    b = cu_seqlens.tolist()
-    return torch.cat([causal_sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale) for s, e in zip(b[:-1], b[1:])], dim=2)
+                    ) -> torch.Tensor: # [1, T, H, d_v]
+    "Causal attention within each document of a packed row: one varlen flash launch where it runs, else the loop."
+    if varlen_flash_ok(q, v): return varlen_flash_attention(q, k, v, cu_seqlens, scale)
+    return attend_documents_loop(q, k, v, cu_seqlens, scale)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -119,8 +169,8 @@ class MultiHeadLatentAttention(nn.Module):
                cu_seqlens: Optional[torch.Tensor] = None, # [N+1] document boundaries (B == 1), or None
               ) -> torch.Tensor: # [B, T, H, d_v]
         "Causal attention; query head h reads group h // (H/G); documents of a packed row stay apart."
+        if cu_seqlens is not None: return attend_documents(q, k, v, cu_seqlens, self.softmax_scale)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, T, d)
-        if cu_seqlens is not None: return attend_documents(q, k, v, cu_seqlens, self.softmax_scale).transpose(1, 2)
         return causal_sdpa(q, k, v, self.softmax_scale).transpose(1, 2)  # (B, T, H, d_v)
 
     def forward(self, x: torch.Tensor, # [B, T, D]
