@@ -74,7 +74,8 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
     n = B
     if cu_seqlens is not None:
         if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}; flatten the batch first")
-        if cu_seqlens.ndim != 1 or cu_seqlens[0] != 0 or cu_seqlens[-1] != T or (cu_seqlens.diff() < 0).any():
+        if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or bool(  # one read of a GPU tensor, not three: each read waits for the GPU
+                (cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens.diff() < 0).any()):
             raise ValueError(f"cu_seqlens must be a non-decreasing [N+1] tensor from 0 to T={T}; got {cu_seqlens.tolist()}")
         n = len(cu_seqlens) - 1
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):

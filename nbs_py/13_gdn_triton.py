@@ -273,7 +273,7 @@ def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundarie
     nts = (cu_seqlens.diff() + BT - 1) // BT                                        # chunks per document
     offsets = F.pad(nts.cumsum(0), (1, 0)).to(torch.int32)
     nc = int(offsets[-1])
-    doc = torch.repeat_interleave(torch.arange(len(nts), device=nts.device), nts)  # (NC,)
+    doc = torch.repeat_interleave(torch.arange(len(nts), device=nts.device), nts, output_size=nc)  # (NC,); the size given, no second wait
     indices = torch.stack([doc, torch.arange(nc, device=nts.device) - offsets[doc]], 1)
     return indices.to(torch.int32).contiguous(), offsets, nc
 

@@ -236,7 +236,7 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1], in
     "Raise `ValueError` unless `cu_seqlens` is an integer 1-D tensor `0 = c_0 < c_1 < ... < c_N = T`."
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or len(cu_seqlens) < 2:
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T] of document boundaries, got {cu_seqlens}")
-    if cu_seqlens[0] != 0 or cu_seqlens[-1] != T or bool((cu_seqlens[1:] <= cu_seqlens[:-1]).any()):
+    if bool((cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens[1:] <= cu_seqlens[:-1]).any()):  # one read of the values
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T} (one entry per document boundary), got {cu_seqlens.tolist()}")
 
 
