@@ -6,8 +6,9 @@ No GPU is needed: Triton compiles each kernel to PTX for compute capability 9.0 
 GPUTarget), specialised as a launch at HyMo's shape specialises it (arguments passed as None become
 constants; aligned pointers and T = 4096 get Triton's divisibility hint), and `ptxas -v` (the ptxas Triton
 itself uses) reports the registers per thread and the bytes spilled to local memory. A thread has at most 255 registers; a kernel at that limit that spills keeps
-part of its tiles in (cached) local memory, and the stores and loads cost time on the GPU. The launch
-options are the ones `hymo.models.gdn_triton` uses. Compare with `gdn_kernel.py`'s times on a GPU.
+part of its tiles in (cached) local memory, and the stores and loads cost time on the GPU. Each kernel's
+shared memory per block is reported too: the H200 gives a block at most 227 KiB (232 448 bytes), and a kernel
+asking for more does not launch. The launch options are the ones `hymo.models.gdn_triton` uses. Compare with `gdn_kernel.py`'s times on a GPU.
 """
 import argparse
 import json
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
@@ -54,7 +56,8 @@ def registers(kernel, args: dict, options: dict) -> dict:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     if not regs: raise RuntimeError(f"ptxas said:\n{log[-2000:]}")
     return dict(registers=int(regs.group(1)), spill_store_bytes=int(spill.group(1)) if spill else 0,
-                spill_load_bytes=int(spill.group(2)) if spill else 0, num_warps=options.get("num_warps", 4))
+                spill_load_bytes=int(spill.group(2)) if spill else 0, num_warps=options.get("num_warps", 4),
+                shared_bytes=compiled.metadata.shared)
 
 
 def kernels() -> dict:
@@ -75,7 +78,14 @@ def kernels() -> dict:
                                gt._state_launch("states", K, V)),
         "local grads": (gt._bwd_local_kernel, dict(q=bf, k=bf, v=bf, gc=f32, beta=f32, A=bf, h=bf, dh=bf, do=bf, dq=bf, dk=bf, dv=bf,
                         dg=f32, dbeta=f32, cu_seqlens=None, chunk_indices=None, chunk_offsets=None, scale="fp32", T="i32",
-                        **{**shape, "BV": c(gt._bv_local(K, V))}, IS_VARLEN=c(False)), gt.LAUNCH["local"]),
+                        **{**shape, "BV": c(gt._bv_local(K, V))}, IS_VARLEN=c(False),
+                        HOLD=c(gt._hold_local(K, torch.bfloat16))), gt.LAUNCH["local"]),
+        # not HyMo's shape: wide heads in fp32 must still fit the H200's 227 KiB of shared memory per block
+        "local grads, fp32 at K = V = 128": (gt._bwd_local_kernel, dict(
+            **{n: f32 for n in ("q", "k", "v", "gc", "beta", "A", "h", "dh", "do", "dq", "dk", "dv", "dg", "dbeta")},
+            cu_seqlens=None, chunk_indices=None, chunk_offsets=None, scale="fp32", T="i32", H=c(16), K=c(128), V=c(128),
+            BT=c(BT), BV=c(gt._bv_local(128, 128)), IS_VARLEN=c(False), HOLD=c(gt._hold_local(128, torch.float32))),
+            gt.LAUNCH["local"]),
     }
 
 
@@ -84,10 +94,11 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None, help="JSON file: the table is stored under this Triton's version, beside others")
     args = ap.parse_args()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, target="sm_90a", H=H, K=K, V=V), kernels={})
-    print(f"{'kernel':28s} {'registers':>9s} {'spill stores':>13s} {'spill loads':>12s}  (bytes per thread; Triton {triton.__version__})")
+    print(f"{'kernel':34s} {'registers':>9s} {'spill stores':>13s} {'spill loads':>12s} {'shared':>8s}  "
+          f"(bytes per thread, shared bytes per block; Triton {triton.__version__})")
     for name, (kern, kernel_args, opts) in kernels().items():
         r = res["kernels"][name] = registers(kern, kernel_args, dict(opts))
-        print(f"{name:28s} {r['registers']:9d} {r['spill_store_bytes']:13d} {r['spill_load_bytes']:12d}")
+        print(f"{name:34s} {r['registers']:9d} {r['spill_store_bytes']:13d} {r['spill_load_bytes']:12d} {r['shared_bytes']:8d}")
     if args.out:
         path = Path(args.out)
         old = json.loads(path.read_text()) if path.exists() else {}

@@ -540,8 +540,9 @@ def _bwd_states_kernel(q, k, v, gc, beta, A, h0, h, do, dht, dh0, dh, cu_seqlens
 def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
                       cu_seqlens, chunk_indices, chunk_offsets, scale, T,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
-    "Chunk-parallel: with S_0 and dS_C of its chunk stored, a program computes dq, dk, dv, dg, dbeta of its 64 tokens."
+                      IS_VARLEN: tl.constexpr, HOLD: tl.constexpr):
+    """Chunk-parallel: with S_0 and dS_C of its chunk stored, a program computes dq, dk, dv, dg, dbeta of its 64 tokens.
+    `HOLD` keeps P and K K^T * Gamma across the value loop instead of recomputing them after it (see `_hold_local`)."""
     DT = k.dtype.element_ty
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -557,7 +558,12 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_kb = (b_k * (b_beta * b_eg)[:, None]).to(DT)                    # diag(beta e^G) K
     b_AT = tl.trans(b_A)
     b_wD = tl.dot(b_A, b_kb).to(DT)                                   # W
-    b_PT = tl.trans((tl.dot(b_q, tl.trans(b_k)) * b_G * scale).to(DT))   # P^T, P = scale (Q K^T * Gamma)
+    if HOLD:
+        b_P = tl.dot(b_q, tl.trans(b_k)) * b_G * scale                # P = scale (Q K^T * Gamma)
+        b_PT = tl.trans(b_P.to(DT))
+        b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                      # K K^T * Gamma
+    else:
+        b_PT = tl.trans((tl.dot(b_q, tl.trans(b_k)) * b_G * scale).to(DT))   # P^T, P = scale (Q K^T * Gamma)
     b_kd = (b_k * b_e[:, None]).to(DT)                                # Kbar
     b_dw = tl.zeros([BT, K], dtype=tl.float32)
     b_dqg = tl.zeros([BT, K], dtype=tl.float32)
@@ -589,7 +595,7 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
         p_dv, m_dv = _tile(dv + (bos * H + i_h) * V, i_t * BT, T, H * V, i_v * BV, V, BT, BV)
         tl.store(p_dv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_dv)
     b_dgl = tl.sum(tl.sum(b_dhh, 1), 0) * tl.exp(b_gl)               # G_C from e^{G_C} S_0
-    # load K and Q again, and recompute Gamma, P and K K^T * Gamma below, rather than hold them across the loop
+    # load K and Q again (and unless HOLD recompute Gamma, P and K K^T * Gamma) rather than hold them across the loop
     p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
     p_q, m_q = _tile(q + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
     b_k = tl.load(p_k, mask=m_k, other=0.)
@@ -604,8 +610,9 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_dG = tl.sum(b_dkb * b_kb, 1)
     # A = (I + L)^-1, L = strict_tril(diag(beta) K K^T * Gamma)
     b_dL = tl.where(m_L, -tl.dot(tl.dot(b_AT, b_dA.to(DT)).to(DT), b_AT), 0.)
-    b_G = _decay_tril(b_g, m_s, BT)                                   # Gamma
-    b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                          # K K^T * Gamma
+    if not HOLD:
+        b_G = _decay_tril(b_g, m_s, BT)                               # Gamma
+        b_kkG = tl.dot(b_k, tl.trans(b_k)) * b_G                      # K K^T * Gamma
     b_dbeta += tl.sum(b_dL * b_kkG, 1)
     b_dLL = b_dL * b_kkG * b_beta[:, None]                            # dL * L
     b_dG += tl.sum(b_dLL, 1) - tl.sum(b_dLL, 0)
@@ -613,7 +620,8 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     b_dk += tl.dot(b_dkk, b_k) + tl.dot(tl.trans(b_dkk), b_k)
     # P = scale (Q K^T * Gamma)
     b_dP = tl.where(m_s, b_dP, 0.)
-    b_dPP = b_dP * (tl.dot(b_q, tl.trans(b_k)) * b_G * scale)        # dP * P
+    if HOLD: b_dPP = b_dP * b_P                                       # dP * P
+    else: b_dPP = b_dP * (tl.dot(b_q, tl.trans(b_k)) * b_G * scale)
     b_dG += tl.sum(b_dPP, 1) - tl.sum(b_dPP, 0)
     b_dqk = (b_dP * b_G * scale).to(DT)
     b_dq = tl.dot(b_dqk, b_k) + b_dqg * (b_eg * scale)[:, None]      # ... + from Qbar
@@ -640,6 +648,13 @@ def _bv_local(K: int, V: int) -> int:
     return min(V, 32 if K <= 64 else 16)
 
 
+def _hold_local(K: int, dtype: torch.dtype) -> bool:
+    """Whether the local-gradient kernel keeps P and K K^T * Gamma across its value loop. Recomputing them after the
+    loop frees registers (bf16 at K = 32: 0.489 -> 0.459 ms on the H200), but the tail's two extra products then need
+    their K-wide operands in shared memory at once: fp32 tiles at K = 128 asked for 256 KiB, over the H200's 227."""
+    return dtype.itemsize == 4 and K > 64
+
+
 def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need_dh0):
     """Kernel 1's gc and A and the chunk states hs as kept from the forward (or recomputed when None), then kernels 3
     and 4: `(dq, dk, dv, dg, dbeta, dh0 or None)`."""
@@ -661,7 +676,8 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
     _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
-                            chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None, **LAUNCH["local"])
+                            chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
+                            _hold_local(K, q.dtype), **LAUNCH["local"])
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -1113,6 +1129,15 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # tail ran at 0.463 and 0.522 ms. The sequential passes barely spill (16 bytes, or none), and
 # dropping their register prefetch of the next chunk made them slower (0.216 against 0.195 ms):
 # the prefetch hides the loads' latency (`benchmarks/results/experiments.json`).
+#
+# Registers are not the only budget. The two products redone after the loop need their $K$-wide
+# operands in shared memory at the same time, and with fp32 inputs and heads of 128 that came to
+# 256 KiB per block, over the 227 KiB an H200 block may have: the kernel would not launch
+# (`gdn_verify.py` at $K = V = 128$ in fp32 found it, one round after the change). So the kernel
+# keeps both orders, chosen by a compile-time flag (`HOLD`, set by `_hold_local`): fp32 inputs with
+# $K > 64$ hold $P$ and $KK^\top\odot\Gamma$ across the loop as before (192 KiB), everything else
+# recomputes them. `gdn_registers.py` reports each kernel's shared memory, and a test compiles the
+# fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag.
 # :::
 #
 # ::: {.callout-tip collapse="true"}
