@@ -5,14 +5,14 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 9 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
 # python benchmarks/train_step.py --compile --profile micro      # also what the host ran in the longest GPU gaps; + --ac, --gdn torch, ...
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
-# python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents (not yet measured on the H200)
+# python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents of about 1 024 tokens (cu_seqlens)
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
@@ -30,6 +30,7 @@
 
 # %%
 import json
+import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -62,9 +63,9 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 
 # %%
 def when(code):
-    return {"previous": " (previous round)", "two": " (two rounds ago)", "three": " (three rounds ago)",
-            "four": " (four rounds ago)", "five": " (five rounds ago)", "six": " (six rounds ago)",
-            "experiment": " (experiment)"}.get(code.split()[0].strip(":,"), "")
+    "A bar's suffix: the round that measured the row (rounds are numbered from the first GPU round, 2)."
+    m = re.match(r"(?:experiment.*?)?round (\d+)", code)
+    return f" (round {m.group(1)})" if m else (" (experiment)" if code.startswith("experiment") else "")
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -85,7 +86,7 @@ fig.tight_layout(); plt.show()
 # The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
 # summed by kind, and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs
 # are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
-# host). This round's profile (of the code before its last kernel edit; see its note in the table)
+# host). Round 8's profile (of the code before its last kernel edit; see its note in the table)
 # records only the GPU's activity (`--profile cuda`), which leaves the
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
 # of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
@@ -94,7 +95,7 @@ fig.tight_layout(); plt.show()
 # unprofiled run.
 
 # %%
-prof = next((r for r in steps if "profile_ms_per_micro_batch" in r), None)
+prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and "docs~" not in r["variant"]), None)  # the preset's
 if prof:
     total = sum(prof["profile_ms_per_micro_batch"].values())
     for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
@@ -111,36 +112,68 @@ if prof:
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
-#   five rounds ago). The GDN forward keeps its triangular inverses $A$ (three rounds ago, +2 GB) and,
-#   since two rounds ago, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
+#   in round 3). The GDN forward keeps its triangular inverses $A$ (in round 5, +2 GB) and,
+#   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (six rounds
 #   ago).
 # * **MFU: 35.0–35.1 % at the preset's step (32 micro-batches per optimiser step, 6.675–6.691 s,
 #   about 78.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
-#   script, the previous round's final code (731eef1) took 6.676 and 6.680 s: this round's kernel
-#   change (below; about 0.3 % expected) is below what two pairs of runs resolve. This round's
-#   machines were faster than last round's: the previous round measured 6.84–6.88 s, before its
+#   script, round 7's final code (731eef1) took 6.676 and 6.680 s: round 8's kernel
+#   change (below; about 0.3 % expected) is below what two pairs of runs resolve. Round 8's
+#   machines were faster than round 7's: round 7 measured 6.84–6.88 s, before its
 #   output-gate change (an estimated 0.7 %), and its final code measures 6.68–6.73 s now, so about
 #   1–2 % of the difference between rounds is the machine. Earlier rounds: 6.84–6.88 s (34.1–34.3 %,
-#   two rounds: the previous and the one before), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
+#   rounds 7 and 6), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
 #   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
-#   six rounds ago).
-# * **This round: the GDN local-gradient kernel spills less** (chapter 13).
+#   in round 2).
+# * **Round 9: packed documents train at 30 % MFU instead of 3.4 %.** The first H200 timing of
+#   `--doc-masking 1024` (documents of about 1 024 tokens, some 17 per packed row of 16 384) took
+#   17.2 s per step of 8 micro-batches, against 1.74 s for the same step without documents. MLA ran
+#   causal SDPA once per document, SDPA chose cuDNN, and cuDNN builds an execution plan for every
+#   sequence length it has not seen: one packed row's attention, forward and backward, took 1.6–4.2 s
+#   with new document lengths and 6 ms with lengths seen before (`experiments.json`). MLA now calls
+#   the flash kernel's variable-length form once per row (chapter 21): 2.5–2.8 ms for that row, its
+#   outputs and gradients within 4e-3 of the loop's (relative to their largest value), and the step
+#   took 2.16 s. The profile of that step still showed the GPU idle 118 of 320 ms per micro-batch:
+#   every read of a GPU value (the checks of the document boundaries, the GDN kernels' chunk
+#   tables) makes the host wait for the GPU, and there were some 200 per micro-batch. The checks
+#   now read the GPU once instead of three times (chapters 12 and 20), and the chunk tables once
+#   instead of twice (chapter 13): 1.93 s per step, 30.4 % MFU, 51.5 GB, the GPU idle 31 of 234 ms
+#   per micro-batch. What is left of the 11 % to the plain step is mostly the remaining reads
+#   (chunk tables in each GDN layer's forward and backward, the longest document in each MLA layer).
+# * **Round 9: the PyTorch GDN path re-timed on the machine of the Triton path's steps.** 29.4 s
+#   per preset step (one timed step after one warm-up step), against 6.71–6.74 s for the Triton
+#   path: 4.4×. See the comparison below.
+# * **Round 9: the garbage collector is not what the GPU waits on.** During a preset step Python
+#   ran 59–60 young-generation and 5–6 middle-generation collections, 11 ms in all, the longest
+#   0.57 ms. With the collector frozen and off the steps took 6.741, 6.748 and 6.731 s, against
+#   6.714, 6.737 and 6.731 s with it on, alternating in one process (`experiments.json`). Not
+#   adopted. A profile with the host's operators recorded (one micro-batch per step) showed the GPU
+#   idle 6.9 ms per micro-batch, 6.3 ms of it in gaps under 10 µs: on this machine the host kept
+#   ahead, and the gaps of 500 µs of round 8's profile did not come back. Of the some 4 100 kernels
+#   of a micro-batch, about 700 are memsets (about 310 launched by cuBLAS with matrix products, 130
+#   by the MoE's sort, 70 by reductions) and 380 are AccumulateGrad's fp32 additions of weight
+#   gradients: fewer launches is where the rest of the launch latency is.
+# * **Round 9, too: a regression fixed.** `gdn_verify.py` at $K = V = 128$ in fp32 found that round
+#   8's local-gradient kernel asked the H200 for 256 KiB of shared memory per block (227 KiB is
+#   the limit) and did not launch. fp32 inputs with heads wider than 64 now take the kernel's
+#   earlier order (192 KiB); HyMo's bf16 kernel is the same PTX as before (chapter 13).
+# * **Round 8: the GDN local-gradient kernel spills less** (chapter 13).
 #   `benchmarks/gdn_registers.py` (new) compiles the GDN kernels for the H200 on any machine and
 #   reads `ptxas -v`, the kernels specialised as a launch at HyMo's shape specialises them: the
 #   local-gradient kernel used all 255 registers a thread has and spilled 264 bytes per thread
 #   to local memory (Triton 3.6; 460 under 3.9; `benchmarks/results/gdn_registers.json`).
 #   Recomputing $\Gamma$ and $P$ where they are used, instead of holding them and $KK^\top\odot\Gamma$
 #   across the value loop, left 148 bytes, and the kernel went from 0.489 to 0.459 ms per layer
-#   (bit-identical gradients), about 0.7 ms per micro-batch. This round's profile (its code then
-#   had a variant of this change and kernel 1's doubling solve, below; it also has the previous
-#   round's output-gate change, which that round's profile predates) shows inductor's kernels at
+#   (bit-identical gradients), about 0.7 ms per micro-batch. Round 8's profile (its code then
+#   had a variant of this change and kernel 1's doubling solve, below; it also has round 7's
+#   output-gate change, which round 7's profile predates) shows inductor's kernels at
 #   26.3 ms against 29.7 ms and the GDN rule's at 27.7 against 28.7 ms per micro-batch, but the GPU
 #   idle 10.5 ms against 6.1 ms, 2.2 ms of it in gaps of 100 µs or more. The two profiles come
 #   from different machines, so this only suggests that the kernels' gain went into waiting for
 #   the host; the step did not move measurably. Launching fewer kernels, or launching them from
 #   CUDA graphs, is what can turn kernel time into step time then.
-# * **This round, too: `doc_masking=true` trains again.** The trainer packs a micro-batch of $B$
+# * **Round 8, too: `doc_masking=true` trains again.** The trainer packs a micro-batch of $B$
 #   windows into one row of $BT$ tokens with document boundaries, and the model refused any row
 #   longer than `max_seq_len`, so the first step failed on every preset (`python -m hymo.train
 #   doc_masking=true` included). Positions restart at every document, so the model now checks the
@@ -150,7 +183,7 @@ if prof:
 #   its limit of eight. That loop and the packed positions now run outside the compiled graphs
 #   (chapters 20 and 21; a test counts the graphs compiled on CPU). The document-masked step has
 #   still not been timed: the device time ran out.
-# * **Tried this round and not kept** (H200, `benchmarks/results/experiments.json`):
+# * **Tried in round 8 and not kept** (H200, `benchmarks/results/experiments.json`):
 #   - kernel 1's solve with no serial steps, by doubling on $4\times4$ blocks and merging: ten
 #     tensor-core products, 0.253 ms against 0.240 ms for the row-by-row solve of the
 #     $16\times16$ blocks (chapter 13 says why the doubling must start from blocks that small);
@@ -161,10 +194,10 @@ if prof:
 #   - other orders of the local-gradient kernel's tail: 0.463 and 0.522 ms;
 #   - the prelude's backward keeping its $du$ in bf16: inconclusive, the standalone timing was
 #     bound by the host's launches.
-# * **Previous round: the GPU hardly waited on its host any more.** A profile that records host
-#   operators slows the host, and hosts differ between machines, so the waits of the round before (12 ms per
+# * **Round 7: the GPU hardly waited on its host any more.** A profile that records host
+#   operators slows the host, and hosts differ between machines, so the waits of round 6 (12 ms per
 #   micro-batch on one machine, under 1 ms on another) could not tell how much was real. Recording
-#   only the GPU's activity (`--profile cuda`) showed that the previous code's GPU waited 4.9 ms per
+#   only the GPU's activity (`--profile cuda`) showed that round 6's code's GPU waited 4.9 ms per
 #   micro-batch in gaps of 10 µs or more, most of them just before the first kernel of a GDN block
 #   in the forward (`benchmarks/results/host_waits.json`). There the host was only just ahead of
 #   the GPU. A Triton launch from Python cost the host 20.5 µs on one machine and 31.9 µs on
@@ -180,16 +213,16 @@ if prof:
 #   round's paired timings (6.839/6.872 s against 6.869/6.884 s for the code before), whose host
 #   launches a Triton kernel in 20.5 µs, the gain was small; a slower host should gain more (not
 #   measured).
-# * **Previous round, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
+# * **Round 7, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
 #   compiled backward had built the gradient of the stacked $[g, a, b]$ projection in one kernel that
 #   mixed three elementwise formulas with a concatenation: about 140 µs per layer
 #   (`train_step_profile.txt`), about four times what it moves. With $g$ in its own product, a
 #   compiled GDN block (forward and backward) went from 4.51 to 4.45 ms, in two alternating pairs
 #   in one process (`benchmarks/results/block_step.json`).
 #   Over 24 GDN blocks that is about 1.5 ms per micro-batch, some 50 ms (0.7 %) per preset step;
-#   the preset step was not re-timed with this change in that round; this round's rows of the
-#   previous round's code include it.
-# * **Tried in the previous round and not kept** (measured on the H200):
+#   the preset step was not re-timed with this change in that round; round 8's rows of the
+#   round 7's code include it.
+# * **Tried in round 7 and not kept** (measured on the H200):
 #   - $W_1$ and $W_3$ of every SwiGLU as one stacked product: compiled, inductor's kernels around it
 #     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s
 #     (`benchmarks/results/experiments.json`). Reverted;
@@ -197,14 +230,14 @@ if prof:
 #     those kernels took 28.6 ms per micro-batch against 29.7 ms in the profile above, measured on
 #     another machine (`experiments.json`), at the cost of about two minutes more compilation per
 #     run. Not adopted.
-# * **Gains two rounds ago:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
+# * **Gains in round 6:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
 #   124.6 → 101.1 ms of GPU time and AdamW 22.9 → 4.4 ms, through list-wide `_foreach` launches
 #   and a row normalisation that reads the update once; the GDN forward keeping every chunk's state
 #   for the backward (chapter 13, `keep_prep`): GDN rule kernels per micro-batch 30.0 → 28.4 ms.
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
 #   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
-# * **What is left** (the breakdown above, this round's profile: about 198 ms of kernels per
+# * **What is left** (the breakdown above, round 8's profile: about 198 ms of kernels per
 #   micro-batch). Matrix multiplies are about 50 % (98.6 ms, about 65 TFLOP at some 660 TFLOP/s,
 #   near what the H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are
 #   among them). The GDN rule kernels are 14 % (27.7 ms; the local-gradient kernel alone took
@@ -220,20 +253,20 @@ if prof:
 #   now: with the matrix multiplies as they are, everything else would have to fall from about
 #   107 ms (kernels and waits) to about 81 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency (about 6 ms per micro-batch). They failed here (three rounds ago): a later
+#   remove the launch latency (about 6 ms per micro-batch). They failed here (in round 5): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
 #   heads left out, an MLA block's).
-# * **Triton GDN path against the PyTorch chunked path: about 3.7× faster per preset step, both
-#   compiled (6.68–6.69 s this round against 24.8 s, measured on different machines); the target
-#   was 5×.** The PyTorch path's step measured 28.3 s three rounds ago, as the slower of two timed
-#   steps, and 24.8 s two rounds ago, as a single timed step after one warm-up step (it was not
-#   timed again since), so part of the difference may be how it was sampled, and the ratio lies
-#   between 3.7× and 4.2×; machines also differ by about 2 %.
-#   Either way it is short of 5×, which needs the Triton path's step below 5 s. With one
-#   micro-batch per step, six rounds ago: 2.3× compiled, 4.97× eager. The rule kernel itself is
+# * **Triton GDN path against the PyTorch chunked path: 4.4× faster per preset step, both
+#   compiled (29.4 s against 6.71–6.74 s on one machine, round 9); the target was 5×.** Earlier
+#   rounds measured the PyTorch path on other machines than the Triton path: 28.3 s in round 5 (the
+#   slower of two timed steps) and 24.8 s in round 6 (one timed step), so the ratio then read
+#   3.7–4.2×.
+#   5× needs the Triton path's step below 5.87 s on that machine, nearly the 5.86 s that 40 % MFU
+#   needs: the two targets are one. With one
+#   micro-batch per step, in round 2: 2.3× compiled, 4.97× eager. The rule kernel itself is
 #   51× faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but
 #   GDN is only part of the step.
-# * **All-MLA** (32 MLA + MoE blocks, six rounds ago): 0.75 s per one-micro-batch step at 6.8
+# * **All-MLA** (32 MLA + MoE blocks, in round 2): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
 
@@ -258,9 +291,9 @@ assert worst_o <= 5e-3 and worst_g <= 1e-2
 
 # %% [markdown]
 # The table above is the full run of an earlier round. Since then the backward reuses the
-# forward's $A$ and cumulative gates (three rounds ago) and its chunk states (two rounds ago; chapter
-# 13); this round changed the local-gradient kernel (chapter 13). `gdn_verify.py --quick --shapes hymo` re-checked
-# this round's final code on the H200
+# forward's $A$ and cumulative gates (in round 5) and its chunk states (in round 6; chapter
+# 13); round 8 changed the local-gradient kernel (chapter 13). `gdn_verify.py --quick --shapes hymo` re-checked
+# round 8's final code on the H200
 # (`benchmarks/results/gdn_verify_quick_h200.json`): the chunk kernel at $T$ = 63 and 256 and a
 # packed row of five documents, bf16 and fp32: worst output or state 3.3e-3 and worst gradient
 # 3.7e-3 in bf16, 1.7e-3 in fp32, every run deterministic, and the path that keeps $A$, the gates
