@@ -277,3 +277,26 @@ def test_varlen_flash_equals_the_per_document_loop():
     moved = varlen_flash_attention(q, k, v, cu, 0.1).float()
     assert torch.equal(moved[:, :700], res[0][0][:, :700]), (moved[:, :700] - res[0][0][:, :700]).abs().max()
     assert (moved[:, 700:] - res[0][0][:, 700:]).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernels run on CUDA")
+def test_mla_module_takes_the_varlen_path_with_its_own_layouts(monkeypatch):
+    "The module's queries, keys and values are views with their own strides: the varlen call must read them right, under autocast."
+    import hymo.models.mla as mla
+    cfg = load_config("hymo_750m").model
+    m = randomize_(MultiHeadLatentAttention(cfg, layer_idx=3)).cuda()
+    cu = torch.tensor([0, 300, 301, 1500, 2048], device="cuda")
+    x = torch.randn(1, 2048, cfg.dim, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    calls, res = [], []
+    plain = mla.varlen_flash_attention
+    monkeypatch.setattr(mla, "varlen_flash_attention", lambda *a: calls.append(1) or plain(*a))
+    for use_varlen in (True, False):
+        monkeypatch.setattr(mla, "varlen_flash_ok", lambda q, v: use_varlen)
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(xi, cu_seqlens=cu)
+        y.float().pow(2).mean().backward()
+        res.append([y.detach().float(), xi.grad])
+    assert calls == [1]
+    for a, b in zip(*res):
+        assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
