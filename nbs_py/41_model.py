@@ -360,7 +360,10 @@ test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), 
 # With `cu_seqlens` the positions restart at every document, so a packed row may be longer than
 # `max_seq_len` as long as each document fits. The trainer packs a micro-batch of $B$ windows of
 # $T$ tokens into one row of $BT$ (a window always starts a document), which is how
-# `doc_masking=true` trains:
+# `doc_masking=true` trains. On one H200 the 750M step with documents of about 1 024 tokens costs
+# 11 % more than without (1.93 against 1.74 s per 8 micro-batches, 30.4 % MFU; the results page):
+# MLA attends through one varlen flash call, and what is left is the host reading document
+# boundaries from the GPU.
 
 # %%
 rows = torch.randint(0, tiny.vocab_size, (3, tiny.max_seq_len))
