@@ -268,13 +268,16 @@ BT = 64  # chunk length C; the kernels' tiles are BT x BT
 
 def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundaries, or None
                   B: int, T: int): # Batch and sequence length
-    "`(chunk_indices [NC, 2], chunk_offsets [N+1], NC)`: (document, chunk) per chunk and each document's first chunk."
+    """`(chunk_indices [NC, 2], chunk_offsets [N+1], NC)`: (document, chunk) per chunk slot and each document's first chunk.
+    With documents NC is `_max_chunks`, a bound known from the shapes, so that nothing waits to read the true count from
+    the GPU; the slots past the last chunk point past the last document's end, and their programs load and store nothing."""
     if cu_seqlens is None: return None, None, B * triton.cdiv(T, BT)
     nts = (cu_seqlens.diff() + BT - 1) // BT                                        # chunks per document
     offsets = F.pad(nts.cumsum(0), (1, 0)).to(torch.int32)
-    nc = int(offsets[-1])
-    doc = torch.repeat_interleave(torch.arange(len(nts), device=nts.device), nts, output_size=nc)  # (NC,); the size given, no second wait
-    indices = torch.stack([doc, torch.arange(nc, device=nts.device) - offsets[doc]], 1)
+    nc = _max_chunks(B, T, len(nts), True)
+    slot = torch.arange(nc, device=nts.device)
+    doc = torch.searchsorted(offsets[1:], slot, right=True).clamp(max=len(nts) - 1)  # (NC,) the document of each slot
+    indices = torch.stack([doc, slot - offsets[doc]], 1)
     return indices.to(torch.int32).contiguous(), offsets, nc
 
 

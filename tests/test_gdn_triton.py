@@ -44,6 +44,7 @@ CHILD = textwrap.dedent('''
     res["odd_T_padded_dims"] = case(2, 70, 1, 12, 20, seed=1)
     res["two_value_blocks"] = case(1, 40, 1, 16, 64, seed=2)
     res["packed"] = case(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=3)
+    res["packed_spare_slots"] = case(1, 192, 2, 16, 16, cu=torch.tensor([0, 64, 128, 130, 192]), seed=9)  # 4 chunks, 6 slots
     res["fp16"] = case(1, 70, 1, 16, 32, dtype=torch.float16, seed=4)
     xs, h0, cu = inputs(1, 90, 2, 16, 16, torch.float32, 6), torch.randn(3, 2, 16, 16), torch.tensor([0, 10, 80, 90])
     kept, again = (run(lambda *a: triton_gated_delta_rule(*a, keep_prep=kp), xs, h0, cu, 6) for kp in (True, False))
@@ -104,7 +105,7 @@ def _check(case, tol):
         assert err <= tol * max(scale, 1.0), f"{name}: max error {err:.3g} (reference max {scale:.3g})"
 
 
-@pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed", "other_local_order"])
+@pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed", "packed_spare_slots", "other_local_order"])
 def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
     "fp32: o, the final state and the gradients of q, k, v, g, beta and the initial state, to fp32 rounding."
     _check(errors[name], 1e-4)
