@@ -259,7 +259,11 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
 
 # %% [markdown]
 # The host side computes the chunk tables of a packed row and launches the kernel on a grid of
-# (chunks, heads). Checked against `torch.linalg.solve_triangular` on one chunk:
+# (chunks, heads). The true number of chunks, $\sum_n \lceil L_n / 64 \rceil$, sits on the GPU, and
+# reading it would make the host wait for everything queued before it. The grid takes the bound
+# $\lfloor (T + 63N)/64 \rfloor$ instead, which the shapes give: a document adds at most one short
+# chunk. The spare slots name chunks past the last document's end, so their programs mask every
+# load and store away. Checked against `torch.linalg.solve_triangular` on one chunk:
 
 # %%
 #| export

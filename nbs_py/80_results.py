@@ -139,8 +139,12 @@ if prof:
 #   tables) makes the host wait for the GPU, and there were some 200 per micro-batch. The checks
 #   now read the GPU once instead of three times (chapters 12 and 20), and the chunk tables once
 #   instead of twice (chapter 13): 1.93 s per step, 30.4 % MFU, 51.5 GB, the GPU idle 31 of 234 ms
-#   per micro-batch. What is left of the 11 % to the plain step is mostly the remaining reads
-#   (chunk tables in each GDN layer's forward and backward, the longest document in each MLA layer).
+#   per micro-batch, 11 % over the plain step. The chunk tables now need no read at all (the
+#   kernels take a bound on the chunk count that the shapes give). That final code measured 2.06 s
+#   on another machine, whose host was slower in the longest gaps (kernel launches overlapping
+#   them by 23–56 µs against 9 µs), with no device time left to time both versions on one machine:
+#   its effect is not measured. What still reads the GPU, per micro-batch: the GDN boundary check
+#   in each of 24 layers, and MLA's position check and longest document in each of 8.
 # * **Round 9: the PyTorch GDN path re-timed on the machine of the Triton path's steps.** 29.4 s
 #   per preset step (one timed step after one warm-up step), against 6.71–6.74 s for the Triton
 #   path: 4.4×. See the comparison below.
@@ -292,9 +296,12 @@ assert worst_o <= 5e-3 and worst_g <= 1e-2
 # %% [markdown]
 # The table above is the full run of an earlier round. Since then the backward reuses the
 # forward's $A$ and cumulative gates (in round 5) and its chunk states (in round 6; chapter
-# 13); round 8 changed the local-gradient kernel (chapter 13). `gdn_verify.py --quick --shapes hymo` re-checked
-# round 8's final code on the H200
-# (`benchmarks/results/gdn_verify_quick_h200.json`): the chunk kernel at $T$ = 63 and 256 and a
-# packed row of five documents, bf16 and fp32: worst output or state 3.3e-3 and worst gradient
-# 3.7e-3 in bf16, 1.7e-3 in fp32, every run deterministic, and the path that keeps $A$, the gates
-# and the states (`keep_prep=True`, what the model uses) equal to the recomputing path bit for bit.
+# 13); round 8 changed the local-gradient kernel, and round 9 gave it back its earlier order for
+# fp32 heads wider than 64 and made the packed path's chunk tables from a bound instead of the
+# count read from the GPU (chapter 13). `gdn_verify.py --quick` re-checked round 9's final code on
+# the H200 (`benchmarks/results/gdn_verify_quick_h200.json`): the chunk kernel at $T$ = 63 and 256
+# for heads of 32 and of 128, and a packed row of five documents (two spare chunk slots), bf16
+# and fp32: worst output or state 3.3e-3 and worst gradient 3.6e-3 in bf16, 1.7e-3 in fp32 (the
+# fp32 heads of 128, which round 8's kernel could not launch, 1.5e-3), every run deterministic, and
+# the path that keeps $A$, the gates and the states (`keep_prep=True`, what the model uses) equal
+# to the recomputing path bit for bit.
