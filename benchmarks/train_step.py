@@ -89,12 +89,16 @@ def host_during(ops: list, lo: float, hi: float, top: int = 3) -> list:
     return [f"{name[:60]} ({us:.0f} us)" for us, name in over[:top]]
 
 
+RUNTIME = ("cuda", "cu", "Command Buffer")  # CUDA runtime and driver calls: the profiler links each to its kernels too
+
+
 def launched_by(rows: list, pattern: str, top: int = 6) -> list:
     """Which host operators launch the kernels whose names match `pattern`: `rows` are `(ancestry, kernels)` of every
-    host operator, its name first and then its callers', and the names of the kernels it launched. Returns
-    `'op < caller < ...: count'`, most kernels first."""
+    host event, its name first and then its callers', and the names of the kernels it launched. CUDA runtime calls
+    are left out (the operator that made them is counted). Returns `'op < caller < ...: count'`, most kernels first."""
     counts = {}
     for ancestry, kernels in rows:
+        if ancestry[0].startswith(RUNTIME): continue
         n = sum(bool(re.search(pattern, k)) for k in kernels)
         if n: counts[" < ".join(ancestry)] = counts.get(" < ".join(ancestry), 0) + n
     return [f"{k}: {n}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]

@@ -243,6 +243,8 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
+    if IS_VARLEN:
+        if i_t * BT >= T: return                                      # a spare slot past the last document
     o_i = tl.arange(0, BT)
     o_t = i_t * BT + o_i
     m_t = o_t < T
@@ -262,8 +264,8 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
 # (chunks, heads). The true number of chunks, $\sum_n \lceil L_n / 64 \rceil$, sits on the GPU, and
 # reading it would make the host wait for everything queued before it. The grid takes the bound
 # $\lfloor (T + 63N)/64 \rfloor$ instead, which the shapes give: a document adds at most one short
-# chunk. The spare slots name chunks past the last document's end, so their programs mask every
-# load and store away. Checked against `torch.linalg.solve_triangular` on one chunk:
+# chunk. The spare slots name chunks past the last document's end, and their programs return at
+# once. Checked against `torch.linalg.solve_triangular` on one chunk:
 
 # %%
 #| export
@@ -274,7 +276,7 @@ def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundarie
                   B: int, T: int): # Batch and sequence length
     """`(chunk_indices [NC, 2], chunk_offsets [N+1], NC)`: (document, chunk) per chunk slot and each document's first chunk.
     With documents NC is `_max_chunks`, a bound known from the shapes, so that nothing waits to read the true count from
-    the GPU; the slots past the last chunk point past the last document's end, and their programs load and store nothing."""
+    the GPU; the slots past the last chunk point past the last document's end, and their programs return at once."""
     if cu_seqlens is None: return None, None, B * triton.cdiv(T, BT)
     nts = (cu_seqlens.diff() + BT - 1) // BT                                        # chunks per document
     offsets = F.pad(nts.cumsum(0), (1, 0)).to(torch.int32)
@@ -554,6 +556,8 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
+    if IS_VARLEN:
+        if i_t * BT >= T: return                                      # a spare slot past the last document
     o_i = tl.arange(0, BT)
     o_t = i_t * BT + o_i
     b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_v = _load_chunk(q, k, v, gc, beta, A, bos, T, i_t, i_h, 0, H, K, V, BT, BV, True)
@@ -787,9 +791,9 @@ for _ in range(200):
     N = int(torch.randint(1, 9, (1,), generator=gen))
     lens = torch.randint(0, 300, (N,), generator=gen)
     cu = F.pad(lens.cumsum(0), (1, 0))
-    assert _chunk_tables(cu, 1, int(cu[-1]))[2] <= _max_chunks(1, int(cu[-1]), N, True)
+    assert int(_chunk_tables(cu, 1, int(cu[-1]))[1][-1]) <= _max_chunks(1, int(cu[-1]), N, True)  # the true count
 cu = torch.tensor([0, 65, 130, 140])                                       # 2 + 2 + 1 chunks
-test_eq(_chunk_tables(cu, 1, 140)[2], _max_chunks(1, 140, 3, True))
+test_eq(int(_chunk_tables(cu, 1, 140)[1][-1]), _max_chunks(1, 140, 3, True))
 
 
 # %% [markdown]
@@ -1140,11 +1144,14 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # Registers are not the only budget. The two products redone after the loop need their $K$-wide
 # operands in shared memory at the same time, and with fp32 inputs and heads of 128 that came to
 # 256 KiB per block, over the 227 KiB an H200 block may have: the kernel would not launch
-# (`gdn_verify.py` at $K = V = 128$ in fp32 found it, one round after the change). So the kernel
+# (`gdn_verify.py` at $K = V = 128$ in fp32 found it, in round 9). So the kernel
 # keeps both orders, chosen by a compile-time flag (`HOLD`, set by `_hold_local`): fp32 inputs with
 # $K > 64$ hold $P$ and $KK^\top\odot\Gamma$ across the loop as before (192 KiB), everything else
 # recomputes them. `gdn_registers.py` reports each kernel's shared memory, and a test compiles the
-# fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag.
+# fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag. fp32 heads
+# wider than 128 fit in neither order (352 KiB at $K = 256$, Triton 3.6); their backward needs
+# bf16 or fp16 inputs, or the PyTorch path. A GPU with less shared memory than the H200 (an
+# A100 has 164 KiB) has a lower limit still.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

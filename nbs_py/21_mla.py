@@ -125,8 +125,9 @@ def naive_mla(x, # [T, D] one sequence
 # SDPA picks cuDNN, and cuDNN builds a new execution plan for every new sequence length it meets,
 # that is, for nearly every document. One packed row of 16 384 tokens in 17 documents took
 # 1.6–4.2 s forward and backward with new lengths, 6 ms with lengths seen before; the varlen call
-# takes 2.5–2.8 ms (the same row as one causal sequence under cuDNN: 6.6 ms), and the step 1.93 s
-# (30.4 % MFU; `benchmarks/results/`).
+# takes 2.5–2.8 ms (the same row as one causal sequence under cuDNN: 6.6 ms), and the step 2.16 s;
+# 1.93 s (30.4 % MFU) once the checks of the boundaries read the GPU once instead of three times
+# (`benchmarks/results/`).
 #
 # `forward_decode`, the cached decoder, is derived in its own section below. Two limits to know:
 # the document path reads the longest document's length, which synchronises with the GPU and breaks
@@ -172,9 +173,10 @@ class VarlenFlash(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def varlen_flash_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
-    "Whether the flash kernels take these: a CUDA GPU of compute capability 8.0 or newer, fp16/bf16, equal head widths up to 256."
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256
+def varlen_flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    "Whether the flash kernels take these: an NVIDIA GPU of compute capability 8.0 or newer, one fp16/bf16 dtype, equal head widths up to 256."
+    return (q.is_cuda and torch.version.hip is None and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] == v.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
@@ -199,7 +201,7 @@ def attend_documents(q: torch.Tensor, # [1, T, H, d_qk]
                      scale: float, # Softmax scale
                     ) -> torch.Tensor: # [1, T, H, d_v]
     "Causal attention within each document of a packed row: one varlen flash launch where it runs, else the loop."
-    if varlen_flash_ok(q, v): return varlen_flash_attention(q, k, v, cu_seqlens, scale)
+    if varlen_flash_ok(q, k, v): return varlen_flash_attention(q, k, v, cu_seqlens, scale)
     return attend_documents_loop(q, k, v, cu_seqlens, scale)
 
 

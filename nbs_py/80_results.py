@@ -63,7 +63,7 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 
 # %%
 def when(code):
-    "A bar's suffix: the round that measured the row (rounds are numbered from the first GPU round, 2)."
+    "A bar's suffix: the round whose code the row measured (rounds are numbered from the first GPU round, 2)."
     m = re.match(r"(?:experiment.*?)?round (\d+)", code)
     return f" (round {m.group(1)})" if m else (" (experiment)" if code.startswith("experiment") else "")
 
@@ -90,7 +90,7 @@ fig.tight_layout(); plt.show()
 # records only the GPU's activity (`--profile cuda`), which leaves the
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
 # of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
-# operators too, two rounds old, is `train_step_profile.txt` (`--profile micro`); recording the
+# operators too, from round 6, is `train_step_profile.txt` (`--profile micro`); recording the
 # host's operators slows the host about twofold, so the waits it shows are not those of an
 # unprofiled run.
 
@@ -114,14 +114,14 @@ if prof:
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
 #   in round 3). The GDN forward keeps its triangular inverses $A$ (in round 5, +2 GB) and,
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
-#   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (six rounds
-#   ago).
+#   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
+#   2).
 # * **MFU: 35.0–35.1 % at the preset's step (32 micro-batches per optimiser step, 6.675–6.691 s,
 #   about 78.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
 #   script, round 7's final code (731eef1) took 6.676 and 6.680 s: round 8's kernel
 #   change (below; about 0.3 % expected) is below what two pairs of runs resolve. Round 8's
 #   machines were faster than round 7's: round 7 measured 6.84–6.88 s, before its
-#   output-gate change (an estimated 0.7 %), and its final code measures 6.68–6.73 s now, so about
+#   output-gate change (an estimated 0.7 %), and its final code measured 6.68–6.73 s in round 8, so about
 #   1–2 % of the difference between rounds is the machine. Earlier rounds: 6.84–6.88 s (34.1–34.3 %,
 #   rounds 7 and 6), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
 #   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
@@ -154,7 +154,8 @@ if prof:
 #   6.714, 6.737 and 6.731 s with it on, alternating in one process (`experiments.json`). Not
 #   adopted. A profile with the host's operators recorded (one micro-batch per step) showed the GPU
 #   idle 6.9 ms per micro-batch, 6.3 ms of it in gaps under 10 µs: on this machine the host kept
-#   ahead, and the gaps of 500 µs of round 8's profile did not come back. Of the some 4 100 kernels
+#   ahead, and round 8's gaps of 500–640 µs between blocks did not come back (the longest, 453 µs, came
+#   at the start of a micro-batch). Of the some 4 100 kernels
 #   of a micro-batch, about 700 are memsets (about 310 launched by cuBLAS with matrix products, 130
 #   by the MoE's sort, 70 by reductions) and 380 are AccumulateGrad's fp32 additions of weight
 #   gradients: fewer launches is where the rest of the launch latency is.
@@ -185,8 +186,8 @@ if prof:
 #   A first document-masked run on the H200 then showed `torch.compile` compiling MLA's
 #   per-document attention loop again for every new number of documents in a row, until it hit
 #   its limit of eight. That loop and the packed positions now run outside the compiled graphs
-#   (chapters 20 and 21; a test counts the graphs compiled on CPU). The document-masked step has
-#   still not been timed: the device time ran out.
+#   (chapters 20 and 21; a test counts the graphs compiled on CPU). The document-masked step was
+#   not timed in round 8 (the device time ran out); round 9 timed it, above.
 # * **Tried in round 8 and not kept** (H200, `benchmarks/results/experiments.json`):
 #   - kernel 1's solve with no serial steps, by doubling on $4\times4$ blocks and merging: ten
 #     tensor-core products, 0.253 ms against 0.240 ms for the row-by-row solve of the
@@ -201,7 +202,7 @@ if prof:
 # * **Round 7: the GPU hardly waited on its host any more.** A profile that records host
 #   operators slows the host, and hosts differ between machines, so the waits of round 6 (12 ms per
 #   micro-batch on one machine, under 1 ms on another) could not tell how much was real. Recording
-#   only the GPU's activity (`--profile cuda`) showed that round 6's code's GPU waited 4.9 ms per
+#   only the GPU's activity (`--profile cuda`) showed that the GPU, running round 6's code, waited 4.9 ms per
 #   micro-batch in gaps of 10 µs or more, most of them just before the first kernel of a GDN block
 #   in the forward (`benchmarks/results/host_waits.json`). There the host was only just ahead of
 #   the GPU. A Triton launch from Python cost the host 20.5 µs on one machine and 31.9 µs on
@@ -213,8 +214,8 @@ if prof:
 #   been copied through pageable memory, which made the host wait for the GPU at every
 #   micro-batch. What is left of them is mostly one wait of about 0.6 ms at the start of each
 #   micro-batch. The rest of the idle time, about 5.6 ms, is the launch latency between some 3 960
-#   back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the machine of that
-#   round's paired timings (6.839/6.872 s against 6.869/6.884 s for the code before), whose host
+#   back-to-back kernels, which only fewer kernels or CUDA graphs can remove. On the machine of round 7's
+#   paired timings (6.839/6.872 s against 6.869/6.884 s for the code before), whose host
 #   launches a Triton kernel in 20.5 µs, the gain was small; a slower host should gain more (not
 #   measured).
 # * **Round 7, too: the output gate's projection apart from $a$ and $b$** (chapter 12). The
@@ -224,7 +225,7 @@ if prof:
 #   compiled GDN block (forward and backward) went from 4.51 to 4.45 ms, in two alternating pairs
 #   in one process (`benchmarks/results/block_step.json`).
 #   Over 24 GDN blocks that is about 1.5 ms per micro-batch, some 50 ms (0.7 %) per preset step;
-#   the preset step was not re-timed with this change in that round; round 8's rows of the
+#   the preset step was not re-timed with this change in that round; round 8's rows of
 #   round 7's code include it.
 # * **Tried in round 7 and not kept** (measured on the H200):
 #   - $W_1$ and $W_3$ of every SwiGLU as one stacked product: compiled, inductor's kernels around it
@@ -249,7 +250,7 @@ if prof:
 #   standalone). Inductor's fused elementwise kernels are 13 %
 #   (26.3 ms): RMSNorms with the fp32 residual stream, the output gate, SwiGLU, the MoE's routing
 #   and the weights' casts. cuDNN attention is 7.8 %, the prelude 7.5 %, eager kernels 3.9 %
-#   (mostly adding each micro-batch's gradients into the accumulated ones: some 300 additions,
+#   (mostly adding each micro-batch's gradients into the accumulated ones: about 380 additions,
 #   2.4 ms), the loss's softmax 2.5 %. A profiled micro-batch spans 208 ms, 197.6 ms of kernels
 #   and 10.5 ms idle: 5.9 ms of launch latency between some 4 100 kernels, and
 #   4.6 ms in longer gaps, where it waits on the host.

@@ -28,7 +28,9 @@ def test_kernels_are_counted_by_the_host_operators_that_launched_them():
     rows = [(["aten::zero_", "aten::zeros", "CompiledFunctionBackward"], ["Memset (Device)", "Memset (Device)"]),
             (["aten::add_", "AccumulateGrad"], ["add<float>"]),
             (["aten::zero_", "aten::zeros", "CompiledFunctionBackward"], ["Memset (Device)", "gemm"]),
-            (["aten::fill_", "aten::zeros"], ["Memset (Device)"])]
+            (["aten::fill_", "aten::zeros"], ["Memset (Device)"]),
+            (["cudaMemsetAsync", "aten::fill_", "aten::zeros"], ["Memset (Device)"]),  # the runtime call: not counted again
+            (["Command Buffer Full", "cudaLaunchKernel", "aten::sort"], ["Memset (Device)"])]
     assert launched_by(rows, r"^Memset") == ["aten::zero_ < aten::zeros < CompiledFunctionBackward: 3",
                                              "aten::fill_ < aten::zeros: 1"]
     assert launched_by(rows, r"add<float>", top=5) == ["aten::add_ < AccumulateGrad: 1"]

@@ -60,9 +60,10 @@ class VarlenFlash(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def varlen_flash_ok(q: torch.Tensor, v: torch.Tensor) -> bool:
-    "Whether the flash kernels take these: a CUDA GPU of compute capability 8.0 or newer, fp16/bf16, equal head widths up to 256."
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1] <= 256
+def varlen_flash_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    "Whether the flash kernels take these: an NVIDIA GPU of compute capability 8.0 or newer, one fp16/bf16 dtype, equal head widths up to 256."
+    return (q.is_cuda and torch.version.hip is None and q.dtype in (torch.float16, torch.bfloat16) and q.dtype == k.dtype == v.dtype
+            and q.shape[-1] == v.shape[-1] <= 256
             and q.shape[-1] % 8 == 0 and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
@@ -87,7 +88,7 @@ def attend_documents(q: torch.Tensor, # [1, T, H, d_qk]
                      scale: float, # Softmax scale
                     ) -> torch.Tensor: # [1, T, H, d_v]
     "Causal attention within each document of a packed row: one varlen flash launch where it runs, else the loop."
-    if varlen_flash_ok(q, v): return varlen_flash_attention(q, k, v, cu_seqlens, scale)
+    if varlen_flash_ok(q, k, v): return varlen_flash_attention(q, k, v, cu_seqlens, scale)
     return attend_documents_loop(q, k, v, cu_seqlens, scale)
 
 
