@@ -106,8 +106,6 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
-    if IS_VARLEN:
-        if i_t * BT >= T: return                                      # a spare slot past the last document
     o_i = tl.arange(0, BT)
     o_t = i_t * BT + o_i
     m_t = o_t < T
@@ -129,7 +127,7 @@ def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundarie
                   B: int, T: int): # Batch and sequence length
     """`(chunk_indices [NC, 2], chunk_offsets [N+1], NC)`: (document, chunk) per chunk slot and each document's first chunk.
     With documents NC is `_max_chunks`, a bound known from the shapes, so that nothing waits to read the true count from
-    the GPU; the slots past the last chunk point past the last document's end, and their programs return at once."""
+    the GPU; the slots past the last chunk point past the last document's end, where their programs' loads and stores are masked."""
     if cu_seqlens is None: return None, None, B * triton.cdiv(T, BT)
     nts = (cu_seqlens.diff() + BT - 1) // BT                                        # chunks per document
     offsets = F.pad(nts.cumsum(0), (1, 0)).to(torch.int32)
@@ -317,8 +315,6 @@ def _bwd_local_kernel(q, k, v, gc, beta, A, h, dh, do, dq, dk, dv, dg, dbeta,
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
-    if IS_VARLEN:
-        if i_t * BT >= T: return                                      # a spare slot past the last document
     o_i = tl.arange(0, BT)
     o_t = i_t * BT + o_i
     b_g, b_beta, m_t, b_gl, b_A, b_k, b_q, b_v = _load_chunk(q, k, v, gc, beta, A, bos, T, i_t, i_h, 0, H, K, V, BT, BV, True)
