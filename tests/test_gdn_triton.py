@@ -90,6 +90,19 @@ CHILD = textwrap.dedent('''
             ref = torch.linalg.inv(eye + (bc[:, None] * (kc @ kc.T)).tril(-1))
             err.append([(A[0, 64 * c:64 * c + 64, h].double() - ref).abs().max().item(), ref.abs().max().item()])
     res["solve_hard"] = {"A": max(err)}
+    # a GPU without the shared memory for the local-gradient kernel (fp32 heads of 256 on an H200): a message that says what to do
+    import triton.runtime.errors as te
+    class TooBig:
+        def __getitem__(self, grid):
+            def launch(*a, **kw): raise te.OutOfResources(360448, 232448, "shared memory")
+            return launch
+    plain, gt._bwd_local_kernel = gt._bwd_local_kernel, TooBig()
+    try:
+        run(triton_gated_delta_rule, inputs(1, 70, 1, 16, 16, torch.float32, 4), torch.randn(1, 1, 16, 16), None, 4)
+        res["too_big"] = "no error"
+    except RuntimeError as e:
+        res["too_big"] = str(e)
+    gt._bwd_local_kernel = plain
     print("RESULT" + json.dumps(res))
 ''')
 
@@ -169,3 +182,8 @@ def test_kernel_1_compiles_for_the_h200_without_spilling(tmp_path):
     assert k["prep (gates, A)"]["spill_store_bytes"] == 0, k["prep (gates, A)"]
     # fp32 heads of 128 (not HyMo's) take the local kernel's other order: the default asked the H200 for 256 KiB of shared memory
     assert all(r["shared_bytes"] <= 232448 for r in k.values()), {n: r["shared_bytes"] for n, r in k.items()}
+
+
+def test_a_kernel_too_big_for_the_gpu_says_what_to_do(errors):
+    msg = errors["too_big"]
+    assert "does not fit this GPU" in msg and "K=16" in msg and "bf16" in msg and "gdn_kernel='torch'" in msg, msg

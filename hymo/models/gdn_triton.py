@@ -443,9 +443,14 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
-    _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
-                            chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
-                            _hold_local(K, q.dtype), **LAUNCH["local"])
+    try:
+        _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
+                                chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
+                                _hold_local(K, q.dtype), **LAUNCH["local"])
+    except triton.runtime.errors.OutOfResources as e:  # fp32 heads wider than 128 on an H200, narrower ones on smaller GPUs
+        raise RuntimeError(f"the GDN backward's local-gradient kernel does not fit this GPU for {q.dtype} heads of K={K}, "
+                           f"V={V} (padded): {e}. Train in bf16 or fp16, use narrower heads, or use "
+                           "chunk_gated_delta_rule_torch (gdn_kernel='torch')") from e
     return dq, dk, dv, dg, dbeta, dh0
 
 # %% ../../nbs/13_gdn_triton.ipynb #c99ec25d
