@@ -1153,7 +1153,7 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # recomputes them. `gdn_registers.py` reports each kernel's shared memory, and a test compiles the
 # fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag. fp32 heads
 # wider than 128 fit in neither order (352 KiB at $K = 256$, Triton 3.6); their backward needs
-# bf16 or fp16 inputs, or the PyTorch path. A GPU with less shared memory than the H200 (an
+# bf16 or fp16 inputs, or the PyTorch path, and says so when it cannot launch. A GPU with less shared memory than the H200 (an
 # A100 has 164 KiB) has a lower limit still.
 # :::
 #
