@@ -11,6 +11,8 @@
     python benchmarks/train_step.py --compile                # torch.compile each block
     python benchmarks/train_step.py --loss logits            # the reference loss on full [B, T, V] logits
     python benchmarks/train_step.py --doc-masking 1024       # packed documents of ~1024 tokens: cu_seqlens for GDN and MLA
+    python benchmarks/train_step.py --fsdp                   # FSDP-2 mixed precision on a process group of one GPU, as each
+                                                             # GPU of a torchrun launch computes (instead of autocast)
     python benchmarks/train_step.py --out results.json       # append the result as JSON
 
 The step is `Trainer.train_step` itself (forward with main + MTP losses, backward, clipping, NorMuon +
@@ -19,6 +21,7 @@ MFU = tokens/s x HyMo.flops_per_token(seq_len) / 989e12 (H100/H200 dense bf16 pe
 """
 import argparse
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -181,6 +184,9 @@ def run(args) -> dict:
         torch.nn.Module.compile = lambda self, *a, **kw: plain(self, *a, **kw) if isinstance(self, MTPBlock) else \
             plain(self, *a, **{"mode": args.compile_mode, **kw})
     cfg = load_config("hymo_750m", **over)
+    if args.fsdp and not torch.distributed.is_initialized():  # the trainer then shards (one shard) instead of autocasting
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29517")
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.reset_peak_memory_stats()
     t = SyntheticTrainer(cfg.model, cfg.train, run_dir="/tmp/hymo_bench", resume=False, quiet=True)
     t.model.loss_impl = args.loss
@@ -197,7 +203,7 @@ def run(args) -> dict:
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
     res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
-               + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "") + f" accum={args.accum} loss={args.loss}",
+               + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "") + (" fsdp" if args.fsdp else "") + f" accum={args.accum} loss={args.loss}",
                step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
@@ -249,6 +255,8 @@ if __name__ == "__main__":
                    help="experiment: compile the blocks in this torch.compile mode instead of the default")
     p.add_argument("--doc-masking", type=int, default=0, metavar="MEAN_LEN",
                    help="synthetic batches of packed documents of about MEAN_LEN tokens, kept apart by cu_seqlens (the loader's doc_masking)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP-2 mixed precision (bf16 parameters, fp32 reduction) on a "
+                   "process group of one GPU instead of autocast: what each GPU of a torchrun launch computes")
     p.add_argument("--loss", default="fused", choices=["fused", "logits"], help="HyMo.loss_impl")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)

@@ -165,20 +165,32 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, monkeypatc
 
 
 def test_two_processes_fsdp_equal_one_process(tmp_path):
-    """torchrun with 2 CPU processes (gloo, FSDP-2) gives the losses of one process with the same global batch."""
-    common = ["max_steps=5", "seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0",
+    """torchrun with 2 CPU processes (gloo, FSDP-2) gives the losses of one process with the same global batch.
+    Each rank accumulates 2 micro-batches and its gradients are reduced once per optimiser step, not per micro-batch."""
+    steps = 5
+    common = [f"max_steps={steps}", "seq_len=32", "micro_batch_size=2", "global_batch_size=8", "eval_every=0",
               "ckpt_every=0", "sample_tokens=4", "warmup_steps=1"]
     env = {"HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1"}
     one = run_cli(*common, "run_dir=one", cwd=tmp_path, env_extra=env)
     assert one.returncode == 0, one.stderr[-3000:]
-    script = tmp_path / "train_then_report.py"  # `python -m hymo.train`, then whether the process group is left
+    # `python -m hymo.train`, counting FSDP's gradient reductions (one per FSDP group and backward that syncs; a
+    # private function of torch's FSDP-2, patched where its parameter groups call it), then whether the group is left
+    script = tmp_path / "train_then_report.py"
     script.write_text("import sys\nimport torch.distributed as dist\nfrom hymo.train import main\n"
-                      "main(sys.argv[1:])\nprint('process group left:', not dist.is_initialized())\n")
+                      "import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg\n"
+                      "n, plain = [0], pg.foreach_reduce\n"
+                      "def counted(*a, **k):\n    n[0] += 1\n    return plain(*a, **k)\n"
+                      "pg.foreach_reduce = counted\n"
+                      "main(sys.argv[1:])\nprint('reductions:', n[0])\n"
+                      "print('process group left:', not dist.is_initialized())\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(script), *common, "run_dir=two"], cwd=tmp_path,
                        env={**os.environ, **env, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.count("process group left: True") == 2, r.stdout[-2000:]  # both ranks tear it down at the end
+    groups = load_config("hymo_tiny").model.n_layers + 1  # fully_shard on every block and on the root
+    counts = [int(l.split()[-1]) for l in r.stdout.splitlines() if l.startswith("reductions:")]
+    assert counts == [steps * groups] * 2, (counts, steps * groups)  # syncing every micro-batch would be twice that
     a, b = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):

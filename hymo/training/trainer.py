@@ -210,7 +210,9 @@ def train_step(self: Trainer) -> dict:
     "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
     self.model.train()
     totals, n_tokens = {}, 0
-    for _ in range(self.accum):
+    sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP: reduce-scatter after the last micro-batch only
+    for i in range(self.accum):
+        if sync is not None: sync(i == self.accum - 1)
         tokens, targets, cu = _to_device(self, next(self._train_iter))
         with self.autocast():
             loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
