@@ -228,3 +228,19 @@ def test_data_dir_that_does_not_match_the_model_is_refused(tmp_path):
     ds = prepare_default(vocab_size=2048, progress=False)
     with pytest.raises(Exception, match="vocab"):
         make(tmp_path / "run", data_dir=str(ds), vocab_size=1024)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the single-GPU autocast path)")
+def test_one_gpu_steps_through_bf16_copies_and_trains_as_autocast_does(tmp_path):
+    """On one GPU the trainer casts the matrices once per step (`BF16Matrices`); its steps match plain autocast's."""
+    over = dict(global_batch_size=8, precision="bf16", max_steps=3)  # 2 micro-batches per step
+    a, b = make(tmp_path / "a", resume=False, **over), make(tmp_path / "b", resume=False, **over)
+    assert a.matrices is not None and len(a.matrices.copies) > 0
+    b.matrices = None  # autocast's own casts
+    for _ in range(3):
+        ma, mb = a.train_step(), b.train_step()
+        assert abs(ma["loss"] - mb["loss"]) <= 2e-3 * abs(mb["loss"]), (ma["loss"], mb["loss"])
+        assert abs(ma["grad_norm"] - mb["grad_norm"]) <= 2e-2 * mb["grad_norm"], (ma["grad_norm"], mb["grad_norm"])
+    assert {p.dtype for p in a.model.parameters()} == {torch.float32}  # the masters, not the copies, stay in the model
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=0, atol=2e-3)  # three optimiser steps later, the same weights

@@ -28,8 +28,8 @@ from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
-           'list_checkpoints', 'NonFiniteError', 'Trainer', 'train_step', 'evaluate', 'save', 'load', 'fit', 'finish',
-           'sample', 'plot_losses']
+           'list_checkpoints', 'NonFiniteError', 'Trainer', 'BF16Matrices', 'train_step', 'evaluate', 'save', 'load',
+           'fit', 'finish', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -146,6 +146,8 @@ class Trainer:
         for opt in self.optimizers:
             for g in opt.param_groups: g.setdefault("peak_lr", g["lr"])
         self.dtype = resolve_precision(train_cfg, self.d.device)
+        single_gpu_autocast = self.d.device.type == "cuda" and self.dtype == torch.bfloat16 and not self.d.distributed
+        self.matrices = BF16Matrices(self.model, self.dtype) if single_gpu_autocast else None  # cast once per step
         self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self._train_iter = iter(self.train_loader)
@@ -187,6 +189,46 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
+# %% ../../nbs/70_trainer.ipynb #f32ab52c
+class BF16Matrices:
+    "bf16 copies of the matrices that autocast would cast at every use, refreshed once per optimiser step."
+    def __init__(self, model: nn.Module, # The (possibly compiled or checkpoint-wrapped) HyMo
+                 dtype: torch.dtype = torch.bfloat16): # Autocast's dtype
+        from hymo.models.moe import DeepSeekMoE
+        routers = {id(m.gate) for m in model.modules() if isinstance(m, DeepSeekMoE)}
+        self.slots = []  # (module, attribute, fp32 master, bf16 copy)
+        for mod in model.modules():
+            if isinstance(mod, DeepSeekMoE): names = ("w1", "w2", "w3")
+            elif isinstance(mod, nn.Linear) and id(mod) not in routers: names = ("weight",)
+            else: continue
+            for n in names:
+                master = mod._parameters[n]
+                self.slots.append((mod, n, master, nn.Parameter(master.detach().to(dtype))))
+        self.masters = [s[2] for s in self.slots]
+        self.copies = [s[3] for s in self.slots]
+
+    @torch.no_grad()
+    def refresh(self):
+        "Copy the masters into the bf16 copies (after an optimiser step or a checkpoint load)."
+        torch._foreach_copy_(self.copies, self.masters)
+
+    @contextmanager
+    def swapped(self):
+        "The copies in the modules for the duration (forward and backward); the masters back afterwards."
+        for mod, n, _, c in self.slots: mod._parameters[n] = c
+        try: yield
+        finally:
+            for mod, n, m, _ in self.slots: mod._parameters[n] = m
+
+    @torch.no_grad()
+    def collect(self):
+        "Add the copies' gradients to the masters' (fp32) and drop them."
+        pairs = [(m, c) for m, c in zip(self.masters, self.copies) if c.grad is not None]
+        for m, c in pairs:
+            if m.grad is None: m.grad = torch.zeros_like(m)
+        if pairs: torch._foreach_add_([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
+        for _, c in pairs: c.grad = None
+
 # %% ../../nbs/70_trainer.ipynb #dedd9a03
 def _to_device(self: Trainer, batch) -> tuple:
     """`(tokens, targets, cu_seqlens or None)` on the device. With document masking the loader's
@@ -211,12 +253,15 @@ def train_step(self: Trainer) -> dict:
     self.model.train()
     totals, n_tokens = {}, 0
     sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP: reduce-scatter after the last micro-batch only
+    mats = self.matrices  # one GPU under autocast: bf16 copies of the matrices, made once per step
+    if mats is not None: mats.refresh()
     for i in range(self.accum):
         if sync is not None: sync(i == self.accum - 1)
         tokens, targets, cu = _to_device(self, next(self._train_iter))
-        with self.autocast():
+        with self.autocast(), (mats.swapped() if mats is not None else nullcontext()):
             loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-        (loss / self.accum).backward()
+            (loss / self.accum).backward()
+        if mats is not None: mats.collect()
         for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
         n_tokens += tokens.numel()
     losses = totals  # mean over the micro-batches: the total and each part
