@@ -330,13 +330,24 @@ test_eq(weight_decay_term(x, u, cautious=False), x)
 # list form builds the mask from a sign: $\mathbb{1}[u x \ge 0] = \min(\operatorname{sign}(u x) + 1,\ 1)$,
 # which is 0 where the signs disagree and 1 elsewhere, exactly the mask above. The decay term is
 # then `mask * x`, which `_foreach_addcmul` folds into the update.
+#
+# Under FSDP the parameters and updates are `DTensor` shards, and `DTensor` runs a `_foreach`
+# operation only if it has a sharding rule for it. Torch 2.11 has none for `_foreach_sign_` (its
+# first FSDP optimiser step failed on the H200 with `NotImplementedError`; torch 2.13 gets past
+# it). The mask is elementwise and a parameter and its update are sharded alike, so for shards it
+# is computed on the local tensors and wrapped back in the parameter's layout: no communication,
+# the same numbers, and only operations that every version has.
 
 # %%
 #| export
 def foreach_decay_mask(xs: list[torch.Tensor], # Parameters before the step
-                       us: list[torch.Tensor], # The updates, one per parameter
+                       us: list[torch.Tensor], # The updates, one per parameter, laid out like it
                       ) -> list[torch.Tensor]:
     "The cautious mask 1[u⊙x ≥ 0] of each (x, u) pair as 0/1 floats, in four list-wide launches."
+    if any(isinstance(x, DTensor) for x in xs):  # FSDP shards: on the local tensors, then in x's layout again
+        mask = foreach_decay_mask([x.to_local() for x in xs], [u.to_local() for u in us])
+        return [DTensor.from_local(m, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+                for m, x in zip(mask, xs)]
     mask = torch._foreach_mul(us, xs)
     torch._foreach_sign_(mask)
     torch._foreach_add_(mask, 1)

@@ -325,6 +325,12 @@ def train(model, steps):
         for o in opts: o.step(); o.zero_grad()
     return opts[0]
 
+_sign = torch._foreach_sign_
+def _sign_without_dtensor(ts):  # torch 2.11's DTensor has no sharding rule for it: fail here as 2.11 does
+    if any(isinstance(t, DTensor) for t in ts): raise NotImplementedError("aten._foreach_sign_ on DTensor (torch 2.11)")
+    return _sign(ts)
+torch._foreach_sign_ = _sign_without_dtensor
+
 def worker(rank, port, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
