@@ -173,24 +173,41 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
     env = {"HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1"}
     one = run_cli(*common, "run_dir=one", cwd=tmp_path, env_extra=env)
     assert one.returncode == 0, one.stderr[-3000:]
-    # `python -m hymo.train`, counting FSDP's gradient reductions (one per FSDP group and backward that syncs; a
-    # private function of torch's FSDP-2, patched where its parameter groups call it), then whether the group is left
+    # `python -m hymo.train`, counting FSDP's all-gathers and gradient reductions in each optimiser step (private
+    # functions of torch's FSDP-2, patched where its parameter groups call them), then whether the group is left
     script = tmp_path / "train_then_report.py"
-    script.write_text("import sys\nimport torch.distributed as dist\nfrom hymo.train import main\n"
-                      "import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg\n"
-                      "n, plain = [0], pg.foreach_reduce\n"
-                      "def counted(*a, **k):\n    n[0] += 1\n    return plain(*a, **k)\n"
-                      "pg.foreach_reduce = counted\n"
-                      "main(sys.argv[1:])\nprint('reductions:', n[0])\n"
-                      "print('process group left:', not dist.is_initialized())\n")
+    script.write_text(
+        "import sys\nimport torch.distributed as dist\n"
+        "import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg\n"
+        "from hymo.training import trainer\nfrom hymo.train import main\n"
+        "now, steps = None, []\n"
+        "def counting(kind, f):\n"
+        "    def run(*a, **k):\n"
+        "        if now is not None: now[kind] += 1\n"
+        "        return f(*a, **k)\n"
+        "    return run\n"
+        "pg.foreach_all_gather = counting('gathers', pg.foreach_all_gather)\n"
+        "pg.foreach_reduce = counting('reductions', pg.foreach_reduce)\n"
+        "plain_step = trainer.Trainer.train_step\n"
+        "def step(self):\n"
+        "    global now\n"
+        "    now = {'gathers': 0, 'reductions': 0}\n"
+        "    out = plain_step(self)\n"
+        "    steps.append(now); now = None\n"
+        "    return out\n"
+        "trainer.Trainer.train_step = step\n"
+        "main(sys.argv[1:])\nprint('per step:', steps)\n"
+        "print('process group left:', not dist.is_initialized())\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(script), *common, "run_dir=two"], cwd=tmp_path,
                        env={**os.environ, **env, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert r.stdout.count("process group left: True") == 2, r.stdout[-2000:]  # both ranks tear it down at the end
-    groups = load_config("hymo_tiny").model.n_layers + 1  # fully_shard on every block and on the root
-    counts = [int(l.split()[-1]) for l in r.stdout.splitlines() if l.startswith("reductions:")]
-    assert counts == [steps * groups] * 2, (counts, steps * groups)  # syncing every micro-batch would be twice that
+    # per rank and optimiser step of 2 micro-batches, each FSDP group (every block and the root) is gathered once and
+    # reduced once; FSDP's defaults would gather each block twice per micro-batch and reduce every group per micro-batch
+    groups = load_config("hymo_tiny").model.n_layers + 1
+    per_step = [l for l in r.stdout.splitlines() if l.startswith("per step:")]
+    assert per_step == [f"per step: {[{'gathers': groups, 'reductions': groups}] * steps}"] * 2, per_step
     a, b = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):

@@ -28,8 +28,8 @@ from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
-           'list_checkpoints', 'NonFiniteError', 'Trainer', 'BF16Matrices', 'train_step', 'evaluate', 'save', 'load',
-           'fit', 'finish', 'sample', 'plot_losses']
+           'list_checkpoints', 'NonFiniteError', 'Trainer', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch',
+           'train_step', 'evaluate', 'save', 'load', 'fit', 'finish', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -248,22 +248,41 @@ def _grad_norm(self: Trainer) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+@contextmanager
+def fsdp_step(model: nn.Module):
+    "An FSDP optimiser step: each block keeps its gathered weights from its first forward to the last backward."
+    model.set_reshard_after_forward(False)
+    try: yield
+    finally:  # FSDP's own defaults again: blocks reshard after forward, the root (needed first in backward) does not
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
+        model.set_reshard_after_backward(True)
+        model.set_requires_gradient_sync(True)
+
+
+def fsdp_micro_batch(model: nn.Module, last: bool):
+    "Before a micro-batch: gradients reduce-scattered and weights freed only after the step's last backward."
+    model.set_requires_gradient_sync(last)
+    model.set_reshard_after_backward(last)
+
+
 def train_step(self: Trainer) -> dict:
     "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
     self.model.train()
     totals, n_tokens = {}, 0
-    sync = getattr(self.model, "set_requires_gradient_sync", None)  # FSDP: reduce-scatter after the last micro-batch only
+    fsdp = hasattr(self.model, "set_requires_gradient_sync")
     mats = self.matrices  # one GPU under autocast: bf16 copies of the matrices, made once per step
     if mats is not None: mats.refresh()
-    for i in range(self.accum):
-        if sync is not None: sync(i == self.accum - 1)
-        tokens, targets, cu = _to_device(self, next(self._train_iter))
-        with self.autocast(), (mats.swapped() if mats is not None else nullcontext()):
-            loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-            (loss / self.accum).backward()
-        if mats is not None: mats.collect()
-        for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
-        n_tokens += tokens.numel()
+    with fsdp_step(self.model) if fsdp else nullcontext():
+        for i in range(self.accum):
+            if fsdp: fsdp_micro_batch(self.model, last=i == self.accum - 1)
+            tokens, targets, cu = _to_device(self, next(self._train_iter))
+            with self.autocast(), (mats.swapped() if mats is not None else nullcontext()):
+                loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+                (loss / self.accum).backward()
+            if mats is not None: mats.collect()
+            for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
+            n_tokens += tokens.numel()
     losses = totals  # mean over the micro-batches: the total and each part
     if self.d.distributed:
         stacked = torch.stack([losses[k] for k in sorted(losses)])
