@@ -304,9 +304,9 @@ class Trainer:
 # tied embedding (an index lookup in fp32, and the loss's head), the depthwise convolution (the
 # prelude's kernel reads fp32 weights), the norms and the GDN gate parameters stay as they are.
 #
-# On an H200 the 750M step went from 6.67 to 6.59 s (accum 32, one process, alternating; results
-# chapter). FSDP has its own version of this: its mixed-precision policy casts each block's
-# shard as it gathers it, so `BF16Matrices` is only for the single-GPU autocast path.
+# On an H200 the 750M step (32 micro-batches) went from 6.79 to 6.72 s, alternating in one process
+# (results chapter). FSDP has its own version of this: its mixed-precision policy casts each
+# block's shard as it gathers it, so `BF16Matrices` is only for the single-GPU autocast path.
 
 # %%
 #| export
@@ -409,9 +409,15 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # `set_reshard_after_backward` only on the last micro-batch): one all-gather per block and step,
 # for the memory of one unsharded bf16 copy of the model (2.5 GB for `hymo_750m`). At the end of
 # the step every block is sharded again, as FSDP left it, so evaluation and checkpoints see the
-# usual layout. On one H200, through FSDP on a group of one GPU (`train_step.py --fsdp`), the two
-# changes together took the 750M step from 9.09 to X s (results chapter).
+# usual layout.
 #
+# On one H200, through FSDP on a group of one GPU (`train_step.py --fsdp`, 32 micro-batches per
+# step), reducing once per step took the 750M step from 9.09 to 7.85 s (one process, one after the
+# other). Gathering once per step then measured 7.88 s, on another machine, and 2.4 GB more peak
+# memory: with one GPU an all-gather is a local copy, so there is nothing to win there. What it
+# removes is $2 \cdot \text{accum} - 1$ all-gathers per block and step between GPUs, not measured
+# here (only one-GPU machines were lent). The FSDP step is still slower than the autocast step on
+# one GPU (6.72 s; results chapter).
 # A batch goes to the GPU from pinned (page-locked) host memory, without blocking. A copy from
 # ordinary memory makes the host wait until the GPU has finished everything queued before it, the
 # whole backward of the previous micro-batch, and the GPU then idles while the host queues the next

@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 9 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 10 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
@@ -13,6 +13,7 @@
 # python benchmarks/train_step.py --compile --profile micro      # also what the host ran in the longest GPU gaps; + --ac, --gdn torch, ...
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
 # python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents of about 1 024 tokens (cu_seqlens)
+# python benchmarks/train_step.py --compile --fsdp --accum 32    # through FSDP on a group of one GPU, as torchrun runs each GPU
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
@@ -116,8 +117,14 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
-# * **MFU: 35.0–35.1 % at the preset's step (32 micro-batches per optimiser step, 6.675–6.691 s,
-#   about 78.5 k tokens/s); the target was 40 %.** Timed in turn on one machine with the same
+# * **Round 10: MFU 34.9 % at the preset's step on this round's machine (6.716 s, 78.1 k tokens/s,
+#   53.8 GB), with the matrices cast once per step instead of at every use; the target is 40 %.**
+#   The same trainer with autocast's casts took 6.792 s (34.5 %), alternating in one process;
+#   round 8's machines ran the step before this change in 6.675–6.691 s (35.0–35.1 %): machines
+#   differ by 1–2 %, so rows from different machines compare only roughly. Details in the round-10
+#   bullets below.
+# * **MFU: 35.0–35.1 % at the preset's step in round 8 (32 micro-batches per optimiser step,
+#   6.675–6.691 s, about 78.5 k tokens/s).** Timed in turn on one machine with the same
 #   script, round 7's final code (731eef1) took 6.676 and 6.680 s: round 8's kernel
 #   change (below; about 0.3 % expected) is below what two pairs of runs resolve. Round 8's
 #   machines were faster than round 7's: round 7 measured 6.84–6.88 s, before its
@@ -126,6 +133,43 @@ if prof:
 #   rounds 7 and 6), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
 #   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
 #   in round 2).
+# * **Round 10: the matrices cast to bf16 once per optimiser step on one GPU** (`BF16Matrices`,
+#   chapter 70). Under autocast, every micro-batch cast each weight to bf16 at every use, cast each
+#   weight gradient back to fp32 and added it to `.grad` (about 380 additions): some 8 ms of
+#   kernels per micro-batch in round 8's profile. The trainer now makes bf16 copies of the 1.18 B
+#   matrix entries once per step, runs forward and backward on them and adds their gradients to
+#   the fp32 masters in one `_foreach_add_`. The arithmetic is autocast's: on the CPU every
+#   gradient is equal bit for bit (chapter 70's check). On the GPU the GEMM kernels chosen can
+#   differ: after two micro-batches the gradients of the copies' path and autocast's differed by
+#   1.5 % (global relative norm), and two autocast runs of the same micro-batches by 0.6 %,
+#   since some kernels add with atomics; the losses were equal. A CUDA-only test trains three steps
+#   both ways and compares losses, gradient norms and weights. Step: 6.716 s against 6.792 s
+#   (1.1 %), peak 53.8 GB (+2.4 GB for the copies); a prototype on another machine gave 6.57–6.61
+#   against 6.67 s.
+# * **Round 10: one CUDA graph per micro-batch works, and gains nothing once the casts are
+#   gone.** Round 5's `reduce-overhead` mode failed (replays overwrote outputs the backward still
+#   needed). Capturing a whole micro-batch, forward and backward, with `torch.cuda.graph` around
+#   the compiled blocks works: the unpacked path reads nothing from the GPU, and the gradients are
+#   accumulated in place, so no gradient moved during capture. It took the step from 6.81–6.82 to
+#   6.72–6.73 s (1.3 %) with autocast's casts; with the bf16 copies it measured 6.58–6.59 s
+#   against 6.57–6.61 s without it. So the 6 ms per micro-batch of gaps between kernels
+#   (about 4 100 launches) cost little once the 380 gradient additions went. Not kept.
+# * **Round 10: FSDP reduced the gradients after every micro-batch.** Measured through FSDP on a
+#   group of one GPU (`--fsdp`, the path each GPU of a torchrun launch takes): 9.09 s per preset
+#   step when every micro-batch's backward reduce-scattered all gradients, 7.85 s (29.8 %) now
+#   that they accumulate locally, in fp32, and are reduced after the last micro-batch (chapter 70;
+#   one process, one after the other). Keeping each block's gathered weights for the whole step
+#   then measured 7.88 s (another machine; 51.1 GB against 48.7 GB): with one GPU an all-gather is
+#   a local copy. Both changes cut traffic between GPUs, which matters in a multi-GPU run, but
+#   none was lent this round. The FSDP path is 17 % slower than the autocast path on one GPU,
+#   unexplained (its profile was not taken). The same run found a bug: **with torch 2.11 the
+#   first FSDP optimiser step failed**, since 2.11's DTensor has no rule for `_foreach_sign_`,
+#   which the cautious weight decay used. Torch 2.13's CPU tests had passed. Fixed in chapter 50
+#   (the mask is computed on the local shards), checked under torch 2.11 on CPU (the FSDP
+#   optimiser test and the trainer's two-process test) and, on the H200, by the FSDP runs above.
+# * **Round 10, not kept:** the prelude's backward with its $\bar u$ in bf16 instead of fp32: 0.412
+#   against 0.455 ms per layer (about 1 ms per micro-batch, 0.5 %), for a 1.4× larger $\bar x$
+#   error and $\bar w$ error from 1e-7 to 1.6e-3 (`experiments.json`).
 # * **Round 9: packed documents train at 30 % MFU instead of 3.4 %.** The first H200 timing of
 #   `--doc-masking 1024` (documents of about 1 024 tokens, some 17 per packed row of 16 384) took
 #   17.2 s per step of 8 micro-batches, against 1.74 s for the same step without documents. MLA ran
@@ -260,7 +304,8 @@ if prof:
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (about 6 ms per micro-batch). They failed here (in round 5): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
-#   heads left out, an MLA block's).
+#   heads left out, an MLA block's). Round 10 captured whole micro-batches instead (above): it
+#   works, and with the bf16 copies it gains nothing.
 # * **Triton GDN path against the PyTorch chunked path: 4.4× faster per preset step, both
 #   compiled (29.4 s against 6.71–6.74 s on one machine, round 9); the target was 5×.** Earlier
 #   rounds measured the PyTorch path on other machines than the Triton path: 28.3 s in round 5 (the
