@@ -345,9 +345,10 @@ def foreach_decay_mask(xs: list[torch.Tensor], # Parameters before the step
                       ) -> list[torch.Tensor]:
     "The cautious mask 1[u⊙x ≥ 0] of each (x, u) pair as 0/1 floats, in four list-wide launches."
     if any(isinstance(x, DTensor) for x in xs):  # FSDP shards: on the local tensors, then in x's layout again
-        mask = foreach_decay_mask([x.to_local() for x in xs], [u.to_local() for u in us])
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+        mask = foreach_decay_mask([local(x) for x in xs], [local(u) for u in us])
         return [DTensor.from_local(m, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
-                for m, x in zip(mask, xs)]
+                if isinstance(x, DTensor) else m for m, x in zip(mask, xs)]
     mask = torch._foreach_mul(us, xs)
     torch._foreach_sign_(mask)
     torch._foreach_add_(mask, 1)

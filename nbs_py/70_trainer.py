@@ -130,6 +130,7 @@ def parallelize(model: HyMo, cfg: TrainingConfig, d: Dist) -> HyMo:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         bf16 = resolve_precision(cfg, d.device) == torch.bfloat16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        # reshard_after_forward stays FSDP's default here: `fsdp_step` changes it for a step and restores that default
         for blk in model.layers: fully_shard(blk, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     return model
@@ -330,6 +331,7 @@ class BF16Matrices:
     @torch.no_grad()
     def refresh(self):
         "Copy the masters into the bf16 copies (after an optimiser step or a checkpoint load)."
+        for c in self.copies: c.grad = None  # a micro-batch that failed before `collect` must not leak into this step
         torch._foreach_copy_(self.copies, self.masters)
 
     @contextmanager
@@ -360,9 +362,9 @@ def _accumulated_grads(model, batches, mats=None):
     for p in model.parameters(): p.grad = None
     if mats is not None: mats.refresh()
     for tok, tgt in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16), (mats.swapped() if mats else nullcontext()):
-            loss, _ = model(tok, targets=tgt)
-            (loss / len(batches)).backward()
+        with mats.swapped() if mats else nullcontext():
+            with torch.autocast("cpu", dtype=torch.bfloat16): loss, _ = model(tok, targets=tgt)
+            (loss / len(batches)).backward()  # outside autocast, as the trainer runs it
         if mats is not None: mats.collect()
     return [p.grad.clone() for p in model.parameters()], loss.detach()
 
@@ -399,7 +401,7 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # every micro-batch would give the same numbers (up to the order of fp32 additions) for `accum`
 # times the traffic: 32 micro-batches per step on one node of 8 GPUs is 4 per rank, so 4
 # reduce-scatters of every gradient instead of one. The price is memory: each rank holds an
-# unsharded fp32 gradient of every block between micro-batches (4.9 GB for `hymo_750m`).
+# unsharded fp32 gradient of every parameter between micro-batches (4.9 GB for `hymo_750m`).
 #
 # The weights go the same way. By default FSDP gathers a block's weights before its forward, frees
 # them after it, gathers them again for its backward and frees them after that: two all-gathers
@@ -407,7 +409,7 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # within a step, so `fsdp_step` keeps each block's gathered bf16 weights from the first forward of
 # a step to the last backward (`set_reshard_after_forward(False)`, and
 # `set_reshard_after_backward` only on the last micro-batch): one all-gather per block and step,
-# for the memory of one unsharded bf16 copy of the model (2.5 GB for `hymo_750m`). At the end of
+# for the memory of one unsharded bf16 copy of the blocks (2.3 GB for `hymo_750m`). At the end of
 # the step every block is sharded again, as FSDP left it, so evaluation and checkpoints see the
 # usual layout.
 #
@@ -474,9 +476,9 @@ def train_step(self: Trainer) -> dict:
         for i in range(self.accum):
             if fsdp: fsdp_micro_batch(self.model, last=i == self.accum - 1)
             tokens, targets, cu = _to_device(self, next(self._train_iter))
-            with self.autocast(), (mats.swapped() if mats is not None else nullcontext()):
-                loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-                (loss / self.accum).backward()
+            with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
+                with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+                (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
             if mats is not None: mats.collect()
             for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
             n_tokens += tokens.numel()

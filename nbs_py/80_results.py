@@ -139,12 +139,15 @@ if prof:
 #   kernels per micro-batch in round 8's profile. The trainer now makes bf16 copies of the 1.18 B
 #   matrix entries once per step, runs forward and backward on them and adds their gradients to
 #   the fp32 masters in one `_foreach_add_`. The arithmetic is autocast's: on the CPU every
-#   gradient is equal bit for bit (chapter 70's check). On the GPU the GEMM kernels chosen can
-#   differ: after two micro-batches the gradients of the copies' path and autocast's differed by
-#   1.5 % (global relative norm), and two autocast runs of the same micro-batches by 0.6 %,
-#   since some kernels add with atomics; the losses were equal. A CUDA-only test trains three steps
-#   both ways and compares losses, gradient norms and weights. Step: 6.716 s against 6.792 s
-#   (1.1 %), peak 53.8 GB (+2.4 GB for the copies); a prototype on another machine gave 6.57–6.61
+#   gradient is equal bit for bit (chapter 70's check). On the GPU, after two micro-batches, the
+#   gradients of the copies' path and autocast's differed by 1.5 % (global relative norm), and two
+#   autocast runs of the same micro-batches by 0.6 %, since some kernels add with atomics; the
+#   losses were equal. The extra difference is not explained (other GEMM kernels for bf16 weights
+#   is a guess, not checked). A CUDA-only test trains three steps both ways and compares losses,
+#   gradient norms and weights. (A review then found that the landed trainer ran the backward
+#   inside autocast, which changes the backward's dtypes; it now runs outside, as before. The
+#   timing and the test below ran that version; the prototype ran the backward outside.) Step: 6.716 s against 6.792 s
+#   (1.1 %), peak 53.8 GB (the copies are 2.4 GB, computed); a prototype on another machine gave 6.57–6.61
 #   against 6.67 s.
 # * **Round 10: one CUDA graph per micro-batch works, and gains nothing once the casts are
 #   gone.** Round 5's `reduce-overhead` mode failed (replays overwrote outputs the backward still

@@ -71,6 +71,7 @@ def parallelize(model: HyMo, cfg: TrainingConfig, d: Dist) -> HyMo:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         bf16 = resolve_precision(cfg, d.device) == torch.bfloat16
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        # reshard_after_forward stays FSDP's default here: `fsdp_step` changes it for a step and restores that default
         for blk in model.layers: fully_shard(blk, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     return model
@@ -210,6 +211,7 @@ class BF16Matrices:
     @torch.no_grad()
     def refresh(self):
         "Copy the masters into the bf16 copies (after an optimiser step or a checkpoint load)."
+        for c in self.copies: c.grad = None  # a micro-batch that failed before `collect` must not leak into this step
         torch._foreach_copy_(self.copies, self.masters)
 
     @contextmanager
@@ -277,9 +279,9 @@ def train_step(self: Trainer) -> dict:
         for i in range(self.accum):
             if fsdp: fsdp_micro_batch(self.model, last=i == self.accum - 1)
             tokens, targets, cu = _to_device(self, next(self._train_iter))
-            with self.autocast(), (mats.swapped() if mats is not None else nullcontext()):
-                loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-                (loss / self.accum).backward()
+            with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
+                with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+                (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
             if mats is not None: mats.collect()
             for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
             n_tokens += tokens.numel()
