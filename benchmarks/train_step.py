@@ -30,7 +30,7 @@ import torch
 
 from hymo.config import load_config
 from hymo.training.data import doc_cu_seqlens
-from hymo.training.trainer import Trainer, _to_device, peak_flops
+from hymo.training.trainer import Trainer, peak_flops
 
 PEAK = 989e12
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
@@ -217,11 +217,9 @@ def run(args) -> dict:
         acts = [ProfilerActivity.CUDA] if args.profile == "cuda" else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
         with profile(activities=acts) as prof:
             if args.profile == "step": t.train_step()
-            else:  # forward + backward of micro-batches only: what an accumulation step repeats
-                for _ in range(3):
-                    tokens, targets, cu = _to_device(t, next(t._train_iter))
-                    with t.autocast(): loss, _ = t.model(tokens, targets=targets, cu_seqlens=cu)
-                    loss.backward()
+            else:  # forward + backward of micro-batches only, as train_step runs them: what an accumulation step repeats
+                with t.accumulation():
+                    for i in range(3): t.forward_backward(last=i == 2)
             torch.cuda.synchronize()
         try:
             n_micro = args.accum if args.profile == "step" else 3

@@ -29,7 +29,8 @@ from .optim import build_optimizers, wsd_schedule
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
            'list_checkpoints', 'NonFiniteError', 'Trainer', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch',
-           'train_step', 'evaluate', 'save', 'load', 'fit', 'finish', 'sample', 'plot_losses']
+           'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'fit', 'finish', 'sample',
+           'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -268,23 +269,34 @@ def fsdp_micro_batch(model: nn.Module, last: bool):
     model.set_reshard_after_backward(last)
 
 
+@contextmanager
+def accumulation(self: Trainer):
+    "Around the micro-batches of one step: the bf16 copies refreshed (one GPU), or FSDP's weights kept gathered."
+    if self.matrices is not None: self.matrices.refresh()
+    with fsdp_step(self.model) if hasattr(self.model, "set_requires_gradient_sync") else nullcontext(): yield
+
+
+def forward_backward(self: Trainer, last: bool) -> tuple[dict, int]:
+    "One micro-batch, forward and backward of `loss / accum`; `last` is the step's last. Returns its losses and token count."
+    if hasattr(self.model, "set_requires_gradient_sync"): fsdp_micro_batch(self.model, last)
+    mats = self.matrices  # one GPU under autocast: bf16 copies of the matrices, made once per step
+    tokens, targets, cu = _to_device(self, next(self._train_iter))
+    with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
+        with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+        (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
+    if mats is not None: mats.collect()
+    return {"total": loss.detach(), **parts}, tokens.numel()
+
+
 def train_step(self: Trainer) -> dict:
     "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
     self.model.train()
     totals, n_tokens = {}, 0
-    fsdp = hasattr(self.model, "set_requires_gradient_sync")
-    mats = self.matrices  # one GPU under autocast: bf16 copies of the matrices, made once per step
-    if mats is not None: mats.refresh()
-    with fsdp_step(self.model) if fsdp else nullcontext():
+    with accumulation(self):
         for i in range(self.accum):
-            if fsdp: fsdp_micro_batch(self.model, last=i == self.accum - 1)
-            tokens, targets, cu = _to_device(self, next(self._train_iter))
-            with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
-                with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-                (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
-            if mats is not None: mats.collect()
-            for k, v in {"total": loss.detach(), **parts}.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
-            n_tokens += tokens.numel()
+            parts, n = forward_backward(self, last=i == self.accum - 1)
+            for k, v in parts.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
+            n_tokens += n
     losses = totals  # mean over the micro-batches: the total and each part
     if self.d.distributed:
         stacked = torch.stack([losses[k] for k in sorted(losses)])
@@ -318,7 +330,7 @@ def train_step(self: Trainer) -> dict:
                              f"lower the learning rate or check the data, then resume from it.")
     return metrics
 
-Trainer.train_step = train_step
+Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulation, forward_backward, train_step
 
 # %% ../../nbs/70_trainer.ipynb #a7feef23
 @torch.no_grad()
