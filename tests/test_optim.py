@@ -309,11 +309,17 @@ class Net(nn.Module):
         self.up = nn.Linear(6, 9, bias=True)                     # weight [9, 6]: rows split 5 + 4; bias -> AdamW
         self.experts = nn.Parameter(0.3 * torch.randn(3, 5, 9))  # [E, 5, 9]: experts split 2 + 1
         self.wide = nn.Linear(5, 11, bias=False)                 # [11, 5]
+        self.gate = nn.Linear(5, 11, bias=False)                 # [11, 5] too: stacked with wide, one gather for both
         self.down = nn.Linear(11, 4, bias=False)                 # [4, 11]: 2 + 2
     def forward(self, x):                                        # (B, 6) -> (B, 4)
         h = torch.tanh(self.up(x))
         h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts))
-        return self.down(torch.tanh(self.wide(h)))
+        return self.down(torch.tanh(self.wide(h)) * torch.sigmoid(self.gate(h)))
+
+GATHERS = []  # whole tensors made from DTensor shards inside NorMuon's steps
+_full_tensor = DTensor.full_tensor
+def _counted(self, *a, **kw):
+    GATHERS.append(tuple(self.shape)); return _full_tensor(self, *a, **kw)
 
 def train(model, steps):
     mats = [p for p in model.parameters() if p.ndim >= 2]
@@ -322,7 +328,11 @@ def train(model, steps):
     for _ in range(steps):
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)  # the same batch on every rank
         (model(x) - y).pow(2).mean().backward()
-        for o in opts: o.step(); o.zero_grad()
+        DTensor.full_tensor = _counted
+        try: opts[0].step()
+        finally: DTensor.full_tensor = _full_tensor
+        opts[1].step()
+        for o in opts: o.zero_grad()
     return opts[0]
 
 _sign = torch._foreach_sign_
@@ -336,7 +346,7 @@ def worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0); ref = Net()
     torch.manual_seed(0); net = fully_shard(Net())
-    train(ref, 5); opt = train(net, 5)
+    train(ref, 5); GATHERS.clear(); opt = train(net, 5)
     diffs = {n: (p.full_tensor() - r).abs().max().item() for (n, p), r in zip(net.named_parameters(), ref.parameters())}
     layout = all(isinstance(s, DTensor) and s.placements == p.placements and s.device_mesh == p.device_mesh
                  for p in opt.state for s in opt.state[p].values())
@@ -347,7 +357,7 @@ def worker(rank, port, out):
     set_optimizer_state_dict(net, fresh, sd)
     dcp_ok = all(torch.equal(fresh.state[p][k].full_tensor(), opt.state[p][k].full_tensor()) for p in opt.state for k in opt.state[p])
     if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
-                                 sd_keys=sorted(sd["state"])), open(out, "w"))
+                                 sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5]), open(out, "w"))
     dist.barrier()  # leave together: a rank that tears gloo down while the other still writes can abort it
     dist.destroy_process_group()
 
@@ -367,10 +377,14 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
         if r.returncode == 0 or "Address already in use" not in r.stderr: break
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["local_rows"] == {"up.weight": 5, "up.bias": 5, "experts": 2, "wide.weight": 6, "down.weight": 2}  # really sharded
+    assert res["local_rows"] == {"up.weight": 5, "up.bias": 5, "experts": 2, "wide.weight": 6, "gate.weight": 6,
+                                 "down.weight": 2}  # really sharded
     assert max(res["diffs"].values()) <= 1e-6, res["diffs"]
-    assert res["layout"] and res["n_state"] == 4  # momentum and second moment stay sharded like the parameters
-    assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "up.weight", "wide.weight"]  # keyed by name for DCP
+    assert res["layout"] and res["n_state"] == 5  # momentum and second moment stay sharded like the parameters
+    assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "gate.weight", "up.weight", "wide.weight"]  # keyed by name
+    # one step gathers each shape group once, updates and row statistics: wide and gate share one stack
+    assert sorted(map(tuple, res["gathers"])) == sorted([(1, 9, 6), (1, 9, 1), (1, 3, 5, 9), (1, 3, 5, 1), (2, 11, 5), (2, 11, 1),
+                                                         (1, 4, 11), (1, 4, 1)]), res["gathers"]
 
 
 def test_same_shape_matrices_batched_equal_one_at_a_time():
