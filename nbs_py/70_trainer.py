@@ -112,10 +112,10 @@ def setup_distributed() -> Dist:
 # On a GPU the FSDP mixed-precision policy computes in bf16 and reduces gradients in fp32, while
 # the optimiser keeps fp32 master weights. On CPU everything stays fp32. A single GPU process
 # without torchrun runs under `torch.autocast(bfloat16)` instead. The matrix products see the same
-# bf16 operands either way, but the two are not bit for bit the same: FSDP hands the model bf16
-# copies of *every* parameter, so the embedding's output, the norms' outputs and the residual
-# stream are bf16, while under autocast the parameters stay fp32, and so does the residual stream
-# (and the router reads its fp32 weight, not a bf16 copy of it).
+# bf16 operands either way, and the residual stream is bf16 in both (under autocast the model casts
+# the embedding's output to bf16, chapter 41). They are still not bit for bit the same: FSDP hands
+# the model bf16 copies of *every* parameter, so the norms' gains and the router's weight are
+# rounded to bf16 too, while under autocast those stay fp32.
 
 # %%
 #| export

@@ -56,6 +56,8 @@ class HyMo(nn.Module):
         "The trunk: embed, every block, the final norm."
         self._check_tokens(tokens, cu_seqlens)
         x = self.embed(tokens)                                    # (B, T, D)
+        if torch.is_autocast_enabled(x.device.type):              # the residual stream in the compute dtype, as under FSDP
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self.layers: x = layer(x, cu_seqlens=cu_seqlens)
         return self.norm(x)
 
