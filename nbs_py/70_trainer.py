@@ -293,8 +293,13 @@ class Trainer:
 #   activation checkpointing the backward runs parts of the forward again, and must see the same
 #   weights), and puts the masters back afterwards. Outside it the model holds its fp32 masters,
 #   so the optimisers, checkpoints and evaluation see what they always saw;
-# * `collect()` adds the copies' bf16 gradients into the masters' fp32 `.grad`, in one
-#   `_foreach_add_`, and drops them.
+# * `collect()` adds the copies' bf16 gradients into the masters' fp32 `.grad` after every
+#   micro-batch, and drops them. Eager PyTorch has no fused kernel for a `_foreach_add_` of mixed
+#   dtypes: it falls back to one unvectorised kernel per tensor, about 330 of them, 6.9 ms of GPU
+#   time per micro-batch on an H200 for the 11.8 GB it moves. On a GPU `add_into` therefore runs
+#   the same `_foreach_add_` compiled (inductor fuses it, converting as it loads): 5.4 ms, and the
+#   750M step went from 6.66–6.68 to 6.59–6.61 s (three alternating pairs in one process), with
+#   identical gradients.
 #
 # The arithmetic is the same as autocast's: the products get the same bf16 operands, and the
 # masters' gradients are the same fp32 sums of the same bf16 gradients. The check below runs both
@@ -311,6 +316,17 @@ class Trainer:
 
 # %%
 #| export
+def _add_into_eager(dst: list[torch.Tensor], src: list[torch.Tensor]): torch._foreach_add_(dst, src)
+_add_into_compiled = torch.compile(_add_into_eager, dynamic=False)  # compiled at the first call
+
+
+def add_into(dst: list[torch.Tensor], # fp32 tensors, added to in place
+             src: list[torch.Tensor], # Tensors of the same shapes, any float dtype
+            ):
+    "`dst[i] += src[i]` for every i: one `_foreach_add_`, compiled on a GPU (fused kernels for mixed dtypes), eager elsewhere."
+    if dst: (_add_into_compiled if dst[0].is_cuda else _add_into_eager)(dst, src)
+
+
 class BF16Matrices:
     "bf16 copies of the matrices that autocast would cast at every use, refreshed once per optimiser step."
     def __init__(self, model: nn.Module, # The (possibly compiled or checkpoint-wrapped) HyMo
@@ -348,7 +364,7 @@ class BF16Matrices:
         pairs = [(m, c) for m, c in zip(self.masters, self.copies) if c.grad is not None]
         for m, c in pairs:
             if m.grad is None: m.grad = torch.zeros_like(m)
-        if pairs: torch._foreach_add_([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
+        add_into([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
         for _, c in pairs: c.grad = None
 
 

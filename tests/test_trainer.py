@@ -261,3 +261,17 @@ def test_one_gpu_steps_through_bf16_copies_and_trains_as_autocast_does(tmp_path)
     assert {p.dtype for p in a.model.parameters()} == {torch.float32}  # the masters, not the copies, stay in the model
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=2e-3)  # three optimiser steps later, the same weights
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_add_into_adds_bf16_into_fp32_exactly(device):
+    """`add_into` (compiled on a GPU) gives the eager sums bit for bit: fp32 += bf16 converted, for mixed shapes."""
+    if device == "cuda" and not torch.cuda.is_available(): pytest.skip("needs a CUDA GPU (the compiled path)")
+    from hymo.training.trainer import add_into
+    g = torch.Generator(device).manual_seed(0)
+    dst = [torch.randn(s, device=device, generator=g) for s in [(3, 5), (64, 7), (2, 33, 9), (1,)]]
+    src = [torch.randn(d.shape, device=device, generator=g).bfloat16() for d in dst]
+    ref = [d + s.float() for d, s in zip(dst, src)]
+    add_into(dst, src)
+    assert all(torch.equal(a, b) for a, b in zip(dst, ref))
+    add_into([], [])  # nothing to add: no error

@@ -28,7 +28,7 @@ from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
-           'list_checkpoints', 'NonFiniteError', 'Trainer', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch',
+           'list_checkpoints', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch',
            'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'fit', 'finish', 'sample',
            'plot_losses']
 
@@ -192,6 +192,17 @@ class Trainer:
         return nullcontext()
 
 # %% ../../nbs/70_trainer.ipynb #f32ab52c
+def _add_into_eager(dst: list[torch.Tensor], src: list[torch.Tensor]): torch._foreach_add_(dst, src)
+_add_into_compiled = torch.compile(_add_into_eager, dynamic=False)  # compiled at the first call
+
+
+def add_into(dst: list[torch.Tensor], # fp32 tensors, added to in place
+             src: list[torch.Tensor], # Tensors of the same shapes, any float dtype
+            ):
+    "`dst[i] += src[i]` for every i: one `_foreach_add_`, compiled on a GPU (fused kernels for mixed dtypes), eager elsewhere."
+    if dst: (_add_into_compiled if dst[0].is_cuda else _add_into_eager)(dst, src)
+
+
 class BF16Matrices:
     "bf16 copies of the matrices that autocast would cast at every use, refreshed once per optimiser step."
     def __init__(self, model: nn.Module, # The (possibly compiled or checkpoint-wrapped) HyMo
@@ -229,7 +240,7 @@ class BF16Matrices:
         pairs = [(m, c) for m, c in zip(self.masters, self.copies) if c.grad is not None]
         for m, c in pairs:
             if m.grad is None: m.grad = torch.zeros_like(m)
-        if pairs: torch._foreach_add_([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
+        add_into([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
         for _, c in pairs: c.grad = None
 
 # %% ../../nbs/70_trainer.ipynb #dedd9a03
