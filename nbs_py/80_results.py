@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 10 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 11 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
@@ -87,8 +87,8 @@ fig.tight_layout(); plt.show()
 # The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
 # summed by kind, and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs
 # are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
-# host). Round 8's profile (of the code before its last kernel edit; see its note in the table)
-# records only the GPU's activity (`--profile cuda`), which leaves the
+# host). Round 11's profile (of the code before its last change, `add_into`; see its note in the
+# table) records only the GPU's activity (`--profile cuda`), which leaves the
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
 # of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
 # operators too, from round 6, is `train_step_profile.txt` (`--profile micro`); recording the
@@ -117,6 +117,29 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
+# * **Round 11: MFU 35.6 % at the preset's step (6.59–6.61 s, about 79.5 k tokens/s, 50.6 GB);
+#   FSDP on one GPU now as fast as autocast (6.70 s, 35.0 %, against 7.50 s).** The target is
+#   still 40 %. Three changes, each timed against the code before it on one machine:
+#   - **The residual stream is bf16 under autocast** (chapter 41), as it already was under FSDP's
+#     mixed precision. Autocast had kept it in fp32 (fp32 embedding plus bf16 branches), so every
+#     norm and residual addition moved twice the bytes. 6.74–6.78 s → 6.64–6.66 s (three
+#     alternating pairs in one process); inductor's kernels 23.5 → 20.3 ms per micro-batch; peak
+#     53.8 → 50.6 GB. A bf16 stream is what FSDP's mixed precision (and Megatron-LM by default)
+#     trains with; the multi-GPU path already ran it.
+#   - **The copies' gradients are added by a compiled `_foreach_add_`** (`add_into`, chapter 70).
+#     For fp32 += bf16, eager PyTorch has no fused path and launched one unvectorised kernel per
+#     matrix, about 330 per micro-batch (6.9 ms); compiled, 5.4 ms. 6.655–6.680 s → 6.594–6.612 s
+#     (three alternating pairs), gradients identical.
+#   - **FSDP: NorMuon's step took 907 ms on one GPU**, all of it host time: it updated the
+#     330 sharded matrices one at a time, every elementwise step a DTensor operation (each costs
+#     the host tens of µs to dispatch), with one all-gather per matrix. It now stacks same-shaped
+#     shards as it stacks plain matrices, gathers each stack once and works on the local tensors
+#     (chapter 50): 114 ms, and the FSDP step 7.50 → 6.70 s. With several GPUs it also issues one
+#     all-gather per shape instead of per matrix (about 15 instead of 330 per step, not measured:
+#     only one GPU was lent). The profiles of the two paths now differ mainly in FSDP's idle time
+#     (its hooks and copies).
+#   The round's profile (above, before `add_into`): 206.9 ms per micro-batch, 196.4 ms of kernels
+#   and 10.5 ms idle.
 # * **Round 10: MFU 34.9 % at the preset's step on this round's machine (6.716 s, 78.1 k tokens/s,
 #   53.8 GB), with the matrices cast once per step instead of at every use; the target is 40 %.**
 #   The same trainer with autocast's casts took 6.792 s (34.5 %), alternating in one process;
@@ -289,21 +312,19 @@ if prof:
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
 #   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
-# * **What is left** (the breakdown above, round 8's profile: about 198 ms of kernels per
-#   micro-batch). Matrix multiplies are about 50 % (98.6 ms, about 65 TFLOP at some 660 TFLOP/s,
-#   near what the H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are
-#   among them). The GDN rule kernels are 14 % (27.7 ms; the local-gradient kernel alone took
-#   0.50 ms per layer in the model, 11.9 ms per micro-batch; its final version runs in 0.459 ms
-#   standalone). Inductor's fused elementwise kernels are 13 %
-#   (26.3 ms): RMSNorms with the fp32 residual stream, the output gate, SwiGLU, the MoE's routing
-#   and the weights' casts. cuDNN attention is 7.8 %, the prelude 7.5 %, eager kernels 3.9 %
-#   (mostly adding each micro-batch's gradients into the accumulated ones: about 380 additions,
-#   2.4 ms), the loss's softmax 2.5 %. A profiled micro-batch spans 208 ms, 197.6 ms of kernels
-#   and 10.5 ms idle: 5.9 ms of launch latency between some 4 100 kernels, and
-#   4.6 ms in longer gaps, where it waits on the host.
+# * **What is left** (the breakdown above, round 11's profile before `add_into`: about 196 ms of
+#   kernels per micro-batch). Matrix multiplies are about 50 % (98.8 ms, about 65 TFLOP at some
+#   660 TFLOP/s, near what the H200 gives at these widths; the loss's vocabulary products, about
+#   17 TFLOP, are among them). The GDN rule kernels are 14 % (27.8 ms; the local-gradient kernel
+#   alone 0.50 ms per layer, 12.1 ms per micro-batch). Inductor's fused elementwise kernels are
+#   10 % (20.4 ms: RMSNorms, the output gate, SwiGLU, the MoE's routing), cuDNN attention 8 %
+#   (15.7 ms), the prelude 7.6 % (15.0 ms), eager kernels 5.7 % (11.2 ms, of which 6.9 ms were the
+#   copies' gradient additions that `add_into` brought to 5.4 ms), the loss's softmax 2.5 %. A
+#   profiled micro-batch spans 207 ms: 196 ms of kernels, 6.0 ms of launch latency between some
+#   3 900 kernels and 4.5 ms in longer gaps, where the GPU waits on the host.
 #   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
-#   now: with the matrix multiplies as they are, everything else would have to fall from about
-#   107 ms (kernels and waits) to about 81 ms.
+#   now (104 ms per step): with the matrix multiplies as they are, everything else would have to
+#   fall from about 104 ms (kernels and waits) to about 81 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (about 6 ms per micro-batch). They failed here (in round 5): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
