@@ -437,8 +437,9 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # other). Gathering once per step then measured 7.88 s, on another machine, and 2.4 GB more peak
 # memory: with one GPU an all-gather is a local copy, so there is nothing to win there. What it
 # removes is $2 \cdot \text{accum} - 1$ all-gathers per block and step between GPUs, not measured
-# here (only one-GPU machines were lent). The FSDP step is still slower than the autocast step on
-# one GPU (6.72 s; results chapter).
+# here (only one-GPU machines were lent). Most of what was left between the FSDP step and the
+# autocast step on one GPU was NorMuon's handling of sharded matrices (chapter 50): with that fixed,
+# 6.70 s against 6.67 s (round 11 in the results chapter).
 # A batch goes to the GPU from pinned (page-locked) host memory, without blocking. A copy from
 # ordinary memory makes the host wait until the GPU has finished everything queued before it, the
 # whole backward of the previous micro-batch, and the GPU then idles while the host queues the next

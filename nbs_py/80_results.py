@@ -187,8 +187,8 @@ if prof:
 #   one process, one after the other). Keeping each block's gathered weights for the whole step
 #   then measured 7.88 s (another machine; 51.1 GB against 48.7 GB): with one GPU an all-gather is
 #   a local copy. Both changes cut traffic between GPUs, which matters in a multi-GPU run, but
-#   none was lent this round. The FSDP path is 17 % slower than the autocast path on one GPU,
-#   unexplained (its profile was not taken). The same run found a bug: **with torch 2.11 the
+#   none was lent this round. The FSDP path was 17 % slower than the autocast path on one GPU
+#   (round 11 found why: NorMuon's step on sharded matrices, above). The same run found a bug: **with torch 2.11 the
 #   first FSDP optimiser step failed**, since 2.11's DTensor has no rule for `_foreach_sign_`,
 #   which the cautious weight decay used. Torch 2.13's CPU tests had passed. Fixed in chapter 50
 #   (the mask is computed on the local shards), checked under torch 2.11 on CPU (the FSDP
