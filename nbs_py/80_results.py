@@ -340,7 +340,7 @@ if prof:
 #   3.7–4.2×.
 #   In round 9, 5× needed the Triton path's step below 5.87 s on that machine; on round 11's it
 #   needs 6.45 s, 0.4 % less than measured, which is within what one timed step of the PyTorch
-#   path resolves (repeated steps of one process spread by about 1 %). Round 11's machine ran the
+#   path resolves (repeated steps in one process spread by up to 0.7 %). Round 11's machine ran the
 #   PyTorch path slower than round 9's (32.2 against 29.4 s, peak 74.8 GB) while the Triton step
 #   shrank, so the ratio moved on both sides. With one
 #   micro-batch per step, in round 2: 2.3× compiled, 4.97× eager. The rule kernel itself is
