@@ -114,8 +114,10 @@ def setup_distributed() -> Dist:
 # without torchrun runs under `torch.autocast(bfloat16)` instead. The matrix products see the same
 # bf16 operands either way, and the residual stream is bf16 in both (under autocast the model casts
 # the embedding's output to bf16, chapter 41). They are still not bit for bit the same: FSDP hands
-# the model bf16 copies of *every* parameter, so the norms' gains and the router's weight are
-# rounded to bf16 too, while under autocast those stay fp32.
+# the model bf16 copies of *every* parameter, so the norms' gains, the router's weight and the GDN
+# gates' `A_log` and `dt_bias` are rounded to bf16 too, and their gradients are bf16 within a
+# micro-batch (FSDP accumulates and reduces them in fp32), while under autocast all of those stay
+# fp32.
 
 # %%
 #| export
@@ -235,7 +237,7 @@ class Trainer:
             for g in opt.param_groups: g.setdefault("peak_lr", g["lr"])
         self.dtype = resolve_precision(train_cfg, self.d.device)
         single_gpu_autocast = self.d.device.type == "cuda" and self.dtype == torch.bfloat16 and not self.d.distributed
-        self.matrices = BF16Matrices(self.model, self.dtype) if single_gpu_autocast else None  # cast once per step
+        self.matrices = BF16Matrices(self.model, self.dtype, compiled=train_cfg.compile) if single_gpu_autocast else None  # cast once per step
         self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self._train_iter = iter(self.train_loader)
@@ -296,8 +298,9 @@ class Trainer:
 # * `collect()` adds the copies' bf16 gradients into the masters' fp32 `.grad` after every
 #   micro-batch, and drops them. Eager PyTorch has no fused kernel for a `_foreach_add_` of mixed
 #   dtypes: it falls back to one unvectorised kernel per tensor, about 330 of them, 6.9 ms of GPU
-#   time per micro-batch on an H200 for the 11.8 GB it moves. On a GPU `add_into` therefore runs
-#   the same `_foreach_add_` compiled (inductor fuses it, converting as it loads): 5.4 ms, and the
+#   time per micro-batch on an H200 for the 11.8 GB it moves. When the trainer compiles (`compile:
+#   true`, the GPU presets), `add_into` runs the same `_foreach_add_` compiled on the GPU (inductor
+#   fuses it, converting as it loads): 5.4 ms, and the
 #   750M step went from 6.66–6.68 to 6.59–6.61 s (three alternating pairs in one process), with
 #   identical gradients.
 #
@@ -322,17 +325,20 @@ _add_into_compiled = torch.compile(_add_into_eager, dynamic=False)  # compiled a
 
 def add_into(dst: list[torch.Tensor], # fp32 tensors, added to in place
              src: list[torch.Tensor], # Tensors of the same shapes, any float dtype
+             compiled: bool = True, # Compile it on a GPU (fused kernels for mixed dtypes); eager when False or on a CPU
             ):
-    "`dst[i] += src[i]` for every i: one `_foreach_add_`, compiled on a GPU (fused kernels for mixed dtypes), eager elsewhere."
-    if dst: (_add_into_compiled if dst[0].is_cuda else _add_into_eager)(dst, src)
+    "`dst[i] += src[i]` for every i, as one `_foreach_add_`."
+    if dst: (_add_into_compiled if compiled and dst[0].is_cuda else _add_into_eager)(dst, src)
 
 
 class BF16Matrices:
     "bf16 copies of the matrices that autocast would cast at every use, refreshed once per optimiser step."
     def __init__(self, model: nn.Module, # The (possibly compiled or checkpoint-wrapped) HyMo
-                 dtype: torch.dtype = torch.bfloat16): # Autocast's dtype
+                 dtype: torch.dtype = torch.bfloat16, # Autocast's dtype
+                 compiled: bool = False): # Add the gradients through a compiled `add_into` (the trainer: when it compiles)
         from hymo.models.moe import DeepSeekMoE
         routers = {id(m.gate) for m in model.modules() if isinstance(m, DeepSeekMoE)}
+        self.compiled = compiled
         self.slots = []  # (module, attribute, fp32 master, bf16 copy)
         for mod in model.modules():
             if isinstance(mod, DeepSeekMoE): names = ("w1", "w2", "w3")
@@ -364,7 +370,7 @@ class BF16Matrices:
         pairs = [(m, c) for m, c in zip(self.masters, self.copies) if c.grad is not None]
         for m, c in pairs:
             if m.grad is None: m.grad = torch.zeros_like(m)
-        add_into([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
+        add_into([m.grad for m, _ in pairs], [c.grad for _, c in pairs], self.compiled)
         for _, c in pairs: c.grad = None
 
 
@@ -439,7 +445,9 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # removes is $2 \cdot \text{accum} - 1$ all-gathers per block and step between GPUs, not measured
 # here (only one-GPU machines were lent). Most of what was left between the FSDP step and the
 # autocast step on one GPU was NorMuon's handling of sharded matrices (chapter 50): with that fixed,
-# 6.70 s against 6.67 s (round 11 in the results chapter).
+# 6.70 s against 6.67 s on one machine. The autocast path then gained `add_into` (below), which
+# FSDP has no use for: 6.649 s against 6.473 s on the round's last machine (round 11 in the
+# results chapter).
 # A batch goes to the GPU from pinned (page-locked) host memory, without blocking. A copy from
 # ordinary memory makes the host wait until the GPU has finished everything queued before it, the
 # whole backward of the previous micro-batch, and the GPU then idles while the host queues the next

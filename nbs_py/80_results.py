@@ -87,7 +87,10 @@ fig.tight_layout(); plt.show()
 # The profiler's self CUDA time of every kernel over three compiled forward + backward passes,
 # summed by kind, and the time the GPU ran nothing (`gpu_idle` in `train_step.py`: gaps under 10 µs
 # are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
-# host). Round 11's profile (of the code before its last change, `add_into`; see its note in the
+# host). The three passes run inside one step's `accumulation`, so a third of the once-per-step
+# work (the refresh of the bf16 copies; under FSDP the step's first all-gathers and its last
+# reduction) lands in each micro-batch's numbers, where a 32-micro-batch step spreads it over 32.
+# Round 11's profile (of the code before its last change, `add_into`; see its note in the
 # table) records only the GPU's activity (`--profile cuda`), which leaves the
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
 # of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
@@ -96,7 +99,8 @@ fig.tight_layout(); plt.show()
 # unprofiled run.
 
 # %%
-prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and "docs~" not in r["variant"]), None)  # the preset's
+prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and "docs~" not in r["variant"]
+             and "fsdp" not in r["variant"]), None)  # the preset's, under autocast
 if prof:
     total = sum(prof["profile_ms_per_micro_batch"].values())
     for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
@@ -109,7 +113,7 @@ if prof:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 51.4 GB at the preset's step, inside the 80 GB target.** The loss used to build three
+# * **Memory: 50.6 GB at the preset's step (round 11), inside the 80 GB target.** The loss used to build three
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
@@ -125,7 +129,8 @@ if prof:
 #   - **The residual stream is bf16 under autocast** (chapter 41), as it already was under FSDP's
 #     mixed precision. Autocast had kept it in fp32 (fp32 embedding plus bf16 branches), so every
 #     norm and residual addition moved twice the bytes. 6.74–6.78 s → 6.64–6.66 s (three
-#     alternating pairs in one process); inductor's kernels 23.5 → 20.3 ms per micro-batch; peak
+#     alternating pairs in one process); inductor's kernels 23.5 → 20.3 ms per micro-batch in the
+#     same process's profiles (`ab_profile_ms_per_micro_batch` in those rows); peak
 #     53.8 → 50.6 GB. A bf16 stream is what FSDP's mixed precision (and Megatron-LM by default)
 #     trains with; the multi-GPU path already ran it.
 #   - **The copies' gradients are added by a compiled `_foreach_add_`** (`add_into`, chapter 70).
@@ -137,9 +142,11 @@ if prof:
 #     the host tens of µs to dispatch), with one all-gather per matrix. It now stacks same-shaped
 #     shards as it stacks plain matrices, gathers each stack once and works on the local tensors
 #     (chapter 50): 114 ms, and the FSDP step 7.50 → 6.70 s. With several GPUs it also issues one
-#     all-gather per shape instead of per matrix (about 15 instead of 330 per step, not measured:
-#     only one GPU was lent). The profiles of the two paths now differ mainly in FSDP's idle time
-#     (its hooks and copies).
+#     all-gather per shape group instead of per matrix: 28 instead of 664 per step (332 matrices
+#     in 14 shapes, each gathered twice: update and row statistics; not measured, only one GPU was
+#     lent). From their step times the two paths now differ by under 1 ms per micro-batch; their
+#     3-micro-batch profiles differ more (36.5 against 10.5 ms idle), since FSDP's once-per-step
+#     gathers weigh a third there.
 #   The round's profile (above, before `add_into`): 206.9 ms per micro-batch, 196.4 ms of kernels
 #   and 10.5 ms idle.
 # * **Round 10: MFU 34.9 % at the preset's step on this round's machine (6.716 s, 78.1 k tokens/s,
@@ -325,8 +332,9 @@ if prof:
 #   profiled micro-batch spans 207 ms: 196 ms of kernels, 6.0 ms of launch latency between some
 #   3 900 kernels and 4.5 ms in longer gaps, where the GPU waits on the host.
 #   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
-#   now (104 ms per step): with the matrix multiplies as they are, everything else would have to
-#   fall from about 104 ms (kernels and waits) to about 81 ms.
+#   now (about 104 ms per step). With `add_into`, a micro-batch takes about 203 ms of the step on
+#   the machine of that A/B ((6.595 s − 0.104 s) / 32), 98.8 ms of it matrix multiplies: everything
+#   else, about 104 ms of kernels and waits, would have to fall to about 81 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (about 6 ms per micro-batch). They failed here (in round 5): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the

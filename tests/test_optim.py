@@ -300,7 +300,7 @@ FSDP_SCRIPT = r'''
 import json, socket, sys, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from hymo.training.optim import CautiousAdamW, NorMuon
 
 class Net(nn.Module):
@@ -311,10 +311,11 @@ class Net(nn.Module):
         self.wide = nn.Linear(5, 11, bias=False)                 # [11, 5]
         self.gate = nn.Linear(5, 11, bias=False)                 # [11, 5] too: stacked with wide, one gather for both
         self.down = nn.Linear(11, 4, bias=False)                 # [4, 11]: 2 + 2
+        self.row = nn.Parameter(0.3 * torch.randn(1, 4))         # [1, 4]: 1 + 0, rank 1 holds an empty shard
     def forward(self, x):                                        # (B, 6) -> (B, 4)
         h = torch.tanh(self.up(x))
         h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts))
-        return self.down(torch.tanh(self.wide(h)) * torch.sigmoid(self.gate(h)))
+        return self.down(torch.tanh(self.wide(h)) * torch.sigmoid(self.gate(h))) * (1 + self.row)
 
 GATHERS = []  # whole tensors made from DTensor shards inside NorMuon's steps
 _full_tensor = DTensor.full_tensor
@@ -322,8 +323,9 @@ def _counted(self, *a, **kw):
     GATHERS.append(tuple(self.shape)); return _full_tensor(self, *a, **kw)
 
 def train(model, steps):
-    mats = [p for p in model.parameters() if p.ndim >= 2]
-    opts = (NorMuon(mats, lr=0.05, weight_decay=0.1), CautiousAdamW([model.up.bias], lr=0.01, weight_decay=0.1))
+    mats = [p for p in model.parameters() if p.ndim >= 2 and p is not model.row]
+    groups = [{"params": mats}, {"params": [model.row], "nesterov": False, "cautious": False}]
+    opts = (NorMuon(groups, lr=0.05, weight_decay=0.1), CautiousAdamW([model.up.bias], lr=0.01, weight_decay=0.1))
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)  # the same batch on every rank
@@ -353,11 +355,17 @@ def worker(rank, port, out):
     local_rows = {n: p.to_local().shape[0] for n, p in net.named_parameters()}
     # the state goes through the distributed-checkpoint state-dict API and back into a fresh optimiser unchanged
     sd = get_optimizer_state_dict(net, opt)
-    fresh = NorMuon([p for p in net.parameters() if p.ndim >= 2], lr=0.05, weight_decay=0.1)
+    fresh = NorMuon([{"params": [p for p in net.parameters() if p.ndim >= 2 and p is not net.row]},
+                     {"params": [net.row], "nesterov": False, "cautious": False}], lr=0.05, weight_decay=0.1)
     set_optimizer_state_dict(net, fresh, sd)
     dcp_ok = all(torch.equal(fresh.state[p][k].full_tensor(), opt.state[p][k].full_tensor()) for p in opt.state for k in opt.state[p])
+    # a layout NorMuon cannot stack (sharded along the last dimension) gets a message, not a wrong update
+    bad = nn.Parameter(distribute_tensor(torch.randn(4, 6), net.up.weight.device_mesh, [Shard(1)]))
+    bad.grad = distribute_tensor(torch.randn(4, 6), net.up.weight.device_mesh, [Shard(1)])
+    try: NorMuon([bad]).step(); refused = ""
+    except NotImplementedError as e: refused = str(e)
     if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
-                                 sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5]), open(out, "w"))
+                                 sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5], refused=refused), open(out, "w"))
     dist.barrier()  # leave together: a rank that tears gloo down while the other still writes can abort it
     dist.destroy_process_group()
 
@@ -378,13 +386,14 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["local_rows"] == {"up.weight": 5, "up.bias": 5, "experts": 2, "wide.weight": 6, "gate.weight": 6,
-                                 "down.weight": 2}  # really sharded
+                                 "down.weight": 2, "row": 1}  # really sharded (rank 1's piece of `row` is empty)
     assert max(res["diffs"].values()) <= 1e-6, res["diffs"]
-    assert res["layout"] and res["n_state"] == 5  # momentum and second moment stay sharded like the parameters
-    assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "gate.weight", "up.weight", "wide.weight"]  # keyed by name
+    assert res["layout"] and res["n_state"] == 6  # momentum and second moment stay sharded like the parameters
+    assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "gate.weight", "row", "up.weight", "wide.weight"]
+    assert "by rows" in res["refused"], res["refused"]
     # one step gathers each shape group once, updates and row statistics: wide and gate share one stack
     assert sorted(map(tuple, res["gathers"])) == sorted([(1, 9, 6), (1, 9, 1), (1, 3, 5, 9), (1, 3, 5, 1), (2, 11, 5), (2, 11, 1),
-                                                         (1, 4, 11), (1, 4, 1)]), res["gathers"]
+                                                         (1, 4, 11), (1, 4, 1), (1, 1, 4), (1, 1, 1)]), res["gathers"]
 
 
 def test_same_shape_matrices_batched_equal_one_at_a_time():

@@ -272,6 +272,8 @@ def test_add_into_adds_bf16_into_fp32_exactly(device):
     dst = [torch.randn(s, device=device, generator=g) for s in [(3, 5), (64, 7), (2, 33, 9), (1,)]]
     src = [torch.randn(d.shape, device=device, generator=g).bfloat16() for d in dst]
     ref = [d + s.float() for d, s in zip(dst, src)]
-    add_into(dst, src)
+    add_into(dst, src)  # compiled on a GPU
     assert all(torch.equal(a, b) for a, b in zip(dst, ref))
+    add_into(dst, src, compiled=False)
+    assert all(torch.equal(a, b + s.float()) for a, b, s in zip(dst, ref, src))
     add_into([], [])  # nothing to add: no error

@@ -149,7 +149,7 @@ class Trainer:
             for g in opt.param_groups: g.setdefault("peak_lr", g["lr"])
         self.dtype = resolve_precision(train_cfg, self.d.device)
         single_gpu_autocast = self.d.device.type == "cuda" and self.dtype == torch.bfloat16 and not self.d.distributed
-        self.matrices = BF16Matrices(self.model, self.dtype) if single_gpu_autocast else None  # cast once per step
+        self.matrices = BF16Matrices(self.model, self.dtype, compiled=train_cfg.compile) if single_gpu_autocast else None  # cast once per step
         self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self._train_iter = iter(self.train_loader)
@@ -198,17 +198,20 @@ _add_into_compiled = torch.compile(_add_into_eager, dynamic=False)  # compiled a
 
 def add_into(dst: list[torch.Tensor], # fp32 tensors, added to in place
              src: list[torch.Tensor], # Tensors of the same shapes, any float dtype
+             compiled: bool = True, # Compile it on a GPU (fused kernels for mixed dtypes); eager when False or on a CPU
             ):
-    "`dst[i] += src[i]` for every i: one `_foreach_add_`, compiled on a GPU (fused kernels for mixed dtypes), eager elsewhere."
-    if dst: (_add_into_compiled if dst[0].is_cuda else _add_into_eager)(dst, src)
+    "`dst[i] += src[i]` for every i, as one `_foreach_add_`."
+    if dst: (_add_into_compiled if compiled and dst[0].is_cuda else _add_into_eager)(dst, src)
 
 
 class BF16Matrices:
     "bf16 copies of the matrices that autocast would cast at every use, refreshed once per optimiser step."
     def __init__(self, model: nn.Module, # The (possibly compiled or checkpoint-wrapped) HyMo
-                 dtype: torch.dtype = torch.bfloat16): # Autocast's dtype
+                 dtype: torch.dtype = torch.bfloat16, # Autocast's dtype
+                 compiled: bool = False): # Add the gradients through a compiled `add_into` (the trainer: when it compiles)
         from hymo.models.moe import DeepSeekMoE
         routers = {id(m.gate) for m in model.modules() if isinstance(m, DeepSeekMoE)}
+        self.compiled = compiled
         self.slots = []  # (module, attribute, fp32 master, bf16 copy)
         for mod in model.modules():
             if isinstance(mod, DeepSeekMoE): names = ("w1", "w2", "w3")
@@ -240,7 +243,7 @@ class BF16Matrices:
         pairs = [(m, c) for m, c in zip(self.masters, self.copies) if c.grad is not None]
         for m, c in pairs:
             if m.grad is None: m.grad = torch.zeros_like(m)
-        add_into([m.grad for m, _ in pairs], [c.grad for _, c in pairs])
+        add_into([m.grad for m, _ in pairs], [c.grad for _, c in pairs], self.compiled)
         for _, c in pairs: c.grad = None
 
 # %% ../../nbs/70_trainer.ipynb #dedd9a03
