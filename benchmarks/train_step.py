@@ -218,11 +218,12 @@ def run(args) -> dict:
         with profile(activities=acts) as prof:
             if args.profile == "step": t.train_step()
             else:  # forward + backward of micro-batches only, as train_step runs them: what an accumulation step repeats
+                n = args.profile_micro_batches
                 with t.accumulation():
-                    for i in range(3): t.forward_backward(last=i == 2)
+                    for i in range(n): t.forward_backward(last=i == n - 1)
             torch.cuda.synchronize()
         try:
-            n_micro = args.accum if args.profile == "step" else 3
+            n_micro = args.accum if args.profile == "step" else args.profile_micro_batches
             res["profile_ms_per_micro_batch"] = breakdown(prof, n_micro)
             print(json.dumps(res["profile_ms_per_micro_batch"], indent=1))
             res["gpu_idle"] = gpu_idle(prof, n_micro)
@@ -263,11 +264,16 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", nargs="?", const="step", choices=["step", "micro", "cuda"],
                    help="torch.profiler table of one optimiser step, or ('micro') of 3 forward+backward passes, "
-                        "or ('cuda') of 3 passes recording only GPU activity (realistic waits on the host)")
+                        "or ('cuda') of 3 passes recording only GPU activity (realistic waits on the host); see --profile-micro-batches")
+    p.add_argument("--profile-micro-batches", type=int, default=3, metavar="N",
+                   help="micro-batches in the 'micro' and 'cuda' profiles, run as one step's accumulation: the once-per-step "
+                        "work (the bf16 copies' refresh; FSDP's first gathers and last reduction) is 1/N of each micro-batch's "
+                        "numbers, so N = --accum gives a real step's share")
     p.add_argument("--conv-launch", default=None, help="JSON of tiles for the GDN prelude kernels (gdn_conv_kernel.py --best-out)")
     p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
     p.add_argument("--out", default=None, help="append the result to this JSON list")
     args = p.parse_args()
+    if args.profile_micro_batches < 1: p.error(f"--profile-micro-batches must be at least 1, got {args.profile_micro_batches}")
     if not torch.cuda.is_available(): raise SystemExit("this benchmark needs a CUDA GPU")
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))

@@ -89,7 +89,8 @@ fig.tight_layout(); plt.show()
 # are the launch latency between back-to-back kernels, longer ones mean the GPU waited for the
 # host). The three passes run inside one step's `accumulation`, so a third of the once-per-step
 # work (the refresh of the bf16 copies; under FSDP the step's first all-gathers and its last
-# reduction) lands in each micro-batch's numbers, where a 32-micro-batch step spreads it over 32.
+# reduction) lands in each micro-batch's numbers, where a 32-micro-batch step spreads it over 32
+# (`--profile-micro-batches 32` profiles a whole step's worth).
 # Round 11's profile (of the code before its last change, `add_into`; see its note in the
 # table) records only the GPU's activity (`--profile cuda`), which leaves the
 # host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table

@@ -35,3 +35,11 @@ def test_kernels_are_counted_by_the_host_operators_that_launched_them():
                                              "aten::fill_ < aten::zeros: 1"]
     assert launched_by(rows, r"add<float>", top=5) == ["aten::add_ < AccumulateGrad: 1"]
     assert launched_by(rows, r"nothing") == []
+
+
+def test_a_profile_window_of_no_micro_batches_is_refused_before_anything_runs():
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    r = subprocess.run([sys.executable, str(script), "--profile", "cuda", "--profile-micro-batches", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--profile-micro-batches must be at least 1" in r.stderr, r.stderr[-500:]
