@@ -85,7 +85,8 @@ def kernel_breakdown(xs):
 
     def local():
         gt._bwd_local_kernel[(triton.cdiv(T, gt.BT), B * H)](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, None, None,
-                                                            None, scale, T, H, K, V, gt.BT, gt._bv_local(K, V), False, **gt.LAUNCH["local"])
+                                                            None, scale, T, H, K, V, gt.BT, gt._bv_local(K, V), False, gt._hold_local(K, q.dtype),
+                                                            **gt.LAUNCH["local"])
     states(2)
     return {
         "prep (gates, A)": do_bench(lambda: gt._prepare(k, g, beta, None, tables), return_mode="median"),

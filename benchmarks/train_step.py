@@ -204,7 +204,7 @@ def run(args) -> dict:
     tok_s = args.micro_batch * args.accum * args.seq_len / step
     res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
                + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "") + (" fsdp" if args.fsdp else "") + f" accum={args.accum} loss={args.loss}",
-               step_s=step, tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
+               step_s=step, step_times_s=[round(x, 4) for x in times], tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak_flops(t.d.device),

@@ -199,62 +199,149 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # substitution, $A_i = e_i - \sum_{j<i} L_{ij} A_j$. But a register tile cannot be indexed by a
 # run-time row number: each of the 63 steps must pick its row out with a masked sum across the whole
 # $64\times64$ tile, and those cross-warp reductions made a first version of this kernel take 2.3 ms
-# at HyMo's shape (measured; the whole forward budget is 0.6 ms). So the solve is blocked:
+# at HyMo's shape (measured; the whole forward budget is 0.6 ms). So the solve works on blocks.
+# Cut the chunk into four blocks of 16 tokens and $L$ into $16\times16$ blocks $L_{cb}$ (block row
+# $c$, block column $b$; only $c \ge b$ are non-zero). Then $A$ is block lower triangular too, and
+# block forward substitution gives it a block at a time:
 #
-# 1. Cut $L$ into $16\times16$ blocks; $L_\text{bd}$ is its block diagonal, $L_\text{off}$ the rest.
-#    Forward substitution on the four diagonal blocks *at once* (a `[4, 16, 16]` tile, 15 steps on
-#    small rows) gives $D = (I + L_\text{bd})^{-1}$, in fp32.
-# 2. $I + L = (I + L_\text{bd})(I + N)$ with $N = D L_\text{off}$, strictly *block* lower, so
-#    $N^4 = 0$ and $(I+N)^{-1} = I - N + N^2 - N^3 = (I - N)(I + N^2)$:
-#    $$A = (I - N)(I + N^2)\,D = X - N X, \qquad X = D + N^2 D,$$
-#    four $64\times64$ products on the tensor cores.
+# 1. **The diagonal blocks** $D_b = (I + L_{bb})^{-1}$, by forward substitution on each
+#    $16\times16$ tile: 15 steps, each picking row $i$ of $L_{bb}$ out with a masked sum and
+#    subtracting the rows of $D_b - I$ found so far. The tile is small enough for one warp to hold
+#    it, so every sum is a shuffle between the warp's 32 threads, and the four blocks are
+#    independent work the GPU interleaves. The kernel keeps $(D_b - I)^\top$ rather than $D_b - I$:
+#    then the row it picks out and the row it writes lie along the tile's two different axes, as the
+#    two sums leave them, and no step has to move data between threads.
+# 2. **The blocks below them**, from $(I + L)A = I$ read block by block:
+#    $$A_{cb} = -D_c \sum_{b \le j < c} L_{cj} A_{jb}, \qquad A_{bb} = D_b,$$
+#    first the blocks next to the diagonal ($A_{10}, A_{21}, A_{32}$), then $A_{20}, A_{31}$, then
+#    $A_{30}$: sixteen $16\times16$ products on the tensor cores.
 #
-# `tl.reshape` moves between the `[64, 64]` and `[4, 16, 4, 16]` views of a tile (row-major, so
-# element `[b, i, c, j]` is `[16b + i, 16c + j]`).
+# Every block is its own small tile, built from the keys, gates and $\beta$ of its two token
+# blocks, loaded apart: no tile is ever cut out of a larger one.
+#
+# **Precision.** The products take fp32 operands, which the tensor cores round to tf32 (10 bits of
+# mantissa); $A$ then comes out within about $10^{-3}$ of its largest entry, and is stored in the
+# inputs' dtype (bf16 in training, $4\times10^{-3}$). Products in `tf32x3` (three tf32 products
+# that recover about fp32's accuracy) gave $A$ to $10^{-6}$ for 0.25 ms instead of 0.18. One
+# shortcut fails on precision: the diagonal blocks from the series
+# $(I + L_{bb})^{-1} = (I - L_{bb})(I + L_{bb}^2)(I + L_{bb}^4)(I + L_{bb}^8)$ (exact, since
+# $L_{bb}^{16} = 0$) sums powers of $L_{bb}$ that grow far beyond the inverse when keys point in
+# similar directions, and the terms cancel. In tf32 it was wrong by 0.13 of $A$'s largest entry on
+# such keys. In fp32 it lost two digits against substitution (the tests' hard chunks, in Triton's
+# CPU interpreter: $4\times10^{-5}$ against $4\times10^{-7}$). The questions at the end of the
+# chapter list what else was tried; `benchmarks/gdn_prep_solve.py` times and checks these ways.
+#
+# (Until round 12 the diagonal blocks were solved together on one `[4, 16, 16]` tile by four warps,
+# whose sums crossed warps, and merged by four $64\times64$ products, $A = (I - N)(I + N^2)D$ with
+# $N = D L_\text{off}$. That took 0.24 ms on the H200 where this kernel takes 0.177 ms, with the
+# same errors: $2\times10^{-3}$ to $4\times10^{-3}$ of $A$'s largest entry once stored in bf16,
+# `benchmarks/results/gdn_prep_solve.json`.)
 
 # %%
 #| export
 @triton.jit
-def _solve_unit_lower(b_L, BT: tl.constexpr):
-    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 16x16 diagonal blocks, then merged."
-    tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
-    NB: tl.constexpr = BT // 16
-    o_b = tl.arange(0, NB)
-    o_j = tl.arange(0, 16)
-    m_bd = o_b[:, None, None, None] == o_b[None, None, :, None]                      # same block, [NB, 1, NB, 1]
-    b_Ld = tl.sum(tl.where(m_bd, tl.reshape(b_L, (NB, 16, NB, 16)), 0.), 2)        # diagonal blocks [NB, 16, 16]
-    b_D = tl.zeros([NB, 16, 16], dtype=tl.float32)                                  # D - I, rows >= i still zero
+def _gates16(g, beta, gc, bos, T, i_t, i_h, b: tl.constexpr, carry, H: tl.constexpr, BT: tl.constexpr):
+    "Token block `b` (16 tokens) of chunk `i_t`: cumulative gates G (with `carry`, the blocks before), beta, in-sequence mask; stores G."
+    o_t = i_t * BT + 16 * b + tl.arange(0, 16)
+    m = (o_t >= 0) & (o_t < T)
+    b_x = tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    b_g = tl.cumsum(b_x, 0) + carry
+    tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    return b_g, b_beta, m, carry + tl.sum(b_x, 0)
+
+
+@triton.jit
+def _keys16(k, bos, T, i_t, i_h, b: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    "The keys of token block `b` of chunk `i_t`, [16, K] (zeros past the sequence)."
+    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT + 16 * b, T, H * K, 0, K, 16, K)
+    return tl.load(p_k, mask=m_k, other=0.)
+
+
+@triton.jit
+def _L16(k_c, k_b, g_c, g_b, beta_c, m_c, DIAG: tl.constexpr):
+    "Block (c, b), c >= b, of L = strict_tril(diag(beta) K K^T * Gamma) [16, 16]; `DIAG`: c == b, strictly lower."
+    o = tl.arange(0, 16)
+    if DIAG: m = (o[:, None] > o[None, :]) & m_c[:, None]
+    else: m = m_c[:, None] & (o[None, :] >= 0)                          # a later block: every column precedes every row
+    d = tl.where(m, g_c[:, None] - g_b[None, :], 0.)                      # G_i - G_j <= 0, masked before exp
+    return tl.where(m, tl.dot(k_c, tl.trans(k_b)) * beta_c[:, None] * tl.exp(d), 0.)
+
+
+@triton.jit
+def _inv16(b_L):
+    "(I + L)^-1 of a strictly lower [16, 16] fp32 tile by forward substitution, carrying E^T = (D - I)^T."
+    o = tl.arange(0, 16)
+    b_ET = tl.zeros([16, 16], dtype=tl.float32)                          # columns < i hold rows < i of E
     for i in range(1, 16):
-        b_l = tl.sum(tl.where(o_j[None, :, None] == i, b_Ld, 0.), 1)               # row i of every block [NB, 16]
-        b_a = -b_l - tl.sum(b_l[:, :, None] * b_D, 1)
-        b_D = tl.where(o_j[None, :, None] == i, b_a[:, None, :], b_D)
-    b_D += (o_j[:, None] == o_j[None, :]).to(tl.float32)[None, :, :]
-    b_D = tl.reshape(tl.where(m_bd, b_D[:, :, None, :], 0.), (BT, BT))             # block diagonal [BT, BT]
-    o_i = tl.arange(0, BT)
-    b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
-    b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
-    return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
+        b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)              # row i of L, along axis 1
+        b_e = -b_l - tl.sum(b_ET * b_l[None, :], 1)                      # E_i = -L_i - sum_j L_ij E_j, along axis 0
+        b_ET = tl.where(o[None, :] == i, b_e[:, None], b_ET)
+    return tl.trans(b_ET) + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _below_diagonal(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
+    "A's blocks below the diagonal, A_cb = -D_c sum_{b <= j < c} L_cj A_jb, nearest the diagonal first; products in PREC."
+    A10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
+    A21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
+    A32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
+    A20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, A10, input_precision=PREC), input_precision=PREC)
+    A31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, A21, input_precision=PREC), input_precision=PREC)
+    A30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, A10, input_precision=PREC)
+                  + tl.dot(L32, A20, input_precision=PREC), input_precision=PREC)
+    return A10, A20, A21, A30, A31, A32
+
+
+@triton.jit
+def _store16(A, x, bos, T, i_t, i_h, c: tl.constexpr, b: tl.constexpr, H: tl.constexpr, BT: tl.constexpr):
+    "Block (c, b) of chunk `i_t`'s A [BT, BT] (stored per token: A [B, T, H, BT])."
+    p, m = _tile(A + (bos * H + i_h) * BT, i_t * BT + 16 * c, T, H * BT, 16 * b, BT, 16, 16)
+    tl.store(p, x.to(A.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _store_A(A, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, bos, T, i_t, i_h, H: tl.constexpr, BT: tl.constexpr):
+    "All sixteen blocks of chunk `i_t`'s A, zeros above the diagonal."
+    Z = tl.zeros([16, 16], dtype=tl.float32)
+    _store16(A, D0, bos, T, i_t, i_h, 0, 0, H, BT); _store16(A, Z, bos, T, i_t, i_h, 0, 1, H, BT)
+    _store16(A, Z, bos, T, i_t, i_h, 0, 2, H, BT); _store16(A, Z, bos, T, i_t, i_h, 0, 3, H, BT)
+    _store16(A, A10, bos, T, i_t, i_h, 1, 0, H, BT); _store16(A, D1, bos, T, i_t, i_h, 1, 1, H, BT)
+    _store16(A, Z, bos, T, i_t, i_h, 1, 2, H, BT); _store16(A, Z, bos, T, i_t, i_h, 1, 3, H, BT)
+    _store16(A, A20, bos, T, i_t, i_h, 2, 0, H, BT); _store16(A, A21, bos, T, i_t, i_h, 2, 1, H, BT)
+    _store16(A, D2, bos, T, i_t, i_h, 2, 2, H, BT); _store16(A, Z, bos, T, i_t, i_h, 2, 3, H, BT)
+    _store16(A, A30, bos, T, i_t, i_h, 3, 0, H, BT); _store16(A, A31, bos, T, i_t, i_h, 3, 1, H, BT)
+    _store16(A, A32, bos, T, i_t, i_h, 3, 2, H, BT); _store16(A, D3, bos, T, i_t, i_h, 3, 3, H, BT)
 
 
 @triton.jit
 def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
                  H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     "Chunk-parallel: cumulative log-decays `gc` [B, T, H] and A = (I + strict_tril(diag(beta) K K^T ⊙ Γ))^-1 [B, T, H, BT]."
+    tl.static_assert(BT == 64, "the solve is written for four 16-token blocks")
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    b_g = tl.cumsum(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32), 0)  # G
-    tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m_t)
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-    b_k = tl.load(p_k, mask=m_k, other=0.)
-    m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
-    b_L = tl.dot(b_k, tl.trans(b_k)) * b_beta[:, None] * _decay_tril(b_g, m_L, BT)
-    p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
-    tl.store(p_A, _solve_unit_lower(b_L, BT).to(A.dtype.element_ty), mask=m_A)
+    g0, s0, m0, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 0, 0., H, BT)   # gates, beta, mask of each token block
+    g1, s1, m1, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 1, c, H, BT)
+    g2, s2, m2, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 2, c, H, BT)
+    g3, s3, m3, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 3, c, H, BT)
+    k0 = _keys16(k, bos, T, i_t, i_h, 0, H, K, BT)
+    k1 = _keys16(k, bos, T, i_t, i_h, 1, H, K, BT)
+    k2 = _keys16(k, bos, T, i_t, i_h, 2, H, K, BT)
+    k3 = _keys16(k, bos, T, i_t, i_h, 3, H, K, BT)
+    D0 = _inv16(_L16(k0, k0, g0, g0, s0, m0, True))                        # A_bb = (I + L_bb)^-1
+    D1 = _inv16(_L16(k1, k1, g1, g1, s1, m1, True))
+    D2 = _inv16(_L16(k2, k2, g2, g2, s2, m2, True))
+    D3 = _inv16(_L16(k3, k3, g3, g3, s3, m3, True))
+    L10 = _L16(k1, k0, g1, g0, s1, m1, False)                                # the blocks of L below the diagonal
+    L21 = _L16(k2, k1, g2, g1, s2, m2, False)
+    L32 = _L16(k3, k2, g3, g2, s3, m3, False)
+    L20 = _L16(k2, k0, g2, g0, s2, m2, False)
+    L31 = _L16(k3, k1, g3, g1, s3, m3, False)
+    L30 = _L16(k3, k0, g3, g0, s3, m3, False)
+    A10, A20, A21, A30, A31, A32 = _below_diagonal(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, "tf32")
+    _store_A(A, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, bos, T, i_t, i_h, H, BT)
 
 
 # %% [markdown]
@@ -299,7 +386,7 @@ def _prepare(k, g, beta, cu_seqlens, tables):
     return gc, A
 
 
-LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(), states=dict(), local=dict(num_warps=4))  # per-kernel launch options (benchmarks sweep them)
+LAUNCH = dict(prep=dict(num_warps=1), fwd=dict(), states=dict(), local=dict(num_warps=4))  # per-kernel launch options (benchmarks sweep them)
 
 
 # %%
@@ -312,14 +399,24 @@ def rand_inputs(B=1, T=70, H=2, K=16, V=16, dtype=torch.float32, device=DEV, see
     return [x.to(device) for x in (q.to(dtype), k.to(dtype), r(B, T, H, V).to(dtype), g, torch.rand(B, T, H, generator=gen))]
 
 
-q, k, v, g, beta = rand_inputs(T=70)
+def exact_A(k, g, beta, t0, n, h):
+    "(I + L)^-1 of the n tokens from t0 of head h (batch 0), in float64 by `torch.linalg.solve_triangular`."
+    kk, G, b = k[0, t0:t0 + n, h].double(), g[0, t0:t0 + n, h].double().cumsum(0), beta[0, t0:t0 + n, h].double()
+    low = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)
+    L = b[:, None] * (kk @ kk.T) * (G[:, None] - G[None, :]).masked_fill(~low, -torch.inf).exp()
+    eye = torch.eye(n, dtype=torch.float64, device=k.device)
+    return torch.linalg.solve_triangular(eye + L, eye, upper=False)
+
+
+q, k, v, g, beta = rand_inputs(T=70, K=32)
+k[0, 8:24, 1] = F.normalize(k[0, 8:24, 1] + 3 * k[0, 8, 1], dim=-1)  # a run of nearly parallel keys: larger entries in A
 gc, A = _prepare(k, g, beta, None, _chunk_tables(None, 1, 70))
-G = g[0, :64, 0].cumsum(0)                                          # chunk 0, head 0
-causal = torch.ones(64, 64, dtype=torch.bool, device=DEV).tril(-1)
-L = (beta[0, :64, 0, None] * (k[0, :64, 0] @ k[0, :64, 0].T) * (G[:, None] - G[None, :]).masked_fill(~causal, -torch.inf).exp()).tril(-1)
-eye = torch.eye(64, device=DEV)
-assert_close(A[0, :64, 0], torch.linalg.solve_triangular(eye + L, eye, upper=False), rtol=0, atol=5e-3)
-assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the 6-token tail chunk restarts its sum
+tol = 5e-3 if DEV == "cuda" else 1e-5                               # a GPU forms K K^T from fp32 keys in tf32
+for h in range(2):
+    assert_close(A[0, :64, h].double(), exact_A(k, g, beta, 0, 64, h), rtol=0, atol=tol)
+    assert_close(A[0, 64:, h, :6].double(), exact_A(k, g, beta, 64, 6, h), rtol=0, atol=tol)   # the 6-token tail chunk
+    assert (A[0, 64:, h, 6:] == 0).all()                            # past the sequence's end
+assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the tail chunk restarts its sum
 
 
 # %% [markdown]
@@ -708,7 +805,7 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
 # pass, otherwise they are dropped and recomputed. Keeping them costs memory, `A` being as large
 # as a 64-wide head of values (84 MB per layer at the 750M model's 4 × 4096 tokens, 2 GB for its 24
 # GDN layers) and the states a quarter of that ($K \times V$ per chunk and head in the input dtype,
-# 21 MB per layer). It saves, per layer on an H200, a launch of kernel 1 (0.24 ms) and half of the
+# 21 MB per layer). It saves, per layer on an H200, a launch of kernel 1 (0.24 ms then, 0.18 ms since round 12) and half of the
 # state launch (0.30 → 0.19 ms), for 0.014 ms more in the forward, which now stores the states
 # (0.182 → 0.196 ms). The default is to recompute, which keeps this operator's peak within 2× its
 # inputs and outputs (measured below); the model's mixer keeps them (`GatedDeltaNet.keep_prep`),
@@ -1049,13 +1146,17 @@ a2.barh(names, [k[n] for n in names]); a2.invert_yaxis(); a2.set_xlabel("ms"); a
 plt.tight_layout(); plt.show()
 
 # %% [markdown]
-# The first version of kernel 1 solved $A$ row by row on the whole tile; the blocked solve took it
-# from the first figure to the second (everything else changed less):
+# The first version of kernel 1 solved $A$ row by row on the whole tile; solving the diagonal
+# blocks together on one tile took it from the first figure to the second, and round 12's kernel,
+# every block its own tile, to the third (everything else changed less). The last line is round
+# 12's run of every launch, the model's path included:
 
 # %%
-f0 = bench["first_version"]
-print(f"prep: {f0['triton_kernels_ms']['prep (gates, A)']:.2f} ms -> {k['prep (gates, A)']:.2f} ms;  "
+f0, k12 = bench["first_version"], bench["launches_round12"]
+print(f"prep: {f0['triton_kernels_ms']['prep (gates, A)']:.2f} ms -> {k['prep (gates, A)']:.2f} ms -> "
+      f"{k12['triton_kernels_ms']['prep (gates, A)']:.3f} ms;  "
       f"forward {f0['triton_fwd_ms']:.2f} -> {r['triton_fwd_ms']:.2f} ms;  forward+backward {f0['triton_fwd_bwd_ms']:.2f} -> {r['triton_fwd_bwd_ms']:.2f} ms")
+print(f"round 12 ({k12['meta']['date']}):", ", ".join(f"{n} {v:.3f}" for n, v in k12["triton_kernels_ms"].items()))
 
 # %% [markdown]
 # Parity on the GPU, relative RMSE $\lVert \text{ref} - \text{out}\rVert_2 / \lVert\text{ref}\rVert_2$
@@ -1077,26 +1178,36 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # ::: {.callout-tip collapse="true"}
 # ## Why solve the UT matrix in 16×16 blocks instead of row by row?
 # Forward substitution is sequential: row $i$ needs rows $0..i-1$. In a Triton program the tile
-# lives in registers spread over 128 threads, and a run-time row cannot be indexed, so every step
-# picks its row out with a masked reduction across warps. 63 such steps per chunk made the first
-# version of kernel 1 cost 2.3 ms at HyMo's shape. Solving the four $16\times16$ diagonal blocks
-# together takes 15 cheap steps on small rows; the off-diagonal part follows from
-# $(I+N)^{-1} = (I-N)(I+N^2)$ for the strictly block-lower $N = D L_\text{off}$ ($N^4 = 0$), four
-# $64\times64$ products on the tensor cores. Measured: 0.24 ms. Reading each row of the diagonal
-# blocks from a small fp32 scratch in global memory instead of picking it out of the tile (one
-# masked reduction fewer per step, as flash-linear-attention's solver does) was slower here:
-# 0.41 ms, the store, barrier and reloads costing more than the reduction they replace.
+# lives in registers spread over the program's threads, and a run-time row cannot be indexed, so
+# every step picks its row out with a masked reduction. 63 such steps per chunk, each reducing
+# across the four warps that held the $64\times64$ tile, made the first version of kernel 1 cost
+# 2.3 ms at HyMo's shape. Blocks shorten the chain and shrink the tiles. The second version solved
+# the four $16\times16$ diagonal blocks together on one `[4, 16, 16]` tile (15 steps) and merged
+# them with $(I+N)^{-1} = (I-N)(I+N^2)$ for the strictly block-lower $N = D L_\text{off}$
+# ($N^4 = 0$), four $64\times64$ products: 0.24 ms. The third (round 12) gives every block its
+# own tile, built from its own loads. A $16\times16$ tile fits one warp, so the substitution's sums
+# are shuffles inside a warp, and the blocks below the diagonal take sixteen $16\times16$ products
+# instead of four $64\times64$ ones: 0.177 ms, launched with one warp (0.32 ms with two, 0.60 with
+# four: the blocks are too small to share out).
 #
-# Also tried, and slower: no serial steps at all. For $M = -L_4$, the $4\times4$ block diagonal of
-# $-L$, $M^4 = 0$, so $(I + L_4)^{-1} = (I + M)(I + M^2)$; two merges like step 2 (with $N^2 = 0$)
-# take that to the $16\times16$ blocks, ten $64\times64$ tensor-core products in all. It measured
-# 0.253 ms against 0.240 ms (H200, same process), so the 15 row steps are not what this kernel
-# waits on. Doubling straight on $16\times16$ blocks, $(I+M)(I+M^2)(I+M^4)(I+M^8)$, needs fewer
-# products but is not accurate in tf32: when a chunk's keys share a direction, $(M^8)_{ij}$ reaches
-# about $\binom{14}{7}\,0.9^8 \approx 1500$, and summing such terms into entries of size 1 left an
-# error near 0.1 (emulated on CPU). The test `test_kernel_1_inverts_ill_conditioned_chunks` checks
-# this kernel's algebra on such chunks against float64, in Triton's interpreter, whose products
-# are plain fp32 (tf32 rounding only happens on the GPU).
+# Tried and not kept (`benchmarks/gdn_prep_solve.py`, `benchmarks/results/gdn_prep_solve.json`):
+#
+# - Reading each row of the diagonal blocks from a small fp32 scratch in global memory instead of
+#   picking it out of the tile (as flash-linear-attention's solver does): 0.41 ms in the second
+#   version, the store, barrier and reloads costing more than the reduction they replace.
+# - No serial steps at all, by doubling on $4\times4$ blocks and merging twice: 0.253 against 0.240
+#   ms for the second version.
+# - The series $(I - L)(I + L^2)(I + L^4)(I + L^8)$ for the $16\times16$ diagonal blocks, six
+#   products each instead of 15 steps. In tf32 it is wrong by 0.13 of $A$'s largest entry when keys
+#   share a direction, and by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches about
+#   $\binom{14}{7}\,0.9^8 \approx 1500$, and such terms cancel into entries of size 1. In
+#   `tf32x3` (or exact fp32 products) it is as accurate as $A$'s tf32 products need, but takes
+#   0.179 ms (0.227 ms in fp32): no faster than substitution. On the whole $64\times64$ tile the
+#   series ($L^{64} = 0$) is wrong even in fp32.
+#
+# The test `test_kernel_1_inverts_ill_conditioned_chunks` checks the kernel's algebra on hard chunks
+# against float64, in Triton's interpreter, whose products are plain fp32 (tf32 rounding only
+# happens on the GPU).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

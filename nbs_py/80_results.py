@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 11 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 12 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
@@ -17,6 +17,7 @@
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
 # python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py
+# python benchmarks/gdn_prep_solve.py                            # ways to solve for the GDN's A (kernel 1): time and accuracy
 # python benchmarks/gdn_registers.py                             # registers and spills of the GDN kernels (no GPU needed)
 # python benchmarks/optim_step.py                                # NorMuon and AdamW alone, on random gradients
 # python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
@@ -122,6 +123,23 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
+# * **Round 12: the GDN rule's kernel 1 (the gates and the UT matrix $A$) 0.241 → 0.177 ms per
+#   layer; the preset step measured 6.493 s (36.1 % MFU, 80.8 k tokens/s, 50.6 GB) on the round's
+#   machine.** Kernel 1 now builds every $16\times16$ block of $L$ as its own tile from its own
+#   loads, solves the diagonal blocks by substitution with one warp (its sums are shuffles inside
+#   the warp) and the blocks below by block substitution in sixteen $16\times16$ products
+#   (chapter 13; `gdn_prep_solve.json` compares seven other ways). Same errors as before; GPU
+#   parity of the whole rule (`gdn_verify.py --quick`: bf16 within 3.6e-3, fp32 within 1.7e-3 of
+#   the fp32 loop, deterministic, packed documents) unchanged. At 24 layers and 32 micro-batches
+#   that is about 49 ms per step (0.8 %) expected. The step took 6.485–6.499 s. Round 11's final
+#   code took 6.473 s on its last machine and 6.59–6.61 s on another: the gain is smaller than
+#   the spread between machines, and round 11's code was not re-timed on this one (the device
+#   time ran out). The PyTorch GDN path's step, for the 5× comparison, did not finish inside its
+#   160 s limit (compilation and two steps of about 32 s), so that ratio stays round 11's 4.98×.
+#   Tried again and not kept (`experiments.json`): Python's garbage collector paused for a step's
+#   micro-batches (6.61–6.62 s against 6.60–6.63 s, as round 9 found); and a faster add of the
+#   copies' gradients, which runs at 4.2 TB/s already (2.83 ms for the 11.8 GB it moves; a single
+#   Triton launch over a table of pointers took 2.98 ms).
 # * **Round 11: MFU 36.2 % at the preset's step (6.473 s, 81.0 k tokens/s, 50.6 GB), and FSDP
 #   on one GPU nearly as fast as autocast (6.649 s, 35.3 %; it took 7.50 s at the round's start),
 #   both on the round's last machine.** The target is still 40 %. The round's first machine ran

@@ -78,46 +78,108 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 
 # %% ../../nbs/13_gdn_triton.ipynb #c8552a0e
 @triton.jit
-def _solve_unit_lower(b_L, BT: tl.constexpr):
-    "(I + L)^-1 of a strictly lower-triangular fp32 tile L [BT, BT] = [64, 64]: 16x16 diagonal blocks, then merged."
-    tl.static_assert(BT == 64, "the merge (I - N)(I + N^2) assumes four 16x16 blocks")
-    NB: tl.constexpr = BT // 16
-    o_b = tl.arange(0, NB)
-    o_j = tl.arange(0, 16)
-    m_bd = o_b[:, None, None, None] == o_b[None, None, :, None]                      # same block, [NB, 1, NB, 1]
-    b_Ld = tl.sum(tl.where(m_bd, tl.reshape(b_L, (NB, 16, NB, 16)), 0.), 2)        # diagonal blocks [NB, 16, 16]
-    b_D = tl.zeros([NB, 16, 16], dtype=tl.float32)                                  # D - I, rows >= i still zero
+def _gates16(g, beta, gc, bos, T, i_t, i_h, b: tl.constexpr, carry, H: tl.constexpr, BT: tl.constexpr):
+    "Token block `b` (16 tokens) of chunk `i_t`: cumulative gates G (with `carry`, the blocks before), beta, in-sequence mask; stores G."
+    o_t = i_t * BT + 16 * b + tl.arange(0, 16)
+    m = (o_t >= 0) & (o_t < T)
+    b_x = tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    b_g = tl.cumsum(b_x, 0) + carry
+    tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m)
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    return b_g, b_beta, m, carry + tl.sum(b_x, 0)
+
+
+@triton.jit
+def _keys16(k, bos, T, i_t, i_h, b: tl.constexpr, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr):
+    "The keys of token block `b` of chunk `i_t`, [16, K] (zeros past the sequence)."
+    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT + 16 * b, T, H * K, 0, K, 16, K)
+    return tl.load(p_k, mask=m_k, other=0.)
+
+
+@triton.jit
+def _L16(k_c, k_b, g_c, g_b, beta_c, m_c, DIAG: tl.constexpr):
+    "Block (c, b), c >= b, of L = strict_tril(diag(beta) K K^T * Gamma) [16, 16]; `DIAG`: c == b, strictly lower."
+    o = tl.arange(0, 16)
+    if DIAG: m = (o[:, None] > o[None, :]) & m_c[:, None]
+    else: m = m_c[:, None] & (o[None, :] >= 0)                          # a later block: every column precedes every row
+    d = tl.where(m, g_c[:, None] - g_b[None, :], 0.)                      # G_i - G_j <= 0, masked before exp
+    return tl.where(m, tl.dot(k_c, tl.trans(k_b)) * beta_c[:, None] * tl.exp(d), 0.)
+
+
+@triton.jit
+def _inv16(b_L):
+    "(I + L)^-1 of a strictly lower [16, 16] fp32 tile by forward substitution, carrying E^T = (D - I)^T."
+    o = tl.arange(0, 16)
+    b_ET = tl.zeros([16, 16], dtype=tl.float32)                          # columns < i hold rows < i of E
     for i in range(1, 16):
-        b_l = tl.sum(tl.where(o_j[None, :, None] == i, b_Ld, 0.), 1)               # row i of every block [NB, 16]
-        b_a = -b_l - tl.sum(b_l[:, :, None] * b_D, 1)
-        b_D = tl.where(o_j[None, :, None] == i, b_a[:, None, :], b_D)
-    b_D += (o_j[:, None] == o_j[None, :]).to(tl.float32)[None, :, :]
-    b_D = tl.reshape(tl.where(m_bd, b_D[:, :, None, :], 0.), (BT, BT))             # block diagonal [BT, BT]
-    o_i = tl.arange(0, BT)
-    b_N = tl.dot(b_D, tl.where((o_i[:, None] // 16) > (o_i[None, :] // 16), b_L, 0.))   # N = D L_off
-    b_X = b_D + tl.dot(tl.dot(b_N, b_N), b_D)                                        # X = (I + N^2) D
-    return b_X - tl.dot(b_N, b_X)                                                    # A = (I - N) X
+        b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)              # row i of L, along axis 1
+        b_e = -b_l - tl.sum(b_ET * b_l[None, :], 1)                      # E_i = -L_i - sum_j L_ij E_j, along axis 0
+        b_ET = tl.where(o[None, :] == i, b_e[:, None], b_ET)
+    return tl.trans(b_ET) + (o[:, None] == o[None, :]).to(tl.float32)
+
+
+@triton.jit
+def _below_diagonal(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, PREC: tl.constexpr):
+    "A's blocks below the diagonal, A_cb = -D_c sum_{b <= j < c} L_cj A_jb, nearest the diagonal first; products in PREC."
+    A10 = -tl.dot(D1, tl.dot(L10, D0, input_precision=PREC), input_precision=PREC)
+    A21 = -tl.dot(D2, tl.dot(L21, D1, input_precision=PREC), input_precision=PREC)
+    A32 = -tl.dot(D3, tl.dot(L32, D2, input_precision=PREC), input_precision=PREC)
+    A20 = -tl.dot(D2, tl.dot(L20, D0, input_precision=PREC) + tl.dot(L21, A10, input_precision=PREC), input_precision=PREC)
+    A31 = -tl.dot(D3, tl.dot(L31, D1, input_precision=PREC) + tl.dot(L32, A21, input_precision=PREC), input_precision=PREC)
+    A30 = -tl.dot(D3, tl.dot(L30, D0, input_precision=PREC) + tl.dot(L31, A10, input_precision=PREC)
+                  + tl.dot(L32, A20, input_precision=PREC), input_precision=PREC)
+    return A10, A20, A21, A30, A31, A32
+
+
+@triton.jit
+def _store16(A, x, bos, T, i_t, i_h, c: tl.constexpr, b: tl.constexpr, H: tl.constexpr, BT: tl.constexpr):
+    "Block (c, b) of chunk `i_t`'s A [BT, BT] (stored per token: A [B, T, H, BT])."
+    p, m = _tile(A + (bos * H + i_h) * BT, i_t * BT + 16 * c, T, H * BT, 16 * b, BT, 16, 16)
+    tl.store(p, x.to(A.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _store_A(A, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, bos, T, i_t, i_h, H: tl.constexpr, BT: tl.constexpr):
+    "All sixteen blocks of chunk `i_t`'s A, zeros above the diagonal."
+    Z = tl.zeros([16, 16], dtype=tl.float32)
+    _store16(A, D0, bos, T, i_t, i_h, 0, 0, H, BT); _store16(A, Z, bos, T, i_t, i_h, 0, 1, H, BT)
+    _store16(A, Z, bos, T, i_t, i_h, 0, 2, H, BT); _store16(A, Z, bos, T, i_t, i_h, 0, 3, H, BT)
+    _store16(A, A10, bos, T, i_t, i_h, 1, 0, H, BT); _store16(A, D1, bos, T, i_t, i_h, 1, 1, H, BT)
+    _store16(A, Z, bos, T, i_t, i_h, 1, 2, H, BT); _store16(A, Z, bos, T, i_t, i_h, 1, 3, H, BT)
+    _store16(A, A20, bos, T, i_t, i_h, 2, 0, H, BT); _store16(A, A21, bos, T, i_t, i_h, 2, 1, H, BT)
+    _store16(A, D2, bos, T, i_t, i_h, 2, 2, H, BT); _store16(A, Z, bos, T, i_t, i_h, 2, 3, H, BT)
+    _store16(A, A30, bos, T, i_t, i_h, 3, 0, H, BT); _store16(A, A31, bos, T, i_t, i_h, 3, 1, H, BT)
+    _store16(A, A32, bos, T, i_t, i_h, 3, 2, H, BT); _store16(A, D3, bos, T, i_t, i_h, 3, 3, H, BT)
 
 
 @triton.jit
 def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
                  H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     "Chunk-parallel: cumulative log-decays `gc` [B, T, H] and A = (I + strict_tril(diag(beta) K K^T ⊙ Γ))^-1 [B, T, H, BT]."
+    tl.static_assert(BT == 64, "the solve is written for four 16-token blocks")
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_n, i_t, bos, T, boh = _chunk_id(cu_seqlens, chunk_indices, chunk_offsets, i_c, i_b, T, BT, IS_VARLEN)
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    b_g = tl.cumsum(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32), 0)  # G
-    tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m_t)
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    p_k, m_k = _tile(k + (bos * H + i_h) * K, i_t * BT, T, H * K, 0, K, BT, K)
-    b_k = tl.load(p_k, mask=m_k, other=0.)
-    m_L = (o_i[:, None] > o_i[None, :]) & m_t[:, None]
-    b_L = tl.dot(b_k, tl.trans(b_k)) * b_beta[:, None] * _decay_tril(b_g, m_L, BT)
-    p_A, m_A = _tile(A + (bos * H + i_h) * BT, i_t * BT, T, H * BT, 0, BT, BT, BT)
-    tl.store(p_A, _solve_unit_lower(b_L, BT).to(A.dtype.element_ty), mask=m_A)
+    g0, s0, m0, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 0, 0., H, BT)   # gates, beta, mask of each token block
+    g1, s1, m1, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 1, c, H, BT)
+    g2, s2, m2, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 2, c, H, BT)
+    g3, s3, m3, c = _gates16(g, beta, gc, bos, T, i_t, i_h, 3, c, H, BT)
+    k0 = _keys16(k, bos, T, i_t, i_h, 0, H, K, BT)
+    k1 = _keys16(k, bos, T, i_t, i_h, 1, H, K, BT)
+    k2 = _keys16(k, bos, T, i_t, i_h, 2, H, K, BT)
+    k3 = _keys16(k, bos, T, i_t, i_h, 3, H, K, BT)
+    D0 = _inv16(_L16(k0, k0, g0, g0, s0, m0, True))                        # A_bb = (I + L_bb)^-1
+    D1 = _inv16(_L16(k1, k1, g1, g1, s1, m1, True))
+    D2 = _inv16(_L16(k2, k2, g2, g2, s2, m2, True))
+    D3 = _inv16(_L16(k3, k3, g3, g3, s3, m3, True))
+    L10 = _L16(k1, k0, g1, g0, s1, m1, False)                                # the blocks of L below the diagonal
+    L21 = _L16(k2, k1, g2, g1, s2, m2, False)
+    L32 = _L16(k3, k2, g3, g2, s3, m3, False)
+    L20 = _L16(k2, k0, g2, g0, s2, m2, False)
+    L31 = _L16(k3, k1, g3, g1, s3, m3, False)
+    L30 = _L16(k3, k0, g3, g0, s3, m3, False)
+    A10, A20, A21, A30, A31, A32 = _below_diagonal(D0, D1, D2, D3, L10, L20, L21, L30, L31, L32, "tf32")
+    _store_A(A, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, bos, T, i_t, i_h, H, BT)
 
 # %% ../../nbs/13_gdn_triton.ipynb #48f5dfb9
 BT = 64  # chunk length C; the kernels' tiles are BT x BT
@@ -150,7 +212,7 @@ def _prepare(k, g, beta, cu_seqlens, tables):
     return gc, A
 
 
-LAUNCH = dict(prep=dict(num_warps=4), fwd=dict(), states=dict(), local=dict(num_warps=4))  # per-kernel launch options (benchmarks sweep them)
+LAUNCH = dict(prep=dict(num_warps=1), fwd=dict(), states=dict(), local=dict(num_warps=4))  # per-kernel launch options (benchmarks sweep them)
 
 # %% ../../nbs/13_gdn_triton.ipynb #380a8a80
 @triton.jit
