@@ -1,0 +1,37 @@
+"""The GDN benchmarks still drive the kernels they time: their launches, on CPU through Triton's interpreter.
+
+`benchmarks/gdn_kernel.py` and `benchmarks/gdn_prep_solve.py` call the kernels directly, with the kernels' own
+argument lists; a kernel that gains an argument breaks them only on the GPU, where they run. Here `do_bench` runs
+each launch once and the launches' results are checked.
+"""
+import textwrap
+
+from _interpret import run_child
+
+CHILD = textwrap.dedent('''
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    sys.path.insert(0, "benchmarks")
+    import gdn_kernel as gk
+    import gdn_prep_solve as ps
+    res = {}
+    # gdn_kernel.py: every launch of the breakdown, each run once
+    gk.do_bench = lambda f, **kw: (f(), 0.0)[1]
+    xs = gk.inputs(1, 128, 2, 32, 32, dtype=torch.float32)
+    res["launches"] = sorted(gk.kernel_breakdown(xs))
+    # gdn_prep_solve.py: each way to solve for A, against float64, on keys sharing a direction
+    k, g, beta = ps.inputs(1, 128, 2, 32, torch.float32, common=1.0, seed=1)
+    res["errors"] = {name: ps.error(k, g, beta, v)["fp32"] for name, v in ps.VARIANTS.items()}
+    print("RESULT" + json.dumps(res))
+''')
+
+
+def test_gdn_benchmarks_launch_the_kernels_as_they_are_now():
+    res = run_child(CHILD)
+    assert res["launches"] == sorted(["prep (gates, A)", "state pass + o", "S and dS passes", "state pass + o, saving S_0",
+                                      "S pass alone", "dS pass alone (S_0 kept)", "local grads"])
+    err = res["errors"]
+    for name in ("landed", "blocked subst, tf32x3", "tile substitution", "blocked series ieee, tf32"):
+        assert err[name] < 1e-5, (name, err[name])  # the interpreter's products are fp32: every sound way is exact
+    assert err["no solve"] > 0.5  # storing L instead of its inverse is caught
