@@ -5,8 +5,8 @@
 Kernel 1 builds L = strict_tril(diag(beta) K K^T * Gamma) per 64-token chunk and stores A = (I + L)^-1.
 
 On 16x16 blocks loaded apart (`_prep_blocked`; chapter 13 explains the block substitution):
-- `landed`: chapter 13's kernel: diagonal blocks by forward substitution on each 16x16 tile, the blocks below by block
-  substitution in tf32 products (the same as `blocked subst, tf32`, launched through `_prepare`).
+- `landed`: chapter 13's kernel (`_prep_kernel`, with `_prepare`'s launch options): diagonal blocks by forward
+  substitution on each 16x16 tile, the blocks below by block substitution in tf32 products.
 - `blocked subst, tf32x3`: the same with the products in tf32x3 (about fp32's accuracy).
 - `blocked series P, tf32`: diagonal blocks by the nilpotent series (I - L)(I + L^2)(I + L^4)(I + L^8) in precision P.
 On the whole 64x64 tile (`_prep_tile`):
@@ -174,17 +174,15 @@ def prep(k, g, beta, variant, num_warps=None, out_dtype=None):
     "Run kernel 1 as `variant` does: `(gc, A)`."
     B, T, H, K = k.shape
     kind, *args = variant
-    if kind == "landed":
-        launch = gt.LAUNCH["prep"]
-        if num_warps: gt.LAUNCH["prep"] = dict(launch, num_warps=num_warps)
-        try: gc, A = gt._prepare(k, g, beta, None, gt._chunk_tables(None, B, T))
-        finally: gt.LAUNCH["prep"] = launch
-        return gc, (A if out_dtype in (None, A.dtype) else None)
     gc = torch.empty(B, T, H, dtype=torch.float32, device=k.device)
     A = torch.empty(B, T, H, gt.BT, dtype=out_dtype or k.dtype, device=k.device)
     grid = (triton.cdiv(T, gt.BT), B * H)
-    kernel = _prep_blocked if kind == "blocked" else _prep_tile
-    kernel[grid](k, g, beta, gc, A, T, H, K, gt.BT, *args, num_warps=num_warps or 4)
+    if kind == "landed":  # as `_prepare` launches it, into an A of any dtype
+        launch = dict(gt.LAUNCH["prep"], **({"num_warps": num_warps} if num_warps else {}))
+        gt._prep_kernel[grid](k, g, beta, gc, A, None, None, None, T, H, K, gt.BT, False, **launch)
+    else:
+        kernel = _prep_blocked if kind == "blocked" else _prep_tile
+        kernel[grid](k, g, beta, gc, A, T, H, K, gt.BT, *args, num_warps=num_warps or 4)
     return gc, A
 
 
@@ -219,7 +217,6 @@ def error(k, g, beta, variant):
     out = {}
     for name, dt in (("fp32", torch.float32), ("stored", k.dtype)):
         _, A = prep(k, g, beta, variant, out_dtype=dt)
-        if A is None: continue                                                      # the landed launcher stores in k's dtype
         A = A.double().view(B, T // gt.BT, gt.BT, H, gt.BT).transpose(2, 3)
         out[name] = ((A - ref).abs().amax() / ref.abs().amax()).item()
     return out

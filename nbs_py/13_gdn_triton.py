@@ -207,10 +207,11 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # 1. **The diagonal blocks** $D_b = (I + L_{bb})^{-1}$, by forward substitution on each
 #    $16\times16$ tile: 15 steps, each picking row $i$ of $L_{bb}$ out with a masked sum and
 #    subtracting the rows of $D_b - I$ found so far. The tile is small enough for one warp to hold
-#    it, so every sum is a shuffle between the warp's 32 threads, and the four blocks are
-#    independent work the GPU interleaves. The kernel keeps $(D_b - I)^\top$ rather than $D_b - I$:
-#    then the row it picks out and the row it writes lie along the tile's two different axes, as the
-#    two sums leave them, and no step has to move data between threads.
+#    it, so every sum stays inside the warp (shuffles between its 32 threads, never a barrier
+#    across warps), and the four blocks are independent work the GPU interleaves. (The kernel
+#    carries $(D_b - I)^\top$; compiled, each step still moves its two small vectors between the
+#    layouts the two sums leave them in, through shared memory. Carrying $D_b^\top$ instead avoids
+#    that, but has not been timed on a GPU.)
 # 2. **The blocks below them**, from $(I + L)A = I$ read block by block:
 #    $$A_{cb} = -D_c \sum_{b \le j < c} L_{cj} A_{jb}, \qquad A_{bb} = D_b,$$
 #    first the blocks next to the diagonal ($A_{10}, A_{21}, A_{32}$), then $A_{20}, A_{31}$, then
@@ -220,14 +221,15 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # blocks, loaded apart: no tile is ever cut out of a larger one.
 #
 # **Precision.** The products take fp32 operands, which the tensor cores round to tf32 (10 bits of
-# mantissa); $A$ then comes out within about $10^{-3}$ of its largest entry, and is stored in the
-# inputs' dtype (bf16 in training, $4\times10^{-3}$). Products in `tf32x3` (three tf32 products
-# that recover about fp32's accuracy) gave $A$ to $10^{-6}$ for 0.25 ms instead of 0.18. One
+# mantissa), and $A$ is stored in the inputs' dtype. Stored in bf16, it came out within
+# $2\times10^{-3}$ to $4\times10^{-3}$ of its largest entry on the H200, as the previous kernel's
+# did (below). Products in `tf32x3` (three tf32 products that recover about fp32's accuracy) gave
+# $A$ to $10^{-6}$ before storing, for 0.25 ms instead of 0.18. One
 # shortcut fails on precision: the diagonal blocks from the series
 # $(I + L_{bb})^{-1} = (I - L_{bb})(I + L_{bb}^2)(I + L_{bb}^4)(I + L_{bb}^8)$ (exact, since
 # $L_{bb}^{16} = 0$) sums powers of $L_{bb}$ that grow far beyond the inverse when keys point in
 # similar directions, and the terms cancel. In tf32 it was wrong by 0.13 of $A$'s largest entry on
-# such keys. In fp32 it lost two digits against substitution (the tests' hard chunks, in Triton's
+# nearly aligned keys. In fp32 it lost two digits against substitution (the tests' hard chunks, in Triton's
 # CPU interpreter: $4\times10^{-5}$ against $4\times10^{-7}$). The questions at the end of the
 # chapter list what else was tried; `benchmarks/gdn_prep_solve.py` times and checks these ways.
 #
@@ -1190,7 +1192,8 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # instead of four $64\times64$ ones: 0.177 ms, launched with one warp (0.32 ms with two, 0.60 with
 # four: the blocks are too small to share out).
 #
-# Tried and not kept (`benchmarks/gdn_prep_solve.py`, `benchmarks/results/gdn_prep_solve.json`):
+# Tried and not kept (the first two in earlier rounds, the results chapter; the rest in
+# `benchmarks/gdn_prep_solve.py` and `benchmarks/results/gdn_prep_solve.json`):
 #
 # - Reading each row of the diagonal blocks from a small fp32 scratch in global memory instead of
 #   picking it out of the tile (as flash-linear-attention's solver does): 0.41 ms in the second
@@ -1199,11 +1202,16 @@ print("not measured on the GPU yet:", bench["not_measured"])
 #   ms for the second version.
 # - The series $(I - L)(I + L^2)(I + L^4)(I + L^8)$ for the $16\times16$ diagonal blocks, six
 #   products each instead of 15 steps. In tf32 it is wrong by 0.13 of $A$'s largest entry when keys
-#   share a direction, and by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches about
+#   are nearly aligned (0.007 when they only share a direction), and, on the second version's
+#   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches about
 #   $\binom{14}{7}\,0.9^8 \approx 1500$, and such terms cancel into entries of size 1. In
 #   `tf32x3` (or exact fp32 products) it is as accurate as $A$'s tf32 products need, but takes
 #   0.179 ms (0.227 ms in fp32): no faster than substitution. On the whole $64\times64$ tile the
-#   series ($L^{64} = 0$) is wrong even in fp32.
+#   series ($L^{64} = 0$) is wrong even with fp32 products (1.6 on nearly aligned keys, in Triton's
+#   interpreter).
+#
+# The blocked variants' times come from an earlier run of the same kernels the same day, on
+# another H200 (the JSON says which run each number comes from).
 #
 # The test `test_kernel_1_inverts_ill_conditioned_chunks` checks the kernel's algebra on hard chunks
 # against float64, in Triton's interpreter, whose products are plain fp32 (tf32 rounding only

@@ -128,9 +128,10 @@ if prof:
 #   machine.** Kernel 1 now builds every $16\times16$ block of $L$ as its own tile from its own
 #   loads, solves the diagonal blocks by substitution with one warp (its sums are shuffles inside
 #   the warp) and the blocks below by block substitution in sixteen $16\times16$ products
-#   (chapter 13; `gdn_prep_solve.json` compares seven other ways). Same errors as before; GPU
-#   parity of the whole rule (`gdn_verify.py --quick`: bf16 within 3.6e-3, fp32 within 1.7e-3 of
-#   the fp32 loop, deterministic, packed documents) unchanged. At 24 layers and 32 micro-batches
+#   (chapter 13; `gdn_prep_solve.json` compares seven other ways). $A$'s errors are those of the
+#   previous kernel, and the whole rule's GPU parity is too (`gdn_verify.py --quick` on this code,
+#   `gdn_verify_quick_h200_round12.json`: bf16 within 3.6e-3, fp32 within 1.7e-3 of the fp32 loop,
+#   deterministic, a packed row included; round 9's run gave 3.6e-3 and 1.7e-3). At 24 layers and 32 micro-batches
 #   that is about 49 ms per step (0.8 %) expected. The step took 6.485–6.499 s. Round 11's final
 #   code took 6.473 s on its last machine and 6.59–6.61 s on another: the gain is smaller than
 #   the spread between machines, and round 11's code was not re-timed on this one (the device

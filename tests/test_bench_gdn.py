@@ -1,8 +1,9 @@
 """The GDN benchmarks still drive the kernels they time: their launches, on CPU through Triton's interpreter.
 
 `benchmarks/gdn_kernel.py` and `benchmarks/gdn_prep_solve.py` call the kernels directly, with the kernels' own
-argument lists; a kernel that gains an argument breaks them only on the GPU, where they run. Here `do_bench` runs
-each launch once and the launches' results are checked.
+argument lists; a kernel that gains an argument breaks them only on the GPU, where they run. Here gdn_kernel.py's
+breakdown runs each launch once (its `do_bench` replaced by one call), and every way gdn_prep_solve.py times is checked
+against float64.
 """
 import textwrap
 
