@@ -8,6 +8,8 @@ On 16x16 blocks loaded apart (`_prep_blocked`; chapter 13 explains the block sub
 - `landed`: chapter 13's kernel (`_prep_kernel`, with `_prepare`'s launch options): diagonal blocks by forward
   substitution on each 16x16 tile, the blocks below by block substitution in tf32 products.
 - `blocked subst, tf32x3`: the same with the products in tf32x3 (about fp32's accuracy).
+- `blocked subst carrying D^T, tf32`: the landed kernel with the substitution carrying D^T (no layout conversions in its
+  steps when compiled; not yet run on a GPU, so not in the results file).
 - `blocked series P, tf32`: diagonal blocks by the nilpotent series (I - L)(I + L^2)(I + L^4)(I + L^8) in precision P.
 On the whole 64x64 tile (`_prep_tile`):
 - `tile substitution`: the kernel before round 12: the four diagonal blocks by forward substitution on one [4, 16, 16]
@@ -126,8 +128,23 @@ def _prep_tile(k, g, beta, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.co
 
 
 @triton.jit
+def _inv16_dt(b_L):
+    """As `gt._inv16`, carrying D^T itself (from I) instead of (D - I)^T: each step's sum then lands in the layout its
+    column is written in, and the row of L is only broadcast, so no step converts layouts (not yet timed on a GPU)."""
+    o = tl.arange(0, 16)
+    b_DT = (o[:, None] == o[None, :]).to(tl.float32)                    # column i becomes row i of D at step i
+    for i in range(1, 16):
+        b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)              # row i of L
+        b_d = -tl.sum(b_DT * b_l[None, :], 1)                            # D_i - e_i = -sum_j L_ij D_j
+        b_DT = tl.where(o[None, :] == i, b_DT + b_d[:, None], b_DT)
+    return tl.trans(b_DT)
+
+
+@triton.jit
 def _inv(b_L, SUBST: tl.constexpr, DPREC: tl.constexpr):
-    if SUBST: return gt._inv16(b_L)
+    "SUBST 1: the landed substitution; 2: the same carrying D^T; 0: the series in DPREC."
+    if SUBST == 1: return gt._inv16(b_L)
+    elif SUBST == 2: return _inv16_dt(b_L)
     else:
         o = tl.arange(0, 16)
         return _series16(b_L, (o[:, None] == o[None, :]).to(tl.float32), DPREC)
@@ -159,10 +176,11 @@ def _prep_blocked(k, g, beta, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl
 
 VARIANTS = {  # name: ("tile", SOLVE) | ("blocked", SUBST, DPREC, PREC) | ("landed",)
     "landed": ("landed",),
-    "blocked subst, tf32x3": ("blocked", True, "tf32", "tf32x3"),
-    "blocked series tf32, tf32": ("blocked", False, "tf32", "tf32"),
-    "blocked series tf32x3, tf32": ("blocked", False, "tf32x3", "tf32"),
-    "blocked series ieee, tf32": ("blocked", False, "ieee", "tf32"),
+    "blocked subst, tf32x3": ("blocked", 1, "tf32", "tf32x3"),
+    "blocked subst carrying D^T, tf32": ("blocked", 2, "tf32", "tf32"),
+    "blocked series tf32, tf32": ("blocked", 0, "tf32", "tf32"),
+    "blocked series tf32x3, tf32": ("blocked", 0, "tf32x3", "tf32"),
+    "blocked series ieee, tf32": ("blocked", 0, "ieee", "tf32"),
     "tile substitution": ("tile", 0),
     "tile series blocks": ("tile", 1),
     "tile series 64": ("tile", 2),
