@@ -8,11 +8,12 @@ OUT=${OUT:-benchmarks/results}
 J=$OUT/train_step.json
 run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" "$@" 2>&1 | grep -v Warning | tail -70; }
 case "${1:-main}" in
-  kernels)  # parity and speed of the Triton kernels: GDN prelude (chapter 14), cross-entropy chunk (42), GDN rule (13)
+  kernels)  # parity and speed of the Triton kernels: GDN prelude (chapter 14), cross-entropy chunk (42), GDN rule (13) and its solve for A
     timeout 150 python benchmarks/gdn_conv_kernel.py --out "$OUT/gdn_conv_kernel.json" 2>&1 | grep -v Warning | tail -40
     timeout 100 python benchmarks/ce_kernel.py --out "$OUT/ce_kernel.json" 2>&1 | grep -v Warning | tail -12
     timeout 150 python benchmarks/gdn_verify.py --quick --out "$OUT/gdn_verify.json" 2>&1 | grep -v Warning | tail -25
     timeout 200 python benchmarks/gdn_kernel.py --shapes hymo_750m --out "$OUT/gdn_kernel.json" 2>&1 | grep -v Warning | tail -25
+    timeout 120 python benchmarks/gdn_prep_solve.py --out "$OUT/gdn_prep_solve.json" 2>&1 | grep -v Warning | cut -c1-400
     timeout 100 python benchmarks/optim_step.py --out "$OUT/optim_step.json" 2>&1 | grep -v Warning | tail -20 ;;
   host)  # the GPU's waits on its host (a profile of GPU activity only), the host's cost per launch, one compiled block of each kind
     run --compile --profile cuda
