@@ -20,9 +20,11 @@ AdamW, MoE bias update) on synthetic tokens, so what is measured is what trainin
 MFU = tokens/s x HyMo.flops_per_token(seq_len) / 989e12 (H100/H200 dense bf16 peak).
 """
 import argparse
+import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,6 +171,11 @@ def run(args) -> dict:
             raise SystemExit(f"--conv-launch {args.conv_launch}: unknown kernels {sorted(set(tiles) - set(ct.LAUNCH))}; "
                              f"the prelude's are {sorted(ct.LAUNCH)} (write the file with gdn_conv_kernel.py --sweep --best-out)")
         ct.LAUNCH.update(tiles)
+        # Compiled, the prelude's operators are traced into and their tiles read once; inductor's on-disk caches key
+        # on the graph around the operators, which does not change with the tiles. Without a directory of its own, a
+        # process with other tiles could reuse the compiled code of an earlier one.
+        key = hashlib.sha1(json.dumps(ct.LAUNCH, sort_keys=True).encode()).hexdigest()[:12]
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_conv_{key}")
     over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")

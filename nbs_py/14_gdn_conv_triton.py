@@ -513,6 +513,16 @@ for name, us in host.items():
 #   every step. Both added that work to kernels that were already busy. The separate kernel reads
 #   $\bar u$ once more (252 MB) but loads $x$ with the tap as a real axis of the tile, so each
 #   product is computed once and the rows are summed once.
+# - **One kernel for the whole backward is slower still, in both designs tried** (`experiments.json`,
+#   round 13; not kept). It would move only $x$, the output gradients and $\bar x$ (378 MB), not
+#   the 252 MB $\bar u$ written once and read twice. In the first design a program walked 128 rows
+#   in steps of 8. It put each step's $\bar u$, and that of the three rows after it, in its own
+#   slot of a scratch buffer, read them back shifted after a barrier, and summed $\bar w$ per tap
+#   in registers: 0.70 ms. In the second, each program owned one tile of 32 rows, overlapping
+#   the next by $W - 1$ rows, and shifted $\bar u$ in registers with `tl.gather`: 1.02 ms
+#   (1.71 ms with the shift done as a tf32x3 product by a 0/1 matrix). The three kernels took
+#   0.47 ms in the same processes. Both were correct: fp32 to 1e-7 in the interpreter, and in
+#   bf16 on the GPU with the three kernels' parity.
 # - **Keeping $\bar u$ in bf16** between the kernels saved 6 % of the previous backward (0.66
 #   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
 #   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not
