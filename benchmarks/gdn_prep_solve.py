@@ -6,10 +6,10 @@ Kernel 1 builds L = strict_tril(diag(beta) K K^T * Gamma) per 64-token chunk and
 
 On 16x16 blocks loaded apart (`_prep_blocked`; chapter 13 explains the block substitution):
 - `landed`: chapter 13's kernel (`_prep_kernel`, with `_prepare`'s launch options): diagonal blocks by forward
-  substitution on each 16x16 tile, the blocks below by block substitution in tf32 products.
+  substitution on each 16x16 tile carrying D^T, the blocks below by block substitution in tf32 products.
 - `blocked subst, tf32x3`: the same with the products in tf32x3 (about fp32's accuracy).
-- `blocked subst carrying D^T, tf32`: the landed kernel with the substitution carrying D^T (no layout conversions in its
-  steps when compiled; not yet run on a GPU, so not in the results file).
+- `blocked subst carrying (D-I)^T, tf32 (round 12)`: round 12's kernel, whose substitution carried (D - I)^T: compiled,
+  each of its steps converts two vectors' layouts (51 conversions in the kernel against the landed one's 41).
 - `blocked series P, tf32`: diagonal blocks by the nilpotent series (I - L)(I + L^2)(I + L^4)(I + L^8) in precision P.
 On the whole 64x64 tile (`_prep_tile`):
 - `tile substitution`: the kernel before round 12: the four diagonal blocks by forward substitution on one [4, 16, 16]
@@ -128,23 +128,23 @@ def _prep_tile(k, g, beta, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl.co
 
 
 @triton.jit
-def _inv16_dt(b_L):
-    """As `gt._inv16`, carrying D^T itself (from I) instead of (D - I)^T: each step's sum then lands in the layout its
-    column is written in, and the row of L is only broadcast, so no step converts layouts (not yet timed on a GPU)."""
+def _inv16_et(b_L):
+    """Round 12's substitution: as `gt._inv16`, but carrying E^T = (D - I)^T from zeros and subtracting row i of L
+    itself, which lies along the other axis than the sum: compiled, every step converts two vectors' layouts."""
     o = tl.arange(0, 16)
-    b_DT = (o[:, None] == o[None, :]).to(tl.float32)                    # column i becomes row i of D at step i
+    b_ET = tl.zeros([16, 16], dtype=tl.float32)
     for i in range(1, 16):
-        b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)              # row i of L
-        b_d = -tl.sum(b_DT * b_l[None, :], 1)                            # D_i - e_i = -sum_j L_ij D_j
-        b_DT = tl.where(o[None, :] == i, b_DT + b_d[:, None], b_DT)
-    return tl.trans(b_DT)
+        b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)
+        b_e = -b_l - tl.sum(b_ET * b_l[None, :], 1)
+        b_ET = tl.where(o[None, :] == i, b_e[:, None], b_ET)
+    return tl.trans(b_ET) + (o[:, None] == o[None, :]).to(tl.float32)
 
 
 @triton.jit
 def _inv(b_L, SUBST: tl.constexpr, DPREC: tl.constexpr):
-    "SUBST 1: the landed substitution; 2: the same carrying D^T; 0: the series in DPREC."
+    "SUBST 1: the landed substitution (carrying D^T); 2: round 12's, carrying (D - I)^T; 0: the series in DPREC."
     if SUBST == 1: return gt._inv16(b_L)
-    elif SUBST == 2: return _inv16_dt(b_L)
+    elif SUBST == 2: return _inv16_et(b_L)
     else:
         o = tl.arange(0, 16)
         return _series16(b_L, (o[:, None] == o[None, :]).to(tl.float32), DPREC)
@@ -177,7 +177,7 @@ def _prep_blocked(k, g, beta, gc, A, T, H: tl.constexpr, K: tl.constexpr, BT: tl
 VARIANTS = {  # name: ("tile", SOLVE) | ("blocked", SUBST, DPREC, PREC) | ("landed",)
     "landed": ("landed",),
     "blocked subst, tf32x3": ("blocked", 1, "tf32", "tf32x3"),
-    "blocked subst carrying D^T, tf32": ("blocked", 2, "tf32", "tf32"),
+    "blocked subst carrying (D-I)^T, tf32 (round 12)": ("blocked", 2, "tf32", "tf32"),
     "blocked series tf32, tf32": ("blocked", 0, "tf32", "tf32"),
     "blocked series tf32x3, tf32": ("blocked", 0, "tf32x3", "tf32"),
     "blocked series ieee, tf32": ("blocked", 0, "ieee", "tf32"),

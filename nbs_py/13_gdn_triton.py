@@ -208,10 +208,14 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #    $16\times16$ tile: 15 steps, each picking row $i$ of $L_{bb}$ out with a masked sum and
 #    subtracting the rows of $D_b - I$ found so far. The tile is small enough for one warp to hold
 #    it, so every sum stays inside the warp (shuffles between its 32 threads, never a barrier
-#    across warps), and the four blocks are independent work the GPU interleaves. (The kernel
-#    carries $(D_b - I)^\top$; compiled, each step still moves its two small vectors between the
-#    layouts the two sums leave them in, through shared memory. Carrying $D_b^\top$ instead avoids
-#    that, but has not been timed on a GPU.)
+#    across warps), and the four blocks are independent work the GPU interleaves. The kernel
+#    carries $D_b^\top$, starting from $I$: row $i$ of $L_{bb}$ is picked out along one axis of the
+#    tile, and the sum over $j$ leaves $D_i - e_i$ along the other, which is the axis column $i$
+#    of $D_b^\top$ is written along. Round 12's kernel carried $(D_b - I)^\top$ and subtracted
+#    $L_i$ itself, which lies along the first axis, so every step moved two small vectors between
+#    layouts through shared memory (51 layout conversions in the compiled kernel against 41). On
+#    the H200 the kernel took 0.178 ms that way and takes 0.151 ms now, with $A$'s errors
+#    against float64 unchanged in every case `benchmarks/gdn_prep_solve.py` tries (round 13).
 # 2. **The blocks below them**, from $(I + L)A = I$ read block by block:
 #    $$A_{cb} = -D_c \sum_{b \le j < c} L_{cj} A_{jb}, \qquad A_{bb} = D_b,$$
 #    first the blocks next to the diagonal ($A_{10}, A_{21}, A_{32}$), then $A_{20}, A_{31}$, then
@@ -224,7 +228,8 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # mantissa), and $A$ is stored in the inputs' dtype. Stored in bf16, it came out within
 # $2\times10^{-3}$ to $4\times10^{-3}$ of its largest entry on the H200, as the previous kernel's
 # did (below). Products in `tf32x3` (three tf32 products that recover about fp32's accuracy) gave
-# $A$ to $10^{-6}$ before storing, for 0.25 ms instead of 0.18. One
+# $A$ to $10^{-6}$ before storing, but took 0.26 ms against 0.18 with tf32 products (both with
+# round 12's substitution, in round 13's run). One
 # shortcut fails on precision: the diagonal blocks from the series
 # $(I + L_{bb})^{-1} = (I - L_{bb})(I + L_{bb}^2)(I + L_{bb}^4)(I + L_{bb}^8)$ (exact, since
 # $L_{bb}^{16} = 0$) sums powers of $L_{bb}$ that grow far beyond the inverse when keys point in
@@ -235,7 +240,7 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #
 # (Until round 12 the diagonal blocks were solved together on one `[4, 16, 16]` tile by four warps,
 # whose sums crossed warps, and merged by four $64\times64$ products, $A = (I - N)(I + N^2)D$ with
-# $N = D L_\text{off}$. That took 0.24 ms on the H200 where this kernel takes 0.177 ms, with the
+# $N = D L_\text{off}$. That took 0.24 ms on the H200 where round 12's kernel took 0.177 ms, with the
 # same errors: $2\times10^{-3}$ to $4\times10^{-3}$ of $A$'s largest entry once stored in bf16,
 # `benchmarks/results/gdn_prep_solve.json`.)
 
@@ -272,14 +277,14 @@ def _L16(k_c, k_b, g_c, g_b, beta_c, m_c, DIAG: tl.constexpr):
 
 @triton.jit
 def _inv16(b_L):
-    "(I + L)^-1 of a strictly lower [16, 16] fp32 tile by forward substitution, carrying E^T = (D - I)^T."
+    "D = (I + L)^-1 of a strictly lower [16, 16] fp32 tile by forward substitution, carrying D^T (column i = row i of D)."
     o = tl.arange(0, 16)
-    b_ET = tl.zeros([16, 16], dtype=tl.float32)                          # columns < i hold rows < i of E
+    b_DT = (o[:, None] == o[None, :]).to(tl.float32)                    # rows not yet found are those of I
     for i in range(1, 16):
         b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)              # row i of L, along axis 1
-        b_e = -b_l - tl.sum(b_ET * b_l[None, :], 1)                      # E_i = -L_i - sum_j L_ij E_j, along axis 0
-        b_ET = tl.where(o[None, :] == i, b_e[:, None], b_ET)
-    return tl.trans(b_ET) + (o[:, None] == o[None, :]).to(tl.float32)
+        b_d = -tl.sum(b_DT * b_l[None, :], 1)                            # D_i - e_i = -sum_{j<i} L_ij D_j, along axis 0
+        b_DT = tl.where(o[None, :] == i, b_DT + b_d[:, None], b_DT)      # ... is column i of D^T
+    return tl.trans(b_DT)
 
 
 @triton.jit
@@ -1190,7 +1195,8 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # own tile, built from its own loads. A $16\times16$ tile fits one warp, so the substitution's sums
 # are shuffles inside a warp, and the blocks below the diagonal take sixteen $16\times16$ products
 # instead of four $64\times64$ ones: 0.177 ms, launched with one warp (0.32 ms with two, 0.60 with
-# four: the blocks are too small to share out).
+# four: the blocks are too small to share out). Carrying $D^\top$ rather than $(D - I)^\top$ through
+# the substitution, so that no step moves vectors between layouts, took it to 0.151 ms (round 13).
 #
 # Tried and not kept (the first two in earlier rounds, the results chapter; the rest in
 # `benchmarks/gdn_prep_solve.py` and `benchmarks/results/gdn_prep_solve.json`):
@@ -1206,12 +1212,12 @@ print("not measured on the GPU yet:", bench["not_measured"])
 #   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches about
 #   $\binom{14}{7}\,0.9^8 \approx 1500$, and such terms cancel into entries of size 1. In
 #   `tf32x3` (or exact fp32 products) it is as accurate as $A$'s tf32 products need, but takes
-#   0.179 ms (0.227 ms in fp32): no faster than substitution. On the whole $64\times64$ tile the
+#   0.181 ms (0.228 ms in fp32): slower than substitution. On the whole $64\times64$ tile the
 #   series ($L^{64} = 0$) is wrong even with fp32 products (1.6 on nearly aligned keys, in Triton's
 #   interpreter).
 #
-# The blocked variants' times come from an earlier run of the same kernels the same day, on
-# another H200 (the JSON says which run each number comes from).
+# All the times come from one run on one H200 (round 13); in it round 12's substitution, carrying
+# $(D - I)^\top$, took 0.178 ms.
 #
 # The test `test_kernel_1_inverts_ill_conditioned_chunks` checks the kernel's algebra on hard chunks
 # against float64, in Triton's interpreter, whose products are plain fp32 (tf32 rounding only

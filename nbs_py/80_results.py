@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 12 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 13 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
@@ -123,6 +123,22 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
+# * **Round 13: the preset step 6.431 s (36.5 % MFU, 81.5 k tokens/s, 50.6 GB) with round 12's
+#   kernels on the round's machine; the PyTorch GDN path 23.25 s on the same machine, 3.6×, short
+#   of the 5× target.** Round 11 had measured the PyTorch path at 32.23 s (4.98×). That path's
+#   step is timed once, after one warm-up step, because it takes half a minute, and since round 5
+#   those times have ranged from 23.3 to 32.2 s. So the ratio is not pinned down, and this round's
+#   measurement says 3.6×. Landed after the run, so not
+#   in the step's row: kernel 1 now carries $D^\top$ through the diagonal blocks' substitution, which
+#   removes the layout conversions from its steps: 0.178 → 0.151 ms per layer, with $A$'s errors
+#   against float64 unchanged in every case (`gdn_prep_solve.json`, all variants from one run). At
+#   24 layers and 32 micro-batches that is about 21 ms per step, below what a step's timing can
+#   resolve. Tried and not kept (`experiments.json`; chapter 14): the prelude's backward as one
+#   kernel per segment instead of three launches, in two designs. Both were correct and slower:
+#   0.70 and 1.02 ms against the three kernels' 0.47 ms. The step timings of those A/Bs, in pairs
+#   of processes, most likely ran the same compiled code twice: inductor's on-disk caches key on
+#   the graph around the prelude's operators, not on the tiles they read. `train_step.py` now
+#   gives each `--conv-launch` its own cache directory.
 # * **Round 12: the GDN rule's kernel 1 (the gates and the UT matrix $A$) 0.241 → 0.177 ms per
 #   layer; the preset step measured 6.493 s (36.1 % MFU, 80.8 k tokens/s, 50.6 GB) on the round's
 #   machine.** Kernel 1 now builds every $16\times16$ block of $L$ as its own tile from its own
@@ -360,16 +376,18 @@ if prof:
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
 #   heads left out, an MLA block's). Round 10 captured whole micro-batches instead (above): it
 #   works, and with the bf16 copies it gains nothing.
-# * **Triton GDN path against the PyTorch chunked path: 4.98× faster per preset step, both
-#   compiled (32.2 s against 6.473 s on one machine, round 11; one timed step of the PyTorch path);
-#   the target is 5×.** Round 9 measured 4.4× (29.4 s against 6.71–6.74 s on one machine). Earlier
-#   rounds measured the PyTorch path on other machines than the Triton path: 28.3 s in round 5 (the
-#   slower of two timed steps) and 24.8 s in round 6 (one timed step), so the ratio then read
-#   3.7–4.2×.
-#   In round 9, 5× needed the Triton path's step below 5.87 s on that machine; on round 11's it
-#   needs 6.45 s, 0.4 % less than measured, which is within what one timed step of the PyTorch
-#   path resolves (repeated steps in one process spread by up to 0.7 %). Round 11's machine ran the
-#   PyTorch path slower than round 9's (32.2 against 29.4 s, peak 74.8 GB) while the Triton step
+# * **Triton GDN path against the PyTorch chunked path: 3.6× faster per preset step in round 13,
+#   both compiled (23.25 s against 6.431 s on one machine; one timed step of the PyTorch path);
+#   the target is 5×.** Round 11 measured 4.98× (32.2 s against 6.473 s on one machine), round 9
+#   4.4× (29.4 s against 6.71–6.74 s). Earlier rounds measured the PyTorch path on other machines
+#   than the Triton path: 28.3 s in round 5 (the slower of two timed steps) and 24.8 s in round 6
+#   (one timed step), so the ratio then read 3.7–4.2×. Since round 5 the PyTorch path's single
+#   timed steps have ranged from 23.3 to 32.2 s (the changes in between, such as the bf16
+#   residual stream, could only speed it up), where the Triton path's step differed by about 2 %
+#   between two machines running the same code (round 11). One step of it does not resolve the
+#   ratio to the tenth, and the latest measurement is well short of 5×.
+#   Round 11's machine ran the PyTorch path slower than round 9's (32.2 against 29.4 s, peak 74.8 GB)
+#   while the Triton step
 #   shrank, so the ratio moved on both sides. With one
 #   micro-batch per step, in round 2: 2.3× compiled, 4.97× eager. The rule kernel itself is
 #   51× faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but

@@ -108,14 +108,14 @@ def _L16(k_c, k_b, g_c, g_b, beta_c, m_c, DIAG: tl.constexpr):
 
 @triton.jit
 def _inv16(b_L):
-    "(I + L)^-1 of a strictly lower [16, 16] fp32 tile by forward substitution, carrying E^T = (D - I)^T."
+    "D = (I + L)^-1 of a strictly lower [16, 16] fp32 tile by forward substitution, carrying D^T (column i = row i of D)."
     o = tl.arange(0, 16)
-    b_ET = tl.zeros([16, 16], dtype=tl.float32)                          # columns < i hold rows < i of E
+    b_DT = (o[:, None] == o[None, :]).to(tl.float32)                    # rows not yet found are those of I
     for i in range(1, 16):
         b_l = tl.sum(tl.where(o[:, None] == i, b_L, 0.), 0)              # row i of L, along axis 1
-        b_e = -b_l - tl.sum(b_ET * b_l[None, :], 1)                      # E_i = -L_i - sum_j L_ij E_j, along axis 0
-        b_ET = tl.where(o[None, :] == i, b_e[:, None], b_ET)
-    return tl.trans(b_ET) + (o[:, None] == o[None, :]).to(tl.float32)
+        b_d = -tl.sum(b_DT * b_l[None, :], 1)                            # D_i - e_i = -sum_{j<i} L_ij D_j, along axis 0
+        b_DT = tl.where(o[None, :] == i, b_DT + b_d[:, None], b_DT)      # ... is column i of D^T
+    return tl.trans(b_DT)
 
 
 @triton.jit
