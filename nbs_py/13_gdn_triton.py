@@ -206,16 +206,16 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #
 # 1. **The diagonal blocks** $D_b = (I + L_{bb})^{-1}$, by forward substitution on each
 #    $16\times16$ tile: 15 steps, each picking row $i$ of $L_{bb}$ out with a masked sum and
-#    subtracting the rows of $D_b - I$ found so far. The tile is small enough for one warp to hold
-#    it, so every sum stays inside the warp (shuffles between its 32 threads, never a barrier
-#    across warps), and the four blocks are independent work the GPU interleaves. The kernel
-#    carries $D_b^\top$, starting from $I$: row $i$ of $L_{bb}$ is picked out along one axis of the
-#    tile, and the sum over $j$ leaves $D_i - e_i$ along the other, which is the axis column $i$
-#    of $D_b^\top$ is written along. Round 12's kernel carried $(D_b - I)^\top$ and subtracted
+#    finding row $i$ of $D_b$ as $e_i - \sum_{j<i} L_{ij} D_j$. The tile is small enough for one
+#    warp to hold it, so every sum stays inside the warp (shuffles between its 32 threads, never a
+#    barrier across warps), and the four blocks are independent work the GPU interleaves. The
+#    kernel carries $D_b^\top$, starting from $I$: row $i$ of $L_{bb}$ comes out along one axis of
+#    the tile, and the sum over $j$ leaves $D_i - e_i$ along the other, the axis along which column
+#    $i$ of $D_b^\top$ is written. Round 12's kernel carried $(D_b - I)^\top$ instead and subtracted
 #    $L_i$ itself, which lies along the first axis, so every step moved two small vectors between
 #    layouts through shared memory (51 layout conversions in the compiled kernel against 41). On
-#    the H200 the kernel took 0.178 ms that way and takes 0.151 ms now, with $A$'s errors
-#    against float64 unchanged in every case `benchmarks/gdn_prep_solve.py` tries (round 13).
+#    the H200 the kernel took 0.178 ms that way and takes 0.151 ms now, with $A$'s errors against
+#    float64 unchanged in every case `benchmarks/gdn_prep_solve.py` tries (round 13).
 # 2. **The blocks below them**, from $(I + L)A = I$ read block by block:
 #    $$A_{cb} = -D_c \sum_{b \le j < c} L_{cj} A_{jb}, \qquad A_{bb} = D_b,$$
 #    first the blocks next to the diagonal ($A_{10}, A_{21}, A_{32}$), then $A_{20}, A_{31}$, then
