@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
@@ -174,8 +173,10 @@ def run(args) -> dict:
         # Compiled, the prelude's operators are traced into and their tiles read once; inductor's on-disk caches key
         # on the graph around the operators, which does not change with the tiles. Without a directory of its own, a
         # process with other tiles could reuse the compiled code of an earlier one.
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
         key = hashlib.sha1(json.dumps(ct.LAUNCH, sort_keys=True).encode()).hexdigest()[:12]
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"torchinductor_conv_{key}")
+        base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"conv_launch_{key}")
     over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
                 activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
                 warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")

@@ -155,15 +155,15 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # constant. Time of the recurrent form grows linearly (slope 1) but starts far higher: each step is
 # a tiny operation, dominated by per-step overhead, and the steps cannot run in parallel. The
 # parallel form's quadratic work runs as large matrix products, so at these lengths it is
-# typically as fast or faster despite doing more arithmetic (the timings are noisy on a shared CPU;
-# the slopes are the point). Neither is what we want for training: the *chunked* form (chapter
+# typically as fast or faster despite doing more arithmetic (the timings are noisy on a shared CPU,
+# so they are printed, not tested; the slopes are the point). Neither is what we want for training: the *chunked* form (chapter
 # 12) takes the best of both, matrix products within chunks of 64 tokens and the recurrence between
 # them.
 
 # %%
 slope = lambda ys: (math.log(ys[-1]) - math.log(ys[0])) / (math.log(Ts[-1]) - math.log(Ts[0]))
 test_close(slope(mem["parallel"]), 2.0, eps=1e-9)
-assert 0.6 < slope(res["recurrent"]) < 1.4, slope(res["recurrent"])  # linear in T, with timing noise
+print(f"time, slope on this CPU: parallel {slope(res['parallel']):.2f}, recurrent {slope(res['recurrent']):.2f}")
 
 # %% [markdown]
 # ## Interview questions

@@ -212,10 +212,11 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #    kernel carries $D_b^\top$, starting from $I$: row $i$ of $L_{bb}$ comes out along one axis of
 #    the tile, and the sum over $j$ leaves $D_i - e_i$ along the other, the axis along which column
 #    $i$ of $D_b^\top$ is written. Round 12's kernel carried $(D_b - I)^\top$ instead and subtracted
-#    $L_i$ itself, which lies along the first axis, so every step moved two small vectors between
+#    $L_i$ itself, which lies along the axis it was picked out along, not the sum's, so every step moved two small vectors between
 #    layouts through shared memory (51 layout conversions in the compiled kernel against 41). On
-#    the H200 the kernel took 0.178 ms that way and takes 0.151 ms now, with $A$'s errors against
-#    float64 unchanged in every case `benchmarks/gdn_prep_solve.py` tries (round 13).
+#    the H200 the kernel took 0.178 ms that way and 0.151 ms this way (an identical copy of its body,
+#    timed in `benchmarks/gdn_prep_solve.py`'s harness in the same run), with $A$'s errors against
+#    float64 unchanged in every case that script tries (round 13).
 # 2. **The blocks below them**, from $(I + L)A = I$ read block by block:
 #    $$A_{cb} = -D_c \sum_{b \le j < c} L_{cj} A_{jb}, \qquad A_{bb} = D_b,$$
 #    first the blocks next to the diagonal ($A_{10}, A_{21}, A_{32}$), then $A_{20}, A_{31}$, then
@@ -240,7 +241,7 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #
 # (Until round 12 the diagonal blocks were solved together on one `[4, 16, 16]` tile by four warps,
 # whose sums crossed warps, and merged by four $64\times64$ products, $A = (I - N)(I + N^2)D$ with
-# $N = D L_\text{off}$. That took 0.24 ms on the H200 where round 12's kernel took 0.177 ms, with the
+# $N = D L_\text{off}$. That took 0.24 ms on the H200 where round 12's kernel took 0.177–0.178 ms, with the
 # same errors: $2\times10^{-3}$ to $4\times10^{-3}$ of $A$'s largest entry once stored in bf16,
 # `benchmarks/results/gdn_prep_solve.json`.)
 
@@ -1194,9 +1195,11 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # ($N^4 = 0$), four $64\times64$ products: 0.24 ms. The third (round 12) gives every block its
 # own tile, built from its own loads. A $16\times16$ tile fits one warp, so the substitution's sums
 # are shuffles inside a warp, and the blocks below the diagonal take sixteen $16\times16$ products
-# instead of four $64\times64$ ones: 0.177 ms, launched with one warp (0.32 ms with two, 0.60 with
-# four: the blocks are too small to share out). Carrying $D^\top$ rather than $(D - I)^\top$ through
-# the substitution, so that no step moves vectors between layouts, took it to 0.151 ms (round 13).
+# instead of four $64\times64$ ones: 0.177 ms in round 12, launched with one warp (0.32 ms with two,
+# 0.60 with four: the blocks are too small to share out). The fourth (round 13) carries $D^\top$
+# rather than $(D - I)^\top$ through the substitution, so that no step moves vectors between
+# layouts: 0.151 ms, timed on an identical copy of its body in `gdn_prep_solve.py`'s harness,
+# where round 12's took 0.178 ms in the same run.
 #
 # Tried and not kept (the first two in earlier rounds, the results chapter; the rest in
 # `benchmarks/gdn_prep_solve.py` and `benchmarks/results/gdn_prep_solve.json`):
@@ -1216,8 +1219,8 @@ print("not measured on the GPU yet:", bench["not_measured"])
 #   series ($L^{64} = 0$) is wrong even with fp32 products (1.6 on nearly aligned keys, in Triton's
 #   interpreter).
 #
-# All the times come from one run on one H200 (round 13); in it round 12's substitution, carrying
-# $(D - I)^\top$, took 0.178 ms.
+# The variants' times in `gdn_prep_solve.json` all come from one run on one H200 (round 13); the
+# times of the first two versions and of the first idea above come from earlier rounds.
 #
 # The test `test_kernel_1_inverts_ill_conditioned_chunks` checks the kernel's algebra on hard chunks
 # against float64, in Triton's interpreter, whose products are plain fp32 (tf32 rounding only

@@ -126,11 +126,12 @@ if prof:
 # * **Round 13: the preset step 6.431 s (36.5 % MFU, 81.5 k tokens/s, 50.6 GB) with round 12's
 #   kernels on the round's machine; the PyTorch GDN path 23.25 s on the same machine, 3.6×, short
 #   of the 5× target.** Round 11 had measured the PyTorch path at 32.23 s (4.98×). That path's
-#   step is timed once, after one warm-up step, because it takes half a minute, and since round 5
-#   those times have ranged from 23.3 to 32.2 s. So the ratio is not pinned down, and this round's
-#   measurement says 3.6×. Landed after the run, so not
+#   step is timed once, after one warm-up step, because it takes half a minute; from round 5 to
+#   round 11 those times ranged from 24.8 to 32.2 s, and this round's is 23.3 s. So the ratio is
+#   not pinned down, and this round's measurement says 3.6×. Landed after the run, so not
 #   in the step's row: kernel 1 now carries $D^\top$ through the diagonal blocks' substitution, which
-#   removes the layout conversions from its steps: 0.178 → 0.151 ms per layer, with $A$'s errors
+#   removes the layout conversions from its steps: 0.178 → 0.151 ms per layer (the new body timed
+#   as a copy in `gdn_prep_solve.py`'s harness, beside the old kernel), with $A$'s errors
 #   against float64 unchanged in every case (`gdn_prep_solve.json`, all variants from one run). At
 #   24 layers and 32 micro-batches that is about 21 ms per step, below what a step's timing can
 #   resolve. Tried and not kept (`experiments.json`; chapter 14): the prelude's backward as one
@@ -381,9 +382,9 @@ if prof:
 #   the target is 5×.** Round 11 measured 4.98× (32.2 s against 6.473 s on one machine), round 9
 #   4.4× (29.4 s against 6.71–6.74 s). Earlier rounds measured the PyTorch path on other machines
 #   than the Triton path: 28.3 s in round 5 (the slower of two timed steps) and 24.8 s in round 6
-#   (one timed step), so the ratio then read 3.7–4.2×. Since round 5 the PyTorch path's single
-#   timed steps have ranged from 23.3 to 32.2 s (the changes in between, such as the bf16
-#   residual stream, could only speed it up), where the Triton path's step differed by about 2 %
+#   (one timed step), so the ratio then read 3.7–4.2×. From round 5 to round 11 the PyTorch path's
+#   single timed steps ranged from 24.8 to 32.2 s, and round 13's is 23.3 s (the changes in
+#   between, such as the bf16 residual stream, could only speed it up), where the Triton path's step differed by about 2 %
 #   between two machines running the same code (round 11). One step of it does not resolve the
 #   ratio to the tenth, and the latest measurement is well short of 5×.
 #   Round 11's machine ran the PyTorch path slower than round 9's (32.2 against 29.4 s, peak 74.8 GB)
