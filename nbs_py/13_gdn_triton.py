@@ -1271,6 +1271,10 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # tail ran at 0.463 and 0.522 ms. The sequential passes barely spill (16 bytes, or none), and
 # dropping their register prefetch of the next chunk made them slower (0.216 against 0.195 ms):
 # the prefetch hides the loads' latency (`benchmarks/results/experiments.json`).
+# Going the other way, capping the local-gradient kernel's registers (Triton's `maxnreg`) so that
+# three or four blocks share an SM instead of two, was slower at every cap: 0.49 ms at 168
+# registers, 0.57 at 200 and 0.85 at 128, against 0.458 ms (round 14); the spills cost more than
+# the extra warps hide.
 #
 # Registers are not the only budget. The two products redone after the loop need their $K$-wide
 # operands in shared memory at the same time, and with fp32 inputs and heads of 128 that came to

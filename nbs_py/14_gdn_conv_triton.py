@@ -523,6 +523,13 @@ for name, us in host.items():
 #   (1.71 ms with the shift done as a tf32x3 product by a 0/1 matrix). The three kernels took
 #   0.47 ms in the same processes. Both were correct: fp32 to 1e-7 in the interpreter, and in
 #   bf16 on the GPU with the three kernels' parity.
+# - **Fewer launches did not help either** (`experiments.json`, round 14). The forward and
+#   $\bar u$ kernels over q, k and v in one launch each, the segment picked per program (the
+#   forward's three launches are 2.4 waves of programs each, so a third of each last wave is
+#   idle): 0.154 ms for the forward, no faster than the three kernels' GPU time in the model, and
+#   0.223 against 0.215 ms for $\bar u$; the 750M step 6.522 s against 6.505 s. $\bar x$ and
+#   $\bar w$ in one kernel that reads $\bar u$ once: 0.337 ms at best, against 0.251 ms for the
+#   two.
 # - **Keeping $\bar u$ in bf16** between the kernels saved 6 % of the previous backward (0.66
 #   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
 #   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not

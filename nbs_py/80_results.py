@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 13 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 14 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
@@ -123,6 +123,25 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
+# * **Round 14: the preset step 6.543 s and 6.505 s (36.2 % and 36.0 % MFU, 50.6 GB) on the
+#   round's two machines, with round 13's final code (kernel 1 carrying $D^\top$); nothing faster
+#   was found.** Round 13 had timed round 12's kernels at 6.431 s on a third machine: the 0.3 %
+#   expected from kernel 1 is far below the 1–2 % between machines. The whole rule's GPU parity
+#   on this code (`gdn_verify.py --quick`, `gdn_verify_quick_h200_round14.json`): bf16 within
+#   3.7e-3 and fp32 within 1.7e-3 of the fp32 loop, deterministic, a packed row included, and
+#   `keep_prep` equal to recomputing. Tried and not kept (`experiments.json`):
+#   - the local-gradient kernel with its registers capped (Triton's `maxnreg`), for three or four
+#     blocks per SM instead of two: 0.49 ms at 168 registers, 0.57 at 200, 0.85 at 128, against
+#     0.458 ms; the spills cost more than the occupancy gained;
+#   - the prelude's forward and $\bar u$ kernels over q, k and v in one launch each instead of one
+#     per segment: 0.154 ms (no faster than the three forward kernels' GPU time in the model) and
+#     0.223 against 0.215 ms; the preset step 6.522 s against 6.505 s, one process each on one
+#     machine;
+#   - $\bar x$ and $\bar w$ in one kernel, reading $\bar u$ once: 0.337 ms at best against
+#     0.251 ms for the two kernels.
+#
+#   The PyTorch GDN path was not timed again; the device time ran out first. So the ratio
+#   stays round 13's 3.6×.
 # * **Round 13: the preset step 6.431 s (36.5 % MFU, 81.5 k tokens/s, 50.6 GB) with round 12's
 #   kernels on the round's machine; the PyTorch GDN path 23.25 s on the same machine, 3.6×, short
 #   of the 5× target.** Round 11 had measured the PyTorch path at 32.23 s (4.98×). That path's
