@@ -524,9 +524,9 @@ for name, us in host.items():
 #   0.47 ms in the same processes. Both were correct: fp32 to 1e-7 in the interpreter, and in
 #   bf16 on the GPU with the three kernels' parity.
 # - **Fewer launches did not help either** (`experiments.json`, round 14). The forward and
-#   $\bar u$ kernels over q, k and v in one launch each, the segment picked per program (the
-#   forward's three launches are 2.4 waves of programs each, so a third of each last wave is
-#   idle): 0.154 ms for the forward, no faster than the three kernels' GPU time in the model, and
+#   $\bar u$ kernels over q, k and v in one launch each, the segment picked per program (one
+#   launch has one last, partly idle wave of programs instead of three): 0.154 ms for the
+#   forward, no faster than the three kernels' GPU time in the model, and
 #   0.223 against 0.215 ms for $\bar u$; the 750M step 6.522 s against 6.505 s. $\bar x$ and
 #   $\bar w$ in one kernel that reads $\bar u$ once: 0.337 ms at best, against 0.251 ms for the
 #   two.

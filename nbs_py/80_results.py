@@ -123,7 +123,7 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
-# * **Round 14: the preset step 6.543 s and 6.505 s (36.2 % and 36.0 % MFU, 50.6 GB) on the
+# * **Round 14: the preset step 6.543 s and 6.505 s (35.8 % and 36.0 % MFU, 50.6 GB) on the
 #   round's two machines, with round 13's final code (kernel 1 carrying $D^\top$); nothing faster
 #   was found.** Round 13 had timed round 12's kernels at 6.431 s on a third machine: the 0.3 %
 #   expected from kernel 1 is far below the 1–2 % between machines. The whole rule's GPU parity
