@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 14 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
+# 2026-12-02 and 2026-12-03 (rounds 2 to 15 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
 # page only reads those files, so it renders anywhere. Re-run them on your GPU with
 #
 # ```sh
@@ -92,17 +92,16 @@ fig.tight_layout(); plt.show()
 # work (the refresh of the bf16 copies; under FSDP the step's first all-gathers and its last
 # reduction) lands in each micro-batch's numbers, where a 32-micro-batch step spreads it over 32
 # (`--profile-micro-batches 32` profiles a whole step's worth).
-# Round 11's profile (of the code before its last change, `add_into`; see its note in the
-# table) records only the GPU's activity (`--profile cuda`), which leaves the
-# host nearly as fast as in an unprofiled run, so its waits are close to the real ones; its table
-# of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's
-# operators too, from round 6, is `train_step_profile.txt` (`--profile micro`); recording the
-# host's operators slows the host about twofold, so the waits it shows are not those of an
-# unprofiled run.
+# Round 15's profile (of round 14's code; see its note in the table) records only the GPU's
+# activity (`--profile cuda`), which leaves the host nearly as fast as in an unprofiled run, so
+# its waits are close to the real ones; its table of the top kernels is
+# `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's operators too, from
+# round 6, is `train_step_profile.txt` (`--profile micro`); recording the host's operators slows
+# the host about twofold, so the waits it shows are not those of an unprofiled run.
 
 # %%
-prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and "docs~" not in r["variant"]
-             and "fsdp" not in r["variant"]), None)  # the preset's, under autocast
+prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and "gdn=triton" in r["variant"]
+             and "docs~" not in r["variant"] and "fsdp" not in r["variant"]), None)  # the preset's, under autocast
 if prof:
     total = sum(prof["profile_ms_per_micro_batch"].values())
     for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
@@ -115,7 +114,7 @@ if prof:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 50.6 GB at the preset's step (round 11), inside the 80 GB target.** The loss used to build three
+# * **Memory: 50.6 GB at the preset's step (rounds 11 to 15), inside the 80 GB target.** The loss used to build three
 #   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
 #   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
 #   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
@@ -123,6 +122,20 @@ if prof:
 #   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
 #   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
 #   2).
+# * **Round 15: the preset step 6.365 s (36.8 % MFU, 82.4 k tokens/s, 50.6 GB) and 6.489 s
+#   (36.1 %) on the round's two machines, with round 14's code unchanged; the PyTorch GDN path
+#   5.47× slower on the second (below).** 6.365 s is the fastest step measured so far, and it ran
+#   the code that took 6.505 and 6.543 s on round 14's machines: the 2–3 % between machines is
+#   larger than any change of rounds 12–14. The round's fresh profile (above; the previous one was
+#   round 11's) confirms kernel 1's two rewrites inside the model: 0.150 ms per layer, against
+#   0.249 ms in round 11's profile. Tried and not kept (`experiments.json`): **every attention
+#   kernel PyTorch offers, at MLA's shape** (4 × 4096 tokens, 16 query heads over 4 key groups,
+#   width 128, bf16, causal). cuDNN, which SDPA already picks, is the fastest: 0.49–0.51 ms
+#   forward and 2.04–2.08 ms forward + backward (463–472 TFLOP/s), against 2.95 ms for
+#   FlexAttention (compiled), 3.57 ms for the flash kernels (FA2) and 7.7 ms for the
+#   memory-efficient kernel; repeating the keys and values for cuDNN instead of `enable_gqa` costs
+#   12 %. Their outputs and gradients agree with cuDNN's within 0.6 % of each tensor's largest
+#   value.
 # * **Round 14: the preset step 6.543 s and 6.505 s (35.8 % and 36.0 % MFU, 50.6 GB) on the
 #   round's two machines, with round 13's final code (kernel 1 carrying $D^\top$); nothing faster
 #   was found.** Round 13 had timed round 12's kernels at 6.431 s on a third machine: the 0.3 %
@@ -377,41 +390,39 @@ if prof:
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
 #   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
-# * **What is left** (the breakdown above, round 11's profile before `add_into`: about 196 ms of
-#   kernels per micro-batch). Matrix multiplies are about 50 % (98.8 ms, about 65 TFLOP at some
-#   660 TFLOP/s, near what the H200 gives at these widths; the loss's vocabulary products, about
-#   17 TFLOP, are among them). The GDN rule kernels are 14 % (27.8 ms; the local-gradient kernel
-#   alone 0.50 ms per layer, 12.1 ms per micro-batch). Inductor's fused elementwise kernels are
-#   10 % (20.4 ms: RMSNorms, the output gate, SwiGLU, the MoE's routing), cuDNN attention 8 %
-#   (15.7 ms), the prelude 7.6 % (15.0 ms), eager kernels 5.7 % (11.2 ms, of which 6.9 ms were the
-#   copies' gradient additions that `add_into` brought to 5.4 ms), the loss's softmax 2.5 %. A
-#   profiled micro-batch spans 207 ms: 196 ms of kernels, 6.0 ms of launch latency between some
-#   3 900 kernels and 4.5 ms in longer gaps, where the GPU waits on the host.
-#   40 % MFU needs 5.86 s per step, about 180 ms per micro-batch with the optimiser step as it is
-#   now (about 104 ms per step). With `add_into`, a micro-batch takes about 203 ms of the step on
-#   the machine of that A/B ((6.595 s − 0.104 s) / 32), 98.8 ms of it matrix multiplies: everything
-#   else, about 104 ms of kernels and waits, would have to fall to about 81 ms.
+# * **What is left** (the breakdown above, round 15's profile of round 14's code: 187 ms of kernels
+#   per micro-batch). Matrix multiplies are about 51 % (95.8 ms, about 65 TFLOP at some 680 TFLOP/s,
+#   near what the H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are
+#   among them). The GDN rule kernels are 13 % (25.0 ms; the local-gradient kernel alone 0.49 ms
+#   per layer, 11.8 ms per micro-batch). Inductor's fused elementwise kernels are 12 % (23.1 ms:
+#   RMSNorms, the output gate, SwiGLU, the MoE's routing, and since round 11 `add_into`'s additions
+#   of the copies' gradients), cuDNN attention 8 % (15.2 ms), the prelude 7.9 % (14.7 ms), eager
+#   kernels 3 % (5.7 ms), the loss's softmax 2.6 % (4.9 ms). A profiled micro-batch spans 200 ms:
+#   187 ms of kernels, 5.2 ms of launch latency between some 3 500 kernels and 8.1 ms in longer
+#   gaps, where the GPU waits on the host. On the round's machine a step took 6.365 s, about
+#   196 ms per micro-batch besides the optimiser's 0.10 s. 40 % MFU needs 5.86 s per step, about
+#   180 ms per micro-batch: everything but the matrix multiplies, about 100 ms of kernels and
+#   waits, would have to fall to about 84 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (about 6 ms per micro-batch). They failed here (in round 5): a later
 #   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
 #   heads left out, an MLA block's). Round 10 captured whole micro-batches instead (above): it
 #   works, and with the bf16 copies it gains nothing.
-# * **Triton GDN path against the PyTorch chunked path: 3.6× faster per preset step in round 13,
-#   both compiled (23.25 s against 6.431 s on one machine; one timed step of the PyTorch path);
-#   the target is 5×.** Round 11 measured 4.98× (32.2 s against 6.473 s on one machine), round 9
-#   4.4× (29.4 s against 6.71–6.74 s). Earlier rounds measured the PyTorch path on other machines
-#   than the Triton path: 28.3 s in round 5 (the slower of two timed steps) and 24.8 s in round 6
-#   (one timed step), so the ratio then read 3.7–4.2×. From round 5 to round 11 the PyTorch path's
-#   single timed steps ranged from 24.8 to 32.2 s, and round 13's is 23.3 s (the changes in
-#   between, such as the bf16 residual stream, could only speed it up), where the Triton path's step differed by about 2 %
-#   between two machines running the same code (round 11). One step of it does not resolve the
-#   ratio to the tenth, and the latest measurement is well short of 5×.
-#   Round 11's machine ran the PyTorch path slower than round 9's (32.2 against 29.4 s, peak 74.8 GB)
-#   while the Triton step
-#   shrank, so the ratio moved on both sides. With one
-#   micro-batch per step, in round 2: 2.3× compiled, 4.97× eager. The rule kernel itself is
-#   51× faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but
-#   GDN is only part of the step.
+# * **Triton GDN path against the PyTorch chunked path: 5.47× faster per preset step in round 15,
+#   both compiled, on one machine (35.51 s against 6.489 s; 5.29× from the PyTorch path's faster
+#   timed step, 34.35 s); the target is 5×. The same comparison read 3.6× in round 13 (23.25 s
+#   against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s), each on one machine.** The
+#   ratio moves with the machine because the PyTorch path's step is set by the host, not the GPU:
+#   its profile on round 15's machine (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of
+#   kernels in a 1 549 ms micro-batch, the GPU idle 72 % of the time between some 45 000 kernels,
+#   among them about 14 000 small products of 3–5 µs each from the chunk loop. A host that launches faster runs
+#   it faster: its steps took 23.3–35.5 s from round 5 to round 15, while the Triton path's, which
+#   keeps the GPU busy (idle 7 %), differed by about 2 % between machines. So "5×" holds on some
+#   hosts and not on others; this page reports each measurement as it came. Earlier rounds: 4.4×
+#   in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on different
+#   machines (28.3 and 24.8 s, 3.7–4.2×). With one micro-batch per step, in round 2: 2.3× compiled,
+#   4.97× eager. The rule kernel itself is 51× faster (1.44 ms against 73 ms per layer, forward +
+#   backward; see the Triton chapter), but GDN is only part of the step.
 # * **All-MLA** (32 MLA + MoE blocks, in round 2): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
