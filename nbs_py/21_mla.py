@@ -113,7 +113,7 @@ def naive_mla(x, # [T, D] one sequence
 # `F.scaled_dot_product_attention(..., is_causal=True, enable_gqa=G < H)`: the grouped keys are
 # never repeated in memory. On the H200 (torch 2.11) SDPA picks cuDNN's kernel for it, and at the
 # 750M model's shape (4 × 4096 tokens) that is the fastest choice: 2.04–2.08 ms forward and
-# backward, against 2.95 ms for FlexAttention, 3.57 ms for the flash kernels and 2.3 ms for cuDNN
+# backward, against 2.95 ms for FlexAttention, 3.56–3.57 ms for the flash kernels and 2.3 ms for cuDNN
 # with the keys and values repeated instead (`benchmarks/results/experiments.json`, round 15). The
 # flash kernels run it too, and they need the query/key width to equal the value width:
 # $d_\text{nope} + d_\text{rope} = 96 + 32 = 128 = d_v$ in the 750M model.

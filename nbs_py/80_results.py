@@ -5,8 +5,9 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 15 of work on the step) by the scripts in `benchmarks/`, which write JSON into `benchmarks/results/`; this
-# page only reads those files, so it renders anywhere. Re-run them on your GPU with
+# 2026-12-02 and 2026-12-03 (rounds 2 to 15 of work on the step) by the scripts in `benchmarks/`,
+# which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
+# anywhere. Re-run them on your GPU with
 #
 # ```sh
 # python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
@@ -114,27 +115,27 @@ if prof:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 50.6 GB at the preset's step (rounds 11 to 15), inside the 80 GB target.** The loss used to build three
-#   fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with their gradients: 92 GB
-#   peak. `linear_cross_entropy` (MTP chapter) computes the same losses and gradients chunk by
-#   chunk. The Triton prelude (chapter 14) saves no activation of its own (52.0 → 48.8 GB compiled
-#   in round 3). The GDN forward keeps its triangular inverses $A$ (in round 5, +2 GB) and,
-#   since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the backward.
-#   Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second (in round
-#   2).
-# * **Round 15: the preset step 6.365 s (36.8 % MFU, 82.4 k tokens/s, 50.6 GB) and 6.489 s
-#   (36.1 %) on the round's two machines, with round 14's code unchanged; the PyTorch GDN path
-#   5.47× slower on the second (below).** 6.365 s is the fastest step measured so far, and it ran
-#   the code that took 6.505 and 6.543 s on round 14's machines: the 2–3 % between machines is
-#   larger than any change of rounds 12–14. The round's fresh profile (above; the previous one was
-#   round 11's) confirms kernel 1's two rewrites inside the model: 0.150 ms per layer, against
-#   0.249 ms in round 11's profile. Tried and not kept (`experiments.json`): **every attention
-#   kernel PyTorch offers, at MLA's shape** (4 × 4096 tokens, 16 query heads over 4 key groups,
-#   width 128, bf16, causal). cuDNN, which SDPA already picks, is the fastest: 0.49–0.51 ms
-#   forward and 2.04–2.08 ms forward + backward (463–472 TFLOP/s), against 2.95 ms for
-#   FlexAttention (compiled), 3.57 ms for the flash kernels (FA2) and 7.7 ms for the
-#   memory-efficient kernel; repeating the keys and values for cuDNN instead of `enable_gqa` costs
-#   12 %. Their outputs and gradients agree with cuDNN's within 0.6 % of each tensor's largest
+# * **Memory: 50.6 GB at the preset's step (rounds 11 to 15), inside the 80 GB target.** The loss
+#   used to build three fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with
+#   their gradients: 92 GB peak. `linear_cross_entropy` (MTP chapter) computes the same losses and
+#   gradients chunk by chunk. The Triton prelude (chapter 14) saves no activation of its own
+#   (52.0 → 48.8 GB compiled in round 3). The GDN forward keeps its triangular inverses $A$ (in
+#   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
+#   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
+#   (in round 2).
+# * **Round 15: the preset step 6.365 s (36.8 % MFU, 82.4 k tokens/s, 50.6 GB) and 6.489 s (36.1 %)
+#   on the round's two machines, with round 14's code unchanged; the PyTorch GDN path 5.3–5.5× slower
+#   on the second (below).** 6.365 s is the fastest step measured so far, and it ran the code that
+#   took 6.505 and 6.543 s on round 14's machines: the 2–3 % between machines is larger than any
+#   change of rounds 12–14. The round's fresh profile (above; the previous one was round 11's)
+#   confirms kernel 1's two rewrites inside the model: 0.150 ms per layer, against 0.249 ms in round
+#   11's profile. Tried and not kept (`experiments.json`): **every fused attention kernel PyTorch
+#   offers, at MLA's shape** (4 × 4096 tokens, 16 query heads over 4 key groups, width 128, bf16,
+#   causal). cuDNN, which SDPA already picks, is the fastest: 0.49–0.51 ms forward and 2.04–2.08 ms
+#   forward + backward (463–472 TFLOP/s), against 2.95 ms for FlexAttention (compiled), 3.56–3.57 ms
+#   for the flash kernels (FA2) and 7.7 ms for the memory-efficient kernel (timed with the keys and
+#   values repeated); repeating them for cuDNN instead of `enable_gqa` costs 12–13 % forward +
+#   backward. Their outputs and gradients agree with cuDNN's within 0.6 % of each tensor's largest
 #   value.
 # * **Round 14: the preset step 6.543 s and 6.505 s (35.8 % and 36.0 % MFU, 50.6 GB) on the
 #   round's two machines, with round 13's final code (kernel 1 carrying $D^\top$); nothing faster
@@ -399,30 +400,33 @@ if prof:
 #   of the copies' gradients), cuDNN attention 8 % (15.2 ms), the prelude 7.9 % (14.7 ms), eager
 #   kernels 3 % (5.7 ms), the loss's softmax 2.6 % (4.9 ms). A profiled micro-batch spans 200 ms:
 #   187 ms of kernels, 5.2 ms of launch latency between some 3 500 kernels and 8.1 ms in longer
-#   gaps, where the GPU waits on the host. On the round's machine a step took 6.365 s, about
+#   gaps, where the GPU waits on the host. On that round's first machine a step took 6.365 s, about
 #   196 ms per micro-batch besides the optimiser's 0.10 s. 40 % MFU needs 5.86 s per step, about
 #   180 ms per micro-batch: everything but the matrix multiplies, about 100 ms of kernels and
 #   waits, would have to fall to about 84 ms.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency (about 6 ms per micro-batch). They failed here (in round 5): a later
-#   replay overwrote outputs that the backward still needed (first an MTP head's, then, with the
-#   heads left out, an MLA block's). Round 10 captured whole micro-batches instead (above): it
-#   works, and with the bf16 copies it gains nothing.
-# * **Triton GDN path against the PyTorch chunked path: 5.47× faster per preset step in round 15,
-#   both compiled, on one machine (35.51 s against 6.489 s; 5.29× from the PyTorch path's faster
-#   timed step, 34.35 s); the target is 5×. The same comparison read 3.6× in round 13 (23.25 s
-#   against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s), each on one machine.** The
-#   ratio moves with the machine because the PyTorch path's step is set by the host, not the GPU:
-#   its profile on round 15's machine (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of
-#   kernels in a 1 549 ms micro-batch, the GPU idle 72 % of the time between some 45 000 kernels,
-#   among them about 14 000 small products of 3–5 µs each from the chunk loop. A host that launches faster runs
-#   it faster: its steps took 23.3–35.5 s from round 5 to round 15, while the Triton path's, which
-#   keeps the GPU busy (idle 7 %), differed by about 2 % between machines. So "5×" holds on some
-#   hosts and not on others; this page reports each measurement as it came. Earlier rounds: 4.4×
-#   in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on different
-#   machines (28.3 and 24.8 s, 3.7–4.2×). With one micro-batch per step, in round 2: 2.3× compiled,
-#   4.97× eager. The rule kernel itself is 51× faster (1.44 ms against 73 ms per layer, forward +
-#   backward; see the Triton chapter), but GDN is only part of the step.
+#   remove the launch latency (5–6 ms per micro-batch; 5.2 ms in round 15's profile). They failed here
+#   (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
+#   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
+#   instead (above): it works, and with the bf16 copies it gains nothing.
+# * **Triton GDN path against the PyTorch chunked path: 5.3–5.5× faster per preset step in round
+#   15, both compiled, on one machine (the round's second; the PyTorch path's two timed steps took
+#   34.35 and 35.51 s, the Triton path's 6.489 s); the target is 5×. The same comparison read 3.6×
+#   in round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s), each on
+#   one machine.** The ratio moves with the machine most likely because the PyTorch path's step is
+#   set by the host, not the GPU: its profile on round 15's second machine
+#   (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of kernels in a 1 549 ms micro-batch,
+#   the GPU idle 72 % of the time between some 45 000 kernels, among them about 18 000 small
+#   products averaging 3–5 µs from the chunk loop. Its steps took 23.3–35.5 s from round 5 to round
+#   15 (the changes in between, such as the bf16 residual stream, could only speed it up), while
+#   the Triton path's, which keeps the GPU busy (idle 7 %), differed by about 2–3 % between machines
+#   running the same code. So 5× held on this round's machine and not on round 13's; this page
+#   reports each measurement as it came (the hosts' launch speeds were not compared). Earlier
+#   rounds: 4.4× in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on
+#   different machines (28.3 and 24.8 s, 3.6–4.1× against each round's own Triton steps). With one
+#   micro-batch per step, in round 2: 2.3× compiled, 3.6× eager. The rule kernel itself is 51×
+#   faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but GDN
+#   is only part of the step.
 # * **All-MLA** (32 MLA + MoE blocks, in round 2): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer.
