@@ -96,13 +96,15 @@ fig.tight_layout(); plt.show()
 # Round 15's profile (of round 14's code; see its note in the table) records only the GPU's
 # activity (`--profile cuda`), which leaves the host nearly as fast as in an unprofiled run, so
 # its waits are close to the real ones; its table of the top kernels is
-# `benchmarks/results/train_step_profile_cuda.txt`. A table with the host's operators too, from
-# round 6, is `train_step_profile.txt` (`--profile micro`); recording the host's operators slows
-# the host about twofold, so the waits it shows are not those of an unprofiled run.
+# `benchmarks/results/train_step_profile_cuda.txt`. Tables with the host's operators too
+# (`--profile micro`) are `train_step_profile_micro.txt` (round 15) and `train_step_profile.txt`
+# (round 6); recording the host's operators slows the host about twofold, so the waits they show
+# are not those of an unprofiled run, but they name what the host was doing in each long gap.
 
 # %%
-prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and "gdn=triton" in r["variant"]
-             and "docs~" not in r["variant"] and "fsdp" not in r["variant"]), None)  # the preset's, under autocast
+prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and not r.get("profile_host_recorded")
+             and "gdn=triton" in r["variant"] and "docs~" not in r["variant"] and "fsdp" not in r["variant"]),
+            None)  # the preset's, under autocast, with the host undisturbed
 if prof:
     total = sum(prof["profile_ms_per_micro_batch"].values())
     for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
@@ -136,7 +138,15 @@ if prof:
 #   for the flash kernels (FA2) and 7.7 ms for the memory-efficient kernel (timed with the keys and
 #   values repeated); repeating them for cuDNN instead of `enable_gqa` costs 12–13 % forward +
 #   backward. Their outputs and gradients agree with cuDNN's within 0.6 % of each tensor's largest
-#   value.
+#   value. Where the GPU still waits (8.1 ms per micro-batch in gaps of 10 µs or more, round 15's
+#   profile): a `--profile micro` of the same code on a later machine (`train_step_profile_micro.txt`)
+#   names what the host ran in the longest gaps. Besides the benchmark's making of a synthetic batch
+#   and the embedding at the start of a micro-batch, they are the host entering compiled code: a
+#   block, where dynamo's cache lookup (checking its guards) took about 190 µs and the compiled
+#   function's wrapper 170–240 µs; and, after a backward, the compiled `add_into` over the copies'
+#   gradients, whose cache lookup alone took 690 µs and the whole call 1.5 ms, while the GPU waited
+#   2.8 ms (all with the host slowed by the profiler). Fewer or cheaper entries into compiled code is
+#   where that time is; nothing was changed this round.
 # * **Round 14: the preset step 6.543 s and 6.505 s (35.8 % and 36.0 % MFU, 50.6 GB) on the
 #   round's two machines, with round 13's final code (kernel 1 carrying $D^\top$); nothing faster
 #   was found.** Round 13 had timed round 12's kernels at 6.431 s on a third machine: the 0.3 %
