@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 15 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 and 2026-12-03 (rounds 2 to 16 of work on the step) by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -117,7 +117,7 @@ if prof:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 50.6 GB at the preset's step (rounds 11 to 15), inside the 80 GB target.** The loss
+# * **Memory: 50.6 GB at the preset's step (rounds 11 to 16), inside the 80 GB target.** The loss
 #   used to build three fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with
 #   their gradients: 92 GB peak. `linear_cross_entropy` (MTP chapter) computes the same losses and
 #   gradients chunk by chunk. The Triton prelude (chapter 14) saves no activation of its own
@@ -125,6 +125,21 @@ if prof:
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
+# * **Round 16: the preset step 6.343 s (37.0 % MFU, 82.7 k tokens/s, 50.6 GB) on the round's third
+#   machine, with round 14's code unchanged, and 6.414 and 6.524 s (36.6 and 35.9 %) on its other two;
+#   the PyTorch GDN path 4.4–4.6× slower on the third (below).** 6.343 s is the fastest step measured
+#   so far; the round's three machines, running the same code, span 2.9 %. Tried and not measured
+#   (`experiments.json`): inductor's **max-autotune** mode (its Triton matrix-multiply templates
+#   benchmarked against cuBLAS for every shape, and coordinate-descent tuning of its own kernels) had
+#   not finished compiling after 486 s, and coordinate-descent tuning alone not after 330 s, against
+#   about a minute for the usual compile. The tables max-autotune printed before the timeout answer
+#   what it was run for: at every large product of the step (the projections, the FFNs, the shared
+#   expert) cuBLAS is the fastest kernel, Triton's best 4–19 % slower; the routed experts' grouped
+#   products tie within 1 % in the forward (Triton's 1–10 % faster in the backward); Triton wins only
+#   the small products (16 to 224 columns, 17–55 µs each), about 0.5 ms per micro-batch in all. So
+#   the matrix multiplies, half the step, already run in the fastest kernels available at these
+#   shapes (the forward's largest at 680–706 TFLOP/s, the experts' grouped products at about 630), as
+#   round 15 found for attention.
 # * **Round 15: the preset step 6.365 s (36.8 % MFU, 82.4 k tokens/s, 50.6 GB) and 6.489 s (36.1 %)
 #   on the round's two machines, with round 14's code unchanged; the PyTorch GDN path 5.3–5.5× slower
 #   on the second (below).** 6.365 s is the fastest step measured so far, and it ran the code that
@@ -410,27 +425,28 @@ if prof:
 #   of the copies' gradients), cuDNN attention 8 % (15.2 ms), the prelude 7.9 % (14.7 ms), eager
 #   kernels 3 % (5.7 ms), the loss's softmax 2.6 % (4.9 ms). A profiled micro-batch spans 200 ms:
 #   187 ms of kernels, 5.2 ms of launch latency between some 3 500 kernels and 8.1 ms in longer
-#   gaps, where the GPU waits on the host. On that round's first machine a step took 6.365 s, about
-#   196 ms per micro-batch besides the optimiser's 0.10 s. 40 % MFU needs 5.86 s per step, about
-#   180 ms per micro-batch: everything but the matrix multiplies, about 100 ms of kernels and
-#   waits, would have to fall to about 84 ms.
+#   gaps, where the GPU waits on the host. On round 16's fastest machine a step took 6.343 s,
+#   about 195 ms per micro-batch besides the optimiser's 0.10 s. 40 % MFU needs 5.86 s per step,
+#   about 180 ms per micro-batch. The matrix multiplies and attention already run in the fastest
+#   kernels available at their shapes (rounds 15 and 16), so everything else, about 84 ms of
+#   kernels and waits, would have to fall to about 69 ms: 18 % less.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (5–6 ms per micro-batch; 5.2 ms in round 15's profile). They failed here
 #   (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
-# * **Triton GDN path against the PyTorch chunked path: 5.3–5.5× faster per preset step in round
-#   15, both compiled, on one machine (the round's second; the PyTorch path's two timed steps took
-#   34.35 and 35.51 s, the Triton path's 6.489 s); the target is 5×. The same comparison read 3.6×
-#   in round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s), each on
-#   one machine.** The ratio moves with the machine most likely because the PyTorch path's step is
+# * **Triton GDN path against the PyTorch chunked path: 4.4–4.6× faster per preset step in round
+#   16 and 5.3–5.5× in round 15, both paths compiled, each round on one machine (round 16's third:
+#   the PyTorch path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's
+#   second: 34.35 and 35.51 s against 6.489 s); the target is 5×. The same comparison read 3.6× in
+#   round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s).** The ratio moves with the machine most likely because the PyTorch path's step is
 #   set by the host, not the GPU: its profile on round 15's second machine
 #   (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of kernels in a 1 549 ms micro-batch,
 #   the GPU idle 72 % of the time between some 45 000 kernels, among them about 18 000 small
 #   products averaging 3–5 µs from the chunk loop. Its steps took 23.3–35.5 s from round 5 to round
-#   15 (the changes in between, such as the bf16 residual stream, could only speed it up), while
+#   16 (the changes in between, such as the bf16 residual stream, could only speed it up), while
 #   the Triton path's, which keeps the GPU busy (idle 7 %), differed by about 2–3 % between machines
-#   running the same code. So 5× held on this round's machine and not on round 13's; this page
+#   running the same code. So 5× held on round 15's machine and not on round 13's or 16's; this page
 #   reports each measurement as it came (the hosts' launch speeds were not compared). Earlier
 #   rounds: 4.4× in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on
 #   different machines (28.3 and 24.8 s, 3.6–4.1× against each round's own Triton steps). With one
