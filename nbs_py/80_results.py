@@ -136,7 +136,8 @@ if prof:
 #   what it was run for: at every large product of the step (the projections, the FFNs, the shared
 #   expert) cuBLAS is the fastest kernel, Triton's best 4–19 % slower; the routed experts' grouped
 #   products tie within 1 % in the forward (Triton's 1–10 % faster in the backward); Triton wins only
-#   the small products (16 to 224 columns, 17–55 µs each), about 0.5 ms per micro-batch in all. So
+#   the small products (16 to 224 columns, or an inner width of 128 or 224; 17–55 µs each), about
+#   0.5 ms per micro-batch in all among the products reached before the timeout. So
 #   the matrix multiplies, half the step, already run in the fastest kernels available at these
 #   shapes (the forward's largest at 680–706 TFLOP/s, the experts' grouped products at about 630), as
 #   round 15 found for attention.
