@@ -69,9 +69,13 @@ def sweep() -> dict:
     wide, w, cots = inputs()
     out, saved = {}, {k: dict(v) for k, v in ct.LAUNCH.items()}
     dys = [c.reshape(B, T, -1) for c in cots]
-    grid = {"fwd": [dict(BT=bt, num_warps=nw) for bt in (8, 16, 32) for nw in (2, 4)],
-            "du": [dict(BT=bt, num_warps=nw) for bt in (8, 16, 32) for nw in (2, 4, 8)],
-            "dx": [dict(BT=bt, BC=bc, num_warps=nw) for bt, bc, nw in ((32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8))],
+    # G: heads per program of the forward and du kernels (their tile is [BT, G, head size]); 4 heads of 32 is the default
+    grid = {"fwd": [dict(BT=bt, G=g, num_warps=nw) for bt in (4, 8, 16, 32) for g in (2, 4, 8, 16) for nw in (2, 4, 8)
+                    if 2 <= bt * g // nw <= 64],
+            "du": [dict(BT=bt, G=g, num_warps=nw) for bt in (4, 8, 16, 32) for g in (2, 4, 8, 16) for nw in (2, 4, 8)
+                   if 2 <= bt * g // nw <= 64],
+            "dx": [dict(BT=bt, BC=bc, num_warps=nw) for bt, bc, nw in ((32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8),
+                                                                        (16, 256, 4), (32, 256, 8), (8, 256, 4))],
             "dw": [dict(BT=bt, RT=rt, BC=bc, num_warps=nw) for bt in (8, 16) for rt in (128, 256, 512)
                    for bc in (64, 128) for nw in (4, 8)]}
     for kind, configs in grid.items():

@@ -8,6 +8,7 @@
     python benchmarks/train_step.py --profile cuda           # 3 micro-batches with only CUDA activity recorded: the host is barely
                                                              # slowed, so the GPU's waits on it are close to an unprofiled run's
     python benchmarks/train_step.py --accum 32               # the preset's global batch on one GPU: 32 micro-batches per step
+    python benchmarks/train_step.py --accum 32 --timeline    # also each micro-batch's GPU span and host time (CUDA events, no profiler)
     python benchmarks/train_step.py --compile                # torch.compile each block
     python benchmarks/train_step.py --loss logits            # the reference loss on full [B, T, V] logits
     python benchmarks/train_step.py --doc-masking 1024       # packed documents of ~1024 tokens: cu_seqlens for GDN and MLA
@@ -162,6 +163,34 @@ def optimizer_ms(spans: dict) -> dict:
             for name, rows in spans.items()}
 
 
+def time_micro_batches():
+    """Record, for every micro-batch a step runs, CUDA events around it (its GPU span) and the host's time to issue it,
+    and whether the GPU had already finished the previous micro-batch when the host began this one (it waited on the host)."""
+    import hymo.training.trainer as tr
+    rows, plain = [], tr.forward_backward
+
+    def timed(self, last):
+        e0 = torch.cuda.Event(enable_timing=True); e0.record()
+        drained = rows[-1]["e1"].query() if rows else None  # non-blocking: True if the GPU has no earlier work left
+        h0 = time.perf_counter()
+        out = plain(self, last=last)
+        host_ms = (time.perf_counter() - h0) * 1e3
+        e1 = torch.cuda.Event(enable_timing=True); e1.record()
+        rows.append(dict(e0=e0, e1=e1, host_ms=host_ms, drained=drained))
+        return out
+    tr.forward_backward = timed
+    return rows, lambda: setattr(tr, "forward_backward", plain)
+
+
+def timeline(rows: list, s0, s1) -> dict:
+    "One step's micro-batches: mean GPU span and host time (ms), the GPU time before the first and after the last, drained boundaries."
+    spans = [r["e0"].elapsed_time(r["e1"]) for r in rows]
+    return dict(micro_batches=len(rows), gpu_span_ms_mean=sum(spans) / len(spans), gpu_span_ms_min=min(spans),
+                gpu_span_ms_max=max(spans), host_ms_mean=sum(r["host_ms"] for r in rows) / len(rows),
+                boundaries_gpu_drained=sum(bool(r["drained"]) for r in rows[1:]), boundaries=len(rows) - 1,
+                before_first_ms=s0.elapsed_time(rows[0]["e0"]), after_last_ms=rows[-1]["e1"].elapsed_time(s1))
+
+
 def run(args) -> dict:
     if args.conv_launch:
         import hymo.models.gdn_conv_triton as ct
@@ -202,12 +231,18 @@ def run(args) -> dict:
     for _ in range(args.warmup): t.train_step()
     torch.cuda.synchronize()
     spans = time_optimizers(t.optimizers)
-    times = []
+    mb_rows, restore = time_micro_batches() if args.timeline else (None, None)
+    times, lines = [], []
     for _ in range(args.steps):
+        if mb_rows is not None:
+            mb_rows.clear(); s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); s0.record()
         t0 = time.perf_counter()
         m = t.train_step()
+        if mb_rows is not None: s1.record()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if mb_rows is not None: lines.append(timeline(mb_rows, s0, s1))
+    if restore is not None: restore()
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
     res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
@@ -217,6 +252,7 @@ def run(args) -> dict:
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak_flops(t.d.device),
                date=time.strftime("%Y-%m-%d"), mfu_formula="tokens/s * flops_per_token / 989e12", optimizer=optimizer_ms(spans))
+    if lines: res["timeline"] = lines
     try:
         import triton; res["triton"] = triton.__version__
     except ImportError: pass
@@ -277,6 +313,9 @@ if __name__ == "__main__":
                    help="micro-batches in the 'micro' and 'cuda' profiles, run as one step's accumulation: the once-per-step "
                         "work (the bf16 copies' refresh; FSDP's first gathers and last reduction) is 1/N of each micro-batch's "
                         "numbers, so N = --accum gives a real step's share")
+    p.add_argument("--timeline", action="store_true",
+                   help="also time every micro-batch of the timed steps with CUDA events: the GPU's span, the host's time to "
+                        "issue it, and whether the GPU had run dry at each micro-batch boundary (it then waited on the host)")
     p.add_argument("--conv-launch", default=None, help="JSON of tiles for the GDN prelude kernels (gdn_conv_kernel.py --best-out)")
     p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
     p.add_argument("--out", default=None, help="append the result to this JSON list")

@@ -212,7 +212,8 @@ def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.con
 # slice of a wider one: only its channel stride must be 1). It holds three segments, q, k and v. The
 # forward and the $\bar u$ kernel run once per segment, at its own channel offset (q and k are
 # normalised, v is not); the $\bar x$ and $\bar w$ kernels run once over all channels.
-# `LAUNCH` holds the tile sizes; `_tile_sizes` picks $G$ so that a tile row spans about 128 channels.
+# `LAUNCH` holds the tile sizes; `_tile_sizes` picks $G$ so that a tile row spans about 128 channels,
+# unless `LAUNCH` names a $G$.
 #
 # The two operators are `torch.library.triton_op`s, not opaque `custom_op`s, and every launch goes
 # through `torch.library.wrap_triton`. Run eagerly they behave the same; under `torch.compile`,
@@ -241,10 +242,10 @@ def _segments(H: int, K: int, V: int):
     return ((0, H, K, True), (H * K, H, K, True), (2 * H * K, H, V, False))
 
 
-def _tile_sizes(NH: int, D: int) -> tuple[int, int]:
-    "(G heads per program, DP padded head size)."
+def _tile_sizes(NH: int, D: int, G: Optional[int] = None) -> tuple[int, int]:
+    "(G heads per program, DP padded head size); G from `LAUNCH` if given there, else about 128 channels' worth."
     DP = triton.next_power_of_2(D)
-    return min(triton.next_power_of_2(NH), max(1, 128 // DP)), DP
+    return min(triton.next_power_of_2(NH), triton.next_power_of_2(G) if G else max(1, 128 // DP)), DP
 
 
 def _starts(cu_seqlens: Optional[torch.Tensor], T: int, device) -> Optional[torch.Tensor]:
@@ -294,7 +295,7 @@ def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     outs = []
     for off, NH, D, norm in _segments(H, K, V):
         y = x.new_empty(B, T, NH * D)
-        G, DP = _tile_sizes(NH, D)
+        G, DP = _tile_sizes(NH, D, LAUNCH["fwd"].get("G"))
         BT = LAUNCH["fwd"]["BT"]
         _traceable(_conv_fwd_kernel)[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
             x, w, y, st, T, x.stride(0), x.stride(1), off, NH, D, w.shape[1], norm, starts is not None,
@@ -314,7 +315,7 @@ def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     st = w if starts is None else starts                               # (a placeholder the kernels never read)
     BT = LAUNCH["du"]["BT"]
     for (off, NH, D, norm), dy in zip(_segments(H, K, V), (dq, dk, dv)):
-        G, DP = _tile_sizes(NH, D)
+        G, DP = _tile_sizes(NH, D, LAUNCH["du"].get("G"))
         _traceable(_conv_du_kernel)[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
             x, w, dy.contiguous(), du, st, T, x.stride(0), x.stride(1), C, off, NH, D, Wd, norm, starts is not None,
             BT, G, DP, num_warps=LAUNCH["du"]["num_warps"])
@@ -413,6 +414,19 @@ check(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=2)  # packed docu
 print("fp32: forward and gradients match conv_silu_norm")
 
 # %% [markdown]
+# `LAUNCH` may also set `G`, the heads per program of the forward and $\bar u$ kernels (the sweep
+# tries 2 to 16). Any grouping gives the same numbers, including one wider than the head count
+# and one that leaves a partial last group:
+
+# %%
+_saved = {k: dict(v) for k, v in LAUNCH.items()}
+for G in (1, 2, 8):
+    LAUNCH["fwd"]["G"] = LAUNCH["du"]["G"] = G
+    check(2, 70, 3, 32, 32)                               # 3 heads: groups of 1, 2 (partial) and 8 (wider)
+LAUNCH.update(_saved)
+test_eq(_tile_sizes(40, 32), (4, 32)); test_eq(_tile_sizes(40, 32, 8), (8, 32)); test_eq(_tile_sizes(3, 32, 8), (4, 32))
+
+# %% [markdown]
 # Packed documents really are kept apart: the gradient of a token's input only comes from outputs of
 # its own document.
 
@@ -477,6 +491,12 @@ pb = {k: v for k, v in prev["sweep"].items() if isinstance(v, float)}
 p1 = {k: v for k, v in prev["first_version_sweep"].items() if isinstance(v, float)}
 print(f"previous backward (one kernel, recomputing at W offsets): best {min(pb.values()):.3f} ms; "
       f"its first tiling {min(p1.values()):.3f}-{max(p1.values()):.3f} ms")
+hp = res["sweep_heads_per_program"]
+print(f"heads per program G ({hp['meta']['date']}): fastest forward ms by G",
+      {g: round(t, 3) for g, t in hp["best_ms_by_G"]["fwd"].items()}, "; fastest backward operator ms by G",
+      {g: round(t, 3) for g, t in hp["best_ms_by_G"]["du"].items()})
+ab = hp["step_ab"]
+print(f"750M step with the sweep's best tiles {ab['sweep_best']['step_s']:.3f} s, with LAUNCH's {ab['default']['step_s']:.3f} s")
 e = res["du_bf16_experiment"]
 print(f"du kept in bf16 instead of fp32: backward {e['bwd_ms_du_bf16']:.3f} ms against {e['bwd_ms_du_fp32']:.3f} ms")
 print("in the 750M model, us per launch:", res["in_model_us_per_launch"])
@@ -499,6 +519,13 @@ for name, us in host.items():
 # - **Forward**: 0.15 ms for the three launches in the sweep, 0.22 ms timed again after it (the
 #   spread between timings of the same tiles is wide): 1.1–1.7 TB/s, under the H200's 4.8 TB/s.
 #   The compiled PyTorch forward takes 0.37 ms.
+# - **Heads per program.** A tile holds $G$ heads of 32 channels. The default, 4 heads (128
+#   channels, 256 bytes of a bf16 row), is the fastest in a sweep of $G$ = 2 to 16 (round 17):
+#   the forward took 0.155 ms at $G = 4$ against 0.164 (2), 0.167 (8) and 0.229 ms (16); the
+#   backward operator 0.463 ms against 0.465, 0.521 and 0.617 ms. Wider rows do not help: past
+#   4 heads each program holds more registers and the grid has fewer programs. The 750M step
+#   with the sweep's best tiles (the forward's rows 8 instead of 16) took 6.401 s against 6.412 s
+#   with `LAUNCH`'s, within the step's spread, so `LAUNCH` is unchanged.
 # - **Backward**: 0.47 ms, against 0.70 ms for the previous backward (two kernels, $\bar w$ summed in
 #   the $\bar u$ kernel), 1.04 ms for the single kernel before it, and about 1.7 ms for compiled
 #   PyTorch. In the 750M model a layer's backward is three $\bar u$ launches of 76 µs, one $\bar x$

@@ -1,4 +1,5 @@
-"""The profile arithmetic of benchmarks/train_step.py: idle gaps between GPU activity and the host work during them.
+"""The profile arithmetic of benchmarks/train_step.py: idle gaps between GPU activity and the host work during them,
+and the per-micro-batch timeline (`--timeline`).
 
 The benchmark itself needs a GPU; these helpers take plain `(start, end, name)` intervals and are checked here.
 """
@@ -6,7 +7,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from train_step import host_during, idle_gaps, launched_by  # noqa: E402
+import train_step  # noqa: E402
+from train_step import host_during, idle_gaps, launched_by, time_micro_batches, timeline  # noqa: E402
 
 
 def test_gaps_are_the_stretches_with_nothing_running():
@@ -43,3 +45,42 @@ def test_a_profile_window_of_no_micro_batches_is_refused_before_anything_runs():
     r = subprocess.run([sys.executable, str(script), "--profile", "cuda", "--profile-micro-batches", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--profile-micro-batches must be at least 1" in r.stderr, r.stderr[-500:]
+
+
+class FakeEvent:
+    "A CUDA event on a fake GPU clock: `record` stamps the clock's time; `query` is True once the clock has passed it."
+    clock = 0.0
+
+    def __init__(self, enable_timing=False): self.t = None
+    def record(self): self.t = FakeEvent.clock
+    def query(self): return FakeEvent.clock >= self.t + 5  # a micro-batch's work ends 5 ms after its end event is queued
+    def elapsed_time(self, other): return other.t - self.t
+
+
+def test_the_timeline_times_each_micro_batch_and_sees_when_the_gpu_ran_dry(monkeypatch):
+    import hymo.training.trainer as tr
+    monkeypatch.setattr(train_step.torch.cuda, "Event", FakeEvent)
+    gpu_ms = iter([10.0, 12.0, 20.0])  # what each micro-batch advances the GPU clock by
+
+    def fake_forward_backward(self, last):
+        FakeEvent.clock += next(gpu_ms)
+        return last
+    plain = fake_forward_backward
+    monkeypatch.setattr(tr, "forward_backward", plain)
+    rows, restore = time_micro_batches()
+    assert tr.forward_backward is not plain
+    s0 = FakeEvent(); s0.record()
+    outs = []
+    for i, host_gap in enumerate([0, 8, 2]):  # the host's time between micro-batches
+        FakeEvent.clock += host_gap
+        outs.append(tr.forward_backward(None, last=i == 2))
+    assert outs == [False, False, True]
+    FakeEvent.clock += 7; s1 = FakeEvent(); s1.record()  # the optimiser's 7 ms
+    restore()
+    assert tr.forward_backward is plain
+    line = timeline(rows, s0, s1)
+    assert line["micro_batches"] == 3 and line["boundaries"] == 2
+    assert (line["gpu_span_ms_mean"], line["gpu_span_ms_min"], line["gpu_span_ms_max"]) == (14.0, 10.0, 20.0)
+    assert (line["before_first_ms"], line["after_last_ms"]) == (0.0, 7.0)
+    assert line["boundaries_gpu_drained"] == 1  # after 8 ms the 5 ms still queued had run out; after 2 ms they had not
+    assert line["host_ms_mean"] >= 0

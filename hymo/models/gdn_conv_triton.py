@@ -131,10 +131,10 @@ def _segments(H: int, K: int, V: int):
     return ((0, H, K, True), (H * K, H, K, True), (2 * H * K, H, V, False))
 
 
-def _tile_sizes(NH: int, D: int) -> tuple[int, int]:
-    "(G heads per program, DP padded head size)."
+def _tile_sizes(NH: int, D: int, G: Optional[int] = None) -> tuple[int, int]:
+    "(G heads per program, DP padded head size); G from `LAUNCH` if given there, else about 128 channels' worth."
     DP = triton.next_power_of_2(D)
-    return min(triton.next_power_of_2(NH), max(1, 128 // DP)), DP
+    return min(triton.next_power_of_2(NH), triton.next_power_of_2(G) if G else max(1, 128 // DP)), DP
 
 
 def _starts(cu_seqlens: Optional[torch.Tensor], T: int, device) -> Optional[torch.Tensor]:
@@ -184,7 +184,7 @@ def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     outs = []
     for off, NH, D, norm in _segments(H, K, V):
         y = x.new_empty(B, T, NH * D)
-        G, DP = _tile_sizes(NH, D)
+        G, DP = _tile_sizes(NH, D, LAUNCH["fwd"].get("G"))
         BT = LAUNCH["fwd"]["BT"]
         _traceable(_conv_fwd_kernel)[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
             x, w, y, st, T, x.stride(0), x.stride(1), off, NH, D, w.shape[1], norm, starts is not None,
@@ -204,7 +204,7 @@ def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
     st = w if starts is None else starts                               # (a placeholder the kernels never read)
     BT = LAUNCH["du"]["BT"]
     for (off, NH, D, norm), dy in zip(_segments(H, K, V), (dq, dk, dv)):
-        G, DP = _tile_sizes(NH, D)
+        G, DP = _tile_sizes(NH, D, LAUNCH["du"].get("G"))
         _traceable(_conv_du_kernel)[(triton.cdiv(T, BT), triton.cdiv(NH, G), B)](
             x, w, dy.contiguous(), du, st, T, x.stride(0), x.stride(1), C, off, NH, D, Wd, norm, starts is not None,
             BT, G, DP, num_warps=LAUNCH["du"]["num_warps"])
