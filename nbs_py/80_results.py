@@ -5,12 +5,12 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 and 2026-12-03 (rounds 2 to 16 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 and 2026-12-03 (rounds 2 to 17 of work on the step) by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
 # ```sh
-# python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU
+# python benchmarks/train_step.py --compile --accum 32           # the preset's real step on one GPU (+ --timeline: each micro-batch)
 # python benchmarks/train_step.py --compile --profile micro      # also what the host ran in the longest GPU gaps; + --ac, --gdn torch, ...
 # python benchmarks/train_step.py --compile --profile cuda       # the GPU's waits on its host, barely disturbed
 # python benchmarks/train_step.py --compile --doc-masking 1024   # packed documents of about 1 024 tokens (cu_seqlens)
@@ -115,6 +115,23 @@ if prof:
               f"{idle['gaps_per_micro_batch']:.0f} gaps; by gap length", {k: round(v, 1) for k, v in idle["idle_ms_by_gap"].items()})
 
 # %% [markdown]
+# ### A step's timeline, unprofiled
+#
+# `train_step.py --timeline` puts CUDA events around every micro-batch of the timed steps (no
+# profiler) and records how long the host took to issue it, and whether the GPU had already run
+# out of work when the host began the next one. The newest row with a timeline:
+
+# %%
+tl_row = next((r for r in steps if r.get("timeline")), None)
+if tl_row:
+    print(f"{label(tl_row)}, {tl_row['code']}")
+    for i, t in enumerate(tl_row["timeline"]):
+        print(f"step {i}: {t['micro_batches']} micro-batches, GPU span {t['gpu_span_ms_mean']:.1f} ms each "
+              f"({t['gpu_span_ms_min']:.1f}-{t['gpu_span_ms_max']:.1f}), host {t['host_ms_mean']:.1f} ms to issue one; "
+              f"GPU ran dry at {t['boundaries_gpu_drained']} of {t['boundaries']} boundaries; "
+              f"{t['before_first_ms']:.1f} ms before the first, {t['after_last_ms']:.1f} ms after the last")
+
+# %% [markdown]
 # What the numbers say:
 #
 # * **Memory: 50.6 GB at the preset's step (rounds 11 to 16), inside the 80 GB target.** The loss
@@ -125,6 +142,27 @@ if prof:
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
+# * **Round 17: the step is bound by the GPU, not by its host; four changes measured, none kept.**
+#   The new `--timeline` (above) shows it on every step measured this round: a micro-batch spans
+#   about 195–200 ms of GPU time, the host takes 2 ms less than that to issue it, and at only 1 of
+#   837 boundaries between micro-batches (27 steps on three machines) had the GPU finished the
+#   previous micro-batch when the host began the next. The host is held back by the GPU (its queue
+#   of launches is full), so the waits that profiles show at the start of a micro-batch come from
+#   the profiler's own slowing of the host. Besides the 32 micro-batches, a step spends about 5 ms of GPU time before
+#   the first (the bf16 copies' refresh) and 111–117 ms after the last (clipping, NorMuon, AdamW,
+#   the MoE bias). The profile's 187 ms of kernels in a 195 ms span leaves about 8 ms per micro-batch
+#   between kernels on the GPU itself, which only fewer kernels would shorten. The step itself:
+#   6.412 s on the round's second machine and 6.479–6.516 s on a slower third. Tried and not kept
+#   (`experiments.json`, chapter 14):
+#   - **skipping dynamo's guards** (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), where
+#     round 15's profile had found the host in the longest gaps: 6.384 s against 6.372 s
+#     (medians of three, alternating in one process). With the host ahead, its time is not the step's;
+#   - **more heads per program in the prelude's kernels** (now a `LAUNCH` option, `G`): the default
+#     4 is the fastest of 2 to 16, and the step with the sweep's best tiles took 6.401 s against
+#     6.412 s;
+#   - **inductor's combo kernels** (independent small kernels launched as one): 0.1–0.6 % faster in
+#     three pairs of processes on one machine, while that machine drifted 0.5 % between pairs;
+#     **aggressive fusion**: 0.3 % once. Too small to tell from drift, so the defaults stay.
 # * **Round 16: the preset step 6.343 s (37.0 % MFU, 82.7 k tokens/s, 50.6 GB) on the round's third
 #   machine, with round 14's code unchanged, and 6.414 and 6.524 s (36.6 and 35.9 %) on its other two;
 #   the PyTorch GDN path 4.4–4.6× slower on the third (below).** 6.343 s is the fastest step measured
@@ -426,11 +464,13 @@ if prof:
 #   of the copies' gradients), cuDNN attention 8 % (15.2 ms), the prelude 7.9 % (14.7 ms), eager
 #   kernels 3 % (5.7 ms), the loss's softmax 2.6 % (4.9 ms). A profiled micro-batch spans 200 ms:
 #   187 ms of kernels, 5.2 ms of launch latency between some 3 500 kernels and 8.1 ms in longer
-#   gaps, where the GPU waits on the host. On round 16's fastest machine a step took 6.343 s,
-#   about 195 ms per micro-batch besides the optimiser's 0.10 s. 40 % MFU needs 5.86 s per step,
-#   about 180 ms per micro-batch. The matrix multiplies and attention already run in the fastest
-#   kernels available at their shapes (rounds 15 and 16), so everything else, about 84 ms of
-#   kernels and waits, would have to fall to about 69 ms: 18 % less.
+#   gaps; unprofiled, the host stays ahead of the GPU (round 17's timeline), so the time between
+#   kernels is the GPU's own, about 8 ms of a 195 ms micro-batch. On round 16's fastest machine a
+#   step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step (the
+#   optimisers and clipping). 40 % MFU needs 5.86 s per step, about 180 ms per micro-batch. The
+#   matrix multiplies and attention already run in the fastest kernels available at their shapes
+#   (rounds 15 and 16), and the host is not the limit (round 17), so everything else, about 84 ms
+#   of kernels and gaps between them, would have to fall to about 69 ms: 18 % less.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (5–6 ms per micro-batch; 5.2 ms in round 15's profile). They failed here
 #   (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
