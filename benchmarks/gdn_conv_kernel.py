@@ -101,7 +101,7 @@ def main():
     ap.add_argument("--best-out", default=None, help="with --sweep: write the fastest tiles here (train_step.py --conv-launch reads them)")
     args = ap.parse_args()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                         triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch=ct.LAUNCH,
+                         triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch={k: dict(v) for k, v in ct.LAUNCH.items()},
                          timer="triton.testing.do_bench, median, ms"))
     res["parity"] = parity()
     print(json.dumps(res["parity"], indent=1), flush=True)

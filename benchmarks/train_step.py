@@ -165,7 +165,9 @@ def optimizer_ms(spans: dict) -> dict:
 
 def time_micro_batches():
     """Record, for every micro-batch a step runs, CUDA events around it (its GPU span) and the host's time to issue it,
-    and whether the GPU had already finished the previous micro-batch when the host began this one (it waited on the host)."""
+    and whether the GPU had already finished the previous micro-batch when the host began this one (`drained`: then
+    the GPU had nothing of that micro-batch left, and little else queued, so it likely waited on the host). Only the
+    boundaries are checked; waits inside a micro-batch do not show here."""
     import hymo.training.trainer as tr
     rows, plain = [], tr.forward_backward
 
@@ -183,7 +185,8 @@ def time_micro_batches():
 
 
 def timeline(rows: list, s0, s1) -> dict:
-    "One step's micro-batches: mean GPU span and host time (ms), the GPU time before the first and after the last, drained boundaries."
+    """One step's micro-batches: mean GPU span and host time (ms), drained boundaries, and the time from the step's start
+    to the first micro-batch and from the last to the step's end (GPU work and any wait on the host's syncs alike)."""
     spans = [r["e0"].elapsed_time(r["e1"]) for r in rows]
     return dict(micro_batches=len(rows), gpu_span_ms_mean=sum(spans) / len(spans), gpu_span_ms_min=min(spans),
                 gpu_span_ms_max=max(spans), host_ms_mean=sum(r["host_ms"] for r in rows) / len(rows),
@@ -231,18 +234,19 @@ def run(args) -> dict:
     for _ in range(args.warmup): t.train_step()
     torch.cuda.synchronize()
     spans = time_optimizers(t.optimizers)
-    mb_rows, restore = time_micro_batches() if args.timeline else (None, None)
+    mb_rows, restore = time_micro_batches() if args.timeline else (None, lambda: None)
     times, lines = [], []
-    for _ in range(args.steps):
-        if mb_rows is not None:
-            mb_rows.clear(); s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); s0.record()
-        t0 = time.perf_counter()
-        m = t.train_step()
-        if mb_rows is not None: s1.record()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if mb_rows is not None: lines.append(timeline(mb_rows, s0, s1))
-    if restore is not None: restore()
+    try:
+        for _ in range(args.steps):
+            if mb_rows is not None:
+                mb_rows.clear(); s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); s0.record()
+            t0 = time.perf_counter()
+            m = t.train_step()
+            if mb_rows is not None: s1.record()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            if mb_rows is not None: lines.append(timeline(mb_rows, s0, s1))
+    finally: restore()
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
     res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"

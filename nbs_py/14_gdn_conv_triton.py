@@ -244,8 +244,10 @@ def _segments(H: int, K: int, V: int):
 
 def _tile_sizes(NH: int, D: int, G: Optional[int] = None) -> tuple[int, int]:
     "(G heads per program, DP padded head size); G from `LAUNCH` if given there, else about 128 channels' worth."
+    if G is not None and (G < 1 or G & (G - 1)):
+        raise ValueError(f"LAUNCH's G (heads per program) must be a power of two, 1 or more; got {G}")
     DP = triton.next_power_of_2(D)
-    return min(triton.next_power_of_2(NH), triton.next_power_of_2(G) if G else max(1, 128 // DP)), DP
+    return min(triton.next_power_of_2(NH), G or max(1, 128 // DP)), DP
 
 
 def _starts(cu_seqlens: Optional[torch.Tensor], T: int, device) -> Optional[torch.Tensor]:
@@ -425,6 +427,7 @@ for G in (1, 2, 8):
     check(2, 70, 3, 32, 32)                               # 3 heads: groups of 1, 2 (partial) and 8 (wider)
 LAUNCH.update(_saved)
 test_eq(_tile_sizes(40, 32), (4, 32)); test_eq(_tile_sizes(40, 32, 8), (8, 32)); test_eq(_tile_sizes(3, 32, 8), (4, 32))
+test_fail(lambda: _tile_sizes(40, 32, 3), contains="power of two"); test_fail(lambda: _tile_sizes(40, 32, 0), contains="power of two")
 
 # %% [markdown]
 # Packed documents really are kept apart: the gradient of a token's input only comes from outputs of
@@ -522,10 +525,11 @@ for name, us in host.items():
 # - **Heads per program.** A tile holds $G$ heads of 32 channels. The default, 4 heads (128
 #   channels, 256 bytes of a bf16 row), is the fastest in a sweep of $G$ = 2 to 16 (round 17):
 #   the forward took 0.155 ms at $G = 4$ against 0.164 (2), 0.167 (8) and 0.229 ms (16); the
-#   backward operator 0.463 ms against 0.465, 0.521 and 0.617 ms. Wider rows do not help: past
-#   4 heads each program holds more registers and the grid has fewer programs. The 750M step
+#   backward operator 0.463 ms against 0.465 (a tie), 0.521 and 0.617 ms. Wider rows do not help:
+#   past 4 heads each program holds more registers and the grid has fewer programs. The 750M step
 #   with the sweep's best tiles (the forward's rows 8 instead of 16) took 6.401 s against 6.412 s
-#   with `LAUNCH`'s, within the step's spread, so `LAUNCH` is unchanged.
+#   with `LAUNCH`'s, 0.2 % faster, less than the 0.5 % one machine drifted between processes this
+#   round, so `LAUNCH` is unchanged.
 # - **Backward**: 0.47 ms, against 0.70 ms for the previous backward (two kernels, $\bar w$ summed in
 #   the $\bar u$ kernel), 1.04 ms for the single kernel before it, and about 1.7 ms for compiled
 #   PyTorch. In the 750M model a layer's backward is three $\bar u$ launches of 76 µs, one $\bar x$

@@ -94,8 +94,9 @@ fig.tight_layout(); plt.show()
 # reduction) lands in each micro-batch's numbers, where a 32-micro-batch step spreads it over 32
 # (`--profile-micro-batches 32` profiles a whole step's worth).
 # Round 15's profile (of round 14's code; see its note in the table) records only the GPU's
-# activity (`--profile cuda`), which leaves the host nearly as fast as in an unprofiled run, so
-# its waits are close to the real ones; its table of the top kernels is
+# activity (`--profile cuda`), which slows the host far less than recording its operators, though
+# not to nothing: round 17's unprofiled timeline found the GPU busy at 836 of 837 micro-batch boundaries, where
+# this profile shows its longest; its table of the top kernels is
 # `benchmarks/results/train_step_profile_cuda.txt`. Tables with the host's operators too
 # (`--profile micro`) are `train_step_profile_micro.txt` (round 15) and `train_step_profile.txt`
 # (round 6); recording the host's operators slows the host about twofold, so the waits they show
@@ -143,26 +144,30 @@ if tl_row:
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
 # * **Round 17: the step is bound by the GPU, not by its host; four changes measured, none kept.**
-#   The new `--timeline` (above) shows it on every step measured this round: a micro-batch spans
-#   about 195–200 ms of GPU time, the host takes 2 ms less than that to issue it, and at only 1 of
-#   837 boundaries between micro-batches (27 steps on three machines) had the GPU finished the
-#   previous micro-batch when the host began the next. The host is held back by the GPU (its queue
-#   of launches is full), so the waits that profiles show at the start of a micro-batch come from
-#   the profiler's own slowing of the host. Besides the 32 micro-batches, a step spends about 5 ms of GPU time before
-#   the first (the bf16 copies' refresh) and 111–117 ms after the last (clipping, NorMuon, AdamW,
-#   the MoE bias). The profile's 187 ms of kernels in a 195 ms span leaves about 8 ms per micro-batch
-#   between kernels on the GPU itself, which only fewer kernels would shorten. The step itself:
-#   6.412 s on the round's second machine and 6.479–6.516 s on a slower third. Tried and not kept
-#   (`experiments.json`, chapter 14):
+#   The new `--timeline` (above) timed 27 steps on two machines (six of them by its prototype): a
+#   micro-batch spans about 195–200 ms of GPU time, the host takes 2 ms less than that to issue it,
+#   and at only 1 of 837 boundaries between micro-batches had the GPU finished the previous
+#   micro-batch when the host began the next. The host is held back by the GPU (its queue of
+#   launches is full). So at the boundaries, where the profiles show the GPU's longest waits, an
+#   unprofiled GPU does not wait: even `--profile cuda` records every launch, and slows the host
+#   enough to matter there. Inside a micro-batch the check sees nothing, but round 10's CUDA graph
+#   of whole micro-batches, which removes every wait on the host, gained nothing either. Besides
+#   the 32 micro-batches, a step spends about 5 ms before the first (the bf16 copies' refresh) and
+#   111–117 ms from the end of the last to the step's end (clipping, the host's reads of the loss
+#   and the gradient norm, NorMuon, AdamW, the MoE bias). The step itself: 6.412 s on the round's
+#   second machine and 6.479–6.516 s on a slower third. Tried and not kept (`experiments.json`,
+#   chapter 14):
 #   - **skipping dynamo's guards** (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), where
 #     round 15's profile had found the host in the longest gaps: 6.384 s against 6.372 s
 #     (medians of three, alternating in one process). With the host ahead, its time is not the step's;
 #   - **more heads per program in the prelude's kernels** (now a `LAUNCH` option, `G`): the default
 #     4 is the fastest of 2 to 16, and the step with the sweep's best tiles took 6.401 s against
-#     6.412 s;
+#     6.412 s, 0.2 % faster, less than a machine drifts between processes;
 #   - **inductor's combo kernels** (independent small kernels launched as one): 0.1–0.6 % faster in
-#     three pairs of processes on one machine, while that machine drifted 0.5 % between pairs;
-#     **aggressive fusion**: 0.3 % once. Too small to tell from drift, so the defaults stay.
+#     three pairs of processes on one machine, while that machine drifted 0.5 % between pairs, and
+#     always in the favourable slot (after a slow first process, then first in each pair as the
+#     machine slowed); paired the other way, 0.3 % slower. **Aggressive fusion**: 0.3 % faster,
+#     once. Neither can be told from drift, so the defaults stay.
 # * **Round 16: the preset step 6.343 s (37.0 % MFU, 82.7 k tokens/s, 50.6 GB) on the round's third
 #   machine, with round 14's code unchanged, and 6.414 and 6.524 s (36.6 and 35.9 %) on its other two;
 #   the PyTorch GDN path 4.4–4.6× slower on the third (below).** 6.343 s is the fastest step measured
@@ -464,8 +469,8 @@ if tl_row:
 #   of the copies' gradients), cuDNN attention 8 % (15.2 ms), the prelude 7.9 % (14.7 ms), eager
 #   kernels 3 % (5.7 ms), the loss's softmax 2.6 % (4.9 ms). A profiled micro-batch spans 200 ms:
 #   187 ms of kernels, 5.2 ms of launch latency between some 3 500 kernels and 8.1 ms in longer
-#   gaps; unprofiled, the host stays ahead of the GPU (round 17's timeline), so the time between
-#   kernels is the GPU's own, about 8 ms of a 195 ms micro-batch. On round 16's fastest machine a
+#   gaps; unprofiled, the host stays ahead of the GPU at every micro-batch boundary (round 17's
+#   timeline), so what lies between kernels is mostly the GPU's own launch latency. On round 16's fastest machine a
 #   step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step (the
 #   optimisers and clipping). 40 % MFU needs 5.86 s per step, about 180 ms per micro-batch. The
 #   matrix multiplies and attention already run in the fastest kernels available at their shapes

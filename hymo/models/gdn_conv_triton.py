@@ -133,8 +133,10 @@ def _segments(H: int, K: int, V: int):
 
 def _tile_sizes(NH: int, D: int, G: Optional[int] = None) -> tuple[int, int]:
     "(G heads per program, DP padded head size); G from `LAUNCH` if given there, else about 128 channels' worth."
+    if G is not None and (G < 1 or G & (G - 1)):
+        raise ValueError(f"LAUNCH's G (heads per program) must be a power of two, 1 or more; got {G}")
     DP = triton.next_power_of_2(D)
-    return min(triton.next_power_of_2(NH), triton.next_power_of_2(G) if G else max(1, 128 // DP)), DP
+    return min(triton.next_power_of_2(NH), G or max(1, 128 // DP)), DP
 
 
 def _starts(cu_seqlens: Optional[torch.Tensor], T: int, device) -> Optional[torch.Tensor]:
