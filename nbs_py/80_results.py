@@ -95,8 +95,8 @@ fig.tight_layout(); plt.show()
 # (`--profile-micro-batches 32` profiles a whole step's worth).
 # Round 15's profile (of round 14's code; see its note in the table) records only the GPU's
 # activity (`--profile cuda`), which slows the host far less than recording its operators, though
-# not to nothing: round 17's unprofiled timeline found the GPU busy at 836 of 837 micro-batch boundaries, where
-# this profile shows its longest; its table of the top kernels is
+# not to nothing: round 17's unprofiled timeline found the GPU busy at 836 of 837 micro-batch
+# boundaries, where this profile shows its longest waits; its table of the top kernels is
 # `benchmarks/results/train_step_profile_cuda.txt`. Tables with the host's operators too
 # (`--profile micro`) are `train_step_profile_micro.txt` (round 15) and `train_step_profile.txt`
 # (round 6); recording the host's operators slows the host about twofold, so the waits they show
