@@ -5,8 +5,8 @@
     python benchmarks/train_step.py --all-mla                # 32 MLA + MoE blocks (dense-attention comparison)
     python benchmarks/train_step.py --ac                     # activation checkpointing on
     python benchmarks/train_step.py --profile [micro]        # also a torch.profiler table of the top kernels (a step, or 3 micro-batches)
-    python benchmarks/train_step.py --profile cuda           # 3 micro-batches with only CUDA activity recorded: the host is barely
-                                                             # slowed, so the GPU's waits on it are close to an unprofiled run's
+    python benchmarks/train_step.py --profile cuda           # 3 micro-batches with only CUDA activity recorded: the host is slowed
+                                                             # less than by --profile micro, but enough to show waits --timeline does not
     python benchmarks/train_step.py --accum 32               # the preset's global batch on one GPU: 32 micro-batches per step
     python benchmarks/train_step.py --accum 32 --timeline    # also each micro-batch's GPU span and host time (CUDA events, no profiler)
     python benchmarks/train_step.py --compile                # torch.compile each block
@@ -319,7 +319,7 @@ if __name__ == "__main__":
                         "numbers, so N = --accum gives a real step's share")
     p.add_argument("--timeline", action="store_true",
                    help="also time every micro-batch of the timed steps with CUDA events: the GPU's span, the host's time to "
-                        "issue it, and whether the GPU had run dry at each micro-batch boundary (it then waited on the host)")
+                        "issue it, and whether the GPU had run dry at each micro-batch boundary (it then likely waited on the host)")
     p.add_argument("--conv-launch", default=None, help="JSON of tiles for the GDN prelude kernels (gdn_conv_kernel.py --best-out)")
     p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
     p.add_argument("--out", default=None, help="append the result to this JSON list")
