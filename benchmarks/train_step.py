@@ -312,7 +312,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--profile", nargs="?", const="step", choices=["step", "micro", "cuda"],
                    help="torch.profiler table of one optimiser step, or ('micro') of 3 forward+backward passes, "
-                        "or ('cuda') of 3 passes recording only GPU activity (realistic waits on the host); see --profile-micro-batches")
+                        "or ('cuda') of 3 passes recording only GPU activity (the host slowed less); see --profile-micro-batches")
     p.add_argument("--profile-micro-batches", type=int, default=3, metavar="N",
                    help="micro-batches in the 'micro' and 'cuda' profiles, run as one step's accumulation: the once-per-step "
                         "work (the bf16 copies' refresh; FSDP's first gathers and last reduction) is 1/N of each micro-batch's "
