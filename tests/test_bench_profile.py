@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import train_step  # noqa: E402
+import torch  # noqa: E402
 from train_step import host_during, idle_gaps, launched_by, time_micro_batches, timeline  # noqa: E402
 
 
@@ -59,13 +59,13 @@ class FakeEvent:
 
 def test_the_timeline_times_each_micro_batch_and_sees_when_the_gpu_ran_dry(monkeypatch):
     import hymo.training.trainer as tr
-    monkeypatch.setattr(train_step.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "clock", 0.0)
     gpu_ms = iter([10.0, 12.0, 20.0])  # what each micro-batch advances the GPU clock by
 
-    def fake_forward_backward(self, last):
+    def plain(self, last):  # stands in for the trainer's forward_backward
         FakeEvent.clock += next(gpu_ms)
         return last
-    plain = fake_forward_backward
     monkeypatch.setattr(tr, "forward_backward", plain)
     rows, restore = time_micro_batches()
     assert tr.forward_backward is not plain
