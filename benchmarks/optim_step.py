@@ -6,8 +6,10 @@ Builds the 750M model (fp32 weights), gives every parameter a random gradient, a
 `opt.step()` of each optimiser built by `build_optimizers` with `train_step.py`'s timer: the GPU span
 between CUDA events around the call (median of --steps calls after --warmup, each started on an
 idle GPU), and the host's time to issue it. A span
-close to the host time means the host is the limit. Also checks, on the GPU, that the one-pass
-`normuon_rownorm` on the bf16 Newton–Schulz output equals the three-pass form on its fp32 copy.
+close to the host time means the host is the limit. NorMuon is timed twice, alternating: as it runs by
+default (the final update of each parameter of `FUSED_MIN_NUMEL` entries or more compiled into one
+kernel) and with `fused=False` (every final update in list-wide launches). Also checks, on the GPU, that the one-pass `normuon_rownorm` on the bf16 Newton–Schulz
+output equals the three-pass form on its fp32 copy, and that the compiled update gives the list-wide one's weights.
 """
 import argparse
 import json
@@ -18,7 +20,7 @@ import torch
 
 from hymo.config import load_config
 from hymo.models.model import HyMo
-from hymo.training.optim import build_optimizers, newton_schulz, normuon_rownorm
+from hymo.training.optim import NorMuon, build_optimizers, newton_schulz, normuon_rownorm
 from train_step import optimizer_ms, time_optimizers  # the script beside this one
 
 
@@ -35,6 +37,23 @@ def rownorm_parity() -> float:
     return max(((U - U_ref).norm() / U_ref.norm()).item(), ((v - v_ref).norm() / v_ref.norm()).item())
 
 
+def fused_parity() -> float:
+    "Largest difference between the weights after three NorMuon steps, compiled against list-wide, relative to their change."
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(16, 2304, 896), (2560, 896), (896, 2560)]
+    w0 = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
+    grads = [[torch.randn(s, device="cuda", generator=g) for s in shapes] for _ in range(3)]
+    out = []
+    for fused in (True, False):
+        ps = [torch.nn.Parameter(w.clone()) for w in w0]
+        opt = NorMuon(ps, weight_decay=0.1, fused=fused)
+        for gs in grads:
+            for p, gr in zip(ps, gs): p.grad = gr
+            opt.step()
+        out.append(ps)
+    return max(((a - b).norm() / (b - w).norm()).item() for a, b, w in zip(*out, w0))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--warmup", type=int, default=2)
@@ -49,17 +68,29 @@ def main():
     opts = build_optimizers(model, cfg.train)
     for opt in opts:
         for _ in range(args.warmup): opt.step()
-    spans = time_optimizers(opts)
-    for opt in opts:
-        for _ in range(args.steps):
+    muon = next(o for o in opts if isinstance(o, NorMuon))
+    muon.fused = False
+    muon.step()  # the eager update's warm-up
+    muon.fused = None
+    spans, eager = time_optimizers(opts), {}
+    for _ in range(args.steps):  # NorMuon alternates: as by default, then fused=False
+        for opt in opts:
             torch.cuda.synchronize()
             opt.step()
+        muon.fused = False
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h0 = time.perf_counter(); e0.record(); NorMuon.step(muon); e1.record()  # the class's step: not in `spans`
+        eager.setdefault("NorMuon, fused=False", []).append((e0, e1, (time.perf_counter() - h0) * 1e3))
+        muon.fused = None
     torch.cuda.synchronize()
     timings = optimizer_ms(spans)
     for opt in opts:
         res[type(opt).__name__] = dict(params=sum(p.numel() for g in opt.param_groups for p in g["params"]),
                                        tensors=sum(len(g["params"]) for g in opt.param_groups), **timings[type(opt).__name__])
+    res.update(optimizer_ms(eager))
     res["rownorm_one_pass_vs_three_pass"] = rownorm_parity()
+    res["fused_vs_eager_update"] = fused_parity()
     print(json.dumps(res, indent=1))
     if args.out: Path(args.out).write_text(json.dumps(res, indent=1))
 

@@ -99,6 +99,27 @@ def test_normuon_stacked_experts_are_separate_matrices():
     torch.testing.assert_close(stacked.data, torch.stack([s.data for s in single]))
 
 
+@pytest.mark.parametrize("cautious", [True, False])
+def test_normuon_fused_update_equals_eager(cautious):
+    "The compiled final update (a GPU's default; inductor's CPU backend here) gives the eager path's weights."
+    torch.manual_seed(0)
+    shapes = [(24, 10), (10, 24), (3, 20, 8)]  # tall, wide, stacked experts
+    W0 = [0.1 * torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    runs = []
+    for fused in (True, False):
+        ps = [nn.Parameter(w.clone()) for w in W0]
+        opt = NorMuon(ps, lr=0.03, weight_decay=0.1, cautious=cautious, fused=fused)
+        for step, gs in enumerate(grads):
+            opt.param_groups[0]["lr"] = 0.03 * (1 - 0.2 * step)  # a schedule: the compiled update takes η as a tensor
+            for p, g in zip(ps, gs): p.grad = g.clone()
+            opt.step()
+        runs.append([p.data for p in ps])
+    for a, b, w in zip(*runs, W0):
+        assert not torch.equal(a, w)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_normuon_rejects_vectors_and_bad_hyperparameters():
     with pytest.raises(ValueError, match="AdamW"):
         NorMuon([nn.Parameter(torch.ones(5))])

@@ -7,6 +7,7 @@ Docs: https://hymo-lm.github.io/hymo/optim.html.md"""
 # %% ../../nbs/50_optim.ipynb #491e8929
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
@@ -17,9 +18,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..config import TrainingConfig
 
 # %% auto #0
-__all__ = ['NS_COEFFS', 'ns_dtype', 'newton_schulz', 'muon_shape_scale', 'normuon_rownorm', 'weight_decay_term',
-           'foreach_decay_mask', 'NorMuon', 'CautiousAdamW', 'param_group', 'param_table', 'build_optimizers',
-           'wsd_schedule', 'wsd_lambda']
+__all__ = ['NS_COEFFS', 'FUSED_MIN_NUMEL', 'ns_dtype', 'newton_schulz', 'muon_shape_scale', 'normuon_rownorm',
+           'normuon_row_factor', 'weight_decay_term', 'foreach_decay_mask', 'normuon_apply', 'normuon_apply_fused',
+           'NorMuon', 'CautiousAdamW', 'param_group', 'param_table', 'build_optimizers', 'wsd_schedule', 'wsd_lambda']
 
 # %% ../../nbs/50_optim.ipynb #7222cc3f
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # (a, b, c) of the quintic φ(σ) = aσ + bσ³ + cσ⁵
@@ -67,11 +68,21 @@ def normuon_rownorm(O: torch.Tensor, # Orthogonalised update [..., m, n] (bf16 f
                     gain: float = 1.0, # Shape scale s(m, n), applied in the same product
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     "NorMuon's step: update v, divide each row of O by √v, rescale each matrix to gain · ‖O‖_F; returns (U fp32, v)."
+    f, v = normuon_row_factor(O, v, beta2, gain)
+    return O * f, v  # one pass over O; fp32 by type promotion
+
+
+def normuon_row_factor(O: torch.Tensor, # Orthogonalised update [..., m, n]
+                       v: torch.Tensor, # Running mean square of each row [..., m, 1], fp32
+                       beta2: float, # Decay of v
+                       gain: float = 1.0, # Shape scale s(m, n)
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Everything of `normuon_rownorm` but the product: `(f [..., m, 1] fp32, v)` with U = O · f, one reduction over O."
     s = torch.linalg.vector_norm(O, dim=-1, keepdim=True, dtype=torch.float32).square()  # (..., m, 1) row sums of squares
     v = v.lerp(s / O.size(-1), 1 - beta2)
     r = v.clamp_min(1e-10).rsqrt()
     rescale = (s.sum((-2, -1), keepdim=True) / (r.square() * s).sum((-2, -1), keepdim=True).clamp_min(1e-20)).sqrt()
-    return O * (r * (rescale * gain)), v  # one pass over O; fp32 by type promotion
+    return r * (rescale * gain), v
 
 # %% ../../nbs/50_optim.ipynb #81ce66a1
 def weight_decay_term(x: torch.Tensor, # Parameter before the step
@@ -96,6 +107,27 @@ def foreach_decay_mask(xs: list[torch.Tensor], # Parameters before the step
     torch._foreach_add_(mask, 1)
     torch._foreach_clamp_max_(mask, 1)  # sign -1 -> 0, sign 0 or 1 -> 1
     return mask
+
+# %% ../../nbs/50_optim.ipynb #a8d59ba3
+def normuon_apply(x: torch.Tensor, # Parameter [..., m, n] (this rank's rows), updated in place
+                  o: torch.Tensor, # Its orthogonalised update O [..., m, n] (bf16 from Newton–Schulz, or fp32)
+                  f: torch.Tensor, # Row factor [..., m, 1] from `normuon_row_factor`: U = O · f
+                  lr: float | torch.Tensor, # η (a 0-dim tensor on x's device when compiled)
+                  wd: float | torch.Tensor, # λ, likewise
+                  cautious: bool, # Decay only where U and x agree in sign
+                 ) -> None:
+    "x ← x − η(U + λd), U = O·f, d the (cautious) decay term: NorMuon's update of one parameter, in place."
+    u = o * f  # fp32 by type promotion
+    x.sub_(lr * (u + wd * weight_decay_term(x, u, cautious)))
+
+
+FUSED_MIN_NUMEL = 1 << 22  # NorMuon compiles the update of parameters this large (on a GPU); smaller ones take list-wide launches
+
+
+@functools.cache
+def normuon_apply_fused():
+    "`normuon_apply` through `torch.compile`: one kernel per parameter on a GPU (a few graphs: by rank and `cautious`)."
+    return torch.compile(normuon_apply, dynamic=True)  # past the recompile limit: eager, not an error
 
 # %% ../../nbs/50_optim.ipynb #8c71f43c
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -145,7 +177,10 @@ class NorMuon(torch.optim.Optimizer):
                  ns_steps: int = 5, # Newton–Schulz iterations
                  weight_decay: float = 0.0, # λ: decoupled decay, x ← x − ηλx
                  cautious: bool = True, # Decay only where the update and the parameter agree in sign
+                 fused: bool | None = None, # The final update as one compiled kernel per parameter (True) or as list-wide
+                                            # launches (False); None: compiled on a GPU for FUSED_MIN_NUMEL entries or more
                 ):
+        self.fused = fused
         if lr < 0 or not 0 <= momentum < 1 or not 0 <= beta2 < 1 or ns_steps < 1 or weight_decay < 0:
             raise ValueError(f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
                              f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={weight_decay}")
@@ -190,10 +225,16 @@ class NorMuon(torch.optim.Optimizer):
         k, shape = len(ps), tuple(ps[0].shape)
         O = newton_schulz(_gather_stack(N, ps[0], (k, *shape)), group["ns_steps"])
         V = _gather_stack(torch.stack(vs), ps[0], (k, *shape[:-1], 1))
-        U, v = normuon_rownorm(O, V, group["beta2"], muon_shape_scale(*shape[-2:]))
-        U, v = _local_stack(U, ps[0]), _local_stack(v, ps[0])
+        f, v = normuon_row_factor(O, V, group["beta2"], muon_shape_scale(*shape[-2:]))  # U = O · f
+        O, f, v = (_local_stack(t, ps[0]) for t in (O, f, v))  # this rank's rows
         torch._foreach_copy_(vs, list(v.unbind(0)))
-        us = [U[i].to(x.dtype) for i, x in enumerate(xs)]  # views of U (this rank's rows)
+        fused = self.fused if self.fused is not None else xs[0].is_cuda and xs[0].numel() >= FUSED_MIN_NUMEL
+        if fused:  # p ← p − η (O·f + λ d), one kernel per parameter; η and λ as tensors (a new η does not recompile),
+            # the parameters as plain tensors (dynamo would fix a Parameter's sizes, and compile again for every shape)
+            lr, wd = torch.full((), lr, device=xs[0].device), torch.full((), wd, device=xs[0].device)
+            for i, x in enumerate(xs): normuon_apply_fused()(x.detach(), O[i], f[i], lr, wd, group["cautious"])
+            return
+        us = [u.to(x.dtype) for u, x in zip((O * f).unbind(0), xs)]  # U, fp32: list-wide launches from here
         if wd and group["cautious"]: us = torch._foreach_addcmul(us, foreach_decay_mask(xs, us), xs, value=wd)  # u + λ d
         elif wd: us = torch._foreach_add(us, xs, alpha=wd)
         torch._foreach_sub_(xs, us, alpha=lr)  # p ← p − η (u + λ d)
