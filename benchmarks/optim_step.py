@@ -70,9 +70,9 @@ def main():
         for _ in range(args.warmup): opt.step()
     muon = next(o for o in opts if isinstance(o, NorMuon))
     muon.fused = False
-    muon.step()  # the eager update's warm-up
+    muon.step()  # the list-wide update's warm-up
     muon.fused = None
-    spans, eager = time_optimizers(opts), {}
+    spans, listwide = time_optimizers(opts), {}
     for _ in range(args.steps):  # NorMuon alternates: as by default, then fused=False
         for opt in opts:
             torch.cuda.synchronize()
@@ -81,16 +81,16 @@ def main():
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         h0 = time.perf_counter(); e0.record(); NorMuon.step(muon); e1.record()  # the class's step: not in `spans`
-        eager.setdefault("NorMuon, fused=False", []).append((e0, e1, (time.perf_counter() - h0) * 1e3))
+        listwide.setdefault("NorMuon, fused=False", []).append((e0, e1, (time.perf_counter() - h0) * 1e3))
         muon.fused = None
     torch.cuda.synchronize()
     timings = optimizer_ms(spans)
     for opt in opts:
         res[type(opt).__name__] = dict(params=sum(p.numel() for g in opt.param_groups for p in g["params"]),
                                        tensors=sum(len(g["params"]) for g in opt.param_groups), **timings[type(opt).__name__])
-    res.update(optimizer_ms(eager))
+    res.update(optimizer_ms(listwide))
     res["rownorm_one_pass_vs_three_pass"] = rownorm_parity()
-    res["fused_vs_eager_update"] = fused_parity()
+    res["compiled_vs_listwide_update"] = fused_parity()
     print(json.dumps(res, indent=1))
     if args.out: Path(args.out).write_text(json.dumps(res, indent=1))
 
