@@ -375,13 +375,24 @@ for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
 
 # %% [markdown]
 # NorMuon's last step, $x \leftarrow x - \eta(U + \lambda d)$ with $U = O \cdot f$, touches every weight
-# once more. Written as PyTorch operations it is several passes over the parameter (the product,
-# the mask, the sum, the step), each reading and writing 4 bytes per fp32 weight. The function
-# below is that step for one parameter, and it is also the fast path: on a GPU NorMuon runs it
-# through `torch.compile`, which fuses it into one kernel that reads $O$ (bf16), the row factor and
-# the weight and writes the weight, with $U$, the mask and the sum kept in registers. The learning
-# rate and decay are passed as 0-dim tensors there, so that the schedule's new $\eta$ every step does
-# not recompile it.
+# once more. Written as PyTorch operations over a list of parameters it is some eight passes (the
+# product, the mask's four, the sum, the step), each reading and writing 4 bytes per fp32 weight.
+# The function below is that step for one parameter, and it is also a fast path: through
+# `torch.compile` it becomes one kernel that reads $O$ (bf16), the row factor and the weight and
+# writes the weight, with $U$, the mask and the sum kept in registers. The learning rate and decay
+# go in as 0-dim tensors, so that the schedule's new $\eta$ every step does not recompile it, and the
+# parameter as a plain tensor, since dynamo fixes the sizes of a `Parameter` and would compile again
+# for every shape.
+#
+# A compiled call costs the host about 70 µs (dynamo checks its guards, then the wrapper launches
+# the kernel), which is more than that kernel takes for a matrix of a million weights. So NorMuon
+# compiles the update only for parameters of `FUSED_MIN_NUMEL` ($2^{22}$) entries or more, on a GPU:
+# in HyMo's 750M model the 24 stacks of routed experts, 33 M weights each and two thirds of all of
+# NorMuon's. The 300 smaller matrices keep the list-wide launches, a few per group of same-shaped
+# matrices. On one H200 (`benchmarks/optim_step.py`, round 18 on the results page) this took NorMuon
+# from 100–101 ms to 85–86 ms per step, with the same weights bit for bit; compiling every
+# parameter instead was slower (93 ms against 106 ms for per-tensor eager calls): the GPU then waited
+# on the host through the groups of small matrices.
 
 # %%
 #| export
@@ -585,12 +596,14 @@ def _same_shape(params: list) -> list[list]:
 # Around Newton–Schulz the step is memory traffic over 1.2 billion fp32 weights, so the code avoids
 # passes: each Nesterov look-ahead is written by `torch.lerp(..., out=)` straight into its slice
 # of the bf16 stack, the row normalisation is the one-pass form above, and the final update is
-# three list-wide launches, $u + \lambda\,\text{mask} \odot p$ by `_foreach_addcmul` and
-# $p - \eta(\cdot)$ by `_foreach_sub_`, after the mask's four. `benchmarks/optim_step.py` times
-# both optimisers alone on the 750M model (one H200, CUDA events around `step()`): NorMuon over its
-# 332 matrices went from 124.6 to 101.1 ms with these changes. The batched Newton–Schulz is, by
-# count, about 25 TFLOP of it (five iterations of three products on every matrix), some 40 ms at
-# the rate these bf16 products reach; the rest is still the elementwise passes.
+# `normuon_apply` compiled (large parameters on a GPU) or three list-wide launches,
+# $u + \lambda\,\text{mask} \odot p$ by `_foreach_addcmul` and $p - \eta(\cdot)$ by `_foreach_sub_`,
+# after the mask's four. `benchmarks/optim_step.py` times both optimisers alone on the 750M model
+# (one H200, CUDA events around `step()`): NorMuon over its 332 matrices went from 124.6 to 101.1 ms
+# with the list-wide launches (round 6), and to 85–86 ms with the compiled update (round 18). The
+# batched Newton–Schulz is, by count, about 25 TFLOP of it (five iterations of three products on
+# every matrix), some 50 ms at the 470–480 TFLOP/s these batched bf16 products reach in any layout
+# we tried (`experiments.json`); the rest is the elementwise passes and the launches of the small matrices.
 #
 # Five steps on one matrix agree with the from-scratch loop, for a tall and a wide matrix:
 
