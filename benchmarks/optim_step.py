@@ -5,11 +5,12 @@
 Builds the 750M model (fp32 weights), gives every parameter a random gradient, and times
 `opt.step()` of each optimiser built by `build_optimizers` with `train_step.py`'s timer: the GPU span
 between CUDA events around the call (median of --steps calls after --warmup, each started on an
-idle GPU), and the host's time to issue it. A span
-close to the host time means the host is the limit. NorMuon is timed twice, alternating: as it runs by
-default (the final update of each parameter of `FUSED_MIN_NUMEL` entries or more compiled into one
-kernel) and with `fused=False` (every final update in list-wide launches). Also checks, on the GPU, that the one-pass `normuon_rownorm` on the bf16 Newton–Schulz
-output equals the three-pass form on its fp32 copy, and that the compiled update gives the list-wide one's weights.
+idle GPU), and the host's time to issue it. A span close to the host time means the host is the
+limit. NorMuon is timed twice, alternating: as it runs by default (the final update of each
+parameter of `FUSED_MIN_NUMEL` entries or more compiled into one kernel) and with `fused=False`
+(every final update in list-wide launches). Also checks, on the GPU, that the one-pass
+`normuon_rownorm` on the bf16 Newton–Schulz output equals the three-pass form on its fp32 copy, and
+that the compiled update gives the list-wide one's weights.
 """
 import argparse
 import json

@@ -375,7 +375,7 @@ for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
 
 # %% [markdown]
 # NorMuon's last step, $x \leftarrow x - \eta(U + \lambda d)$ with $U = O \cdot f$, touches every weight
-# once more. Written as PyTorch operations over a list of parameters it is some eight passes (the
+# once more. Written as PyTorch operations over a list of parameters it is seven passes (the
 # product, the mask's four, the sum, the step), each reading and writing 4 bytes per fp32 weight.
 # The function below is that step for one parameter, and it is also a fast path: through
 # `torch.compile` it becomes one kernel that reads $O$ (bf16), the row factor and the weight and
@@ -386,12 +386,13 @@ for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
 #
 # A compiled call costs the host about 70 µs (dynamo checks its guards, then the wrapper launches
 # the kernel), which is more than that kernel takes for a matrix of a million weights. So NorMuon
-# compiles the update only for parameters of `FUSED_MIN_NUMEL` ($2^{22}$) entries or more, on a GPU:
+# compiles the update only where a parameter has `FUSED_MIN_NUMEL` ($2^{22}$) entries or more on
+# this GPU (this rank's rows, under FSDP):
 # in HyMo's 750M model the 24 stacks of routed experts, 33 M weights each and two thirds of all of
-# NorMuon's. The 300 smaller matrices keep the list-wide launches, a few per group of same-shaped
+# NorMuon's. The 308 smaller matrices keep the list-wide launches, a few per group of same-shaped
 # matrices. On one H200 (`benchmarks/optim_step.py`, round 18 on the results page) this took NorMuon
-# from 100–101 ms to 85–86 ms per step, with the same weights bit for bit; compiling every
-# parameter instead was slower (93 ms against 106 ms for per-tensor eager calls): the GPU then waited
+# from 100–101 ms to 85–86 ms per step, with the same fp32 weights bit for bit; compiling every
+# parameter instead was slower than the experts alone (93 against 85–86 ms): the GPU then waited
 # on the host through the groups of small matrices.
 
 # %%
@@ -413,7 +414,7 @@ FUSED_MIN_NUMEL = 1 << 22  # NorMuon compiles the update of parameters this larg
 
 @functools.cache
 def normuon_apply_fused():
-    "`normuon_apply` through `torch.compile`: one kernel per parameter on a GPU (a few graphs: by rank and `cautious`)."
+    "`normuon_apply` through `torch.compile`: one kernel per parameter on a GPU (a few graphs: by rank, dtype and `cautious`)."
     return torch.compile(normuon_apply, dynamic=True)  # past the recompile limit: eager, not an error
 
 
@@ -517,7 +518,7 @@ class NorMuon(torch.optim.Optimizer):
                  fused: bool | None = None, # The final update as one compiled kernel per parameter (True) or as list-wide
                                             # launches (False); None: compiled on a GPU for FUSED_MIN_NUMEL entries or more
                 ):
-        self.fused = fused
+        self.fused = fused  # for every group, not a per-group option (benchmarks toggle it between steps)
         if lr < 0 or not 0 <= momentum < 1 or not 0 <= beta2 < 1 or ns_steps < 1 or weight_decay < 0:
             raise ValueError(f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
                              f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={weight_decay}")
@@ -571,7 +572,7 @@ class NorMuon(torch.optim.Optimizer):
             lr, wd = torch.full((), lr, device=xs[0].device), torch.full((), wd, device=xs[0].device)
             for i, x in enumerate(xs): normuon_apply_fused()(x.detach(), O[i], f[i], lr, wd, group["cautious"])
             return
-        us = [u.to(x.dtype) for u, x in zip((O * f).unbind(0), xs)]  # U, fp32: list-wide launches from here
+        us = [u.to(x.dtype) for u, x in zip((O * f).unbind(0), xs)]  # U in the parameters' dtype: list-wide launches from here
         if wd and group["cautious"]: us = torch._foreach_addcmul(us, foreach_decay_mask(xs, us), xs, value=wd)  # u + λ d
         elif wd: us = torch._foreach_add(us, xs, alpha=wd)
         torch._foreach_sub_(xs, us, alpha=lr)  # p ← p − η (u + λ d)
@@ -602,8 +603,9 @@ def _same_shape(params: list) -> list[list]:
 # (one H200, CUDA events around `step()`): NorMuon over its 332 matrices went from 124.6 to 101.1 ms
 # with the list-wide launches (round 6), and to 85–86 ms with the compiled update (round 18). The
 # batched Newton–Schulz is, by count, about 25 TFLOP of it (five iterations of three products on
-# every matrix), some 50 ms at the 470–480 TFLOP/s these batched bf16 products reach in any layout
-# we tried (`experiments.json`); the rest is the elementwise passes and the launches of the small matrices.
+# every matrix), some 50–55 ms at the 450–485 TFLOP/s these batched bf16 products reach (410–495
+# in the other layouts tried, `experiments.json`); the rest is the elementwise passes and the
+# launches of the small matrices.
 #
 # Five steps on one matrix agree with the from-scratch loop, for a tall and a wide matrix:
 

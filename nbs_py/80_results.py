@@ -34,18 +34,18 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 18 (2026-12-04) leaves them. Every
-# number is a row of the tables below.
+# number is in a row of the tables below, or in its note.
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % on round 18's two machines | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
 # | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.29× (round 18), 4.4–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 2 of the 6 rounds that timed both paths on one machine |
 #
 # The PyTorch path's step is set by its host's launch speed (see the bullet on it below), so the
 # ratio moves by machine; the Triton path's step moves by 2–3 % between machines running the same
-# code, more than most single changes of the last rounds. What 40 % would still need is the last
-# bullet but two of "What the numbers say".
+# code, more than most single changes of the last rounds. What 40 % would still need is in the
+# bullet "What is left" below.
 
 # %%
 import json
@@ -170,13 +170,14 @@ if tl_row:
 #   (in round 2).
 # * **Round 18: NorMuon 15 % faster (100–101 → 85–86 ms), the step unchanged within the machine's
 #   noise; the PyTorch GDN path 5.29× slower.** A profile of NorMuon alone (three steps on random
-#   gradients) put about 40 ms per step in Newton–Schulz's products and about 58 ms in elementwise
-#   kernels, copies and list-wide launches. Other layouts of the three products gained nothing on
-#   the expert stacks (the five iterations run at 410–495 TFLOP/s in every layout; `experiments.json`).
-#   The final update of a parameter, eight passes over its weights as list-wide launches, is now one
+#   gradients) put about 40 ms per step in Newton–Schulz's largest products (its top 30 kernels)
+#   and about 58 ms in elementwise kernels, copies and list-wide launches. Other layouts of the
+#   three products gained at most 0.6 % on the expert stacks (the five iterations run at 410–495
+#   TFLOP/s in every layout; `experiments.json`). The final update of a parameter, seven passes
+#   over its weights as list-wide launches, is now one
 #   compiled kernel for the 24 expert stacks (chapter 50): NorMuon alone 85.95 and 85.29 ms against
-#   101.17 and 99.91 ms with `fused=False`, alternating in two processes, with the same weights bit
-#   for bit. Compiling every parameter was slower (93 ms), the host's 70 µs a call outrunning the
+#   101.17 and 99.91 ms with `fused=False`, alternating in two processes, with the same fp32 weights
+#   bit for bit. Compiling every parameter was slower (93 ms), the host's 70 µs a call outrunning the
 #   small matrices' kernels. In the preset step (`--timeline`, one machine, processes alternating)
 #   the time from the last micro-batch's end to the step's end fell from 111–114 ms (6 steps) to
 #   96–101 ms (12 steps), but the steps took 6.434–6.451 s against 6.410 and 6.447 s for round 17's
@@ -522,11 +523,12 @@ if tl_row:
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
 # * **Triton GDN path against the PyTorch chunked path: 5.29× faster per preset step in round 18,
-#   4.4–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each round on one machine
-#   (round 18's first: one timed step of 34.38 s against 6.498 s; round 16's third: the PyTorch
-#   path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's second:
-#   34.35 and 35.51 s against 6.489 s); the target is 5×. The same comparison read 3.6× in
-#   round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s).** The ratio moves with the machine most likely because the PyTorch path's step is
+#   4.4–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each round on one
+#   machine (round 18's first: one timed step of 34.38 s against 6.498 s; round 16's third: the
+#   PyTorch path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's
+#   second: 34.35 and 35.51 s against 6.489 s); the target is 5×. The same comparison read 3.6×
+#   in round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s).** The
+#   ratio moves with the machine most likely because the PyTorch path's step is
 #   set by the host, not the GPU: its profile on round 15's second machine
 #   (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of kernels in a 1 549 ms micro-batch,
 #   the GPU idle 72 % of the time between some 45 000 kernels, among them about 18 000 small

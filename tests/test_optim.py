@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import hymo.training.optim as optim
 from hymo.config import load_config
 from hymo.training.optim import (CautiousAdamW, NorMuon, build_optimizers, newton_schulz, param_group, param_table,
                                  weight_decay_term, wsd_lambda, wsd_schedule)
@@ -100,14 +101,17 @@ def test_normuon_stacked_experts_are_separate_matrices():
 
 
 @pytest.mark.parametrize("cautious", [True, False])
-def test_normuon_fused_update_equals_eager(cautious):
-    "The compiled final update (a GPU's default; inductor's CPU backend here) gives the eager path's weights."
+def test_normuon_fused_update_equals_eager(cautious, monkeypatch):
+    "The compiled final update (a GPU's default for large parameters; inductor's CPU backend here) gives the list-wide path's weights."
+    calls = []
+    compiled = optim.normuon_apply_fused()
+    monkeypatch.setattr(optim, "normuon_apply_fused", lambda: lambda *a: calls.append(1) or compiled(*a))
     torch.manual_seed(0)
     shapes = [(24, 10), (10, 24), (3, 20, 8)]  # tall, wide, stacked experts
     W0 = [0.1 * torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
     runs = []
-    for fused in (True, False):
+    for fused in (True, False, None):  # None on a CPU: list-wide, as False
         ps = [nn.Parameter(w.clone()) for w in W0]
         opt = NorMuon(ps, lr=0.03, weight_decay=0.1, cautious=cautious, fused=fused)
         for step, gs in enumerate(grads):
@@ -115,9 +119,25 @@ def test_normuon_fused_update_equals_eager(cautious):
             for p, g in zip(ps, gs): p.grad = g.clone()
             opt.step()
         runs.append([p.data for p in ps])
-    for a, b, w in zip(*runs, W0):
+        assert len(calls) == (9 if fused else 0)  # 3 steps x 3 parameters, all through the compiled update
+        calls.clear()
+    for a, b, c, w in zip(*runs, W0):
         assert not torch.equal(a, w)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert torch.equal(b, c)
+
+
+@pytest.mark.parametrize("x_dtype, wd", [(torch.float32, 0.1), (torch.bfloat16, 0.0)])
+def test_normuon_apply_compiled_takes_bf16_updates(x_dtype, wd):
+    "As on a GPU: O in bf16 from Newton–Schulz, the row factor in fp32; bf16 weights too, and no decay."
+    torch.manual_seed(0)
+    x = (0.1 * torch.randn(2, 12, 40)).to(x_dtype)
+    o, f = torch.randn(2, 12, 40).to(torch.bfloat16), torch.rand(2, 12, 1)
+    a, b = x.clone(), x.clone()
+    optim.normuon_apply(a, o, f, 0.02, wd, True)
+    optim.normuon_apply_fused()(b, o, f, torch.tensor(0.02), torch.tensor(wd), True)
+    assert not torch.equal(a, x)
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7) if x_dtype == torch.float32 else torch.testing.assert_close(b, a)
 
 
 def test_normuon_rejects_vectors_and_bad_hyperparameters():

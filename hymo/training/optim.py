@@ -126,7 +126,7 @@ FUSED_MIN_NUMEL = 1 << 22  # NorMuon compiles the update of parameters this larg
 
 @functools.cache
 def normuon_apply_fused():
-    "`normuon_apply` through `torch.compile`: one kernel per parameter on a GPU (a few graphs: by rank and `cautious`)."
+    "`normuon_apply` through `torch.compile`: one kernel per parameter on a GPU (a few graphs: by rank, dtype and `cautious`)."
     return torch.compile(normuon_apply, dynamic=True)  # past the recompile limit: eager, not an error
 
 # %% ../../nbs/50_optim.ipynb #8c71f43c
@@ -180,7 +180,7 @@ class NorMuon(torch.optim.Optimizer):
                  fused: bool | None = None, # The final update as one compiled kernel per parameter (True) or as list-wide
                                             # launches (False); None: compiled on a GPU for FUSED_MIN_NUMEL entries or more
                 ):
-        self.fused = fused
+        self.fused = fused  # for every group, not a per-group option (benchmarks toggle it between steps)
         if lr < 0 or not 0 <= momentum < 1 or not 0 <= beta2 < 1 or ns_steps < 1 or weight_decay < 0:
             raise ValueError(f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
                              f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={weight_decay}")
@@ -234,7 +234,7 @@ class NorMuon(torch.optim.Optimizer):
             lr, wd = torch.full((), lr, device=xs[0].device), torch.full((), wd, device=xs[0].device)
             for i, x in enumerate(xs): normuon_apply_fused()(x.detach(), O[i], f[i], lr, wd, group["cautious"])
             return
-        us = [u.to(x.dtype) for u, x in zip((O * f).unbind(0), xs)]  # U, fp32: list-wide launches from here
+        us = [u.to(x.dtype) for u, x in zip((O * f).unbind(0), xs)]  # U in the parameters' dtype: list-wide launches from here
         if wd and group["cautious"]: us = torch._foreach_addcmul(us, foreach_decay_mask(xs, us), xs, value=wd)  # u + λ d
         elif wd: us = torch._foreach_add(us, xs, alpha=wd)
         torch._foreach_sub_(xs, us, alpha=lr)  # p ← p − η (u + λ d)
