@@ -142,15 +142,16 @@ def _conv_launch():
     return None if m is None else {k: dict(v) for k, v in m.LAUNCH.items()}
 
 
-def time_optimizers(optimizers) -> dict:
-    "Wrap each optimiser's `step` to record, per call, its GPU span (CUDA events) and the host's time to issue it."
+def time_optimizers(optimizers, name=lambda opt: type(opt).__name__) -> dict:
+    """Wrap each optimiser's `step` to record, per call, its GPU span (CUDA events) and the host's time to issue it,
+    under `name(opt)` as it is at the call."""
     spans = {}
     for opt in optimizers:
-        def timed(*a, plain=opt.step, name=type(opt).__name__, **kw):
+        def timed(*a, plain=opt.step, opt=opt, **kw):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             h0 = time.perf_counter(); e0.record()
             out = plain(*a, **kw)
-            e1.record(); spans.setdefault(name, []).append((e0, e1, (time.perf_counter() - h0) * 1e3))
+            e1.record(); spans.setdefault(name(opt), []).append((e0, e1, (time.perf_counter() - h0) * 1e3))
             return out
         opt.step = timed
     return spans

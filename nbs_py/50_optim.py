@@ -389,10 +389,10 @@ for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
 # compiles the update only where a parameter has `FUSED_MIN_NUMEL` ($2^{22}$) entries or more on
 # this GPU (this rank's rows, under FSDP): in HyMo's 750M model the 24 stacks of routed experts,
 # 33 M weights each and two thirds of all of NorMuon's. The 308 smaller matrices keep the list-wide
-# launches, a few per group of same-shaped matrices. On one H200 (`benchmarks/optim_step.py`, round 18 on the results page) this took NorMuon
-# from 100–101 ms to 85–86 ms per step, with the same fp32 weights bit for bit; compiling every
-# parameter instead was slower than the experts alone (93 against 85–86 ms): the GPU then waited
-# on the host through the groups of small matrices.
+# launches, a few per group of same-shaped matrices. On one H200 (`benchmarks/optim_step.py`,
+# round 18 on the results page) this took NorMuon from 100–101 ms to 85–86 ms per step, with the
+# same fp32 weights bit for bit; compiling every parameter instead was slower than the experts
+# alone (93 against 85–86 ms): the GPU then waited on the host through the groups of small matrices.
 
 # %%
 #| export
