@@ -17,10 +17,13 @@ from typing import Optional
 import yaml
 
 # %% auto #0
-__all__ = ['PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError', 'validate_model', 'validate_training', 'package_dir',
-           'Config', 'presets', 'load_config']
+__all__ = ['TRITON_CHUNK', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError', 'check_triton_chunk', 'validate_model',
+           'validate_training', 'package_dir', 'Config', 'presets', 'load_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
+TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
+
+
 @dataclass
 class ModelConfig:
     "The architecture of a HyMo model; the defaults are the 750M design."
@@ -36,7 +39,7 @@ class ModelConfig:
     gdn_head_k_dim: int = 32  # Key/query size per head: rows K of the state S ∈ R^{K×V}
     gdn_head_v_dim: int = 32  # Value size per head: columns V of the state
     gdn_conv_size: int = 4  # Kernel width of the causal depthwise convolution on q, k, v
-    gdn_chunk_size: int = 64  # Chunk length of the chunked (WY) algorithm
+    gdn_chunk_size: int = 64  # Chunk length of the chunked (WY) algorithm; the Triton kernels run 64 only
     gdn_kernel: str = "auto"  # GDN implementation: 'auto' (Triton on CUDA, else torch), 'triton', 'torch' or 'naive'
     ffn_inter_dim: int = 2560  # Hidden width of the dense SwiGLU FFN of every GDN block
     # Multi-Head Latent Attention blocks
@@ -154,6 +157,13 @@ def _divides(a_name, a, b_name, b, why):
     if b % a: raise ConfigError(f"{b_name}={b} is not divisible by {a_name}={a}: {why}")
 
 
+def check_triton_chunk(chunk_size: int):
+    "Raise `ConfigError` unless the Triton GDN kernels can run chunks of `chunk_size` tokens (only `TRITON_CHUNK`)."
+    if chunk_size != TRITON_CHUNK:
+        raise ConfigError(f"gdn_chunk_size={chunk_size} but the Triton GDN kernels run chunks of {TRITON_CHUNK} only: "
+                          f"set gdn_chunk_size: {TRITON_CHUNK}, or gdn_kernel: torch for the PyTorch chunked path")
+
+
 def validate_model(m: ModelConfig):
     "Raise `ConfigError` if the sizes of `m` cannot build a model."
     for name, tp in _field_types(ModelConfig).items():
@@ -178,6 +188,7 @@ def validate_model(m: ModelConfig):
     bad = [i for i in m.nope_layers if not (0 <= i < m.n_layers and m.is_mla(i))]
     if bad: raise ConfigError(f"nope_layers {bad} are not MLA blocks; MLA blocks are {[i for i in range(m.n_layers) if m.is_mla(i)]}")
     _choice("model.gdn_kernel", m.gdn_kernel, ("auto", "triton", "torch", "naive"))
+    if m.gdn_kernel == "triton": check_triton_chunk(m.gdn_chunk_size)
     _choice("model.moe_score_func", m.moe_score_func, ("softmax", "sigmoid"))
     _choice("model.moe_balance", m.moe_balance, ("ema", "sign", "none"))
     return m

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hymo.config import ModelConfig
+from hymo.config import ModelConfig, check_triton_chunk
 from hymo.models.layers import RMSNorm, SwiGLU
 
 # %%
@@ -699,6 +699,7 @@ class GatedDeltaNet(nn.Module):
         if kernel == "triton":
             rule = _load_triton("rule")
             if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
+            check_triton_chunk(self.chunk_size)  # 'auto' on a GPU comes here too: never another chunk length than asked
             return lambda *a: rule(*a, keep_prep=self.keep_prep)
         if kernel == "torch":
             return lambda *a: chunk_gated_delta_rule_torch(*a, chunk_size=self.chunk_size)
@@ -731,6 +732,17 @@ mixer.kernel = "naive"; y_naive = mixer(x)
 mixer.kernel = "torch"; y_torch = mixer(x)
 assert_close(y_torch, y_naive, atol=1e-5, rtol=1e-5)
 mixer.kernel = cfg.gdn_kernel
+
+# %% [markdown]
+# The chunk length `gdn_chunk_size` is the PyTorch path's to choose (any length gives the same
+# output). The Triton kernels of the next chapter are written for chunks of 64 (why 64, and not 32
+# or 16, is measured there), so a mixer asked for another length refuses them, including when
+# `'auto'` would pick them on a GPU, rather than run 64 without saying so:
+
+# %%
+mixer32 = GatedDeltaNet(load_config("hymo_tiny", gdn_chunk_size=32).model)
+test_fail(lambda: mixer32._rule("triton"), contains="gdn_chunk_size=32 but the Triton GDN kernels run chunks of 64")
+test_eq(mixer32(x).shape, x.shape)  # on a CPU 'auto' is the PyTorch path, at 32
 
 # %% [markdown]
 # Carrying the state: running a sequence in two calls (or one token at a time, as in decoding)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hymo.config import TRITON_CHUNK
 from hymo.models.gdn import _check_rule_inputs
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1, read once: kernels are decorated at import
@@ -364,7 +365,7 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
 
 # %%
 #| export
-BT = 64  # chunk length C; the kernels' tiles are BT x BT
+BT = TRITON_CHUNK  # chunk length C = 64; the kernels' tiles are BT x BT (the model config refuses another with these kernels)
 
 
 def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundaries, or None
@@ -1253,6 +1254,32 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # slower in the first version (0.53 against 0.36 ms for the state pass) and, in the current one,
 # ended in an illegal memory access on the H200 under Triton 3.6 (the interpreter computes the same
 # kernels correctly), as do 8 warps at $K = V = 32$; so one program per (sequence, head), 4 warps, it is.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why chunks of 64 tokens, and not 32 or 16?
+# The chunk length trades two costs. What grows with $C$ per token is the inside of a chunk: the
+# solve for $A$, $P$, and the $C\times C$ tiles of the local-gradient kernel, which are also what
+# fills its registers. What shrinks with $C$ is the sequential part: the state passes take $T/C$
+# dependent steps, and a chunk's stored $S_0$ and $dS_C$ ($K\times V$ each) cost $KV/C$ per token.
+# Heads of $K = V = 32$ are small, so shorter chunks look tempting. Round 19 measured them
+# (H200, Triton 3.6, bf16, $B = 4$, $T = 4096$, $H = 40$; the same kernels run at $C$ = 32 or 16,
+# with solves of two and one 16-token blocks; ms, `do_bench` median):
+#
+# | $C$ | solve | state pass + $o$ | backward | forward + backward |
+# |---|---|---|---|---|
+# | 64 | 0.150 | 0.195 | 0.647 | 0.981 |
+# | 32 | 0.096 | 0.223 | 1.012; 0.630 with a 2-warp local kernel | 1.323; about 0.95 at best |
+# | 16 | 0.073 | 0.313 | 1.064 | 1.441 |
+#
+# The solve gets cheaper and the forward's state pass slower, as expected. At $C = 32$ the backward
+# needs the local-gradient kernel at 2 warps instead of 4 to win, and then the whole rule is about
+# 3 % faster than at 64: some 0.8 ms of a 196 ms micro-batch of the 750M model, for a second solve
+# and a second set of launch settings to keep right. Against the naive loop all three lengths are
+# equally close, for $o$ and every gradient: relative errors of 0.003 to 0.004 in bf16, and about
+# 0.002 in fp32 (whose products run in tf32). So the
+# kernels stay at 64, and a model configured with another `gdn_chunk_size` is refused by them
+# (chapter 12) rather than run at 64 without saying so (`benchmarks/results/experiments.json`).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

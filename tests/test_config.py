@@ -115,3 +115,14 @@ def test_warmup_must_end_before_the_decay():
     with pytest.raises(ConfigError, match=r"warmup_steps=12 runs into the decay, which starts at step 7"):
         load_config("hymo_tiny", max_steps=10)
     assert load_config("hymo_tiny", max_steps=10, warmup_steps=7).train.warmup_steps == 7
+
+
+def test_triton_kernels_refuse_another_chunk_length():
+    with pytest.raises(ConfigError, match=r"gdn_chunk_size=32 but the Triton GDN kernels run chunks of 64 only"):
+        load_config("hymo_tiny", gdn_kernel="triton", gdn_chunk_size=32)
+    assert load_config("hymo_tiny", gdn_kernel="torch", gdn_chunk_size=32).model.gdn_chunk_size == 32
+    from hymo.models.gdn import GatedDeltaNet  # 'auto' is resolved per call: the mixer refuses the Triton rule itself
+    mixer = GatedDeltaNet(load_config("hymo_tiny", gdn_chunk_size=32).model)
+    with pytest.raises(ConfigError, match="gdn_kernel: torch"):
+        mixer._rule("triton")
+    assert callable(GatedDeltaNet(load_config("hymo_tiny").model)._rule("triton"))

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_triton_chunk
 from .layers import RMSNorm, SwiGLU
 
 # %% auto #0
@@ -311,6 +311,7 @@ class GatedDeltaNet(nn.Module):
         if kernel == "triton":
             rule = _load_triton("rule")
             if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
+            check_triton_chunk(self.chunk_size)  # 'auto' on a GPU comes here too: never another chunk length than asked
             return lambda *a: rule(*a, keep_prep=self.keep_prep)
         if kernel == "torch":
             return lambda *a: chunk_gated_delta_rule_torch(*a, chunk_size=self.chunk_size)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..config import TRITON_CHUNK
 from .gdn import _check_rule_inputs
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1, read once: kernels are decorated at import
@@ -182,7 +183,7 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
     _store_A(A, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, bos, T, i_t, i_h, H, BT)
 
 # %% ../../nbs/13_gdn_triton.ipynb #48f5dfb9
-BT = 64  # chunk length C; the kernels' tiles are BT x BT
+BT = TRITON_CHUNK  # chunk length C = 64; the kernels' tiles are BT x BT (the model config refuses another with these kernels)
 
 
 def _chunk_tables(cu_seqlens: Optional[torch.Tensor], # [N+1] document boundaries, or None
