@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-04 (rounds 2 to 18 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 to 2026-12-04 (rounds 2 to 19 of work on the step) by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -33,12 +33,12 @@
 #
 # ## Against the targets
 #
-# The targets of the 750M step on one H200, and where round 18 (2026-12-04) leaves them. Every
+# The targets of the 750M step on one H200, and where round 19 (2026-12-04) leaves them. Every
 # number is in a row of the tables below, or in its note.
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines) | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 36.2 % in round 19 | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
 # | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.29× (round 18), 4.4–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 2 of the 6 rounds that timed both paths on one machine |
 #
@@ -118,11 +118,13 @@ fig.tight_layout(); plt.show()
 # work (the refresh of the bf16 copies; under FSDP the step's first all-gathers and its last
 # reduction) lands in each micro-batch's numbers, where a 32-micro-batch step spreads it over 32
 # (`--profile-micro-batches 32` profiles a whole step's worth).
-# Round 15's profile (of round 14's code; see its note in the table) records only the GPU's
+# Round 19's profile (of round 18's final code; see its note in the table) records only the GPU's
 # activity (`--profile cuda`), which slows the host far less than recording its operators, though
-# not to nothing: round 17's unprofiled timeline found the GPU busy at 836 of 837 micro-batch
-# boundaries, where this profile shows its longest waits; its table of the top kernels is
-# `benchmarks/results/train_step_profile_cuda.txt`. Tables with the host's operators too
+# not to nothing. On its machine the GPU waited on the host for almost nothing: 0.07 ms per
+# micro-batch in gaps of 10 µs or more, where round 15's profile, on another machine, showed 8.1 ms
+# at the micro-batch boundaries (round 17's unprofiled timeline found the GPU busy at 836 of 837 of
+# them). Its table of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`, round
+# 15's is `train_step_profile_cuda_round15.txt`. Tables with the host's operators too
 # (`--profile micro`) are `train_step_profile_micro.txt` (round 15) and `train_step_profile.txt`
 # (round 6); recording the host's operators slows the host about twofold, so the waits they show
 # are not those of an unprofiled run, but they name what the host was doing in each long gap.
@@ -168,6 +170,27 @@ if tl_row:
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
+# * **Round 19: a fresh profile, three more ideas measured, none kept; the step 6.485 s (36.2 %) on
+#   the round's machine with round 18's code.** The profile (above): a micro-batch spans 196.5 ms,
+#   191.3 ms of it kernels and 5.1 ms the launch latency between some 3 500 of them; the GPU waited
+#   on its host for 0.07 ms. Each kind of kernel took within 3 % of round 15's time on a faster
+#   machine (6.365 s a step). Tried and not kept (`experiments.json`):
+#   - **chunks of 32 or 16 tokens in the GDN kernels** instead of 64 (the Triton chapter's new
+#     callout). At 32 the solve is cheaper (0.096 against 0.150 ms a layer) and the forward's state
+#     pass slower (0.223 against 0.195 ms); the backward is faster only with its local-gradient
+#     kernel at 2 warps (0.630 against 0.647 ms). The rule is then about 3 % faster, some 0.8 ms of a
+#     micro-batch, for a second solve to maintain; at 16 it is slower (1.44 against 0.98 ms). The
+#     kernels stay at 64, and they now refuse a `gdn_chunk_size` other than 64, which they used to
+#     ignore;
+#   - **the routed experts' $W_1$ and $W_3$ stacked into one grouped product** ($[E, 2h, d]$):
+#     2.63 and 2.76 ms forward + backward (compiled: the three products and SwiGLU) against 2.59 and
+#     2.62 ms;
+#   - **the experts' weights in the layout the grouped product reads** (a contiguous $[E, d, h]$
+#     instead of a transposed view of the stored $[E, h, d]$): one product 0.249 against 0.252 ms,
+#     about 540 TFLOP/s either way. In the step the grouped products take 17.2 ms of a micro-batch
+#     at about 570 TFLOP/s, where the dense products of the FFNs, of similar widths, run at
+#     700–750; neither stacking nor layout moves that gap of some 4 ms, which is the grouped
+#     kernel's own.
 # * **Round 18: NorMuon 15 % faster (100–101 → 85–86 ms), the step unchanged within the machine's
 #   noise; the PyTorch GDN path 5.29× slower.** A profile of NorMuon alone (three steps on random
 #   gradients) put about 40 ms per step in Newton–Schulz's largest products (its top 30 kernels)
@@ -501,22 +524,22 @@ if tl_row:
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
 #   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
-# * **What is left** (the breakdown above, round 15's profile of round 14's code: 187 ms of kernels
-#   per micro-batch). Matrix multiplies are about 51 % (95.8 ms, about 65 TFLOP at some 680 TFLOP/s,
-#   near what the H200 gives at these widths; the loss's vocabulary products, about 17 TFLOP, are
-#   among them). The GDN rule kernels are 13 % (25.0 ms; the local-gradient kernel alone 0.49 ms
-#   per layer, 11.8 ms per micro-batch). Inductor's fused elementwise kernels are 12 % (23.1 ms:
-#   RMSNorms, the output gate, SwiGLU, the MoE's routing, and since round 11 `add_into`'s additions
-#   of the copies' gradients), cuDNN attention 8 % (15.2 ms), the prelude 7.9 % (14.7 ms), eager
-#   kernels 3 % (5.7 ms), the loss's softmax 2.6 % (4.9 ms). A profiled micro-batch spans 200 ms:
-#   187 ms of kernels, 5.2 ms of launch latency between some 3 500 kernels and 8.1 ms in longer
-#   gaps; unprofiled, the host stays ahead of the GPU at every micro-batch boundary (round 17's
-#   timeline), so what lies between kernels is mostly the GPU's own launch latency. On round 16's fastest machine a
-#   step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step (the
-#   optimisers and clipping; about 0.10 s since round 18). 40 % MFU needs 5.86 s per step, about 180 ms per micro-batch. The
-#   matrix multiplies and attention already run in the fastest kernels available at their shapes
-#   (rounds 15 and 16), and the host is not the limit (round 17), so everything else, about 84 ms
-#   of kernels and gaps between them, would have to fall to about 69 ms: 18 % less.
+# * **What is left** (the breakdown above, round 19's profile of round 18's code: 191.3 ms of
+#   kernels per micro-batch). Matrix multiplies are about 52 % (98.6 ms, about 65 TFLOP at some 650
+#   TFLOP/s, near what the H200 gives at these widths; the loss's vocabulary products, about 17
+#   TFLOP, are among them, and the routed experts' grouped products, 17.2 ms at about 570 TFLOP/s,
+#   are the slowest). The GDN rule kernels are 13 % (25.5 ms; the local-gradient kernel alone
+#   0.50 ms per layer, 12.1 ms per micro-batch). Inductor's fused elementwise kernels are 12 %
+#   (23.2 ms: RMSNorms, the output gate, SwiGLU, the MoE's routing, and since round 11
+#   `add_into`'s additions of the copies' gradients), cuDNN attention 8 % (15.6 ms), the prelude
+#   7.8 % (15.0 ms), eager kernels 3 % (5.7 ms), the loss's softmax 2.6 % (5.0 ms). A profiled
+#   micro-batch spans 196.5 ms: 191.3 ms of kernels and 5.1 ms of launch latency between some
+#   3 500 kernels; the GPU hardly waits for its host (rounds 17 and 19). On round 16's fastest
+#   machine a step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step
+#   (the optimisers and clipping; about 0.10 s since round 18). 40 % MFU needs 5.86 s per step,
+#   about 180 ms per micro-batch. The matrix multiplies and attention already run in the fastest
+#   kernels available at their shapes (rounds 15, 16 and 19), so everything else, about 82 ms of
+#   kernels and launch gaps on round 19's machine, would have to fall to about 66 ms: 20 % less.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
 #   remove the launch latency (5–6 ms per micro-batch; 5.2 ms in round 15's profile). They failed here
 #   (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
