@@ -38,7 +38,7 @@
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 36.2 % in round 19 | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 36.1–36.2 % in round 19 (two machines) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
 # | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.29× (round 18), 4.4–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 2 of the 6 rounds that timed both paths on one machine |
 #
@@ -170,11 +170,13 @@ if tl_row:
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
-# * **Round 19: a fresh profile, three more ideas measured, none kept; the step 6.485 s (36.2 %) on
-#   the round's machine with round 18's code.** The profile (above): a micro-batch spans 196.5 ms,
-#   191.3 ms of it kernels and 5.1 ms the launch latency between some 3 500 of them; the GPU waited
-#   on its host for 0.07 ms. Each kind of kernel took within 3 % of round 15's time on a faster
-#   machine (6.365 s a step). Tried and not kept (`experiments.json`):
+# * **Round 19: a fresh profile, three more ideas measured, none kept; the step 6.485 s (36.2 %)
+#   with round 18's code and 6.498 s (36.1 %) with the round's final code, on two machines.** The
+#   only change to the code refuses a `gdn_chunk_size` the Triton kernels cannot run (below). The
+#   profile (above): a micro-batch spans 196.5 ms, 191.3 ms of it kernels and 5.1 ms the launch
+#   latency between some 3 500 of them; the GPU waited on its host for 0.07 ms. Each kind of kernel
+#   took within 3 % of round 15's time on a faster machine (6.365 s a step). Tried and not kept
+#   (`experiments.json`):
 #   - **chunks of 32 or 16 tokens in the GDN kernels** instead of 64 (the Triton chapter's new
 #     callout). At 32 the solve is cheaper (0.096 against 0.150 ms a layer) and the forward's state
 #     pass slower (0.223 against 0.195 ms); the backward is faster only with its local-gradient
