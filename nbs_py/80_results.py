@@ -38,9 +38,9 @@
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 36.1–36.2 % in round 19 (two machines) | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.29× (round 18), 4.4–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 2 of the 6 rounds that timed both paths on one machine |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.36× (round 19), 5.29× (18), 4.4–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 3 of the 7 rounds that timed both paths on one machine |
 #
 # The PyTorch path's step is set by its host's launch speed (see the bullet on it below), so the
 # ratio moves by machine; the Triton path's step moves by 2–3 % between machines running the same
@@ -171,8 +171,9 @@ if tl_row:
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
 # * **Round 19: a fresh profile, three more ideas measured, none kept; the step 6.485 s (36.2 %)
-#   with round 18's code and 6.498 s (36.1 %) with the round's final code, on two machines.** The
-#   only change to the code refuses a `gdn_chunk_size` the Triton kernels cannot run (below). The
+#   with round 18's code and 6.498 and 6.559 s (36.1 and 35.7 %) with the round's final code, on
+#   three machines; the PyTorch GDN path 5.36× slower on the third (35.14 s).** The only change to
+#   the code refuses a `gdn_chunk_size` the Triton kernels cannot run (below). The
 #   profile (above): a micro-batch spans 196.5 ms, 191.3 ms of it kernels and 5.1 ms the launch
 #   latency between some 3 500 of them; the GPU waited on its host for 0.07 ms. Each kind of kernel
 #   took within 3 % of round 15's time on a faster machine (6.365 s a step). Tried and not kept
@@ -547,9 +548,10 @@ if tl_row:
 #   (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
-# * **Triton GDN path against the PyTorch chunked path: 5.29× faster per preset step in round 18,
-#   4.4–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each round on one
-#   machine (round 18's first: one timed step of 34.38 s against 6.498 s; round 16's third: the
+# * **Triton GDN path against the PyTorch chunked path: 5.36× faster per preset step in round 19,
+#   5.29× in round 18, 4.4–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each
+#   round on one machine (round 19's fifth: one timed step of 35.14 s against 6.559 s; round 18's
+#   first: one timed step of 34.38 s against 6.498 s; round 16's third: the
 #   PyTorch path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's
 #   second: 34.35 and 35.51 s against 6.489 s); the target is 5×. The same comparison read 3.6×
 #   in round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s).** The
@@ -560,8 +562,8 @@ if tl_row:
 #   products averaging 3–5 µs from the chunk loop. Its steps took 23.3–35.5 s from round 5 to round
 #   16 (the changes in between, such as the bf16 residual stream, could only speed it up), while
 #   the Triton path's, which keeps the GPU busy (idle 7 %), differed by about 2–3 % between machines
-#   running the same code. So 5× held on round 15's and round 18's machines and not on round 13's or 16's; this page
-#   reports each measurement as it came (the hosts' launch speeds were not compared). Earlier
+#   running the same code. So 5× held on round 15's, 18's and 19's machines and not on round 13's
+#   or 16's; this page reports each measurement as it came (the hosts' launch speeds were not compared). Earlier
 #   rounds: 4.4× in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on
 #   different machines (28.3 and 24.8 s, 3.6–4.1× against each round's own Triton steps). With one
 #   micro-batch per step, in round 2: 2.3× compiled, 3.6× eager. The rule kernel itself is 51×
