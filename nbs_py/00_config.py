@@ -208,10 +208,13 @@ def _divides(a_name, a, b_name, b, why):
     if b % a: raise ConfigError(f"{b_name}={b} is not divisible by {a_name}={a}: {why}")
 
 
-def check_triton_chunk(chunk_size: int):
+def check_triton_chunk(chunk_size: int, # The configured gdn_chunk_size
+                       kernel: str = "triton", # The configured gdn_kernel ('auto' picks Triton on a GPU)
+                      ):
     "Raise `ConfigError` unless the Triton GDN kernels can run chunks of `chunk_size` tokens (only `TRITON_CHUNK`)."
     if chunk_size != TRITON_CHUNK:
-        raise ConfigError(f"gdn_chunk_size={chunk_size} but the Triton GDN kernels run chunks of {TRITON_CHUNK} only: "
+        picked = " (which gdn_kernel: auto picks on a GPU)" if kernel == "auto" else ""
+        raise ConfigError(f"gdn_chunk_size={chunk_size} but the Triton GDN kernels{picked} run chunks of {TRITON_CHUNK} only: "
                           f"set gdn_chunk_size: {TRITON_CHUNK}, or gdn_kernel: torch for the PyTorch chunked path")
 
 

@@ -697,7 +697,7 @@ class GatedDeltaNet(nn.Module):
     def _rule(self, kernel: str):
         "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."
         if kernel == "triton":
-            check_triton_chunk(self.chunk_size)  # 'auto' on a GPU comes here too: never another chunk length than asked
+            check_triton_chunk(self.chunk_size, self.kernel)  # 'auto' on a GPU comes here too: never another length than asked
             rule = _load_triton("rule")
             if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
             return lambda *a: rule(*a, keep_prep=self.keep_prep)
@@ -741,7 +741,7 @@ mixer.kernel = cfg.gdn_kernel
 
 # %%
 mixer32 = GatedDeltaNet(load_config("hymo_tiny", gdn_chunk_size=32).model)
-test_fail(lambda: mixer32._rule("triton"), contains="gdn_chunk_size=32 but the Triton GDN kernels run chunks of 64")  # before importing them
+test_fail(lambda: mixer32._rule("triton"), contains="(which gdn_kernel: auto picks on a GPU) run chunks of 64")  # before importing them
 test_eq(mixer32(x).shape, x.shape)  # on a CPU 'auto' is the PyTorch path, at 32
 
 # %% [markdown]

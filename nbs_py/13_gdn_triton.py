@@ -1269,17 +1269,18 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # | $C$ | solve | state pass + $o$ | backward | forward + backward |
 # |---|---|---|---|---|
 # | 64 | 0.150 | 0.195 | 0.647 | 0.981 |
-# | 32 | 0.096 | 0.223 | 1.012; 0.630 with a 2-warp local kernel | 1.323; about 0.95 at best |
+# | 32 | 0.096 | 0.223 | 1.012; 0.630 with a 2-warp local kernel | 1.323; 0.95 summed at best |
 # | 16 | 0.073 | 0.313 | 1.064 | 1.441 |
 #
 # The solve gets cheaper and the forward's state pass slower, as expected. At $C = 32$ the backward
-# needs the local-gradient kernel at 2 warps instead of 4 to win, and then the whole rule is about
-# 3 % faster than at 64: some 0.8 ms of a 196 ms micro-batch of the 750M model, for a second solve
-# and a second set of launch settings to keep right. Against the naive loop all three lengths are
-# equally close, for $o$ and every gradient: relative errors of 0.003 to 0.004 in bf16, and about
-# 0.002 in fp32 (whose products run in tf32). So the
-# kernels stay at 64, and a model configured with another `gdn_chunk_size` is refused by them
-# (chapter 12) rather than run at 64 without saying so (`benchmarks/results/experiments.json`).
+# needs the local-gradient kernel at 2 warps instead of 4 to win. Summing the separately timed
+# parts (0.95 ms, against 0.99 ms summed the same way at 64), the whole rule is then about 4 %
+# faster: some 1 ms of a 196 ms micro-batch of the 750M model, for a second solve and a second set
+# of launch settings to keep right. Against the naive loop all three lengths are equally close, for
+# $o$ and every gradient: relative errors of 0.003 to 0.004 in bf16, and about 0.002 in fp32
+# (whose products run in tf32). So the kernels stay at 64, and a model configured with another
+# `gdn_chunk_size` is refused by them (chapter 12) rather than run at 64 without saying so
+# (`benchmarks/results/experiments.json`).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

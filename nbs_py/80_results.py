@@ -122,9 +122,10 @@ fig.tight_layout(); plt.show()
 # activity (`--profile cuda`), which slows the host far less than recording its operators, though
 # not to nothing. On its machine the GPU waited on the host for almost nothing: 0.07 ms per
 # micro-batch in gaps of 10 µs or more, where round 15's profile, on another machine, showed 8.1 ms
-# at the micro-batch boundaries (round 17's unprofiled timeline found the GPU busy at 836 of 837 of
-# them). Its table of the top kernels is `benchmarks/results/train_step_profile_cuda.txt`, round
-# 15's is `train_step_profile_cuda_round15.txt`. Tables with the host's operators too
+# (its longest between blocks; round 17's unprofiled timeline found the GPU busy at 836 of 837
+# micro-batch boundaries). Its table of the top kernels is
+# `benchmarks/results/train_step_profile_cuda.txt`, round 15's is
+# `train_step_profile_cuda_round15.txt`. Tables with the host's operators too
 # (`--profile micro`) are `train_step_profile_micro.txt` (round 15) and `train_step_profile.txt`
 # (round 6); recording the host's operators slows the host about twofold, so the waits they show
 # are not those of an unprofiled run, but they name what the host was doing in each long gap.
@@ -162,7 +163,7 @@ if tl_row:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 50.6 GB at the preset's step (rounds 11 to 16), inside the 80 GB target.** The loss
+# * **Memory: 50.6 GB at the preset's step (rounds 11 to 19), inside the 80 GB target.** The loss
 #   used to build three fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with
 #   their gradients: 92 GB peak. `linear_cross_entropy` (MTP chapter) computes the same losses and
 #   gradients chunk by chunk. The Triton prelude (chapter 14) saves no activation of its own
@@ -171,18 +172,19 @@ if tl_row:
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
 # * **Round 19: a fresh profile, three more ideas measured, none kept; the step 6.485 s (36.2 %)
-#   with round 18's code and 6.498 and 6.559 s (36.1 and 35.7 %) with the round's final code, on
-#   three machines; the PyTorch GDN path 5.36× slower on the third (35.14 s).** The only change to
-#   the code refuses a `gdn_chunk_size` the Triton kernels cannot run (below). The
-#   profile (above): a micro-batch spans 196.5 ms, 191.3 ms of it kernels and 5.1 ms the launch
-#   latency between some 3 500 of them; the GPU waited on its host for 0.07 ms. Each kind of kernel
-#   took within 3 % of round 15's time on a faster machine (6.365 s a step). Tried and not kept
-#   (`experiments.json`):
+#   with round 18's code and 6.498 and 6.559 s (36.1 and 35.7 %) with the round's change, on three
+#   machines; the PyTorch GDN path 5.36× slower on the 6.559 s step's machine (35.14 s).** The
+#   round's only change to the code refuses a `gdn_chunk_size` the Triton kernels cannot run
+#   (below). The profile (above): a micro-batch spans 196.5 ms, 191.3 ms of it kernels and 5.1 ms
+#   the launch latency between some 3 500 of them; the GPU waited on its host for 0.07 ms. Each
+#   kind of kernel took within 3 % of its time in round 15's profile (another machine). Tried and
+#   not kept (`experiments.json`):
 #   - **chunks of 32 or 16 tokens in the GDN kernels** instead of 64 (the Triton chapter's new
 #     callout). At 32 the solve is cheaper (0.096 against 0.150 ms a layer) and the forward's state
 #     pass slower (0.223 against 0.195 ms); the backward is faster only with its local-gradient
-#     kernel at 2 warps (0.630 against 0.647 ms). The rule is then about 3 % faster, some 0.8 ms of a
-#     micro-batch, for a second solve to maintain; at 16 it is slower (1.44 against 0.98 ms). The
+#     kernel at 2 warps (0.630 against 0.647 ms). Summed from these separately timed parts, the
+#     rule is then about 4 % faster (0.95 against 0.99 ms), some 1 ms of a micro-batch, for a
+#     second solve to maintain; at 16 it is slower (1.44 against 0.98 ms, timed whole). The
 #     kernels stay at 64, and they now refuse a `gdn_chunk_size` other than 64, which they used to
 #     ignore;
 #   - **the routed experts' $W_1$ and $W_3$ stacked into one grouped product** ($[E, 2h, d]$):
@@ -191,8 +193,9 @@ if tl_row:
 #   - **the experts' weights in the layout the grouped product reads** (a contiguous $[E, d, h]$
 #     instead of a transposed view of the stored $[E, h, d]$): one product 0.249 against 0.252 ms,
 #     about 540 TFLOP/s either way. In the step the grouped products take 17.2 ms of a micro-batch
-#     at about 570 TFLOP/s, where the dense products of the FFNs, of similar widths, run at
-#     700–750; neither stacking nor layout moves that gap of some 4 ms, which is the grouped
+#     at about 570 TFLOP/s, where the dense products of the FFNs, of similar widths, run at about
+#     730–760 (round 16's autotuning tables, which timed each product alone, had the grouped ones
+#     at about 630); neither stacking nor layout moves that gap of some 4 ms, which is the grouped
 #     kernel's own.
 # * **Round 18: NorMuon 15 % faster (100–101 → 85–86 ms), the step unchanged within the machine's
 #   noise; the PyTorch GDN path 5.29× slower.** A profile of NorMuon alone (three steps on random
@@ -541,11 +544,14 @@ if tl_row:
 #   machine a step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step
 #   (the optimisers and clipping; about 0.10 s since round 18). 40 % MFU needs 5.86 s per step,
 #   about 180 ms per micro-batch. The matrix multiplies and attention already run in the fastest
-#   kernels available at their shapes (rounds 15, 16 and 19), so everything else, about 82 ms of
-#   kernels and launch gaps on round 19's machine, would have to fall to about 66 ms: 20 % less.
+#   kernels available at their shapes (rounds 15 and 16; the experts' grouped products trail the
+#   dense ones by some 4 ms, a gap of the grouped kernel that round 19 found no way around), so
+#   everything else would have to give up the rest. On round 19's profiled machine, whose
+#   unprofiled micro-batches spanned 199.3 ms, with 114 ms of matrix multiplies and attention,
+#   that is about 85 ms of other kernels and launch gaps falling to about 66 ms: 23 % less.
 # * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency (5–6 ms per micro-batch; 5.2 ms in round 15's profile). They failed here
-#   (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
+#   remove the launch latency (5–6 ms per micro-batch; 5.1 ms in round 19's profile). They failed
+#   here (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
 # * **Triton GDN path against the PyTorch chunked path: 5.36× faster per preset step in round 19,

@@ -124,6 +124,6 @@ def test_triton_kernels_refuse_another_chunk_length():
     from hymo.config import check_triton_chunk
     from hymo.models.gdn import GatedDeltaNet  # 'auto' is resolved per call: the mixer refuses the Triton rule itself
     mixer = GatedDeltaNet(load_config("hymo_tiny", gdn_chunk_size=32).model)
-    with pytest.raises(ConfigError, match="gdn_kernel: torch"):
+    with pytest.raises(ConfigError, match=r"kernels \(which gdn_kernel: auto picks on a GPU\) run chunks of 64 only: .*gdn_kernel: torch"):
         mixer._rule("triton")  # refused before the kernels are imported (they would read TRITON_INTERPRET then)
     check_triton_chunk(64)

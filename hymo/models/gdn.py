@@ -309,7 +309,7 @@ class GatedDeltaNet(nn.Module):
     def _rule(self, kernel: str):
         "The gated-delta-rule function named by `kernel`: 'triton', 'torch' or 'naive'."
         if kernel == "triton":
-            check_triton_chunk(self.chunk_size)  # 'auto' on a GPU comes here too: never another chunk length than asked
+            check_triton_chunk(self.chunk_size, self.kernel)  # 'auto' on a GPU comes here too: never another length than asked
             rule = _load_triton("rule")
             if rule is None: raise RuntimeError("gdn_kernel='triton' but hymo.models.gdn_triton (or Triton) is not importable; use gdn_kernel='torch'")
             return lambda *a: rule(*a, keep_prep=self.keep_prep)
