@@ -16,6 +16,7 @@ import torch
 from hymo.config import load_config
 from hymo.models.gdn import GatedDeltaNetBlock
 from hymo.models.mla import MLABlock
+from need_gpu import need_gpu  # the script beside this one
 
 
 def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
@@ -38,6 +39,7 @@ def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
 
 
 def main(args):
+    if args.device == "cuda": need_gpu("pass --device cpu (and a smaller --config or --seq-len) to time the block there")
     cfg = load_config(args.config).model
     torch.manual_seed(0)
     block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)

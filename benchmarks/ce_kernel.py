@@ -14,6 +14,7 @@ from triton.testing import do_bench
 
 import hymo.models.ce_triton as ce
 from hymo.models.mtp import _compiled_ce_chunk, ce_chunk
+from need_gpu import need_gpu  # the script beside this one
 
 V = 64256
 ROWS = 2 ** 28 // V  # linear_cross_entropy's default chunk: about 1 GB of fp32 logits
@@ -32,6 +33,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
+    need_gpu("tests/test_ce_triton.py checks the kernel through Triton's interpreter")
     z, y, w = inputs()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                          triton=triton.__version__, rows=ROWS, classes=V, timer="triton.testing.do_bench, median, ms"))

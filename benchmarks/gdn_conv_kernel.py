@@ -14,6 +14,7 @@ from triton.testing import do_bench
 
 import hymo.models.gdn_conv_triton as ct
 from hymo.models.gdn import conv_silu_norm
+from need_gpu import need_gpu  # the script beside this one
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: parity only, under TRITON_INTERPRET=1 (a smoke run)
 B, T, H, K, V, W = 4, 4096, 40, 32, 32, 4  # hymo_750m: micro-batch 4 x 4096, 40 heads of 32
@@ -100,6 +101,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--best-out", default=None, help="with --sweep: write the fastest tiles here (train_step.py --conv-launch reads them)")
     args = ap.parse_args()
+    need_gpu("tests/test_gdn_conv_triton.py checks the kernels through Triton's interpreter")
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                          triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch={k: dict(v) for k, v in ct.LAUNCH.items()},
                          timer="triton.testing.do_bench, median, ms"))

@@ -22,6 +22,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hymo.models.gdn_triton as gt  # noqa: E402
 from hymo.models.gdn import chunk_gated_delta_rule_torch, naive_gated_delta_rule  # noqa: E402
+from need_gpu import need_gpu  # noqa: E402  (the script beside this one)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: only a smoke run of this script (TRITON_INTERPRET=1, tiny shapes)
 SHAPES = {"hymo_750m": (4, 4096, 40, 32, 32), "wide_heads": (4, 4096, 16, 128, 128)}
@@ -131,6 +132,7 @@ def main():
     ap.add_argument("--naive-T", type=int, default=256)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
     args = ap.parse_args()
+    need_gpu("tests/test_bench_gdn.py runs its launches through Triton's interpreter")
     results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                              triton=triton.__version__, dtype="bfloat16", timer="triton.testing.do_bench, median, ms"),
                    shapes={})

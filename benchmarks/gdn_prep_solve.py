@@ -37,6 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hymo.models.gdn_triton as gt  # noqa: E402
+from need_gpu import need_gpu  # noqa: E402  (the script beside this one)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -244,6 +245,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gdn_prep_solve.json")
     args = ap.parse_args()
+    need_gpu("set TRITON_INTERPRET=1 to check the solves' accuracy at a small shape", interpreter_ok=True)
     gpu = DEV == "cuda"
     B, T, H, K = (4, 4096, 40, 32) if gpu else (1, 128, 2, 32)
     dtype = torch.bfloat16 if gpu else torch.float32

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hymo.models.gdn import naive_gated_delta_rule  # noqa: E402
 from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule, triton_gated_delta_rule  # noqa: E402
+from need_gpu import need_gpu  # noqa: E402  (the script beside this one)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run under TRITON_INTERPRET=1
 LOW = (torch.bfloat16,) if DEV == "cuda" else (torch.float16,)  # the CPU interpreter runs bf16 in fp32
@@ -70,6 +71,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed and recurrent checks); wide: H=16, K=V=128")
     args = ap.parse_args()
+    need_gpu("set TRITON_INTERPRET=1 for a smoke run at small shapes", interpreter_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     Ts = (63, 256) if args.quick else (63, 256, 1000, 4096)

@@ -17,6 +17,7 @@ import triton
 
 import hymo.models.gdn_conv_triton as ct
 import hymo.models.gdn_triton as gt
+from need_gpu import need_gpu  # the script beside this one
 
 
 def host_us(fn, loops: int = 5, calls: int = 60) -> float:
@@ -34,6 +35,7 @@ def host_us(fn, loops: int = 5, calls: int = 60) -> float:
 
 
 def main(args):
+    need_gpu()
     dev, (B, T, H, K, V) = "cuda", (4, 4096, 40, 32, 32)
     C = 2 * H * K + H * V
     qkv = torch.randn(B, T, C, device=dev, dtype=torch.bfloat16)

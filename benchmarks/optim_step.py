@@ -22,7 +22,8 @@ import torch
 from hymo.config import load_config
 from hymo.models.model import HyMo
 from hymo.training.optim import NorMuon, build_optimizers, newton_schulz, normuon_rownorm
-from train_step import optimizer_ms, time_optimizers  # the script beside this one
+from need_gpu import need_gpu  # the scripts beside this one
+from train_step import optimizer_ms, time_optimizers
 
 
 def rownorm_parity() -> float:
@@ -61,6 +62,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    need_gpu("tests/test_optim.py checks NorMuon's fused update against the list-wide one")
     cfg = load_config("hymo_750m")
     torch.manual_seed(0)
     with torch.device("cuda"): model = HyMo(cfg.model)

@@ -33,6 +33,7 @@ import torch
 from hymo.config import load_config
 from hymo.training.data import doc_cu_seqlens
 from hymo.training.trainer import Trainer, peak_flops
+from need_gpu import need_gpu  # the script beside this one
 
 PEAK = 989e12
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
@@ -326,7 +327,7 @@ if __name__ == "__main__":
     p.add_argument("--out", default=None, help="append the result to this JSON list")
     args = p.parse_args()
     if args.profile_micro_batches < 1: p.error(f"--profile-micro-batches must be at least 1, got {args.profile_micro_batches}")
-    if not torch.cuda.is_available(): raise SystemExit("this benchmark needs a CUDA GPU")
+    need_gpu()
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))
     if args.out:

@@ -24,7 +24,9 @@
 # python benchmarks/gdn_conv_kernel.py --sweep && python benchmarks/ce_kernel.py --sweep
 # ```
 #
-# (`benchmarks/h200_train_step.sh` runs the whole set, one process per variant.)
+# (`benchmarks/h200_train_step.sh` runs the whole set, one process per variant. On a machine without a
+# GPU each script says so in one line and names what a CPU can run instead, such as the tests that
+# run the kernels through Triton's interpreter.)
 #
 # **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the H200's dense bf16
 # peak). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at

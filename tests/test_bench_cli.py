@@ -1,0 +1,29 @@
+"""Every GPU benchmark, run on a machine without a GPU, exits with one line that says so (and what a CPU can run
+instead), not with a traceback from deep inside PyTorch."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_ONLY = {"train_step.py": "", "optim_step.py": "tests/test_optim.py", "ce_kernel.py": "tests/test_ce_triton.py",
+            "gdn_conv_kernel.py": "tests/test_gdn_conv_triton.py", "gdn_kernel.py": "tests/test_bench_gdn.py",
+            "host_launch.py": "", "block_step.py": "--device cpu",
+            "gdn_prep_solve.py": "TRITON_INTERPRET=1", "gdn_verify.py": "TRITON_INTERPRET=1"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
+def test_gpu_benchmarks_say_they_need_a_gpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    runs = {name: subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / name)], cwd=tmp_path, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name in GPU_ONLY}
+    for name, p in runs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 1, (name, p.returncode, err[-2000:])
+        assert "Traceback" not in err, (name, err[-2000:])
+        assert err.strip().splitlines()[-1].startswith("this benchmark needs a CUDA GPU"), (name, err[-500:])
+        assert GPU_ONLY[name] in err, (name, err)
+    assert not list(tmp_path.iterdir()), "a benchmark wrote files before checking for a GPU"
