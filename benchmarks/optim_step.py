@@ -56,6 +56,13 @@ def fused_parity() -> float:
     return max(((a - b).norm() / (b - w).norm()).item() for a, b, w in zip(*out, w0))
 
 
+def step_listwide(muon: NorMuon):
+    "One step of `muon` with every final update in list-wide launches (`fused=False`), then its default again."
+    muon.fused = False
+    try: muon.step()
+    finally: muon.fused = None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--warmup", type=int, default=2)
@@ -72,18 +79,14 @@ def main():
     for opt in opts:
         for _ in range(args.warmup): opt.step()
     muon = next(o for o in opts if isinstance(o, NorMuon))
-    muon.fused = False
-    muon.step()  # the list-wide update's warm-up
-    muon.fused = None
+    step_listwide(muon)  # the list-wide update's warm-up
     spans = time_optimizers(opts, name=lambda o: "NorMuon, fused=False" if getattr(o, "fused", None) is False else type(o).__name__)
     for _ in range(args.steps):  # NorMuon alternates: as by default, then fused=False
         for opt in opts:
             torch.cuda.synchronize()
             opt.step()
-        muon.fused = False
         torch.cuda.synchronize()
-        muon.step()
-        muon.fused = None
+        step_listwide(muon)
     torch.cuda.synchronize()
     timings = optimizer_ms(spans)
     for opt in opts:
