@@ -8,8 +8,9 @@
 
 # %% [markdown]
 # Every HyMo block is pre-norm: `x = x + mixer(norm(x))`, then `x = x + ffn(norm(x))`. The norm is
-# RMSNorm and the feed-forward is SwiGLU, in the GDN blocks (dense), in every expert of the MoE,
-# and in the multi-token-prediction heads. They are defined once, here.
+# RMSNorm everywhere, and the feed-forward is SwiGLU, in the GDN blocks (dense) and in every expert
+# of the MoE; the multi-token-prediction heads use RMSNorm with a plain SiLU MLP (chapter 40). Both
+# are defined once, here.
 
 # %%
 #| export
@@ -90,3 +91,34 @@ test_eq(sum(p.numel() for p in ffn.parameters()), 3 * 16 * 40)
 
 # %%
 test_eq(3 * 896 * 2304, 6_193_152)
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why RMSNorm rather than LayerNorm?
+# LayerNorm subtracts the mean, divides by the standard deviation and adds a bias; RMSNorm only
+# divides by the root mean square and scales. Zhang and Sennrich (2019) found the re-centring adds
+# little to a transformer's quality, while it costs a second reduction over the row and a bias
+# vector per norm. One reduction instead of two matters for a memory-bound kernel that runs twice
+# per block, forward and backward. Llama, DeepSeek and Qwen all use RMSNorm; so does HyMo.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why pre-norm, `x + f(norm(x))`, and not the original Transformer's `norm(x + f(x))`?
+# In pre-norm the residual stream is a plain sum: the gradient reaches every block through an
+# identity path that no norm rescales. Post-norm puts a norm on that path at every block; Xiong et
+# al. (2020) showed that at initialisation its gradients are largest near the output, so it needs a
+# learning-rate warmup to train stably, while pre-norm's stay well-behaved across depth. The price
+# of pre-norm is that the stream's scale grows with depth, so the model ends with a final norm
+# before the output head (`HyMo.norm`, chapter 41).
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why do SwiGLU feed-forwards use a hidden width near $8d/3$ rather than $4d$?
+# A SwiGLU has three matrices where the classic MLP has two. With hidden width $h = \tfrac23 \cdot 4d
+# = 8d/3$, its $3dh$ parameters and FLOPs equal those of a $4d$ two-matrix MLP, which is how Shazeer
+# (2020) compared them. HyMo's dense FFN uses $h = 2560 \approx 2.86\,d$ at $d = 896$: a little
+# above $8d/3 \approx 2389$, and a multiple of 256, a width GPU matrix kernels tile without a
+# remainder.
+# :::

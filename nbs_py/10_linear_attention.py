@@ -29,7 +29,7 @@ torch.manual_seed(0)
 # causal softmax attention is
 # $$O = \mathrm{softmax}\!\Big(\frac{QK^\top}{\sqrt d} + M\Big)\,V, \qquad M_{ti} = 0 \text{ if } i \le t,\ -\infty \text{ otherwise}.$$
 # Row $t$ of the $T\times T$ score matrix holds token $t$'s similarity to every earlier token. That
-# matrix is the cost: $2T^2 d$ multiply-adds for the scores, $2T^2 d_v$ for the weighted sum, $T^2$
+# matrix is the cost: $T^2 d$ multiply-adds ($2T^2 d$ FLOPs) for the scores, $T^2 d_v$ for the weighted sum, $T^2$
 # numbers in memory if it is materialised (FlashAttention avoids storing it, not computing it), and,
 # when generating, a cache of all $T$ past keys and values that grows with every token.
 

@@ -147,8 +147,8 @@ assert errs[-1] < 1e-3 and errs[0] > 0.1
 # $\alpha_t < 1$ is weight decay on the fast weights $S$.
 #
 # The decay is kept in log space, $g_t = \log\alpha_t$: products of decays over a span become sums
-# (chapter 12 uses cumulative sums of $g$), and decays close to one stay precise: $g = -10^{-4}$ keeps
-# three significant digits even in bf16, while $\alpha = 0.9999$ rounds to exactly 1 in bf16, a
+# (chapter 12 uses cumulative sums of $g$), and decays close to one stay precise: $g = -10^{-4}$ is
+# stored within 0.2 % even in bf16 (8 significant bits), while $\alpha = 0.9999$ rounds to exactly 1 in bf16, a
 # memory that never forgets. (HyMo computes $g$ in fp32 anyway.)
 
 # %%
@@ -170,7 +170,7 @@ for t in range(20):
 assert_close(o_a, S_b.T @ (K ** -0.5 * q_), atol=1e-5, rtol=1e-5)
 test_eq(torch.tensor(0.9999, dtype=torch.bfloat16).item(), 1.0)       # alpha = 0.9999 in bf16: never forgets
 g_bf = torch.tensor(-1e-4, dtype=torch.bfloat16)                        # g = log(0.9999) in bf16: fine
-test_close(g_bf.item(), -1e-4, eps=1e-6)
+test_close(g_bf.item(), -1e-4, eps=2e-7)                                # within 0.2 %
 test_close(g_bf.float().mul(1000).exp().item(), 0.9999 ** 1000, eps=1e-3)  # decay over 1000 tokens, from the sum of g
 
 # %% [markdown]

@@ -74,6 +74,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 
 
+def atol_for(gpu: float) -> float:
+    "A check's tolerance: `gpu` where products of fp32 inputs run in tf32; 2e-5 in the interpreter's plain fp32 (errors about 3e-6)."
+    return gpu if DEV == "cuda" else 2e-5
+
+
 # %% [markdown]
 # ## Triton in five ideas
 #
@@ -431,7 +436,8 @@ assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the tail ch
 # %% [markdown]
 # ## Kernel 2: the state pass
 #
-# One program per (sequence, head, block of `BV` value columns): the columns of $S$ are
+# One program per (sequence, head, block of `BV` value columns; at HyMo's $V = 32$ one block is the
+# whole head, so one program per (sequence, head)): the columns of $S$ are
 # independent (each column of $U$, $O$ and $S_C$ needs only the same column of $S_0$ and of $V$), so
 # splitting $V$ multiplies the programs at no cost but recomputing $W$. The program walks its chunks
 # in order with $S$ in fp32 registers.
@@ -561,7 +567,7 @@ h0 = torch.randn(1, 2, 16, 32, device=DEV)
 gc, A = _prepare(k, g, beta, None, _chunk_tables(None, 1, 70))
 o, ht, _ = _chunk_fwd(q, k, v, gc, beta, A, 16 ** -0.5, h0, True, None, None)
 o_ref, ht_ref = naive_gated_delta_rule(q, k, v, g, beta, None, h0, True)
-assert_close(o, o_ref, rtol=0, atol=3e-3); assert_close(ht, ht_ref, rtol=0, atol=3e-3)
+assert_close(o, o_ref, rtol=0, atol=atol_for(3e-3)); assert_close(ht, ht_ref, rtol=0, atol=atol_for(3e-3))
 
 
 # %% [markdown]
@@ -975,7 +981,7 @@ def triton_gated_delta_rule(
 # with random tensors so that every gradient path is exercised.
 
 # %%
-def check_against_loop(B, T, H, K, V, cu_seqlens=None, dtype=torch.float32, atol=2e-3):
+def check_against_loop(B, T, H, K, V, cu_seqlens=None, dtype=torch.float32, atol=atol_for(2e-3)):
     "Run the Triton rule and the loop on the same inputs; compare o, the final state and all six gradients."
     xs = rand_inputs(B, T, H, K, V, dtype=dtype, seed=T)
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
@@ -1101,7 +1107,7 @@ with torch.no_grad():
         o_t, S = fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
                                                   beta[:, t:t + 1], initial_state=S, output_final_state=True)
         steps.append(o_t)
-assert_close(torch.cat(steps, 1), o_ref, rtol=0, atol=2e-3); assert_close(S, S_ref, rtol=0, atol=2e-3)
+assert_close(torch.cat(steps, 1), o_ref, rtol=0, atol=atol_for(2e-3)); assert_close(S, S_ref, rtol=0, atol=atol_for(2e-3))
 test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, beta), contains="no backward")
 
 # %% [markdown]

@@ -422,8 +422,8 @@ for t in (0, 20, 47):
 # **Packed documents.** With `cu_seqlens`, a row holding several documents gives each document the
 # logits it would get alone.
 #
-# (In a packed row the main head's last position of a document, and MTP head $k$'s last $k$
-# positions, have targets in the next document. A loader that wants to hide them sets those
+# (In a packed row the main head's last position of a document, and MTP head $k$'s last $k + 1$
+# positions, have targets in the next document: head $k$ at position $t$ predicts $x_{t+1+k}$. A loader that wants to hide them sets those
 # targets to $-100$, which both losses ignore.)
 
 # %%

@@ -247,7 +247,7 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 # momentum's $mn$.
 #
 # Written as three passes over $O$ (divide, take both norms, rescale), this is mostly memory
-# traffic: at the 750M model's 1.1 billion NorMuon weights each fp32 pass is some 9 GB. One pass
+# traffic: at the 750M model's 1.2 billion NorMuon weights each fp32 pass is some 9 GB. One pass
 # is enough, because everything except the final product is a number per row. With
 # $a_i = \sum_j O_{ij}^2$ (one reduction), $\|O\|_F^2 = \sum_i a_i$ and
 # $\|\hat O\|_F^2 = \sum_i a_i / v_i$, so

@@ -128,3 +128,28 @@ test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
 h = build_parser().format_help()
 print(h[:600])
 assert "muon_lr=0.02" in h and "gdn_kernel=auto" in h
+
+# %% [markdown]
+# ## Interview questions
+#
+# ::: {.callout-tip collapse="true"}
+# ## What must a checkpoint hold so that a resumed run is the run you would have had?
+# Everything that decides what happens next: the weights; both optimisers' states (NorMuon's momentum
+# and per-row second moments, AdamW's two moments); the step, from which the schedule is recomputed;
+# every rank's data-loader position and random-number state; the MoE gate biases and their EMA
+# counts (persistent buffers, so they are in the model's `state_dict`); the bad-step counters and the
+# metric history. HyMo's trainer (chapter 70) writes all of it into a `.tmp` folder, `meta.json`
+# last, then renames the folder. A crash during a save leaves only a `.tmp` folder, which resume
+# ignores, so "the latest checkpoint" is never a half-written one; and the oldest checkpoints are
+# deleted only after the new one is in place.
+# :::
+#
+# ::: {.callout-tip collapse="true"}
+# ## Why is an unknown `key=value` an error rather than a warning?
+# A typo such as `max_step=100` that was only warned about would start the preset's full run,
+# 57,220 steps of it for `hymo_750m`, and the warning would scroll away in the first second of the
+# log. Refusing costs the user one retry; the message names the closest real key. The same goes for
+# values: they are read as YAML, so `wandb=true` is a boolean and `mtp_loss_weights=[0.5,0.2]` a list,
+# and `load_config` then checks each against its field (a shape that does not divide, an unknown
+# choice) before any work starts.
+# :::

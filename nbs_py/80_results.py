@@ -42,7 +42,7 @@
 # |---|---|---|
 # | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.36× (round 19), 5.29× (18), 4.4–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 3 of the 7 rounds that timed both paths on one machine |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.36× (round 19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 3 of the 7 rounds that timed both paths on one machine |
 #
 # The PyTorch path's step is set by its host's launch speed (see the bullet on it below), so the
 # ratio moves by machine; the Triton path's step moves by 2–3 % between machines running the same
@@ -94,8 +94,9 @@ print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('tr
 # %%
 def when(code):
     "A bar's suffix: the round whose code the row measured (rounds are numbered from the first GPU round, 2)."
-    m = re.match(r"(?:experiment.*?)?round (\d+)", code)
-    return f" (round {m.group(1)})" if m else (" (experiment)" if code.startswith("experiment") else "")
+    m = re.match(r"(experiment.*?)?round (\d+)", code)
+    if not m: return " (experiment)" if code.startswith("experiment") else ""
+    return f" ({'experiment, ' if m.group(1) else ''}round {m.group(2)})"
 
 names = []
 for r in steps:  # one bar per row: a repeated measurement gets a prime
@@ -242,7 +243,7 @@ if tl_row:
 #     once. Neither can be told from drift, so the defaults stay.
 # * **Round 16: the preset step 6.343 s (37.0 % MFU, 82.7 k tokens/s, 50.6 GB) on the round's third
 #   machine, with round 14's code unchanged, and 6.414 and 6.524 s (36.6 and 35.9 %) on its other two;
-#   the PyTorch GDN path 4.4–4.6× slower on the third (below).** 6.343 s is the fastest step measured
+#   the PyTorch GDN path 4.3–4.6× slower on the third (below).** 6.343 s is the fastest step measured
 #   so far; the round's three machines, running the same code, span 2.9 %. Tried and not measured
 #   (`experiments.json`): inductor's **max-autotune** mode (its Triton matrix-multiply templates
 #   benchmarked against cuBLAS for every shape, and coordinate-descent tuning of its own kernels) had
@@ -557,7 +558,7 @@ if tl_row:
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
 # * **Triton GDN path against the PyTorch chunked path: 5.36× faster per preset step in round 19,
-#   5.29× in round 18, 4.4–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each
+#   5.29× in round 18, 4.3–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each
 #   round on one machine (round 19's fifth: one timed step of 35.14 s against 6.559 s; round 18's
 #   first: one timed step of 34.38 s against 6.498 s; round 16's third: the
 #   PyTorch path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's

@@ -45,7 +45,7 @@ REVEAL_VERSION = "5"
 SITE_TITLE = "HyMo"
 # Sidebar parts: a chapter numbered NN belongs to the last part whose first number is <= NN.
 PARTS = [(0, "Foundations"), (10, "Linear attention"), (20, "Attention"), (30, "Sparsity"),
-         (40, "The model"), (50, "Training")]
+         (40, "The model"), (50, "Training"), (80, "Results")]
 HIDE = {"hide", "exporti", "default_exp"}
 
 # Quarto callouts -> HTML. A heading that opens the callout (or its `title` attribute) is the title;
@@ -95,7 +95,8 @@ class Page:
 
 
 def pandoc_path() -> str:
-    import pypandoc
+    try: import pypandoc
+    except ImportError: sys.exit("the offline site is rendered with the pandoc of pypandoc-binary: pip install -e '.[dev]'")
     return pypandoc.get_pandoc_path()
 
 
@@ -449,7 +450,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--slides", action="store_true", help="only render the workshop decks")
     args = ap.parse_args(argv)
+    pandoc_path()  # before anything is deleted: a missing pandoc or npm stops here with what to install
     slides = decks()
+    if slides: ensure_reveal()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         (tmp / "callouts.lua").write_text(CALLOUTS_LUA)
