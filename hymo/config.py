@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -138,6 +139,8 @@ def _check_type(name: str, value, tp):
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool): return float(value)
+    if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; it needs 1.0e-3
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -294,5 +297,9 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     for k, v in overrides.items():
         sec, f = _section_of(k)
         values[sec][f] = v
-    return Config(model=validate_model(ModelConfig(**values["model"])),
-                  train=validate_training(TrainingConfig(**values["train"])), name=name)
+    cfg = Config(model=validate_model(ModelConfig(**values["model"])),
+                 train=validate_training(TrainingConfig(**values["train"])), name=name)
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}, the "
+                          f"longest sequence the model is built for: lower seq_len or raise max_seq_len")
+    return cfg

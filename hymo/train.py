@@ -14,21 +14,24 @@ import sys
 import yaml
 
 from .config import ConfigError, ModelConfig, TrainingConfig, load_config, presets
+from .training.data import DataError
 
 # %% auto #0
 __all__ = ['parse_overrides', 'build_parser', 'main']
 
 # %% ../nbs/71_train.ipynb #af21d71e
 def _options_help() -> str:
-    "Every config field with its default and its docment, for `--help`."
+    "Every config field with the default preset's value (and hymo_750m's where it differs) and its docment, for `--help`."
     from fastcore.docments import docments
+    show = lambda v: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+    tiny, big = load_config("hymo_tiny").to_dict(), load_config("hymo_750m").to_dict()
     lines = []
     for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)):
         docs = docments(cls)
-        lines.append(f"\n{sec} options (key=value, or {sec}.key=value):")
+        lines.append(f"\n{sec} options (key=value, or {sec}.key=value), with hymo_tiny's values (the default preset):")
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {f.name}={yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip():<14} {docs.get(f.name) or ''}")
+            a, b = tiny[sec][f.name], big[sec][f.name]
+            lines.append(f"  {f.name}={show(a):<14} {docs.get(f.name) or ''}" + (f" [hymo_750m: {show(b)}]" if a != b else ""))
     return "\n".join(lines)
 
 
@@ -71,7 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(e))
     from hymo.training.trainer import Trainer
     resume = False if args.no_resume else (args.resume or True)
-    trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
+    try:
+        trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
+    except (ConfigError, DataError) as e:  # the data, the run folder or a checkpoint does not fit what was asked
+        parser.error(str(e))
     trainer.log(f"run folder: {trainer.run_dir.resolve()}")
     trainer.fit()
     trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -184,6 +185,8 @@ def _check_type(name: str, value, tp):
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool): return float(value)
+    if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+        return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; it needs 1.0e-3
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -358,8 +361,12 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     for k, v in overrides.items():
         sec, f = _section_of(k)
         values[sec][f] = v
-    return Config(model=validate_model(ModelConfig(**values["model"])),
-                  train=validate_training(TrainingConfig(**values["train"])), name=name)
+    cfg = Config(model=validate_model(ModelConfig(**values["model"])),
+                 train=validate_training(TrainingConfig(**values["train"])), name=name)
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}, the "
+                          f"longest sequence the model is built for: lower seq_len or raise max_seq_len")
+    return cfg
 
 
 # %% [markdown]
@@ -427,6 +434,16 @@ test_fail(lambda: load_config("no_such_preset"), contains="Presets:")
 test_fail(lambda: load_config("hymo_tiny", gdn_kernel="cuda"), contains="choose one of")
 test_fail(lambda: load_config("hymo_tiny", gdn_kernel="triton", gdn_chunk_size=32), contains="gdn_kernel: torch")
 test_fail(lambda: load_config("hymo_tiny", max_steps=10), contains="warmup_steps=12 runs into the decay")
+test_fail(lambda: load_config("hymo_tiny", seq_len=512), contains="longer than model.max_seq_len=256")
+
+# %% [markdown]
+# One leniency: PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string. A float field
+# takes it as the number anyone writing it means; `max_steps=1e5` is still refused, as an int field.
+
+# %%
+test_eq(load_config("hymo_tiny", muon_lr="1e-3", adamw_lr="3E-4").train.muon_lr, 1e-3)
+test_fail(lambda: load_config("hymo_tiny", muon_lr="fast"), contains="expected float")
+test_fail(lambda: load_config("hymo_tiny", max_steps="1e5"), contains="expected int")
 
 # %% [markdown]
 # ## Interview questions

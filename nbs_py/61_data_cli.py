@@ -74,8 +74,13 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
             m = load_manifest(out)
             print(f"{out}: vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))
+            if args.vocab_size and m["vocab_size"] < args.vocab_size:
+                print(f"note: the tokenizer learned {m['vocab_size']} of the {args.vocab_size} tokens asked for: the text has "
+                      "no more pairs worth merging. Ids stay below the model's vocab_size, so it trains as is")
         elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1))
-        else: parser.print_help()
+        else:
+            parser.print_help(sys.stderr)
+            return 2
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -112,6 +117,16 @@ r = subprocess.run([sys.executable, "-m", "hymo.data", "prepare", "--input", str
 print(r.stderr)
 test_eq(r.returncode, 1)
 assert "does not exist" in r.stderr
+
+# %% [markdown]
+# With no command it prints the help to stderr and fails, so a script that forgot the command
+# stops there:
+
+# %%
+from contextlib import redirect_stderr
+import io
+with redirect_stderr(io.StringIO()) as err: test_eq(main([]), 2)
+assert "prepare" in err.getvalue()
 
 # %% [markdown]
 # ## Interview questions

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hymo.config import Config, ModelConfig, TrainingConfig
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo
-from hymo.training.data import TokenLoader, check_compatible, load_tokenizer, prepare_default
+from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -174,6 +174,11 @@ def peak_flops(device: torch.device) -> float | None:
 # The folder is written as `step_000100.tmp` and renamed only when every rank has finished. A crash
 # mid-write leaves a `.tmp` folder that is never read, so the last complete checkpoint stays the
 # one a resume uses. After a successful save, only the newest `keep_last_k` are kept.
+#
+# A checkpoint can still be damaged afterwards (a disk that filled up, a file deleted by hand). A
+# resume then says which one cannot be read and why, renames it `damaged-step_...` (kept, never
+# read again) and falls back to the one before. A checkpoint that loads but was written for
+# another architecture is refused outright: every checkpoint of the run would say the same.
 
 # %%
 #| export
@@ -200,6 +205,54 @@ def _set_rng_state(s: dict):
     if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`Config.to_dict()`)
+                   model_cfg: ModelConfig, train_cfg: TrainingConfig, # This run's
+                   step: int, # The checkpoint's step
+                  ) -> list[str]:
+    "Raise `ConfigError` if the architecture differs from the checkpoint's; return warnings for changed training settings."
+    now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
+    diff = lambda sec: [f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items() if saved[sec].get(k) != v]
+    if diff("model"):
+        raise ConfigError(f"the checkpoint at step {step} is of another architecture ({'; '.join(diff('model'))}): a resumed "
+                          "run keeps its model, so drop these overrides, or give a new run_dir=... to start afresh")
+    notes = [f"train settings differ from the checkpoint's: {'; '.join(diff('train'))}"] if diff("train") else []
+    old = TrainingConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items()})
+    a, b = wsd_schedule(step, old), wsd_schedule(step, train_cfg)
+    if abs(a - b) > 1e-9:
+        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule "
+                     "moved); to extend a finished run without the jump, resume a checkpoint from before its decay "
+                     "(--resume run_dir/checkpoints/step_...)")
+    return notes
+
+
+def trim_metrics(run_dir: Path, step: int, log=print):
+    "Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`."
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.exists(): return
+    keep, drop = [], []
+    for line in f.read_text().splitlines(keepends=True):
+        try: ok = json.loads(line)["step"] <= step
+        except (ValueError, KeyError, TypeError): ok = False  # a line cut short by the crash
+        (keep if ok else drop).append(line if line.endswith("\n") else line + "\n")
+    if not drop: return
+    with open(f.with_name("metrics.discarded.jsonl"), "a") as d: d.writelines(drop)
+    tmp = f.with_name("metrics.jsonl.tmp"); tmp.write_text("".join(keep)); os.replace(tmp, f)
+    log(f"metrics.jsonl: {len(drop)} lines after step {step}, from a run that stopped before its next checkpoint, "
+        "moved to metrics.discarded.jsonl")
+
+
+def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
+    "Micro-batches per rank per optimiser step; `ConfigError` if the global batch does not split over the ranks."
+    B, G = cfg.micro_batch_size, cfg.global_batch_size
+    n = G // B
+    if n % world_size:
+        fix = f"global_batch_size={B * world_size * math.ceil(n / world_size)}"
+        if G % world_size == 0: fix += f" or micro_batch_size={G // world_size}"
+        raise ConfigError(f"global_batch_size={G} is {n} micro-batches of {B}, which do not split over {world_size} "
+                          f"ranks: make global_batch_size a multiple of micro_batch_size × ranks, e.g. {fix}")
+    return n // world_size
+
+
 # %% [markdown]
 # ## The trainer
 
@@ -220,13 +273,9 @@ class Trainer:
         self.mcfg, self.cfg, self.quiet = model_cfg, train_cfg, quiet
         self.d = setup_distributed()
         self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        if self.d.is_main: self.run_dir.mkdir(parents=True, exist_ok=True)
-        micro_per_step = train_cfg.global_batch_size // train_cfg.micro_batch_size
-        if micro_per_step % self.d.world_size:
-            raise ValueError(f"global_batch_size={train_cfg.global_batch_size} is {micro_per_step} micro-batches of "
-                             f"{train_cfg.micro_batch_size}, which does not split over {self.d.world_size} ranks: "
-                             f"make global_batch_size a multiple of micro_batch_size × world_size")
-        self.accum = micro_per_step // self.d.world_size
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
+        self.accum = split_micro_batches(train_cfg, self.d.world_size)
 
         self.setup_data()  # first: preparing the default corpus is the slow part of a first run
 
@@ -241,17 +290,22 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self._train_iter = iter(self.train_loader)
-        ckpt = self._resolve_resume(resume)
-        if ckpt is not None: self.load(ckpt)
+        self.resume_warnings: list[str] = []
+        self._resume(resume)
+        if self.d.is_main:  # only now, when nothing above refused: a mistake leaves no empty run folder
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            trim_metrics(self.run_dir, self.step, self.log)
 
     def setup_data(self):
-        "Set `data_dir`, `train_loader` and `val_loader` (a benchmark on synthetic tokens overrides this)."
+        "Set `data_dir`, `train_loader` and `val_loader` (None without a validation split; a benchmark on synthetic tokens overrides this)."
         self.data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else self._prepare_default()
         check_compatible(self.data_dir, self.mcfg.vocab_size)
         mk = lambda split: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                        rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
                                        doc_masking=self.cfg.doc_masking)
-        self.train_loader, self.val_loader = mk("train"), mk("val")
+        has_val = sum(s["tokens"] for s in load_manifest(self.data_dir)["splits"].get("val", {}).get("shards", [])) > 0
+        self.train_loader, self.val_loader = mk("train"), (mk("val") if has_val else None)
+        if not has_val: self.log(f"{self.data_dir} has no validation split: no validation loss is reported")
 
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
@@ -259,16 +313,38 @@ class Trainer:
         if self.d.distributed: dist.barrier()
         return prepare_default(vocab_size=self.mcfg.vocab_size)
 
-    def _resolve_resume(self, resume) -> Path | None:
-        if resume is False or resume is None: return None
-        if resume is True:
-            done = list_checkpoints(self.run_dir)
-            return done[-1] if done else None
-        p = Path(resume)
-        if not (p / "meta.json").exists():
-            raise FileNotFoundError(f"{p} is not a complete checkpoint (no meta.json); "
-                                    f"complete ones in {self.run_dir}: {[c.name for c in list_checkpoints(self.run_dir)]}")
-        return p
+    def _resume(self, resume):
+        "Load what `resume` names: a checkpoint folder, True (the newest readable one in the run folder, if any) or False."
+        done = list_checkpoints(self.run_dir)
+        if resume is False or resume is None:
+            if done:
+                raise ConfigError(f"{self.run_dir} already holds checkpoints of a run (newest: {done[-1].name}); starting "
+                                  "afresh in it would mix two runs in one folder, and pruning would delete one's checkpoints: "
+                                  "give a new run_dir=..., or leave out --no-resume to continue that run")
+            return
+        if resume is not True:
+            p = Path(resume)
+            if not (p / "meta.json").exists():
+                raise ConfigError(f"{p} is not a complete checkpoint (no meta.json); "
+                                  f"complete ones in {self.run_dir}: {[c.name for c in done]}")
+            return self.load(p)
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+        damaged = []
+        for ckpt in reversed(done):
+            try: self.load(ckpt); break
+            except (ConfigError, DataError): raise  # the run's settings, not the files: every checkpoint would refuse
+            except (Exception, CheckpointException) as e:  # unreadable files: say so, try the one before
+                damaged.append(ckpt)
+                why = ([l.strip() for l in str(e).splitlines() if l.strip()] or [type(e).__name__])[-1][:300]
+                self.log(f"warning: checkpoint {ckpt} cannot be read ({why}); trying the one before")
+        if damaged and len(damaged) == len(done):
+            raise ConfigError(f"no checkpoint in {self.run_dir / 'checkpoints'} can be read ({', '.join(c.name for c in damaged)}; "
+                              "the warnings above say why): restore one, or give a new run_dir=... to start afresh")
+        if self.d.distributed: dist.barrier()  # every rank has read what it needs before a folder is renamed
+        if self.d.is_main:
+            for c in damaged:
+                os.replace(c, c.with_name(f"damaged-{c.name}"))
+                self.log(f"kept the damaged {c.name} as {c.with_name('damaged-' + c.name)}; it will not be read again")
 
     def log(self, *a):
         if self.d.is_main and not self.quiet: print(*a, flush=True)
@@ -566,8 +642,9 @@ Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulatio
 # %%
 #| export
 @torch.no_grad()
-def evaluate(self: Trainer) -> float:
-    "Mean main loss over `eval_batches` validation micro-batches (identical windows every call)."
+def evaluate(self: Trainer) -> float | None:
+    "Mean main loss over `eval_batches` validation micro-batches (identical windows every call); None without a validation split."
+    if self.val_loader is None: return None
     self.model.eval()
     total = torch.zeros((), device=self.d.device)
     it = self.val_loader.eval_batches(self.cfg.eval_batches)
@@ -633,12 +710,15 @@ def load(self: Trainer, ckpt: Path):
     "Restore everything from checkpoint folder `ckpt` (any world size for the weights and optimisers)."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    meta = json.loads((Path(ckpt) / "meta.json").read_text())
+    if "config" in meta:
+        self.resume_warnings = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"])
+        for w in self.resume_warnings: self.log(f"warning: {w}")
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(ckpt))
     set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = json.loads((Path(ckpt) / "meta.json").read_text())
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.history = meta["history"]
     mine = Path(ckpt) / f"rank{self.d.rank}.pt"
@@ -679,7 +759,8 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         dt = time.perf_counter() - t0
         m["tokens_per_s"] = m["tokens"] / dt
         m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / (peak * self.d.world_size)) if peak else None
-        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0: m["val_loss"] = self.evaluate()
+        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.val_loader is not None:
+            m["val_loss"] = self.evaluate()
         self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
         out.append(m)
         if self.d.is_main:
@@ -729,7 +810,8 @@ def finish(self: Trainer) -> dict:
         plot_losses(self.history, self.run_dir / "loss.png")
         summary["sample"] = sample
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.log(f"final val loss {summary['val_loss']:.4f}\n--- sample ---\n{sample}\n--------------")
+        self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else "no validation split")
+                 + f"\n--- sample ---\n{sample}\n--------------")
     self.summary = summary
     return summary
 
@@ -808,13 +890,46 @@ test_eq([m["loss"] for m in first + second], [m["loss"] for m in metrics])
 #
 # A global batch that does not split over the ranks, a checkpoint path that is not a complete
 # checkpoint, and a dataset built for another vocabulary each stop with a message that says what
-# to do.
+# to do, before the run folder is made.
 
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work / "run" / "nope", quiet=True),
           contains="not a complete checkpoint")
 bad = load_config("hymo_tiny", **small, vocab_size=1024, data_dir=str(trainer.data_dir))  # ids up to 2047 do not fit
 test_fail(lambda: Trainer(bad.model, bad.train, run_dir=work / "y", quiet=True), contains="vocab")
+assert not (work / "x").exists() and not (work / "y").exists()
+test_eq(split_micro_batches(cfg.train, 2), 1)
+test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contains="e.g. global_batch_size=32 or micro_batch_size=8")
+
+# %% [markdown]
+# Three more guard the run folder and its checkpoints.
+#
+# * Starting afresh (`resume=False`, the CLI's `--no-resume`) in a folder that holds checkpoints is
+#   refused: the two runs' checkpoints would be pruned together, by step.
+# * Resuming with another architecture is refused, naming what changed; changed training settings
+#   only warn, and a moved learning-rate schedule says how far the rate jumps.
+# * A checkpoint that cannot be read is set aside as `damaged-step_...` and the one before is used.
+#   `metrics.jsonl` loses the lines of steps the resumed run will redo: they move to
+#   `metrics.discarded.jsonl`.
+
+# %%
+test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "run", resume=False, quiet=True), contains="--no-resume")
+wide = load_config("hymo_tiny", **small, dim=96)
+test_fail(lambda: Trainer(wide.model, wide.train, run_dir=work / "run", quiet=True), contains="dim: 128 -> 96")
+longer = load_config("hymo_tiny", **{**small, "max_steps": 20})
+t3 = Trainer(longer.model, longer.train, run_dir=work / "run", quiet=True)  # extends the finished 12-step run
+print(*t3.resume_warnings, sep="\n")
+assert "max_steps: 12 -> 20" in t3.resume_warnings[0] and "jumps from" in t3.resume_warnings[1]
+
+# %%
+run = work / "resumed"  # checkpoints at steps 6 and 12; damage the newest and pretend a crash left steps 13-14
+(run / "checkpoints" / "step_000012" / ".metadata").unlink()
+with open(run / "metrics.jsonl", "a") as f: f.write('{"step": 13, "loss": 1.0}\n{"step": 14, "lo')
+t4 = Trainer(cfg.model, cfg.train, run_dir=run, quiet=True)
+test_eq(t4.step, 6)
+test_eq(sorted(p.name for p in (run / "checkpoints").iterdir()), ["damaged-step_000012", "step_000006"])
+test_eq([json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()], list(range(1, 7)))
+test_eq(len((run / "metrics.discarded.jsonl").read_text().splitlines()), 8)  # steps 7-12, 13 and the cut line
 
 # %% [markdown]
 # ## Interview questions

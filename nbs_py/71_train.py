@@ -16,7 +16,8 @@
 # ```
 #
 # The command is thin: it parses, loads the config (whose errors already say what to do), builds a
-# `Trainer` and calls `fit`. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
+# `Trainer` (whose refusals, about the data, the run folder or a checkpoint, say so too) and calls
+# `fit`. Each of these mistakes ends in one line on stderr, exit status 2, and no run folder. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
 # and `mtp_loss_weights=[0.5,0.2]` all work.
 
 # %%
@@ -30,6 +31,7 @@ import sys
 import yaml
 
 from hymo.config import ConfigError, ModelConfig, TrainingConfig, load_config, presets
+from hymo.training.data import DataError
 
 # %%
 from fastcore.test import test_eq, test_fail
@@ -38,15 +40,17 @@ from fastcore.test import test_eq, test_fail
 # %%
 #| export
 def _options_help() -> str:
-    "Every config field with its default and its docment, for `--help`."
+    "Every config field with the default preset's value (and hymo_750m's where it differs) and its docment, for `--help`."
     from fastcore.docments import docments
+    show = lambda v: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+    tiny, big = load_config("hymo_tiny").to_dict(), load_config("hymo_750m").to_dict()
     lines = []
     for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)):
         docs = docments(cls)
-        lines.append(f"\n{sec} options (key=value, or {sec}.key=value):")
+        lines.append(f"\n{sec} options (key=value, or {sec}.key=value), with hymo_tiny's values (the default preset):")
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {f.name}={yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip():<14} {docs.get(f.name) or ''}")
+            a, b = tiny[sec][f.name], big[sec][f.name]
+            lines.append(f"  {f.name}={show(a):<14} {docs.get(f.name) or ''}" + (f" [hymo_750m: {show(b)}]" if a != b else ""))
     return "\n".join(lines)
 
 
@@ -97,7 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(e))
     from hymo.training.trainer import Trainer
     resume = False if args.no_resume else (args.resume or True)
-    trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
+    try:
+        trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
+    except (ConfigError, DataError) as e:  # the data, the run folder or a checkpoint does not fit what was asked
+        parser.error(str(e))
     trainer.log(f"run folder: {trainer.run_dir.resolve()}")
     trainer.fit()
     trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
@@ -127,21 +134,19 @@ test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
 # %%
 h = build_parser().format_help()
 print(h[:600])
-assert "muon_lr=0.02" in h and "gdn_kernel=auto" in h
+assert "muon_lr=0.03" in h and "[hymo_750m: 0.02]" in h and "gdn_kernel=auto" in h
 
 # %% [markdown]
 # ## Interview questions
 #
 # ::: {.callout-tip collapse="true"}
-# ## What must a checkpoint hold so that a resumed run is the run you would have had?
-# Everything that decides what happens next: the weights; both optimisers' states (NorMuon's momentum
-# and per-row second moments, AdamW's two moments); the step, from which the schedule is recomputed;
-# every rank's data-loader position and random-number state; the MoE gate biases and their EMA
-# counts (persistent buffers, so they are in the model's `state_dict`); the bad-step counters and the
-# metric history. HyMo's trainer (chapter 70) writes all of it into a `.tmp` folder, `meta.json`
-# last, then renames the folder. A crash during a save leaves only a `.tmp` folder, which resume
-# ignores, so "the latest checkpoint" is never a half-written one; and the oldest checkpoints are
-# deleted only after the new one is in place.
+# ## Why does `--no-resume` refuse a run folder that holds checkpoints?
+# Because the folder would then hold two runs. Checkpoints are named by step and pruned by step, so
+# the new run's `step_000010` would sort below the old run's `step_000050` and be deleted as soon as
+# it was written, `metrics.jsonl` would interleave the two, and the next plain resume would continue
+# the old run. Nothing is lost by refusing: give the new run its own `run_dir`, or resume the old
+# one. A run that crashed before its first checkpoint has nothing to mix, so it simply starts again,
+# and its metrics lines move to `metrics.discarded.jsonl`.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -241,6 +241,31 @@ def test_cli_errors_say_what_to_do(tmp_path, args, expect):
     assert r.returncode == 2 and expect in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("args, expect", [
+    (["data_dir=nowhere"], "not a prepared dataset"),
+    (["--resume", "nowhere"], "not a complete checkpoint"),
+    (["run_dir=afile"], "is a file"),
+    (["seq_len=512"], "longer than model.max_seq_len=256"),
+])
+def test_cli_refusals_from_the_trainer_leave_no_run_folder(tmp_path, args, expect):
+    """Mistakes found by the trainer (data, checkpoint, run folder) end in one line and exit 2, as config errors do."""
+    (tmp_path / "afile").write_text("not a folder")
+    r = run_cli(*args, cwd=tmp_path)
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_no_resume_refuses_a_folder_with_checkpoints_and_keeps_them(tmp_path):
+    from hymo.config import ConfigError
+    from hymo.training.trainer import list_checkpoints
+    t = make(tmp_path / "run", max_steps=4, ckpt_every=2)
+    t.fit()
+    before = [p.name for p in list_checkpoints(t.run_dir)]
+    with pytest.raises(ConfigError, match="--no-resume"):
+        make(tmp_path / "run", resume=False, max_steps=4, ckpt_every=2)
+    assert [p.name for p in list_checkpoints(t.run_dir)] == before == ["step_000002", "step_000004"]
+
+
 def test_data_dir_that_does_not_match_the_model_is_refused(tmp_path):
     from hymo.training.data import prepare_default
     ds = prepare_default(vocab_size=2048, progress=False)
