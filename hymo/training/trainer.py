@@ -149,8 +149,7 @@ def trim_metrics(run_dir: Path, step: int, log=print):
     if not drop: return
     with open(f.with_name("metrics.discarded.jsonl"), "a") as d: d.writelines(drop)
     tmp = f.with_name("metrics.jsonl.tmp"); tmp.write_text("".join(keep)); os.replace(tmp, f)
-    log(f"metrics.jsonl: {len(drop)} lines after step {step}, from a run that stopped before its next checkpoint, "
-        "moved to metrics.discarded.jsonl")
+    log(f"metrics.jsonl: {len(drop)} lines after step {step} (steps this run redoes) moved to metrics.discarded.jsonl")
 
 
 def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
@@ -478,9 +477,8 @@ def load(self: Trainer, ckpt: Path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     meta = json.loads((Path(ckpt) / "meta.json").read_text())
-    if "config" in meta:
-        self.resume_warnings = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"])
-        for w in self.resume_warnings: self.log(f"warning: {w}")
+    notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
+    if not (Path(ckpt) / ".metadata").exists(): raise FileNotFoundError(f"{Path(ckpt) / '.metadata'} is missing")
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
@@ -497,6 +495,8 @@ def load(self: Trainer, ckpt: Path):
         self.train_loader.step = self.step * self.accum
     self._train_iter = iter(self.train_loader)
     self.log(f"resumed from {ckpt} at step {self.step}")
+    self.resume_warnings = notes
+    for w in notes: self.log(f"warning: {w}")
 
 Trainer.save, Trainer.load = save, load
 
