@@ -35,12 +35,12 @@
 #
 # ## Against the targets
 #
-# The targets of the 750M step on one H200, and where round 19 (2026-12-04) leaves them. Every
+# The targets of the 750M step on one H200, and where round 20 (2026-12-04) leaves them. Every
 # number is in a row of the tables below, or in its note.
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines) | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
 # | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.36× (round 19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 3 of the 7 rounds that timed both paths on one machine |
 #
@@ -174,6 +174,10 @@ if tl_row:
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
+# * **Round 20: no change to the step; 6.500 s (36.1 %, 50.6 GB) on the round's one machine.** The
+#   round fixed the trainer's resume and command line (chapters 70 and 71: damaged checkpoints,
+#   `--no-resume` on a folder with checkpoints, refusals that used to end in tracebacks) and
+#   checked on the GPU that the step is unchanged and that the one-GPU trainer tests pass there.
 # * **Round 19: a fresh profile, three more ideas measured, none kept; the step 6.485 s (36.2 %)
 #   with round 18's code and 6.498 and 6.559 s (36.1 and 35.7 %) with the round's change, on three
 #   machines; the PyTorch GDN path 5.36× slower on the 6.559 s step's machine (35.14 s).** The
