@@ -423,7 +423,7 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
     script.write_text(FSDP_SCRIPT)
     for attempt in range(2):  # a second try only if the free port was taken between choosing and binding it
         r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})  # gloo on CPU, GPU or not
         if r.returncode == 0 or "Address already in use" not in r.stderr: break
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
