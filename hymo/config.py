@@ -281,9 +281,10 @@ def _read_preset(name_or_path) -> tuple[str, dict]:
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
     raw = yaml.safe_load(p.read_text()) or {}
-    if not isinstance(raw, dict) or set(raw) - {"model", "train"}:
-        raise ConfigError(f"{p}: a config file has at most two sections, 'model:' and 'train:'; found {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
-    return p.stem, raw
+    if not isinstance(raw, dict) or set(raw) - {"model", "train", "name"}:
+        raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
+                          f"has); found {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+    return str(raw.get("name") or p.stem), raw
 
 # %% ../nbs/00_config.ipynb #f9df37c0
 def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()`) or a path to a YAML file

@@ -269,7 +269,7 @@ class Trainer:
                  resume: str | Path | bool = True, # A checkpoint folder, True (latest in the run folder, if any) or False
                  name: str = "hymo", # Preset name, used in the default run folder
                  quiet: bool = False): # No progress bar or prints (tests)
-        self.mcfg, self.cfg, self.quiet = model_cfg, train_cfg, quiet
+        self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
         self.d = setup_distributed()
         self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -294,6 +294,7 @@ class Trainer:
         if self.d.is_main:  # only now, when nothing above refused: a mistake leaves no empty run folder
             self.run_dir.mkdir(parents=True, exist_ok=True)
             trim_metrics(self.run_dir, self.step, self.log)
+            (self.run_dir / "config.yaml").write_text(str(Config(model_cfg, train_cfg, name=name)))  # `load_config` reads it back
 
     def setup_data(self):
         "Set `data_dir`, `train_loader` and `val_loader` (None without a validation split; a benchmark on synthetic tokens overrides this)."
@@ -807,6 +808,8 @@ def finish(self: Trainer) -> dict:
     if self.d.is_main:
         from safetensors.torch import save_file
         save_file({k: v.contiguous() for k, v in full.items()}, str(self.run_dir / "model.safetensors"))
+        if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
+            shutil.copyfile(Path(self.data_dir) / load_manifest(self.data_dir)["tokenizer"], self.run_dir / "tokenizer.json")
         plot_losses(self.history, self.run_dir / "loss.png")
         summary["sample"] = sample
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -862,11 +865,15 @@ test_eq(trainer.step, 12)
 assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 # %% [markdown]
-# The run folder holds the metrics, the checkpoints (the last `keep_last_k`), the loss curve, the
-# sample and the exported weights:
+# The run folder holds the config it ran with (`config.yaml`), the metrics, the checkpoints (the
+# last `keep_last_k`), the loss curve, the sample, the exported weights and the tokenizer; the last
+# three with `config.yaml` are all that generating text needs (chapter 72):
 
 # %%
 print(sorted(p.name for p in trainer.run_dir.iterdir()))
+assert {"config.yaml", "model.safetensors", "tokenizer.json", "summary.json", "metrics.jsonl"} <= {p.name for p in trainer.run_dir.iterdir()}
+saved = load_config(trainer.run_dir / "config.yaml")
+test_eq((saved.model, saved.train), (cfg.model, cfg.train))
 print([p.name for p in list_checkpoints(trainer.run_dir)])
 print(trainer.summary["sample"])
 

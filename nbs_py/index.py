@@ -20,7 +20,7 @@
 # | Attention | RoPE and partial RoPE; Multi-Head Latent Attention and its latent KV cache |
 # | Sparsity | DeepSeek-style MoE and aux-loss-free load balancing |
 # | The model | multi-token prediction; the hybrid model and its accounting; the loss's softmax pass as a Triton kernel |
-# | Training | optimisers (NorMuon, AdamW, cautious weight decay, WSD); data and its `prepare` command; the trainer; `python -m hymo.train` |
+# | Training | optimisers (NorMuon, AdamW, cautious weight decay, WSD); data and its `prepare` command; the trainer; `python -m hymo.train`; generating text from a run |
 # | Results | the 750M training step on one H200: throughput, MFU, memory, and what was tried |
 #
 # Every chapter ends with interview questions whose answers are folded: try before you open them.
@@ -48,6 +48,7 @@
 # ```sh
 # python -m hymo.train                      # hymo_tiny on the bundled Shakespeare, CPU, minutes
 # torchrun --nproc_per_node 8 -m hymo.train --config hymo_750m data_dir=...   # the full run
+# python -m hymo.generate runs/hymo_tiny-...   # continue a prompt with a finished run's model
 # ```
 #
 # ## A first look

@@ -67,6 +67,11 @@ def test_default_command_end_to_end(tmp_path):
     from safetensors.torch import load_file
     w = load_file(str(run / "model.safetensors"))
     assert w["embed.weight"].shape == (2048, 128) and all(torch.isfinite(v).all() for v in w.values())
+    # the folder alone generates; on a CPU, the trainer's own sample (same seed, top-k, temperature and precision)
+    g = subprocess.run([sys.executable, "-m", "hymo.generate", str(run), "--tokens", "12", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    assert g.returncode == 0 and g.stdout.startswith("ROMEO:"), g.stderr[-2000:]
+    if not torch.cuda.is_available(): assert g.stdout.strip() == summary["sample"].strip(), (g.stdout, summary["sample"])
 
 
 def test_loss_falls(tmp_path):
