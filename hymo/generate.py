@@ -87,11 +87,4 @@ def main(argv: list[str] | None = None) -> str:
     return text
 
 # %% ../nbs/72_generate.ipynb #5c31af2f
-def _in_ipython() -> bool:
-    "True inside Jupyter/IPython (where `__name__` is also '__main__')."
-    import builtins
-    return hasattr(builtins, "get_ipython")
-
-
-if __name__ == "__main__" and not _in_ipython():
-    main()
+if __name__ == "__main__" and "__file__" in globals(): main()

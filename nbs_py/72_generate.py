@@ -120,16 +120,13 @@ def main(argv: list[str] | None = None) -> str:
     return text
 
 
+# %% [markdown]
+# `python -m hymo.generate` runs `main`; in a notebook kernel, also named `__main__` but without a
+# `__file__`, the cell does nothing.
+
 # %%
 #| export
-def _in_ipython() -> bool:
-    "True inside Jupyter/IPython (where `__name__` is also '__main__')."
-    import builtins
-    return hasattr(builtins, "get_ipython")
-
-
-if __name__ == "__main__" and not _in_ipython():
-    main()
+if __name__ == "__main__" and "__file__" in globals(): main()
 
 # %% [markdown]
 # ## A run, then its text
