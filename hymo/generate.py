@@ -34,9 +34,12 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if missing:
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end)")
-    cfg = load_config(run / "config.yaml")
+    cfg = load_config(run / "config.yaml", gdn_kernel="auto")  # the kernel is not part of the weights: a GPU run loads on a CPU
     model = build_hymo(cfg.model, device=device)
-    state = load_file(str(run / "model.safetensors"), device=str(device))
+    try: state = load_file(str(run / "model.safetensors"), device=str(device))
+    except Exception as e:  # safetensors' own error for a cut or damaged file
+        raise ConfigError(f"{run / 'model.safetensors'} cannot be read ({e}): copy it again, or export a checkpoint anew "
+                          "by resuming the run to its end") from None
     try: wrong = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: {str(e).strip().splitlines()[-1].strip()}") from None
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> str:
     a = p.parse_args(argv)
     if a.tokens < 0 or a.temperature < 0 or a.top_k < 0: p.error("--tokens, --temperature and --top-k must not be negative")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    if device.startswith("cuda") and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
     try:
         model, tok = load_run(a.run_dir, device)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed)

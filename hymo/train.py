@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
-    p.add_argument("--no-resume", action="store_true", help="start afresh even if run_dir has checkpoints")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start afresh, in a run_dir without checkpoints (one that holds them is refused)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (listed below)")
     return p
 

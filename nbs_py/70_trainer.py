@@ -25,9 +25,11 @@
 #| export
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -177,8 +179,10 @@ def peak_flops(device: torch.device) -> float | None:
 #
 # A checkpoint can still be damaged afterwards (a disk that filled up, a file deleted by hand). A
 # resume then says which one cannot be read and why, renames it `damaged-step_...` (kept, never
-# read again) and falls back to the one before. A checkpoint that loads but was written for
-# another architecture is refused outright: every checkpoint of the run would say the same.
+# read again) and falls back to the one before. Under `torchrun` the ranks agree on that verdict (one
+# all-reduce) before the collective load, so a file only one rank cannot read moves them all back
+# together. A checkpoint whose weights have other shapes than the model asked for is refused
+# outright: every checkpoint of the run would say the same.
 
 # %%
 #| export
@@ -194,6 +198,23 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
 
 
+class CheckpointUnreadable(OSError):
+    "A checkpoint's files are missing or damaged on some rank."
+
+
+def _unreadable(e: BaseException) -> bool:
+    "True for errors that mean damaged or missing files, not a setting that does not fit nor a lack of memory."
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
+    if isinstance(e, (torch.OutOfMemoryError, ConfigError, DataError)): return False
+    return isinstance(e, (OSError, EOFError, KeyError, RuntimeError, json.JSONDecodeError, pickle.UnpicklingError,
+                          CheckpointException))
+
+
+def _reason(e: BaseException) -> str:
+    "The last line of an error's message (DCP's include whole tracebacks), at most 300 characters."
+    return ([l.strip() for l in str(e).splitlines() if l.strip()] or [type(e).__name__])[-1][:300]
+
+
 def _rng_state() -> dict:
     s = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state_all()
@@ -205,23 +226,36 @@ def _set_rng_state(s: dict):
     if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def _saved(cls, d: dict):
+    "`cls` (ModelConfig or TrainingConfig) from a meta.json section; fields unknown to this version are left out."
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
+
+
+def _shapes(cfg: ModelConfig) -> dict:
+    "Name → shape of every tensor in the state_dict of `HyMo(cfg)`, built on the meta device (no memory, no init)."
+    with torch.device("meta"): return {k: tuple(v.shape) for k, v in HyMo(cfg).state_dict().items()}
+
+
 def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`Config.to_dict()`)
                    model_cfg: ModelConfig, train_cfg: TrainingConfig, # This run's
                    step: int, # The checkpoint's step
                   ) -> list[str]:
-    "Raise `ConfigError` if the architecture differs from the checkpoint's; return warnings for changed training settings."
+    "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
-    diff = lambda sec: [f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items() if saved[sec].get(k) != v]
-    if diff("model"):
-        raise ConfigError(f"the checkpoint at step {step} is of another architecture ({'; '.join(diff('model'))}): a resumed "
-                          "run keeps its model, so drop these overrides, or give a new run_dir=... to start afresh")
-    notes = [f"train settings differ from the checkpoint's: {'; '.join(diff('train'))}"] if diff("train") else []
-    old = TrainingConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["train"].items()})
-    a, b = wsd_schedule(step, old), wsd_schedule(step, train_cfg)
+    skip = {"run_dir"}  # where the run lives is not how it trains (a default run_dir is named only when resuming)
+    diff = lambda sec: [f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
+                        if k not in skip and saved[sec].get(k) != v]
+    old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
+    if diff("model") and _shapes(old_model) != _shapes(model_cfg):
+        raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({'; '.join(diff('model'))}): a "
+                          "resumed run keeps its architecture, so drop these overrides, or give a new run_dir=... to start afresh")
+    notes = [f"{sec} settings differ from the checkpoint's: {'; '.join(diff(sec))}" for sec in ("model", "train") if diff(sec)]
+    a, b = wsd_schedule(step, old_train), wsd_schedule(step, train_cfg)
     if abs(a - b) > 1e-9:
-        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule "
-                     "moved); to extend a finished run without the jump, resume a checkpoint from before its decay "
-                     "(--resume run_dir/checkpoints/step_...)")
+        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
+                     "to extend a finished run without the jump, resume a checkpoint from before its decay if one is "
+                     "still kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)")
     return notes
 
 
@@ -291,10 +325,7 @@ class Trainer:
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         self._resume(resume)
-        if self.d.is_main:  # only now, when nothing above refused: a mistake leaves no empty run folder
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            trim_metrics(self.run_dir, self.step, self.log)
-            (self.run_dir / "config.yaml").write_text(str(Config(model_cfg, train_cfg, name=name)))  # `load_config` reads it back
+        if self.d.is_main: self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a mistake leaves no empty run folder
 
     def setup_data(self):
         "Set `data_dir`, `train_loader` and `val_loader` (None without a validation split; a benchmark on synthetic tokens overrides this)."
@@ -327,24 +358,37 @@ class Trainer:
             if not (p / "meta.json").exists():
                 raise ConfigError(f"{p} is not a complete checkpoint (no meta.json); "
                                   f"complete ones in {self.run_dir}: {[c.name for c in done]}")
-            return self.load(p)
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+            try: return self.load(p)
+            except BaseException as e:
+                if not _unreadable(e): raise
+                raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
+                                  "to use the newest readable one") from None
         damaged = []
-        for ckpt in reversed(done):
+        for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
             try: self.load(ckpt); break
-            except (ConfigError, DataError): raise  # the run's settings, not the files: every checkpoint would refuse
-            except (Exception, CheckpointException) as e:  # unreadable files: say so, try the one before
+            except BaseException as e:
+                if not _unreadable(e): raise  # the run's settings, or memory: every checkpoint would fail alike
                 damaged.append(ckpt)
-                why = ([l.strip() for l in str(e).splitlines() if l.strip()] or [type(e).__name__])[-1][:300]
-                self.log(f"warning: checkpoint {ckpt} cannot be read ({why}); trying the one before")
+                self.log(f"warning: checkpoint {ckpt} cannot be read ({_reason(e)}); trying the one before")
         if damaged and len(damaged) == len(done):
             raise ConfigError(f"no checkpoint in {self.run_dir / 'checkpoints'} can be read ({', '.join(c.name for c in damaged)}; "
                               "the warnings above say why): restore one, or give a new run_dir=... to start afresh")
         if self.d.distributed: dist.barrier()  # every rank has read what it needs before a folder is renamed
         if self.d.is_main:
             for c in damaged:
-                os.replace(c, c.with_name(f"damaged-{c.name}"))
-                self.log(f"kept the damaged {c.name} as {c.with_name('damaged-' + c.name)}; it will not be read again")
+                dest, n = c.with_name(f"damaged-{c.name}"), 2
+                while dest.exists(): dest, n = c.with_name(f"damaged-{c.name}-{n}"), n + 1
+                try: os.replace(c, dest)
+                except OSError as e:
+                    self.log(f"warning: could not set the damaged {c} aside ({e}); it stays, and is skipped again next time")
+                else: self.log(f"kept the damaged {c.name} as {dest}; it will not be read again")
+
+    def _agree(self, ok: bool) -> bool:
+        "Whether `ok` holds on every rank (one all-reduce when distributed), so that all ranks take the same branch."
+        if not self.d.distributed: return ok
+        flag = torch.tensor([float(ok)], device=self.d.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
     def log(self, *a):
         if self.d.is_main and not self.quiet: print(*a, flush=True)
@@ -710,19 +754,27 @@ def load(self: Trainer, ckpt: Path):
     "Restore everything from checkpoint folder `ckpt` (any world size for the weights and optimisers)."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    meta = json.loads((Path(ckpt) / "meta.json").read_text())
+    ckpt, error = Path(ckpt), None
+    try:  # this rank's own files first; all ranks then agree on them before DCP's collective load
+        meta = json.loads((ckpt / "meta.json").read_text())
+        mine = ckpt / f"rank{self.d.rank}.pt"
+        same_ranks = meta["world_size"] == self.d.world_size and mine.exists()
+        extra = torch.load(mine, weights_only=False) if same_ranks else None
+        if not (ckpt / ".metadata").exists(): raise FileNotFoundError(f"{ckpt / '.metadata'} is missing")
+    except Exception as e:
+        if not _unreadable(e): raise
+        error = e
+    if not self._agree(error is None):
+        raise error or CheckpointUnreadable(f"another rank cannot read its files in {ckpt}")
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
-    if not (Path(ckpt) / ".metadata").exists(): raise FileNotFoundError(f"{Path(ckpt) / '.metadata'} is missing")
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(ckpt))
+        dcp.load(state, checkpoint_id=str(ckpt))  # a damaged shard raises on every rank
     set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.history = meta["history"]
-    mine = Path(ckpt) / f"rank{self.d.rank}.pt"
-    if meta["world_size"] == self.d.world_size and mine.exists():
-        extra = torch.load(mine, weights_only=False)
+    if extra is not None:
         _set_rng_state(extra["rng"])
         self.train_loader.load_state_dict(extra["loader"])
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
@@ -753,6 +805,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     out, metrics_file = [], (self.run_dir / "metrics.jsonl")
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
+    start = self.step
     while self.step < end:
         t0 = time.perf_counter()
         m = self.train_step()
@@ -765,6 +818,9 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
         out.append(m)
         if self.d.is_main:
+            if self.step == start + 1:  # this call's first step: only now does the run folder change
+                trim_metrics(self.run_dir, start, self.log)
+                (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
             with open(metrics_file, "a") as f: f.write(json.dumps(m) + "\n")
             if logger: logger.log(m, step=self.step)
         bar.update(1)
@@ -913,8 +969,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #
 # * Starting afresh (`resume=False`, the CLI's `--no-resume`) in a folder that holds checkpoints is
 #   refused: the two runs' checkpoints would be pruned together, by step.
-# * Resuming with another architecture is refused, naming what changed; changed training settings
-#   only warn, and a moved learning-rate schedule says how far the rate jumps.
+# * Resuming into weights of other shapes is refused, naming what changed; every other changed
+#   setting only warns (the MoE's capacity, say, or the schedule), and a moved learning-rate
+#   schedule says how far the rate jumps.
 # * A checkpoint that cannot be read is set aside as `damaged-step_...` and the one before is used.
 #   `metrics.jsonl` loses the lines of steps the resumed run will redo: they move to
 #   `metrics.discarded.jsonl`.
@@ -923,10 +980,11 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "run", resume=False, quiet=True), contains="--no-resume")
 wide = load_config("hymo_tiny", **small, dim=96)
 test_fail(lambda: Trainer(wide.model, wide.train, run_dir=work / "run", quiet=True), contains="dim: 128 -> 96")
-longer = load_config("hymo_tiny", **{**small, "max_steps": 20})
-t3 = Trainer(longer.model, longer.train, run_dir=work / "run", quiet=True)  # extends the finished 12-step run
+longer = load_config("hymo_tiny", **{**small, "max_steps": 20}, moe_capacity_factor=None)
+t3 = Trainer(longer.model, longer.train, run_dir=work / "run", quiet=True)  # extends the finished 12-step run, dropless
 print(*t3.resume_warnings, sep="\n")
-assert "max_steps: 12 -> 20" in t3.resume_warnings[0] and "jumps from" in t3.resume_warnings[1]
+model_w, train_w, lr_w = t3.resume_warnings
+assert "moe_capacity_factor: 1.5 -> None" in model_w and "max_steps: 12 -> 20" in train_w and "jumps from" in lr_w
 
 # %%
 run = work / "resumed"  # checkpoints at steps 6 and 12; damage the newest and pretend a crash left steps 13-14
@@ -935,8 +993,13 @@ with open(run / "metrics.jsonl", "a") as f: f.write('{"step": 13, "loss": 1.0}\n
 t4 = Trainer(cfg.model, cfg.train, run_dir=run, quiet=True)
 test_eq(t4.step, 6)
 test_eq(sorted(p.name for p in (run / "checkpoints").iterdir()), ["damaged-step_000012", "step_000006"])
-test_eq([json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()], list(range(1, 7)))
+t4.fit(num_steps=1)  # the metrics are trimmed when the resumed run logs its first step
+test_eq([json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()], list(range(1, 8)))
 test_eq(len((run / "metrics.discarded.jsonl").read_text().splitlines()), 8)  # steps 7-12, 13 and the cut line
+t4.fit()  # on to step 12, whose new checkpoint is damaged again: it is set aside under a second name
+(run / "checkpoints" / "step_000012" / "rank0.pt").write_bytes(b"cut short")
+t5 = Trainer(cfg.model, cfg.train, run_dir=run, quiet=True)
+test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6, True))
 
 # %% [markdown]
 # ## Interview questions

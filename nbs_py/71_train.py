@@ -17,7 +17,8 @@
 #
 # The command is thin: it parses, loads the config (whose errors already say what to do), builds a
 # `Trainer` (whose refusals, about the data, the run folder or a checkpoint, say so too) and calls
-# `fit`. Each of these mistakes ends in one line on stderr, exit status 2, and no run folder. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
+# `fit`. Each of these mistakes ends in the usage line and one line that says what to do, exit
+# status 2, and no run folder. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
 # and `mtp_loss_weights=[0.5,0.2]` all work.
 
 # %%
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT",
                    help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
-    p.add_argument("--no-resume", action="store_true", help="start afresh even if run_dir has checkpoints")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start afresh, in a run_dir without checkpoints (one that holds them is refused)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (listed below)")
     return p
 
