@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..config import Config, ConfigError, ModelConfig, TrainingConfig
 from ..models.model import HyMo, build_hymo
-from .data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
+from .data import TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
@@ -115,7 +115,7 @@ class CheckpointUnreadable(OSError):
 def _unreadable(e: BaseException) -> bool:
     "True for errors that mean damaged or missing files, not a setting that does not fit nor a lack of memory."
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
-    if isinstance(e, (torch.OutOfMemoryError, ConfigError, DataError)): return False
+    if isinstance(e, torch.OutOfMemoryError): return False  # a RuntimeError, but not the files' fault
     return isinstance(e, (OSError, EOFError, KeyError, RuntimeError, json.JSONDecodeError, pickle.UnpicklingError,
                           CheckpointException))
 
@@ -154,13 +154,13 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
     skip = {"run_dir"}  # where the run lives is not how it trains (a default run_dir is named only when resuming)
-    diff = lambda sec: [f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
-                        if k not in skip and saved[sec].get(k) != v]
+    diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
+                          if k not in skip and saved[sec].get(k) != v) for sec in ("model", "train")}
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
-    if diff("model") and _shapes(old_model) != _shapes(model_cfg):
-        raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({'; '.join(diff('model'))}): a "
-                          "resumed run keeps its architecture, so drop these overrides, or give a new run_dir=... to start afresh")
-    notes = [f"{sec} settings differ from the checkpoint's: {'; '.join(diff(sec))}" for sec in ("model", "train") if diff(sec)]
+    if diff["model"] and _shapes(old_model) != _shapes(model_cfg):
+        raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({diff['model']}): a resumed run "
+                          "keeps its architecture, so drop these overrides, or give a new run_dir=... to start afresh")
+    notes = [f"{sec} settings differ from the checkpoint's: {d}" for sec, d in diff.items() if d]
     a, b = wsd_schedule(step, old_train), wsd_schedule(step, train_cfg)
     if abs(a - b) > 1e-9:
         notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
@@ -239,8 +239,9 @@ class Trainer:
         mk = lambda split: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                        rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
                                        doc_masking=self.cfg.doc_masking)
-        has_val = sum(s["tokens"] for s in load_manifest(self.data_dir)["splits"].get("val", {}).get("shards", [])) > 0
-        self.train_loader, self.val_loader = mk("train"), (mk("val") if has_val else None)
+        self.train_loader = mk("train")
+        has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
+        self.val_loader = mk("val") if has_val else None
         if not has_val: self.log(f"{self.data_dir} has no validation split: no validation loss is reported")
 
     def _prepare_default(self) -> Path:
