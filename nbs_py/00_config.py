@@ -259,7 +259,15 @@ def validate_training(t: TrainingConfig):
         if getattr(t, name) <= 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     _divides("micro_batch_size", t.micro_batch_size, "global_batch_size", t.global_batch_size,
              "an optimiser step is a whole number of micro-batches")
+    for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "adamw_eps"]:
+        if getattr(t, name) < 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or more")
+    for name in ["log_every", "eval_batches", "muon_lr", "adamw_lr"]:
+        if not getattr(t, name) > 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if len(t.adamw_betas) != 2: raise ConfigError(f"train.adamw_betas={t.adamw_betas}: give two numbers, (beta1, beta2)")
+    for name, b in [("muon_momentum", t.muon_momentum), ("normuon_beta2", t.normuon_beta2),
+                    ("adamw_betas[0]", t.adamw_betas[0]), ("adamw_betas[1]", t.adamw_betas[1])]:
+        if not 0 <= b < 1: raise ConfigError(f"train.{name}={b} must be in [0, 1)")
+    if not 0 <= t.min_lr_ratio <= 1: raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the decay ends at this fraction of the peak")
     if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
     decay_start = t.max_steps - round(t.decay_fraction * t.max_steps)  # as in the WSD schedule
     if t.warmup_steps > decay_start:

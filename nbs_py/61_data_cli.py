@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))
             if args.vocab_size and m["vocab_size"] < args.vocab_size:
                 print(f"note: the tokenizer learned {m['vocab_size']} of the {args.vocab_size} tokens asked for: the text has "
-                      "no more pairs worth merging. Ids stay below the model's vocab_size, so it trains as is")
+                      f"no more pairs worth merging. It trains any model whose vocab_size is {m['vocab_size']} or more "
+                      f"(the unused rows of a larger one are never targets)")
         elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1))
         else:
             parser.print_help(sys.stderr)

@@ -305,7 +305,7 @@ class Trainer:
                  quiet: bool = False): # No progress bar or prints (tests)
         self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
         self.d = setup_distributed()
-        self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
         self.accum = split_micro_batches(train_cfg, self.d.world_size)
@@ -329,7 +329,7 @@ class Trainer:
 
     def setup_data(self):
         "Set `data_dir`, `train_loader` and `val_loader` (None without a validation split; a benchmark on synthetic tokens overrides this)."
-        self.data_dir = Path(self.cfg.data_dir) if self.cfg.data_dir else self._prepare_default()
+        self.data_dir = Path(self.cfg.data_dir).expanduser() if self.cfg.data_dir else self._prepare_default()
         check_compatible(self.data_dir, self.mcfg.vocab_size)
         mk = lambda split: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                        rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
@@ -772,7 +772,10 @@ def load(self: Trainer, ckpt: Path):
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(ckpt))  # a damaged shard raises on every rank
+    settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in self.optimizers]
     set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for opt, groups in zip(self.optimizers, settings):  # the state (moments) resumes; the settings are this run's config
+        for g, mine in zip(opt.param_groups, groups): g.update(mine)
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.history = meta["history"]
     if extra is not None:
@@ -972,7 +975,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   refused: the two runs' checkpoints would be pruned together, by step.
 # * Resuming into weights of other shapes is refused, naming what changed; every other changed
 #   setting only warns (the MoE's capacity, say, or the schedule), and a moved learning-rate
-#   schedule says how far the rate jumps.
+#   schedule says how far the rate jumps. The optimisers' moments come from the checkpoint, their
+#   settings (peak learning rates, weight decay, betas) from this run's config: lowering `muon_lr`
+#   after a divergence takes effect.
 # * A checkpoint that cannot be read is set aside as `damaged-step_...` and the one before is used.
 #   `metrics.jsonl` loses the lines of steps the resumed run will redo: they move to
 #   `metrics.discarded.jsonl`.

@@ -127,3 +127,19 @@ def test_triton_kernels_refuse_another_chunk_length():
     with pytest.raises(ConfigError, match=r"kernels \(which gdn_kernel: auto picks on a GPU\) run chunks of 64 only: .*gdn_kernel: torch"):
         mixer._rule("triton")  # refused before the kernels are imported (they would read TRITON_INTERPRET then)
     check_triton_chunk(64)
+
+
+@pytest.mark.parametrize("over, expect", [
+    (dict(eval_batches=0), r"train.eval_batches=0 must be positive"),
+    (dict(log_every=-3), r"train.log_every=-3 must be positive"),
+    (dict(warmup_steps=-1), r"train.warmup_steps=-1 must be 0 or more"),
+    (dict(eval_every=-1), r"train.eval_every=-1 must be 0 or more"),
+    (dict(ckpt_every=-5), r"train.ckpt_every=-5 must be 0 or more"),
+    (dict(grad_clip=-1.0), r"train.grad_clip=-1.0 must be 0 or more"),
+    (dict(muon_lr=-1.0), r"train.muon_lr=-1.0 must be positive"),
+    (dict(min_lr_ratio=2.0), r"train.min_lr_ratio=2.0 must be in \[0, 1\]"),
+    (dict(adamw_betas=(0.9, 1.5)), r"train.adamw_betas\[1\]=1.5 must be in \[0, 1\)"),
+])
+def test_training_values_that_would_be_silently_wrong_are_refused(over, expect):
+    with pytest.raises(ConfigError, match=expect):
+        load_config("hymo_tiny", **over)

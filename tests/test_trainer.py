@@ -100,6 +100,24 @@ def test_kill_and_resume_equals_straight_run(tmp_path):
     assert [m["grad_norm"] for m in part1 + part2] == [m["grad_norm"] for m in straight]
 
 
+def test_resume_takes_the_new_optimiser_settings_and_keeps_the_moments(tmp_path):
+    first = make(tmp_path / "run", max_steps=20, ckpt_every=4, muon_lr=0.03, adamw_lr=0.006, weight_decay=0.1)
+    first.fit(num_steps=4)
+    saved = [{k: v.clone() for k, v in opt.state[opt.param_groups[0]["params"][0]].items() if torch.is_tensor(v)}
+             for opt in first.optimizers]
+    second = make(tmp_path / "run", max_steps=20, ckpt_every=4, muon_lr=0.001, adamw_lr=1e-4, weight_decay=0.0,
+                  adamw_betas=(0.8, 0.9))
+    assert second.step == 4 and any("muon_lr: 0.03 -> 0.001" in w for w in second.resume_warnings)
+    assert {g["peak_lr"] for opt in second.optimizers for g in opt.param_groups} == {0.001, 1e-4}  # saved: 0.03, 0.006
+    assert {g["weight_decay"] for opt in second.optimizers for g in opt.param_groups} == {0.0}
+    assert {tuple(g["betas"]) for opt in second.optimizers for g in opt.param_groups if "betas" in g} == {(0.8, 0.9)}
+    for opt, before in zip(second.optimizers, saved):  # ... while the moments come from the checkpoint
+        now = opt.state[opt.param_groups[0]["params"][0]]
+        assert before and all(torch.equal(now[k], v) for k, v in before.items() if v.numel() > 1)
+    m = second.fit(num_steps=1)[0]
+    assert second.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001 * m["lr_mult"])
+
+
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from hymo.training.trainer import list_checkpoints
