@@ -584,7 +584,7 @@ def conv_silu_norm(
 # %% [markdown]
 # ### The decay parameters and their initialisation
 #
-# `A_log` and `dt_bias` are initialised as in Mamba-2 and the GDN reference code:
+# `A_log` and `dt_bias` are initialised as in Mamba-2 (the GDN reference code draws $A$ from $(0, 16)$ instead):
 # $A \sim \mathcal U[1, 16]$, `A_log` $= \log A$; $\Delta \sim \text{logUniform}[0.001, 0.1]$ (floored
 # at $10^{-4}$) and `dt_bias` $= \mathrm{softplus}^{-1}(\Delta) = \Delta + \log(1 - e^{-\Delta})$, so that
 # at $a_t = 0$ the step is exactly $\Delta$. The initial per-token decay $\alpha = e^{-A\Delta}$ thus

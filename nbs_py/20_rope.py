@@ -273,7 +273,7 @@ test_fail(lambda: positions_from_cu_seqlens(torch.tensor([0.0, 8.0]), 8), contai
 # ## Why several frequencies rather than one?
 # A single angle per token wraps around after $2\pi/\theta$ tokens, so distant positions would
 # alias onto near ones. The geometric ladder $\theta_i = \text{theta}^{-2i/d}$ gives fast pairs that
-# resolve neighbouring tokens and slow pairs (wavelengths up to about $2\pi \cdot \text{theta}$ tokens)
+# resolve neighbouring tokens and slow pairs (the slowest turns $\text{theta}^{-(d-2)/d}$ radians a token: a wavelength of about 35 000 tokens at $d = 32$)
 # that still separate tokens thousands apart. Raising `rope_theta` slows every pair, which is what
 # long-context recipes do.
 # :::

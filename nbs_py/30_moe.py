@@ -285,8 +285,8 @@ for kk, rows in ((k_, N_), (1, N_ * k_)):
 # bf16 has fp32's 8-bit exponent, so it does not underflow where fp32 does not: $10^{-30}$ is fine,
 # and a 16-way softmax's probabilities near $1/16$ are nowhere near any underflow. (The design
 # document's "probabilities below 6e-8 vanish" is fp16's subnormal limit, not bf16's.) What bf16
-# lacks is mantissa: 8 bits of precision, about 3 significant digits. Router logits of a near-uniform
-# router differ by a few thousandths; rounded to bf16 they collide or swap, and the top-k changes.
+# lacks is mantissa: 8 bits of precision, about 3 significant digits. The probabilities of a near-uniform
+# router differ by a few thousandths (its logits by a few hundredths); rounded to bf16 they collide or swap, and the top-k changes.
 
 # %%
 test_eq(torch.tensor(1e-30).bfloat16().item() > 0, True)  # no underflow
@@ -522,8 +522,11 @@ def moe_dense_reference(moe, x):
 # %% [markdown]
 # The capacity is a training-time device: in `eval()` mode (validation, generation) the MoE routes
 # dropless, so that whether a token reaches its experts never depends on the other tokens of the
-# batch, later ones included, and inference stays causal. The comparison therefore runs in training
-# mode, where the capacity bites.
+# batch, later ones included, and inference stays causal. In training it does depend on them: which
+# assignments an expert drops is decided by score over the whole micro-batch, so a token's output can
+# change with the tokens after it. That is the price of a fixed buffer per expert, paid only where the
+# capacity bites; a dropless run (`moe_capacity_factor: null`) is causal in training too. The
+# comparison therefore runs in training mode, where the capacity bites.
 
 # %%
 moe.train()
@@ -558,7 +561,8 @@ mg.impl = "auto"
 # %% [markdown]
 # Measured once on one H200 (torch 2.11, bf16 autocast), a 750M-design layer (16 experts of
 # 896 → 2304, top-2, one shared) on 4 × 4096 tokens, forward + backward: 6.7 ms grouped against
-# 16.1 ms for the loop, about 270 TFLOP/s of expert work on the grouped path.
+# 16.1 ms for the loop, about 270 TFLOP/s of expert work per MoE layer (shared + 2 routed
+# experts), about 180 TFLOP/s counting only the routed experts the grouped path runs.
 
 # %% [markdown]
 # Gradients reach the router through the mixing weights (the selection itself is not
@@ -705,9 +709,9 @@ test_eq(set(direct.state_dict()) >= {"gate_bias", "ema_counts", "expert_counts",
 # ## Why compute the router in fp32 when everything else is bf16?
 # Not because of underflow: bf16 has fp32's 8-bit exponent and represents probabilities down to
 # about 1e-38 (the design document's 6e-8 is fp16's limit). The problem is bf16's 8-bit mantissa,
-# about 3 significant digits. A near-uniform router's logits differ by thousandths, which bf16
+# about 3 significant digits. A near-uniform router's probabilities differ by thousandths, which bf16
 # rounds away or reorders, so the top-k set flips for a noticeable fraction of tokens (measured
-# above: several percent at initialisation). Those flips are noise in the routing and in the load
+# above: a few percent at initialisation). Those flips are noise in the routing and in the load
 # statistics. The gate is a d×E matmul, negligible next to the experts, so fp32 is free; autocast
 # must be switched off around it, or the matmul silently runs in bf16 anyway.
 # :::

@@ -450,7 +450,8 @@ assert model.training  # generate restores the mode it found
 # %% [markdown]
 # ### The initialisation, checked
 #
-# Every matrix that writes into the residual stream (`o_proj`, `w2`, `proj_out`) is drawn with
+# Every matrix that writes into the residual stream (`o_proj`, `w2`; the MTP heads' `proj_out`, which
+# feeds an RMSNorm, only for uniformity) is drawn with
 # standard deviation $\sigma / \sqrt{2L}$, the other matrices with $\sigma$ (`init_std`, 0.02). Each
 # block adds two residual branches, so after $L$ blocks $2L$ roughly independent terms have been
 # summed; scaling their last matrix by $1/\sqrt{2L}$ keeps the residual stream's variance at

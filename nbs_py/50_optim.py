@@ -187,8 +187,10 @@ test_fail(lambda: newton_schulz(torch.randn(5)), contains="needs a matrix")
 # the rule of Keller Jordan's Muon and modded-nanogpt. For a wide or square matrix ($m \le n$) the
 # RMS stays $1/\sqrt{n}$; for a tall one it becomes $\sqrt{m/n}/\sqrt{m} = 1/\sqrt{n}$ as well. Either
 # way the per-entry step is $\eta_\text{muon}/\sqrt{n}$, with $n$ the fan-in: the RMS of the
-# pre-activation change $\Delta W x$ for a unit-RMS input is the same for every layer width, which is
-# what "the learning rate transfers across widths" asks for.
+# pre-activation change $\Delta W x$ for a unit-RMS input uncorrelated with the update is the same for
+# every layer width. That is a heuristic for "the learning rate transfers across widths": an input
+# aligned with the update sees a larger change, and exact transfer asks for a spectral norm
+# $\lVert \Delta W \rVert_2 \propto \sqrt{m/n}$, which $\sqrt{\max(1, m/n)}$ only approximates.
 #
 # The other common rule (Moonshot's *Muon is Scalable*, 2025) multiplies by $0.2\sqrt{\max(m,n)}$,
 # which sets the update RMS to exactly 0.2, about what AdamW's update RMS is in practice, so that

@@ -662,7 +662,8 @@ test_eq(load_manifest(work / "cache/data/tinyshakespeare-bpe2048")["fingerprint"
 # A split is one stream of $N$ tokens $x_0 \dots x_{N-1}$ (its shards end to end). Window $k$
 # starts at $s_k = kT$ and holds the $T + 1$ tokens $x_{s_k} \dots x_{s_k + T}$: inputs are the
 # first $T$, targets the last $T$ (shifted by one). There are $K = \lfloor (N - 1) / T \rfloor$
-# windows; consecutive windows share one token, so every token is a target exactly once.
+# windows; consecutive windows share one token, so no token is a target twice: every token but $x_0$
+# and a tail shorter than $T$ is a target once over the $K$ windows.
 #
 # **Order.** Epoch $e$ visits the windows in the permutation $\pi_e$ drawn from a generator seeded
 # with $(\text{seed}, e)$. A micro-batch step takes $W B$ windows for $W$ data-parallel ranks with

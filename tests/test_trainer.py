@@ -118,6 +118,18 @@ def test_resume_takes_the_new_optimiser_settings_and_keeps_the_moments(tmp_path)
     assert second.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001 * m["lr_mult"])
 
 
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    from hymo.training.trainer import list_checkpoints
+    make(tmp_path / "run", max_steps=8, ckpt_every=2, keep_last_k=3).fit()  # step_4, 6, 8
+    ckpts = tmp_path / "run" / "checkpoints"
+    t = make(tmp_path / "run", resume=ckpts / "step_000004", max_steps=12, ckpt_every=2, keep_last_k=1)
+    assert t.step == 4
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "superseded-step_000006", "superseded-step_000008"]
+    t.fit(num_steps=2)  # keep_last_k=1: the old run's step 8 would have outranked (and pruned) this one
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000006"]
+    assert make(tmp_path / "run", max_steps=12, ckpt_every=2).step == 6  # a plain resume continues the new run
+
+
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from hymo.training.trainer import list_checkpoints

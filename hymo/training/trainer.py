@@ -264,11 +264,16 @@ class Trainer:
             if not (p / "meta.json").exists():
                 raise ConfigError(f"{p} is not a complete checkpoint (no meta.json); "
                                   f"complete ones in {self.run_dir}: {[c.name for c in done]}")
-            try: return self.load(p)
+            try: self.load(p)
             except BaseException as e:
                 if not _unreadable(e): raise
                 raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
                                   "to use the newest readable one") from None
+            newer = [c for c in done if int(c.name[len(CKPT_PREFIX):]) > self.step]  # this run's own folder only
+            if newer and p.resolve().parent == (self.run_dir / "checkpoints").resolve():
+                self._set_aside(newer, "superseded", "the run now continues from "
+                                f"{p.name}; they would outrank its new checkpoints")
+            return
         damaged = []
         for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
             try: self.load(ckpt); break
@@ -279,15 +284,19 @@ class Trainer:
         if damaged and len(damaged) == len(done):
             raise ConfigError(f"no checkpoint in {self.run_dir / 'checkpoints'} can be read ({', '.join(c.name for c in damaged)}; "
                               "the warnings above say why): restore one, or give a new run_dir=... to start afresh")
-        if self.d.distributed: dist.barrier()  # every rank has read what it needs before a folder is renamed
-        if self.d.is_main:
-            for c in damaged:
-                dest, n = c.with_name(f"damaged-{c.name}"), 2
-                while dest.exists(): dest, n = c.with_name(f"damaged-{c.name}-{n}"), n + 1
-                try: os.replace(c, dest)
-                except OSError as e:
-                    self.log(f"warning: could not set the damaged {c} aside ({e}); it stays, and is skipped again next time")
-                else: self.log(f"kept the damaged {c.name} as {dest}; it will not be read again")
+        self._set_aside(damaged, "damaged", "it will not be read again")
+
+    def _set_aside(self, ckpts: list[Path], why: str, then: str):
+        "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
+        if self.d.distributed: dist.barrier()
+        if not self.d.is_main: return
+        for c in ckpts:
+            dest, n = c.with_name(f"{why}-{c.name}"), 2
+            while dest.exists(): dest, n = c.with_name(f"{why}-{c.name}-{n}"), n + 1
+            try: os.replace(c, dest)
+            except OSError as e:
+                self.log(f"warning: could not set the {why} {c} aside ({e}); it stays in the run folder")
+            else: self.log(f"kept the {why} {c.name} as {dest}: {then}")
 
     def _agree(self, ok: bool) -> bool:
         "Whether `ok` holds on every rank (one all-reduce when distributed), so that all ranks take the same branch."
