@@ -195,7 +195,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.exists(): return []
     done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CKPT_PREFIX) and not p.name.endswith(".tmp")
             and (p / "meta.json").exists()]
-    return sorted(done, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
+    return sorted(done, key=checkpoint_step)
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    "The step a checkpoint folder `step_000123` holds."
+    return int(ckpt.name[len(CKPT_PREFIX):])
 
 
 class CheckpointUnreadable(OSError):
@@ -364,10 +369,10 @@ class Trainer:
                 if not _unreadable(e): raise
                 raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
                                   "to use the newest readable one") from None
-            newer = [c for c in done if int(c.name[len(CKPT_PREFIX):]) > self.step]  # this run's own folder only
-            if newer and p.resolve().parent == (self.run_dir / "checkpoints").resolve():
-                self._set_aside(newer, "superseded", "the run now continues from "
-                                f"{p.name}; they would outrank its new checkpoints")
+            if p.resolve().parent == (self.run_dir / "checkpoints").resolve():  # an older checkpoint of this folder
+                newer = [c for c in done if checkpoint_step(c) > self.step]
+                if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
+                                          "they would outrank its new checkpoints")
             return
         damaged = []
         for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
@@ -891,13 +896,10 @@ def finish(self: Trainer) -> dict:
 @torch.no_grad()
 def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = None, temperature: float = 0.8) -> str:
     "Generate text from `prompt` with the current weights (seeded, so it is reproducible)."
-    tok = load_tokenizer(self.data_dir)
-    ids = torch.tensor([tok.encode(prompt).ids], device=self.d.device)
-    devices = [self.d.device] if self.d.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), self.autocast():  # every rank draws the same tokens
-        torch.manual_seed(self.cfg.seed)
-        out = self.model.generate(ids, max_new_tokens or self.cfg.sample_tokens, temperature=temperature, top_k=50)
-    return tok.decode(out[0].tolist())
+    from hymo.generate import generate_text  # chapter 72: the same seeded sampling from a finished run's folder
+    with self.autocast():  # every rank draws the same tokens
+        return generate_text(self.model, load_tokenizer(self.data_dir), prompt, max_new_tokens or self.cfg.sample_tokens,
+                             temperature=temperature, top_k=50, seed=self.cfg.seed)
 
 
 def plot_losses(history: list[dict], path: Path):
