@@ -105,7 +105,7 @@ class TrainingConfig:
     min_lr_ratio: float = 0.0  # Learning rate at the end, as a fraction of the peak
     # Data
     data_dir: Optional[str] = None  # Folder of prepared token shards; None prepares the bundled corpus
-    doc_masking: bool = False  # Keep documents apart inside a window (cu_seqlens for GDN and MLA)
+    doc_masking: bool = False  # Keep documents apart inside a window (cu_seqlens for GDN, MLA and the MTP targets)
     # Loop, evaluation, checkpoints
     seed: int = 0  # Seed of initialisation, data order and sampling
     log_every: int = 10  # Steps between metric lines

@@ -33,7 +33,6 @@ from hymo.models.layers import RMSNorm
 from fastcore.test import test_eq, test_close, test_fail
 from hymo.config import load_config
 
-
 # %% [markdown]
 # ## The indexing, exactly
 #
@@ -49,12 +48,20 @@ from hymo.config import load_config
 # (If a window held only the $T$ tokens $x_0..x_{T-1}$, the last usable position would be
 # $T-2-k$: one fewer, because the main target of the last position would be missing too.)
 #
+# A target that must not count is written as `IGNORE_INDEX` ($-100$, the value `F.cross_entropy`
+# skips); the section on packed documents below needs it.
+#
 # The loss is
 # $$L = L_\text{main} + \sum_{k=1}^{D} w_k L_k, \qquad w = (0.3, 0.1),$$
 # each $L$ a mean cross-entropy over its valid positions.
 #
 # Here is that alignment on a toy sequence whose future is known: the tokens count up, so the
 # target of head $k$ at position $t$ must be $t + 1 + k$.
+
+# %%
+#| export
+IGNORE_INDEX = -100
+
 
 # %%
 def mtp_targets(targets: torch.Tensor, k: int) -> torch.Tensor:
@@ -126,15 +133,27 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, hidden: torch.Tensor, # Main hidden states h_0..h_{T-1} [B, T, D] (after the final norm)
                 targets: torch.Tensor, # Main targets x_1..x_T [B, T]
                 head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, # The tied vocabulary projection; None: no logits
+                cu_seqlens: Optional[torch.Tensor] = None, # [N+1] document boundaries of a packed row (B == 1)
                ) -> list[MTPOutput]:
         T = hidden.shape[1]
         if T <= len(self.heads):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
+        doc = None if cu_seqlens is None else document_ids(cu_seqlens, T)  # (T,)
         outs = []
         for k, (blk, w) in enumerate(zip(self.heads, self.weights), start=1):
             hk = blk(hidden[:, :T - k])  # (B, T-k, D)
-            outs.append(MTPOutput(k, hk, targets[:, k:], w, None if head is None else head(hk)))
+            tk = targets[:, k:]          # (B, T-k)
+            if doc is not None: tk = tk.masked_fill(doc[k:] != doc[:T - k], IGNORE_INDEX)  # see "Packed documents"
+            outs.append(MTPOutput(k, hk, tk, w, None if head is None else head(hk)))
         return outs
+
+
+def document_ids(cu_seqlens: torch.Tensor, # [N+1] document boundaries of a packed row
+                 T: int, # Packed row length
+                ) -> torch.Tensor: # [T] long: the document each position belongs to
+    "Which document each position of a packed row belongs to (on the boundaries' device, no host sync)."
+    pos = torch.arange(T, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:-1].to(torch.long).contiguous(), pos, right=True)
 
 
 # %% [markdown]
@@ -151,6 +170,56 @@ for o in outs: print(o.k, tuple(o.logits.shape), tuple(o.targets.shape), o.weigh
 test_eq([o.logits.shape[1] for o in outs], [T - 1, T - 2])
 test_eq(outs[1].targets, targets[:, 2:])
 
+# %% [markdown]
+# ## Packed documents
+#
+# With `doc_masking` the trainer packs a micro-batch of $B$ windows into one row of $B \cdot T$
+# tokens and passes the document boundaries `cu_seqlens` (chapter 60): every window start and
+# every end-of-text token opens a new document, and the GDN and MLA layers restart there, so
+# $h_t$ has seen only its own document. A document's tokens are followed by the end-of-text token,
+# which belongs to the *next* document.
+#
+# The main head is unaffected: its target `targets[t]` is the token right after $t$, which is
+# either in $t$'s document or the end-of-text token that closes it ("this document ends here" is a
+# fair thing to predict). Each window's targets come from that window, so the packing does not
+# change them either.
+#
+# Head $k$ is different: its target `targets[t+k]` is the token after position $t+k$. If a
+# boundary lies between $t$ and $t+k$, that token belongs to a document that $h_t$ has never seen (or,
+# at the end of a packed window, to the next window, which is not even the same stretch of text).
+# Nothing in $h_t$ can predict it, and training on it only adds noise. The rule is therefore:
+# **head $k$ counts position $t$ only if position $t+k$ is in $t$'s document.** Then its target is
+# in the same document or is the end-of-text token that closes it, just as for the main head. The
+# other targets become `IGNORE_INDEX`.
+#
+# A packed toy batch shows it. Two windows of 6 tokens; the first holds the end of one document,
+# an end-of-text token (id 0) and the start of another:
+
+# %%
+eot = 0
+rows = torch.tensor([[5, 6, 7, eot, 8, 9, 10],     # T + 1 = 7 tokens per window
+                     [11, 12, 13, 14, 15, 16, 17]])
+tok, tgt = rows[:, :-1].reshape(1, -1), rows[:, 1:].reshape(1, -1)   # packed: [1, 12]
+cu = torch.tensor([0, 3, 6, 12], dtype=torch.int32)                # windows start at 0 and 6, end-of-text at 3
+test_eq(document_ids(cu, 12), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2]))
+
+packed = mtp(torch.randn(1, 12, D), tgt, cu_seqlens=cu)
+I = IGNORE_INDEX
+test_eq(packed[0].targets[0], torch.tensor([7, eot, I, 9, 10, I, 13, 14, 15, 16, 17]))   # head 1: x_{t+2}
+test_eq(packed[1].targets[0], torch.tensor([eot, I, I, 10, I, I, 14, 15, 16, 17]))        # head 2: x_{t+3}
+test_eq(mtp(torch.randn(1, 12, D), tgt)[1].targets, tgt[:, 2:])                          # unpacked: no mask
+print(packed[1].targets[0].tolist())
+
+
+# %% [markdown]
+# Read head 2's row. Position 0 (token 5) may predict the end-of-text token three steps on; position
+# 1 (token 6) would have to predict token 8 of the next document, so it is ignored. Position 3 is the
+# end-of-text token opening document 1, and predicts 10, still inside its own document. Position 4
+# would need the token after the window (not in the batch at all; unpacked, it simply has no head-2
+# target) and position 5 would read window 2's tokens, so both are ignored. Without `cu_seqlens`
+# the targets are the plain `targets[:, k:]` of the section above. Positions whose targets are all
+# ignored contribute nothing to the loss; a head whose targets are all ignored has loss 0, in both
+# losses below.
 
 # %% [markdown]
 # ## The loss
@@ -178,8 +247,12 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
     "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
     if any(o.logits is None for o in mtp_outputs):
         raise ValueError("lm_loss needs MTP logits: call MultiTokenPrediction with the head, or use lm_loss_fused")
-    ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
-    return _weighted_total(ce(logits, targets), mtp_outputs, lambda o: ce(o.logits, o.targets))
+    return _weighted_total(_mean_ce(logits, targets), mtp_outputs, lambda o: _mean_ce(o.logits, o.targets))
+
+
+def _mean_ce(logits, targets):  # fp32 mean over the counted targets; 0, not NaN, when none counts
+    n = (targets != IGNORE_INDEX).sum().clamp_min(1)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum") / n
 
 
 # %%
@@ -195,6 +268,18 @@ print({k: round(v.item(), 3) for k, v in parts.items()})
 # %%
 small = lm_loss(logits * 1e-3, targets, [MTPOutput(o.k, o.hidden, o.targets, o.weight, o.logits * 1e-3) for o in outs])[1]
 for v in small.values(): test_close(v, torch.tensor(float(V)).log(), eps=1e-2)
+
+# %% [markdown]
+# Ignored targets drop out of the mean. Head 2 of the packed batch above counts six of its ten
+# positions, and its loss is the mean over those six; a head with nothing to count gives 0.
+
+# %%
+lg, tg2 = torch.randn(1, 10, V), packed[1].targets
+counted = tg2[0] != IGNORE_INDEX
+test_eq(int(counted.sum()), 6)
+test_close(_mean_ce(lg, tg2), F.cross_entropy(lg[0, counted], tg2[0, counted]), eps=1e-5)
+test_eq(_mean_ce(lg, torch.full_like(tg2, IGNORE_INDEX)), torch.tensor(0.))
+
 
 # %% [markdown]
 # ## The loss without the logits
@@ -239,9 +324,6 @@ for v in small.values(): test_close(v, torch.tensor(float(V)).log(), eps=1e-2)
 
 # %%
 #| export
-IGNORE_INDEX = -100
-
-
 def ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V], in the compute dtype
              y: torch.Tensor, # Targets [c], ignored rows clamped to a valid id
              w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
@@ -376,6 +458,16 @@ want, want_parts = lm_loss(hidden @ emb.T, targets, outs)
 got, got_parts = lm_loss_fused(hidden, emb, targets, outs)
 test_close(got, want, eps=1e-5)
 for k in want_parts: test_close(got_parts[k], want_parts[k], eps=1e-5)
+
+# And on the packed toy batch, whose MTP targets are partly ignored, and with every MTP target ignored
+# (documents shorter than the heads reach), where both give 0:
+for cu_case in (cu, torch.arange(13, dtype=torch.int32)):
+    hp = torch.randn(1, 12, D)
+    outs_p = mtp(hp, tgt, lambda h: h @ emb.T, cu_seqlens=cu_case)
+    want, want_parts = lm_loss(hp @ emb.T, tgt, outs_p)
+    got, got_parts = lm_loss_fused(hp, emb, tgt, outs_p)
+    for k in want_parts: test_close(got_parts[k], want_parts[k], eps=1e-5)
+test_eq(got_parts["mtp_2"], torch.tensor(0.))
 
 # %% [markdown]
 # ## What MTP costs

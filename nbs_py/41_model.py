@@ -193,9 +193,9 @@ class HyMo(nn.Module):
         if targets is None: return self.head(h)
         if targets.shape != tokens.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
-        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head))
+        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head, cu_seqlens))
         if self.loss_impl != "fused": raise ValueError(f"loss_impl={self.loss_impl!r}: choose 'fused' or 'logits'")
-        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets))
+        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets, cu_seqlens=cu_seqlens))
 
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."
@@ -386,7 +386,8 @@ test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), 
 # With `cu_seqlens` the positions restart at every document, so a packed row may be longer than
 # `max_seq_len` as long as each document fits. The trainer packs a micro-batch of $B$ windows of
 # $T$ tokens into one row of $BT$ (a window always starts a document), which is how
-# `doc_masking=true` trains. On one H200 the 750M step with documents of about 1 024 tokens costs
+# `doc_masking=true` trains; the MTP heads take the same boundaries and skip targets in a later
+# document (chapter 40). On one H200 the 750M step with documents of about 1 024 tokens costs
 # 11 % more than without (1.93 against 1.74 s per 8 micro-batches, 30.4 % MFU; the results page):
 # MLA attends through one varlen flash call, and what is left is the host reading document
 # boundaries from the GPU.

@@ -683,7 +683,8 @@ test_eq(load_manifest(work / "cache/data/tinyshakespeare-bpe2048")["fingerprint"
 # *flattened* to one row of $BT$ tokens, exactly what a model that packs sequences (the
 # varlen kernels, run with batch size 1) needs: `cu_seqlens` is `int32` of shape `[S + 1]`,
 # $0 = c_0 < c_1 < \dots < c_S = BT$, and segment $j$ is tokens $c_j \dots c_{j+1} - 1$ of
-# `tokens.view(1, B * T)`.
+# `tokens.view(1, B * T)`. The model's GDN and MLA layers restart at every offset, and the MTP
+# heads skip the targets that lie past their position's segment (chapter 40).
 
 # %%
 #| export

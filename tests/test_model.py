@@ -88,6 +88,29 @@ def test_packed_documents_equal_separate_runs(dropless):
         torch.testing.assert_close(packed[:, cu[n]:cu[n + 1]], m(d), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("loss_impl", ["logits", "fused"])
+def test_packed_losses_equal_separate_runs(dropless, loss_impl):
+    """Every loss part of a packed row is the per-document losses pooled: MTP head k never trains a
+    position on a target past its document's end-of-text token (nor on the next packed window)."""
+    m = _model(dropless).eval(); m.loss_impl = loss_impl
+    lens, V = (7, 66, 5), dropless.vocab_size
+    x = torch.randint(1, V, (1, sum(lens) + 1))
+    tokens, targets = x[:, :-1], x[:, 1:]
+    cu = torch.tensor([0, 7, 73, 78])
+    with torch.no_grad():
+        _, packed = m(tokens, targets=targets, cu_seqlens=cu)
+        sums = {k: 0.0 for k in packed}
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            for k, v in m(tokens[:, s:e], targets=targets[:, s:e])[1].items(): sums[k] += v.item() * (e - s - ahead(k))
+    for k, v in packed.items():  # a mean over the positions head k trains: sum(len - k) of them
+        assert v.item() * sum(l - ahead(k) for l in lens) == pytest.approx(sums[k], rel=1e-5), k
+
+
+def ahead(part: str) -> int:
+    "How many positions at a document's end a loss part cannot train: 0 for 'main', k for 'mtp_k'."
+    return 0 if part == "main" else int(part.split("_")[1])
+
+
 def test_overfits_one_batch(tiny):
     m = _model(tiny)
     x = torch.randint(0, tiny.vocab_size, (1, 17))

@@ -71,9 +71,9 @@ class HyMo(nn.Module):
         if targets is None: return self.head(h)
         if targets.shape != tokens.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
-        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head))
+        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head, cu_seqlens))
         if self.loss_impl != "fused": raise ValueError(f"loss_impl={self.loss_impl!r}: choose 'fused' or 'logits'")
-        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets))
+        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets, cu_seqlens=cu_seqlens))
 
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."

@@ -19,8 +19,11 @@ from ..config import ModelConfig
 from .layers import RMSNorm
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'MTPBlock', 'MTPOutput', 'MultiTokenPrediction', 'lm_loss', 'ce_chunk', 'linear_cross_entropy',
-           'lm_loss_fused']
+__all__ = ['IGNORE_INDEX', 'MTPBlock', 'MTPOutput', 'MultiTokenPrediction', 'document_ids', 'lm_loss', 'ce_chunk',
+           'linear_cross_entropy', 'lm_loss_fused']
+
+# %% ../../nbs/40_mtp.ipynb #2e6fd7d5
+IGNORE_INDEX = -100
 
 # %% ../../nbs/40_mtp.ipynb #dbafef09
 class MTPBlock(nn.Module):
@@ -62,15 +65,27 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, hidden: torch.Tensor, # Main hidden states h_0..h_{T-1} [B, T, D] (after the final norm)
                 targets: torch.Tensor, # Main targets x_1..x_T [B, T]
                 head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, # The tied vocabulary projection; None: no logits
+                cu_seqlens: Optional[torch.Tensor] = None, # [N+1] document boundaries of a packed row (B == 1)
                ) -> list[MTPOutput]:
         T = hidden.shape[1]
         if T <= len(self.heads):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
+        doc = None if cu_seqlens is None else document_ids(cu_seqlens, T)  # (T,)
         outs = []
         for k, (blk, w) in enumerate(zip(self.heads, self.weights), start=1):
             hk = blk(hidden[:, :T - k])  # (B, T-k, D)
-            outs.append(MTPOutput(k, hk, targets[:, k:], w, None if head is None else head(hk)))
+            tk = targets[:, k:]          # (B, T-k)
+            if doc is not None: tk = tk.masked_fill(doc[k:] != doc[:T - k], IGNORE_INDEX)  # see "Packed documents"
+            outs.append(MTPOutput(k, hk, tk, w, None if head is None else head(hk)))
         return outs
+
+
+def document_ids(cu_seqlens: torch.Tensor, # [N+1] document boundaries of a packed row
+                 T: int, # Packed row length
+                ) -> torch.Tensor: # [T] long: the document each position belongs to
+    "Which document each position of a packed row belongs to (on the boundaries' device, no host sync)."
+    pos = torch.arange(T, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:-1].to(torch.long).contiguous(), pos, right=True)
 
 # %% ../../nbs/40_mtp.ipynb #c9a648ff
 def _weighted_total(main: torch.Tensor, mtp_outputs, loss_of: Callable[[MTPOutput], torch.Tensor]):
@@ -90,13 +105,14 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
     "Total loss `L_main + Σ_k w_k L_k` and its parts: {'main': .., 'mtp_1': .., ...} (detached)."
     if any(o.logits is None for o in mtp_outputs):
         raise ValueError("lm_loss needs MTP logits: call MultiTokenPrediction with the head, or use lm_loss_fused")
-    ce = lambda lg, tg: F.cross_entropy(lg.float().flatten(0, -2), tg.flatten())
-    return _weighted_total(ce(logits, targets), mtp_outputs, lambda o: ce(o.logits, o.targets))
+    return _weighted_total(_mean_ce(logits, targets), mtp_outputs, lambda o: _mean_ce(o.logits, o.targets))
+
+
+def _mean_ce(logits, targets):  # fp32 mean over the counted targets; 0, not NaN, when none counts
+    n = (targets != IGNORE_INDEX).sum().clamp_min(1)
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum") / n
 
 # %% ../../nbs/40_mtp.ipynb #dd85b326
-IGNORE_INDEX = -100
-
-
 def ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V], in the compute dtype
              y: torch.Tensor, # Targets [c], ignored rows clamped to a valid id
              w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
