@@ -811,10 +811,27 @@ Trainer.save, Trainer.load = save, load
 # `fit` runs until `max_steps` (or `num_steps` more steps, which is how a test stops a run
 # half-way). It logs a JSON line per step to `metrics.jsonl`, shows a progress bar, evaluates
 # every `eval_every` steps, checkpoints every `ckpt_every` steps and at the end, then writes the
-# loss curve, a generated sample and `model.safetensors`.
+# loss curve, a generated sample and `model.safetensors`. Every `log_every` steps, on the first
+# and last step of the call, and whenever it evaluates, it also prints one line of metrics
+# (`metric_line`), which stays in the scroll-back and in a job's log file, where a progress bar
+# only keeps its last state.
 
 # %%
 #| export
+def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.jsonl
+                max_steps: int, # The run's last step
+               ) -> str:
+    "The printed line for one step: step, loss and its parts, validation loss, schedule, gradient norm, speed."
+    parts = [f"step {m['step']}/{max_steps}", f"total loss {m['loss']:.4f}"]
+    heads = [f"{k.removeprefix('loss/')} {v:.3f}" for k, v in m.items() if k.startswith("loss/")]
+    if heads: parts[-1] += " (" + ", ".join(heads) + ")"
+    if m.get("val_loss") is not None: parts.append(f"val {m['val_loss']:.4f}")
+    parts += [f"lr x{m['lr_mult']:.3f}", f"grad {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s"]
+    if m.get("mfu") is not None: parts.append(f"mfu {m['mfu']:.1%}")
+    if m.get("skipped"): parts.append("skipped: non-finite loss or gradient")
+    return " | ".join(parts)
+
+
 def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
     from tqdm.auto import tqdm
@@ -845,6 +862,9 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         bar.set_postfix_str(f"loss {m['loss']:.3f} tok/s {m['tokens_per_s']:.0f}" +
                             (f" mfu {m['mfu']:.1%}" if m["mfu"] is not None else "") +
                             (f" val {m['val_loss']:.3f}" if "val_loss" in m else ""))
+        if self.step % self.cfg.log_every == 0 or self.step in (start + 1, end) or "val_loss" in m:
+            if bar.disable: self.log(metric_line(m, self.cfg.max_steps))  # no bar: quiet (prints nothing) or not rank 0
+            else: bar.write(metric_line(m, self.cfg.max_steps))       # above the bar, which stays at the bottom
         due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
         if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
     bar.close()
@@ -931,7 +951,11 @@ cfg = load_config("hymo_tiny", **small)
 trainer = Trainer(cfg.model, cfg.train, run_dir=work / "run", quiet=True)
 print(f"accumulation: {trainer.accum} micro-batches per step; {trainer.flops_per_token/1e6:.1f} MFLOPs per token")
 metrics = trainer.fit()
-for m in metrics[::3]: print({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items() if "/" not in k})
+for m in metrics[::3]: print(metric_line(m, trainer.cfg.max_steps))  # what a run prints every log_every steps
+test_eq(metric_line(metrics[5], 12).split(" | ")[:2],
+        [f"step 6/12", f"total loss {metrics[5]['loss']:.4f} (main {metrics[5]['loss/main']:.3f}, "
+                       f"mtp_1 {metrics[5]['loss/mtp_1']:.3f}, mtp_2 {metrics[5]['loss/mtp_2']:.3f})"])
+assert f"val {metrics[5]['val_loss']:.4f}" in metric_line(metrics[5], 12)  # step 6 evaluated (eval_every=6)
 test_eq(trainer.step, 12)
 assert metrics[-1]["loss"] < metrics[0]["loss"]
 

@@ -72,10 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train HyMo. With no arguments: hymo_tiny on the bundled Shakespeare corpus, on CPU in minutes.",
         epilog=f"presets: {', '.join(presets())}\n" + _options_help())
     p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny)")
-    p.add_argument("--resume", default=None, metavar="CHECKPOINT",
-                   help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
-    p.add_argument("--no-resume", action="store_true",
-                   help="start afresh, in a run_dir without checkpoints (one that holds them is refused)")
+    start = p.add_mutually_exclusive_group()  # --resume X --no-resume would silently drop X
+    start.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                       help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
+    start.add_argument("--no-resume", action="store_true",
+                       help="start afresh, in a run_dir without checkpoints (one that holds them is refused)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (listed below)")
     return p
 

@@ -80,6 +80,15 @@ def test_loss_falls(tmp_path):
     assert sum(losses(m)[-5:]) / 5 < sum(losses(m)[:5]) / 5 - 0.5
 
 
+def test_prints_a_metric_line_every_log_every_steps(tmp_path, capsys):
+    from hymo.training.trainer import Trainer
+    cfg = load_config("hymo_tiny", **{**FAST, "log_every": 3, "max_steps": 7, "eval_every": 4})
+    Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run", quiet=False).fit()
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    assert [l.split(" | ")[0] for l in lines] == ["step 1/7", "step 3/7", "step 4/7", "step 6/7", "step 7/7"]  # first, every 3rd, eval, last
+    assert "val " in lines[2] and "val " not in lines[1] and "total loss" in lines[0] and "mtp_1" in lines[0]
+
+
 def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):
     "doc_masking packs a micro-batch of 16 windows of 32 tokens into one row of 512 > max_seq_len=256: it must still train."
     t = make(tmp_path / "run", doc_masking=True, micro_batch_size=16, global_batch_size=16, max_steps=3, warmup_steps=1)
@@ -291,6 +300,7 @@ def test_cli_help_lists_every_option(tmp_path):
     (["dim=wide"], "expected int"),
     (["--config", "hymo_nano"], "Presets: hymo_750m, hymo_tiny"),
     (["max_steps"], "write key=value"),
+    (["--resume", "runs/x/step_4", "--no-resume"], "not allowed with argument --resume"),
 ])
 def test_cli_errors_say_what_to_do(tmp_path, args, expect):
     r = run_cli(*args, cwd=tmp_path)

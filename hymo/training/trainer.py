@@ -32,8 +32,8 @@ from .optim import build_optimizers, wsd_schedule
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
            'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'resume_changes', 'trim_metrics',
            'split_micro_batches', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
-           'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'fit',
-           'finish', 'sample', 'plot_losses']
+           'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
+           'metric_line', 'fit', 'finish', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -571,6 +571,20 @@ def load(self: Trainer, ckpt: Path):
 Trainer.save, Trainer.load = save, load
 
 # %% ../../nbs/70_trainer.ipynb #50f9c8a0
+def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.jsonl
+                max_steps: int, # The run's last step
+               ) -> str:
+    "The printed line for one step: step, loss and its parts, validation loss, schedule, gradient norm, speed."
+    parts = [f"step {m['step']}/{max_steps}", f"total loss {m['loss']:.4f}"]
+    heads = [f"{k.removeprefix('loss/')} {v:.3f}" for k, v in m.items() if k.startswith("loss/")]
+    if heads: parts[-1] += " (" + ", ".join(heads) + ")"
+    if m.get("val_loss") is not None: parts.append(f"val {m['val_loss']:.4f}")
+    parts += [f"lr x{m['lr_mult']:.3f}", f"grad {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s"]
+    if m.get("mfu") is not None: parts.append(f"mfu {m['mfu']:.1%}")
+    if m.get("skipped"): parts.append("skipped: non-finite loss or gradient")
+    return " | ".join(parts)
+
+
 def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
     from tqdm.auto import tqdm
@@ -601,6 +615,9 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         bar.set_postfix_str(f"loss {m['loss']:.3f} tok/s {m['tokens_per_s']:.0f}" +
                             (f" mfu {m['mfu']:.1%}" if m["mfu"] is not None else "") +
                             (f" val {m['val_loss']:.3f}" if "val_loss" in m else ""))
+        if self.step % self.cfg.log_every == 0 or self.step in (start + 1, end) or "val_loss" in m:
+            if bar.disable: self.log(metric_line(m, self.cfg.max_steps))  # no bar: quiet (prints nothing) or not rank 0
+            else: bar.write(metric_line(m, self.cfg.max_steps))       # above the bar, which stays at the bottom
         due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
         if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
     bar.close()
