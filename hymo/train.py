@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 
 import yaml
@@ -74,19 +75,33 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
-    from hymo.training.trainer import Trainer
+    from hymo.training.trainer import NonFiniteError, Trainer, list_checkpoints
     resume = False if args.no_resume else (args.resume or True)
+    trainer = None
     try:
-        trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
-    except (ConfigError, DataError) as e:  # the data, the run folder or a checkpoint does not fit what was asked
-        parser.error(str(e))
-    trainer.log(f"run folder: {trainer.run_dir.resolve()}")
-    trainer.fit()
-    trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
+        try:
+            trainer = Trainer(cfg.model, cfg.train, resume=resume, name=cfg.name)
+        except (ConfigError, DataError) as e:  # the data, the run folder or a checkpoint does not fit what was asked
+            parser.error(str(e))
+        trainer.log(f"run folder: {trainer.run_dir.resolve()}")
+        trainer.fit()
+    except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
+        last = list_checkpoints(trainer.run_dir) if trainer is not None else []
+        parser.exit(130, f"interrupted{f' at step {trainer.step}' if trainer else ''}; "
+                         f"{f'the last checkpoint is {last[-1]}' if last else 'no checkpoint was written'}\n")
+    except NonFiniteError as e:
+        parser.exit(1, f"error: {e}\n")
+    stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
+    if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
+    else:
+        last = list_checkpoints(trainer.run_dir)
+        trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; the last checkpoint is "
+                    f"{last[-1] if last else 'none'}. Run the same command to resume.")
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
+    if stop is not None: sys.exit(128 + int(getattr(stop, "value", signal.SIGTERM)))  # as if the signal had killed it
     return getattr(trainer, "summary", {})
 
 # %% ../nbs/71_train.ipynb #0468dcd5

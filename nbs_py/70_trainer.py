@@ -31,11 +31,15 @@ import math
 import os
 import pickle
 import shutil
+import signal
+import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -815,6 +819,14 @@ Trainer.save, Trainer.load = save, load
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
 # (`metric_line`), which stays in the scroll-back and in a job's log file, where a progress bar
 # only keeps its last state.
+#
+# A run is stopped from outside by Ctrl-C (SIGINT) or by a scheduler's SIGTERM (preemption, a time
+# limit). Either one, during `fit`, is only *noted* (`StopSignals`): the step in flight finishes,
+# every rank agrees that a stop was asked for (a signal may reach the ranks at different steps, and
+# the checkpoint is collective), a checkpoint of that step is written, and `fit` returns with
+# `stopped_by` set; `python -m hymo.train` then says where the checkpoint is and exits with
+# 128 + the signal's number, as a killed process would. Nothing since the last checkpoint is lost,
+# and running the same command resumes. A second Ctrl-C stops at once, without a checkpoint.
 
 # %%
 #| export
@@ -832,15 +844,54 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
     return " | ".join(parts)
 
 
+class StopSignals:
+    "While active (in the main thread), SIGINT and SIGTERM call `on_signal(signal)` instead of stopping; a second SIGINT raises `KeyboardInterrupt`."
+    def __init__(self, on_signal: Callable, # Called with the `signal.Signals` received
+                 announce: bool = True): # Print a line when a signal arrives (rank 0)
+        self.on_signal, self.announce, self.received, self.old = on_signal, announce, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+            self.old = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def _note(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT: raise KeyboardInterrupt
+        self.received = signal.Signals(signum)
+        self.on_signal(self.received)
+        if self.announce:
+            print(f"\n{self.received.name}: stopping after this step with a checkpoint "
+                  "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.old.items(): signal.signal(s, handler)
+
+
 def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     logger = _wandb(self)
-    out, metrics_file = [], (self.run_dir / "metrics.jsonl")
+    metrics_file = self.run_dir / "metrics.jsonl"
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
-    start = self.step
+    start, self.stopped_by = self.step, None
+    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet):
+        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)
+    bar.close()
+    if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
+    if logger: logger.finish()
+    return out
+
+
+def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signals`, or any description
+    "Ask `fit` to stop after the step in flight, with a checkpoint of it (the SIGINT and SIGTERM handlers call this)."
+    if self.stopped_by is None: self.stopped_by = why
+
+
+def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:
+    "The loop of `fit`: train steps until `end`, or until a stop is requested on any rank."
+    out = []
     while self.step < end:
         t0 = time.perf_counter()
         m = self.train_step()
@@ -867,9 +918,10 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
             else: bar.write(metric_line(m, self.cfg.max_steps))       # above the bar, which stays at the bottom
         due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
         if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
-    bar.close()
-    if self.step >= self.cfg.max_steps: self.finish()
-    if logger: logger.finish()
+        if not self._agree(self.stopped_by is None):  # a stop was asked for, on some rank: all stop here, together
+            if self.consecutive_bad == 0 and not due: self.save()
+            self.request_stop("a stop on another rank")
+            break
     return out
 
 
@@ -881,7 +933,7 @@ def _wandb(self: Trainer):
     return wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
                       config=Config(self.mcfg, self.cfg).to_dict(), resume="allow")
 
-Trainer.fit = fit
+Trainer.fit, Trainer._fit_steps, Trainer.request_stop = fit, _fit_steps, request_stop
 
 
 # %% [markdown]
@@ -986,6 +1038,27 @@ t2 = Trainer(cfg.model, cfg.train, run_dir=work / "resumed", quiet=True)
 test_eq(t2.step, 6)
 second = t2.fit()
 test_eq([m["loss"] for m in first + second], [m["loss"] for m in metrics])
+
+# %% [markdown]
+# A stop from outside ends the same way. Here a scheduler's SIGTERM arrives while step 3 runs: the
+# step is wrapped to call `request_stop`, which is what the signal handler calls (a notebook's cells
+# may run outside the main thread, where Python lets no handler be installed; the tests send real
+# signals to `python -m hymo.train`). Step 3 finishes, is checkpointed although `ckpt_every` is 6, and a new
+# `Trainer` on the folder carries on with the losses of the uninterrupted run.
+
+# %%
+t3 = Trainer(cfg.model, cfg.train, run_dir=work / "preempted", quiet=True)
+step_once = t3.train_step
+def step_then_sigterm():
+    m = step_once()
+    if t3.step == 3: t3.request_stop(signal.SIGTERM)
+    return m
+t3.train_step = step_then_sigterm
+test_eq(len(t3.fit()), 3)
+test_eq((t3.step, t3.stopped_by), (3, signal.SIGTERM))
+test_eq([c.name for c in list_checkpoints(t3.run_dir)], ["step_000003"])
+t3 = Trainer(cfg.model, cfg.train, run_dir=work / "preempted", quiet=True)
+test_eq([m["loss"] for m in t3.fit()], [m["loss"] for m in metrics[3:]])
 
 # %% [markdown]
 # ## Mistakes that are caught

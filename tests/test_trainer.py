@@ -285,6 +285,31 @@ def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_pat
     assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resumes(tmp_path, sig):
+    """Ctrl-C or a scheduler's SIGTERM mid-run: the step in flight finishes, its checkpoint is written, the
+    exit code is 128 + the signal's number and there is no traceback; the same command then carries on."""
+    import signal, time
+    args = ["run_dir=run", "max_steps=100000", "seq_len=32", "micro_batch_size=4", "global_batch_size=4",
+            "eval_every=0", "ckpt_every=0", "warmup_steps=1", "sample_tokens=4"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, "-m", "hymo.train", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(getattr(signal, sig))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
+    assert "Traceback" not in err and f"stopped by {sig}" in out, (out[-2000:], err[-2000:])
+    step = read_jsonl(metrics)[-1]["step"]
+    assert [c.name for c in (tmp_path / "run" / "checkpoints").iterdir()] == [f"step_{step:06d}"]
+    r = run_cli(*[a if not a.startswith("max_steps") else f"max_steps={step + 2}" for a in args], cwd=tmp_path)
+    assert r.returncode == 0 and f"resumed from" in r.stdout and f"at step {step}" in r.stdout, r.stderr[-2000:]
+    assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, step + 3))
+
+
 def test_cli_help_lists_every_option(tmp_path):
     r = run_cli("--help", cwd=tmp_path)
     assert r.returncode == 0
