@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import signal
 import sys
 
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 # %% ../nbs/71_train.ipynb #c3645403
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # writing the run folder failed: one line, not a traceback
+
+
 def main(argv: list[str] | None = None) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
@@ -91,6 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{f'the last checkpoint is {last[-1]}' if last else 'no checkpoint was written'}\n")
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
+    except OSError as e:
+        if e.errno not in _DISK_ERRORS: raise
+        last = list_checkpoints(trainer.run_dir) if trainer is not None else []
+        parser.exit(1, f"error: cannot write {e.filename or 'to the run folder'}: {e.strerror}. Free space (or fix the "
+                       f"permissions), or give another run_dir=...; "
+                       + (f"the same command then resumes from {last[-1]}\n" if last else "no checkpoint was written yet\n"))
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
     else:

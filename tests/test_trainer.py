@@ -310,6 +310,21 @@ def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resume
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, step + 3))
 
 
+def test_a_full_disk_leaves_no_partial_checkpoint_and_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+    import torch.distributed.checkpoint as dcp
+    from hymo.train import main
+    def full(state, checkpoint_id):
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(checkpoint_id) / "__0_0.distcp"))
+    monkeypatch.setattr(dcp, "save", full)
+    args = [f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "ckpt_every": 2, "run_dir": tmp_path / "run"}.items()]
+    with pytest.raises(SystemExit) as e: main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "No space left on device" in err and "no checkpoint was written yet" in err, err
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []  # the partial step_000002.tmp is gone
+
+
 def test_cli_help_lists_every_option(tmp_path):
     r = run_cli("--help", cwd=tmp_path)
     assert r.returncode == 0

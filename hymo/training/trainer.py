@@ -518,16 +518,21 @@ def save(self: Trainer) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     if self.d.distributed: dist.barrier()
-    model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-    with _single_process_quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, tmp / f"rank{self.d.rank}.pt")
-    if self.d.distributed: dist.barrier()
+    try:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        with _single_process_quiet():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, tmp / f"rank{self.d.rank}.pt")
+        if self.d.distributed: dist.barrier()
+        if self.d.is_main:
+            meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
+                    "history": self.history, "world_size": self.d.world_size,
+                    "config": Config(self.mcfg, self.cfg).to_dict()}
+            (tmp / "meta.json").write_text(json.dumps(meta))
+    except BaseException:  # a full disk, say: the partial folder would only hold on to the space that is short
+        if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if self.d.is_main:
-        meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
-                "history": self.history, "world_size": self.d.world_size,
-                "config": Config(self.mcfg, self.cfg).to_dict()}
-        (tmp / "meta.json").write_text(json.dumps(meta))
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
         for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]: shutil.rmtree(old)
