@@ -350,7 +350,10 @@ def _read_preset(name_or_path) -> tuple[str, dict]:
     if p.suffix not in (".yaml", ".yml"): p = PRESET_DIR / f"{name_or_path}.yaml"
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try: raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); `python -m hymo.train` prints a config "
+                          "that is (redirect it to a file)") from None
     if not isinstance(raw, dict) or set(raw) - {"model", "train", "name"}:
         raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
                           f"has); found {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
@@ -375,6 +378,9 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}, the "
                           f"longest sequence the model is built for: lower seq_len or raise max_seq_len")
+    if cfg.train.seq_len <= cfg.model.mtp_depth:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} leaves MTP head {cfg.model.mtp_depth} no position to train "
+                          f"(head k needs k + 1 tokens): use seq_len > mtp_depth={cfg.model.mtp_depth}")
     return cfg
 
 
@@ -391,6 +397,8 @@ import tempfile
 saved = Path(tempfile.mkdtemp()) / "my_run.yaml"
 saved.write_text(str(cfg))
 test_eq(load_config(saved), cfg)  # the printed YAML loads back to the same config, name included
+broken = saved.with_name("broken.yaml"); broken.write_text("model: {dim: [\n")
+test_fail(lambda: load_config(broken), contains="is not valid YAML")
 
 # %%
 test_eq((cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size), (896, 32, 64256))
@@ -450,6 +458,7 @@ test_fail(lambda: load_config("hymo_tiny", gdn_kernel="cuda"), contains="choose 
 test_fail(lambda: load_config("hymo_tiny", gdn_kernel="triton", gdn_chunk_size=32), contains="gdn_kernel: torch")
 test_fail(lambda: load_config("hymo_tiny", max_steps=10), contains="warmup_steps=12 runs into the decay")
 test_fail(lambda: load_config("hymo_tiny", seq_len=512), contains="longer than model.max_seq_len=256")
+test_fail(lambda: load_config("hymo_tiny", seq_len=2), contains="use seq_len > mtp_depth=2")
 
 # %% [markdown]
 # One leniency: PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string. A float field

@@ -318,6 +318,10 @@ class Trainer:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
         self.accum = split_micro_batches(train_cfg, self.d.world_size)
+        if model_cfg.gdn_kernel == "triton" and self.d.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(f"gdn_kernel=triton needs a CUDA GPU and this run is on {self.d.device.type}: use "
+                              "gdn_kernel=auto (Triton on a GPU, PyTorch elsewhere) or torch, or set TRITON_INTERPRET=1 "
+                              "to run the kernels in Triton's interpreter (slow: for checking them)")
 
         self.setup_data()  # first: preparing the default corpus is the slow part of a first run
 

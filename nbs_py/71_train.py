@@ -64,7 +64,10 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
         k, v = item.split("=", 1)
-        out[k.strip()] = None if v.strip() in ("None", "none") else yaml.safe_load(v)
+        try: out[k.strip()] = None if v.strip() in ("None", "none") else yaml.safe_load(v)
+        except yaml.YAMLError:
+            raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "
+                              f"e.g. '{k.strip()}=[0.3, 0.1]'") from None
     return out
 
 
@@ -158,6 +161,7 @@ if __name__ == "__main__" and not _in_ipython():
 test_eq(parse_overrides(["dim=64", "train.wandb=true", "moe_capacity_factor=None", "mtp_loss_weights=[0.5,0.2]"]),
         {"dim": 64, "train.wandb": True, "moe_capacity_factor": None, "mtp_loss_weights": [0.5, 0.2]})
 test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
+test_fail(lambda: parse_overrides(["mtp_loss_weights=[0.3,"]), contains="not valid YAML")
 
 # %%
 h = build_parser().format_help()

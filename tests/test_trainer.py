@@ -352,13 +352,18 @@ def test_cli_errors_say_what_to_do(tmp_path, args, expect):
     (["--resume", "nowhere"], "not a complete checkpoint"),
     (["run_dir=afile"], "is a file"),
     (["seq_len=512"], "longer than model.max_seq_len=256"),
+    (["seq_len=2"], "use seq_len > mtp_depth=2"),
+    (["gdn_kernel=triton"], "gdn_kernel=triton needs a CUDA GPU"),
+    (["--config", "broken.yaml"], "broken.yaml is not valid YAML"),
+    (["mtp_loss_weights=[0.3,"], "the value is not valid YAML"),
 ])
 def test_cli_refusals_from_the_trainer_leave_no_run_folder(tmp_path, args, expect):
     """Mistakes found by the trainer (data, checkpoint, run folder) end in one line and exit 2, as config errors do."""
     (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "broken.yaml").write_text("model: {dim: [\n")
     r = run_cli(*args, cwd=tmp_path)
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert sorted(os.listdir(tmp_path)) == ["afile"]  # no run folder, default or named
+    assert sorted(os.listdir(tmp_path)) == ["afile", "broken.yaml"]  # no run folder, default or named
 
 
 def test_no_resume_refuses_a_folder_with_checkpoints_and_keeps_them(tmp_path):
