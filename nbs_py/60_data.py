@@ -420,7 +420,11 @@ def load_manifest(data_dir: Path) -> dict:
     if not m.exists():
         raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run "
                         f"`python -m hymo.data prepare --input TEXT... --out {data_dir}`")
-    manifest = json.loads(m.read_text())
+    try: manifest = json.loads(m.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{m} is damaged ({e}): prepare the dataset again (`python -m hymo.data prepare ... "
+                        f"--out {data_dir} --overwrite`)") from None
+    if not isinstance(manifest, dict): manifest = {}
     if manifest.get("format") != FORMAT:
         raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it again")
     return manifest
@@ -468,7 +472,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         tokenizer = Path(tokenizer)
         if not tokenizer.exists(): raise DataError(f"tokenizer {tokenizer} does not exist: give a Hugging Face tokenizer.json")
         tokenizer_json = tokenizer.read_text(encoding="utf-8")
-        tok = Tokenizer.from_str(tokenizer_json)
+        try: tok = Tokenizer.from_str(tokenizer_json)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise DataError(f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({e}): give the file that "
+                            "`Tokenizer.save` writes") from None
         if tok.token_to_id(EOT) is None: raise DataError(f"tokenizer {tokenizer} has no {EOT} token: add it as a special token")
         if vocab_size is not None and vocab_size != tok.get_vocab_size():
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
@@ -476,6 +483,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
+    if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
     if out.exists() and any(out.iterdir()):
         if not (out / "manifest.json").exists():
             raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
@@ -667,13 +675,22 @@ test_eq(load_manifest(work / "cache/data/tinyshakespeare-bpe2048")["fingerprint"
 #
 # **Order.** Epoch $e$ visits the windows in the permutation $\pi_e$ drawn from a generator seeded
 # with $(\text{seed}, e)$. A micro-batch step takes $W B$ windows for $W$ data-parallel ranks with
-# $B$ sequences each, so an epoch has $S = \lfloor K / (W B) \rfloor$ steps (the at most $WB - 1$
-# windows left over are different ones every epoch). Step $t$ belongs to epoch $e = \lfloor t / S
-# \rfloor$, and rank $r$ reads, for $b = 0 \dots B - 1$,
+# $B$ sequences each, and an optimiser step takes $A$ micro-batch steps (gradient accumulation), so
+# $G = A W B$ windows, the global batch. An epoch is a whole number of optimiser steps,
+# $\lfloor K / G \rfloor$, which is $S = A \lfloor K / G \rfloor$ micro-batch steps (the at most
+# $G - 1$ windows left over are different ones every epoch). Step $t$ belongs to epoch
+# $e = \lfloor t / S \rfloor$, and rank $r$ reads, for $b = 0 \dots B - 1$,
 # $$k = \pi_e\big((t \bmod S)\, W B + r B + b\big).$$
 # Nothing but $(\text{seed}, t, r)$ enters: the ranks' windows are disjoint (distinct entries of
 # one permutation), together they cover the epoch, and the loader's whole state is the step $t$.
 # Resuming is `load_state_dict({'step': t, ...})`.
+#
+# Optimiser step $s$ is micro-batch steps $t = sA \dots sA + A - 1$, so it reads entries
+# $jG \dots jG + G - 1$ of $\pi_e$, with $e$ and $j$ the quotient and remainder of $s$ by
+# $\lfloor K / G \rfloor$: the same windows for any $W$ and $A$ with the same $G$. That is what lets a run resume on another number of GPUs with the same data: its
+# optimiser steps see the same windows as the run would have. (Measuring an epoch in micro-batch
+# steps, $\lfloor K / (W B) \rfloor$, would put the epoch boundary, and so everything after it,
+# somewhere else for every $W$.)
 #
 # **Document boundaries.** With `doc_masking=True` the loader also returns `cu_seqlens`, the
 # offsets where documents start. EOT *opens* a segment: it acts as the beginning-of-sequence
@@ -719,26 +736,28 @@ class TokenLoader:
                  world_size: int = 1, # W: data-parallel ranks
                  seed: int = 0, # Seeds the per-epoch window order
                  doc_masking: bool = False, # Also return `cu_seqlens` (document starts in the flattened batch)
+                 accum: int = 1, # A: micro-batch steps per optimiser step; an epoch is a whole number of optimiser steps
                 ):
         self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
         self.rank, self.world_size, self.seed, self.doc_masking = rank, world_size, seed, doc_masking
         if not 0 <= rank < world_size: raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
-        if seq_len <= 0 or micro_batch_size <= 0: raise DataError("seq_len and micro_batch_size must be positive")
+        if seq_len <= 0 or micro_batch_size <= 0 or accum <= 0:
+            raise DataError("seq_len, micro_batch_size and accum must be positive")
         self.manifest = load_manifest(data_dir)
         self.eot_id = self.manifest["eot_id"]
         self.shards = _open_shards(data_dir, self.manifest, split)
         self.offsets = np.cumsum([0] + [len(a) for a in self.shards])  # shard i holds stream[offsets[i]:offsets[i+1]]
         self.n_tokens = int(self.offsets[-1])
         self.n_windows = max(self.n_tokens - 1, 0) // seq_len  # K
-        per_step = world_size * micro_batch_size
+        per_step = world_size * micro_batch_size * accum  # G
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
         if self.n_windows < per_step:
             raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than the "
-                            f"{per_step} one step needs (world_size {world_size} x micro_batch_size "
-                            f"{micro_batch_size}): use a shorter seq_len, a smaller batch or more data")
-        self.steps_per_epoch = self.n_windows // per_step  # S
+                            f"{per_step} one optimiser step needs (world_size {world_size} x micro_batch_size "
+                            f"{micro_batch_size} x accumulation {accum}): use a shorter seq_len, a smaller batch or more data")
+        self.steps_per_epoch = self.n_windows // per_step * accum  # S, micro-batch steps
         self.step, self._perm = 0, (None, None)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -850,6 +869,22 @@ c = TokenLoader(ds, seq_len=T, micro_batch_size=B, seed=3)
 c.load_state_dict(b.state_dict())
 for i in range(S - 2, S + 5): test_eq(next(c)[0], stream_a[i])
 test_fail(lambda: c.load_state_dict({**b.state_dict(), "seed": 4}), contains="seed: saved 4")
+
+
+# %% [markdown]
+# One global batch of $G = 32$ windows read three ways: 1 rank accumulating 4 micro-batches of 8,
+# 2 ranks accumulating 2, and 4 ranks with none. Every optimiser step reads the same 32 windows in
+# all three, over two and a half epochs, which is what resuming on another number of GPUs relies on.
+
+# %%
+def optimiser_step_windows(W, A, s):  # the windows of optimiser step s, over all ranks and micro-batches
+    ls = [TokenLoader(ds, seq_len=T, micro_batch_size=8, rank=r, world_size=W, seed=0, accum=A) for r in range(W)]
+    return sorted(int(k) for l in ls for t in range(s * A, s * A + A) for k in l.window_ids(t))
+
+per_epoch = loader.n_windows // 32
+for s in (*range(0, 5 * per_epoch // 2, 7), per_epoch - 1, per_epoch, 2 * per_epoch):  # epoch boundaries too
+    test_eq(optimiser_step_windows(1, 4, s), optimiser_step_windows(2, 2, s))
+    test_eq(optimiser_step_windows(1, 4, s), optimiser_step_windows(4, 1, s))
 
 # %% [markdown]
 # With document masking, each batch also carries its document starts in the flattened batch:

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from hymo.config import ConfigError, load_config
 from hymo.models.model import HyMo, build_hymo
 
 # %%
+import contextlib
+import io
 import subprocess
 import tempfile
 
@@ -92,7 +95,8 @@ def generate_text(model: HyMo, tok, # From `load_run`
     dev = next(model.parameters()).device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
-        out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k)
+        out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
+                             vocab=tok.get_vocab_size())  # a model wider than its data's tokenizer: only ids it decodes
     return tok.decode(out[0].tolist())
 
 
@@ -112,9 +116,14 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
     a = p.parse_args(argv)
-    if a.tokens < 0 or a.temperature < 0 or a.top_k < 0: p.error("--tokens, --temperature and --top-k must not be negative")
+    if a.tokens < 0 or not a.temperature >= 0 or a.top_k < 0:  # `not >=` also refuses nan
+        p.error("--tokens, --temperature and --top-k must be numbers, not negative")
+    if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
-    if device.startswith("cuda") and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    try: device = torch.device(device)
+    except RuntimeError: p.error(f"--device {a.device}: give cpu, cuda, cuda:N or auto")
+    if device.type not in ("cpu", "cuda"): p.error(f"--device {a.device}: HyMo generates on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
     try:
         model, tok = load_run(a.run_dir, device)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed)
@@ -174,6 +183,16 @@ test_eq((r.returncode, r.stdout.strip()), (0, greedy.strip()))
 r = subprocess.run([sys.executable, "-m", "hymo.generate", str(work)], capture_output=True, text=True)
 print(r.stderr.strip().splitlines()[-1])
 assert r.returncode == 2 and "has no config.yaml" in r.stderr and "Traceback" not in r.stderr
+
+# %% [markdown]
+# So do options that cannot work (checked before the model is loaded):
+
+# %%
+for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperature", "inf"], "must be finite"),
+                   (["--device", "tpu"], "give cpu, cuda"), (["--device", "meta"], "on cpu or cuda")]:
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        test_fail(lambda: main([str(work / "run"), *args]), exc=SystemExit)
+    assert says in err.getvalue(), err.getvalue()
 
 # %% [markdown]
 # ## Interview questions

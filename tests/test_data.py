@@ -211,6 +211,11 @@ def test_input_errors(tmp_path):
     with pytest.raises(DataError, match="not a HyMo dataset"): prepare(tmp_path / "ok.txt", tmp_path / "busy")
     with pytest.raises(DataError, match="at least 257"): prepare(tmp_path / "ok.txt", tmp_path / "o", vocab_size=100, progress=False)
     assert not (tmp_path / "o").exists()
+    with pytest.raises(DataError, match="is a file"): prepare(tmp_path / "ok.txt", tmp_path / "ok.txt")
+    (tmp_path / "tok.json").write_text("{")
+    with pytest.raises(DataError, match="is not a Hugging Face tokenizer.json"):
+        prepare(tmp_path / "ok.txt", tmp_path / "o", tokenizer=tmp_path / "tok.json")
+    assert not (tmp_path / "o").exists() and (tmp_path / "ok.txt").read_text() == "hello\n"
 
 
 def test_dataset_errors(ds, text, tmp_path):
@@ -224,6 +229,8 @@ def test_dataset_errors(ds, text, tmp_path):
     bad2 = prepare(text, tmp_path / "bad2", vocab_size=VOCAB, progress=False)
     np.save(bad2 / "val_0000.npy", np.load(bad2 / "val_0000.npy")[:-5])
     with pytest.raises(DataError, match="damaged"): check_compatible(bad2, VOCAB)
+    (bad2 / "manifest.json").write_text('{"format": ')  # cut short
+    with pytest.raises(DataError, match="manifest.json is damaged"): check_compatible(bad2, VOCAB)
 
 
 def test_prepare_default_caches(tmp_path, monkeypatch):

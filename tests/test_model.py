@@ -196,6 +196,20 @@ def test_generate(dropless):
     assert m.generate(prompt, 1).shape == (1, 7) and m.training
 
 
+def test_generate_samples_only_ids_the_tokenizer_has(dropless):
+    """A model wider than its data's tokenizer (vocab padded up): `vocab=` keeps the extra rows out of every sample."""
+    m, v = _model(dropless), dropless.vocab_size - 64
+    forward = m.forward
+    def boosted(tokens):  # the rows past v would win every draw
+        logits = forward(tokens).clone(); logits[..., v:] += 100
+        return logits
+    m.forward = boosted
+    prompt = torch.randint(0, v, (1, 4))
+    for temperature, top_k in ((0, None), (1.0, None), (0.8, 5)):
+        assert (m.generate(prompt, 6, temperature, top_k)[0, 4:] >= v).any()
+        assert (m.generate(prompt, 6, temperature, top_k, vocab=v)[0, 4:] < v).all()
+
+
 def test_bad_input_is_a_clear_error(tiny):
     m = _model(tiny)
     with pytest.raises(ValueError, match=r"\[B, T\]"): m(torch.zeros(4, dtype=torch.long))

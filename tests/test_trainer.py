@@ -325,6 +325,24 @@ def test_a_full_disk_leaves_no_partial_checkpoint_and_ends_in_one_line(tmp_path,
     assert list((tmp_path / "run" / "checkpoints").iterdir()) == []  # the partial step_000002.tmp is gone
 
 
+def test_a_second_process_cannot_train_in_a_locked_run_folder(tmp_path):
+    """The same command started twice: the second is refused (naming the first's pid) and changes nothing."""
+    run = tmp_path / "run"; run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from hymo.training.trainer import lock_run_dir; "
+                               "assert lock_run_dir(Path(sys.argv[1])) is None; print('locked', flush=True); time.sleep(600)",
+                               str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        r = run_cli("run_dir=run", "max_steps=2", "seq_len=32", "sample_tokens=4", "warmup_steps=1", cwd=tmp_path)
+        assert r.returncode == 2 and f"is in use by another run (pid {holder.pid} on" in r.stderr, r.stderr[-2000:]
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    finally:
+        holder.kill(); holder.wait()
+    r = run_cli("run_dir=run", "max_steps=2", "seq_len=32", "sample_tokens=4", "warmup_steps=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]  # the lock went with the process that held it
+
+
 def test_cli_help_lists_every_option(tmp_path):
     r = run_cli("--help", cwd=tmp_path)
     assert r.returncode == 0

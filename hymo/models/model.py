@@ -147,6 +147,7 @@ class HyMo(nn.Module):
                  max_new_tokens: int,  # Tokens to append
                  temperature: float = 1.0,  # Softmax temperature; 0 picks the most likely token
                  top_k: Optional[int] = None,  # Sample among the k most likely tokens only; None: all
+                 vocab: Optional[int] = None,  # Only ids below this: the tokenizer's size, when the model's vocabulary is larger
                 ) -> torch.Tensor:  # [1, T + max_new_tokens]
         "Sample a continuation, re-running the full forward pass on the last `max_seq_len` tokens at every step."
         if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"generate takes one prompt [1, T]; got {tuple(tokens.shape)}")
@@ -154,6 +155,7 @@ class HyMo(nn.Module):
         self.eval()
         for _ in range(max_new_tokens):
             logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float()  # (1, V)
+            if vocab is not None: logits[:, vocab:] = float("-inf")  # rows no token decodes to (never targets, but not -inf)
             if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
             else:
                 logits = logits / temperature

@@ -35,7 +35,7 @@ from .optim import build_optimizers, wsd_schedule
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
            'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'resume_changes', 'trim_metrics',
-           'split_micro_batches', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
+           'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
            'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
            'metric_line', 'StopSignals', 'fit', 'request_stop', 'finish', 'sample', 'plot_losses']
 
@@ -205,6 +205,24 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
                           f"ranks: make global_batch_size a multiple of micro_batch_size × ranks, e.g. {fix}")
     return n // world_size
 
+# %% ../../nbs/70_trainer.ipynb #68855c69
+_HELD_LOCKS: dict[Path, object] = {}  # run folder -> its open .lock file, for the life of this process
+
+
+def lock_run_dir(run_dir: Path) -> str | None:
+    "Lock `run_dir/.lock` for this process; None if it is ours now, else who holds it."
+    import fcntl, socket
+    key = Path(run_dir).resolve()
+    if key in _HELD_LOCKS: return None
+    f = open(key / ".lock", "a+")
+    try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0); who = f.read().strip() or "another process"; f.close()
+        return who
+    f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
+    _HELD_LOCKS[key] = f
+    return None
+
 # %% ../../nbs/70_trainer.ipynb #78387d22
 class NonFiniteError(RuntimeError):
     "Too many consecutive steps had a non-finite loss or gradient."
@@ -243,19 +261,28 @@ class Trainer:
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
+        self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
         self._resume(resume)
         if self.d.is_main: self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a mistake leaves no empty run folder
+        self._lock_run_dir()  # a new folder: now that it exists
+
+    def _lock_run_dir(self):
+        "Rank 0 locks the run folder if it exists (see `lock_run_dir`); every rank raises if another process holds it."
+        who = lock_run_dir(self.run_dir) if self.d.is_main and self.run_dir.is_dir() else None
+        if not self._agree(who is None):
+            raise ConfigError(f"run_dir={self.run_dir} is in use by another run ({who or 'see rank 0'}): wait for it to "
+                              "finish or stop it, or give another run_dir=...")
 
     def setup_data(self):
         "Set `data_dir`, `train_loader` and `val_loader` (None without a validation split; a benchmark on synthetic tokens overrides this)."
         self.data_dir = Path(self.cfg.data_dir).expanduser() if self.cfg.data_dir else self._prepare_default()
         check_compatible(self.data_dir, self.mcfg.vocab_size)
-        mk = lambda split: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
-                                       rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
-                                       doc_masking=self.cfg.doc_masking)
-        self.train_loader = mk("train")
+        mk = lambda split, accum: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
+                                              rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
+                                              doc_masking=self.cfg.doc_masking, accum=accum)
+        self.train_loader = mk("train", self.accum)  # epochs of whole optimiser steps: the same data on any world size
         has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
-        self.val_loader = mk("val") if has_val else None
+        self.val_loader = mk("val", 1) if has_val else None
         if not has_val: self.log(f"{self.data_dir} has no validation split: no validation loss is reported")
 
     def _prepare_default(self) -> Path:
@@ -533,7 +560,7 @@ def save(self: Trainer) -> Path:
                     "history": self.history, "world_size": self.d.world_size,
                     "config": Config(self.mcfg, self.cfg).to_dict()}
             (tmp / "meta.json").write_text(json.dumps(meta))
-    except BaseException:  # a full disk, say: the partial folder would only hold on to the space that is short
+    except OSError:  # a full disk, say: the partial folder would only hold on to the space that is short
         if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)
         raise
     if self.d.is_main:
