@@ -390,9 +390,10 @@ test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), 
 # $T$ tokens into one row of $BT$ (a window always starts a document), which is how
 # `doc_masking=true` trains; the MTP heads take the same boundaries and skip targets in a later
 # document (chapter 40). On one H200 the 750M step with documents of about 1 024 tokens costs
-# 11 % more than without (1.93 against 1.74 s per 8 micro-batches, 30.4 % MFU; the results page):
-# MLA attends through one varlen flash call, and what is left is the host reading document
-# boundaries from the GPU.
+# 11 to 24 % more than without, depending on the machine (1.93 to 2.16 s per 8 micro-batches
+# against 1.70 to 1.74 s; the latest pair, measured together, 2.11 against 1.70 s, 27.8 % MFU; the
+# results page): MLA attends through one varlen flash call, and what is left is the host reading
+# document boundaries from the GPU.
 
 # %%
 rows = torch.randint(0, tiny.vocab_size, (3, tiny.max_seq_len))
