@@ -127,6 +127,17 @@ def test_resume_takes_the_new_optimiser_settings_and_keeps_the_moments(tmp_path)
     assert second.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001 * m["lr_mult"])
 
 
+def test_a_finished_run_is_not_finished_again(tmp_path):
+    """Resuming a finished run (same max_steps, another learning rate) trains nothing and rewrites nothing: the final
+    checkpoint's meta.json keeps the config the run trained with, as config.yaml does; raising max_steps trains on."""
+    make(tmp_path / "run", max_steps=4).fit()
+    meta = tmp_path / "run" / "checkpoints" / "step_000004" / "meta.json"
+    before = meta.read_bytes()
+    again = make(tmp_path / "run", max_steps=4, muon_lr=0.001)
+    assert again.step == 4 and again.fit() == [] and meta.read_bytes() == before
+    assert [m["step"] for m in make(tmp_path / "run", max_steps=6).fit()] == [5, 6]
+
+
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     from hymo.training.trainer import list_checkpoints
     make(tmp_path / "run", max_steps=8, ckpt_every=2, keep_last_k=3).fit()  # step_4, 6, 8

@@ -652,11 +652,16 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
+    self.stopped_by = None
+    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or _finished_at(self.run_dir) == self.step):
+        # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
+        self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
+        return []
     logger = _wandb(self)
     metrics_file = self.run_dir / "metrics.jsonl"
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
-    start, self.stopped_by = self.step, None
+    start = self.step
     with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet):
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)
     bar.close()
@@ -668,6 +673,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
 def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signals`, or any description
     "Ask `fit` to stop after the step in flight, with a checkpoint of it (the SIGINT and SIGTERM handlers call this)."
     if self.stopped_by is None: self.stopped_by = why
+
+
+def _finished_at(run_dir: Path) -> int | None:
+    "The step `finish` wrote summary.json at, if it did (re-finishing would overwrite the final checkpoint's config)."
+    try: return json.loads((run_dir / "summary.json").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError): return None
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:
