@@ -16,6 +16,7 @@ import torch
 
 from .config import ConfigError, load_config
 from .models.model import HyMo, build_hymo
+from .training.data import EOT
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'load_run', 'generate_text', 'main']
@@ -59,15 +60,16 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   top_k: int | None = 50, # Sample among the k most likely tokens; None: all
                   seed: int = 0, # The same seed gives the same text
                  ) -> str:
-    "The prompt and its continuation, decoded."
-    ids = tok.encode(prompt).ids
-    if not ids: raise ValueError("the prompt is empty: give at least one character")
+    "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
+    eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
+    ids = ([] if eot is None else [eot]) + tok.encode(prompt).ids
+    if not ids: raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
     dev = next(model.parameters()).device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size())  # a model wider than its data's tokenizer: only ids it decodes
-    return tok.decode(out[0].tolist())
+                             vocab=tok.get_vocab_size(), stop=eot)  # a model wider than its tokenizer: only ids it decodes
+    return tok.decode([i for i in out[0].tolist() if i != eot])
 
 # %% ../nbs/72_generate.ipynb #2c95b25d
 def main(argv: list[str] | None = None) -> str:

@@ -16,6 +16,12 @@
 # python -m hymo.generate RUN --temperature 0       # greedy: the most likely token every time
 # ```
 #
+# The prompt is the start of a document, so `generate_text` puts the end-of-text token before it,
+# as every document in the training data has one before it (chapter 60): the model's first
+# prediction is then conditioned the way it learned, not on a prompt that seems to begin
+# mid-text. An empty prompt is allowed and gives an unconditional sample. The text ends where the
+# model draws the end-of-text token, or after `max_new_tokens`.
+#
 # Sampling is `HyMo.generate` (chapter 41): it re-runs the whole forward pass on the last
 # `max_seq_len` tokens for every new token. That is slow for long texts but needs nothing beyond
 # the training forward; the recurrent GDN state and the MLA latent cache (chapters 12 and 21) are
@@ -34,6 +40,7 @@ import torch
 
 from hymo.config import ConfigError, load_config
 from hymo.models.model import HyMo, build_hymo
+from hymo.training.data import EOT
 
 # %%
 import contextlib
@@ -89,15 +96,16 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   top_k: int | None = 50, # Sample among the k most likely tokens; None: all
                   seed: int = 0, # The same seed gives the same text
                  ) -> str:
-    "The prompt and its continuation, decoded."
-    ids = tok.encode(prompt).ids
-    if not ids: raise ValueError("the prompt is empty: give at least one character")
+    "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
+    eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
+    ids = ([] if eot is None else [eot]) + tok.encode(prompt).ids
+    if not ids: raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
     dev = next(model.parameters()).device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size())  # a model wider than its data's tokenizer: only ids it decodes
-    return tok.decode(out[0].tolist())
+                             vocab=tok.get_vocab_size(), stop=eot)  # a model wider than its tokenizer: only ids it decodes
+    return tok.decode([i for i in out[0].tolist() if i != eot])
 
 
 # %% [markdown]
@@ -175,6 +183,20 @@ test_eq(greedy, generate_text(model, tok, "ROMEO:", 12, temperature=0, seed=1))
 r = subprocess.run([sys.executable, "-m", "hymo.generate", str(work / "run"), "--tokens", "12", "--temperature", "0",
                     "--device", "cpu"], capture_output=True, text=True)
 test_eq((r.returncode, r.stdout.strip()), (0, greedy.strip()))
+
+# %% [markdown]
+# Every sample starts from the end-of-text token, which the decoded text leaves out; an empty prompt
+# is a sample from nothing but that token:
+
+# %%
+seen = []
+generate_once = model.generate
+model.generate = lambda tokens, *a, **k: seen.append(tokens) or generate_once(tokens, *a, **k)
+unprompted = generate_text(model, tok, "", 12, seed=2)
+model.generate = generate_once
+test_eq(seen[0].tolist(), [[tok.token_to_id(EOT)]])
+print(repr(unprompted))
+assert EOT not in unprompted
 
 # %% [markdown]
 # A folder that is not a finished run says what it lacks and what to give instead:

@@ -196,6 +196,19 @@ def test_generate(dropless):
     assert m.generate(prompt, 1).shape == (1, 7) and m.training
 
 
+def test_generate_stops_at_the_stop_token(dropless):
+    m = _model(dropless)
+    forward = m.forward
+    def end_after_two(tokens):  # id 0 is impossible for two new tokens, then certain
+        logits = forward(tokens).clone(); logits[..., 0] += 100 if tokens.shape[1] >= 6 else -100
+        return logits
+    m.forward = end_after_two
+    prompt = torch.randint(1, dropless.vocab_size, (1, 4))
+    out = m.generate(prompt, 10, temperature=0.8, stop=0)
+    assert out.shape == (1, 7) and out[0, -1] == 0 and (out[0, :-1] != 0).all()
+    assert m.generate(prompt, 10, temperature=0.8).shape == (1, 14)  # without `stop` it runs on
+
+
 def test_generate_samples_only_ids_the_tokenizer_has(dropless):
     """A model wider than its data's tokenizer (vocab padded up): `vocab=` keeps the extra rows out of every sample."""
     m, v = _model(dropless), dropless.vocab_size - 64
