@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo
-from hymo.training.data import TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
+from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -387,8 +387,12 @@ class Trainer:
                                               doc_masking=self.cfg.doc_masking, accum=accum)
         self.train_loader = mk("train", self.accum)  # epochs of whole optimiser steps: the same data on any world size
         has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
-        self.val_loader = mk("val", 1) if has_val else None
+        self.val_loader = None
         if not has_val: self.log(f"{self.data_dir} has no validation split: no validation loss is reported")
+        else:
+            try: self.val_loader = mk("val", 1)
+            except DataError as e:  # too small for one micro-batch: train anyway, and say so
+                self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
 
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."

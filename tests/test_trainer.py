@@ -413,6 +413,17 @@ def test_data_dir_that_does_not_match_the_model_is_refused(tmp_path):
         make(tmp_path / "run", data_dir=str(ds), vocab_size=1024)
 
 
+def test_a_validation_split_too_small_for_a_batch_is_skipped_with_a_warning(tmp_path, capsys):
+    from hymo.training.data import CORPUS, prepare
+    from hymo.training.trainer import Trainer
+    ds = prepare(CORPUS, tmp_path / "data", vocab_size=2048, val_fraction=0.0005, progress=False)  # ~150 val tokens
+    cfg = load_config("hymo_tiny", **{**FAST, "data_dir": str(ds), "micro_batch_size": 8, "global_batch_size": 8,
+                                      "max_steps": 2, "warmup_steps": 1})
+    t = Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run", quiet=False)
+    assert t.val_loader is None and "warning: no validation loss is reported" in capsys.readouterr().out
+    assert len(t.fit()) == 2 and t.summary["val_loss"] is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the single-GPU autocast path)")
 def test_one_gpu_steps_through_bf16_copies_and_trains_as_autocast_does(tmp_path):
     """On one GPU the trainer casts the matrices once per step (`BF16Matrices`); its steps match plain autocast's."""
