@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import os
+import tempfile
 import re
 import time
 from pathlib import Path
@@ -230,7 +231,7 @@ def run(args) -> dict:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29517")
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.reset_peak_memory_stats()
-    t = SyntheticTrainer(cfg.model, cfg.train, run_dir="/tmp/hymo_bench", resume=False, quiet=True)
+    t = SyntheticTrainer(cfg.model, cfg.train, run_dir=tempfile.mkdtemp(prefix="hymo_bench_"), resume=False, quiet=True)  # one each: run folders are locked
     t.model.loss_impl = args.loss
     flops = t.model.flops_per_token(args.seq_len)
     for _ in range(args.warmup): t.train_step()

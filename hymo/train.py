@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
-    from hymo.training.trainer import NonFiniteError, Trainer, list_checkpoints
+    from hymo.training.trainer import NonFiniteError, Trainer, list_checkpoints, wrapped
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:
@@ -92,18 +92,18 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(str(e))
         trainer.log(f"run folder: {trainer.run_dir.resolve()}")
         trainer.fit()
-    except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
-        last = list_checkpoints(trainer.run_dir) if trainer is not None else []
-        parser.exit(130, f"interrupted{f' at step {trainer.step}' if trainer else ''}; "
-                         f"{f'the last checkpoint is {last[-1]}' if last else 'no checkpoint was written'}\n")
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
-    except OSError as e:
-        if e.errno not in _DISK_ERRORS: raise
+    except BaseException as e:  # DCP wraps what it meets (a Ctrl-C, a full disk) in its own exception: look inside
         last = list_checkpoints(trainer.run_dir) if trainer is not None else []
-        parser.exit(1, f"error: cannot write {e.filename or 'to the run folder'}: {e.strerror}. Free space (or fix the "
-                       f"permissions), or give another run_dir=...; "
-                       + (f"the same command then resumes from {last[-1]}\n" if last else "no checkpoint was written yet\n"))
+        resume_from = f"the same command resumes from {last[-1]}" if last else "no checkpoint was written"
+        if wrapped(e, KeyboardInterrupt) is not None:  # a second Ctrl-C in training, or one before it began
+            parser.exit(130, "interrupted " + (f"at step {trainer.step}; {resume_from}\n" if trainer is not None
+                                                else "before training began\n"))
+        disk = wrapped(e, OSError)
+        if disk is None or disk.errno not in _DISK_ERRORS: raise
+        parser.exit(1, f"error: {disk.filename or 'the run folder'}: {disk.strerror}. Free space or fix the permissions "
+                       f"(or give another run_dir=...); {resume_from}\n")
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
     else:

@@ -739,7 +739,7 @@ class TokenLoader:
                  accum: int = 1, # A: micro-batch steps per optimiser step; an epoch is a whole number of optimiser steps
                 ):
         self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
-        self.rank, self.world_size, self.seed, self.doc_masking = rank, world_size, seed, doc_masking
+        self.rank, self.world_size, self.seed, self.doc_masking, self.accum = rank, world_size, seed, doc_masking, accum
         if not 0 <= rank < world_size: raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
         if seq_len <= 0 or micro_batch_size <= 0 or accum <= 0:
             raise DataError("seq_len, micro_batch_size and accum must be positive")
@@ -808,14 +808,14 @@ class TokenLoader:
     def state_dict(self) -> dict:
         "Everything needed to continue with the next batch: the step, and what the order depends on."
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
-                "world_size": self.world_size, "split": self.split, "fingerprint": self.manifest["fingerprint"]}
+                "world_size": self.world_size, "accum": self.accum, "split": self.split, "fingerprint": self.manifest["fingerprint"]}
 
     def load_state_dict(self, state: dict):
         "Continue from a `state_dict()`; the order-defining settings must be the same."
         mine = self.state_dict()
         diff = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in mine if k != "step" and state.get(k) != mine[k]]
         if diff: raise DataError("cannot resume the data order, settings differ (" + "; ".join(diff) + "): "
-                                 "resume with the same data, seed, seq_len, micro_batch_size and world_size")
+                                 "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
         self.step = int(state["step"])
 
     def eval_batches(self, n_batches: Optional[int] = None, # Batches to yield; None: all full batches

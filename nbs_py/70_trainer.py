@@ -211,9 +211,30 @@ class CheckpointUnreadable(OSError):
     "A checkpoint's files are missing or damaged on some rank."
 
 
+def wrapped(e: BaseException, kind) -> BaseException | None:
+    "The first exception of type `kind` in `e` or what it wraps: DCP re-raises every error, Ctrl-C included, inside a `CheckpointException`."
+    todo, seen = [e], []
+    while todo:
+        x = todo.pop(0)
+        if x is None or any(x is y for y in seen): continue
+        if isinstance(x, kind): return x
+        seen.append(x)
+        failures = getattr(x, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict): todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [x.__cause__, x.__context__]
+    return None
+
+
+def reraise_interrupt(e: BaseException):
+    "Raise the `KeyboardInterrupt` or `SystemExit` that `e` wraps, as itself; nothing if there is none."
+    stop = wrapped(e, (KeyboardInterrupt, SystemExit))
+    if stop is not None: raise stop.with_traceback(None) from None
+
+
 def _unreadable(e: BaseException) -> bool:
     "True for errors that mean damaged or missing files, not a setting that does not fit nor a lack of memory."
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
+    reraise_interrupt(e)  # Ctrl-C while a checkpoint loads is not damage: it stops the run
     if isinstance(e, torch.OutOfMemoryError): return False  # a RuntimeError, but not the files' fault
     return isinstance(e, (OSError, EOFError, KeyError, RuntimeError, json.JSONDecodeError, pickle.UnpicklingError,
                           CheckpointException))
@@ -313,7 +334,8 @@ def lock_run_dir(run_dir: Path) -> str | None:
     "Lock `run_dir/.lock` for this process; None if it is ours now, else who holds it."
     import fcntl, socket
     key = Path(run_dir).resolve()
-    if key in _HELD_LOCKS: return None
+    held = _HELD_LOCKS.get(key)
+    if held is not None and _same_file(held, key / ".lock"): return None
     f = open(key / ".lock", "a+")
     try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -322,6 +344,12 @@ def lock_run_dir(run_dir: Path) -> str | None:
     f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
     _HELD_LOCKS[key] = f
     return None
+
+
+def _same_file(f, path: Path) -> bool:
+    "Whether the open file `f` is still the file at `path` (not one of a folder deleted and made again)."
+    try: return os.fstat(f.fileno()).st_ino == path.stat().st_ino
+    except OSError: return False
 
 
 # %% [markdown]
@@ -364,6 +392,7 @@ class Trainer:
         self.matrices = BF16Matrices(self.model, self.dtype, compiled=train_cfg.compile) if single_gpu_autocast else None  # cast once per step
         self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
+        self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
@@ -373,7 +402,11 @@ class Trainer:
 
     def _lock_run_dir(self):
         "Rank 0 locks the run folder if it exists (see `lock_run_dir`); every rank raises if another process holds it."
-        who = lock_run_dir(self.run_dir) if self.d.is_main and self.run_dir.is_dir() else None
+        who = None
+        if self.d.is_main and self.run_dir.is_dir():
+            try: who = lock_run_dir(self.run_dir)
+            except OSError as e:  # a file system without flock (some network mounts): train, unguarded, and say so
+                self.log(f"warning: cannot lock {self.run_dir} ({e.strerror}): nothing stops a second run from writing it")
         if not self._agree(who is None):
             raise ConfigError(f"run_dir={self.run_dir} is in use by another run ({who or 'see rank 0'}): wait for it to "
                               "finish or stop it, or give another run_dir=...")
@@ -802,21 +835,26 @@ def save(self: Trainer) -> Path:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
         with _single_process_quiet():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, tmp / f"rank{self.d.rank}.pt")
+        with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:  # through a file: a full disk is an OSError, as elsewhere
+            torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
         if self.d.distributed: dist.barrier()
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size,
                     "config": Config(self.mcfg, self.cfg).to_dict()}
             (tmp / "meta.json").write_text(json.dumps(meta))
-    except OSError:  # a full disk, say: the partial folder would only hold on to the space that is short
-        if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except BaseException as e:  # DCP wraps what it meets (a full disk, a Ctrl-C): raise that, as itself
+        reraise_interrupt(e)  # a kill would leave the .tmp folder too; the next save replaces it
+        disk = wrapped(e, OSError)
+        if disk is None: raise
+        if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to the space that is short
+        raise disk.with_traceback(None) from None
     if self.d.is_main:
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
         for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]: shutil.rmtree(old)
     if self.d.distributed: dist.barrier()
+    self.saved_step = self.step
     return final
 
 
@@ -849,10 +887,17 @@ def load(self: Trainer, ckpt: Path):
     self.history = meta["history"]
     if extra is not None:
         _set_rng_state(extra["rng"])
-        self.train_loader.load_state_dict(extra["loader"])
+        saved = extra["loader"]
+        if saved.get("accum", 1) == self.train_loader.accum: self.train_loader.load_state_dict(saved)  # none saved: 1
+        else:  # another global batch, or a checkpoint from before the loader saved its accumulation
+            self.train_loader.load_state_dict({**saved, "accum": self.train_loader.accum})  # the other settings must match
+            self.train_loader.step = self.step * self.accum
+            notes.append(f"the loader's accumulation was {saved.get('accum', 'not saved')}, now {self.accum}: the data "
+                         "position follows from the steps done, and later epochs' order differs from the saved run's")
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
         self.train_loader.step = self.step * self.accum
     self._train_iter = iter(self.train_loader)
+    self.saved_step = self.step  # that checkpoint exists: a stop right away need not write it again
     self.log(f"resumed from {ckpt} at step {self.step}")
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
@@ -922,7 +967,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
-    self.stopped_by = None
+    self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
     if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or _finished_at(self.run_dir) == self.step):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
@@ -934,6 +979,10 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     start = self.step
     with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet):
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)
+    # The handlers are off: `stopped_by` is final on every rank, and a signal that came after the last step's check counts
+    if not self._agree(self.stopped_by is None):
+        self.request_stop("a stop on another rank")
+        if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # all ranks: the save is collective
     bar.close()
     if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
@@ -980,10 +1029,7 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
             else: bar.write(metric_line(m, self.cfg.max_steps))       # above the bar, which stays at the bottom
         due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
         if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
-        if not self._agree(self.stopped_by is None):  # a stop was asked for, on some rank: all stop here, together
-            if self.consecutive_bad == 0 and not due: self.save()
-            self.request_stop("a stop on another rank")
-            break
+        if not self._agree(self.stopped_by is None): break  # a stop was asked for, on some rank: all stop here (fit saves)
     return out
 
 

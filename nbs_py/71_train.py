@@ -20,6 +20,20 @@
 # `fit`. Each of these mistakes ends in the usage line and one line that says what to do, exit
 # status 2, and no run folder. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
 # and `mtp_loss_weights=[0.5,0.2]` all work.
+#
+# Once training has begun, the other ways a run ends are one line too, each with its exit status:
+#
+# | how | exit status | what is on disk |
+# |---|---|---|
+# | finished | 0 | final checkpoint, `summary.json`, `model.safetensors` |
+# | Ctrl-C or SIGTERM (chapter 70) | 130 or 143 (128 + the signal) | a checkpoint of the last finished step |
+# | a second Ctrl-C | 130 | the checkpoints written so far |
+# | too many non-finite steps in a row | 1 | the last good checkpoint, named in the message |
+# | no space, quota, a read-only or forbidden file | 1 | the checkpoints written so far (no partial one) |
+#
+# `torch.distributed.checkpoint` wraps any exception raised while it reads or writes, a Ctrl-C or a
+# full disk included, in its own `CheckpointException`; `main` looks inside it (`wrapped`), so those
+# end the same way.
 
 # %%
 #| export
@@ -110,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
-    from hymo.training.trainer import NonFiniteError, Trainer, list_checkpoints
+    from hymo.training.trainer import NonFiniteError, Trainer, list_checkpoints, wrapped
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:
@@ -120,18 +134,18 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(str(e))
         trainer.log(f"run folder: {trainer.run_dir.resolve()}")
         trainer.fit()
-    except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
-        last = list_checkpoints(trainer.run_dir) if trainer is not None else []
-        parser.exit(130, f"interrupted{f' at step {trainer.step}' if trainer else ''}; "
-                         f"{f'the last checkpoint is {last[-1]}' if last else 'no checkpoint was written'}\n")
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
-    except OSError as e:
-        if e.errno not in _DISK_ERRORS: raise
+    except BaseException as e:  # DCP wraps what it meets (a Ctrl-C, a full disk) in its own exception: look inside
         last = list_checkpoints(trainer.run_dir) if trainer is not None else []
-        parser.exit(1, f"error: cannot write {e.filename or 'to the run folder'}: {e.strerror}. Free space (or fix the "
-                       f"permissions), or give another run_dir=...; "
-                       + (f"the same command then resumes from {last[-1]}\n" if last else "no checkpoint was written yet\n"))
+        resume_from = f"the same command resumes from {last[-1]}" if last else "no checkpoint was written"
+        if wrapped(e, KeyboardInterrupt) is not None:  # a second Ctrl-C in training, or one before it began
+            parser.exit(130, "interrupted " + (f"at step {trainer.step}; {resume_from}\n" if trainer is not None
+                                                else "before training began\n"))
+        disk = wrapped(e, OSError)
+        if disk is None or disk.errno not in _DISK_ERRORS: raise
+        parser.exit(1, f"error: {disk.filename or 'the run folder'}: {disk.strerror}. Free space or fix the permissions "
+                       f"(or give another run_dir=...); {resume_from}\n")
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
     else:

@@ -321,19 +321,66 @@ def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resume
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, step + 3))
 
 
+def _cli_args(run, **over):
+    return [f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "ckpt_every": 2, "run_dir": run, **over}.items()]
+
+
 def test_a_full_disk_leaves_no_partial_checkpoint_and_ends_in_one_line(tmp_path, monkeypatch, capsys):
-    import errno
+    """The real DCP writer on a disk whose data file cannot be written (/dev/full: ENOSPC). DCP wraps the OSError in
+    its own exception; the CLI still finds it, says so in one line, and the partial folder is gone."""
     import torch.distributed.checkpoint as dcp
     from hymo.train import main
+    real = dcp.save
     def full(state, checkpoint_id):
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device", str(Path(checkpoint_id) / "__0_0.distcp"))
+        os.symlink("/dev/full", Path(checkpoint_id) / "__0_0.distcp")
+        return real(state, checkpoint_id=checkpoint_id)
     monkeypatch.setattr(dcp, "save", full)
-    args = [f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "ckpt_every": 2, "run_dir": tmp_path / "run"}.items()]
-    with pytest.raises(SystemExit) as e: main(args)
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run"))
     err = capsys.readouterr().err
-    assert e.value.code == 1 and "No space left on device" in err and "no checkpoint was written yet" in err, err
-    assert list((tmp_path / "run" / "checkpoints").iterdir()) == []  # the partial step_000002.tmp is gone
+    assert e.value.code == 1 and "No space left on device" in err and "no checkpoint was written" in err, err
+    assert "Traceback" not in err and list((tmp_path / "run" / "checkpoints").iterdir()) == []  # no step_000002.tmp
+
+
+def test_ctrl_c_while_a_checkpoint_loads_stops_and_damages_nothing(tmp_path, monkeypatch, capsys):
+    """DCP wraps a KeyboardInterrupt too: it must stop the run (exit 130), not mark the checkpoint damaged and go on."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from hymo.train import main
+    main(_cli_args(tmp_path / "run", max_steps=4, keep_last_k=2))
+    def interrupted(self, *a, **k): raise KeyboardInterrupt
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run", max_steps=6, keep_last_k=2))
+    assert e.value.code == 130 and "interrupted before training began" in capsys.readouterr().err
+    assert sorted(c.name for c in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_ctrl_c_while_a_checkpoint_is_written_ends_in_one_line(tmp_path, monkeypatch, capsys):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from hymo.train import main
+    def interrupted(self, *a, **k): raise KeyboardInterrupt
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "interrupted at step 2; no checkpoint was written" in err and "Traceback" not in err, err
+
+
+def test_a_stop_after_the_last_steps_check_still_checkpoints_and_skips_the_finish(tmp_path, monkeypatch):
+    """A signal between the loop's last check and the handlers' removal: every rank still learns of it after the loop,
+    the step is checkpointed, `finish` is left to the resumed run."""
+    import signal
+    from hymo.training.trainer import Trainer, list_checkpoints
+    steps = Trainer._fit_steps
+    def then_signal(self, *a):
+        out = steps(self, *a)
+        self.request_stop(signal.SIGTERM)  # what the handler does, after the loop
+        return out
+    monkeypatch.setattr(Trainer, "_fit_steps", then_signal)
+    t = make(tmp_path / "run", max_steps=3, ckpt_every=2)
+    assert len(t.fit()) == 3 and t.stopped_by == signal.SIGTERM
+    assert [c.name for c in list_checkpoints(t.run_dir)] == ["step_000002", "step_000003"]
+    assert not (t.run_dir / "summary.json").exists()
+    monkeypatch.setattr(Trainer, "_fit_steps", steps)
+    again = make(tmp_path / "run", max_steps=3, ckpt_every=2)
+    assert again.fit() == [] and (t.run_dir / "summary.json").exists()  # resumed at the end: it finishes
 
 
 def test_a_second_process_cannot_train_in_a_locked_run_folder(tmp_path):
