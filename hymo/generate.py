@@ -59,6 +59,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   temperature: float = 0.8, # 0: greedy
                   top_k: int | None = 50, # Sample among the k most likely tokens; None: all
                   seed: int = 0, # The same seed gives the same text
+                  stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
@@ -68,8 +69,10 @@ def generate_text(model: HyMo, tok, # From `load_run`
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size(), stop=eot)  # a model wider than its tokenizer: only ids it decodes
-    return tok.decode([i for i in out[0].tolist() if i != eot])
+                             vocab=tok.get_vocab_size(), stop=eot if stop else None)  # vocab: only ids it decodes
+    new = out[0, len(ids):].tolist()
+    if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
+    return tok.decode(ids[eot is not None:] + new)
 
 # %% ../nbs/72_generate.ipynb #2c95b25d
 def main(argv: list[str] | None = None) -> str:

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -221,8 +222,11 @@ def wrapped(e: BaseException, kind) -> BaseException | None:
         seen.append(x)
         failures = getattr(x, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
         if isinstance(failures, dict): todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [x.__cause__, x.__context__]
+        todo += [x.__cause__, None if x.__suppress_context__ else x.__context__]  # `raise ... from None` ends the chain
     return None
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # a run folder that cannot be written: one line
 
 
 def reraise_interrupt(e: BaseException):
@@ -406,6 +410,7 @@ class Trainer:
         if self.d.is_main and self.run_dir.is_dir():
             try: who = lock_run_dir(self.run_dir)
             except OSError as e:  # a file system without flock (some network mounts): train, unguarded, and say so
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS): raise
                 self.log(f"warning: cannot lock {self.run_dir} ({e.strerror}): nothing stops a second run from writing it")
         if not self._agree(who is None):
             raise ConfigError(f"run_dir={self.run_dir} is in use by another run ({who or 'see rank 0'}): wait for it to "
@@ -848,7 +853,8 @@ def save(self: Trainer) -> Path:
         disk = wrapped(e, OSError)
         if disk is None: raise
         if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to the space that is short
-        raise disk.with_traceback(None) from None
+        if disk.errno not in DISK_ERRORS: raise  # DCP's report, every rank's failure in it
+        raise disk from None  # its own traceback; `python -m hymo.train` says it in one line
     if self.d.is_main:
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
@@ -887,12 +893,12 @@ def load(self: Trainer, ckpt: Path):
     self.history = meta["history"]
     if extra is not None:
         _set_rng_state(extra["rng"])
-        saved = extra["loader"]
-        if saved.get("accum", 1) == self.train_loader.accum: self.train_loader.load_state_dict(saved)  # none saved: 1
+        saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
+        if saved["accum"] == self.train_loader.accum: self.train_loader.load_state_dict(saved)
         else:  # another global batch, or a checkpoint from before the loader saved its accumulation
             self.train_loader.load_state_dict({**saved, "accum": self.train_loader.accum})  # the other settings must match
             self.train_loader.step = self.step * self.accum
-            notes.append(f"the loader's accumulation was {saved.get('accum', 'not saved')}, now {self.accum}: the data "
+            notes.append(f"the loader's accumulation was {saved['accum']}, now {self.accum}: the data "
                          "position follows from the steps done, and later epochs' order differs from the saved run's")
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
         self.train_loader.step = self.step * self.accum
@@ -977,12 +983,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
     start = self.step
-    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet):
+    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)
-    # The handlers are off: `stopped_by` is final on every rank, and a signal that came after the last step's check counts
-    if not self._agree(self.stopped_by is None):
-        self.request_stop("a stop on another rank")
-        if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # all ranks: the save is collective
+        signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
+        if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
+            self.request_stop("a stop on another rank")
+            if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
     bar.close()
     if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
@@ -1082,7 +1088,8 @@ def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = N
     from hymo.generate import generate_text  # chapter 72: the same seeded sampling from a finished run's folder
     with self.autocast():  # every rank draws the same tokens
         return generate_text(self.model, load_tokenizer(self.data_dir), prompt, max_new_tokens or self.cfg.sample_tokens,
-                             temperature=temperature, top_k=50, seed=self.cfg.seed)
+                             temperature=temperature, top_k=50, seed=self.cfg.seed,
+                             stop=not self.d.distributed)  # FSDP: every rank runs every forward (all-gathers), then cuts
 
 
 def plot_losses(history: list[dict], path: Path):

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import signal
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -108,9 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # %%
 #| export
-_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # writing the run folder failed: one line, not a traceback
-
-
 def main(argv: list[str] | None = None) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
-    from hymo.training.trainer import NonFiniteError, Trainer, list_checkpoints, wrapped
+    from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer, list_checkpoints, wrapped
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:
@@ -137,13 +134,15 @@ def main(argv: list[str] | None = None) -> dict:
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
     except BaseException as e:  # DCP wraps what it meets (a Ctrl-C, a full disk) in its own exception: look inside
-        last = list_checkpoints(trainer.run_dir) if trainer is not None else []
+        if isinstance(e, SystemExit): raise  # parser.error's, already one line
+        run_dir = trainer.run_dir if trainer is not None else cfg.train.run_dir  # None: a new, timestamped folder
+        last = list_checkpoints(Path(run_dir).expanduser()) if run_dir else []
         resume_from = f"the same command resumes from {last[-1]}" if last else "no checkpoint was written"
         if wrapped(e, KeyboardInterrupt) is not None:  # a second Ctrl-C in training, or one before it began
             parser.exit(130, "interrupted " + (f"at step {trainer.step}; {resume_from}\n" if trainer is not None
                                                 else "before training began\n"))
         disk = wrapped(e, OSError)
-        if disk is None or disk.errno not in _DISK_ERRORS: raise
+        if disk is None or disk.errno not in DISK_ERRORS: raise
         parser.exit(1, f"error: {disk.filename or 'the run folder'}: {disk.strerror}. Free space or fix the permissions "
                        f"(or give another run_dir=...); {resume_from}\n")
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished

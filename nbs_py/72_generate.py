@@ -17,9 +17,9 @@
 # ```
 #
 # The prompt is the start of a document, so `generate_text` puts the end-of-text token before it,
-# as every document in the training data has one before it (chapter 60): the model's first
-# prediction is then conditioned the way it learned, not on a prompt that seems to begin
-# mid-text. An empty prompt is allowed and gives an unconditional sample. The text ends where the
+# as the training data has one before every document but a split's first (chapter 60): the
+# model's first prediction is then conditioned the way it learned, not on a prompt that seems to
+# begin mid-text. An empty prompt is allowed and gives an unconditional sample. The text ends where the
 # model draws the end-of-text token, or after `max_new_tokens`.
 #
 # Sampling is `HyMo.generate` (chapter 41): it re-runs the whole forward pass on the last
@@ -95,6 +95,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   temperature: float = 0.8, # 0: greedy
                   top_k: int | None = 50, # Sample among the k most likely tokens; None: all
                   seed: int = 0, # The same seed gives the same text
+                  stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
@@ -104,8 +105,10 @@ def generate_text(model: HyMo, tok, # From `load_run`
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size(), stop=eot)  # a model wider than its tokenizer: only ids it decodes
-    return tok.decode([i for i in out[0].tolist() if i != eot])
+                             vocab=tok.get_vocab_size(), stop=eot if stop else None)  # vocab: only ids it decodes
+    new = out[0, len(ids):].tolist()
+    if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
+    return tok.decode(ids[eot is not None:] + new)
 
 
 # %% [markdown]
@@ -195,6 +198,7 @@ model.generate = lambda tokens, *a, **k: seen.append(tokens) or generate_once(to
 unprompted = generate_text(model, tok, "", 12, seed=2)
 model.generate = generate_once
 test_eq(seen[0].tolist(), [[tok.token_to_id(EOT)]])
+test_eq(generate_text(model, tok, "", 12, seed=2, stop=False), unprompted)  # ran on to 12 tokens, then cut: the same text
 print(repr(unprompted))
 assert EOT not in unprompted
 

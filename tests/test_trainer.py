@@ -383,6 +383,53 @@ def test_a_stop_after_the_last_steps_check_still_checkpoints_and_skips_the_finis
     assert again.fit() == [] and (t.run_dir / "summary.json").exists()  # resumed at the end: it finishes
 
 
+def test_a_repeated_sigterm_does_not_kill_the_stop_checkpoint(tmp_path):
+    """Schedulers may send SIGTERM twice (to the job step, and again through torchrun): the second one, arriving as the
+    stop checkpoint is written, must be absorbed. In a subprocess: a regression would kill the process."""
+    script = f"""
+import os, signal, sys
+from hymo.config import load_config
+from hymo.training.trainer import Trainer, list_checkpoints
+cfg = load_config("hymo_tiny", **{FAST!r}, max_steps=6)
+t = Trainer(cfg.model, cfg.train, run_dir={str(tmp_path / "run")!r}, quiet=True)
+step, save = t.train_step, t.save
+def step_then_sigterm():
+    m = step()
+    if t.step == 3: os.kill(os.getpid(), signal.SIGTERM)
+    return m
+def save_after_another_sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+    return save()
+t.train_step, t.save = step_then_sigterm, save_after_another_sigterm
+t.fit()
+print(t.stopped_by.name, [c.name for c in list_checkpoints(t.run_dir)])
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["SIGTERM", "['step_000003']"], (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_a_checkpoint_from_before_the_loader_saved_its_accumulation_resumes(tmp_path):
+    first = make(tmp_path / "run", max_steps=4, ckpt_every=2)
+    first.fit(num_steps=2)
+    extra = tmp_path / "run" / "checkpoints" / "step_000002" / "rank0.pt"
+    state = torch.load(extra, weights_only=False); del state["loader"]["accum"]; torch.save(state, extra)
+    again = make(tmp_path / "run", max_steps=4, ckpt_every=2)
+    assert again.step == 2 and again.train_loader.step == 2 and not again.resume_warnings
+
+
+def test_a_refusal_while_resuming_stays_a_usage_error(tmp_path, monkeypatch, capsys):
+    """parser.error's SystemExit passes through main's handler even when the refusal was caused by a permission error."""
+    import errno
+    from hymo.train import main
+    main(_cli_args(tmp_path / "run", max_steps=2, warmup_steps=1))
+    def forbidden(*a, **k): raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(torch, "load", forbidden)
+    with pytest.raises(SystemExit) as e:
+        main(_cli_args(tmp_path / "run", max_steps=4) + ["--resume", str(tmp_path / "run" / "checkpoints" / "step_000002")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot be read" in err and "Free space" not in err, err
+
+
 def test_a_second_process_cannot_train_in_a_locked_run_folder(tmp_path):
     """The same command started twice: the second is refused (naming the first's pid) and changes nothing."""
     run = tmp_path / "run"; run.mkdir()

@@ -8,6 +8,7 @@ Docs: https://hymo-lm.github.io/hymo/trainer.html.md"""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -33,8 +34,8 @@ from .data import DataError, TokenLoader, check_compatible, load_manifest, load_
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision', 'peak_flops',
-           'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'wrapped', 'reraise_interrupt',
+__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision',
+           'peak_flops', 'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'wrapped', 'reraise_interrupt',
            'resume_changes', 'trim_metrics', 'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer',
            'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
            'train_step', 'evaluate', 'save', 'load', 'metric_line', 'StopSignals', 'fit', 'request_stop', 'finish',
@@ -133,8 +134,11 @@ def wrapped(e: BaseException, kind) -> BaseException | None:
         seen.append(x)
         failures = getattr(x, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
         if isinstance(failures, dict): todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        todo += [x.__cause__, x.__context__]
+        todo += [x.__cause__, None if x.__suppress_context__ else x.__context__]  # `raise ... from None` ends the chain
     return None
+
+
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # a run folder that cannot be written: one line
 
 
 def reraise_interrupt(e: BaseException):
@@ -302,6 +306,7 @@ class Trainer:
         if self.d.is_main and self.run_dir.is_dir():
             try: who = lock_run_dir(self.run_dir)
             except OSError as e:  # a file system without flock (some network mounts): train, unguarded, and say so
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS): raise
                 self.log(f"warning: cannot lock {self.run_dir} ({e.strerror}): nothing stops a second run from writing it")
         if not self._agree(who is None):
             raise ConfigError(f"run_dir={self.run_dir} is in use by another run ({who or 'see rank 0'}): wait for it to "
@@ -604,7 +609,8 @@ def save(self: Trainer) -> Path:
         disk = wrapped(e, OSError)
         if disk is None: raise
         if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to the space that is short
-        raise disk.with_traceback(None) from None
+        if disk.errno not in DISK_ERRORS: raise  # DCP's report, every rank's failure in it
+        raise disk from None  # its own traceback; `python -m hymo.train` says it in one line
     if self.d.is_main:
         if final.exists(): shutil.rmtree(final)
         os.replace(tmp, final)
@@ -643,12 +649,12 @@ def load(self: Trainer, ckpt: Path):
     self.history = meta["history"]
     if extra is not None:
         _set_rng_state(extra["rng"])
-        saved = extra["loader"]
-        if saved.get("accum", 1) == self.train_loader.accum: self.train_loader.load_state_dict(saved)  # none saved: 1
+        saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
+        if saved["accum"] == self.train_loader.accum: self.train_loader.load_state_dict(saved)
         else:  # another global batch, or a checkpoint from before the loader saved its accumulation
             self.train_loader.load_state_dict({**saved, "accum": self.train_loader.accum})  # the other settings must match
             self.train_loader.step = self.step * self.accum
-            notes.append(f"the loader's accumulation was {saved.get('accum', 'not saved')}, now {self.accum}: the data "
+            notes.append(f"the loader's accumulation was {saved['accum']}, now {self.accum}: the data "
                          "position follows from the steps done, and later epochs' order differs from the saved run's")
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
         self.train_loader.step = self.step * self.accum
@@ -712,12 +718,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
     start = self.step
-    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet):
+    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)
-    # The handlers are off: `stopped_by` is final on every rank, and a signal that came after the last step's check counts
-    if not self._agree(self.stopped_by is None):
-        self.request_stop("a stop on another rank")
-        if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # all ranks: the save is collective
+        signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
+        if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
+            self.request_stop("a stop on another rank")
+            if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
     bar.close()
     if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
@@ -806,7 +812,8 @@ def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = N
     from hymo.generate import generate_text  # chapter 72: the same seeded sampling from a finished run's folder
     with self.autocast():  # every rank draws the same tokens
         return generate_text(self.model, load_tokenizer(self.data_dir), prompt, max_new_tokens or self.cfg.sample_tokens,
-                             temperature=temperature, top_k=50, seed=self.cfg.seed)
+                             temperature=temperature, top_k=50, seed=self.cfg.seed,
+                             stop=not self.d.distributed)  # FSDP: every rank runs every forward (all-gathers), then cuts
 
 
 def plot_losses(history: list[dict], path: Path):
