@@ -894,9 +894,8 @@ def load(self: Trainer, ckpt: Path):
     if extra is not None:
         _set_rng_state(extra["rng"])
         saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
-        if saved["accum"] == self.train_loader.accum: self.train_loader.load_state_dict(saved)
-        else:  # another global batch, or a checkpoint from before the loader saved its accumulation
-            self.train_loader.load_state_dict({**saved, "accum": self.train_loader.accum})  # the other settings must match
+        self.train_loader.load_state_dict({**saved, "accum": self.accum})  # the other settings must match
+        if saved["accum"] != self.accum:  # another global batch: the position follows from the steps done
             self.train_loader.step = self.step * self.accum
             notes.append(f"the loader's accumulation was {saved['accum']}, now {self.accum}: the data "
                          "position follows from the steps done, and later epochs' order differs from the saved run's")

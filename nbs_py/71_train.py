@@ -32,8 +32,8 @@
 # | no space, quota, a read-only or forbidden file | 1 | the checkpoints written so far (no partial one) |
 #
 # `torch.distributed.checkpoint` wraps any exception raised while it reads or writes, a Ctrl-C or a
-# full disk included, in its own `CheckpointException`; `main` looks inside it (`wrapped`), so those
-# end the same way.
+# full disk included, in its own `CheckpointException`; the trainer's `save` and resume look inside
+# it (`wrapped`, chapter 70) and raise what they find as itself, so those end the same way.
 
 # %%
 #| export
@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 # %%
 #| export
+def _resume_from(trainer, cfg) -> str:
+    "Where the same command would resume, for the one-line endings of `main`."
+    from hymo.training.trainer import list_checkpoints
+    run_dir = trainer.run_dir if trainer is not None else cfg.train.run_dir  # None: a new, timestamped folder
+    last = list_checkpoints(Path(run_dir).expanduser()) if run_dir else []
+    return f"the same command resumes from {last[-1]}" if last else "no checkpoint was written"
+
+
 def main(argv: list[str] | None = None) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
@@ -121,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
-    from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer, list_checkpoints, wrapped
+    from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:
@@ -133,24 +141,16 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.fit()
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
-    except BaseException as e:  # DCP wraps what it meets (a Ctrl-C, a full disk) in its own exception: look inside
-        if isinstance(e, SystemExit): raise  # parser.error's, already one line
-        run_dir = trainer.run_dir if trainer is not None else cfg.train.run_dir  # None: a new, timestamped folder
-        last = list_checkpoints(Path(run_dir).expanduser()) if run_dir else []
-        resume_from = f"the same command resumes from {last[-1]}" if last else "no checkpoint was written"
-        if wrapped(e, KeyboardInterrupt) is not None:  # a second Ctrl-C in training, or one before it began
-            parser.exit(130, "interrupted " + (f"at step {trainer.step}; {resume_from}\n" if trainer is not None
-                                                else "before training began\n"))
-        disk = wrapped(e, OSError)
-        if disk is None or disk.errno not in DISK_ERRORS: raise
-        parser.exit(1, f"error: {disk.filename or 'the run folder'}: {disk.strerror}. Free space or fix the permissions "
-                       f"(or give another run_dir=...); {resume_from}\n")
+    except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
+        parser.exit(130, "interrupted " + (f"at step {trainer.step}; {_resume_from(trainer, cfg)}\n" if trainer is not None
+                                            else "before training began\n"))
+    except OSError as e:  # the trainer unwraps DCP's CheckpointException around the disk errors it reports
+        if e.errno not in DISK_ERRORS: raise
+        parser.exit(1, f"error: {e.filename or 'the run folder'}: {e.strerror}. Free space or fix the permissions "
+                       f"(or give another run_dir=...); {_resume_from(trainer, cfg)}\n")
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
-    else:
-        last = list_checkpoints(trainer.run_dir)
-        trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; the last checkpoint is "
-                    f"{last[-1] if last else 'none'}. Run the same command to resume.")
+    else: trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg)}")
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import torch.distributed as dist
         dist.barrier()
