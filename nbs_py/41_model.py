@@ -428,9 +428,11 @@ for t in (0, 20, 47):
 # **Packed documents.** With `cu_seqlens`, a row holding several documents gives each document the
 # logits it would get alone.
 #
-# (In a packed row the main head's last position of a document, and MTP head $k$'s last $k + 1$
-# positions, have targets in the next document: head $k$ at position $t$ predicts $x_{t+1+k}$. A loader that wants to hide them sets those
-# targets to $-100$, which both losses ignore.)
+# (In a packed row the main head's target at a document's last position is the end-of-text token
+# that opens the next document; chapter 40 keeps it, since predicting where a document ends is worth
+# learning. MTP head $k$ at position $t$ predicts $x_{t+1+k}$, so at a document's last $k$ positions
+# its target lies past that end-of-text token. Given `cu_seqlens`, `MultiTokenPrediction` sets those
+# targets to $-100$ itself, which both losses ignore; the loader does nothing.)
 
 # %%
 docs = [torch.randint(0, V, (1, n)) for n in (5, 70, 21)]

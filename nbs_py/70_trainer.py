@@ -106,7 +106,11 @@ def setup_distributed() -> Dist:
 # The model code is single-device. `parallelize` applies everything else from outside, always in
 # the same order, because each step wraps the result of the one before:
 #
-# 1. **activation checkpointing** (by config): each block recomputes its activations in backward;
+# 1. **activation checkpointing** (by config): each block recomputes its activations in backward.
+#    The recompute routes the MoE's tokens again and adds the same counts to `expert_counts` a second
+#    time (eager and compiled alike). Every use of the counts is a ratio (the EMA against its mean,
+#    the sign rule, the logged load and drop fractions), so the bias and the metrics are unchanged;
+#    only the EMA's absolute scale doubles. A test in `tests/test_moe.py` holds this;
 # 2. **`torch.compile`** (by config): each block (and each MTP head) is compiled on its own, so
 #    the compiled regions are small and identical: two graphs for 32 blocks, one per block type.
 #    The Triton GDN kernel is a registered operator, so a GDN block is one graph. On the H200 this
@@ -493,6 +497,22 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def _together(self, fn, where: Path):
+        """Run `fn` on this rank; an error on any rank is then raised on every rank (one all-reduce when distributed).
+        A rank that raised alone would leave the others waiting in the next collective until the timeout."""
+        error = None
+        try: fn()
+        except Exception as e: error = e
+        if not self.d.distributed:
+            if error is not None: raise error
+            return
+        mine = 0 if error is None else error.errno if isinstance(error, OSError) and error.errno in DISK_ERRORS else 10_000
+        code = torch.tensor([mine], device=self.d.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)  # the worst: any other error, else one disk error's errno
+        if error is not None: raise error
+        if int(code): raise (OSError(int(code), f"{os.strerror(int(code))} (on another rank)", str(where)) if int(code) < 10_000
+                             else RuntimeError(f"another rank failed while writing {where}: see its log"))
+
     def log(self, *a):
         if self.d.is_main and not self.quiet: print(*a, flush=True)
 
@@ -815,6 +835,12 @@ Trainer.evaluate = evaluate
 # model and both optimisers' state keyed by parameter names, whether the parameters are plain
 # tensors or FSDP shards; that is what lets DCP reshard between world sizes. Buffers (the MoE EMA
 # counts and gate biases) are part of the model's state dict.
+#
+# A checkpoint is written in three phases: the main rank makes a fresh `.tmp` folder; every rank
+# writes its DCP shards and its own `rank{r}.pt` (random state, loader position), and the main rank
+# `meta.json`; the main rank renames the folder. Each phase ends with every rank agreeing that it
+# went well (`_together`, one all-reduce), so a full disk on one node makes every rank stop with the
+# same one-line error, instead of leaving the others waiting at a barrier until the timeout.
 
 # %%
 #| export
@@ -832,22 +858,32 @@ def save(self: Trainer) -> Path:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     root = self.run_dir / "checkpoints"
     final, tmp = root / f"{CKPT_PREFIX}{self.step:06d}", root / f"{CKPT_PREFIX}{self.step:06d}.tmp"
-    if self.d.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if self.d.distributed: dist.barrier()
-    try:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-        with _single_process_quiet():
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:  # through a file: a full disk is an OSError, as elsewhere
+    def fresh_folder():
+        if self.d.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def own_files():  # every rank's; through a file: a full disk is an OSError, as elsewhere
+        with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
-        if self.d.distributed: dist.barrier()
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size,
                     "config": Config(self.mcfg, self.cfg).to_dict()}
             (tmp / "meta.json").write_text(json.dumps(meta))
+
+    def publish():  # complete on every rank: the rename makes it a checkpoint
+        if self.d.is_main:
+            if final.exists(): shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]: shutil.rmtree(old)
+
+    try:
+        self._together(fresh_folder, tmp)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        with _single_process_quiet():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # a failure raises on every rank
+        self._together(own_files, tmp)
     except BaseException as e:  # DCP wraps what it meets (a full disk, a Ctrl-C): raise that, as itself
         reraise_interrupt(e)  # a kill would leave the .tmp folder too; the next save replaces it
         disk = wrapped(e, OSError)
@@ -855,11 +891,7 @@ def save(self: Trainer) -> Path:
         if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to the space that is short
         if disk.errno not in DISK_ERRORS: raise  # DCP's report, every rank's failure in it
         raise disk from None  # its own traceback; `python -m hymo.train` says it in one line
-    if self.d.is_main:
-        if final.exists(): shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]: shutil.rmtree(old)
-    if self.d.distributed: dist.barrier()
+    self._together(publish, final)
     self.saved_step = self.step
     return final
 
@@ -973,9 +1005,11 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
-    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or _finished_at(self.run_dir) == self.step):
+    done = _finished_summary(self.run_dir) if self.d.is_main else None
+    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or (done or {}).get("step") == self.step):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
+        self.summary = done or {}  # what `finish` wrote (rank 0 reads it), so `main` returns the run's summary again
         return []
     logger = _wandb(self)
     metrics_file = self.run_dir / "metrics.jsonl"
@@ -999,10 +1033,11 @@ def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signa
     if self.stopped_by is None: self.stopped_by = why
 
 
-def _finished_at(run_dir: Path) -> int | None:
-    "The step `finish` wrote summary.json at, if it did (re-finishing would overwrite the final checkpoint's config)."
-    try: return json.loads((run_dir / "summary.json").read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError): return None
+def _finished_summary(run_dir: Path) -> dict | None:
+    "The summary `finish` wrote, if it did: its `step` says where (re-finishing would overwrite the final checkpoint's config)."
+    try: summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError): return None
+    return summary if isinstance(summary, dict) else None
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:

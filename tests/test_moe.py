@@ -241,3 +241,26 @@ def test_meta_build_and_reset():
 def test_bf16_cast_module_refuses_bias_update():
     moe = make().bfloat16()
     with pytest.raises(TypeError, match="fp32"): moe.update_gate_bias()
+
+
+@pytest.mark.parametrize("balance", ["sign", "ema"])
+def test_activation_checkpointing_counts_twice_but_steers_the_same(balance):
+    """The recompute of a checkpointed MoE routes the tokens again and adds its counts a second time (chapter 70).
+    Every use of the counts is a ratio, so the bias and the logged metrics equal the plain run's; only the EMA doubles."""
+    from torch.utils.checkpoint import checkpoint
+    def run(ac):
+        moe = make(moe_balance=balance, moe_bias_speed=0.01)
+        g = torch.Generator().manual_seed(1)
+        logs = []
+        for _ in range(4):
+            x = torch.randn(2, 32, moe.dim, generator=g) + 0.5  # a shared offset skews the router
+            y = checkpoint(moe, x, use_reentrant=False) if ac else moe(x)
+            y.pow(2).mean().backward()
+            counts = moe.expert_counts.clone()
+            logs.append({k: float(v) for k, v in moe.update_gate_bias().items()})
+        return moe, counts, logs
+    plain, ckpt = run(False), run(True)
+    assert torch.equal(ckpt[1], 2 * plain[1])  # the recompute counted the micro-batch again
+    assert torch.equal(ckpt[0].gate_bias, plain[0].gate_bias) and plain[0].gate_bias.abs().sum() > 0
+    assert ckpt[2] == plain[2]
+    torch.testing.assert_close(ckpt[0].ema_counts, 2 * plain[0].ema_counts)

@@ -135,6 +135,7 @@ def test_a_finished_run_is_not_finished_again(tmp_path):
     before = meta.read_bytes()
     again = make(tmp_path / "run", max_steps=4, muon_lr=0.001)
     assert again.step == 4 and again.fit() == [] and meta.read_bytes() == before
+    assert again.summary == json.loads((tmp_path / "run" / "summary.json").read_text()) and again.summary["step"] == 4
     assert [m["step"] for m in make(tmp_path / "run", max_steps=6).fit()] == [5, 6]
 
 
@@ -548,3 +549,45 @@ def test_add_into_adds_bf16_into_fp32_exactly(device):
     add_into(dst, src, compiled=False)
     assert all(torch.equal(a, b + s.float()) for a, b, s in zip(dst, ref, src))
     add_into([], [])  # nothing to add: no error
+
+
+@pytest.mark.parametrize("where", ["rank 1's own file", "rank 0's rename"])
+def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where):
+    """A full disk (or a refused rename) on one rank while a checkpoint is written: every rank stops promptly with
+    the one-line error, none waits at a barrier; the previous checkpoint stays, and the same command resumes from it."""
+    env = {**os.environ, "HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "WANDB_MODE": "offline", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
+            "warmup_steps=1", "run_dir=two", "max_steps=6"]
+    script = tmp_path / "fail_at_step_4.py"
+    script.write_text(
+        "import errno, os, sys\nfrom hymo.training import trainer\nfrom hymo.train import main\n"
+        "rank, where = int(os.environ['RANK']), sys.argv.pop(1)\n"
+        "if where == '1' and rank == 1:  # its rank1.pt hits a full disk at the second checkpoint\n"
+        "    plain = trainer._rng_state\n"
+        "    def rng():\n"
+        "        if os.path.exists('two/checkpoints/step_000002'): raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "        return plain()\n"
+        "    trainer._rng_state = rng\n"
+        "if where == '0' and rank == 0:  # the rename of the second checkpoint is refused\n"
+        "    real = os.replace\n"
+        "    def replace(a, b):\n"
+        "        if str(b).endswith('step_000004'): raise PermissionError(errno.EACCES, 'Permission denied', str(b))\n"
+        "        return real(a, b)\n"
+        "    trainer.os.replace = replace\n"
+        "main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+                        "1" if where.startswith("rank 1") else "0", *args], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)  # before the fix, rank 0 waited at a barrier for gloo's 30 minutes
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]  # no traceback through HyMo's code
+    reason = "No space left on device" if where.startswith("rank 1") else "Permission denied"
+    assert out.count(reason) >= 2 and f"{reason} (on another rank)" in out, out[-3000:]  # each rank says it
+    assert "the same command resumes from two/checkpoints/step_000002" in out, out[-3000:]
+    from hymo.training.trainer import list_checkpoints
+    assert [p.name for p in list_checkpoints(tmp_path / "two")] == ["step_000002"]
+    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                            "hymo.train", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from two/checkpoints/step_000002" in again.stdout
+    assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
