@@ -840,7 +840,8 @@ Trainer.evaluate = evaluate
 # writes its DCP shards and its own `rank{r}.pt` (random state, loader position), and the main rank
 # `meta.json`; the main rank renames the folder. Each phase ends with every rank agreeing that it
 # went well (`_together`, one all-reduce), so a full disk on one node makes every rank stop with the
-# same one-line error, instead of leaving the others waiting at a barrier until the timeout.
+# same one-line error. Before, the other ranks sat at a barrier until the failed rank's exit broke
+# the connection (a traceback from gloo) or torchrun killed them (NCCL).
 
 # %%
 #| export

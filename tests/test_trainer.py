@@ -578,7 +578,8 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
         "main(sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
                         "1" if where.startswith("rank 1") else "0", *args], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)  # before the fix, rank 0 waited at a barrier for gloo's 30 minutes
+                       text=True, timeout=300)  # before: rank 0 sat at a barrier until rank 1's exit broke the connection (gloo: a
+    # traceback) or torchrun killed it (NCCL)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]  # no traceback through HyMo's code
     reason = "No space left on device" if where.startswith("rank 1") else "Permission denied"
