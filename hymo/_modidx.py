@@ -455,4 +455,6 @@ d = { 'settings': { 'branch': 'main',
                                                                                       'hymo/training/trainer.py'),
                                        'hymo.training.trainer.train_step': ('trainer.html#train_step', 'hymo/training/trainer.py'),
                                        'hymo.training.trainer.trim_metrics': ('trainer.html#trim_metrics', 'hymo/training/trainer.py'),
-                                       'hymo.training.trainer.wrapped': ('trainer.html#wrapped', 'hymo/training/trainer.py')}}}
+                                       'hymo.training.trainer.wrapped': ('trainer.html#wrapped', 'hymo/training/trainer.py'),
+                                       'hymo.training.trainer.write_safetensors': ( 'trainer.html#write_safetensors',
+                                                                                    'hymo/training/trainer.py')}}}

@@ -551,7 +551,20 @@ def test_add_into_adds_bf16_into_fp32_exactly(device):
     add_into([], [])  # nothing to add: no error
 
 
-@pytest.mark.parametrize("where", ["rank 1's own file", "rank 0's rename"])
+def test_safetensors_io_errors_are_oserrors(tmp_path):
+    """safetensors raises its own SafetensorError for a failed write; the export raises the OSError inside it, which
+    `python -m hymo.train` reports in one line (a full disk, a read-only folder)."""
+    import errno
+    from hymo.training.trainer import write_safetensors
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError) as e: write_safetensors({"w": torch.zeros(2, 2)}, tmp_path / "a_file" / "model.safetensors")
+    assert e.value.errno == errno.ENOTDIR and e.value.filename == str(tmp_path / "a_file" / "model.safetensors")
+    write_safetensors({"w": torch.ones(2, 2).t()}, tmp_path / "model.safetensors")  # non-contiguous is fine
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["w"], torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("where", ["rank 1's own file", "rank 0's rename", "rank 0's model file"])
 def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where):
     """A full disk (or a refused rename) on one rank while a checkpoint is written: every rank stops promptly with
     the one-line error, none waits at a barrier; the previous checkpoint stays, and the same command resumes from it."""
@@ -575,20 +588,29 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
         "        if str(b).endswith('step_000004'): raise PermissionError(errno.EACCES, 'Permission denied', str(b))\n"
         "        return real(a, b)\n"
         "    trainer.os.replace = replace\n"
+        "if where == 'm' and rank == 0:  # the final export meets a full disk (as safetensors reports it)\n"
+        "    import safetensors, safetensors.torch\n"
+        "    def full(*a, **k): raise safetensors.SafetensorError('Error while serializing: I/O error: No space left on "
+        "device (os error 28)')\n"
+        "    safetensors.torch.save_file = full\n"
         "main(sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                        "1" if where.startswith("rank 1") else "0", *args], cwd=tmp_path, env=env, capture_output=True,
+                        {"rank 1's own file": "1", "rank 0's rename": "0", "rank 0's model file": "m"}[where], *args], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)  # before: rank 0 sat at a barrier until rank 1's exit broke the connection (gloo: a
     # traceback) or torchrun killed it (NCCL)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]  # no traceback through HyMo's code
-    reason = "No space left on device" if where.startswith("rank 1") else "Permission denied"
+    reason = "Permission denied" if where == "rank 0's rename" else "No space left on device"
     assert out.count(reason) >= 2 and f"{reason} (on another rank)" in out, out[-3000:]  # each rank says it
-    assert "the same command resumes from two/checkpoints/step_000002" in out, out[-3000:]
+    last = "step_000006" if where == "rank 0's model file" else "step_000002"  # the export follows the final checkpoint
+    assert f"the same command resumes from two/checkpoints/{last}" in out, out[-3000:]
     from hymo.training.trainer import list_checkpoints
-    assert [p.name for p in list_checkpoints(tmp_path / "two")] == ["step_000002"]
+    assert [p.name for p in list_checkpoints(tmp_path / "two")][-1] == last
+    assert not (tmp_path / "two" / "summary.json").exists()  # not finished: the resume finishes it
     again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                             "hymo.train", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from two/checkpoints/step_000002" in again.stdout
+    assert f"resumed from two/checkpoints/{last}" in again.stdout
     assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["step"] == 6
+    assert (tmp_path / "two" / "model.safetensors").exists()

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -39,7 +40,7 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'Dist', 'setup_distr
            'resume_changes', 'trim_metrics', 'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer',
            'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
            'train_step', 'evaluate', 'save', 'load', 'metric_line', 'StopSignals', 'fit', 'request_stop', 'finish',
-           'sample', 'plot_losses']
+           'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -816,18 +817,32 @@ def finish(self: Trainer) -> dict:
     summary = {"step": self.step, "val_loss": self.evaluate(), "bad_steps": self.bad_steps}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample()
-    if self.d.is_main:
-        from safetensors.torch import save_file
-        save_file({k: v.contiguous() for k, v in full.items()}, str(self.run_dir / "model.safetensors"))
+
+    def artefacts():  # the main rank's; a failure stops every rank (`_together`), and the resume finishes again
+        if not self.d.is_main: return
+        write_safetensors(full, self.run_dir / "model.safetensors")
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
             shutil.copyfile(Path(self.data_dir) / load_manifest(self.data_dir)["tokenizer"], self.run_dir / "tokenizer.json")
         plot_losses(self.history, self.run_dir / "loss.png")
         summary["sample"] = sample
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+    self._together(artefacts, self.run_dir)
+    if self.d.is_main:
         self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else "no validation split")
                  + f"\n--- sample ---\n{sample}\n--------------")
     self.summary = summary
     return summary
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path):
+    "`safetensors`' `save_file`, with its I/O errors (a full disk) raised as the `OSError` they are."
+    from safetensors.torch import save_file
+    try: save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    except Exception as e:  # safetensors' own SafetensorError, e.g. "I/O error: ... (os error 28)"
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None: raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
 
 
 @torch.no_grad()
