@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -128,6 +129,9 @@ class ConfigError(ValueError):
     "A configuration that cannot be used; the message says which key and what to do."
 
 
+_SCI = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")  # a number in e-notation, such as 1e-3
+
+
 def _check_type(name: str, value, tp):
     "Return `value` as type `tp` (ints are accepted as floats, lists as tuples), or raise `ConfigError`."
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -139,11 +143,20 @@ def _check_type(name: str, value, tp):
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool): return float(value)
-    if tp is float and isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value):
+    if tp is float and isinstance(value, str) and _SCI.fullmatch(value):
         return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; it needs 1.0e-3
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
-        raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name}: expected {tp.__name__}, got {type(value).__name__} {value!r}{_type_hint(name, value, tp)}")
     return value
+
+
+def _type_hint(name: str, value, tp) -> str:
+    "The fix for the two usual slips: a number where text is meant, and a count written as a float."
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML reads run_dir=2024 as a number
+        return f"; quote it: '{value}' (from a shell: \"{name.split('.')[-1]}='{value}'\")"
+    if tp is int and (isinstance(value, float) or isinstance(value, str) and _SCI.fullmatch(value)) and float(value).is_integer():
+        return f"; write it as a whole number: {int(float(value))}"
+    return ""
 
 
 def _field_types(cls) -> dict:
@@ -160,6 +173,15 @@ def _divides(a_name, a, b_name, b, why):
     if b % a: raise ConfigError(f"{b_name}={b} is not divisible by {a_name}={a}: {why}")
 
 
+def _finite(sec, cfg):
+    "Refuse NaN and ±inf in every float field and list item: NaN passes `x < 0` checks and inf passes `x > 0`."
+    for name in _field_types(type(cfg)):
+        v = getattr(cfg, name)
+        for i, x in enumerate(v if isinstance(v, tuple) else (v,)):
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ConfigError(f"{sec}.{name}{f'[{i}]' if isinstance(v, tuple) else ''}={x} must be a finite number")
+
+
 def check_triton_chunk(chunk_size: int, # The configured gdn_chunk_size
                        kernel: str = "triton", # The configured gdn_kernel ('auto' picks Triton on a GPU)
                       ):
@@ -171,17 +193,24 @@ def check_triton_chunk(chunk_size: int, # The configured gdn_chunk_size
 
 
 def validate_model(m: ModelConfig):
-    "Raise `ConfigError` if the sizes of `m` cannot build a model."
+    "Raise `ConfigError` if the sizes or values of `m` cannot build a model that trains."
     for name, tp in _field_types(ModelConfig).items():
         setattr(m, name, _check_type(f"model.{name}", getattr(m, name), tp))
+    _finite("model", m)
     positive = ["vocab_size", "dim", "n_layers", "mla_every", "gdn_n_heads", "gdn_head_k_dim", "gdn_head_v_dim",
                 "gdn_conv_size", "gdn_chunk_size", "ffn_inter_dim", "mla_n_heads", "mla_n_kv_groups",
                 "mla_kv_lora_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_head_dim", "moe_n_routed",
-                "moe_top_k", "moe_inter_dim", "mtp_inter_dim", "max_seq_len"]
+                "moe_top_k", "moe_inter_dim", "mtp_inter_dim", "max_seq_len",
+                "norm_eps", "init_std", "rope_theta"]  # 0 or less: NaN from the first norm or RoPE table, or no init
     for name in positive:
         if getattr(m, name) <= 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    if m.mla_q_lora_rank < 0 or m.moe_n_shared < 0 or m.mtp_depth < 0:
-        raise ConfigError("model.mla_q_lora_rank, moe_n_shared and mtp_depth must be >= 0")
+    for name in ["mla_q_lora_rank", "moe_n_shared", "mtp_depth", "moe_bias_speed", "moe_dead_band"]:  # 0 turns each off
+        if getattr(m, name) < 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be 0 or more")
+    if not 0 <= m.moe_ema_decay < 1:
+        raise ConfigError(f"model.moe_ema_decay={m.moe_ema_decay} must be in [0, 1): at 1 the load average never moves "
+                          f"and the gate bias is never updated (moe_balance: none is the way to turn balancing off)")
+    if any(w < 0 for w in m.mtp_loss_weights):
+        raise ConfigError(f"model.mtp_loss_weights={list(m.mtp_loss_weights)} must be 0 or more: a negative weight trains against its head")
     _divides("mla_n_kv_groups", m.mla_n_kv_groups, "mla_n_heads", m.mla_n_heads,
              "every key/value group serves the same number of query heads")
     _divides("2", 2, "mla_qk_rope_dim", m.mla_qk_rope_dim, "RoPE rotates pairs of dimensions")
@@ -204,14 +233,18 @@ def validate_training(t: TrainingConfig):
     "Raise `ConfigError` if `t` cannot drive a run."
     for name, tp in _field_types(TrainingConfig).items():
         setattr(t, name, _check_type(f"train.{name}", getattr(t, name), tp))
+    _finite("train", t)
     for name in ["seq_len", "micro_batch_size", "global_batch_size", "max_steps", "ns_steps", "keep_last_k", "max_bad_steps"]:
         if getattr(t, name) <= 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     _divides("micro_batch_size", t.micro_batch_size, "global_batch_size", t.global_batch_size,
              "an optimiser step is a whole number of micro-batches")
-    for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "adamw_eps"]:
+    for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "seed"]:  # seed: NumPy refuses a negative one
         if getattr(t, name) < 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or more")
     for name in ["log_every", "eval_batches", "muon_lr", "adamw_lr"]:
         if not getattr(t, name) > 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
+    if not t.adamw_eps > 0:
+        raise ConfigError(f"train.adamw_eps={t.adamw_eps} must be positive: at 0 a parameter without gradient (an unseen "
+                          f"token's embedding row) becomes 0/0 = NaN, e.g. adamw_eps=1e-8")
     if len(t.adamw_betas) != 2: raise ConfigError(f"train.adamw_betas={t.adamw_betas}: give two numbers, (beta1, beta2)")
     for name, b in [("muon_momentum", t.muon_momentum), ("normuon_beta2", t.normuon_beta2),
                     ("adamw_betas[0]", t.adamw_betas[0]), ("adamw_betas[1]", t.adamw_betas[1])]:
@@ -274,6 +307,10 @@ def _section_of(key: str) -> tuple[str, str]:
         sec, name = key.split(".", 1)
         if sec not in _SECTIONS: raise ConfigError(f"unknown section '{sec}' in '{key}': use 'model.' or 'train.'")
         if name not in _field_types(_SECTIONS[sec]):
+            other = next((o for o, cls in _SECTIONS.items() if name in _field_types(cls)), None)
+            if other:  # a real key in the wrong section: say where it lives rather than guess a near name
+                raise ConfigError(f"unknown key '{key}': {name} is a {other} key; write {name}=... or {other}.{name}=... "
+                                  f"(in a YAML file, put it under '{other}:')")
             valid = list(_field_types(_SECTIONS[sec]))
             raise ConfigError(f"unknown key '{key}'.{_closest(name, valid)} Valid {sec} keys: {', '.join(valid)}")
         return sec, name
@@ -290,11 +327,15 @@ def _read_preset(name_or_path) -> tuple[str, dict]:
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
     try: raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); `python -m hymo.train` prints a config "
-                          "that is (redirect it to a file)") from None
+        raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); for one that is, see "
+                          f"{PRESET_DIR / 'hymo_tiny.yaml'} or a run folder's config.yaml") from None
     if not isinstance(raw, dict) or set(raw) - {"model", "train", "name"}:
         raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
-                          f"has); found {sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+                          f"has); found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}")
+    for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):
+        if raw.get(sec) is not None and not isinstance(raw[sec], dict):  # `train: 5` or `model: [1, 2]`
+            raise ConfigError(f"{p}: the '{sec}:' section must be a mapping of key: value lines indented under it "
+                              f"(like '  {example}'); found {type(raw[sec]).__name__} {raw[sec]!r}")
     return str(raw.get("name") or p.stem), raw
 
 # %% ../nbs/00_config.ipynb #f9df37c0

@@ -9,8 +9,11 @@ __all__ = ['main']
 
 # %% ../nbs/61_data_cli.ipynb #35a8d381
 import argparse
+import errno
 import json
+import os
 import sys
+from pathlib import Path
 
 from .training.data import DEFAULT_VOCAB_SIZE, DataError, load_manifest, prepare
 
@@ -33,6 +36,20 @@ def _parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="print the manifest of a prepared dataset")
     pi.add_argument("dir", metavar="DIR")
     return p
+
+
+def _out_error(e: OSError, out: Path) -> str | None:
+    "The one-line message for an OS refusal to make or write `out`, or None if `e` is about another file."
+    out, full = Path(os.path.abspath(out.expanduser())), e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if e.filename is None:  # a write that ran out of space names no file; other errors without one may be reads
+        if not full: return None
+    else:
+        f = Path(os.path.abspath(e.filename))
+        if not (f == out or f in out.parents or any(p.parent == out.parent and p.name.startswith(f".{out.name}.")
+                                                    for p in (f, *f.parents))): return None
+    file = next((p for p in out.parents if p.exists() and not p.is_dir()), None)  # EEXIST, ENOTDIR: a file in the way
+    return (f"cannot write {out}: {f'{file} is a file, not a folder' if file else e.strerror}: "
+            f"{'free space or ' if full else ''}choose another --out")
 
 
 def main(argv: list[str] | None = None, # Arguments without the program name; None reads sys.argv
@@ -58,6 +75,11 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
             return 2
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        msg = _out_error(e, Path(args.out)) if args.command == "prepare" else None
+        if msg is None: raise  # not --out's: a traceback, it may be a bug
+        print(f"error: {msg}", file=sys.stderr)
         return 1
     return 0
 

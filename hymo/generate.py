@@ -40,15 +40,19 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     model = build_hymo(cfg.model, device=device)
     try: state = load_file(str(run / "model.safetensors"), device=str(device))
     except Exception as e:  # safetensors' own error for a cut or damaged file
-        raise ConfigError(f"{run / 'model.safetensors'} cannot be read ({e}): copy it again, or export a checkpoint anew "
-                          "by resuming the run to its end") from None
+        raise ConfigError(f"{run / 'model.safetensors'} cannot be read ({e}): copy it again, or export it anew from the "
+                          f"final checkpoint: delete {run / 'summary.json'}, then python -m hymo.train --config "
+                          f"{run / 'config.yaml'} run_dir={run}") from None
     try: wrong = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: {str(e).strip().splitlines()[-1].strip()}") from None
     if wrong.missing_keys or wrong.unexpected_keys:
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: missing "
                           f"{wrong.missing_keys[:3]}, unexpected {wrong.unexpected_keys[:3]}")
-    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    try: tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    except Exception as e:  # tokenizers' own error for a cut or damaged file
+        raise ConfigError(f"{run / 'tokenizer.json'} cannot be read ({e}): copy it again from the run's data folder "
+                          "(data_dir in config.yaml; the bundled corpus is prepared under $HYMO_CACHE)") from None
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
     return model.eval(), tok
 

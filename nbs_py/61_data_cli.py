@@ -21,15 +21,17 @@
 # %%
 #| export
 import argparse
+import errno
 import json
+import os
 import sys
+from pathlib import Path
 
 from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, load_manifest, prepare
 
 # %%
 import subprocess
 import tempfile
-from pathlib import Path
 
 from fastcore.test import test_eq
 
@@ -37,7 +39,15 @@ from fastcore.test import test_eq
 # %% [markdown]
 # `main` takes the argument list (so it can be called from Python and tested), turns a
 # `DataError` into a one-line message on stderr and exit status 1, and prints the help when no
-# command is given.
+# command is given. The user's mistakes are `DataError`s: a missing or unknown input, a file that
+# is not UTF-8, JSON or Parquet, an option out of range (checked before any input is read), an
+# `--out` that is a file, a folder of something else, or a dataset of other inputs.
+#
+# An `--out` the operating system refuses (`/sys/...`, a path through a file, a read-only or full
+# disk) is an `OSError`. `prepare` leaves it one, because the trainer reports its own cache folder
+# from it; `main` prints one line for it when the error concerns `--out`: the folder, one of its
+# parents, or its temporary sibling `.NAME.tmp-*`; or the disk filled up. Any other `OSError`
+# keeps its traceback, since it may be a bug.
 
 # %%
 #| export
@@ -59,6 +69,20 @@ def _parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="print the manifest of a prepared dataset")
     pi.add_argument("dir", metavar="DIR")
     return p
+
+
+def _out_error(e: OSError, out: Path) -> str | None:
+    "The one-line message for an OS refusal to make or write `out`, or None if `e` is about another file."
+    out, full = Path(os.path.abspath(out.expanduser())), e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if e.filename is None:  # a write that ran out of space names no file; other errors without one may be reads
+        if not full: return None
+    else:
+        f = Path(os.path.abspath(e.filename))
+        if not (f == out or f in out.parents or any(p.parent == out.parent and p.name.startswith(f".{out.name}.")
+                                                    for p in (f, *f.parents))): return None
+    file = next((p for p in out.parents if p.exists() and not p.is_dir()), None)  # EEXIST, ENOTDIR: a file in the way
+    return (f"cannot write {out}: {f'{file} is a file, not a folder' if file else e.strerror}: "
+            f"{'free space or ' if full else ''}choose another --out")
 
 
 def main(argv: list[str] | None = None, # Arguments without the program name; None reads sys.argv
@@ -84,6 +108,11 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
             return 2
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        msg = _out_error(e, Path(args.out)) if args.command == "prepare" else None
+        if msg is None: raise  # not --out's: a traceback, it may be a bug
+        print(f"error: {msg}", file=sys.stderr)
         return 1
     return 0
 
@@ -128,6 +157,16 @@ from contextlib import redirect_stderr
 import io
 with redirect_stderr(io.StringIO()) as err: test_eq(main([]), 2)
 assert "prepare" in err.getvalue()
+
+# %% [markdown]
+# An `--out` that cannot be made is one line too, said before any input is read:
+
+# %%
+(work / "afile").write_text("a file, not a folder\n")
+with redirect_stderr(io.StringIO()) as err:
+    test_eq(main(["prepare", "--input", str(work / "b.txt"), "--out", str(work / "afile" / "ds"), "--no-progress"]), 1)
+print(err.getvalue())
+assert "afile is a file, not a folder: choose another --out" in err.getvalue()
 
 # %% [markdown]
 # ## Interview questions

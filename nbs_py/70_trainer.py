@@ -384,12 +384,18 @@ class Trainer:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
         self.accum = split_micro_batches(train_cfg, self.d.world_size)
+        if train_cfg.precision == "bf16" and self.d.device.type == "cpu" and not self.d.distributed:
+            raise ConfigError("precision=bf16 on one CPU process: its model computes in fp32 (bf16 comes from autocast on "
+                              "a GPU, or FSDP's policy under torchrun); use precision=auto or fp32 here")
         if model_cfg.gdn_kernel == "triton" and self.d.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError(f"gdn_kernel=triton needs a CUDA GPU and this run is on {self.d.device.type}: use "
                               "gdn_kernel=auto (Triton on a GPU, PyTorch elsewhere) or torch, or set TRITON_INTERPRET=1 "
                               "to run the kernels in Triton's interpreter (slow: for checking them)")
 
         self.setup_data()  # first: preparing the default corpus is the slow part of a first run
+        if self.run_dir.resolve() == self.data_dir.resolve():
+            raise ConfigError(f"run_dir and data_dir are the same folder ({self.run_dir}): the run would write its "
+                              "checkpoints and tokenizer.json into the dataset; give the run a folder of its own")
 
         torch.manual_seed(train_cfg.seed)
         self.model = parallelize(build_hymo(model_cfg, device=self.d.device), train_cfg, self.d)
@@ -406,8 +412,11 @@ class Trainer:
         self.resume_warnings: list[str] = []
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
         self._resume(resume)
-        if self.d.is_main: self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a mistake leaves no empty run folder
+        try: self._together(lambda: self.d.is_main and self.run_dir.mkdir(parents=True, exist_ok=True), self.run_dir)
+        except OSError as e:  # only now: a mistake leaves no empty run folder
+            raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
         self._lock_run_dir()  # a new folder: now that it exists
+        self._remove_partial_checkpoints()
 
     def _lock_run_dir(self):
         "Rank 0 locks the run folder if it exists (see `lock_run_dir`); every rank raises if another process holds it."
@@ -439,9 +448,19 @@ class Trainer:
 
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
-        if self.d.is_main: prepare_default(vocab_size=self.mcfg.vocab_size)
-        if self.d.distributed: dist.barrier()
+        from hymo.training.data import default_cache_dir
+        try: self._together(lambda: self.d.is_main and prepare_default(vocab_size=self.mcfg.vocab_size), default_cache_dir())
+        except OSError as e:
+            raise DataError(f"cannot write the data cache {e.filename or default_cache_dir()} ({e.strerror}): set "
+                            "HYMO_CACHE=... to a folder you can write to") from None
         return prepare_default(vocab_size=self.mcfg.vocab_size)
+
+    def _remove_partial_checkpoints(self):
+        "A `.tmp` checkpoint folder is one whose writing was cut short (a kill, a second Ctrl-C): never read, only space."
+        if not self.d.is_main: return
+        for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.log(f"removed {tmp}, a checkpoint whose writing was cut short")
 
     def _resume(self, resume):
         "Load what `resume` names: a checkpoint folder, True (the newest readable one in the run folder, if any) or False."
@@ -457,12 +476,17 @@ class Trainer:
             if not (p / "meta.json").exists():
                 raise ConfigError(f"{p} is not a complete checkpoint (no meta.json); "
                                   f"complete ones in {self.run_dir}: {[c.name for c in done]}")
+            own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
+            if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one
+                raise ConfigError(f"{p} is not a checkpoint of run_dir={self.run_dir}, which holds a run of its own "
+                                  f"(newest: {done[-1].name}); continuing from {p} there would mix two runs and prune "
+                                  "one's checkpoints: give a new run_dir=... to continue from it")
             try: self.load(p)
             except BaseException as e:
                 if not _unreadable(e): raise
                 raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
                                   "to use the newest readable one") from None
-            if p.resolve().parent == (self.run_dir / "checkpoints").resolve():  # an older checkpoint of this folder
+            if own:  # an older checkpoint of this folder
                 newer = [c for c in done if checkpoint_step(c) > self.step]
                 if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
                                           "they would outrank its new checkpoints")
@@ -948,7 +972,8 @@ Trainer.save, Trainer.load = save, load
 # ### The loop
 #
 # `fit` runs until `max_steps` (or `num_steps` more steps, which is how a test stops a run
-# half-way). It logs a JSON line per step to `metrics.jsonl`, shows a progress bar, evaluates
+# half-way). It logs a JSON line per step to `metrics.jsonl` (a skipped step's NaN loss as `null`:
+# JSON has no NaN, and tools such as `jq` refuse it), shows a progress bar, evaluates
 # every `eval_every` steps, checkpoints every `ckpt_every` steps and at the end, then writes the
 # loss curve, a generated sample and `model.safetensors`. Every `log_every` steps, on the first
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
@@ -1018,13 +1043,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
     start = self.step
-    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:
-        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)
+    with bar, StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:  # an error's line
+        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)                     # goes below the bar
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")
             if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
-    bar.close()
     if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
     return out
@@ -1060,7 +1084,7 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
             if self.step == start + 1:  # this call's first step: only now does the run folder change
                 trim_metrics(self.run_dir, start, self.log)
                 (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
-            with open(metrics_file, "a") as f: f.write(json.dumps(m) + "\n")
+            with open(metrics_file, "a") as f: f.write(json_line(m) + "\n")
             if logger: logger.log(m, step=self.step)
         bar.update(1)
         bar.set_postfix_str(f"loss {m['loss']:.3f} tok/s {m['tokens_per_s']:.0f}" +
@@ -1073,6 +1097,11 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
         if not self._agree(self.stopped_by is None): break  # a stop was asked for, on some rank: all stop here (fit saves)
     return out
+
+
+def json_line(m: dict) -> str:
+    "One metrics line; a non-finite number (a skipped step's loss) is written as null, since JSON has no NaN."
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()})
 
 
 def _wandb(self: Trainer):
@@ -1111,6 +1140,7 @@ def finish(self: Trainer) -> dict:
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
             shutil.copyfile(Path(self.data_dir) / load_manifest(self.data_dir)["tokenizer"], self.run_dir / "tokenizer.json")
         plot_losses(self.history, self.run_dir / "loss.png")
+        (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
         summary["sample"] = sample
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
@@ -1130,6 +1160,8 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path):
         code = re.search(r"os error (\d+)", str(e))
         if code is None: raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
+    umask = os.umask(0); os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # its temporary file was private (0600); the run's other files are not
 
 
 @torch.no_grad()
@@ -1245,10 +1277,12 @@ test_eq(split_micro_batches(cfg.train, 2), 1)
 test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contains="e.g. global_batch_size=32 or micro_batch_size=8")
 
 # %% [markdown]
-# Three more guard the run folder and its checkpoints.
+# More guard the run folder and its checkpoints.
 #
 # * Starting afresh (`resume=False`, the CLI's `--no-resume`) in a folder that holds checkpoints is
-#   refused: the two runs' checkpoints would be pruned together, by step.
+#   refused: the two runs' checkpoints would be pruned together, by step. So is continuing another
+#   folder's checkpoint there (`--resume other/checkpoints/step_...`); into a new or empty folder it
+#   is how a run branches.
 # * Resuming into weights of other shapes is refused, naming what changed; every other changed
 #   setting only warns (the MoE's capacity, say, or the schedule), and a moved learning-rate
 #   schedule says how far the rate jumps. The optimisers' moments come from the checkpoint, their
@@ -1260,6 +1294,10 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   the new run's checkpoints, which pruning would delete and a later plain resume would skip.
 #   `metrics.jsonl` loses the lines of steps the resumed run will redo: they move to
 #   `metrics.discarded.jsonl`.
+# * A `step_....tmp` folder, a checkpoint whose writing a kill cut short, is removed when a run
+#   starts in the folder (never read; at 750M it holds gigabytes).
+# * A `run_dir` that is the dataset's folder, or that cannot be created, is refused before anything
+#   is written.
 
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "run", resume=False, quiet=True), contains="--no-resume")

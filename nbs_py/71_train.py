@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
-    from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer
+    try: from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer  # torch: seconds, the usual Ctrl-C moment
+    except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:

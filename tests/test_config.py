@@ -2,6 +2,7 @@
 import dataclasses
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import yaml
@@ -143,3 +144,102 @@ def test_triton_kernels_refuse_another_chunk_length():
 def test_training_values_that_would_be_silently_wrong_are_refused(over, expect):
     with pytest.raises(ConfigError, match=expect):
         load_config("hymo_tiny", **over)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("train: 5\n", ["'train:' section must be a mapping", "found int 5"]),
+    ("model: [1, 2]\n", ["'model:' section must be a mapping", "found list [1, 2]"]),
+    ("[1, 2]\n", ["has the sections", "a list, not a mapping"]),
+    ("{1: 2, a: 3}\n", ["has the sections", "['1', 'a']"]),  # keys of mixed types used to crash the sort
+])
+def test_yaml_file_whose_sections_are_not_mappings(tmp_path, text, words):
+    p = tmp_path / "f.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(p))
+    assert str(p) in str(e.value)
+    for w in words: assert w in str(e.value)
+
+
+def test_cli_turns_a_bad_section_into_one_error_line(tmp_path, capsys):
+    from hymo.train import main
+    p = tmp_path / "f.yaml"
+    p.write_text("train: 5\n")
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(p)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m hymo.train: error:") and "must be a mapping" in err
+
+
+def test_invalid_yaml_points_at_a_valid_example(tmp_path):
+    p = tmp_path / "broken.yaml"
+    p.write_text("model: {dim: [\n")
+    with pytest.raises(ConfigError, match="is not valid YAML") as e:
+        load_config(str(p))
+    example = str(e.value).split("see ", 1)[1].split(" or ")[0]
+    assert load_config(example).name == "hymo_tiny"  # the file it names exists and loads
+
+
+def _float_fields(cls):
+    from hymo.config import _field_types
+    return [n for n, tp in _field_types(cls).items() if tp in (float, Optional[float])]  # list items: the next test
+
+
+@pytest.mark.parametrize("sec, name", [("model", n) for n in _float_fields(ModelConfig)] +
+                                      [("train", n) for n in _float_fields(TrainingConfig)])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_every_float_must_be_finite(sec, name, bad):
+    with pytest.raises(ConfigError, match=rf"{sec}\.{name}={bad} must be a finite number"):
+        load_config("hymo_tiny", **{f"{sec}.{name}": bad})
+
+
+def test_list_items_must_be_finite():
+    with pytest.raises(ConfigError, match=r"model\.mtp_loss_weights\[1\]=nan must be a finite number"):
+        load_config("hymo_tiny", mtp_loss_weights=[0.3, float("nan")])
+    with pytest.raises(ConfigError, match=r"train\.adamw_betas\[0\]=nan must be a finite number"):
+        load_config("hymo_tiny", adamw_betas=[float("nan"), 0.95])
+
+
+@pytest.mark.parametrize("over, expect", [
+    (dict(init_std=-0.02), r"model.init_std=-0.02 must be positive"),
+    (dict(norm_eps=0), r"model.norm_eps=0.0 must be positive"),
+    (dict(rope_theta=-1), r"model.rope_theta=-1.0 must be positive"),
+    (dict(mtp_loss_weights=[0.3, -0.1]), r"model.mtp_loss_weights=\[0.3, -0.1\] must be 0 or more: a negative weight trains against"),
+    (dict(moe_ema_decay=1.0), r"model.moe_ema_decay=1.0 must be in \[0, 1\).*moe_balance: none"),
+    (dict(moe_ema_decay=-0.5), r"model.moe_ema_decay=-0.5 must be in \[0, 1\)"),
+    (dict(moe_bias_speed=-0.001), r"model.moe_bias_speed=-0.001 must be 0 or more"),
+    (dict(moe_dead_band=-0.05), r"model.moe_dead_band=-0.05 must be 0 or more"),
+    (dict(moe_n_shared=-1), r"model.moe_n_shared=-1 must be 0 or more"),
+    (dict(adamw_eps=0), r"train.adamw_eps=0.0 must be positive: .*NaN"),
+    (dict(seed=-1), r"train.seed=-1 must be 0 or more"),
+])
+def test_model_and_training_values_out_of_range_are_refused(over, expect):
+    with pytest.raises(ConfigError, match=expect):
+        load_config("hymo_tiny", **over)
+
+
+def test_zero_stays_allowed_where_it_means_off():
+    c = load_config("hymo_tiny", grad_clip=0, weight_decay=0, moe_bias_speed=0, moe_dead_band=0, moe_ema_decay=0,
+                    mtp_loss_weights=[0, 0], mla_q_lora_rank=0, moe_n_shared=0, sample_tokens=0, seed=0)
+    assert (c.train.grad_clip, c.model.moe_ema_decay, c.model.mtp_loss_weights) == (0.0, 0.0, (0.0, 0.0))
+
+
+def test_a_key_in_the_wrong_section_says_where_it_lives():
+    with pytest.raises(ConfigError, match=r"'model.max_steps': max_steps is a train key; write max_steps=\.\.\. or train.max_steps="):
+        load_config("hymo_tiny", **{"model.max_steps": 3})
+    with pytest.raises(ConfigError, match=r"'train.dim': dim is a model key; write dim=\.\.\. or model.dim="):
+        load_config("hymo_tiny", **{"train.dim": 64})
+
+
+def test_type_errors_say_how_to_write_the_value():
+    from hymo.train import parse_overrides
+    with pytest.raises(ConfigError, match=r"""train.run_dir: expected str, got int 2024; quote it: '2024' \(from a shell: "run_dir='2024'"\)"""):
+        load_config("hymo_tiny", run_dir=2024)
+    assert load_config("hymo_tiny", **parse_overrides(["run_dir='2024'"])).train.run_dir == "2024"  # the hint works
+    with pytest.raises(ConfigError, match=r"train.max_steps: expected int, got str '1e3'; write it as a whole number: 1000$"):
+        load_config("hymo_tiny", **parse_overrides(["max_steps=1e3"]))
+    with pytest.raises(ConfigError, match=r"model.dim: expected int, got float 64.0; write it as a whole number: 64$"):
+        load_config("hymo_tiny", dim=64.0)
+    with pytest.raises(ConfigError, match=r"model.dim: expected int, got float 64.5$"):  # no whole number to suggest
+        load_config("hymo_tiny", dim=64.5)

@@ -262,3 +262,69 @@ def test_concurrent_prepares_agree(text, tmp_path):
         outs = list(ex.map(lambda _: prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False), range(3)))
     assert outs == [tmp_path / "ds"] * 3 and sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     check_compatible(tmp_path / "ds", VOCAB)
+
+
+def test_unreadable_inputs_are_data_errors(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text: convert it"): prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
+    (tmp_path / "notes.parquet").write_text("not a parquet file\n")
+    with pytest.raises(DataError, match=r"notes.parquet cannot be read as Parquet \(.*magic bytes"): prepare(tmp_path / "notes.parquet", tmp_path / "o")
+    pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(500)]}), tmp_path / "good.parquet")
+    raw = bytearray((tmp_path / "good.parquet").read_bytes())
+    footer = int.from_bytes(raw[-8:-4], "little")
+    raw[4:len(raw) - 8 - footer] = bytes(len(raw) - 12 - footer)  # the pages zeroed, the footer intact: a bare OSError
+    (tmp_path / "pages.parquet").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"pages.parquet cannot be read as Parquet"): prepare(tmp_path / "pages.parquet", tmp_path / "o")
+    (tmp_path / "cut.parquet").write_bytes((tmp_path / "good.parquet").read_bytes()[:100])
+    with pytest.raises(DataError, match=r"cut.parquet cannot be read as Parquet"): prepare(tmp_path / "cut.parquet", tmp_path / "o")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    with pytest.raises(DataError, match=r"column 'text' holds int values, not text"): prepare(tmp_path / "ints.parquet", tmp_path / "o")
+    assert not (tmp_path / "o").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nor a temporary folder
+
+
+def test_options_are_checked_before_any_input_is_read(ds, text, tmp_path, monkeypatch):
+    read = []
+    monkeypatch.setattr(D, "sha256_file", lambda p: read.append(p))
+    monkeypatch.setattr(D, "read_documents", lambda p, *a: read.append(p))
+    for kw, msg in [(dict(val_fraction=1.5), r"val_fraction=1.5 must be in \[0, 1\)"), (dict(vocab_size=0), "vocab_size=0 must be at least 257"),
+                    (dict(vocab_size=-5), "at least 257"), (dict(vocab_size=2**33), "does not fit uint32"),
+                    (dict(shard_tokens=0), "shard_tokens=0 must be positive")]:
+        with pytest.raises(DataError, match=msg): prepare(text, tmp_path / "o", progress=False, **kw)
+        with pytest.raises(DataError, match=msg): prepare(text, ds, progress=False, **kw)  # not "holds a dataset prepared from other inputs"
+    assert read == [] and not (tmp_path / "o").exists()
+
+
+def test_out_that_cannot_be_written(text, tmp_path, monkeypatch, capsys):
+    from hymo.data import main
+    read, real = [], D.read_documents
+    def reading(p, *a):
+        read.append(p); yield from real(p, *a)
+    monkeypatch.setattr(D, "read_documents", reading)
+    (tmp_path / "afile").write_text("x")
+    for out in (tmp_path / "afile" / "ds", tmp_path / "afile" / "a" / "ds"):  # EEXIST and ENOTDIR from mkdir
+        with pytest.raises(OSError): prepare(text, out, vocab_size=VOCAB, progress=False)  # the trainer reports the OSError itself
+        assert main(["prepare", "--input", str(text), "--out", str(out), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
+        assert capsys.readouterr().err == f"error: cannot write {out}: {tmp_path / 'afile'} is a file, not a folder: choose another --out\n"
+    assert read == []  # refused before reading the inputs
+    if os.path.isdir("/proc/self"):
+        assert main(["prepare", "--input", str(text), "--out", "/proc/hymo-ds", "--no-progress"]) == 1
+        assert capsys.readouterr().err == "error: cannot write /proc/hymo-ds: No such file or directory: choose another --out\n"
+
+    def full(self, n): raise OSError(28, "No space left on device")  # a write() that fails names no file
+    monkeypatch.setattr(D._ShardWriter, "_flush", full)
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
+    assert capsys.readouterr().err.endswith("No space left on device: free space or choose another --out\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # the temporary folder is gone
+
+    def other(self, n): raise OSError(5, "Input/output error", str(text))  # an input's error is not --out's: a traceback
+    monkeypatch.setattr(D._ShardWriter, "_flush", other)
+    with pytest.raises(OSError, match="Input/output error"):
+        main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"])
+
+
+def test_out_may_be_the_current_folder(text, tmp_path, monkeypatch):
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert prepare(text, ".", vocab_size=VOCAB, progress=False) == tmp_path / "here"
+    assert load_manifest(tmp_path / "here")["vocab_size"] == VOCAB

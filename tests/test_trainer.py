@@ -614,3 +614,98 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
     assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["step"] == 6
     assert (tmp_path / "two" / "model.safetensors").exists()
+
+
+def test_resuming_another_folders_checkpoint_into_a_run_is_refused(tmp_path):
+    """--resume with a checkpoint of folder A into folder B that holds a run of its own would mix the two runs (and
+    prune B's newer checkpoints as soon as A's lineage saved): refused, with B untouched. An empty B continues A."""
+    from hymo.config import ConfigError
+    make(tmp_path / "a", max_steps=4, ckpt_every=2).fit()
+    make(tmp_path / "b", max_steps=6, ckpt_every=3).fit(num_steps=3)
+    before = sorted(p.name for p in (tmp_path / "b").rglob("*"))
+    with pytest.raises(ConfigError, match="not a checkpoint of run_dir=.*holds a run of its own.*step_000003"):
+        make(tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=3)
+    assert sorted(p.name for p in (tmp_path / "b").rglob("*")) == before
+    c = make(tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=3)
+    assert c.step == 2
+
+
+def test_run_folders_that_cannot_be_used_are_refused_in_one_line(tmp_path, monkeypatch):
+    from hymo.config import ConfigError
+    from hymo.training.data import DataError, prepare_default
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=r"cannot create run_dir=.*a_file/run \(Not a directory\)"):
+        make(tmp_path / "a_file" / "run")
+    data = prepare_default(vocab_size=2048, progress=False)  # the bundled corpus, as the tiny preset trains on it
+    with pytest.raises(ConfigError, match="run_dir and data_dir are the same folder"):
+        make(data, data_dir=str(data))
+    if not torch.cuda.is_available():  # one CPU process computes in fp32: bf16 would be silently ignored
+        with pytest.raises(ConfigError, match="precision=bf16 on one CPU process"): make(tmp_path / "run", precision="bf16")
+    monkeypatch.setenv("HYMO_CACHE", str(tmp_path / "a_file" / "cache"))  # a cache that cannot be made
+    with pytest.raises(DataError, match=r"cannot write the data cache .*a_file.* \(Not a directory\): set HYMO_CACHE"):
+        make(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_partial_checkpoint_folder_is_removed_when_the_run_resumes(tmp_path):
+    """A kill, or a second Ctrl-C, while a checkpoint is written leaves step_N.tmp: never read, and at 750M many GB.
+    The next start in that folder removes it (the lock says no other process is writing it)."""
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(num_steps=2)
+    partial = tmp_path / "run" / "checkpoints" / "step_000003.tmp"
+    partial.mkdir(); (partial / "__0_0.distcp").write_bytes(b"cut short")
+    t = make(tmp_path / "run", max_steps=4, ckpt_every=2)
+    assert t.step == 2 and not partial.exists()
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000002"]
+
+
+def test_metrics_lines_are_json_and_a_finished_run_has_its_final_config(tmp_path, monkeypatch):
+    """A skipped step's NaN loss is written as null (JSON has no NaN, and jq refuses it); a run finished by a resume
+    that trains no step (max_steps lowered to the step reached) writes the config it finished with; the weights file
+    is readable like the run's other files."""
+    import stat
+    t = make(tmp_path / "run", max_steps=3, warmup_steps=1)
+    forward = type(t.model).forward
+    def nan_at_step_2(self, tokens, targets=None, cu_seqlens=None):
+        loss, parts = forward(self, tokens, targets, cu_seqlens)
+        return (loss * float("nan"), parts) if t.step == 1 else (loss, parts)
+    monkeypatch.setattr(type(t.model), "forward", nan_at_step_2)
+    t.fit(num_steps=2); t.save()
+    monkeypatch.setattr(type(t.model), "forward", forward)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert "NaN" not in lines[1] and json.loads(lines[1])["loss"] is None and json.loads(lines[0])["loss"] > 0
+    make(tmp_path / "run", max_steps=2, warmup_steps=1, global_batch_size=8).fit()  # finishes at step 2 without training a step
+    assert load_config(tmp_path / "run" / "config.yaml").train.global_batch_size == 8
+    umask = os.umask(0); os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "run" / "model.safetensors").stat().st_mode) == 0o666 & ~umask
+
+
+def test_generate_on_damaged_run_files_says_what_to_do_and_the_advice_works(tmp_path):
+    from hymo.config import ConfigError
+    from hymo.generate import load_run
+    from hymo.train import main
+    run = tmp_path / "run"
+    main(_cli_args(run, max_steps=2, warmup_steps=1))
+    good = (run / "tokenizer.json").read_bytes()
+    (run / "tokenizer.json").write_text('{"cut')
+    with pytest.raises(ConfigError, match="tokenizer.json cannot be read .*copy it again"): load_run(run)
+    (run / "tokenizer.json").write_bytes(good)
+    (run / "model.safetensors").write_bytes(b"cut short")
+    with pytest.raises(ConfigError, match="model.safetensors cannot be read") as e: load_run(run)
+    assert f"delete {run / 'summary.json'}, then python -m hymo.train --config {run / 'config.yaml'} run_dir={run}" in str(e.value)
+    (run / "summary.json").unlink()  # the advice, followed: the final checkpoint is exported again
+    main(["--config", str(run / "config.yaml"), f"run_dir={run}"])
+    model, tok = load_run(run)
+    assert json.loads((run / "summary.json").read_text())["step"] == 2 and tok.get_vocab_size() == 2048
+
+
+def test_ctrl_c_while_torch_is_imported_ends_in_one_line(monkeypatch, capsys):
+    "The first seconds of `python -m hymo.train` import torch and the trainer: a Ctrl-C there is one line, exit 130."
+    import importlib.abc
+    from hymo.train import main
+    class Interrupting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "hymo.training.trainer": raise KeyboardInterrupt
+    monkeypatch.delitem(sys.modules, "hymo.training.trainer", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    with pytest.raises(SystemExit) as e: main([])  # the default command
+    assert e.value.code == 130 and "interrupted before training began" in capsys.readouterr().err

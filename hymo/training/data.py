@@ -71,28 +71,39 @@ def find_files(inputs: Iterable, # Paths of files or folders
     return files
 
 # %% ../../nbs/60_data.ipynb #93213c93
+def _not_utf8(path: Path) -> DataError:
+    return DataError(f"{path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)")
+
+
 def _parquet_docs(path: Path) -> Iterator[str]:
-    try: import pyarrow.parquet as pq
+    try: import pyarrow as pa, pyarrow.parquet as pq
     except ImportError as e: raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from e
-    f = pq.ParquetFile(path)
-    names = f.schema_arrow.names
-    strings = [n for n in names if str(f.schema_arrow.field(n).type) in ("string", "large_string", "string_view")]
-    col = "text" if "text" in names else (strings[0] if len(strings) == 1 else None)
-    if col is None: raise DataError(f"{path}: no 'text' column and not exactly one string column (columns: {names}); name the text column 'text'")
-    for batch in f.iter_batches(columns=[col], batch_size=4096):
-        for t in batch.column(0).to_pylist():
-            if t and t.strip(): yield t
+    try:
+        f = pq.ParquetFile(path)
+        names = f.schema_arrow.names
+        strings = [n for n in names if str(f.schema_arrow.field(n).type) in ("string", "large_string", "string_view")]
+        col = "text" if "text" in names else (strings[0] if len(strings) == 1 else None)
+        if col is None: raise DataError(f"{path}: no 'text' column and not exactly one string column (columns: {names}); name the text column 'text'")
+        for batch in f.iter_batches(columns=[col], batch_size=4096):
+            for t in batch.column(0).to_pylist():
+                if t is not None and not isinstance(t, str):  # a 'text' column of numbers or bytes
+                    raise DataError(f"{path}: column {col!r} holds {type(t).__name__} values, not text: store the documents as strings")
+                if t and t.strip(): yield t
+    except (pa.ArrowException, OSError) as e:  # pyarrow's IOError is OSError, raised without a file name
+        raise DataError(f"{path} cannot be read as Parquet ({e}): write it again, e.g. with pyarrow.parquet.write_table") from e
 
 
 def _jsonl_docs(path: Path) -> Iterator[str]:
     with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip(): continue
-            try: row = json.loads(line)
-            except json.JSONDecodeError as e: raise DataError(f"{path}:{i} is not valid JSON ({e.msg}): one JSON object per line") from e
-            t = row.get("text") if isinstance(row, dict) else None
-            if not isinstance(t, str): raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
-            if t.strip(): yield t
+        try:
+            for i, line in enumerate(fh, 1):
+                if not line.strip(): continue
+                try: row = json.loads(line)
+                except json.JSONDecodeError as e: raise DataError(f"{path}:{i} is not valid JSON ({e.msg}): one JSON object per line") from e
+                t = row.get("text") if isinstance(row, dict) else None
+                if not isinstance(t, str): raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
+                if t.strip(): yield t
+        except UnicodeDecodeError as e: raise _not_utf8(path) from e
 
 
 def read_documents(path: Path, # A .txt, .md, .jsonl or .parquet file
@@ -104,7 +115,7 @@ def read_documents(path: Path, # A .txt, .md, .jsonl or .parquet file
     elif path.suffix == ".parquet": yield from _parquet_docs(path)
     elif path.suffix in (".txt", ".md"):
         try: text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e: raise DataError(f"{path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)") from e
+        except UnicodeDecodeError as e: raise _not_utf8(path) from e
         yield from split_text(text, doc_split)
     else: raise DataError(f"unknown file type '{path.suffix}' of {path}: give {', '.join(SUFFIXES)} files")
 
@@ -128,14 +139,18 @@ def split_train_val(docs: Iterable[str], # Documents in corpus order
         pos += len(b)
 
 # %% ../../nbs/60_data.ipynb #ec9fb72b
+def _check_vocab_size(vocab_size: int):
+    if vocab_size < 257: raise DataError(f"vocab_size={vocab_size} must be at least 257: the 256 byte symbols and {EOT}")
+    if vocab_size > 2**32: raise DataError(f"vocab_size={vocab_size} does not fit uint32 token ids")
+
+
 def train_tokenizer(docs: Iterable[str], # Training documents
                     vocab_size: int = DEFAULT_VOCAB_SIZE, # Target vocabulary, EOT included (>= 257)
                     progress: bool = False, # Show the trainer's progress bar
                    ):
     "A byte-level BPE `tokenizers.Tokenizer` trained on `docs`, with EOT as token 0."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    if vocab_size < 257: raise DataError(f"vocab_size={vocab_size} must be at least 257: the 256 byte symbols and {EOT}")
-    if vocab_size > 2**32: raise DataError(f"vocab_size={vocab_size} does not fit uint32 token ids")
+    _check_vocab_size(vocab_size)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -281,10 +296,13 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             overwrite: bool = False, # Replace a dataset in `out` prepared from other inputs or options
             progress: bool = True, # Show progress bars
            ) -> Path:
-    "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return `out`."
-    out = Path(out).expanduser()
-    files = find_files(inputs)
+    "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return `out`, absolute."
+    out = Path(os.path.abspath(Path(out).expanduser()))  # absolute: `--out .` has a name for its temporary sibling
+    # the options first: a bad one fails at once, not after reading every input
+    if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
+    if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
+    files = find_files(inputs)
     if tokenizer is not None:
         from tokenizers import Tokenizer
         tokenizer = Path(tokenizer)
@@ -298,7 +316,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         if vocab_size is not None and vocab_size != tok.get_vocab_size():
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
         tok.encode_special_tokens = True
-    vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
+    vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
@@ -309,16 +327,16 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         if not overwrite:
             raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass overwrite=True "
                             f"(--overwrite) to replace it, or choose another --out")
-    total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
-    if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
-    if tokenizer is None:
-        train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
-        tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
-        tokenizer_json = tok.to_str()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
+        total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
+        if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
+        if tokenizer is None:
+            train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
+            tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
+            tokenizer_json = tok.to_str()
         _write_dataset(tmp, files, tok, tokenizer_json, fingerprint, doc_split, val_fraction, shard_tokens, total_bytes, progress)
         _install(tmp, out, fingerprint)
     except BaseException:
