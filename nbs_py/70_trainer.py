@@ -393,7 +393,7 @@ class Trainer:
                               "to run the kernels in Triton's interpreter (slow: for checking them)")
 
         self.setup_data()  # first: preparing the default corpus is the slow part of a first run
-        if self.run_dir.resolve() == self.data_dir.resolve():
+        if self.data_dir is not None and self.run_dir.resolve() == self.data_dir.resolve():  # None: synthetic tokens
             raise ConfigError(f"run_dir and data_dir are the same folder ({self.run_dir}): the run would write its "
                               "checkpoints and tokenizer.json into the dataset; give the run a folder of its own")
 

@@ -485,7 +485,7 @@ def test_cli_refusals_from_the_trainer_leave_no_run_folder(tmp_path, args, expec
     """Mistakes found by the trainer (data, checkpoint, run folder) end in one line and exit 2, as config errors do."""
     (tmp_path / "afile").write_text("not a folder")
     (tmp_path / "broken.yaml").write_text("model: {dim: [\n")
-    r = run_cli(*args, cwd=tmp_path)
+    r = run_cli(*args, cwd=tmp_path, env_extra={"CUDA_VISIBLE_DEVICES": ""})  # a CPU run, GPU or not (gdn_kernel=triton)
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["afile", "broken.yaml"]  # no run folder, default or named
 
