@@ -564,7 +564,7 @@ def test_safetensors_io_errors_are_oserrors(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["w"], torch.ones(2, 2))
 
 
-@pytest.mark.parametrize("where", ["rank 1's own file", "rank 0's rename", "rank 0's model file"])
+@pytest.mark.parametrize("where", ["rank 1's own file", "rank 0's rename", "rank 0's model file", "rank 0's metrics line"])
 def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where):
     """A full disk (or a refused rename) on one rank while a checkpoint is written: every rank stops promptly with
     the one-line error, none waits at a barrier; the previous checkpoint stays, and the same command resumes from it."""
@@ -593,9 +593,16 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
         "    def full(*a, **k): raise safetensors.SafetensorError('Error while serializing: I/O error: No space left on "
         "device (os error 28)')\n"
         "    safetensors.torch.save_file = full\n"
+        "if where == 'j' and rank == 0:  # step 3's metrics line meets a full disk\n"
+        "    line = trainer.json_line\n"
+        "    def full(m):\n"
+        "        if m['step'] == 3: raise OSError(errno.ENOSPC, 'No space left on device')\n"
+        "        return line(m)\n"
+        "    trainer.json_line = full\n"
         "main(sys.argv[1:])\n")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                        {"rank 1's own file": "1", "rank 0's rename": "0", "rank 0's model file": "m"}[where], *args], cwd=tmp_path, env=env, capture_output=True,
+                        {"rank 1's own file": "1", "rank 0's rename": "0", "rank 0's model file": "m",
+                         "rank 0's metrics line": "j"}[where], *args], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)  # before: rank 0 sat at a barrier until rank 1's exit broke the connection (gloo: a
     # traceback) or torchrun killed it (NCCL)
     out = r.stdout + r.stderr

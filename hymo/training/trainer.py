@@ -803,12 +803,16 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
             m["val_loss"] = self.evaluate()
         self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
         out.append(m)
-        if self.d.is_main:
+
+        def step_files():  # rank 0's; a full disk here stops every rank (`_together`)
+            if not self.d.is_main: return
             if self.step == start + 1:  # this call's first step: only now does the run folder change
                 trim_metrics(self.run_dir, start, self.log)
                 (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
             with open(metrics_file, "a") as f: f.write(json_line(m) + "\n")
-            if logger: logger.log(m, step=self.step)
+
+        self._together(step_files, metrics_file)
+        if logger: logger.log(m, step=self.step)
         bar.update(1)
         bar.set_postfix_str(f"loss {m['loss']:.3f} tok/s {m['tokens_per_s']:.0f}" +
                             (f" mfu {m['mfu']:.1%}" if m["mfu"] is not None else "") +
