@@ -3,6 +3,7 @@ exact kill-and-resume, crash-safe checkpoints, skipped non-finite steps, and CLI
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -633,8 +634,14 @@ def test_resuming_another_folders_checkpoint_into_a_run_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="not a checkpoint of run_dir=.*holds a run of its own.*step_000003"):
         make(tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=3)
     assert sorted(p.name for p in (tmp_path / "b").rglob("*")) == before
-    c = make(tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=3)
-    assert c.step == 2
+    c = make(tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=2)
+    assert c.step == 2 and c.branched_from == str((tmp_path / "a" / "checkpoints" / "step_000002").resolve())
+    c.fit(num_steps=2)  # the branch trains on (step_4), then its job is requeued with the same command
+    again = make(tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=2)
+    assert again.step == 4 and again.branched_from == c.branched_from  # it continues the branch, not step 2 again
+    with pytest.raises(ConfigError, match="cut short"):  # a .tmp folder is never a checkpoint to resume
+        shutil.copytree(tmp_path / "a" / "checkpoints" / "step_000004", tmp_path / "a" / "checkpoints" / "step_000006.tmp")
+        make(tmp_path / "d", resume=tmp_path / "a" / "checkpoints" / "step_000006.tmp", max_steps=6)
 
 
 def test_run_folders_that_cannot_be_used_are_refused_in_one_line(tmp_path, monkeypatch):
@@ -658,11 +665,44 @@ def test_a_partial_checkpoint_folder_is_removed_when_the_run_resumes(tmp_path):
     """A kill, or a second Ctrl-C, while a checkpoint is written leaves step_N.tmp: never read, and at 750M many GB.
     The next start in that folder removes it (the lock says no other process is writing it)."""
     make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(num_steps=2)
-    partial = tmp_path / "run" / "checkpoints" / "step_000003.tmp"
+    ckpts = tmp_path / "run" / "checkpoints"
+    partial = ckpts / "step_000003.tmp"
     partial.mkdir(); (partial / "__0_0.distcp").write_bytes(b"cut short")
+    older = ckpts / "step_000001.tmp"
+    shutil.copytree(ckpts / "step_000002", older)  # complete, but older than a checkpoint: nothing to keep
     t = make(tmp_path / "run", max_steps=4, ckpt_every=2)
-    assert t.step == 2 and not partial.exists()
-    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000002"]
+    assert t.step == 2 and not partial.exists() and not older.exists()
+    assert [p.name for p in ckpts.iterdir()] == ["step_000002"]
+    # complete and newer than every checkpoint: only its rename was cut short, so it is left (and said)
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_000005.tmp")
+    make(tmp_path / "run", max_steps=4, ckpt_every=2)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000005.tmp"]
+
+
+def test_a_checkpoint_is_never_deleted_before_its_successor_is_in_place(tmp_path, monkeypatch):
+    """Writing a step's checkpoint again (the end of a run resumed at its end) sets the old one aside until the new one is
+    renamed into place: a Ctrl-C between the two leaves a complete copy. And `finish` does not write again the checkpoint
+    it was just loaded from (deleting summary.json to export again must not put the run's only checkpoint at risk)."""
+    from hymo.training import trainer as tr
+    t = make(tmp_path / "run", max_steps=2, warmup_steps=1)
+    t.fit()
+    ckpts = tmp_path / "run" / "checkpoints"
+    real = os.replace
+    def interrupted(a, b):
+        if str(a).endswith("step_000002.tmp"): raise KeyboardInterrupt
+        return real(a, b)
+    monkeypatch.setattr(tr.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt): t.save()
+    assert (ckpts / "replaced-step_000002" / "meta.json").exists()  # the old copy, whole
+    monkeypatch.setattr(tr.os, "replace", real)
+    real_replace = ckpts / "replaced-step_000002"; real(real_replace, ckpts / "step_000002")
+    t.save()  # uninterrupted: the new copy in place, the old one removed
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002"]
+    (tmp_path / "run" / "summary.json").unlink()
+    again = make(tmp_path / "run", max_steps=2, warmup_steps=1)
+    monkeypatch.setattr(tr.Trainer, "save", lambda self: pytest.fail("finish wrote the loaded checkpoint again"))
+    again.fit()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["step"] == 2
 
 
 def test_metrics_lines_are_json_and_a_finished_run_has_its_final_config(tmp_path, monkeypatch):
@@ -705,7 +745,7 @@ def test_generate_on_damaged_run_files_says_what_to_do_and_the_advice_works(tmp_
     assert json.loads((run / "summary.json").read_text())["step"] == 2 and tok.get_vocab_size() == 2048
 
 
-def test_ctrl_c_while_torch_is_imported_ends_in_one_line(monkeypatch, capsys):
+def test_ctrl_c_while_torch_is_imported_ends_in_one_line(tmp_path, monkeypatch, capsys):
     "The first seconds of `python -m hymo.train` import torch and the trainer: a Ctrl-C there is one line, exit 130."
     import importlib.abc
     from hymo.train import main
@@ -714,5 +754,20 @@ def test_ctrl_c_while_torch_is_imported_ends_in_one_line(monkeypatch, capsys):
             if name == "hymo.training.trainer": raise KeyboardInterrupt
     monkeypatch.delitem(sys.modules, "hymo.training.trainer", raising=False)
     monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
-    with pytest.raises(SystemExit) as e: main([])  # the default command
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run"))  # were it not interrupted: a tiny run here
     assert e.value.code == 130 and "interrupted before training began" in capsys.readouterr().err
+
+
+def test_a_refusal_on_rank_0_alone_is_one_line_on_every_rank(tmp_path):
+    """A run folder only rank 0 creates, and cannot (a file in its path): every rank ends in one line, exit 2, with no
+    traceback from rank 1 (its error used to be a bare RuntimeError for any errno but the four disk ones)."""
+    (tmp_path / "afile").write_text("")
+    env = {**os.environ, "HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "WANDB_MODE": "offline"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                        "hymo.train", *_cli_args("afile/run", micro_batch_size=2)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]
+    assert "cannot create run_dir=afile/run (Not a directory)" in out, out[-3000:]
+    assert "cannot create run_dir=afile/run (Not a directory (on another rank))" in out, out[-3000:]

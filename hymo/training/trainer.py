@@ -116,6 +116,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=checkpoint_step)
 
 
+def _meta(ckpt: Path) -> dict:
+    "A checkpoint's meta.json, or {} if it cannot be read (its load says why)."
+    try: meta = json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError): return {}
+    return meta if isinstance(meta, dict) else {}
+
+
 def checkpoint_step(ckpt: Path) -> int:
     "The step a checkpoint folder `step_000123` holds."
     return int(ckpt.name[len(CKPT_PREFIX):])
@@ -300,6 +307,7 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
+        self.branched_from = None  # another folder's checkpoint this run began from (`--resume`), kept in every meta.json
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
@@ -348,9 +356,16 @@ class Trainer:
         return prepare_default(vocab_size=self.mcfg.vocab_size)
 
     def _remove_partial_checkpoints(self):
-        "A `.tmp` checkpoint folder is one whose writing was cut short (a kill, a second Ctrl-C): never read, only space."
+        "Remove `.tmp` checkpoint folders whose writing was cut short (a kill, a second Ctrl-C): never read, only space."
         if not self.d.is_main: return
+        done = list_checkpoints(self.run_dir)
+        newest = checkpoint_step(done[-1]) if done else -1
         for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
+            whole = (tmp / "meta.json").exists() and (tmp / ".metadata").exists()
+            if whole and int(tmp.name[len(CKPT_PREFIX):-len(".tmp")]) > newest:  # its rename alone was cut short
+                self.log(f"warning: {tmp} looks complete and is newer than every checkpoint: it is left as it is; "
+                         f"rename it without .tmp to resume from it")
+                continue
             shutil.rmtree(tmp, ignore_errors=True)
             self.log(f"removed {tmp}, a checkpoint whose writing was cut short")
 
@@ -368,21 +383,12 @@ class Trainer:
             if not (p / "meta.json").exists():
                 raise ConfigError(f"{p} is not a complete checkpoint (no meta.json); "
                                   f"complete ones in {self.run_dir}: {[c.name for c in done]}")
-            own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
-            if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one
-                raise ConfigError(f"{p} is not a checkpoint of run_dir={self.run_dir}, which holds a run of its own "
-                                  f"(newest: {done[-1].name}); continuing from {p} there would mix two runs and prune "
-                                  "one's checkpoints: give a new run_dir=... to continue from it")
-            try: self.load(p)
-            except BaseException as e:
-                if not _unreadable(e): raise
-                raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
-                                  "to use the newest readable one") from None
-            if own:  # an older checkpoint of this folder
-                newer = [c for c in done if checkpoint_step(c) > self.step]
-                if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
-                                          "they would outrank its new checkpoints")
-            return
+            if p.name.endswith(".tmp"):
+                raise ConfigError(f"{p} is a checkpoint whose writing was cut short: give a complete one, or leave out "
+                                  "--resume to use the newest complete one")
+            if self._resume_given(p, done): return
+            # else: this folder's run began from `p` and trained on; the same command again (a requeued job)
+            self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint")
         damaged = []
         for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
             try: self.load(ckpt); break
@@ -394,6 +400,26 @@ class Trainer:
             raise ConfigError(f"no checkpoint in {self.run_dir / 'checkpoints'} can be read ({', '.join(c.name for c in damaged)}; "
                               "the warnings above say why): restore one, or give a new run_dir=... to start afresh")
         self._set_aside(damaged, "damaged", "it will not be read again")
+
+    def _resume_given(self, p: Path, done: list[Path]) -> bool:
+        "Load checkpoint `p` given by `--resume`; False when `p` is where this folder's own run began (resume that run)."
+        own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
+        if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one?
+            if _meta(done[-1]).get("branched_from") == str(p.resolve()): return False  # no: that run began from `p`
+            raise ConfigError(f"{p} is not a checkpoint of run_dir={self.run_dir}, which holds a run of its own "
+                              f"(newest: {done[-1].name}); continuing from {p} there would mix two runs and prune "
+                              "one's checkpoints: leave out --resume to continue that run, or give a new run_dir=... "
+                              f"to continue from {p.name}")
+        try: self.load(p)
+        except BaseException as e:
+            if not _unreadable(e): raise
+            raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
+                              "to use the newest readable one") from None
+        if not own: self.branched_from = str(p.resolve())  # a branch: the same command later continues it
+        newer = [c for c in done if checkpoint_step(c) > self.step] if own else []  # an older checkpoint of this folder
+        if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
+                                  "they would outrank its new checkpoints")
+        return True
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
@@ -423,12 +449,16 @@ class Trainer:
         if not self.d.distributed:
             if error is not None: raise error
             return
-        mine = 0 if error is None else error.errno if isinstance(error, OSError) and error.errno in DISK_ERRORS else 10_000
+        # 0: fine; an OSError's errno; above every errno, a user's mistake (its own one line there), else anything else
+        mine = (0 if error is None else 20_001 if isinstance(error, (ConfigError, DataError)) else
+                error.errno if isinstance(error, OSError) and error.errno else 20_000)
         code = torch.tensor([mine], device=self.d.device)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX)  # the worst: any other error, else one disk error's errno
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)  # the worst of the ranks'
         if error is not None: raise error
-        if int(code): raise (OSError(int(code), f"{os.strerror(int(code))} (on another rank)", str(where)) if int(code) < 10_000
-                             else RuntimeError(f"another rank failed while writing {where}: see its log"))
+        code = int(code)
+        if code == 20_001: raise ConfigError(f"another rank refused {where}: its message says why")
+        if code == 20_000: raise RuntimeError(f"another rank failed with {where}: see its log")
+        if code: raise OSError(code, f"{os.strerror(code)} (on another rank)", str(where))
 
     def log(self, *a):
         if self.d.is_main and not self.quiet: print(*a, flush=True)
@@ -639,15 +669,18 @@ def save(self: Trainer) -> Path:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
-                    "history": self.history, "world_size": self.d.world_size,
+                    "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "config": Config(self.mcfg, self.cfg).to_dict()}
             (tmp / "meta.json").write_text(json.dumps(meta))
 
     def publish():  # complete on every rank: the rename makes it a checkpoint
-        if self.d.is_main:
-            if final.exists(): shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]: shutil.rmtree(old)
+        if not self.d.is_main: return
+        replaced = final.with_name(f"replaced-{final.name}")  # a checkpoint of this step is never deleted before its successor is in place
+        if final.exists(): shutil.rmtree(replaced, ignore_errors=True); os.replace(final, replaced)
+        os.replace(tmp, final)
+        for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
+            try: shutil.rmtree(old) if old.exists() else None
+            except OSError as e: self.log(f"warning: could not remove the old checkpoint {old} ({e.strerror}); remove it by hand")
 
     try:
         self._together(fresh_folder, tmp)
@@ -656,11 +689,10 @@ def save(self: Trainer) -> Path:
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # a failure raises on every rank
         self._together(own_files, tmp)
     except BaseException as e:  # DCP wraps what it meets (a full disk, a Ctrl-C): raise that, as itself
-        reraise_interrupt(e)  # a kill would leave the .tmp folder too; the next save replaces it
+        reraise_interrupt(e)  # a kill would leave the .tmp folder too; the next start removes it
+        if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to space (that may be short)
         disk = wrapped(e, OSError)
-        if disk is None: raise
-        if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to the space that is short
-        if disk.errno not in DISK_ERRORS: raise  # DCP's report, every rank's failure in it
+        if disk is None or disk.errno not in DISK_ERRORS: raise  # DCP's report, every rank's failure in it
         raise disk from None  # its own traceback; `python -m hymo.train` says it in one line
     self._together(publish, final)
     self.saved_step = self.step
@@ -693,6 +725,7 @@ def load(self: Trainer, ckpt: Path):
     for opt, groups in zip(self.optimizers, settings):  # the state (moments) resumes; the settings are this run's config
         for g, mine in zip(opt.param_groups, groups): g.update(mine)
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
+    self.branched_from = meta.get("branched_from")
     self.history = meta["history"]
     if extra is not None:
         _set_rng_state(extra["rng"])
@@ -826,9 +859,14 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
     return out
 
 
+def _no_nan(m: dict) -> dict:
+    "`m` with every non-finite number (a skipped step's loss, a diverged validation loss) as None: JSON has no NaN."
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()}
+
+
 def json_line(m: dict) -> str:
-    "One metrics line; a non-finite number (a skipped step's loss) is written as null, since JSON has no NaN."
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in m.items()})
+    "One metrics line, non-finite numbers written as null (`jq` and most JSON readers refuse NaN)."
+    return json.dumps(_no_nan(m))
 
 
 def _wandb(self: Trainer):
@@ -845,7 +883,7 @@ Trainer.fit, Trainer._fit_steps, Trainer.request_stop = fit, _fit_steps, request
 def finish(self: Trainer) -> dict:
     "Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    self.save()
+    if self.saved_step != self.step: self.save()  # resumed at the end (the export failed, say): that checkpoint stays
     summary = {"step": self.step, "val_loss": self.evaluate(), "bad_steps": self.bad_steps}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample()
@@ -858,7 +896,7 @@ def finish(self: Trainer) -> dict:
         plot_losses(self.history, self.run_dir / "loss.png")
         (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
         summary["sample"] = sample
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
 
     self._together(artefacts, self.run_dir)
     if self.d.is_main:
@@ -873,11 +911,13 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path):
     from safetensors.torch import save_file
     try: save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     except Exception as e:  # safetensors' own SafetensorError, e.g. "I/O error: ... (os error 28)"
-        code = re.search(r"os error (\d+)", str(e))
+        code = re.search(r"os error (\d+)|code: (\d+)", str(e))  # "... (os error 28)", or older "Os { code: 28, ..."
         if code is None: raise
-        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from e
+        n = int(code[1] or code[2])
+        raise OSError(n, os.strerror(n), str(path)) from e
     umask = os.umask(0); os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # its temporary file was private (0600); the run's other files are not
+    try: os.chmod(path, 0o666 & ~umask)  # its temporary file was private (0600); the run's other files are not
+    except OSError: pass  # a file system without modes (vfat, some network mounts): the file is written all the same
 
 
 @torch.no_grad()
