@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 from pathlib import Path
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    if "LOCAL_RANK" in os.environ: parser.print_usage = lambda file=None: None  # torchrun: one line a rank, not the usage too
+    args, unknown = parser.parse_known_intermixed_args(argv)  # key=value before and after the options alike
     for u in unknown:
         near = difflib.get_close_matches(u.split("=")[0], ["--config", "--resume", "--no-resume", "--help"], n=1)
         parser.error(f"unknown option {u}" + (f"; did you mean {near[0]}?" if near else "") +

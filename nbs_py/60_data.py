@@ -839,14 +839,21 @@ class TokenLoader:
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
         self.step = int(state["step"])
 
-    def eval_batches(self, n_batches: Optional[int] = None, # Batches to yield; None: all full batches
+    def eval_plan(self, n_batches: Optional[int] = None, # Micro-batches in the pass, all ranks together; None: all full ones
+                 ) -> list[tuple[int, bool]]:
+        """This rank's share of a validation pass: (group, counted) per forward. Group g is windows [g·B, (g+1)·B) in
+        stream order, so the pass is the same set on any number of ranks; rank r takes groups r, r + W, ... Every rank
+        runs the same number of forwards (FSDP gathers in each); a turn past the last group repeats one, not counted."""
+        total = self.n_windows // self.micro_batch_size
+        n = total if n_batches is None else min(n_batches, total)
+        rounds = -(-n // self.world_size)  # ceil
+        return [(g if g < n else g % max(n, 1), g < n) for g in (i * self.world_size + self.rank for i in range(rounds))]
+
+    def eval_batches(self, n_batches: Optional[int] = None, # Micro-batches in the pass, all ranks together; None: all full ones
                     ) -> Iterator:
-        "Validation micro-batches: windows in stream order, rank-sharded, the same on every call."
-        per_step = self.world_size * self.micro_batch_size
-        n = self.n_windows // per_step if n_batches is None else min(n_batches, self.n_windows // per_step)
-        for t in range(n):
-            first = t * per_step + self.rank * self.micro_batch_size
-            yield self._batch(np.arange(first, first + self.micro_batch_size))
+        "This rank's validation micro-batches (see `eval_plan`): windows in stream order, the same on every call."
+        for g, _ in self.eval_plan(n_batches):
+            yield self._batch(np.arange(g * self.micro_batch_size, (g + 1) * self.micro_batch_size))
 
 
 # %% [markdown]
@@ -922,7 +929,9 @@ print(f"{len(cu) - 1} segments in {B} x {T} tokens, longest {int(cu.diff().max()
 
 # %% [markdown]
 # The validation iterator ignores the training position: windows in stream order, the same
-# every time it is called.
+# every time it is called, and the same set on any number of ranks (`eval_batches` counts the
+# pass's micro-batches over all ranks), so a validation loss does not move when a run resumes on
+# another number of GPUs.
 
 # %%
 val = TokenLoader(ds, "val", seq_len=T, micro_batch_size=B)
@@ -931,6 +940,8 @@ next(val)
 test_eq([x for x, _ in val.eval_batches(4)], first)
 test_eq(first[1][0].numpy(), np.load(ds / "val_0000.npy")[B * T:B * T + T])
 print(f"validation: {val.n_tokens:,} tokens, {val.n_windows} windows, {val.n_windows // B} full batches")
+plans = [TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, rank=r, world_size=3).eval_plan(4) for r in range(3)]
+test_eq(plans, [[(0, True), (3, True)], [(1, True), (0, False)], [(2, True), (1, False)]])  # 4 groups, 3 ranks: 2 repeats
 
 # %% [markdown]
 # And the errors, each with what to do:

@@ -68,6 +68,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
     run = Path(run_dir)
+    if not run.is_dir(): raise ConfigError(f"{run} {'is a file' if run.exists() else 'does not exist'}: give a finished run's folder")
     missing = [f for f in RUN_FILES if not (run / f).exists()]
     if missing:
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
@@ -144,6 +145,8 @@ def main(argv: list[str] | None = None) -> str:
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
+    except KeyboardInterrupt:
+        p.exit(130, "interrupted: nothing was generated (lower --tokens for a shorter wait)\n")
     print(text)
     return text
 

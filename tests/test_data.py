@@ -165,9 +165,22 @@ def test_validation_iterator_is_fixed_and_sharded(ds):
     next(a); next(a)
     assert all(torch.equal(u, v) for u, v in zip(first, [x for x, _ in a.eval_batches(3)]))
     s = stream_of(ds, "val")
-    x1 = next(iter(b.eval_batches(1)))[0]
+    x1 = next(iter(b.eval_batches(2)))[0]
     assert np.array_equal(first[0][0].numpy(), s[:T]) and np.array_equal(x1[0].numpy(), s[2 * T:3 * T])
-    assert len(list(a.eval_batches())) == a.n_windows // (2 * B)
+    assert len(list(a.eval_batches())) == -(-(a.n_windows // B) // 2)  # every rank runs the same number of forwards
+
+
+@pytest.mark.parametrize("world,n", [(2, 3), (3, 7), (4, 2), (2, None)])
+def test_a_validation_pass_is_the_same_windows_on_any_number_of_ranks(ds, world, n):
+    """The windows a pass counts, over all ranks, are the one-rank pass's (a validation loss must not move with the number
+    of GPUs); every rank runs as many forwards as the others (FSDP), and the repeats that pad a rank are not counted."""
+    T, B = 16, 2
+    one = [x for x, _ in TokenLoader(ds, "val", seq_len=T, micro_batch_size=B).eval_batches(n)]
+    ranks = [TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, rank=r, world_size=world) for r in range(world)]
+    counted = [x for L in ranks for (_, c), (x, _) in zip(L.eval_plan(n), L.eval_batches(n)) if c]
+    key = lambda t: t.flatten().tolist()
+    assert sorted(map(key, counted)) == sorted(map(key, one)) and len(counted) == len(one)
+    assert len({len(L.eval_plan(n)) for L in ranks}) == 1
 
 
 def test_jsonl_and_parquet_inputs(tmp_path):

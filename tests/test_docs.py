@@ -262,3 +262,18 @@ def test_screenshots(built, server, browser):
         page.screenshot(path=str(SHOTS / fname))
         ctx.close()
         assert (SHOTS / fname).stat().st_size > 10_000, fname
+
+
+def test_reveal_js_that_npm_cannot_fetch_is_one_line(tmp_path, monkeypatch):
+    "npm offline (or failing) ends the build with one line saying what to do, not a CalledProcessError traceback."
+    import importlib.util
+    import shutil as sh
+    spec = importlib.util.spec_from_file_location("hymo_site", ROOT / "tools" / "site.py")  # not the stdlib's `site`
+    site = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hymo_site", site)  # its dataclasses look their module up there
+    spec.loader.exec_module(site)
+    monkeypatch.setattr(site, "CACHE", tmp_path)
+    monkeypatch.setattr(site, "REVEAL", tmp_path / "npm" / "node_modules" / "reveal.js")
+    monkeypatch.setattr(sh, "which", lambda name: "/bin/false")  # an npm that fails, as offline
+    with pytest.raises(SystemExit) as e: site.ensure_reveal()
+    assert "npm could not fetch reveal.js" in str(e.value) and str(tmp_path / "npm") in str(e.value)

@@ -474,7 +474,7 @@ def test_cli_errors_say_what_to_do(tmp_path, args, expect):
 
 @pytest.mark.parametrize("args, expect", [
     (["data_dir=nowhere"], "not a prepared dataset"),
-    (["--resume", "nowhere"], "not a complete checkpoint"),
+    (["--resume", "nowhere"], "nowhere does not exist"),
     (["run_dir=afile"], "is a file"),
     (["seq_len=512"], "longer than model.max_seq_len=256"),
     (["seq_len=2"], "use seq_len > mtp_depth=2"),
@@ -639,6 +639,8 @@ def test_resuming_another_folders_checkpoint_into_a_run_is_refused(tmp_path):
     c.fit(num_steps=2)  # the branch trains on (step_4), then its job is requeued with the same command
     again = make(tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=2)
     assert again.step == 4 and again.branched_from == c.branched_from  # it continues the branch, not step 2 again
+    with pytest.raises(ConfigError, match="nope does not exist"):
+        make(tmp_path / "d", resume=tmp_path / "nope", max_steps=6)
     with pytest.raises(ConfigError, match="cut short"):  # a .tmp folder is never a checkpoint to resume
         shutil.copytree(tmp_path / "a" / "checkpoints" / "step_000004", tmp_path / "a" / "checkpoints" / "step_000006.tmp")
         make(tmp_path / "d", resume=tmp_path / "a" / "checkpoints" / "step_000006.tmp", max_steps=6)
@@ -743,6 +745,15 @@ def test_generate_on_damaged_run_files_says_what_to_do_and_the_advice_works(tmp_
     main(["--config", str(run / "config.yaml"), f"run_dir={run}"])
     model, tok = load_run(run)
     assert json.loads((run / "summary.json").read_text())["step"] == 2 and tok.get_vocab_size() == 2048
+    with pytest.raises(ConfigError, match="nope does not exist: give a finished run's folder"): load_run(tmp_path / "nope")
+    import hymo.generate as gen
+    def interrupted(*a, **k): raise KeyboardInterrupt
+    gen_text = gen.generate_text
+    try:
+        gen.generate_text = interrupted  # Ctrl-C while it generates: one line, exit 130
+        with pytest.raises(SystemExit) as e: gen.main([str(run), "--tokens", "5"])
+        assert e.value.code == 130
+    finally: gen.generate_text = gen_text
 
 
 def test_ctrl_c_while_torch_is_imported_ends_in_one_line(tmp_path, monkeypatch, capsys):
@@ -771,3 +782,12 @@ def test_a_refusal_on_rank_0_alone_is_one_line_on_every_rank(tmp_path):
     assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]
     assert "cannot create run_dir=afile/run (Not a directory)" in out, out[-3000:]
     assert "cannot create run_dir=afile/run (Not a directory (on another rank))" in out, out[-3000:]
+    assert "usage:" not in out  # under torchrun a refusal is one line a rank, without the usage block
+
+
+def test_overrides_may_come_after_the_options(tmp_path, capsys):
+    "key=value before and after --no-resume (or --resume X, --config): every one is applied, none is an 'unknown option'."
+    from hymo.train import main
+    with pytest.raises(SystemExit) as e: main(["max_steps=100", "--no-resume", "seq_len=2", f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "use seq_len > mtp_depth" in err and "unknown option" not in err, err

@@ -422,8 +422,11 @@ def ensure_reveal() -> Path:
         if not npm: sys.exit("npm is needed to fetch reveal.js for the slides: install Node.js/npm (apt-get install npm)")
         print(f"  npm install reveal.js@{REVEAL_VERSION} into .cache/npm")
         (CACHE / "npm").mkdir(parents=True, exist_ok=True)
-        subprocess.run([npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE / "npm"),
-                        f"reveal.js@{REVEAL_VERSION}"], check=True, stdout=subprocess.DEVNULL)
+        got = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE / "npm"),
+                              f"reveal.js@{REVEAL_VERSION}"], stdout=subprocess.DEVNULL)
+        if got.returncode != 0 or not (REVEAL / "dist" / "reveal.js").exists():  # npm said why, above
+            sys.exit(f"npm could not fetch reveal.js@{REVEAL_VERSION} for the slides (offline?): build once with the "
+                     f"npm registry reachable; it is kept in {CACHE / 'npm'} after that")
     return REVEAL
 
 

@@ -508,11 +508,18 @@ class TokenLoader:
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
         self.step = int(state["step"])
 
-    def eval_batches(self, n_batches: Optional[int] = None, # Batches to yield; None: all full batches
+    def eval_plan(self, n_batches: Optional[int] = None, # Micro-batches in the pass, all ranks together; None: all full ones
+                 ) -> list[tuple[int, bool]]:
+        """This rank's share of a validation pass: (group, counted) per forward. Group g is windows [g·B, (g+1)·B) in
+        stream order, so the pass is the same set on any number of ranks; rank r takes groups r, r + W, ... Every rank
+        runs the same number of forwards (FSDP gathers in each); a turn past the last group repeats one, not counted."""
+        total = self.n_windows // self.micro_batch_size
+        n = total if n_batches is None else min(n_batches, total)
+        rounds = -(-n // self.world_size)  # ceil
+        return [(g if g < n else g % max(n, 1), g < n) for g in (i * self.world_size + self.rank for i in range(rounds))]
+
+    def eval_batches(self, n_batches: Optional[int] = None, # Micro-batches in the pass, all ranks together; None: all full ones
                     ) -> Iterator:
-        "Validation micro-batches: windows in stream order, rank-sharded, the same on every call."
-        per_step = self.world_size * self.micro_batch_size
-        n = self.n_windows // per_step if n_batches is None else min(n_batches, self.n_windows // per_step)
-        for t in range(n):
-            first = t * per_step + self.rank * self.micro_batch_size
-            yield self._batch(np.arange(first, first + self.micro_batch_size))
+        "This rank's validation micro-batches (see `eval_plan`): windows in stream order, the same on every call."
+        for g, _ in self.eval_plan(n_batches):
+            yield self._batch(np.arange(g * self.micro_batch_size, (g + 1) * self.micro_batch_size))

@@ -381,7 +381,7 @@ class Trainer:
         if resume is not True:
             p = Path(resume)
             if not (p / "meta.json").exists():
-                raise ConfigError(f"{p} is not a complete checkpoint (no meta.json); "
+                raise ConfigError(f"{p} {'is not a complete checkpoint (no meta.json)' if p.is_dir() else 'does not exist'}; "
                                   f"complete ones in {self.run_dir}: {[c.name for c in done]}")
             if p.name.endswith(".tmp"):
                 raise ConfigError(f"{p} is a checkpoint whose writing was cut short: give a complete one, or leave out "
@@ -627,20 +627,19 @@ Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulatio
 # %% ../../nbs/70_trainer.ipynb #a7feef23
 @torch.no_grad()
 def evaluate(self: Trainer) -> float | None:
-    "Mean main loss over `eval_batches` validation micro-batches (identical windows every call); None without a validation split."
+    "Mean main loss over `eval_batches` validation micro-batches, all ranks together (the same windows every call and on any number of ranks); None without a validation split."
     if self.val_loader is None: return None
     self.model.eval()
-    total = torch.zeros((), device=self.d.device)
-    it = self.val_loader.eval_batches(self.cfg.eval_batches)
-    n = 0
-    for batch in it:
+    total = torch.zeros(2, device=self.d.device)  # (sum of counted micro-batch losses, their number)
+    plan = self.val_loader.eval_plan(self.cfg.eval_batches)
+    for (_, counted), batch in zip(plan, self.val_loader.eval_batches(self.cfg.eval_batches)):
         tokens, targets, cu = _to_device(self, batch)
         with self.autocast():
             _, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-        total += parts["main"].float(); n += 1
-    if self.d.distributed: dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        if counted: total += torch.stack([parts["main"].float(), torch.ones((), device=total.device)])
+    if self.d.distributed: dist.all_reduce(total)  # the same pass on any number of ranks (chapter 60)
     self.model.train()
-    return float(total / max(n, 1))
+    return float(total[0] / total[1].clamp_min(1))
 
 Trainer.evaluate = evaluate
 
