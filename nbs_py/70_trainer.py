@@ -208,11 +208,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=checkpoint_step)
 
 
-def _meta(ckpt: Path) -> dict:
-    "A checkpoint's meta.json, or {} if it cannot be read (its load says why)."
-    try: meta = json.loads((ckpt / "meta.json").read_text())
-    except (OSError, ValueError): return {}
-    return meta if isinstance(meta, dict) else {}
+def _json_dict(path: Path) -> dict | None:
+    "The JSON object in `path` (a checkpoint's meta.json, a run's summary.json), or None if there is none to read."
+    try: d = json.loads(path.read_text())
+    except (OSError, ValueError): return None
+    return d if isinstance(d, dict) else None
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -470,7 +470,7 @@ class Trainer:
         newest = checkpoint_step(done[-1]) if done else -1
         for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
             whole = (tmp / "meta.json").exists() and (tmp / ".metadata").exists()
-            if whole and int(tmp.name[len(CKPT_PREFIX):-len(".tmp")]) > newest:  # its rename alone was cut short
+            if whole and checkpoint_step(tmp.with_suffix("")) > newest:  # its rename alone was cut short
                 self.log(f"warning: {tmp} looks complete and is newer than every checkpoint: it is left as it is; "
                          f"rename it without .tmp to resume from it")
                 continue
@@ -513,7 +513,7 @@ class Trainer:
         "Load checkpoint `p` given by `--resume`; False when `p` is where this folder's own run began (resume that run)."
         own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
         if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one?
-            if _meta(done[-1]).get("branched_from") == str(p.resolve()): return False  # no: that run began from `p`
+            if (_json_dict(done[-1] / "meta.json") or {}).get("branched_from") == str(p.resolve()): return False  # no: that run began from `p`
             raise ConfigError(f"{p} is not a checkpoint of run_dir={self.run_dir}, which holds a run of its own "
                               f"(newest: {done[-1].name}); continuing from {p} there would mix two runs and prune "
                               "one's checkpoints: leave out --resume to continue that run, or give a new run_dir=... "
@@ -934,7 +934,8 @@ def save(self: Trainer) -> Path:
         if final.exists(): shutil.rmtree(replaced, ignore_errors=True); os.replace(final, replaced)
         os.replace(tmp, final)
         for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
-            try: shutil.rmtree(old) if old.exists() else None
+            if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
+            try: shutil.rmtree(old)
             except OSError as e: self.log(f"warning: could not remove the old checkpoint {old} ({e.strerror}); remove it by hand")
 
     try:
@@ -1065,7 +1066,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
-    done = _finished_summary(self.run_dir) if self.d.is_main else None
+    done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
     if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or (done or {}).get("step") == self.step):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
@@ -1090,13 +1091,6 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
 def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signals`, or any description
     "Ask `fit` to stop after the step in flight, with a checkpoint of it (the SIGINT and SIGTERM handlers call this)."
     if self.stopped_by is None: self.stopped_by = why
-
-
-def _finished_summary(run_dir: Path) -> dict | None:
-    "The summary `finish` wrote, if it did: its `step` says where (re-finishing would overwrite the final checkpoint's config)."
-    try: summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError): return None
-    return summary if isinstance(summary, dict) else None
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:

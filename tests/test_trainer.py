@@ -43,6 +43,16 @@ def read_jsonl(path):
     return [json.loads(l) for l in Path(path).read_text().splitlines()]
 
 
+CPU_RANKS = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, GPU or not
+
+
+def torchrun(*args, cwd, timeout=400):
+    "`torchrun --standalone --nproc_per_node 2 ARGS` on the CPU (gloo), with this session's data cache."
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
+                          cwd=cwd, env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def run_cli(*args, cwd, env_extra=None, timeout=600):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "hymo.train", *args], cwd=cwd, env=env, capture_output=True,
@@ -229,8 +239,7 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
     steps = 5
     common = [f"max_steps={steps}", "seq_len=32", "micro_batch_size=2", "global_batch_size=8", "eval_every=0",
               "ckpt_every=0", "sample_tokens=4", "warmup_steps=1"]
-    env = {"HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, GPU or not
-    one = run_cli(*common, "run_dir=one", cwd=tmp_path, env_extra=env)
+    one = run_cli(*common, "run_dir=one", cwd=tmp_path, env_extra=CPU_RANKS)
     assert one.returncode == 0, one.stderr[-3000:]
     # `python -m hymo.train`, counting FSDP's all-gathers and gradient reductions in each optimiser step (private
     # functions of torch's FSDP-2, patched where its parameter groups call them), then whether the group is left
@@ -258,9 +267,7 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
         "main(sys.argv[1:])\n"  # each rank reports in its own file: two ranks printing to one pipe can interleave
         "import json, os\n"
         "open(f\"report_{os.environ['RANK']}.json\", 'w').write(json.dumps({'steps': steps, 'left': not dist.is_initialized()}))\n")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(script), *common, "run_dir=two"], cwd=tmp_path,
-                       env={**os.environ, **env, "WANDB_MODE": "offline"}, capture_output=True, text=True, timeout=600)
+    r = torchrun(str(script), *common, "run_dir=two", cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     reports = [json.loads((tmp_path / f"report_{rank}.json").read_text()) for rank in (0, 1)]
     assert all(rep["left"] for rep in reports)  # both ranks tear the process group down at the end
@@ -274,24 +281,19 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["loss"], y["loss"])
     # a checkpoint written by 2 processes resumes in 1 (DCP reshards)
     resumed = run_cli(*[c if not c.startswith("max_steps") else "max_steps=6" for c in common], "run_dir=two",
-                      cwd=tmp_path, env_extra=env)
+                      cwd=tmp_path, env_extra=CPU_RANKS)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and read_jsonl(tmp_path / "two" / "metrics.jsonl")[-1]["step"] == 6
 
 
 def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_path):
     """Damage that only rank 1 sees (its own rank1.pt) sends both ranks back to the previous checkpoint, with no hang."""
-    env = {**os.environ, "HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "WANDB_MODE": "offline"}
     args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
             "warmup_steps=1", "run_dir=two"]
-    torchrun = lambda *more: subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                                             "2", "-m", "hymo.train", *args, *more], cwd=tmp_path, env=env,
-                                            capture_output=True, text=True, timeout=400)
-    first = torchrun("max_steps=4")
+    first = torchrun("-m", "hymo.train", *args, "max_steps=4", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     (tmp_path / "two" / "checkpoints" / "step_000004" / "rank1.pt").write_bytes(b"cut short")
-    again = torchrun("max_steps=6")
+    again = torchrun("-m", "hymo.train", *args, "max_steps=6", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "another rank cannot read" in again.stdout and "resumed from two/checkpoints/step_000002" in again.stdout
     assert (tmp_path / "two" / "checkpoints" / "damaged-step_000004").exists()
@@ -569,8 +571,6 @@ def test_safetensors_io_errors_are_oserrors(tmp_path):
 def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where):
     """A full disk (or a refused rename) on one rank while a checkpoint is written: every rank stops promptly with
     the one-line error, none waits at a barrier; the previous checkpoint stays, and the same command resumes from it."""
-    env = {**os.environ, "HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "WANDB_MODE": "offline", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
             "warmup_steps=1", "run_dir=two", "max_steps=6"]
     script = tmp_path / "fail_at_step_4.py"
@@ -601,11 +601,9 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
         "        return line(m)\n"
         "    trainer.json_line = full\n"
         "main(sys.argv[1:])\n")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-                        {"rank 1's own file": "1", "rank 0's rename": "0", "rank 0's model file": "m",
-                         "rank 0's metrics line": "j"}[where], *args], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)  # before: rank 0 sat at a barrier until rank 1's exit broke the connection (gloo: a
-    # traceback) or torchrun killed it (NCCL)
+    r = torchrun(str(script), {"rank 1's own file": "1", "rank 0's rename": "0", "rank 0's model file": "m",
+                               "rank 0's metrics line": "j"}[where], *args, cwd=tmp_path, timeout=300)
+    # before: rank 0 sat at a barrier until rank 1's exit broke the connection (gloo: a traceback) or torchrun killed it
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]  # no traceback through HyMo's code
     reason = "Permission denied" if where == "rank 0's rename" else "No space left on device"
@@ -615,8 +613,7 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
     from hymo.training.trainer import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "two")][-1] == last
     assert not (tmp_path / "two" / "summary.json").exists()  # not finished: the resume finishes it
-    again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                            "hymo.train", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    again = torchrun("-m", "hymo.train", *args, cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from two/checkpoints/{last}" in again.stdout
     assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
@@ -773,11 +770,7 @@ def test_a_refusal_on_rank_0_alone_is_one_line_on_every_rank(tmp_path):
     """A run folder only rank 0 creates, and cannot (a file in its path): every rank ends in one line, exit 2, with no
     traceback from rank 1 (its error used to be a bare RuntimeError for any errno but the four disk ones)."""
     (tmp_path / "afile").write_text("")
-    env = {**os.environ, "HYMO_CACHE": os.environ["HYMO_CACHE"], "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "WANDB_MODE": "offline"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
-                        "hymo.train", *_cli_args("afile/run", micro_batch_size=2)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = torchrun("-m", "hymo.train", *_cli_args("afile/run", micro_batch_size=2), cwd=tmp_path, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "hymo/training/trainer.py" not in out, out[-3000:]
     assert "cannot create run_dir=afile/run (Not a directory)" in out, out[-3000:]
