@@ -114,6 +114,8 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 # Inputs are files or folders. A folder is searched recursively for the four supported types, in
 # sorted order of their relative paths (so the stream does not depend on the file system's
 # listing order); a file of any other type given by name is an error rather than silently skipped.
+# Every file found is opened once before any work starts, so one that cannot be read (no
+# permission) is a one-line error at once, not a traceback halfway through.
 
 # %%
 #| export
@@ -133,7 +135,14 @@ def find_files(inputs: Iterable, # Paths of files or folders
             files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
+    for f, _ in files: _check_readable(f, "input")
     return files
+
+
+def _check_readable(path: Path, what: str):
+    "A `DataError` if `path` cannot be opened for reading (no permission, a broken link), said before any work starts."
+    try: open(path, "rb").close()
+    except OSError as e: raise DataError(f"{what} {path} cannot be read ({e.strerror}): check its permissions, or leave it out") from None
 
 
 # %% [markdown]
@@ -491,7 +500,9 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if tokenizer is not None:
         from tokenizers import Tokenizer
         tokenizer = Path(tokenizer)
-        if not tokenizer.exists(): raise DataError(f"tokenizer {tokenizer} does not exist: give a Hugging Face tokenizer.json")
+        if not tokenizer.is_file():
+            raise DataError(f"tokenizer {tokenizer} {'is a folder' if tokenizer.is_dir() else 'does not exist'}: give a Hugging Face tokenizer.json")
+        _check_readable(tokenizer, "tokenizer")
         tokenizer_json = tokenizer.read_text(encoding="utf-8")
         try: tok = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse

@@ -341,3 +341,26 @@ def test_out_may_be_the_current_folder(text, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path / "here")
     assert prepare(text, ".", vocab_size=VOCAB, progress=False) == tmp_path / "here"
     assert load_manifest(tmp_path / "here")["vocab_size"] == VOCAB
+
+
+def test_input_or_tokenizer_that_cannot_be_opened(text, tmp_path, monkeypatch, capsys):
+    import builtins
+    from pathlib import Path
+    from hymo.data import main
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text(text.read_text()[:2000])
+    (tmp_path / "in" / "locked.txt").write_text(text.read_text()[:2000])
+    real_open = builtins.open
+    def fake_open(f, *a, **k):  # the tests run as root too, where chmod 000 does not stop a read
+        if Path(f).name == "locked.txt": raise PermissionError(13, "Permission denied", str(f))
+        return real_open(f, *a, **k)
+    monkeypatch.setattr(D, "open", fake_open, raising=False)
+    with pytest.raises(DataError, match=r"input .*locked.txt cannot be read \(Permission denied\): check its permissions"):
+        prepare(tmp_path / "in", tmp_path / "o")
+    assert main(["prepare", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "o"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "locked.txt cannot be read" in err, err
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(DataError, match=r"tokenizer .*tok is a folder: give a Hugging Face tokenizer.json"):
+        prepare(tmp_path / "in" / "a.txt", tmp_path / "o", tokenizer=tmp_path / "tok")
+    assert not (tmp_path / "o").exists()

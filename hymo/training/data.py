@@ -68,7 +68,14 @@ def find_files(inputs: Iterable, # Paths of files or folders
             files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
+    for f, _ in files: _check_readable(f, "input")
     return files
+
+
+def _check_readable(path: Path, what: str):
+    "A `DataError` if `path` cannot be opened for reading (no permission, a broken link), said before any work starts."
+    try: open(path, "rb").close()
+    except OSError as e: raise DataError(f"{what} {path} cannot be read ({e.strerror}): check its permissions, or leave it out") from None
 
 # %% ../../nbs/60_data.ipynb #93213c93
 def _not_utf8(path: Path) -> DataError:
@@ -306,7 +313,9 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if tokenizer is not None:
         from tokenizers import Tokenizer
         tokenizer = Path(tokenizer)
-        if not tokenizer.exists(): raise DataError(f"tokenizer {tokenizer} does not exist: give a Hugging Face tokenizer.json")
+        if not tokenizer.is_file():
+            raise DataError(f"tokenizer {tokenizer} {'is a folder' if tokenizer.is_dir() else 'does not exist'}: give a Hugging Face tokenizer.json")
+        _check_readable(tokenizer, "tokenizer")
         tokenizer_json = tokenizer.read_text(encoding="utf-8")
         try: tok = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
