@@ -11,6 +11,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -65,19 +66,47 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   top_k: int | None = 50, # Sample among the k most likely tokens; None: all
                   seed: int = 0, # The same seed gives the same text
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
+                  stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
     ids = ([] if eot is None else [eot]) + tok.encode(prompt).ids
     if not ids: raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+    shown = _Stream(tok, ids[eot is not None:], eot, stream)
     dev = next(model.parameters()).device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size(), stop=eot if stop else None)  # vocab: only ids it decodes
+                             vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
+                             on_token=shown.add if stream else None)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
-    return tok.decode(ids[eot is not None:] + new)
+    text = tok.decode(ids[eot is not None:] + new)
+    shown.finish(text)
+    return text
+
+
+class _Stream:
+    "Hands `show` the text of the ids drawn so far, piece by piece, holding back a character whose bytes are not all drawn."
+    def __init__(self, tok, ids: list[int], eot: int | None, show: Callable[[str], None] | None):
+        self.tok, self.ids, self.eot, self.show, self.done, self.ended = tok, list(ids), eot, show, "", False
+        self._show(tok.decode(self.ids))
+
+    def _show(self, text: str):
+        if self.show is None or not text.startswith(self.done): return  # not a prefix: wait (finish sends the rest)
+        if text.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens decodes as U+FFFD until complete
+        if len(text) > len(self.done): self.show(text[len(self.done):])
+        self.done = text
+
+    def add(self, i: int):
+        self.ended = self.ended or i == self.eot  # after the end-of-text token nothing is shown (FSDP ranks run on)
+        if not self.ended:
+            self.ids.append(i)
+            self._show(self.tok.decode(self.ids))
+
+    def finish(self, text: str):
+        "Show what is left of `text`, the returned text, so the pieces always add up to it."
+        if self.show is not None and text.startswith(self.done) and len(text) > len(self.done): self.show(text[len(self.done):])
 
 # %% ../nbs/72_generate.ipynb #2c95b25d
 def main(argv: list[str] | None = None) -> str:
@@ -99,14 +128,19 @@ def main(argv: list[str] | None = None) -> str:
     except RuntimeError: p.error(f"--device {a.device}: give cpu, cuda, cuda:N or auto")
     if device.type not in ("cpu", "cuda"): p.error(f"--device {a.device}: HyMo generates on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    shown = []
+    def show(piece: str):  # the text appears as it is drawn, so a Ctrl-C keeps what was printed
+        shown.append(piece)
+        print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
-        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed)
+        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except KeyboardInterrupt:
-        p.exit(130, "interrupted: nothing was generated (lower --tokens for a shorter wait)\n")
-    print(text)
+        if shown: print(flush=True)
+        p.exit(130, "interrupted: " + ("the text so far is above\n" if shown else "nothing was generated\n"))
+    print()
     return text
 
 # %% ../nbs/72_generate.ipynb #5c31af2f

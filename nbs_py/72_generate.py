@@ -35,6 +35,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -101,19 +102,47 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   top_k: int | None = 50, # Sample among the k most likely tokens; None: all
                   seed: int = 0, # The same seed gives the same text
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
+                  stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
     ids = ([] if eot is None else [eot]) + tok.encode(prompt).ids
     if not ids: raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+    shown = _Stream(tok, ids[eot is not None:], eot, stream)
     dev = next(model.parameters()).device
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size(), stop=eot if stop else None)  # vocab: only ids it decodes
+                             vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
+                             on_token=shown.add if stream else None)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
-    return tok.decode(ids[eot is not None:] + new)
+    text = tok.decode(ids[eot is not None:] + new)
+    shown.finish(text)
+    return text
+
+
+class _Stream:
+    "Hands `show` the text of the ids drawn so far, piece by piece, holding back a character whose bytes are not all drawn."
+    def __init__(self, tok, ids: list[int], eot: int | None, show: Callable[[str], None] | None):
+        self.tok, self.ids, self.eot, self.show, self.done, self.ended = tok, list(ids), eot, show, "", False
+        self._show(tok.decode(self.ids))
+
+    def _show(self, text: str):
+        if self.show is None or not text.startswith(self.done): return  # not a prefix: wait (finish sends the rest)
+        if text.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens decodes as U+FFFD until complete
+        if len(text) > len(self.done): self.show(text[len(self.done):])
+        self.done = text
+
+    def add(self, i: int):
+        self.ended = self.ended or i == self.eot  # after the end-of-text token nothing is shown (FSDP ranks run on)
+        if not self.ended:
+            self.ids.append(i)
+            self._show(self.tok.decode(self.ids))
+
+    def finish(self, text: str):
+        "Show what is left of `text`, the returned text, so the pieces always add up to it."
+        if self.show is not None and text.startswith(self.done) and len(text) > len(self.done): self.show(text[len(self.done):])
 
 
 # %% [markdown]
@@ -140,14 +169,19 @@ def main(argv: list[str] | None = None) -> str:
     except RuntimeError: p.error(f"--device {a.device}: give cpu, cuda, cuda:N or auto")
     if device.type not in ("cpu", "cuda"): p.error(f"--device {a.device}: HyMo generates on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    shown = []
+    def show(piece: str):  # the text appears as it is drawn, so a Ctrl-C keeps what was printed
+        shown.append(piece)
+        print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
-        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed)
+        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except KeyboardInterrupt:
-        p.exit(130, "interrupted: nothing was generated (lower --tokens for a shorter wait)\n")
-    print(text)
+        if shown: print(flush=True)
+        p.exit(130, "interrupted: " + ("the text so far is above\n" if shown else "nothing was generated\n"))
+    print()
     return text
 
 
@@ -193,6 +227,46 @@ test_eq(greedy, generate_text(model, tok, "ROMEO:", 12, temperature=0, seed=1))
 r = subprocess.run([sys.executable, "-m", "hymo.generate", str(work / "run"), "--tokens", "12", "--temperature", "0",
                     "--device", "cpu"], capture_output=True, text=True)
 test_eq((r.returncode, r.stdout.strip()), (0, greedy.strip()))
+
+# %% [markdown]
+# With `stream`, the text arrives piece by piece as it is drawn (the command line prints each piece
+# at once, so a long generation shows progress and a Ctrl-C keeps what was printed). The pieces add
+# up to the returned text. A byte-level BPE token can hold part of a character: `☃` is three bytes,
+# which this small tokenizer keeps as separate tokens, and a prefix that ends inside it decodes to
+# the replacement character `�`. `_Stream` holds such a piece back until the character is complete:
+
+# %%
+pieces = []
+streamed = generate_text(model, tok, "ROMEO:", max_new_tokens=16, seed=cfg.train.seed, stream=pieces.append)
+test_eq(("".join(pieces), pieces[0]), (streamed, "ROMEO:"))
+test_eq(streamed, text)  # streaming changes nothing drawn
+snow = tok.encode("snow ☃ and é").ids
+print([tok.decode([i]) for i in snow])
+assert any("\ufffd" in tok.decode(snow[:n]) for n in range(len(snow)))  # some prefix ends inside a character
+pieces = []
+s = _Stream(tok, [], tok.token_to_id(EOT), pieces.append)
+for i in snow: s.add(i)
+s.finish(tok.decode(snow))
+test_eq("".join(pieces), "snow ☃ and é")
+assert not any("\ufffd" in piece for piece in pieces), pieces
+
+
+# %% [markdown]
+# A Ctrl-C during generation ends in one line on stderr, exit status 130, with the text so far
+# printed above it. Here the "Ctrl-C" comes after the fourth token:
+
+# %%
+def interrupted_after_4(self, tokens, *a, on_token=None, **k):
+    for i in tok.encode(" a good day").ids[:4]: on_token(i)
+    raise KeyboardInterrupt
+generate_once = HyMo.generate
+HyMo.generate = interrupted_after_4
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+    test_fail(lambda: main([str(work / "run"), "--device", "cpu"]), exc=SystemExit)
+HyMo.generate = generate_once
+print(out.getvalue() + err.getvalue())
+assert out.getvalue().startswith("ROMEO:") and len(out.getvalue()) > len("ROMEO:\n"), out.getvalue()
+test_eq(err.getvalue(), "interrupted: the text so far is above\n")
 
 # %% [markdown]
 # Every sample starts from the end-of-text token, which the decoded text leaves out; an empty prompt

@@ -8,7 +8,7 @@ Docs: https://hymo-lm.github.io/hymo/model.html.md"""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -149,6 +149,7 @@ class HyMo(nn.Module):
                  top_k: Optional[int] = None,  # Sample among the k most likely tokens only; None: all
                  vocab: Optional[int] = None,  # Only ids below this: the tokenizer's size, when the model's vocabulary is larger
                  stop: Optional[int] = None,  # End early once this id (the end-of-text token) is drawn; it is kept
+                 on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         "Sample a continuation, re-running the full forward pass on the last `max_seq_len` tokens at every step."
         if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"generate takes one prompt [1, T]; got {tuple(tokens.shape)}")
@@ -165,6 +166,7 @@ class HyMo(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 nxt = torch.multinomial(logits.softmax(-1), 1)                   # (1, 1)
             tokens = torch.cat([tokens, nxt], 1)
+            if on_token is not None: on_token(int(nxt))
             if stop is not None and int(nxt) == stop: break  # one host read per token; the forward dwarfs it
         self.train(was_training)
         return tokens
