@@ -117,8 +117,10 @@ def setup_distributed() -> Dist:
 #    The Triton GDN kernel is a registered operator, so a GDN block is one graph. On the H200 this
 #    takes a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s (see the results
 #    chapter), which is why the `hymo_750m` preset turns it on;
-# 3. **`fully_shard` per block**: each block's parameters become DTensor shards, all-gathered just
-#    before the block runs and freed after, with gradients reduce-scattered;
+# 3. **`fully_shard` per block**: each block's parameters become DTensor shards. By FSDP's default
+#    they are all-gathered before the block runs and freed after, and gradients reduce-scattered;
+#    the training step changes that to one gather and one reduce-scatter per block and step
+#    (`fsdp_step`, below);
 # 4. **`fully_shard` on the root**: the embedding, final norm and MTP heads.
 #
 # On a GPU the FSDP mixed-precision policy computes in bf16 and reduces gradients in fp32, while
@@ -1374,8 +1376,8 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # Each wraps what the previous step produced. Checkpointing must wrap the plain block so that the
 # recomputation replays the block's own forward; compiling the checkpointed block lets the compiler
 # see (and fuse) the recomputation; `fully_shard` goes on last so that its all-gather and
-# reduce-scatter hooks sit outside the compiled region and run around each block exactly once per
-# forward and backward. The root is sharded after the blocks so that it owns only what is left: the
+# reduce-scatter hooks sit outside the compiled region and run around each block, not inside its
+# graph (`fsdp_step` then gathers each block once per step and reduce-scatters on the last backward). The root is sharded after the blocks so that it owns only what is left: the
 # embedding, the final norm and the MTP heads.
 # :::
 #
