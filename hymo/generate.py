@@ -67,6 +67,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   seed: int = 0, # The same seed gives the same text
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
+                  cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
@@ -78,7 +79,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
                              vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
-                             on_token=shown.add if stream else None)
+                             on_token=shown.add if stream else None, cache=cache)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
     text = tok.decode(ids[eot is not None:] + new)

@@ -22,10 +22,11 @@
 # begin mid-text. An empty prompt is allowed and gives an unconditional sample. The text ends where the
 # model draws the end-of-text token, or after `max_new_tokens`.
 #
-# Sampling is `HyMo.generate` (chapter 41): it re-runs the whole forward pass on the last
-# `max_seq_len` tokens for every new token. That is slow for long texts but needs nothing beyond
-# the training forward; the recurrent GDN state and the MLA latent cache (chapters 12 and 21) are
-# what a fast decoder would carry instead.
+# Sampling is `HyMo.generate` (chapter 41). The prompt runs through the stack once, and each new
+# token then costs one token's work: the GDN blocks carry their recurrent state and the MLA blocks
+# their latent cache (`HyMo.decode`, with the state of chapters 12 and 21). Once the text is longer
+# than `max_seq_len`, each token re-runs the last `max_seq_len` tokens instead, so the model never
+# sees a position it was not trained on.
 
 # %%
 #| export
@@ -103,6 +104,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   seed: int = 0, # The same seed gives the same text
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
+                  cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
@@ -114,7 +116,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
                              vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
-                             on_token=shown.add if stream else None)
+                             on_token=shown.add if stream else None, cache=cache)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
     text = tok.decode(ids[eot is not None:] + new)
@@ -305,14 +307,17 @@ for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperatu
 # ## Interview questions
 #
 # ::: {.callout-tip collapse="true"}
-# ## Why does generating the 1000th token cost as much as a forward pass over 1000 tokens here, and what would fix it?
-# `HyMo.generate` re-runs the whole model on the context for every token, so each new token pays for
-# the whole prefix again: quadratic in the length for MLA, and linear per token even for GDN, whose
-# recurrence could carry the prefix in a fixed-size state. A decoder keeps, per GDN layer, the state
-# $S$ (40 heads of 32 × 32 fp32 numbers at the 750M size) and the last three inputs of the short
-# convolution, and per MLA layer the latent cache $c_t$ with the shared rope key; each new token then costs one
-# step of the recurrence (the fused recurrent kernel of chapter 13) and one attention row against
-# the cache. That is the point of the hybrid: 24 of the 32 layers carry a constant-size state.
+# ## What does the 1000th token cost, with the decode state and without it?
+# Without it (`cache=False`) every token re-runs the model on the whole context, so each pays for
+# the prefix again: quadratic in the length for MLA, and linear per token even for GDN, whose
+# recurrence can carry the prefix in a fixed-size state. With it (the default), each GDN layer
+# keeps the state $S$ (40 heads of 32 × 32 fp32 numbers at the 750M size) and the last three inputs
+# of the short convolution, and each MLA layer the latent cache $c_t$ with the shared rope key. A
+# new token then costs one step of the recurrence in each GDN layer, the same at token 10 and token
+# 10 000, and one attention row against the cache in each MLA layer, which grows with the context.
+# That is the point of the hybrid: 24 of the 32 layers carry a constant-size state. (HyMo runs
+# that step through the chunked rule with a chunk of one token; the fused recurrent kernel of
+# chapter 13 would do it in one launch.)
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -196,31 +196,60 @@ def test_generate(dropless):
     assert m.generate(prompt, 1).shape == (1, 7) and m.training
 
 
-def test_generate_stops_at_the_stop_token(dropless):
+@pytest.mark.parametrize("cache", [True, False])
+def test_generate_stops_at_the_stop_token(dropless, cache):
     m = _model(dropless)
-    forward = m.forward
-    def end_after_two(tokens):  # id 0 is impossible for two new tokens, then certain
-        logits = forward(tokens).clone(); logits[..., 0] += 100 if tokens.shape[1] >= 6 else -100
+    head, calls = m.head, []
+    def end_after_two(h):  # one head call per drawn token, cached or not: id 0 is impossible twice, then certain
+        calls.append(1)
+        logits = head(h).clone(); logits[..., 0] += 100 if len(calls) > 2 else -100
         return logits
-    m.forward = end_after_two
+    m.head = end_after_two
     prompt = torch.randint(1, dropless.vocab_size, (1, 4))
-    out = m.generate(prompt, 10, temperature=0.8, stop=0)
+    out = m.generate(prompt, 10, temperature=0.8, stop=0, cache=cache)
     assert out.shape == (1, 7) and out[0, -1] == 0 and (out[0, :-1] != 0).all()
-    assert m.generate(prompt, 10, temperature=0.8).shape == (1, 14)  # without `stop` it runs on
+    assert m.generate(prompt, 10, temperature=0.8, cache=cache).shape == (1, 14)  # without `stop` it runs on
 
 
-def test_generate_samples_only_ids_the_tokenizer_has(dropless):
+@pytest.mark.parametrize("cache", [True, False])
+def test_generate_samples_only_ids_the_tokenizer_has(dropless, cache):
     """A model wider than its data's tokenizer (vocab padded up): `vocab=` keeps the extra rows out of every sample."""
     m, v = _model(dropless), dropless.vocab_size - 64
-    forward = m.forward
-    def boosted(tokens):  # the rows past v would win every draw
-        logits = forward(tokens).clone(); logits[..., v:] += 100
+    head = m.head
+    def boosted(h):  # the rows past v would win every draw
+        logits = head(h).clone(); logits[..., v:] += 100
         return logits
-    m.forward = boosted
+    m.head = boosted
     prompt = torch.randint(0, v, (1, 4))
     for temperature, top_k in ((0, None), (1.0, None), (0.8, 5)):
-        assert (m.generate(prompt, 6, temperature, top_k)[0, 4:] >= v).any()
-        assert (m.generate(prompt, 6, temperature, top_k, vocab=v)[0, 4:] < v).all()
+        assert (m.generate(prompt, 6, temperature, top_k, cache=cache)[0, 4:] >= v).any()
+        assert (m.generate(prompt, 6, temperature, top_k, vocab=v, cache=cache)[0, 4:] < v).all()
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_with_state_equals_the_forward(device):
+    """`decode` (GDN states carried, MLA latent caches, absorbed attention) gives each new token the logits of the
+    whole-sequence forward: a prompt longer than a GDN chunk, then single tokens; a NoPE block; unit-scale weights.
+    On a GPU the GDN rule is the Triton kernel, in bf16 autocast and in fp32."""
+    cfg = load_config("hymo_tiny", n_layers=8, nope_layers=[3], moe_capacity_factor=None).model
+    m = _model(cfg).to(device).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g).to(device) / math.sqrt(p.shape[-1]))
+    seq = torch.randint(0, cfg.vocab_size, (2, 75), device=device)
+    for dtype in ([torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]):
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            full = m(seq).float()
+            state = m.decode_state(2, 75, dtype)
+            steps = [m.decode(seq[:, :67], state)] + [m.decode(seq[:, t:t + 1], state) for t in range(67, 75)]
+        rel = ((torch.cat(steps, 1).float() - full).norm() / full.norm()).item()
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5 if device == "cpu" else 5e-3  # the GPU's fp32 products are tf32
+        assert rel < tol, (dtype, rel)
+        assert full.abs().max() > 1  # logits of order one: agreement means something
 
 
 def test_bad_input_is_a_clear_error(tiny):

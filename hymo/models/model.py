@@ -15,9 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .gdn import GatedDeltaNet, GatedDeltaNetBlock
+from .gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from .layers import RMSNorm
-from .mla import MLABlock, MultiHeadLatentAttention
+from .mla import MLABlock, MLACache, MultiHeadLatentAttention
 from .moe import DeepSeekMoE
 from .mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
 
@@ -141,6 +141,30 @@ class HyMo(nn.Module):
         "Bytes of decode state one sequence of `seq_len` tokens holds; see `state_breakdown`."
         return sum(state_breakdown(self, seq_len, dtype).values())
 
+    def decode_state(self,
+                     batch: int,  # Sequences decoded together
+                     max_len: int,  # Most tokens they will hold, prompt included (at most max_seq_len)
+                     dtype: torch.dtype = torch.float32,  # Of the MLA caches: the residual stream's (bf16 under autocast)
+                    ) -> list:  # per layer: None (a GDN block not yet run) or an `MLACache`
+        "Empty decode state for `decode`: an `MLACache` per MLA block, a place for the `GDNState` of each GDN block."
+        if not 0 < max_len <= self.config.max_seq_len:
+            raise ValueError(f"max_len={max_len} must be in 1..max_seq_len={self.config.max_seq_len}")
+        dev = self.embed.weight.device
+        return [MLACache.empty(self.config, batch, max_len, dev, dtype) if self.config.is_mla(i) else None
+                for i in range(self.config.n_layers)]
+
+    def decode(self,
+               tokens: torch.Tensor,  # The new token ids [B, T]: a whole prompt, then one token per call
+               state: list,  # From `decode_state`; updated in place
+              ) -> torch.Tensor:  # logits of the new tokens [B, T, V]
+        "The new tokens' logits given everything `state` has seen: `forward` on the whole sequence, restricted to them."
+        x = self.embed(tokens)                                    # (B, T, D)
+        if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
+        for i, layer in enumerate(self.layers):
+            if self.config.is_mla(i): x = layer.forward_decode(x, state[i])  # appends to the latent cache
+            else: x, state[i] = layer(x, initial_state=state[i], output_final_state=True)  # carries S and the conv window
+        return self.head(self.norm(x))
+
     @torch.no_grad()
     def generate(self,
                  tokens: torch.Tensor,  # Prompt ids [1, T]
@@ -150,13 +174,25 @@ class HyMo(nn.Module):
                  vocab: Optional[int] = None,  # Only ids below this: the tokenizer's size, when the model's vocabulary is larger
                  stop: Optional[int] = None,  # End early once this id (the end-of-text token) is drawn; it is kept
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
+                 cache: bool = True,  # Carry the GDN states and MLA caches (`decode`); False re-runs the whole forward per token
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
-        "Sample a continuation, re-running the full forward pass on the last `max_seq_len` tokens at every step."
+        """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
+        the text fills `max_seq_len`; from there (and without `cache`) every token re-runs the last `max_seq_len` tokens."""
         if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"generate takes one prompt [1, T]; got {tuple(tokens.shape)}")
         was_training = self.training
         self.eval()
+        L = self.config.max_seq_len
+        room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
+        state, seen = None, 0  # the decode state, and how many tokens of `tokens` it holds
+        if tokens.shape[1] < room and max_new_tokens > 0:
+            dev = tokens.device.type
+            state = self.decode_state(1, room, torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.embed.weight.dtype)
         for _ in range(max_new_tokens):
-            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float()  # (1, V)
+            if state is not None and tokens.shape[1] <= room:
+                logits = self.decode(tokens[:, seen:], state)[:, -1].float()  # (1, V)
+                seen = tokens.shape[1]
+            else:
+                logits = self(tokens[:, -L:])[:, -1].float()                   # (1, V)
             if vocab is not None: logits[:, vocab:] = float("-inf")  # rows no token decodes to (never targets, but not -inf)
             if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
             else:

@@ -1,0 +1,76 @@
+"""Decoding speed of `HyMo.generate`, with the decode state (`cache=True`) and re-running the forward per token.
+
+    python benchmarks/generate_speed.py [--config hymo_750m] [--prompt 512] [--tokens 256] [--out generate_speed.json]
+
+Builds the preset's model with its initial weights (the speed does not depend on what the weights
+have learned), feeds a random prompt of --prompt tokens and draws --tokens more, greedily, at
+batch 1: first with the decode state (the GDN blocks carry S and the convolution window, the MLA
+blocks their latent cache), then without (`cache=False`: the whole context again for every
+token). Reports tokens per second of each (after one untimed warm-up generation of 8 tokens per
+mode), their ratio, the peak memory on a GPU, and how many leading tokens the two runs drew alike
+(bf16 rounding differs between the paths, and initial weights give near-equal logits, so greedy
+choices may part after a while: the parity check is `tests/test_model.py`'s, on unit-scale
+weights). On a GPU the model runs under bf16 autocast with fp32 weights, as `python -m
+hymo.generate` runs a finished model; on a CPU, in fp32. The default config is hymo_750m on a GPU
+and hymo_tiny on a CPU.
+"""
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from hymo.config import ConfigError, load_config
+from hymo.models.model import build_hymo
+
+
+def timed_generate(model, prompt, n: int, cache: bool, device: torch.device) -> tuple[torch.Tensor, float]:
+    "Greedy `generate` of `n` tokens; the drawn ids and the seconds it took (the GPU synchronised at both ends)."
+    if device.type == "cuda": torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        out = model.generate(prompt, n, temperature=0, cache=cache)
+    if device.type == "cuda": torch.cuda.synchronize()
+    return out[0, prompt.shape[1]:], time.perf_counter() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="preset or YAML (default: hymo_750m on a GPU, hymo_tiny on a CPU)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens to draw (default 256)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    try: cfg = load_config(a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny")).model
+    except ConfigError as e: p.error(str(e))
+    if a.prompt < 1 or a.tokens < 1 or a.prompt + a.tokens > cfg.max_seq_len:
+        p.error(f"--prompt and --tokens must be positive and add up to at most max_seq_len={cfg.max_seq_len}")
+    torch.manual_seed(0)
+    model = build_hymo(cfg, device).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt), device=device)
+    result = {"config": a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny"), "device":
+              torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "prompt_tokens": a.prompt, "new_tokens": a.tokens,
+              "precision": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32", "greedy": True}
+    drawn = {}
+    for cache in (True, False):
+        timed_generate(model, prompt, 8, cache, device)  # warm-up: kernels compiled and tuned, memory pooled
+        if device.type == "cuda": torch.cuda.reset_peak_memory_stats()
+        drawn[cache], s = timed_generate(model, prompt, a.tokens, cache, device)
+        key = "with_state" if cache else "forward_per_token"
+        result[key] = {"seconds": round(s, 3), "tokens_per_s": round(a.tokens / s, 2)}
+        if device.type == "cuda": result[key]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        print(f"{key:18s} {a.tokens} tokens in {s:7.2f} s: {a.tokens / s:8.1f} tokens/s", flush=True)
+    result["speedup"] = round(result["with_state"]["tokens_per_s"] / result["forward_per_token"]["tokens_per_s"], 2)
+    same = (drawn[True] != drawn[False]).nonzero()
+    result["leading_tokens_alike"] = int(same[0, 0]) if len(same) else a.tokens
+    print(f"speed-up {result['speedup']}x; the first {result['leading_tokens_alike']} of {a.tokens} tokens drawn alike")
+    if a.out: Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__": main()
