@@ -364,3 +364,25 @@ def test_input_or_tokenizer_that_cannot_be_opened(text, tmp_path, monkeypatch, c
     with pytest.raises(DataError, match=r"tokenizer .*tok is a folder: give a Hugging Face tokenizer.json"):
         prepare(tmp_path / "in" / "a.txt", tmp_path / "o", tokenizer=tmp_path / "tok")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_stream_that_divides_into_windows_never_reads_past_its_end(ds):
+    "A window reads T + 1 tokens, so a stream of exactly K·T tokens holds K - 1 windows, not K."
+    s = stream_of(ds, "train")
+    T = next(t for t in range(8, 400) if len(s) % t == 0)
+    loader = TokenLoader(ds, seq_len=T, micro_batch_size=1, seed=0)
+    assert loader.n_windows == len(s) // T - 1
+    for step in range(loader.steps_per_epoch):  # every window of an epoch, the last one included
+        x, y = loader.batch(step)
+        k = int(loader.window_ids(step)[0])
+        assert x.shape == y.shape == (1, T) and np.array_equal(y[0].numpy(), s[k * T + 1:k * T + T + 1])
+
+
+def test_each_epoch_has_its_own_order(ds):
+    loader = TokenLoader(ds, seq_len=16, micro_batch_size=4, seed=0)
+    S = loader.steps_per_epoch
+    first, second = ([loader.window_ids(t) for t in range(e * S, (e + 1) * S)] for e in (0, 1))
+    assert not np.array_equal(np.concatenate(first), np.concatenate(second))
+    for e in (first, second):  # each epoch: distinct windows (all but the few that do not fill a step)
+        ids = np.concatenate(e)
+        assert len(np.unique(ids)) == len(ids) and ids.max() < loader.n_windows and loader.n_windows - len(ids) < 4

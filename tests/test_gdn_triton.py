@@ -76,6 +76,19 @@ CHILD = textwrap.dedent('''
             outs.append(o_t)
     res["decode"] = {"o": [(torch.cat(outs, 1) - o_ref).abs().max().item(), o_ref.abs().max().item()],
                      "ht": [(S - S_ref).abs().max().item(), S_ref.abs().max().item()]}
+    with torch.no_grad():  # the recurrent kernel on several tokens per call: from the state after 60, the last 8 at once
+        _, S60 = naive_gated_delta_rule(q[:, :60], k[:, :60], v[:, :60], g[:, :60], beta[:, :60], output_final_state=True)
+        o8, S = fused_recurrent_gated_delta_rule(q[:, 60:], k[:, 60:], v[:, 60:], g[:, 60:], beta[:, 60:],
+                                                 initial_state=S60, output_final_state=True)
+    res["decode_several"] = {"o": [(o8 - o_ref[:, 60:]).abs().max().item(), o_ref[:, 60:].abs().max().item()],
+                             "ht": [(S - S_ref).abs().max().item(), S_ref.abs().max().item()]}
+    q, k, v, g, beta = inputs(1, 30, 2, 12, 20, torch.float32, 6)  # and on a packed row of three documents
+    cu, h0 = torch.tensor([0, 7, 8, 30]), torch.randn(3, 2, 12, 20)
+    o_ref, S_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    with torch.no_grad():
+        o, S = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    res["decode_packed"] = {"o": [(o - o_ref).abs().max().item(), o_ref.abs().max().item()],
+                            "ht": [(S - S_ref).abs().max().item(), S_ref.abs().max().item()]}
 
     # kernel 1's A = (I + L)^-1 on hard chunks: keys sharing a direction and beta near 1 put L's entries near beta, no decay
     gen = torch.Generator().manual_seed(8)
@@ -138,6 +151,12 @@ def test_kernel_1_inverts_ill_conditioned_chunks(errors):
 def test_decoding_continues_a_prefill(errors):
     "Chunked prefill, then the recurrent kernel token by token from the carried state, equals one pass of the loop."
     _check(errors["decode"], 1e-4)
+
+
+@pytest.mark.parametrize("name", ["decode_several", "decode_packed"])
+def test_recurrent_kernel_on_several_tokens_and_packed_documents(errors, name):
+    "The recurrent kernel given several tokens per call, and a packed row (the state restarts per document), equals the loop."
+    _check(errors[name], 1e-4)
 
 
 def test_bad_inputs_are_refused_with_a_clear_message():

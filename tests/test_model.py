@@ -258,3 +258,28 @@ def test_bad_input_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="max_seq_len"): m(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[1, T\]"): m(torch.zeros(2, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="shape of tokens"): m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_sampling_distribution_temperature_and_top_k(dropless, cache, monkeypatch):
+    "The first draw samples softmax(logits / τ) over the k most likely ids exactly; top_k=1 is greedy."
+    m = _model(dropless).eval()
+    with torch.no_grad():  # logits of order one, so that τ matters
+        m.embed.weight.normal_(0, 0.05)
+    prompt = torch.randint(0, dropless.vocab_size, (1, 5))
+    with torch.no_grad(): logits = m(prompt)[0, -1].double()
+    assert logits.std() > 0.3 and logits.softmax(-1).max() < 0.5  # neither flat nor one-hot
+    seen = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda p, n: seen.append(p[0].double()) or multinomial(p, n))
+    for tau, k in ((0.5, None), (2.0, None), (0.7, 5)):
+        seen.clear()
+        m.generate(prompt, 1, temperature=tau, top_k=k, cache=cache)
+        want = (logits / tau).softmax(-1)
+        if k is not None:
+            keep = torch.zeros_like(want, dtype=torch.bool); keep[logits.topk(k).indices] = True
+            want = torch.where(keep, want, 0.0); want = want / want.sum()
+        torch.testing.assert_close(seen[0], want, atol=1e-5, rtol=1e-4)
+    monkeypatch.undo()
+    torch.manual_seed(0)
+    assert torch.equal(m.generate(prompt, 4, temperature=1.0, top_k=1, cache=cache), m.generate(prompt, 4, temperature=0, cache=cache))

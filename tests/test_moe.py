@@ -1,6 +1,7 @@
 """DeepSeekMoE: dispatch paths equal a dense reference, the bias steers selection only, capacity drops
 exactly the over-capacity assignments, the balancing rules move the right way, resume is exact."""
 import copy
+import math
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def dense_reference(moe, x):
     w = s.gather(1, idx)
     if moe.score_func == "sigmoid": w = w / w.sum(-1, keepdim=True)
     W = torch.zeros_like(s).scatter(1, idx, w)  # (N, E)
-    C = moe.capacity(B * T) if moe.training else None  # capacity applies in training only
+    cf = moe.capacity_factor if moe.training else None  # capacity applies in training only
+    C = None if cf is None else math.ceil(cf * B * T * moe.top_k / moe.n_routed)  # slots per expert, from the formula
     if C is not None:  # per expert keep the C highest scores, ties to the earlier token
         for e in range(moe.n_routed):
             rows = [n for n in range(B * T) if e in idx[n].tolist()]
@@ -33,7 +35,8 @@ def dense_reference(moe, x):
             for n in rows[C:]: W[n, e] = 0
     Y = torch.stack([F.linear(F.silu(F.linear(xf, moe.w1[e])) * F.linear(xf, moe.w3[e]), moe.w2[e])
                      for e in range(moe.n_routed)], 1)  # (N, E, d)
-    y = (W.unsqueeze(-1).float() * Y).sum(1) + moe.shared(xf)
+    sh = moe.shared  # the shared expert, SwiGLU written out
+    y = (W.unsqueeze(-1).float() * Y).sum(1) + sh.w2(F.silu(sh.w1(xf)) * sh.w3(xf))
     return y.view(B, T, d)
 
 
@@ -54,9 +57,16 @@ def test_dispatch_matches_dense_reference(score_func, cf):
     x = torch.randn(2, 24, moe.dim)
     ref = dense_reference(moe, x)
     impls = ["loop"] + (["grouped"] if grouped_available() else [])
+    params = [moe.w1, moe.w2, moe.w3, moe.gate.weight, *moe.shared.parameters()]
+    g = torch.randn_like(ref)
+    def grads(f):  # of x and every parameter, for the same upstream gradient
+        xg = x.clone().requires_grad_()
+        return torch.autograd.grad((f(xg) * g).sum(), [xg, *params])
+    ref_grads = grads(lambda xg: dense_reference(moe, xg))
     for impl in impls:
         moe.impl = impl
         torch.testing.assert_close(moe(x), ref, atol=1e-5, rtol=1e-4, msg=impl)
+        for a, b in zip(grads(moe), ref_grads): torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=impl)
 
 
 def test_loop_and_grouped_kernels_agree_with_empty_experts():
