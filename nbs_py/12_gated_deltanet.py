@@ -601,9 +601,10 @@ class GDNState(NamedTuple):
 
 
 def _load_triton(part: str):
-    "The Triton function for `part`: 'rule' (chapter 13) or 'prelude' (chapter 14); None where Triton or its module is missing."
+    "The Triton function for `part`: 'rule' or 'recurrent' (chapter 13), or 'prelude' (chapter 14); None where Triton or its module is missing."
     try:  # plain imports, which torch.compile can trace
         if part == "rule": from hymo.models.gdn_triton import triton_gated_delta_rule as fn
+        elif part == "recurrent": from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule as fn
         else: from hymo.models.gdn_conv_triton import triton_conv_silu_norm as fn
     except ModuleNotFoundError as e:
         if e.name in ("triton", "hymo.models.gdn_triton", "hymo.models.gdn_conv_triton"): return None
@@ -675,6 +676,8 @@ class GatedDeltaNet(nn.Module):
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
         kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton("rule") else "torch")
         rule = self._rule(kernel)
+        if T == 1 and initial_state is not None and not torch.is_grad_enabled():  # a decoding step: the recurrence itself
+            rule = _load_triton("recurrent") if kernel == "triton" else naive_gated_delta_rule
         if kernel == "triton" and initial_state is None and not output_final_state:  # the fused prelude (chapter 14)
             q, k, v = _load_triton("prelude")(qkv, w, H, K, cu_seqlens)
             conv_state = None
@@ -746,7 +749,10 @@ test_eq(mixer32(x).shape, x.shape)  # on a CPU 'auto' is the PyTorch path, at 32
 
 # %% [markdown]
 # Carrying the state: running a sequence in two calls (or one token at a time, as in decoding)
-# equals running it in one, because the state includes the short convolution's window.
+# equals running it in one, because the state includes the short convolution's window. A single
+# token with a carried state and no gradient (a decoding step, chapter 41) skips the chunked
+# machinery, which would pad it to a chunk: it is one step of the recurrence, `naive_gated_delta_rule`
+# on one token, or on a GPU the fused recurrent kernel of chapter 13 (one launch).
 
 # %%
 y_full = mixer(x)
@@ -756,6 +762,10 @@ ys = [y1]
 for t in range(50, 70):  # token by token
     y_t, st = mixer(x[:, t:t + 1], initial_state=st, output_final_state=True)
     ys.append(y_t)
+assert_close(torch.cat(ys, 1), y_full, atol=1e-5, rtol=1e-5)
+with torch.no_grad():  # the same, through the recurrence's own step
+    st, ys = None, []
+    for t in range(70): y_t, st = mixer(x[:, t:t + 1], initial_state=st, output_final_state=True); ys.append(y_t)
 assert_close(torch.cat(ys, 1), y_full, atol=1e-5, rtol=1e-5)
 
 # %% [markdown]

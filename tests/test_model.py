@@ -233,7 +233,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 def test_decode_with_state_equals_the_forward(device):
     """`decode` (GDN states carried, MLA latent caches, absorbed attention) gives each new token the logits of the
     whole-sequence forward: a prompt longer than a GDN chunk, then single tokens; a NoPE block; unit-scale weights.
-    On a GPU the GDN rule is the Triton kernel, in bf16 autocast and in fp32."""
+    On a GPU the GDN rule is the Triton kernel (the recurrent one for single tokens). In bf16 the two paths round
+    differently (and a near-tie may route a token to another expert), so there the test asks that `decode` be no
+    further from the fp32 forward than the bf16 forward is."""
     cfg = load_config("hymo_tiny", n_layers=8, nope_layers=[3], moe_capacity_factor=None).model
     m = _model(cfg).to(device).eval()
     g = torch.Generator().manual_seed(0)
@@ -241,15 +243,18 @@ def test_decode_with_state_equals_the_forward(device):
         for name, p in m.named_parameters():
             if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g).to(device) / math.sqrt(p.shape[-1]))
     seq = torch.randint(0, cfg.vocab_size, (2, 75), device=device)
-    for dtype in ([torch.float32] if device == "cpu" else [torch.float32, torch.bfloat16]):
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    def both(dtype):  # the whole-sequence forward, and the prompt then single tokens through `decode`
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-            full = m(seq).float()
             state = m.decode_state(2, 75, dtype)
             steps = [m.decode(seq[:, :67], state)] + [m.decode(seq[:, t:t + 1], state) for t in range(67, 75)]
-        rel = ((torch.cat(steps, 1).float() - full).norm() / full.norm()).item()
-        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5 if device == "cpu" else 5e-3  # the GPU's fp32 products are tf32
-        assert rel < tol, (dtype, rel)
-        assert full.abs().max() > 1  # logits of order one: agreement means something
+            return m(seq).float(), torch.cat(steps, 1).float()
+    full, dec = both(torch.float32)
+    assert full.abs().max() > 1  # logits of order one: agreement means something
+    assert rel(dec, full) < (1e-5 if device == "cpu" else 5e-3), rel(dec, full)  # a GPU's fp32 products are tf32
+    if device == "cuda":
+        full_bf, dec_bf = both(torch.bfloat16)
+        assert rel(dec_bf, full) <= 1.5 * rel(full_bf, full) + 1e-3, (rel(dec_bf, full), rel(full_bf, full))
 
 
 def test_bad_input_is_a_clear_error(tiny):

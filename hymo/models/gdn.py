@@ -215,9 +215,10 @@ class GDNState(NamedTuple):
 
 
 def _load_triton(part: str):
-    "The Triton function for `part`: 'rule' (chapter 13) or 'prelude' (chapter 14); None where Triton or its module is missing."
+    "The Triton function for `part`: 'rule' or 'recurrent' (chapter 13), or 'prelude' (chapter 14); None where Triton or its module is missing."
     try:  # plain imports, which torch.compile can trace
         if part == "rule": from hymo.models.gdn_triton import triton_gated_delta_rule as fn
+        elif part == "recurrent": from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule as fn
         else: from hymo.models.gdn_conv_triton import triton_conv_silu_norm as fn
     except ModuleNotFoundError as e:
         if e.name in ("triton", "hymo.models.gdn_triton", "hymo.models.gdn_conv_triton"): return None
@@ -287,6 +288,8 @@ class GatedDeltaNet(nn.Module):
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # (2HK + HV, W)
         kernel = self.kernel if self.kernel != "auto" else ("triton" if x.is_cuda and _load_triton("rule") else "torch")
         rule = self._rule(kernel)
+        if T == 1 and initial_state is not None and not torch.is_grad_enabled():  # a decoding step: the recurrence itself
+            rule = _load_triton("recurrent") if kernel == "triton" else naive_gated_delta_rule
         if kernel == "triton" and initial_state is None and not output_final_state:  # the fused prelude (chapter 14)
             q, k, v = _load_triton("prelude")(qkv, w, H, K, cu_seqlens)
             conv_state = None
