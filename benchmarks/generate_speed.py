@@ -1,6 +1,6 @@
 """Decoding speed of `HyMo.generate`, with the decode state (`cache=True`) and re-running the forward per token.
 
-    python benchmarks/generate_speed.py [--config hymo_750m] [--prompt 512] [--tokens 256] [--out generate_speed.json]
+    python benchmarks/generate_speed.py [--config hymo_750m] [--prompt 512] [--tokens 256] [--bf16] [--out generate_speed.json]
 
 Builds the preset's model with its initial weights (the speed does not depend on what the weights
 have learned), feeds a random prompt of --prompt tokens and draws --tokens more, greedily, at
@@ -10,9 +10,10 @@ token). Reports tokens per second of each (after one untimed warm-up generation 
 mode), their ratio, the peak memory on a GPU, and how many leading tokens the two runs drew alike
 (bf16 rounding differs between the paths, and initial weights give near-equal logits, so greedy
 choices may part after a while: the parity check is `tests/test_model.py`'s, on unit-scale
-weights). On a GPU the model runs under bf16 autocast with fp32 weights, as `python -m
-hymo.generate` runs a finished model; on a CPU, in fp32. The default config is hymo_750m on a GPU
-and hymo_tiny on a CPU.
+weights). The model runs in fp32, as `python -m hymo.generate` runs a finished model; with
+--bf16 (a GPU only) under bf16 autocast with fp32 weights, as the trainer's sample runs. The
+default config is hymo_750m on a GPU and hymo_tiny on a CPU. At batch 1 both are bound by the host's
+kernel launches (a few thousand per token for the 750M model), not by the GPU.
 """
 import argparse
 import json
@@ -25,11 +26,11 @@ from hymo.config import ConfigError, load_config
 from hymo.models.model import build_hymo
 
 
-def timed_generate(model, prompt, n: int, cache: bool, device: torch.device) -> tuple[torch.Tensor, float]:
+def timed_generate(model, prompt, n: int, cache: bool, device: torch.device, bf16: bool) -> tuple[torch.Tensor, float]:
     "Greedy `generate` of `n` tokens; the drawn ids and the seconds it took (the GPU synchronised at both ends)."
     if device.type == "cuda": torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
         out = model.generate(prompt, n, temperature=0, cache=cache)
     if device.type == "cuda": torch.cuda.synchronize()
     return out[0, prompt.shape[1]:], time.perf_counter() - t0
@@ -41,10 +42,12 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--tokens", type=int, default=256, help="tokens to draw (default 256)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast (a GPU only); default fp32")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    if a.bf16 and device.type != "cuda": p.error("--bf16 needs a CUDA GPU (bf16 autocast); on a CPU the benchmark runs fp32")
     try: cfg = load_config(a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny")).model
     except ConfigError as e: p.error(str(e))
     if a.prompt < 1 or a.tokens < 1 or a.prompt + a.tokens > cfg.max_seq_len:
@@ -55,12 +58,12 @@ def main(argv=None):
     result = {"config": a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny"), "device":
               torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "prompt_tokens": a.prompt, "new_tokens": a.tokens,
-              "precision": "bf16 autocast, fp32 weights" if device.type == "cuda" else "fp32", "greedy": True}
+              "precision": "bf16 autocast, fp32 weights" if a.bf16 else "fp32", "greedy": True}
     drawn = {}
     for cache in (True, False):
-        timed_generate(model, prompt, 8, cache, device)  # warm-up: kernels compiled and tuned, memory pooled
+        timed_generate(model, prompt, 8, cache, device, a.bf16)  # warm-up: kernels compiled and tuned, memory pooled
         if device.type == "cuda": torch.cuda.reset_peak_memory_stats()
-        drawn[cache], s = timed_generate(model, prompt, a.tokens, cache, device)
+        drawn[cache], s = timed_generate(model, prompt, a.tokens, cache, device, a.bf16)
         key = "with_state" if cache else "forward_per_token"
         result[key] = {"seconds": round(s, 3), "tokens_per_s": round(a.tokens / s, 2)}
         if device.type == "cuda": result[key]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
