@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> str:
         p.error(str(e))
     except KeyboardInterrupt:
         if shown: print(flush=True)
-        p.exit(130, "interrupted: " + ("the text so far is above\n" if shown else "nothing was generated\n"))
+        drawn = len(shown) > (1 if shown and a.prompt else 0)  # the first piece is the prompt itself
+        p.exit(130, "interrupted: " + ("the text so far is above\n" if drawn else "nothing was generated\n"))
     print()
     return text
 

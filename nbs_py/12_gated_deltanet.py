@@ -111,7 +111,7 @@ def naive_gated_delta_rule(
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else scale
-    acc = torch.promote_types(v.dtype, torch.float32)  # fp32 (fp64 stays fp64, for checks)
+    dtype, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)  # computed in fp32 (fp64 stays fp64, for checks)
     q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(acc)
     o = []
@@ -121,7 +121,7 @@ def naive_gated_delta_rule(
         S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * err)  # S' + k_t u_t^T
         o.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))          # S_t^T (scale q_t)
     o = torch.stack(o, 1) if T else v.new_zeros(B, 0, H, V)                 # (B, T, H, V)
-    return o.to(v.dtype), (S if output_final_state else None)
+    return o.to(dtype), (S if output_final_state else None)  # o in the inputs' dtype, like the other rules
 
 
 # %% [markdown]

@@ -280,6 +280,8 @@ class HyMo(nn.Module):
                state: list,  # From `decode_state`; updated in place
               ) -> torch.Tensor:  # logits of the new tokens [B, T, V]
         "The new tokens' logits given everything `state` has seen: `forward` on the whole sequence, restricted to them."
+        if self.training:  # training routes with capacity and moves the MoE's load statistics: not inference
+            raise RuntimeError("decode is for inference: call model.eval() first (generate does)")
         x = self.embed(tokens)                                    # (B, T, D)
         if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
         for i, layer in enumerate(self.layers):

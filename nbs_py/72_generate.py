@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> str:
         p.error(str(e))
     except KeyboardInterrupt:
         if shown: print(flush=True)
-        p.exit(130, "interrupted: " + ("the text so far is above\n" if shown else "nothing was generated\n"))
+        drawn = len(shown) > (1 if shown and a.prompt else 0)  # the first piece is the prompt itself
+        p.exit(130, "interrupted: " + ("the text so far is above\n" if drawn else "nothing was generated\n"))
     print()
     return text
 
@@ -269,6 +270,12 @@ HyMo.generate = generate_once
 print(out.getvalue() + err.getvalue())
 assert out.getvalue().startswith("ROMEO:") and len(out.getvalue()) > len("ROMEO:\n"), out.getvalue()
 test_eq(err.getvalue(), "interrupted: the text so far is above\n")
+def interrupted_at_once(self, *a, **k): raise KeyboardInterrupt  # the prompt is printed, no token drawn yet
+HyMo.generate = interrupted_at_once
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+    test_fail(lambda: main([str(work / "run"), "--device", "cpu"]), exc=SystemExit)
+HyMo.generate = generate_once
+test_eq((out.getvalue(), err.getvalue()), ("ROMEO:\n", "interrupted: nothing was generated\n"))
 
 # %% [markdown]
 # Every sample starts from the end-of-text token, which the decoded text leaves out; an empty prompt
@@ -314,10 +321,11 @@ for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperatu
 # keeps the state $S$ (40 heads of 32 × 32 fp32 numbers at the 750M size) and the last three inputs
 # of the short convolution, and each MLA layer the latent cache $c_t$ with the shared rope key. A
 # new token then costs one step of the recurrence in each GDN layer, the same at token 10 and token
-# 10 000, and one attention row against the cache in each MLA layer, which grows with the context.
-# That is the point of the hybrid: 24 of the 32 layers carry a constant-size state. (HyMo runs
-# that step through the chunked rule with a chunk of one token; the fused recurrent kernel of
-# chapter 13 would do it in one launch.)
+# 4 000, and one attention row against the cache in each MLA layer, which grows with the context.
+# That is the point of the hybrid: 24 of the 32 layers carry a constant-size state. (HyMo steps the
+# recurrence itself, with the fused recurrent kernel of chapter 13 on a GPU. This holds up to
+# `max_seq_len`, 4 096 tokens: past it, `generate` re-runs the last `max_seq_len` tokens for every
+# new one, since the model was never trained on later positions.)
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -288,3 +288,49 @@ def test_sampling_distribution_temperature_and_top_k(dropless, cache, monkeypatc
     monkeypatch.undo()
     torch.manual_seed(0)
     assert torch.equal(m.generate(prompt, 4, temperature=1.0, top_k=1, cache=cache), m.generate(prompt, 4, temperature=0, cache=cache))
+
+
+def _unit_scale(m, seed=0):
+    "Matrices N(0, 1/fan_in): logits of order one that depend on the whole context, so a broken decode state shows."
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def short_model():
+    cfg = load_config("hymo_tiny", max_seq_len=24, seq_len=16, moe_capacity_factor=None).model
+    return _unit_scale(_model(cfg))
+
+
+@pytest.mark.parametrize("prompt_len", [1, 22, 23, 24, 25])
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_cached_generate_equals_uncached_around_max_seq_len(short_model, prompt_len, n):
+    "Prompts just under, at and over max_seq_len (24): with the state until the text fills it, then the window."
+    prompt = torch.randint(0, short_model.config.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    cached = short_model.generate(prompt, n, temperature=0)
+    assert cached.shape == (1, prompt_len + n)
+    assert torch.equal(cached, short_model.generate(prompt, n, temperature=0, cache=False))
+
+
+def test_a_broken_state_would_be_seen(short_model, monkeypatch):
+    "The test above can fail: dropping the GDN states between decoding calls changes the tokens drawn."
+    prompt = torch.randint(0, short_model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    good = short_model.generate(prompt, 10, temperature=0)
+    decode = type(short_model).decode
+    def forgetful(self, tokens, state):
+        for i in range(len(state)):
+            if not self.config.is_mla(i): state[i] = None
+        return decode(self, tokens, state)
+    monkeypatch.setattr(type(short_model), "decode", forgetful)
+    assert not torch.equal(short_model.generate(prompt, 10, temperature=0), good)
+
+
+def test_decode_refuses_training_mode_and_runs_bf16_weights(dropless):
+    m = _model(dropless)
+    with pytest.raises(RuntimeError, match="call model.eval"): m.decode(torch.zeros(1, 3, dtype=torch.long), m.decode_state(1, 8))
+    m = m.eval().to(torch.bfloat16)  # weights in bf16, no autocast: every rule returns the inputs' dtype
+    prompt = torch.randint(0, dropless.vocab_size, (1, 8))
+    assert m.generate(prompt, 3, temperature=0).shape == m.generate(prompt, 3, temperature=0, cache=False).shape == (1, 11)
