@@ -32,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hymo.config import ModelConfig
-from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
+from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock
 from hymo.models.layers import RMSNorm
 from hymo.models.mla import MLABlock, MLACache, MultiHeadLatentAttention
 from hymo.models.moe import DeepSeekMoE

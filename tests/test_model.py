@@ -226,6 +226,15 @@ def test_generate_samples_only_ids_the_tokenizer_has(dropless, cache):
         assert (m.generate(prompt, 6, temperature, top_k, vocab=v, cache=cache)[0, 4:] < v).all()
 
 
+def _unit_scale(m, seed=0):
+    "Matrices N(0, 1/fan_in): logits of order one that depend on the whole context, so a broken decode state shows."
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g).to(p.device) / math.sqrt(p.shape[-1]))
+    return m.eval()
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
 
 
@@ -237,11 +246,7 @@ def test_decode_with_state_equals_the_forward(device):
     differently (and a near-tie may route a token to another expert), so there the test asks that `decode` be no
     further from the fp32 forward than the bf16 forward is."""
     cfg = load_config("hymo_tiny", n_layers=8, nope_layers=[3], moe_capacity_factor=None).model
-    m = _model(cfg).to(device).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g).to(device) / math.sqrt(p.shape[-1]))
+    m = _unit_scale(_model(cfg).to(device))
     seq = torch.randint(0, cfg.vocab_size, (2, 75), device=device)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
     def both(dtype):  # the whole-sequence forward, and the prompt then single tokens through `decode`
@@ -288,15 +293,6 @@ def test_sampling_distribution_temperature_and_top_k(dropless, cache, monkeypatc
     monkeypatch.undo()
     torch.manual_seed(0)
     assert torch.equal(m.generate(prompt, 4, temperature=1.0, top_k=1, cache=cache), m.generate(prompt, 4, temperature=0, cache=cache))
-
-
-def _unit_scale(m, seed=0):
-    "Matrices N(0, 1/fan_in): logits of order one that depend on the whole context, so a broken decode state shows."
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return m.eval()
 
 
 @pytest.fixture(scope="module")

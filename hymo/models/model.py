@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
+from .gdn import GatedDeltaNet, GatedDeltaNetBlock
 from .layers import RMSNorm
 from .mla import MLABlock, MLACache, MultiHeadLatentAttention
 from .moe import DeepSeekMoE
