@@ -48,14 +48,15 @@ def main(argv=None):
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
     if a.bf16 and device.type != "cuda": p.error("--bf16 needs a CUDA GPU (bf16 autocast); on a CPU the benchmark runs fp32")
-    try: cfg = load_config(a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny")).model
+    config = a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny")
+    try: cfg = load_config(config).model
     except ConfigError as e: p.error(str(e))
     if a.prompt < 1 or a.tokens < 1 or a.prompt + a.tokens > cfg.max_seq_len:
         p.error(f"--prompt and --tokens must be positive and add up to at most max_seq_len={cfg.max_seq_len}")
     torch.manual_seed(0)
     model = build_hymo(cfg, device).eval()
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt), device=device)
-    result = {"config": a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny"), "device":
+    result = {"config": config, "device":
               torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "prompt_tokens": a.prompt, "new_tokens": a.tokens,
               "precision": "bf16 autocast, fp32 weights" if a.bf16 else "fp32", "greedy": True}
