@@ -5,15 +5,17 @@
 Builds the preset's model with its initial weights (the speed does not depend on what the weights
 have learned), feeds a random prompt of --prompt tokens and draws --tokens more, greedily, at
 batch 1: first with the decode state (the GDN blocks carry S and the convolution window, the MLA
-blocks their latent cache), then without (`cache=False`: the whole context again for every
-token). Reports tokens per second of each (after one untimed warm-up generation of 8 tokens per
-mode), their ratio, the peak memory on a GPU, and how many leading tokens the two runs drew alike
-(bf16 rounding differs between the paths, and initial weights give near-equal logits, so greedy
-choices may part after a while: the parity check is `tests/test_model.py`'s, on unit-scale
-weights). The model runs in fp32, as `python -m hymo.generate` runs a finished model; with
---bf16 (a GPU only) under bf16 autocast with fp32 weights, as the trainer's sample runs. The
-default config is hymo_750m on a GPU and hymo_tiny on a CPU. At batch 1 both are bound by the host's
-kernel launches (a few thousand per token for the 750M model), not by the GPU.
+blocks their latent cache; on a GPU each one-token step is replayed as a CUDA graph,
+`DecodeGraph`), on a GPU also with the state but eager steps (`graph=False`), then without the
+state (`cache=False`: the whole context again for every token). Reports tokens per second of each
+(after one untimed warm-up generation of 16 tokens per mode), their ratios, the peak memory on a
+GPU, and how many leading tokens the state and the re-run drew alike (bf16 rounding differs
+between the paths, and initial weights give near-equal logits, so greedy choices may part after a
+while: the parity checks are `tests/test_model.py`'s, on unit-scale weights). The model runs in
+fp32, as `python -m hymo.generate` runs a finished model; with --bf16 (a GPU only) under bf16
+autocast with fp32 weights, as the trainer's sample runs. The default config is hymo_750m on a GPU
+and hymo_tiny on a CPU. At batch 1 the eager paths are bound by the host's kernel launches (a few
+thousand per token for the 750M model), not by the GPU; the graph launches a step's kernels at once.
 """
 import argparse
 import json
@@ -26,12 +28,12 @@ from hymo.config import ConfigError, load_config
 from hymo.models.model import build_hymo
 
 
-def timed_generate(model, prompt, n: int, cache: bool, device: torch.device, bf16: bool) -> tuple[torch.Tensor, float]:
+def timed_generate(model, prompt, n: int, cache: bool, graph: bool, device: torch.device, bf16: bool) -> tuple[torch.Tensor, float]:
     "Greedy `generate` of `n` tokens; the drawn ids and the seconds it took (the GPU synchronised at both ends)."
     if device.type == "cuda": torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-        out = model.generate(prompt, n, temperature=0, cache=cache)
+        out = model.generate(prompt, n, temperature=0, cache=cache, graph=graph)
     if device.type == "cuda": torch.cuda.synchronize()
     return out[0, prompt.shape[1]:], time.perf_counter() - t0
 
@@ -61,16 +63,20 @@ def main(argv=None):
               "prompt_tokens": a.prompt, "new_tokens": a.tokens,
               "precision": "bf16 autocast, fp32 weights" if a.bf16 else "fp32", "greedy": True}
     drawn = {}
-    for cache in (True, False):
-        timed_generate(model, prompt, 8, cache, device, a.bf16)  # warm-up: kernels compiled and tuned, memory pooled
+    modes = {"with_state": (True, True), "forward_per_token": (False, False)}  # key: (cache, graph)
+    if device.type == "cuda": modes = {"with_state": (True, True), "with_state_eager": (True, False), "forward_per_token": (False, False)}
+    for key, (cache, graph) in modes.items():
+        timed_generate(model, prompt, 16, cache, graph, device, a.bf16)  # warm-up: kernels compiled and tuned, memory pooled
         if device.type == "cuda": torch.cuda.reset_peak_memory_stats()
-        drawn[cache], s = timed_generate(model, prompt, a.tokens, cache, device, a.bf16)
-        key = "with_state" if cache else "forward_per_token"
+        drawn[key], s = timed_generate(model, prompt, a.tokens, cache, graph, device, a.bf16)
         result[key] = {"seconds": round(s, 3), "tokens_per_s": round(a.tokens / s, 2)}
         if device.type == "cuda": result[key]["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         print(f"{key:18s} {a.tokens} tokens in {s:7.2f} s: {a.tokens / s:8.1f} tokens/s", flush=True)
     result["speedup"] = round(result["with_state"]["tokens_per_s"] / result["forward_per_token"]["tokens_per_s"], 2)
-    same = (drawn[True] != drawn[False]).nonzero()
+    if "with_state_eager" in result:
+        result["graph_speedup"] = round(result["with_state"]["tokens_per_s"] / result["with_state_eager"]["tokens_per_s"], 2)
+        print(f"the CUDA graph: {result['graph_speedup']}x the eager decoding steps")
+    same = (drawn["with_state"] != drawn["forward_per_token"]).nonzero()
     result["leading_tokens_alike"] = int(same[0, 0]) if len(same) else a.tokens
     print(f"speed-up {result['speedup']}x; the first {result['leading_tokens_alike']} of {a.tokens} tokens drawn alike")
     if a.out: Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

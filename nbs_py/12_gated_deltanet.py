@@ -493,10 +493,12 @@ for T in (256, 1024):
 #
 # $y_t = \sum_{j=0}^{W-1} w_{W-1-j}\, x_{t-j}$ per channel, where $x_{t-j}$ is taken only from the
 # same document: at a document's start the taps read the carried `cache` (the last $W-1$ inputs of
-# that sequence, zeros for a fresh one) instead of the previous document. The general path gathers
-# the $W$ taps by index. The common case (no documents, no cache) is $W$ shifted multiply-adds on
-# the zero-padded input: `torch.compile` fuses them, forward and backward, into a kernel or two,
-# where cuDNN's depthwise `conv1d` backward took 1.35 ms per layer in the 750M profile.
+# that sequence, zeros for a fresh one) instead of the previous document. Without documents, each
+# row is one sequence, and the convolution is $W$ shifted multiply-adds on the row with its
+# `cache` (or zeros) in front: `torch.compile` fuses them, forward and backward, into a kernel or
+# two, where cuDNN's depthwise `conv1d` backward took 1.35 ms per layer in the 750M profile. The
+# shapes never depend on the values, so a decoding step can be captured as a CUDA graph
+# (chapter 41). Packed documents (`cu_seqlens`) gather the $W$ taps of every token by index.
 
 # %%
 #| export
@@ -510,12 +512,14 @@ def causal_conv1d(
     "Causal depthwise convolution that never reads across documents. Returns `(y [B, T, C], cache or None)`."
     B, T, C = x.shape
     W = weight.shape[-1]
-    if cu_seqlens is None and cache is None and not output_final_state:  # the common case: W shifted multiply-adds
-        xp, wf = F.pad(x, (0, 0, W - 1, 0)).float(), weight.float()          # (B, T+W-1, C), zeros before the start
-        return sum(xp[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype), None  # summed in fp32, rounded once
-    if cu_seqlens is None:  # every row is its own document
-        cu_seqlens, x = torch.arange(B + 1, device=x.device) * T, x.reshape(1, B * T, C)
-    elif B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    if cu_seqlens is None:  # every row is its own document: W shifted multiply-adds
+        if cache is not None and cache.shape != (B, W - 1, C):
+            raise ValueError(f"the conv cache must be [{B}, {W - 1}, {C}]; got {tuple(cache.shape)}")
+        xp = F.pad(x, (0, 0, W - 1, 0)) if cache is None else torch.cat([cache.to(x.dtype), x], 1)  # (B, W-1+T, C)
+        xf, wf = xp.float(), weight.float()
+        y = sum(xf[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype)  # summed in fp32, rounded once
+        return y, (xp[:, T:] if output_final_state else None)            # the new cache: the last W-1 inputs
+    if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
     N, n_tok, dev = len(cu_seqlens) - 1, x.shape[1], x.device
     lens = cu_seqlens.diff()
     cache = x.new_zeros(N, W - 1, C) if cache is None else cache
@@ -537,18 +541,24 @@ def causal_conv1d(
 
 
 # %% [markdown]
-# The gathered path equals the library convolution, and packed documents do not leak into each other:
+# Both paths equal the library convolution, packed documents do not leak into each other, and a
+# carried cache continues a row exactly, a whole chunk or one token at a time (decoding):
 
 # %%
 xc, wc = torch.randn(2, 10, 6), torch.randn(6, 4)
 ref = F.conv1d(F.pad(xc.transpose(1, 2), (3, 0)), wc[:, None], groups=6).transpose(1, 2)
 assert_close(causal_conv1d(xc, wc)[0], ref)                         # shifted multiply-adds
-assert_close(causal_conv1d(xc, wc, output_final_state=True)[0], ref)  # gathered taps
-y_packed, _ = causal_conv1d(xc.reshape(1, 20, 6), wc, cu_seqlens=torch.tensor([0, 10, 20]))
+y_packed, _ = causal_conv1d(xc.reshape(1, 20, 6), wc, cu_seqlens=torch.tensor([0, 10, 20]))  # gathered taps
 assert_close(y_packed.view(2, 10, 6), ref)
 y_a, c_a = causal_conv1d(xc[:, :7], wc, output_final_state=True)   # run 7 tokens, carry the cache ...
 y_b, _ = causal_conv1d(xc[:, 7:], wc, cache=c_a)                   # ... then the other 3
 assert_close(torch.cat([y_a, y_b], 1), ref)
+c, ys = None, []
+for t in range(10):                                                # one token per call
+    y_t, c = causal_conv1d(xc[:, t:t + 1], wc, cache=c, output_final_state=True)
+    ys.append(y_t)
+assert_close(torch.cat(ys, 1), ref)
+test_fail(lambda: causal_conv1d(xc, wc, cache=c[:, :2]), contains="the conv cache must be [2, 3, 6]")
 
 
 # %% [markdown]

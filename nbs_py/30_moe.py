@@ -165,6 +165,37 @@ torch.testing.assert_close(ref[:5], F.linear(F.silu(xs[:5] @ w1[0].T) * (xs[:5] 
 
 
 # %% [markdown]
+# A decoding step routes one token (per sequence) to $k$ experts: $N k \le E$ assignments. Sorting
+# them is overhead, the loop reads the counts on the host, and a host read is what keeps a decoding
+# step from being captured as a CUDA graph (chapter 41). For so few tokens there is a third way:
+# gather each token's $k$ experts' weights and run them as batched products. It reads each chosen
+# expert's three matrices once per assignment, which for one token is what any method reads.
+
+# %%
+#| export
+def experts_gathered(x: torch.Tensor, # [N, d] tokens, unsorted
+                     idx: torch.Tensor, # [N, k] each token's experts
+                     w1: torch.Tensor, # [E, h, d] gate projections
+                     w2: torch.Tensor, # [E, d, h] down projections
+                     w3: torch.Tensor, # [E, h, d] up projections
+                    ) -> torch.Tensor: # [N, k, d] assignment (n, j) through expert idx[n, j]
+    "Each token through its own k experts, their weights gathered: no sort, no host sync. For a few tokens (decoding)."
+    g = torch.einsum("nd,nkhd->nkh", x, w1[idx])  # (N, k, h)
+    u = torch.einsum("nd,nkhd->nkh", x, w3[idx])  # (N, k, h)
+    return torch.einsum("nkh,nkdh->nkd", F.silu(g) * u, w2[idx])  # (N, k, d)
+
+
+# %%
+idx_ = torch.tensor([[2, 0], [3, 2]])                      # two tokens, k = 2
+x_ = torch.randn(2, d_, generator=g)
+ys_ = experts_gathered(x_, idx_, w1, w2, w3)
+for n in range(2):
+    for j in range(2):
+        e = idx_[n, j]
+        torch.testing.assert_close(ys_[n, j], F.linear(F.silu(x_[n] @ w1[e].T) * (x_[n] @ w3[e].T), w2[e]))
+
+
+# %% [markdown]
 # ## Capacity: which assignments are dropped
 #
 # A capacity factor $c$ caps every expert at $C = \lceil c \cdot N k / E \rceil$ assignments per
@@ -358,9 +389,10 @@ class SwiGLUExpert(SwiGLU):
 # The `n_shared` shared experts of width $h$ are summed for every token, which is exactly one SwiGLU
 # of width $n_{\text{shared}} h$ (the hidden units just sit side by side), so they are stored as one.
 #
-# The fast path is chosen in one line of `forward`: `_grouped_mm` on CUDA when the experts compute
+# The fast path is chosen in one line of `_dispatch`: `_grouped_mm` on CUDA when the experts compute
 # in bf16 (bf16 input or a bf16 autocast), else the loop. Setting `moe.impl` to `'loop'` or
-# `'grouped'` forces one, for tests.
+# `'grouped'` forces one, for tests. In eval mode, a call with no more assignments than experts (a
+# decoding step) skips the sort and takes `experts_gathered`, unless `impl` forces a path.
 
 # %%
 #| export
@@ -427,22 +459,31 @@ class DeepSeekMoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
-        cap = self.capacity(B * T) if self.training else None  # inference is dropless, hence causal
+        if self.impl == "auto" and not self.training and B * T * self.top_k <= self.n_routed:  # decoding: no sort, no sync
+            ys, w = experts_gathered(xf, idx, self.w1, self.w2, self.w3), weight  # (N, k, d), (N, k)
+        else:
+            ys, w = self._dispatch(xf, idx, weight, score)
+        y = (ys.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d)
+        if self.shared is not None: y = y + self.shared(xf)
+        return y.view(B, T, d)
+
+    def _dispatch(self, xf: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, score: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]: # ys [N, k, d] in token order, weights [N, k] (0 where dropped)
+        "Sort the assignments by expert, apply the capacity (training), run the experts' segments, and unsort."
+        N, d = xf.shape
+        cap = self.capacity(N) if self.training else None  # inference is dropless, hence causal
         order, counts, keep = sort_assignments(idx, score, self.n_routed, cap)
         if self.training:  # balancing statistics (eval batches must not steer the bias)
             self.expert_counts += counts
             self.dropped_tokens += (~keep).sum()
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        cdt = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
-        mode = self.impl if self.impl != "auto" else ("grouped" if HAS_GROUPED_MM and x.is_cuda and cdt == torch.bfloat16 else "loop")
+        cdt = torch.get_autocast_dtype("cuda") if xf.is_cuda and torch.is_autocast_enabled("cuda") else xf.dtype
+        mode = self.impl if self.impl != "auto" else ("grouped" if HAS_GROUPED_MM and xf.is_cuda and cdt == torch.bfloat16 else "loop")
         run = experts_grouped if mode == "grouped" else experts_loop
         xs = GatherRows.apply(xf.to(cdt) if mode == "grouped" else xf, order, inv, self.top_k)  # (M, d) sorted by expert
         ys = run(xs, counts, self.w1, self.w2, self.w3)  # (M, d)
-        ys = GatherRows.apply(ys, inv, order).view(B * T, self.top_k, d)  # (N, k, d) back in token order
-        w = torch.where(keep, weight, 0.0)  # dropped assignments contribute nothing
-        y = (ys.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d)
-        if self.shared is not None: y = y + self.shared(xf)
-        return y.view(B, T, d)
+        ys = GatherRows.apply(ys, inv, order).view(N, self.top_k, d)  # (N, k, d) back in token order
+        return ys, torch.where(keep, weight, 0.0)  # dropped assignments contribute nothing
 
     @torch.no_grad()
     def update_gate_bias(self) -> dict:
@@ -540,6 +581,21 @@ for cf in (None, 1.0, 0.5):
     except (RuntimeError, NotImplementedError) as e: print("no CPU _grouped_mm:", e)
 moe.impl, moe.capacity_factor = "auto", cfg.moe_capacity_factor
 moe.expert_counts.zero_(); moe.dropped_tokens.zero_();  # these calls were checks, not training steps
+
+# %% [markdown]
+# In eval mode a single token (per sequence) takes the gathered path, and it matches the reference
+# too; so does a batch of one-token sequences, up to $E / k$ of them:
+
+# %%
+moe.eval()
+n_tok = moe.n_routed // moe.top_k
+x1 = torch.randn(n_tok, 1, cfg.dim)
+for xb in (x1[:1], x1):
+    torch.testing.assert_close(moe(xb), moe_dense_reference(moe, xb), atol=1e-5, rtol=1e-4)
+moe.impl = "loop"  # the sorted path, for comparison
+torch.testing.assert_close(moe(x1), moe_dense_reference(moe, x1), atol=1e-5, rtol=1e-4)
+moe.impl = "auto"
+moe.train();
 
 # %% [markdown]
 # On a GPU the grouped path runs in bf16; there it is checked against the loop in the same precision

@@ -24,6 +24,7 @@
 #| export
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional
 
@@ -32,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hymo.config import ModelConfig
-from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock
+from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from hymo.models.layers import RMSNorm
 from hymo.models.mla import MLABlock, MLACache, MultiHeadLatentAttention
 from hymo.models.moe import DeepSeekMoE
@@ -299,6 +300,7 @@ class HyMo(nn.Module):
                  stop: Optional[int] = None,  # End early once this id (the end-of-text token) is drawn; it is kept
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
                  cache: bool = True,  # Carry the GDN states and MLA caches (`decode`); False re-runs the whole forward per token
+                 graph: bool = True,  # With `cache` on a GPU: replay each one-token step as a CUDA graph (`DecodeGraph`)
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `max_seq_len`; from there (and without `cache`) every token re-runs the last `max_seq_len` tokens."""
@@ -307,13 +309,15 @@ class HyMo(nn.Module):
         self.eval()
         L = self.config.max_seq_len
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
-        state, seen = None, 0  # the decode state, and how many tokens of `tokens` it holds
+        state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
         if tokens.shape[1] < room and max_new_tokens > 0:
             dev = tokens.device.type
             state = self.decode_state(1, room, torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.embed.weight.dtype)
         for _ in range(max_new_tokens):
             if state is not None and tokens.shape[1] <= room:
-                logits = self.decode(tokens[:, seen:], state)[:, -1].float()  # (1, V)
+                if step is None and graph and tokens.is_cuda and seen > 0 and room - seen >= 8:  # the prompt is in: capture
+                    step = DecodeGraph(self, state)
+                logits = (step or self.decode)(tokens[:, seen:], state)[:, -1].float()  # (1, V)
                 seen = tokens.shape[1]
             else:
                 logits = self(tokens[:, -L:])[:, -1].float()                   # (1, V)
@@ -554,6 +558,119 @@ import time
 for cache in (True, False):
     t0 = time.perf_counter(); dec.generate(prompt, 200, temperature=0, cache=cache)
     print(f"cache={cache}: {200 / (time.perf_counter() - t0):.0f} tokens/s")
+
+
+# %% [markdown]
+# ### A decoding step as one CUDA graph
+#
+# On a GPU, that step is bound by the host. One token through the 750M model is about 3 000 small
+# kernels (about a hundred a block: the projections, norms, gates, the convolution's window, the
+# routing), each a few microseconds of GPU work, and Python launches them one after another: in
+# round 24 the H200 decoded 16 tokens/s with the state, no faster than re-running a 512-token
+# context (chapter 80). A CUDA graph records the kernels of one call once, with their arguments'
+# addresses, and replays them all with one launch. Capturing needs a step whose work does not
+# depend on values the host would have to read, and whose tensors stay where they were:
+#
+# - shapes that do not change with the length: `MLACache.append` returns the whole buffers and the
+#   causal mask hides what is not written yet (chapter 21);
+# - no host reads: the new token's position comes from the cache's device counter `pos`, the
+#   convolution's window is a concatenation (chapter 12), and a single token's experts are gathered
+#   rather than sorted (`experts_gathered`, chapter 30);
+# - fixed addresses: `decode` returns new `GDNState` tensors, so the captured step copies them back
+#   into the state it started from, and reads its input token from a buffer of its own.
+#
+# Capturing does not run the kernels, but the warm-up calls before it do (Triton compiles, cuBLAS
+# chooses its kernels), and they advance the state; `DecodeGraph` saves the state first and puts it
+# back. Without `capture` (or on a CPU) it warms up and restores the same way, then runs the step
+# eagerly, which is how the bookkeeping is checked here. The graph lives inside one `generate` call: under autocast, the bf16 copies of the
+# weights it reads are autocast's cache, which lasts as long as the autocast region does.
+
+# %%
+#| export
+class DecodeGraph:
+    """`decode` of one new token per sequence, captured once as a CUDA graph and replayed per token. Call it as
+    `decode`: `step(tokens [B, 1], state)`, with the `state` it was built on, which it updates in place."""
+    def __init__(self, model: HyMo,  # In eval mode, with the prompt already run through `decode(prompt, state)`
+                 state: list,  # That decode state; its GDN states are replaced by copies the graph owns
+                 capture: Optional[bool] = None,  # Record a CUDA graph; None: when the model is on a GPU. False runs eagerly
+                 warmup: int = 2):  # Eager steps before capturing (compilation, kernel choices); the state is restored
+        if any(s is None for s in state):
+            raise ValueError("run the prompt through model.decode(prompt, state) first: the GDN blocks have no state yet")
+        self.model, self.state = model, state
+        for i, s in enumerate(state):  # addresses the graph owns (the prompt's state may be views of larger tensors)
+            if isinstance(s, GDNState): state[i] = GDNState(s.recurrent.clone(), s.conv.clone())
+        self.caches = [s for s in state if isinstance(s, MLACache)]
+        self.token = torch.zeros(self._batch(), 1, dtype=torch.long, device=model.embed.weight.device)  # (B, 1) the input
+        self.graph = None
+        if capture is None: capture = self.token.is_cuda
+        saved = self._save()
+        side = torch.cuda.Stream() if capture else None  # warm up off the stream that will record, as PyTorch advises
+        if capture: side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if capture else contextlib.nullcontext():
+            for _ in range(warmup): self._step()
+        if capture: torch.cuda.current_stream().wait_stream(side)
+        self._restore(saved)
+        if not capture: return
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph): self.logits = self._step()  # recorded, not run
+        self._restore(saved)  # the host-side lengths moved once while recording
+
+    def _batch(self) -> int:
+        s = self.state[0]
+        return (s.c_kv if isinstance(s, MLACache) else s.recurrent).shape[0]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.state for t in ((s.c_kv, s.k_rope, s.pos) if isinstance(s, MLACache) else s)]
+
+    def _save(self): return [t.clone() for t in self._tensors()], [c.length for c in self.caches]
+
+    def _restore(self, saved):
+        for t, v in zip(self._tensors(), saved[0]): t.copy_(v)
+        for c, n in zip(self.caches, saved[1]): c.length = n
+
+    def _step(self) -> torch.Tensor:
+        "One `decode` call on the input buffer, writing the new GDN states back where the old ones were."
+        new = list(self.state)
+        logits = self.model.decode(self.token, new)  # rebinds the GDN entries of `new`; appends to the MLA caches
+        for old, s in zip(self.state, new):
+            if isinstance(old, GDNState):
+                old.recurrent.copy_(s.recurrent); old.conv.copy_(s.conv)
+        return logits
+
+    def __call__(self, tokens: torch.Tensor,  # [B, 1] the new token of each sequence
+                 state: list,  # The state this step was built on
+                ) -> torch.Tensor:  # [B, 1, V] logits
+        if state is not self.state: raise ValueError("a DecodeGraph steps the state it was built on; build one for this state")
+        if tokens.shape != self.token.shape: raise ValueError(f"one token per sequence: [{self._batch()}, 1], got {tuple(tokens.shape)}")
+        for c in self.caches:
+            if c.length + 1 > c.c_kv.shape[1]:
+                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + 1} were asked for: "
+                                 "allocate it with a larger max_len")
+        self.token.copy_(tokens)
+        if self.graph is None: return self._step()
+        self.graph.replay()
+        for c in self.caches: c.length += 1
+        return self.logits.clone()  # the graph's buffer is overwritten by the next replay
+
+
+# %% [markdown]
+# Checked on the CPU, eagerly: after a prompt, the steps through `DecodeGraph` (warm-up and
+# restore included) give the logits `decode` gives, token by token. On a GPU, `generate` captures
+# the graph after the prompt when at least eight tokens will go through it; the test suite checks
+# there that it draws what the eager steps draw (`tests/test_model.py`). On the H200 the 750M model
+# then decodes about 150 tokens/s in fp32 at batch 1, against 18–26 with eager steps (chapter 80).
+
+# %%
+with torch.no_grad():
+    state = dec.decode_state(1, 78)
+    dec.decode(seq[:, :70], state)
+    g_step = DecodeGraph(dec, state, capture=False)  # two warm-up steps, then the state put back
+    stepped = [g_step(seq[:, t:t + 1], state) for t in range(70, 78)]
+assert_close(torch.cat(stepped, 1), full[:, 70:78], atol=1e-3, rtol=0)
+test_eq([c.length for c in state if isinstance(c, MLACache)], [78, 78])
+test_fail(lambda: g_step(seq[:, :1], state), contains="larger max_len")
+test_fail(lambda: g_step(seq[:, :1], dec.decode_state(1, 78)), contains="the state it was built on")
+test_fail(lambda: DecodeGraph(dec, dec.decode_state(1, 78)), contains="run the prompt through")
 
 
 # %% [markdown]
@@ -845,11 +962,17 @@ print(f"= {total / (8 * 989e12 * 0.4) / 3600:.0f} hours on 8 H100s at 40% of the
 # The design document's inference answer adds milliseconds to FLOPs and ends "3 µs per token,
 # roughly 3× peak", which cannot be. At batch 1, decoding is bound by memory bandwidth, not
 # compute: every step reads every active weight once (bf16: 2 bytes each) and the cache, and does
-# two FLOPs per weight. On an H100 (3.35 TB/s, 989 TFLOP/s dense bf16):
+# two FLOPs per weight, plus the attention. A decoding step's attention is the absorbed one
+# (chapter 21) over all $L$ cached tokens, not the training window's average of $T/2$: per MLA
+# layer and head, $d_\text{nope} d_c + L (2 d_c + d_\text{rope}) + d_c d_v$ multiply-adds. On an
+# H100 (3.35 TB/s, 989 TFLOP/s dense bf16), at a context of $L = 4096$:
 
 # %%
-bytes_step = model_750m.num_params(active=True) * 2 + model_750m.state_bytes(4096)
-flops_step = fwd_no_mtp
+c750, L_ctx = model_750m.config, 4096
+absorbed = 2 * c750.layer_types.count("mla") * c750.mla_n_heads * (c750.mla_qk_nope_dim * c750.mla_kv_lora_rank + c750.mla_v_head_dim * c750.mla_kv_lora_rank
+                                                  + L_ctx * (2 * c750.mla_kv_lora_rank + c750.mla_qk_rope_dim))
+bytes_step = model_750m.num_params(active=True) * 2 + model_750m.state_bytes(L_ctx)
+flops_step = fwd_no_mtp - flops_breakdown(model_750m, L_ctx)["MLA attention scores + values"] / 3 + absorbed
 t_mem, t_flop = bytes_step / 3.35e12, flops_step / 989e12
 print(f"per token at T=4096, batch 1: {bytes_step/1e9:.2f} GB read -> {t_mem*1e3:.2f} ms; "
       f"{flops_step/1e9:.2f} GFLOPs -> {t_flop*1e6:.1f} µs")
@@ -928,8 +1051,9 @@ assert t_mem > 50 * t_flop
 # ## What is a realistic decoding speed for the 750M model?
 # At batch 1, decoding is bandwidth-bound: each step reads the active weights (about 1.1 GB in
 # bf16) plus the cache, about a third of a millisecond on an H100's 3.35 TB/s, while its
-# ~1.2 GFLOPs would take about a microsecond of compute. So about 3000 tokens/s per sequence is an
+# ~1.4 GFLOPs at a context of 4096 would take about a microsecond and a half of compute. So about 3000 tokens/s per sequence is an
 # upper bound; batching many sequences amortises the weight reads until compute or the cache
 # becomes the limit (and at large batch nearly all experts are touched, so the full 1.24 B
-# parameters are read).
+# parameters are read). HyMo's own decoding step, replayed as a CUDA graph, reaches about 150
+# tokens/s on an H200 (chapter 80): thousands of small kernels, not bandwidth, still set its pace.
 # :::

@@ -7,7 +7,8 @@ import torch
 from hymo.config import load_config
 from hymo.models.gdn import GatedDeltaNetBlock
 from hymo.models.mla import MLABlock
-from hymo.models.model import HyMo, build_hymo, flops_breakdown, param_breakdown, state_breakdown
+import hymo.models.model as model_module
+from hymo.models.model import DecodeGraph, HyMo, build_hymo, flops_breakdown, param_breakdown, state_breakdown
 from hymo.models.moe import DeepSeekMoE
 
 
@@ -330,3 +331,39 @@ def test_decode_refuses_training_mode_and_runs_bf16_weights(dropless):
     m = m.eval().to(torch.bfloat16)  # weights in bf16, no autocast: every rule returns the inputs' dtype
     prompt = torch.randint(0, dropless.vocab_size, (1, 8))
     assert m.generate(prompt, 3, temperature=0).shape == m.generate(prompt, 3, temperature=0, cache=False).shape == (1, 11)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_graph_steps_as_decode_does(device):
+    """`DecodeGraph` (a CUDA graph on a GPU; eager on the CPU, with the same warm-up and restore) gives every new token
+    the logits the eager `decode` gives, for two sequences, in fp32 and (on a GPU) bf16 autocast; the state it leaves
+    is the eager one's."""
+    cfg = load_config("hymo_tiny", n_layers=8, nope_layers=[3], moe_capacity_factor=None).model
+    m = _unit_scale(_model(cfg).to(device))
+    seq = torch.randint(0, cfg.vocab_size, (2, 80), device=device)
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
+        runs = []
+        for graphed in (False, True):
+            with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+                state = m.decode_state(2, 80, dtype)
+                m.decode(seq[:, :67], state)
+                step = DecodeGraph(m, state) if graphed else m.decode
+                runs.append((torch.cat([step(seq[:, t:t + 1], state).float() for t in range(67, 80)], 1),
+                             [s.clone() for s in state[0]], state[3].length))
+        (eager, s_eager, n_eager), (graphed, s_graph, n_graph) = runs
+        assert eager.abs().max() > 1
+        torch.testing.assert_close(graphed, eager, atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
+        for a, b in zip(s_graph, s_eager): torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
+        assert n_graph == n_eager == 80
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_generate_on_a_gpu_replays_a_graph_and_draws_what_eager_steps_draw(monkeypatch):
+    cfg = load_config("hymo_tiny", n_layers=8, nope_layers=[3], moe_capacity_factor=None).model
+    m = _unit_scale(_model(cfg).cuda())
+    built = []
+    monkeypatch.setattr(model_module, "DecodeGraph", lambda *a, **k: built.append(1) or DecodeGraph(*a, **k))
+    prompt = torch.randint(0, cfg.vocab_size, (1, 40), device="cuda")
+    graphed = m.generate(prompt, 30, temperature=0)
+    assert built == [1]
+    assert torch.equal(graphed, m.generate(prompt, 30, temperature=0, graph=False)) and built == [1]

@@ -161,12 +161,14 @@ def causal_conv1d(
     "Causal depthwise convolution that never reads across documents. Returns `(y [B, T, C], cache or None)`."
     B, T, C = x.shape
     W = weight.shape[-1]
-    if cu_seqlens is None and cache is None and not output_final_state:  # the common case: W shifted multiply-adds
-        xp, wf = F.pad(x, (0, 0, W - 1, 0)).float(), weight.float()          # (B, T+W-1, C), zeros before the start
-        return sum(xp[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype), None  # summed in fp32, rounded once
-    if cu_seqlens is None:  # every row is its own document
-        cu_seqlens, x = torch.arange(B + 1, device=x.device) * T, x.reshape(1, B * T, C)
-    elif B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    if cu_seqlens is None:  # every row is its own document: W shifted multiply-adds
+        if cache is not None and cache.shape != (B, W - 1, C):
+            raise ValueError(f"the conv cache must be [{B}, {W - 1}, {C}]; got {tuple(cache.shape)}")
+        xp = F.pad(x, (0, 0, W - 1, 0)) if cache is None else torch.cat([cache.to(x.dtype), x], 1)  # (B, W-1+T, C)
+        xf, wf = xp.float(), weight.float()
+        y = sum(xf[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype)  # summed in fp32, rounded once
+        return y, (xp[:, T:] if output_final_state else None)            # the new cache: the last W-1 inputs
+    if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
     N, n_tok, dev = len(cu_seqlens) - 1, x.shape[1], x.device
     lens = cu_seqlens.diff()
     cache = x.new_zeros(N, W - 1, C) if cache is None else cache

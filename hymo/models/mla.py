@@ -199,11 +199,11 @@ class MultiHeadLatentAttention(nn.Module):
         "Cached decoding with absorbed attention: W_UK folded into the query, W_UV applied after attention."
         B, T, _ = x.shape
         G, R = self.n_kv_groups, self.n_rep
-        pos = cache.length + torch.arange(T, device=x.device)  # (T,) positions of the new tokens
+        pos = cache.positions(T)  # (T,) positions of the new tokens, on the device
         rope = self.rope_tables(pos)
         q_nope, q_rope = self.queries(x, rope)  # (B, T, H, d_nope), (B, T, H, d_rope)
         c_new, k_rope_new = self.latents(x, rope)
-        c_kv, k_rope = cache.append(c_new, k_rope_new[:, :, 0])  # (B, L, d_c), (B, L, d_rope)
+        c_kv, k_rope = cache.append(c_new, k_rope_new[:, :, 0])  # (B, L, d_c), (B, L, d_rope), L = max_len
         w_uk, w_uv = self.kv_b_proj.weight.view(G, self.d_nope + self.d_v, self.d_c).split([self.d_nope, self.d_v], 1)
         q_lat = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, self.d_nope), w_uk).flatten(2, 3)  # (B, T, H, d_c)
         s = torch.einsum("bthc,bsc->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)  # (B, H, T, L)
@@ -221,7 +221,11 @@ class MLACache:
     "Per-layer decode cache: normalised latents and rotated shared keys of the tokens seen so far."
     c_kv: torch.Tensor  # [B, max_len, d_c]; rows [:length] are filled
     k_rope: torch.Tensor  # [B, max_len, d_rope]; rows [:length] are filled
-    length: int = 0  # Tokens cached so far: the position of the next token
+    length: int = 0  # Tokens cached so far (on the host): the position of the next token
+    pos: Optional[torch.Tensor] = None  # The same count on the buffers' device, [1] int64; None: `length`
+
+    def __post_init__(self):
+        if self.pos is None: self.pos = torch.full((1,), self.length, dtype=torch.long, device=self.c_kv.device)
 
     @classmethod
     def empty(cls, config: ModelConfig, # Uses mla_kv_lora_rank and mla_qk_rope_dim
@@ -232,17 +236,24 @@ class MLACache:
         return cls(torch.zeros(*shape, config.mla_kv_lora_rank, device=device, dtype=dtype),
                    torch.zeros(*shape, config.mla_qk_rope_dim, device=device, dtype=dtype))
 
+    def positions(self, T: int) -> torch.Tensor: # [T] int64 on the buffers' device
+        "Positions of the next `T` tokens, computed on the device."
+        return self.pos + torch.arange(T, device=self.pos.device)
+
     def append(self, c_kv: torch.Tensor, # [B, T, d_c] new latents
                k_rope: torch.Tensor, # [B, T, d_rope] new rotated keys
-              ) -> tuple[torch.Tensor, torch.Tensor]: # all cached so far: [B, length, d_c], [B, length, d_rope]
-        "Write `T` new tokens after the cached ones; return views of everything cached."
-        end = self.length + c_kv.shape[1]
-        if end > self.c_kv.shape[1]:
-            raise ValueError(f"MLACache holds {self.c_kv.shape[1]} tokens and {end} were asked for: "
+              ) -> tuple[torch.Tensor, torch.Tensor]: # the whole buffers [B, max_len, d_c], [B, max_len, d_rope]
+        "Write `T` new tokens after the cached ones; return the buffers (rows past the new length are to be masked)."
+        T = c_kv.shape[1]
+        if self.length + T > self.c_kv.shape[1]:
+            raise ValueError(f"MLACache holds {self.c_kv.shape[1]} tokens and {self.length + T} were asked for: "
                              "allocate it with a larger max_len")
-        self.c_kv[:, self.length:end], self.k_rope[:, self.length:end] = c_kv, k_rope
-        self.length = end
-        return self.c_kv[:, :end], self.k_rope[:, :end]
+        rows = self.positions(T)
+        self.c_kv.index_copy_(1, rows, c_kv.to(self.c_kv.dtype))
+        self.k_rope.index_copy_(1, rows, k_rope.to(self.k_rope.dtype))
+        self.pos += T
+        self.length += T
+        return self.c_kv, self.k_rope
 
     def bytes_per_token(self) -> int:
         "Cached bytes per token (per layer): (d_c + d_rope) × bytes per value."

@@ -7,6 +7,7 @@ Docs: https://hymo-lm.github.io/hymo/model.html.md"""
 # %% ../../nbs/41_model.ipynb #425b610e
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional
 
@@ -15,14 +16,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from .gdn import GatedDeltaNet, GatedDeltaNetBlock
+from .gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from .layers import RMSNorm
 from .mla import MLABlock, MLACache, MultiHeadLatentAttention
 from .moe import DeepSeekMoE
 from .mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
 
 # %% auto #0
-__all__ = ['HyMo', 'build_hymo', 'param_breakdown', 'flops_breakdown', 'state_breakdown']
+__all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'state_breakdown']
 
 # %% ../../nbs/41_model.ipynb #4edabcb8
 class HyMo(nn.Module):
@@ -177,6 +178,7 @@ class HyMo(nn.Module):
                  stop: Optional[int] = None,  # End early once this id (the end-of-text token) is drawn; it is kept
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
                  cache: bool = True,  # Carry the GDN states and MLA caches (`decode`); False re-runs the whole forward per token
+                 graph: bool = True,  # With `cache` on a GPU: replay each one-token step as a CUDA graph (`DecodeGraph`)
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `max_seq_len`; from there (and without `cache`) every token re-runs the last `max_seq_len` tokens."""
@@ -185,13 +187,15 @@ class HyMo(nn.Module):
         self.eval()
         L = self.config.max_seq_len
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
-        state, seen = None, 0  # the decode state, and how many tokens of `tokens` it holds
+        state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
         if tokens.shape[1] < room and max_new_tokens > 0:
             dev = tokens.device.type
             state = self.decode_state(1, room, torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.embed.weight.dtype)
         for _ in range(max_new_tokens):
             if state is not None and tokens.shape[1] <= room:
-                logits = self.decode(tokens[:, seen:], state)[:, -1].float()  # (1, V)
+                if step is None and graph and tokens.is_cuda and seen > 0 and room - seen >= 8:  # the prompt is in: capture
+                    step = DecodeGraph(self, state)
+                logits = (step or self.decode)(tokens[:, seen:], state)[:, -1].float()  # (1, V)
                 seen = tokens.shape[1]
             else:
                 logits = self(tokens[:, -L:])[:, -1].float()                   # (1, V)
@@ -219,6 +223,72 @@ def build_hymo(config: ModelConfig,  # The architecture
     model.to_empty(device=device or "cpu")
     model.init_weights()
     return model
+
+# %% ../../nbs/41_model.ipynb #a6e5e1c9
+class DecodeGraph:
+    """`decode` of one new token per sequence, captured once as a CUDA graph and replayed per token. Call it as
+    `decode`: `step(tokens [B, 1], state)`, with the `state` it was built on, which it updates in place."""
+    def __init__(self, model: HyMo,  # In eval mode, with the prompt already run through `decode(prompt, state)`
+                 state: list,  # That decode state; its GDN states are replaced by copies the graph owns
+                 capture: Optional[bool] = None,  # Record a CUDA graph; None: when the model is on a GPU. False runs eagerly
+                 warmup: int = 2):  # Eager steps before capturing (compilation, kernel choices); the state is restored
+        if any(s is None for s in state):
+            raise ValueError("run the prompt through model.decode(prompt, state) first: the GDN blocks have no state yet")
+        self.model, self.state = model, state
+        for i, s in enumerate(state):  # addresses the graph owns (the prompt's state may be views of larger tensors)
+            if isinstance(s, GDNState): state[i] = GDNState(s.recurrent.clone(), s.conv.clone())
+        self.caches = [s for s in state if isinstance(s, MLACache)]
+        self.token = torch.zeros(self._batch(), 1, dtype=torch.long, device=model.embed.weight.device)  # (B, 1) the input
+        self.graph = None
+        if capture is None: capture = self.token.is_cuda
+        saved = self._save()
+        side = torch.cuda.Stream() if capture else None  # warm up off the stream that will record, as PyTorch advises
+        if capture: side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if capture else contextlib.nullcontext():
+            for _ in range(warmup): self._step()
+        if capture: torch.cuda.current_stream().wait_stream(side)
+        self._restore(saved)
+        if not capture: return
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph): self.logits = self._step()  # recorded, not run
+        self._restore(saved)  # the host-side lengths moved once while recording
+
+    def _batch(self) -> int:
+        s = self.state[0]
+        return (s.c_kv if isinstance(s, MLACache) else s.recurrent).shape[0]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.state for t in ((s.c_kv, s.k_rope, s.pos) if isinstance(s, MLACache) else s)]
+
+    def _save(self): return [t.clone() for t in self._tensors()], [c.length for c in self.caches]
+
+    def _restore(self, saved):
+        for t, v in zip(self._tensors(), saved[0]): t.copy_(v)
+        for c, n in zip(self.caches, saved[1]): c.length = n
+
+    def _step(self) -> torch.Tensor:
+        "One `decode` call on the input buffer, writing the new GDN states back where the old ones were."
+        new = list(self.state)
+        logits = self.model.decode(self.token, new)  # rebinds the GDN entries of `new`; appends to the MLA caches
+        for old, s in zip(self.state, new):
+            if isinstance(old, GDNState):
+                old.recurrent.copy_(s.recurrent); old.conv.copy_(s.conv)
+        return logits
+
+    def __call__(self, tokens: torch.Tensor,  # [B, 1] the new token of each sequence
+                 state: list,  # The state this step was built on
+                ) -> torch.Tensor:  # [B, 1, V] logits
+        if state is not self.state: raise ValueError("a DecodeGraph steps the state it was built on; build one for this state")
+        if tokens.shape != self.token.shape: raise ValueError(f"one token per sequence: [{self._batch()}, 1], got {tuple(tokens.shape)}")
+        for c in self.caches:
+            if c.length + 1 > c.c_kv.shape[1]:
+                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + 1} were asked for: "
+                                 "allocate it with a larger max_len")
+        self.token.copy_(tokens)
+        if self.graph is None: return self._step()
+        self.graph.replay()
+        for c in self.caches: c.length += 1
+        return self.logits.clone()  # the graph's buffer is overwritten by the next replay
 
 # %% ../../nbs/41_model.ipynb #3c8ab58d
 def _routed_expert_params(moe: DeepSeekMoE) -> int:

@@ -19,7 +19,8 @@ from ..config import ModelConfig
 from .layers import SwiGLU
 
 # %% auto #0
-__all__ = ['HAS_GROUPED_MM', 'experts_loop', 'experts_grouped', 'sort_assignments', 'GatherRows', 'SwiGLUExpert', 'DeepSeekMoE']
+__all__ = ['HAS_GROUPED_MM', 'experts_loop', 'experts_grouped', 'experts_gathered', 'sort_assignments', 'GatherRows',
+           'SwiGLUExpert', 'DeepSeekMoE']
 
 # %% ../../nbs/30_moe.ipynb #587a5909
 def experts_loop(xs: torch.Tensor, # [M, d] assignments sorted by expert
@@ -49,6 +50,18 @@ def experts_grouped(xs: torch.Tensor, # [M, d] assignments sorted by expert
 
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+# %% ../../nbs/30_moe.ipynb #9bf1b331
+def experts_gathered(x: torch.Tensor, # [N, d] tokens, unsorted
+                     idx: torch.Tensor, # [N, k] each token's experts
+                     w1: torch.Tensor, # [E, h, d] gate projections
+                     w2: torch.Tensor, # [E, d, h] down projections
+                     w3: torch.Tensor, # [E, h, d] up projections
+                    ) -> torch.Tensor: # [N, k, d] assignment (n, j) through expert idx[n, j]
+    "Each token through its own k experts, their weights gathered: no sort, no host sync. For a few tokens (decoding)."
+    g = torch.einsum("nd,nkhd->nkh", x, w1[idx])  # (N, k, h)
+    u = torch.einsum("nd,nkhd->nkh", x, w3[idx])  # (N, k, h)
+    return torch.einsum("nkh,nkdh->nkd", F.silu(g) * u, w2[idx])  # (N, k, d)
 
 # %% ../../nbs/30_moe.ipynb #447b8c89
 def sort_assignments(idx: torch.Tensor, # [N, k] chosen experts
@@ -154,22 +167,31 @@ class DeepSeekMoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
-        cap = self.capacity(B * T) if self.training else None  # inference is dropless, hence causal
+        if self.impl == "auto" and not self.training and B * T * self.top_k <= self.n_routed:  # decoding: no sort, no sync
+            ys, w = experts_gathered(xf, idx, self.w1, self.w2, self.w3), weight  # (N, k, d), (N, k)
+        else:
+            ys, w = self._dispatch(xf, idx, weight, score)
+        y = (ys.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d)
+        if self.shared is not None: y = y + self.shared(xf)
+        return y.view(B, T, d)
+
+    def _dispatch(self, xf: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor, score: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor]: # ys [N, k, d] in token order, weights [N, k] (0 where dropped)
+        "Sort the assignments by expert, apply the capacity (training), run the experts' segments, and unsort."
+        N, d = xf.shape
+        cap = self.capacity(N) if self.training else None  # inference is dropless, hence causal
         order, counts, keep = sort_assignments(idx, score, self.n_routed, cap)
         if self.training:  # balancing statistics (eval batches must not steer the bias)
             self.expert_counts += counts
             self.dropped_tokens += (~keep).sum()
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        cdt = torch.get_autocast_dtype("cuda") if x.is_cuda and torch.is_autocast_enabled("cuda") else x.dtype
-        mode = self.impl if self.impl != "auto" else ("grouped" if HAS_GROUPED_MM and x.is_cuda and cdt == torch.bfloat16 else "loop")
+        cdt = torch.get_autocast_dtype("cuda") if xf.is_cuda and torch.is_autocast_enabled("cuda") else xf.dtype
+        mode = self.impl if self.impl != "auto" else ("grouped" if HAS_GROUPED_MM and xf.is_cuda and cdt == torch.bfloat16 else "loop")
         run = experts_grouped if mode == "grouped" else experts_loop
         xs = GatherRows.apply(xf.to(cdt) if mode == "grouped" else xf, order, inv, self.top_k)  # (M, d) sorted by expert
         ys = run(xs, counts, self.w1, self.w2, self.w3)  # (M, d)
-        ys = GatherRows.apply(ys, inv, order).view(B * T, self.top_k, d)  # (N, k, d) back in token order
-        w = torch.where(keep, weight, 0.0)  # dropped assignments contribute nothing
-        y = (ys.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d)
-        if self.shared is not None: y = y + self.shared(xf)
-        return y.view(B, T, d)
+        ys = GatherRows.apply(ys, inv, order).view(N, self.top_k, d)  # (N, k, d) back in token order
+        return ys, torch.where(keep, weight, 0.0)  # dropped assignments contribute nothing
 
     @torch.no_grad()
     def update_gate_bias(self) -> dict:
