@@ -320,33 +320,50 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
-def _read_preset(name_or_path) -> tuple[str, dict]:
+def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
     p = Path(name_or_path)
     if p.suffix not in (".yaml", ".yml"): p = PRESET_DIR / f"{name_or_path}.yaml"
+    elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
     try: raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); for one that is, see "
                           f"{PRESET_DIR / 'hymo_tiny.yaml'} or a run folder's config.yaml") from None
-    if not isinstance(raw, dict) or set(raw) - {"model", "train", "name"}:
+    if not isinstance(raw, dict) or set(raw) - {"model", "train", "name", "base"}:
         raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
-                          f"has); found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}")
+                          f"has, and a 'base:' preset it changes); "
+                          f"found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}")
+    if raw.get("base") is not None and not isinstance(raw["base"], str):
+        raise ConfigError(f"{p}: 'base:' names one preset ({', '.join(presets())}) or a .yaml file; found {raw['base']!r}")
     for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):
         if raw.get(sec) is not None and not isinstance(raw[sec], dict):  # `train: 5` or `model: [1, 2]`
             raise ConfigError(f"{p}: the '{sec}:' section must be a mapping of key: value lines indented under it "
                               f"(like '  {example}'); found {type(raw[sec]).__name__} {raw[sec]!r}")
-    return str(raw.get("name") or p.stem), raw
+    return str(raw.get("name") or p.stem), raw, p
+
+
+def _read_with_bases(name_or_path) -> tuple[str, list[dict]]:
+    "The config's name and its raw YAML, then its base's, and so on, the file itself first."
+    name, raw, p = _read_preset(name_or_path)
+    chain, seen = [raw], [p.resolve()]
+    while raw.get("base") is not None:
+        _, raw, p = _read_preset(raw["base"], relative_to=p.parent)
+        if p.resolve() in seen:
+            raise ConfigError(f"the config files name each other as 'base:' in a circle: {' -> '.join(map(str, seen + [p]))}")
+        chain.append(raw); seen.append(p.resolve())
+    return name, chain
 
 # %% ../nbs/00_config.ipynb #f9df37c0
 def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()`) or a path to a YAML file
                 **overrides, # `field=value` (or `{'model.field': value}` via `**`): applied after the preset
                ) -> Config:
     "Read a preset or YAML file, apply `overrides`, validate, and return the `Config`."
-    name, raw = _read_preset(name_or_path)
+    name, chain = _read_with_bases(name_or_path)
     values = {"model": {}, "train": {}}
-    for sec in ("model", "train"):
-        for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+    for raw in reversed(chain):  # the deepest base first
+        for sec in ("model", "train"):
+            for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
     for k, v in overrides.items():
         sec, f = _section_of(k)
         values[sec][f] = v

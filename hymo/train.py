@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hymo.train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train HyMo. With no arguments: hymo_tiny on the bundled Shakespeare corpus, on CPU in minutes.",
         epilog=f"presets: {', '.join(presets())}\n" + _options_help())
-    p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny)")
+    p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny); a file "
+                   "changes the design defaults (hymo_750m's), or the preset it names as 'base:'")
     start = p.add_mutually_exclusive_group()  # --resume X --no-resume would silently drop X
     start.add_argument("--resume", default=None, metavar="CHECKPOINT",
                        help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
@@ -67,12 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 # %% ../nbs/71_train.ipynb #c3645403
-def _resume_from(trainer, cfg) -> str:
-    "Where the same command would resume, for the one-line endings of `main`."
+def _resume_from(trainer, cfg, args) -> str:
+    "The command that resumes from the newest checkpoint, for the one-line endings of `main`."
     from hymo.training.trainer import list_checkpoints
     run_dir = trainer.run_dir if trainer is not None else cfg.train.run_dir  # None: a new, timestamped folder
     last = list_checkpoints(Path(run_dir).expanduser()) if run_dir else []
-    return f"the same command resumes from {last[-1]}" if last else "no checkpoint was written"
+    if not last: return "no checkpoint was written"
+    change = [f"without {o}" for o, given in (("--resume", args.resume), ("--no-resume", args.no_resume)) if given]
+    if not cfg.train.run_dir: change.append(f"with run_dir={run_dir}")  # run again as it was, it would start a new folder
+    return f"the same command{' ' + ' and '.join(change) if change else ''} resumes from {last[-1]}"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,15 +107,15 @@ def main(argv: list[str] | None = None) -> dict:
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
     except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
-        parser.exit(130, "interrupted " + (f"at step {trainer.step}; {_resume_from(trainer, cfg)}\n" if trainer is not None
+        parser.exit(130, "interrupted " + (f"at step {trainer.step}; {_resume_from(trainer, cfg, args)}\n" if trainer is not None
                                             else "before training began\n"))
     except OSError as e:  # the trainer unwraps DCP's CheckpointException around the disk errors it reports
         if e.errno not in DISK_ERRORS: raise
         parser.exit(1, f"error: {e.filename or 'the run folder'}: {e.strerror}. Free space or fix the permissions "
-                       f"(or give another run_dir=...); {_resume_from(trainer, cfg)}\n")
+                       f"(or give another run_dir=...); {_resume_from(trainer, cfg, args)}\n")
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
-    else: trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg)}")
+    else: trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import torch.distributed as dist
         dist.barrier()

@@ -320,6 +320,11 @@ def validate_training(t: TrainingConfig):
 # `load_config` reads a preset by name (a file in `hymo/configs/`) or by path, then applies
 # overrides. An override key is a field name, optionally prefixed by its section: `dim=64` and
 # `model.dim=64` are the same, because no field name appears in both dataclasses.
+#
+# A YAML file of your own overrides the dataclass defaults, which are the 750M design. To change a
+# few values of another preset instead, name it as the file's `base:` (a preset, or another YAML
+# file, relative to this one): `base: hymo_tiny` and a `model:` section with `dim: 96` is hymo_tiny
+# with a wider model. The base's values come first, the file's over them, the command line's last.
 
 # %%
 #| export
@@ -384,23 +389,39 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
-def _read_preset(name_or_path) -> tuple[str, dict]:
+def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
     p = Path(name_or_path)
     if p.suffix not in (".yaml", ".yml"): p = PRESET_DIR / f"{name_or_path}.yaml"
+    elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
     try: raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); for one that is, see "
                           f"{PRESET_DIR / 'hymo_tiny.yaml'} or a run folder's config.yaml") from None
-    if not isinstance(raw, dict) or set(raw) - {"model", "train", "name"}:
+    if not isinstance(raw, dict) or set(raw) - {"model", "train", "name", "base"}:
         raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
-                          f"has); found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}")
+                          f"has, and a 'base:' preset it changes); "
+                          f"found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}")
+    if raw.get("base") is not None and not isinstance(raw["base"], str):
+        raise ConfigError(f"{p}: 'base:' names one preset ({', '.join(presets())}) or a .yaml file; found {raw['base']!r}")
     for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):
         if raw.get(sec) is not None and not isinstance(raw[sec], dict):  # `train: 5` or `model: [1, 2]`
             raise ConfigError(f"{p}: the '{sec}:' section must be a mapping of key: value lines indented under it "
                               f"(like '  {example}'); found {type(raw[sec]).__name__} {raw[sec]!r}")
-    return str(raw.get("name") or p.stem), raw
+    return str(raw.get("name") or p.stem), raw, p
+
+
+def _read_with_bases(name_or_path) -> tuple[str, list[dict]]:
+    "The config's name and its raw YAML, then its base's, and so on, the file itself first."
+    name, raw, p = _read_preset(name_or_path)
+    chain, seen = [raw], [p.resolve()]
+    while raw.get("base") is not None:
+        _, raw, p = _read_preset(raw["base"], relative_to=p.parent)
+        if p.resolve() in seen:
+            raise ConfigError(f"the config files name each other as 'base:' in a circle: {' -> '.join(map(str, seen + [p]))}")
+        chain.append(raw); seen.append(p.resolve())
+    return name, chain
 
 
 # %%
@@ -409,10 +430,11 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
                 **overrides, # `field=value` (or `{'model.field': value}` via `**`): applied after the preset
                ) -> Config:
     "Read a preset or YAML file, apply `overrides`, validate, and return the `Config`."
-    name, raw = _read_preset(name_or_path)
+    name, chain = _read_with_bases(name_or_path)
     values = {"model": {}, "train": {}}
-    for sec in ("model", "train"):
-        for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+    for raw in reversed(chain):  # the deepest base first
+        for sec in ("model", "train"):
+            for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
     for k, v in overrides.items():
         sec, f = _section_of(k)
         values[sec][f] = v
@@ -442,6 +464,23 @@ saved.write_text(str(cfg))
 test_eq(load_config(saved), cfg)  # the printed YAML loads back to the same config, name included
 broken = saved.with_name("broken.yaml"); broken.write_text("model: {dim: [\n")
 test_fail(lambda: load_config(broken), contains="is not valid YAML")
+
+# %% [markdown]
+# A file with a `base:` changes that preset (here hymo_tiny); one without changes the design
+# defaults; a circle of bases is refused:
+
+# %%
+wider = saved.with_name("wider.yaml"); wider.write_text("base: hymo_tiny\nmodel:\n  dim: 96\ntrain:\n  max_steps: 70\n")
+test_eq(load_config(wider), dataclasses.replace(load_config("hymo_tiny", dim=96, max_steps=70), name="wider"))
+test_eq(load_config(wider, max_steps=500).train.max_steps, 500)  # the command line over the file
+on_wider = saved.with_name("on_wider.yaml"); on_wider.write_text("base: wider.yaml\ntrain:\n  seed: 3\n")
+test_eq(load_config(on_wider).model.dim, 96)  # a base of a base, found next to the file
+bare = saved.with_name("bare.yaml"); bare.write_text("model:\n  dim: 128\n")
+test_eq((load_config(bare).model.dim, load_config(bare).model.n_layers), (128, 32))  # no base: the design defaults
+wider.write_text("base: on_wider.yaml\n")
+test_fail(lambda: load_config(on_wider), contains="in a circle")
+wider.write_text("base: [hymo_tiny]\n")
+test_fail(lambda: load_config(wider), contains="'base:' names one preset")
 
 # %%
 test_eq((cfg.model.dim, cfg.model.n_layers, cfg.model.vocab_size), (896, 32, 64256))

@@ -324,7 +324,7 @@ class HyMo(nn.Module):
             if vocab is not None: logits[:, vocab:] = float("-inf")  # rows no token decodes to (never targets, but not -inf)
             if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
+                logits = (logits - logits.max(-1, keepdim=True).values) / temperature  # <= 0: a tiny τ cannot overflow
                 if top_k is not None:
                     kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -452,7 +452,8 @@ with torch.no_grad():
 # block (the GDN recurrence and convolution only look back, MLA is masked) and so for the stack.
 # One caveat belongs to the MoE: with a *capacity factor*, whether a token is dropped by its expert
 # depends on how many other tokens of the batch, later ones included, chose that expert. Dropping
-# is thus not causal, which is one reason DeepSeek-V3 trains dropless. HyMo applies the capacity
+# is thus not causal (DeepSeek-V3 trains dropless, though the reason its paper gives is its good
+# load balance; the leak is our argument for keeping drops out of inference). HyMo applies the capacity
 # only in training mode: evaluation and generation route dropless, so inference is causal. The
 # check below uses a dropless configuration so that it also holds in training mode.
 
@@ -1017,8 +1018,9 @@ assert t_mem > 50 * t_flop
 # though its weights are the (free to look up) embedding; each MTP head runs that vocabulary
 # projection again, about 0.35 GFLOPs per training token per head at $|V| = 64256$; and MLA's
 # scores and values grow with the window, $3 H (d_{qk} + d_v) T$ per token per MLA block
-# (causal). The chunked GDN rule adds a term linear in the chunk size but not in $T$. At $T = 4096$
-# the total is about 4.4 GFLOPs per token, training = 3 × forward with a multiply-add = 2 FLOPs.
+# (causal). The chunked GDN rule adds a term that grows with the chunk size $C$ (it has a $C^2$
+# part) but not with $T$. At $T = 4096$ the total is about 4.4 GFLOPs per token, training =
+# 3 × forward with a multiply-add = 2 FLOPs.
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -1035,8 +1037,9 @@ assert t_mem > 50 * t_flop
 # An expert accepts at most (capacity factor × mean load) tokens of the batch; which tokens are
 # dropped depends on how many *other* tokens chose that expert, including tokens later in the same
 # sequence. So a future token can change whether an earlier token gets its expert's output, a leak
-# that does not exist at inference. Dropless routing (DeepSeek-V3) avoids it; HyMo keeps the 1.5
-# factor, counts drops, and tests causality with dropless routing.
+# that does not exist at inference. Dropless routing avoids it (DeepSeek-V3 trains dropless, for its
+# load balance, its paper says); HyMo keeps the 1.5 factor in training only, counts drops, and
+# tests causality with dropless routing.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -113,7 +113,7 @@ def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are 
                   eps: float = 1e-7, # Guards the Frobenius normalisation of an all-zero G
                   dtype: torch.dtype | None = None, # Compute dtype; None: `ns_dtype(G)` (bf16 on GPU, fp32 on CPU)
                  ) -> torch.Tensor:
-    "Approximate polar factor U Vᵀ of each matrix of G [..., m, n]; singular values land in about [0.68, 1.14]."
+    "Approximate polar factor U Vᵀ of each matrix of G [..., m, n]; singular values land in about [0.68, 1.13]."
     if G.ndim < 2: raise ValueError(f"newton_schulz needs a matrix [..., m, n]; got shape {tuple(G.shape)}")
     a, b, c = NS_COEFFS
     X = G.to(dtype or ns_dtype(G))
@@ -233,7 +233,7 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 # wide matrix ($m \le n$) the exact polar factor has orthonormal rows, so every output neuron gets
 # the same step; for a tall matrix ($m > n$: `w1`, `w3`, the expert up-projections) only the columns
 # are orthonormal, the $n$ units of squared norm are shared unevenly among the $m$ rows, and some
-# neurons get much larger updates than others. Newton–Schulz's band of $[0.68, 1.14]$ adds more
+# neurons get much larger updates than others. Newton–Schulz's band of $[0.68, 1.13]$ adds more
 # unevenness on top.
 #
 # NorMuon (Li et al., 2025) adds Adam's per-coordinate idea at the granularity of a neuron: keep a
@@ -389,9 +389,11 @@ for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
 # A compiled call costs the host about 70 µs (dynamo checks its guards, then the wrapper launches
 # the kernel), which is more than that kernel takes for a matrix of a million weights. So NorMuon
 # compiles the update only where a parameter has `FUSED_MIN_NUMEL` ($2^{22}$) entries or more on
-# this GPU (this rank's rows, under FSDP): in HyMo's 750M model the 24 stacks of routed experts,
-# 33 M weights each and two thirds of all of NorMuon's. The 308 smaller matrices keep the list-wide
-# launches, a few per group of same-shaped matrices. On one H200 (`benchmarks/optim_step.py`,
+# this GPU (this rank's rows, under FSDP): in HyMo's 750M model on one GPU, the 24 stacks of routed
+# experts, 33 M weights each and two thirds of all of NorMuon's. The 308 smaller matrices keep the
+# list-wide launches, a few per group of same-shaped matrices. Under FSDP on 8 GPUs a rank holds 2
+# of a stack's 16 experts, 4.1 M entries, just under $2^{22}$ = 4.19 M, so there every matrix takes
+# the list-wide launches: 70 µs of host time per call would not pay for kernels of that size. On one H200 (`benchmarks/optim_step.py`,
 # round 18 on the results page) this took NorMuon from 100–101 ms to 85–86 ms per step, with the
 # same fp32 weights bit for bit; compiling every parameter instead was slower than the experts
 # alone (93 against 85–86 ms): the GPU then waited on the host through the groups of small matrices.
@@ -1112,9 +1114,10 @@ test_close(opt.param_groups[0]["lr"], 0.5 * wsd_schedule(255, tcfg))
 # Newton–Schulz, $5\,(4k^2 l + 2k^3)$ FLOPs with $k = \min(m,n)$, $l = \max(m,n)$, redundantly on
 # every rank. It also holds each shape group whole while it works on it, as a single GPU does: for
 # `hymo_750m` the largest group is the 16 expert matrices `[16, 2304, 896]` (w1 and w3 of 8
-# layers), 528 M entries, about 1 GB in bf16 plus 2 GB for the fp32 result, briefly, after the
-# step's activations are freed. That does not shrink with more ranks; a much larger model would
-# split its groups into smaller stacks.
+# layers), 528 M entries: about 1 GB in bf16 gathered, and Newton–Schulz's iterates of that size,
+# briefly, after the step's activations are freed. The fp32 update $O \cdot f$ is formed only for
+# this rank's rows ($2/R$ GB). The gathered part does not shrink with more ranks; a much larger
+# model would split its groups into smaller stacks.
 
 # %%
 ns_flops = lambda m, n, steps=5: steps * (4 * min(m, n) ** 2 * max(m, n) + 2 * min(m, n) ** 3)
@@ -1199,7 +1202,7 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 # direction the gradient touches the same step: it is steepest descent under the spectral norm.
 # An SVD is slow and fp32-only on GPUs; five iterations of an odd quintic polynomial,
 # $X \leftarrow aX + b(XX^\top)X + c(XX^\top)^2X$, need only matrix products, run in bf16 on tensor
-# cores, and bring every singular value above about 1 % of the Frobenius norm into $[0.68, 1.14]$,
+# cores, and bring every singular value above about 1 % of the Frobenius norm into $[0.68, 1.13]$,
 # which is exact enough for an optimiser.
 # :::
 #

@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # prepare writes into a temporary folder and installs it whole at the end
+        print("interrupted" + (f"; {args.out} never holds part of a dataset (one is installed whole, at the end): "
+                               "the same command prepares it again" if args.command == "prepare" else ""), file=sys.stderr)
+        return 130
     except OSError as e:
         msg = _out_error(e, Path(args.out)) if args.command == "prepare" else None
         if msg is None: raise  # not --out's: a traceback, it may be a bug

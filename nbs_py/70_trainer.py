@@ -342,10 +342,16 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
 # operating system drops it when the process ends, however it ends, so a crash leaves no stale
 # lock). A second process is refused with the first one's pid and host; another `Trainer` in the
 # same process (a notebook re-running a cell) shares the lock.
+#
+# A run also refuses a folder that holds files but nothing of a run (`run_dir=.` in a project, or
+# a folder with a `config.yaml` of your own): it would write its `config.yaml`, `summary.json` and
+# `loss.png` over files of those names. A folder with a `.lock`, `metrics.jsonl` or `checkpoints`
+# is a run's, even one that crashed before its first checkpoint.
 
 # %%
 #| export
 _HELD_LOCKS: dict[Path, object] = {}  # run folder -> its open .lock file, for the life of this process
+RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints")  # one of these in a folder that holds files: a run's folder
 
 
 def lock_run_dir(run_dir: Path) -> str | None:
@@ -420,6 +426,7 @@ class Trainer:
         self.branched_from = None  # another folder's checkpoint this run began from (`--resume`), kept in every meta.json
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
+        self._refuse_a_foreign_folder()
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
         self._resume(resume)
         try: self._together(lambda: self.d.is_main and self.run_dir.mkdir(parents=True, exist_ok=True), self.run_dir)
@@ -427,6 +434,15 @@ class Trainer:
             raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
         self._lock_run_dir()  # a new folder: now that it exists
         self._remove_partial_checkpoints()
+
+    def _refuse_a_foreign_folder(self):
+        "Refuse a `run_dir` that holds files but nothing of a run: the run's own files would overwrite those of the same names."
+        d = self.run_dir
+        ours = not self.d.is_main or not d.is_dir() or not any(d.iterdir()) or any((d / n).exists() for n in RUN_MARKS)
+        if not self._agree(ours):
+            raise ConfigError(f"run_dir={d} holds files but is not a HyMo run folder (it has none of {', '.join(RUN_MARKS)}): "
+                              "a run writes config.yaml, metrics.jsonl, loss.png, summary.json and model.safetensors into "
+                              "its folder, over any files of those names; give a new or empty run_dir=...")
 
     def _lock_run_dir(self):
         "Rank 0 locks the run folder if it exists (see `lock_run_dir`); every rank raises if another process holds it."
@@ -849,9 +865,10 @@ def train_step(self: Trainer) -> dict:
                "tokens": n_tokens * self.d.world_size, "skipped": not finite, "bad_steps": self.bad_steps, **moe}
     if not finite and self.consecutive_bad > self.cfg.max_bad_steps:
         last = list_checkpoints(self.run_dir)
+        fix = "lower the learning rate or check the data"
         raise NonFiniteError(f"{self.consecutive_bad} consecutive steps had a non-finite loss or gradient (step {self.step}); "
-                             f"stopping. The last good checkpoint is {last[-1] if last else 'none (no checkpoint was saved yet)'}; "
-                             f"lower the learning rate or check the data, then resume from it.")
+                             "stopping. " + (f"The last good checkpoint is {last[-1]}; {fix}, then resume from it." if last else
+                                             f"No checkpoint was saved yet; {fix}, then start afresh."))
     return metrics
 
 Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulation, forward_backward, train_step
@@ -1010,7 +1027,8 @@ Trainer.save, Trainer.load = save, load
 # `fit` runs until `max_steps` (or `num_steps` more steps, which is how a test stops a run
 # half-way). It logs a JSON line per step to `metrics.jsonl` (a skipped step's NaN loss as `null`:
 # JSON has no NaN, and tools such as `jq` refuse it), shows a progress bar, evaluates
-# every `eval_every` steps, checkpoints every `ckpt_every` steps and at the end, then writes the
+# every `eval_every` steps and at `max_steps` (so the final validation loss is in `metrics.jsonl`
+# and the loss curve too, not only in `summary.json`), checkpoints every `ckpt_every` steps and at the end, then writes the
 # loss curve, a generated sample and `model.safetensors`. Every `log_every` steps, on the first
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
 # (`metric_line`), which stays in the scroll-back and in a job's log file, where a progress bar
@@ -1022,7 +1040,9 @@ Trainer.save, Trainer.load = save, load
 # the checkpoint is collective), a checkpoint of that step is written, and `fit` returns with
 # `stopped_by` set; `python -m hymo.train` then says where the checkpoint is and exits with
 # 128 + the signal's number, as a killed process would. Nothing since the last checkpoint is lost,
-# and running the same command resumes. A second Ctrl-C stops at once, without a checkpoint.
+# and the line printed last is the command that resumes: the same one, naming `run_dir` if the run
+# made a new timestamped folder, and leaving out `--resume` or `--no-resume` (which would go back to
+# an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint.
 
 # %%
 #| export
@@ -1105,8 +1125,8 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         dt = time.perf_counter() - t0
         m["tokens_per_s"] = m["tokens"] / dt
         m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / (peak * self.d.world_size)) if peak else None
-        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.val_loader is not None:
-            m["val_loss"] = self.evaluate()
+        due = (self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.max_steps
+        if due and self.val_loader is not None: m["val_loss"] = self.evaluate()  # the last step's is the final one too
         self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
         out.append(m)
 
@@ -1168,7 +1188,9 @@ def finish(self: Trainer) -> dict:
     "Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     if self.saved_step != self.step: self.save()  # resumed at the end (the export failed, say): that checkpoint stays
-    summary = {"step": self.step, "val_loss": self.evaluate(), "bad_steps": self.bad_steps}
+    last = self.history[-1] if self.history else {}
+    val = last["val_loss"] if last.get("step") == self.step and "val_loss" in last else self.evaluate()  # fit's, at the last step
+    summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample()
 

@@ -90,6 +90,17 @@ def test_interrupted_prepare_leaves_nothing(text, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_ctrl_c_in_the_prepare_command_is_one_line(text, tmp_path, monkeypatch, capsys):
+    "`python -m hymo.data prepare` cut short by Ctrl-C: exit status 130, one line on stderr, no traceback, no output folder."
+    from hymo.data import main
+    monkeypatch.setattr(D, "_write_dataset", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    out = tmp_path / "ds"
+    assert main(["prepare", "--input", str(text), "--out", str(out), "--vocab-size", str(VOCAB), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted; ") and err.count("\n") == 1 and "the same command prepares it again" in err, err
+    assert not out.exists()
+
+
 def test_overwrite_replaces_dataset(text, tmp_path):
     out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
     prepare(text, out, vocab_size=VOCAB + 20, overwrite=True, progress=False)

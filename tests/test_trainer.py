@@ -98,6 +98,17 @@ def test_prints_a_metric_line_every_log_every_steps(tmp_path, capsys):
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
     assert [l.split(" | ")[0] for l in lines] == ["step 1/7", "step 3/7", "step 4/7", "step 6/7", "step 7/7"]  # first, every 3rd, eval, last
     assert "val " in lines[2] and "val " not in lines[1] and "total loss" in lines[0] and "mtp_1" in lines[0]
+    assert "val " in lines[-1]  # the last step validates: the final validation loss, also in summary.json
+
+
+def test_the_final_validation_loss_is_in_the_metrics_without_eval_every(tmp_path):
+    "eval_every=0: no validation during the run, one at the end, written with the last step (metrics.jsonl, loss curve)."
+    t = make(tmp_path / "run", max_steps=3, warmup_steps=1, eval_every=0)
+    metrics = t.fit()
+    assert [("val_loss" in m) for m in metrics] == [False, False, True]
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert last["step"] == 3 and last["val_loss"] == summary["val_loss"] == t.history[-1]["val_loss"]
 
 
 def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):
@@ -319,10 +330,31 @@ def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resume
     assert proc.returncode == 128 + getattr(signal, sig), err[-3000:]
     assert "Traceback" not in err and f"stopped by {sig}" in out, (out[-2000:], err[-2000:])
     step = read_jsonl(metrics)[-1]["step"]
+    assert f"the same command resumes from run/checkpoints/step_{step:06d}" in out, out[-2000:]
     assert [c.name for c in (tmp_path / "run" / "checkpoints").iterdir()] == [f"step_{step:06d}"]
     r = run_cli(*[a if not a.startswith("max_steps") else f"max_steps={step + 2}" for a in args], cwd=tmp_path)
     assert r.returncode == 0 and f"resumed from" in r.stdout and f"at step {step}" in r.stdout, r.stderr[-2000:]
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, step + 3))
+
+
+def test_the_ending_line_names_the_command_that_resumes(tmp_path):
+    """After a stop, the line says how to resume: a timestamped folder must be named (the same command would start a new
+    one), and --resume OLD (or --no-resume) must be left out (it would go back to OLD, or refuse the folder)."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+    from hymo.train import _resume_from
+    run = tmp_path / "runs" / "hymo_tiny-20261204-201512"
+    ck = run / "checkpoints" / "step_000009"
+    def line(run_dir_given, resume=None, no_resume=False):
+        cfg = load_config("hymo_tiny", **({"run_dir": str(run)} if run_dir_given else {}))
+        return _resume_from(SimpleNamespace(run_dir=run), cfg, Namespace(resume=resume, no_resume=no_resume))
+    assert line(True) == line(False) == "no checkpoint was written"
+    ck.mkdir(parents=True); (ck / "meta.json").write_text("{}")
+    assert line(True) == f"the same command resumes from {ck}"
+    assert line(False) == f"the same command with run_dir={run} resumes from {ck}"
+    assert line(True, resume=str(run / "checkpoints" / "step_000004")) == f"the same command without --resume resumes from {ck}"
+    assert line(True, no_resume=True) == f"the same command without --no-resume resumes from {ck}"
+    assert line(False, resume="other") == f"the same command without --resume and with run_dir={run} resumes from {ck}"
 
 
 def _cli_args(run, **over):
@@ -784,3 +816,15 @@ def test_overrides_may_come_after_the_options(tmp_path, capsys):
     with pytest.raises(SystemExit) as e: main(["max_steps=100", "--no-resume", "seq_len=2", f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "use seq_len > mtp_depth" in err and "unknown option" not in err, err
+
+
+def test_a_folder_of_other_files_is_refused_not_overwritten(tmp_path):
+    "run_dir that holds files but nothing of a run (a config.yaml of the user's): refused before anything is written."
+    from hymo.config import ConfigError
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("my important config")
+    with pytest.raises(ConfigError, match="not a HyMo run folder"): make(folder, max_steps=4)
+    assert [p.name for p in folder.iterdir()] == ["config.yaml"] and (folder / "config.yaml").read_text() == "my important config"
+    (folder / "metrics.jsonl").write_text("")  # a run that crashed before its first checkpoint: its folder, accepted
+    assert make(folder, max_steps=4).step == 0

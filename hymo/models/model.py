@@ -202,7 +202,7 @@ class HyMo(nn.Module):
             if vocab is not None: logits[:, vocab:] = float("-inf")  # rows no token decodes to (never targets, but not -inf)
             if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = logits / temperature
+                logits = (logits - logits.max(-1, keepdim=True).values) / temperature  # <= 0: a tiny τ cannot overflow
                 if top_k is not None:
                     kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -35,12 +35,12 @@ from .data import DataError, TokenLoader, check_compatible, load_manifest, load_
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'Dist', 'setup_distributed', 'parallelize', 'resolve_precision',
-           'peak_flops', 'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'wrapped', 'reraise_interrupt',
-           'resume_changes', 'trim_metrics', 'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer',
-           'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
-           'train_step', 'evaluate', 'save', 'load', 'metric_line', 'StopSignals', 'fit', 'request_stop', 'json_line',
-           'finish', 'write_safetensors', 'sample', 'plot_losses']
+__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'Dist', 'setup_distributed', 'parallelize',
+           'resolve_precision', 'peak_flops', 'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'wrapped',
+           'reraise_interrupt', 'resume_changes', 'trim_metrics', 'split_micro_batches', 'lock_run_dir',
+           'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation',
+           'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'metric_line', 'StopSignals', 'fit',
+           'request_stop', 'json_line', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -241,6 +241,7 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
 
 # %% ../../nbs/70_trainer.ipynb #68855c69
 _HELD_LOCKS: dict[Path, object] = {}  # run folder -> its open .lock file, for the life of this process
+RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints")  # one of these in a folder that holds files: a run's folder
 
 
 def lock_run_dir(run_dir: Path) -> str | None:
@@ -310,6 +311,7 @@ class Trainer:
         self.branched_from = None  # another folder's checkpoint this run began from (`--resume`), kept in every meta.json
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
+        self._refuse_a_foreign_folder()
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
         self._resume(resume)
         try: self._together(lambda: self.d.is_main and self.run_dir.mkdir(parents=True, exist_ok=True), self.run_dir)
@@ -317,6 +319,15 @@ class Trainer:
             raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
         self._lock_run_dir()  # a new folder: now that it exists
         self._remove_partial_checkpoints()
+
+    def _refuse_a_foreign_folder(self):
+        "Refuse a `run_dir` that holds files but nothing of a run: the run's own files would overwrite those of the same names."
+        d = self.run_dir
+        ours = not self.d.is_main or not d.is_dir() or not any(d.iterdir()) or any((d / n).exists() for n in RUN_MARKS)
+        if not self._agree(ours):
+            raise ConfigError(f"run_dir={d} holds files but is not a HyMo run folder (it has none of {', '.join(RUN_MARKS)}): "
+                              "a run writes config.yaml, metrics.jsonl, loss.png, summary.json and model.safetensors into "
+                              "its folder, over any files of those names; give a new or empty run_dir=...")
 
     def _lock_run_dir(self):
         "Rank 0 locks the run folder if it exists (see `lock_run_dir`); every rank raises if another process holds it."
@@ -617,9 +628,10 @@ def train_step(self: Trainer) -> dict:
                "tokens": n_tokens * self.d.world_size, "skipped": not finite, "bad_steps": self.bad_steps, **moe}
     if not finite and self.consecutive_bad > self.cfg.max_bad_steps:
         last = list_checkpoints(self.run_dir)
+        fix = "lower the learning rate or check the data"
         raise NonFiniteError(f"{self.consecutive_bad} consecutive steps had a non-finite loss or gradient (step {self.step}); "
-                             f"stopping. The last good checkpoint is {last[-1] if last else 'none (no checkpoint was saved yet)'}; "
-                             f"lower the learning rate or check the data, then resume from it.")
+                             "stopping. " + (f"The last good checkpoint is {last[-1]}; {fix}, then resume from it." if last else
+                                             f"No checkpoint was saved yet; {fix}, then start afresh."))
     return metrics
 
 Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulation, forward_backward, train_step
@@ -825,8 +837,8 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         dt = time.perf_counter() - t0
         m["tokens_per_s"] = m["tokens"] / dt
         m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / (peak * self.d.world_size)) if peak else None
-        if self.cfg.eval_every and self.step % self.cfg.eval_every == 0 and self.val_loader is not None:
-            m["val_loss"] = self.evaluate()
+        due = (self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.max_steps
+        if due and self.val_loader is not None: m["val_loss"] = self.evaluate()  # the last step's is the final one too
         self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
         out.append(m)
 
@@ -877,7 +889,9 @@ def finish(self: Trainer) -> dict:
     "Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     if self.saved_step != self.step: self.save()  # resumed at the end (the export failed, say): that checkpoint stays
-    summary = {"step": self.step, "val_loss": self.evaluate(), "bad_steps": self.bad_steps}
+    last = self.history[-1] if self.history else {}
+    val = last["val_loss"] if last.get("step") == self.step and "val_loss" in last else self.evaluate()  # fit's, at the last step
+    summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample()
 
