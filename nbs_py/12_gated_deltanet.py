@@ -518,7 +518,8 @@ def causal_conv1d(
         xp = F.pad(x, (0, 0, W - 1, 0)) if cache is None else torch.cat([cache.to(x.dtype), x], 1)  # (B, W-1+T, C)
         xf, wf = xp.float(), weight.float()
         y = sum(xf[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype)  # summed in fp32, rounded once
-        return y, (xp[:, T:] if output_final_state else None)            # the new cache: the last W-1 inputs
+        return y, (xp[:, T:].clone() if output_final_state else None)    # the new cache: the last W-1 inputs (a copy,
+                                                                          # not a view that would keep all of xp alive)
     if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
     N, n_tok, dev = len(cu_seqlens) - 1, x.shape[1], x.device
     lens = cu_seqlens.diff()

@@ -185,6 +185,11 @@ def experts_gathered(x: torch.Tensor, # [N, d] tokens, unsorted
     return torch.einsum("nkh,nkdh->nkd", F.silu(g) * u, w2[idx])  # (N, k, d)
 
 
+def _recording(x: torch.Tensor) -> bool:
+    "Whether a CUDA graph is being recorded on `x`'s GPU (never inside torch.compile's tracing, nor on a CPU)."
+    return x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
+
+
 # %%
 idx_ = torch.tensor([[2, 0], [3, 2]])                      # two tokens, k = 2
 x_ = torch.randn(2, d_, generator=g)
@@ -392,7 +397,9 @@ class SwiGLUExpert(SwiGLU):
 # The fast path is chosen in one line of `_dispatch`: `_grouped_mm` on CUDA when the experts compute
 # in bf16 (bf16 input or a bf16 autocast), else the loop. Setting `moe.impl` to `'loop'` or
 # `'grouped'` forces one, for tests. In eval mode, a call with no more assignments than experts (a
-# decoding step) skips the sort and takes `experts_gathered`, unless `impl` forces a path.
+# decoding step) skips the sort and takes `experts_gathered`, unless `impl` forces a path; so does
+# any call while a CUDA graph is being recorded (a batch of decoding sequences), since the loop's
+# host read cannot be recorded.
 
 # %%
 #| export
@@ -459,7 +466,8 @@ class DeepSeekMoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
-        if self.impl == "auto" and not self.training and B * T * self.top_k <= self.n_routed:  # decoding: no sort, no sync
+        if self.impl == "auto" and not self.training and (B * T * self.top_k <= self.n_routed or _recording(x)):  # decoding
+            # (or a CUDA graph being recorded, which cannot hold the loop's host read): no sort, no host sync
             ys, w = experts_gathered(xf, idx, self.w1, self.w2, self.w3), weight  # (N, k, d), (N, k)
         else:
             ys, w = self._dispatch(xf, idx, weight, score)

@@ -324,7 +324,8 @@ class HyMo(nn.Module):
             if vocab is not None: logits[:, vocab:] = float("-inf")  # rows no token decodes to (never targets, but not -inf)
             if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = (logits - logits.max(-1, keepdim=True).values) / temperature  # <= 0: a tiny τ cannot overflow
+                logits = (logits.double() - logits.max(-1, keepdim=True).values) / temperature  # <= 0, in fp64: no tiny τ
+                                                                                               # overflows or rounds to 0
                 if top_k is not None:
                     kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -582,15 +583,19 @@ for cache in (True, False):
 #
 # Capturing does not run the kernels, but the warm-up calls before it do (Triton compiles, cuBLAS
 # chooses its kernels), and they advance the state; `DecodeGraph` saves the state first and puts it
-# back. Without `capture` (or on a CPU) it warms up and restores the same way, then runs the step
-# eagerly, which is how the bookkeeping is checked here. The graph lives inside one `generate` call: under autocast, the bf16 copies of the
-# weights it reads are autocast's cache, which lasts as long as the autocast region does.
+# back, also when capturing fails. Without `capture` (or on a CPU) it warms up and restores the same
+# way, then runs the step eagerly, which is how the bookkeeping is checked here. Under autocast the
+# step runs with autocast's cache of bf16 weight copies turned off, so the casts are recorded in the
+# graph rather than read from copies that live only as long as the caller's autocast region. Once
+# built, the graph is the only thing that may step its state: an eager `decode` in between would
+# replace GDN states the graph never reads, so the next call refuses.
 
 # %%
 #| export
 class DecodeGraph:
     """`decode` of one new token per sequence, captured once as a CUDA graph and replayed per token. Call it as
-    `decode`: `step(tokens [B, 1], state)`, with the `state` it was built on, which it updates in place."""
+    `decode`: `step(tokens [B, 1], state)`, with the `state` it was built on, which it updates in place; once built,
+    only it may step that state."""
     def __init__(self, model: HyMo,  # In eval mode, with the prompt already run through `decode(prompt, state)`
                  state: list,  # That decode state; its GDN states are replaced by copies the graph owns
                  capture: Optional[bool] = None,  # Record a CUDA graph; None: when the model is on a GPU. False runs eagerly
@@ -600,25 +605,39 @@ class DecodeGraph:
         self.model, self.state = model, state
         for i, s in enumerate(state):  # addresses the graph owns (the prompt's state may be views of larger tensors)
             if isinstance(s, GDNState): state[i] = GDNState(s.recurrent.clone(), s.conv.clone())
+        self.entries = list(state)  # an eager `decode` on `state` would replace these: see __call__
         self.caches = [s for s in state if isinstance(s, MLACache)]
+        self._check_room(1)
         self.token = torch.zeros(self._batch(), 1, dtype=torch.long, device=model.embed.weight.device)  # (B, 1) the input
         self.graph = None
         if capture is None: capture = self.token.is_cuda
+        dev = self.token.device.type  # the caller's autocast without its cache of cast weights: the casts are recorded
+        self.autocast = (torch.autocast(dev, torch.get_autocast_dtype(dev), cache_enabled=False)  # too, rather than
+                         if torch.is_autocast_enabled(dev) else contextlib.nullcontext())       # read from that cache
         saved = self._save()
-        side = torch.cuda.Stream() if capture else None  # warm up off the stream that will record, as PyTorch advises
-        if capture: side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if capture else contextlib.nullcontext():
-            for _ in range(warmup): self._step()
-        if capture: torch.cuda.current_stream().wait_stream(side)
-        self._restore(saved)
-        if not capture: return
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph): self.logits = self._step()  # recorded, not run
-        self._restore(saved)  # the host-side lengths moved once while recording
+        try:
+            free = min((c.c_kv.shape[1] - c.length for c in self.caches), default=warmup)
+            side = torch.cuda.Stream() if capture else None  # warm up off the stream that will record, as PyTorch advises
+            if capture: side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if capture else contextlib.nullcontext():
+                for _ in range(min(warmup, free)): self._step()
+            if capture: torch.cuda.current_stream().wait_stream(side)
+            self._restore(saved)
+            if capture:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph): self.logits = self._step()  # recorded, not run
+        finally:
+            self._restore(saved)  # after the warm-up (or a failure), and the host-side lengths that moved while recording
 
     def _batch(self) -> int:
         s = self.state[0]
         return (s.c_kv if isinstance(s, MLACache) else s.recurrent).shape[0]
+
+    def _check_room(self, n: int):
+        for c in self.caches:
+            if c.length + n > c.c_kv.shape[1]:
+                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + n} were asked for: "
+                                 "allocate it with a larger max_len")
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for s in self.state for t in ((s.c_kv, s.k_rope, s.pos) if isinstance(s, MLACache) else s)]
@@ -632,7 +651,7 @@ class DecodeGraph:
     def _step(self) -> torch.Tensor:
         "One `decode` call on the input buffer, writing the new GDN states back where the old ones were."
         new = list(self.state)
-        logits = self.model.decode(self.token, new)  # rebinds the GDN entries of `new`; appends to the MLA caches
+        with self.autocast: logits = self.model.decode(self.token, new)  # rebinds new's GDN entries; appends to the caches
         for old, s in zip(self.state, new):
             if isinstance(old, GDNState):
                 old.recurrent.copy_(s.recurrent); old.conv.copy_(s.conv)
@@ -642,11 +661,11 @@ class DecodeGraph:
                  state: list,  # The state this step was built on
                 ) -> torch.Tensor:  # [B, 1, V] logits
         if state is not self.state: raise ValueError("a DecodeGraph steps the state it was built on; build one for this state")
+        if any(s is not e for s, e in zip(state, self.entries)):
+            raise ValueError("this state was stepped by something else (an eager model.decode) since the DecodeGraph was "
+                             "built, which the graph would not see: build a new DecodeGraph")
         if tokens.shape != self.token.shape: raise ValueError(f"one token per sequence: [{self._batch()}, 1], got {tuple(tokens.shape)}")
-        for c in self.caches:
-            if c.length + 1 > c.c_kv.shape[1]:
-                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + 1} were asked for: "
-                                 "allocate it with a larger max_len")
+        self._check_room(1)
         self.token.copy_(tokens)
         if self.graph is None: return self._step()
         self.graph.replay()
@@ -659,7 +678,7 @@ class DecodeGraph:
 # restore included) give the logits `decode` gives, token by token. On a GPU, `generate` captures
 # the graph after the prompt when at least eight tokens will go through it; the test suite checks
 # there that it draws what the eager steps draw (`tests/test_model.py`). On the H200 the 750M model
-# then decodes about 150 tokens/s in fp32 at batch 1, against 18–26 with eager steps (chapter 80).
+# then decodes about 140–150 tokens/s in fp32 at batch 1, against 15–26 with eager steps (chapter 80).
 
 # %%
 with torch.no_grad():
@@ -672,6 +691,17 @@ test_eq([c.length for c in state if isinstance(c, MLACache)], [78, 78])
 test_fail(lambda: g_step(seq[:, :1], state), contains="larger max_len")
 test_fail(lambda: g_step(seq[:, :1], dec.decode_state(1, 78)), contains="the state it was built on")
 test_fail(lambda: DecodeGraph(dec, dec.decode_state(1, 78)), contains="run the prompt through")
+with torch.no_grad():  # room for one more token: the warm-up takes one step, and the state is put back
+    state = dec.decode_state(1, 71)
+    dec.decode(seq[:, :70], state)
+    g_step = DecodeGraph(dec, state, capture=False)
+    test_eq([c.length for c in state if isinstance(c, MLACache)], [70, 70])
+    assert_close(g_step(seq[:, 70:71], state), full[:, 70:71], atol=1e-3, rtol=0)
+    state = dec.decode_state(1, 78)
+    dec.decode(seq[:, :70], state)
+    g_step = DecodeGraph(dec, state, capture=False)
+    dec.decode(seq[:, 70:71], state)  # an eager step the graph would not see
+    test_fail(lambda: g_step(seq[:, 71:72], state), contains="stepped by something else")
 
 
 # %% [markdown]
@@ -1057,6 +1087,6 @@ assert t_mem > 50 * t_flop
 # ~1.4 GFLOPs at a context of 4096 would take about a microsecond and a half of compute. So about 3000 tokens/s per sequence is an
 # upper bound; batching many sequences amortises the weight reads until compute or the cache
 # becomes the limit (and at large batch nearly all experts are touched, so the full 1.24 B
-# parameters are read). HyMo's own decoding step, replayed as a CUDA graph, reaches about 150
+# parameters are read). HyMo's own decoding step, replayed as a CUDA graph, reaches about 140–150
 # tokens/s on an H200 (chapter 80): thousands of small kernels, not bandwidth, still set its pace.
 # :::

@@ -626,22 +626,24 @@ assert all(g["graph_speedup"] > 5 for g in gens) and fp32[3840]["speedup"] > 20 
 # %% [markdown]
 # Eager, a decoding step is bound by the host: it launches a few thousand small kernels (about
 # 100 per block: projections, norms, gates, the convolution's window, the routing), each a few
-# microseconds of GPU work, and the GPU waits between them; that gave 18–26 tokens/s, whatever the
-# context. Replayed as one CUDA graph (`DecodeGraph`, chapter 41), the same step gives 125–153
-# tokens/s, 5.8–8.4× faster, and a token still costs the same at a context of 512 or 3 840.
-# Re-running the context costs more the longer it is (15.1 → 5.3 tokens/s in fp32), so the state
-# with the graph is 10× faster at 512 tokens and 29× at 3 840. In round 24, before the graph and
+# microseconds of GPU work, and the GPU waits between them; that gave 15–18 tokens/s, whatever the
+# context. Replayed as one CUDA graph (`DecodeGraph`, chapter 41), the same step gives 119–147
+# tokens/s, 7.7–9.7× faster, and a token still costs the same at a context of 512 or 3 840.
+# Re-running the context costs more the longer it is (12.3 → 5.3 tokens/s in fp32), so the state
+# with the graph is 11× faster at 512 tokens and 27× at 3 840. In round 24, before the graph and
 # before a single token's experts were gathered instead of sorted (chapter 30), the state gave about
-# 16 tokens/s, no faster than re-running a 512-token context. bf16 autocast is slower than fp32
-# here: at batch 1 the step is still a few thousand kernels, now with casts among them, and the
-# saving in bytes is small. 150 tokens/s is 6.6 ms a token, against the 0.45 ms that reading the
-# 0.54 B active weights once in fp32 at the H200's 4.8 TB/s would take (chapter 41 estimates
-# this bound): the kernels are still many and small, and fusing
-# them (`torch.compile` on the decoding step) is the next step, which this code does not take. The
-# tokens the state and the re-run draw part early: at initial weights the logits are nearly equal,
-# so rounding decides; the parity checks are `tests/test_model.py`'s, on unit-scale weights (the
-# decoding step against the whole-sequence forward, and the graph against the eager step), which
-# on the GPU passed in fp32 and bf16.
+# 16 tokens/s, no faster than re-running a 512-token context. All four rows are from one machine;
+# an earlier machine of the round, with a faster host, gave 152–153 tokens/s with the graph and
+# 18–26 eager (an earlier version of the graph, which read autocast's cached weight copies). bf16
+# autocast is slower than fp32 here: at batch 1 the step is still a few thousand kernels, the graph
+# records the weights' casts among them, and the saving in bytes is small. 145 tokens/s is 6.9 ms
+# a token, against the 0.45 ms that reading the 0.54 B active weights once in fp32 at the H200's
+# 4.8 TB/s would take (chapter 41 estimates this bound): the kernels are still many and small,
+# and fusing them (`torch.compile` on the decoding step) is the next step, which this code does
+# not take. The tokens the state and the re-run draw part early: at initial weights the logits are
+# nearly equal, so rounding decides; the parity checks are `tests/test_model.py`'s, on unit-scale
+# weights (the decoding step against the whole-sequence forward, and the graph against the eager
+# step), which on the GPU passed in fp32 and bf16.
 
 # %% [markdown]
 # ## GDN kernel parity on the H200

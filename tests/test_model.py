@@ -295,7 +295,8 @@ def test_sampling_distribution_temperature_and_top_k(dropless, cache, monkeypatc
     torch.manual_seed(0)
     greedy = m.generate(prompt, 4, temperature=0, cache=cache)
     assert torch.equal(m.generate(prompt, 4, temperature=1.0, top_k=1, cache=cache), greedy)
-    assert torch.equal(m.generate(prompt, 4, temperature=1e-45, cache=cache), greedy)  # logits/τ would overflow to inf - inf
+    for tiny in (1e-45, 1e-300):  # logits / τ would overflow (inf - inf), or τ round to 0 in fp32 (0 / 0)
+        assert torch.equal(m.generate(prompt, 4, temperature=tiny, cache=cache), greedy)
 
 
 @pytest.fixture(scope="module")
@@ -338,16 +339,16 @@ def test_decode_refuses_training_mode_and_runs_bf16_weights(dropless):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_graph_steps_as_decode_does(device):
     """`DecodeGraph` (a CUDA graph on a GPU; eager on the CPU, with the same warm-up and restore) gives every new token
-    the logits the eager `decode` gives, for two sequences, in fp32 and (on a GPU) bf16 autocast; the state it leaves
-    is the eager one's."""
+    the logits the eager `decode` gives, for three sequences (more assignments than hymo_tiny's 4 experts: a step that
+    sorts, eagerly), in fp32 and (on a GPU) bf16 autocast; the state it leaves is the eager one's."""
     cfg = load_config("hymo_tiny", n_layers=8, nope_layers=[3], moe_capacity_factor=None).model
     m = _unit_scale(_model(cfg).to(device))
-    seq = torch.randint(0, cfg.vocab_size, (2, 80), device=device)
+    seq = torch.randint(0, cfg.vocab_size, (3, 80), device=device)
     for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
         runs = []
         for graphed in (False, True):
             with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-                state = m.decode_state(2, 80, dtype)
+                state = m.decode_state(3, 80, dtype)
                 m.decode(seq[:, :67], state)
                 step = DecodeGraph(m, state) if graphed else m.decode
                 runs.append((torch.cat([step(seq[:, t:t + 1], state).float() for t in range(67, 80)], 1),
@@ -369,3 +370,30 @@ def test_generate_on_a_gpu_replays_a_graph_and_draws_what_eager_steps_draw(monke
     graphed = m.generate(prompt, 30, temperature=0)
     assert built == [1]
     assert torch.equal(graphed, m.generate(prompt, 30, temperature=0, graph=False)) and built == [1]
+
+
+def test_decode_graph_restores_the_state_when_building_fails_and_refuses_eager_steps_between(monkeypatch):
+    "A warm-up that fails leaves the state as it was; an eager decode between graph steps is refused, not ignored."
+    cfg = load_config("hymo_tiny", n_layers=4, moe_capacity_factor=None).model
+    m = _unit_scale(_model(cfg))
+    seq = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        state = m.decode_state(1, 12)
+        m.decode(seq[:, :8], state)
+        before = [t.clone() for s in state for t in ((s.c_kv, s.pos) if isinstance(s, model_module.MLACache) else s)]
+        calls = []
+        decode = type(m).decode
+        def fails_on_the_second(self, tokens, st):
+            calls.append(1)
+            if len(calls) == 2: raise RuntimeError("out of memory (simulated)")
+            return decode(self, tokens, st)
+        monkeypatch.setattr(type(m), "decode", fails_on_the_second)
+        with pytest.raises(RuntimeError, match="simulated"): DecodeGraph(m, state, capture=False)
+        monkeypatch.undo()
+        after = [t for s in state for t in ((s.c_kv, s.pos) if isinstance(s, model_module.MLACache) else s)]
+        assert all(torch.equal(a, b) for a, b in zip(after, before)) and state[3].length == 8
+        full = m(seq)
+        step = DecodeGraph(m, state, capture=False)
+        torch.testing.assert_close(step(seq[:, 8:9], state), full[:, 8:9], atol=1e-4, rtol=0)
+        m.decode(seq[:, 9:10], state)
+        with pytest.raises(ValueError, match="stepped by something else"): step(seq[:, 10:11], state)

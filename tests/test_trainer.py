@@ -828,3 +828,7 @@ def test_a_folder_of_other_files_is_refused_not_overwritten(tmp_path):
     assert [p.name for p in folder.iterdir()] == ["config.yaml"] and (folder / "config.yaml").read_text() == "my important config"
     (folder / "metrics.jsonl").write_text("")  # a run that crashed before its first checkpoint: its folder, accepted
     assert make(folder, max_steps=4).step == 0
+    hidden = tmp_path / "fresh"
+    hidden.mkdir()
+    (hidden / ".DS_Store").write_text("")  # hidden files alone: nobody's work, the folder counts as empty
+    assert make(hidden, max_steps=4).step == 0

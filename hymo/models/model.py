@@ -202,7 +202,8 @@ class HyMo(nn.Module):
             if vocab is not None: logits[:, vocab:] = float("-inf")  # rows no token decodes to (never targets, but not -inf)
             if temperature == 0: nxt = logits.argmax(-1, keepdim=True)
             else:
-                logits = (logits - logits.max(-1, keepdim=True).values) / temperature  # <= 0: a tiny τ cannot overflow
+                logits = (logits.double() - logits.max(-1, keepdim=True).values) / temperature  # <= 0, in fp64: no tiny τ
+                                                                                               # overflows or rounds to 0
                 if top_k is not None:
                     kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
                     logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -227,7 +228,8 @@ def build_hymo(config: ModelConfig,  # The architecture
 # %% ../../nbs/41_model.ipynb #a6e5e1c9
 class DecodeGraph:
     """`decode` of one new token per sequence, captured once as a CUDA graph and replayed per token. Call it as
-    `decode`: `step(tokens [B, 1], state)`, with the `state` it was built on, which it updates in place."""
+    `decode`: `step(tokens [B, 1], state)`, with the `state` it was built on, which it updates in place; once built,
+    only it may step that state."""
     def __init__(self, model: HyMo,  # In eval mode, with the prompt already run through `decode(prompt, state)`
                  state: list,  # That decode state; its GDN states are replaced by copies the graph owns
                  capture: Optional[bool] = None,  # Record a CUDA graph; None: when the model is on a GPU. False runs eagerly
@@ -237,25 +239,39 @@ class DecodeGraph:
         self.model, self.state = model, state
         for i, s in enumerate(state):  # addresses the graph owns (the prompt's state may be views of larger tensors)
             if isinstance(s, GDNState): state[i] = GDNState(s.recurrent.clone(), s.conv.clone())
+        self.entries = list(state)  # an eager `decode` on `state` would replace these: see __call__
         self.caches = [s for s in state if isinstance(s, MLACache)]
+        self._check_room(1)
         self.token = torch.zeros(self._batch(), 1, dtype=torch.long, device=model.embed.weight.device)  # (B, 1) the input
         self.graph = None
         if capture is None: capture = self.token.is_cuda
+        dev = self.token.device.type  # the caller's autocast without its cache of cast weights: the casts are recorded
+        self.autocast = (torch.autocast(dev, torch.get_autocast_dtype(dev), cache_enabled=False)  # too, rather than
+                         if torch.is_autocast_enabled(dev) else contextlib.nullcontext())       # read from that cache
         saved = self._save()
-        side = torch.cuda.Stream() if capture else None  # warm up off the stream that will record, as PyTorch advises
-        if capture: side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side) if capture else contextlib.nullcontext():
-            for _ in range(warmup): self._step()
-        if capture: torch.cuda.current_stream().wait_stream(side)
-        self._restore(saved)
-        if not capture: return
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph): self.logits = self._step()  # recorded, not run
-        self._restore(saved)  # the host-side lengths moved once while recording
+        try:
+            free = min((c.c_kv.shape[1] - c.length for c in self.caches), default=warmup)
+            side = torch.cuda.Stream() if capture else None  # warm up off the stream that will record, as PyTorch advises
+            if capture: side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if capture else contextlib.nullcontext():
+                for _ in range(min(warmup, free)): self._step()
+            if capture: torch.cuda.current_stream().wait_stream(side)
+            self._restore(saved)
+            if capture:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph): self.logits = self._step()  # recorded, not run
+        finally:
+            self._restore(saved)  # after the warm-up (or a failure), and the host-side lengths that moved while recording
 
     def _batch(self) -> int:
         s = self.state[0]
         return (s.c_kv if isinstance(s, MLACache) else s.recurrent).shape[0]
+
+    def _check_room(self, n: int):
+        for c in self.caches:
+            if c.length + n > c.c_kv.shape[1]:
+                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + n} were asked for: "
+                                 "allocate it with a larger max_len")
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for s in self.state for t in ((s.c_kv, s.k_rope, s.pos) if isinstance(s, MLACache) else s)]
@@ -269,7 +285,7 @@ class DecodeGraph:
     def _step(self) -> torch.Tensor:
         "One `decode` call on the input buffer, writing the new GDN states back where the old ones were."
         new = list(self.state)
-        logits = self.model.decode(self.token, new)  # rebinds the GDN entries of `new`; appends to the MLA caches
+        with self.autocast: logits = self.model.decode(self.token, new)  # rebinds new's GDN entries; appends to the caches
         for old, s in zip(self.state, new):
             if isinstance(old, GDNState):
                 old.recurrent.copy_(s.recurrent); old.conv.copy_(s.conv)
@@ -279,11 +295,11 @@ class DecodeGraph:
                  state: list,  # The state this step was built on
                 ) -> torch.Tensor:  # [B, 1, V] logits
         if state is not self.state: raise ValueError("a DecodeGraph steps the state it was built on; build one for this state")
+        if any(s is not e for s, e in zip(state, self.entries)):
+            raise ValueError("this state was stepped by something else (an eager model.decode) since the DecodeGraph was "
+                             "built, which the graph would not see: build a new DecodeGraph")
         if tokens.shape != self.token.shape: raise ValueError(f"one token per sequence: [{self._batch()}, 1], got {tuple(tokens.shape)}")
-        for c in self.caches:
-            if c.length + 1 > c.c_kv.shape[1]:
-                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + 1} were asked for: "
-                                 "allocate it with a larger max_len")
+        self._check_room(1)
         self.token.copy_(tokens)
         if self.graph is None: return self._step()
         self.graph.replay()

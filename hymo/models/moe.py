@@ -63,6 +63,11 @@ def experts_gathered(x: torch.Tensor, # [N, d] tokens, unsorted
     u = torch.einsum("nd,nkhd->nkh", x, w3[idx])  # (N, k, h)
     return torch.einsum("nkh,nkdh->nkd", F.silu(g) * u, w2[idx])  # (N, k, d)
 
+
+def _recording(x: torch.Tensor) -> bool:
+    "Whether a CUDA graph is being recorded on `x`'s GPU (never inside torch.compile's tracing, nor on a CPU)."
+    return x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
+
 # %% ../../nbs/30_moe.ipynb #447b8c89
 def sort_assignments(idx: torch.Tensor, # [N, k] chosen experts
                      score: torch.Tensor, # [N, k] their unbiased router scores
@@ -167,7 +172,8 @@ class DeepSeekMoE(nn.Module):
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
-        if self.impl == "auto" and not self.training and B * T * self.top_k <= self.n_routed:  # decoding: no sort, no sync
+        if self.impl == "auto" and not self.training and (B * T * self.top_k <= self.n_routed or _recording(x)):  # decoding
+            # (or a CUDA graph being recorded, which cannot hold the loop's host read): no sort, no host sync
             ys, w = experts_gathered(xf, idx, self.w1, self.w2, self.w3), weight  # (N, k, d), (N, k)
         else:
             ys, w = self._dispatch(xf, idx, weight, score)

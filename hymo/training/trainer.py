@@ -241,7 +241,7 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
 
 # %% ../../nbs/70_trainer.ipynb #68855c69
 _HELD_LOCKS: dict[Path, object] = {}  # run folder -> its open .lock file, for the life of this process
-RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints")  # one of these in a folder that holds files: a run's folder
+RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints", "wandb")  # one of these in a folder that holds files: a run's folder
 
 
 def lock_run_dir(run_dir: Path) -> str | None:
@@ -323,7 +323,10 @@ class Trainer:
     def _refuse_a_foreign_folder(self):
         "Refuse a `run_dir` that holds files but nothing of a run: the run's own files would overwrite those of the same names."
         d = self.run_dir
-        ours = not self.d.is_main or not d.is_dir() or not any(d.iterdir()) or any((d / n).exists() for n in RUN_MARKS)
+        try:  # hidden files (.DS_Store, .ipynb_checkpoints) are nobody's work; an unreadable folder is refused by the lock
+            ours = (not self.d.is_main or not d.is_dir() or any((d / n).exists() for n in RUN_MARKS)
+                    or not any(not f.name.startswith(".") for f in d.iterdir()))
+        except OSError: ours = True
         if not self._agree(ours):
             raise ConfigError(f"run_dir={d} holds files but is not a HyMo run folder (it has none of {', '.join(RUN_MARKS)}): "
                               "a run writes config.yaml, metrics.jsonl, loss.png, summary.json and model.safetensors into "
