@@ -576,8 +576,8 @@ for cache in (True, False):
 # - shapes that do not change with the length: `MLACache.append` returns the whole buffers and the
 #   causal mask hides what is not written yet (chapter 21);
 # - no host reads: the new token's position comes from the cache's device counter `pos`, the
-#   convolution's window is a concatenation (chapter 12), and a single token's experts are gathered
-#   rather than sorted (`experts_gathered`, chapter 30);
+#   convolution's window is a concatenation (chapter 12), and a decoding step's experts are
+#   gathered rather than sorted (`experts_gathered`, chapter 30);
 # - fixed addresses: `decode` returns new `GDNState` tensors, so the captured step copies them back
 #   into the state it started from, and reads its input token from a buffer of its own.
 #
@@ -1084,9 +1084,9 @@ assert t_mem > 50 * t_flop
 # ## What is a realistic decoding speed for the 750M model?
 # At batch 1, decoding is bandwidth-bound: each step reads the active weights (about 1.1 GB in
 # bf16) plus the cache, about a third of a millisecond on an H100's 3.35 TB/s, while its
-# ~1.4 GFLOPs at a context of 4096 would take about a microsecond and a half of compute. So about 3000 tokens/s per sequence is an
-# upper bound; batching many sequences amortises the weight reads until compute or the cache
-# becomes the limit (and at large batch nearly all experts are touched, so the full 1.24 B
-# parameters are read). HyMo's own decoding step, replayed as a CUDA graph, reaches about 140–150
+# ~1.4 GFLOPs at a context of 4096 would take about a microsecond and a half of compute. So about
+# 3000 tokens/s per sequence is an upper bound; batching many sequences amortises the weight reads
+# until compute or the cache becomes the limit (and at large batch nearly all experts are touched,
+# so the full 1.24 B parameters are read). HyMo's own decoding step, replayed as a CUDA graph, reaches about 140–150
 # tokens/s on an H200 (chapter 80): thousands of small kernels, not bandwidth, still set its pace.
 # :::
