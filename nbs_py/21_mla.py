@@ -603,6 +603,12 @@ class MLACache:
         return cls(torch.zeros(*shape, config.mla_kv_lora_rank, device=device, dtype=dtype),
                    torch.zeros(*shape, config.mla_qk_rope_dim, device=device, dtype=dtype))
 
+    def check_room(self, T: int):
+        "Raise if `T` more tokens do not fit (checked on the host: a replayed CUDA graph cannot raise)."
+        if self.length + T > self.c_kv.shape[1]:
+            raise ValueError(f"MLACache holds {self.c_kv.shape[1]} tokens and {self.length + T} were asked for: "
+                             "allocate it with a larger max_len")
+
     def positions(self, T: int) -> torch.Tensor: # [T] int64 on the buffers' device
         "Positions of the next `T` tokens, computed on the device."
         return self.pos + torch.arange(T, device=self.pos.device)
@@ -612,9 +618,7 @@ class MLACache:
               ) -> tuple[torch.Tensor, torch.Tensor]: # the whole buffers [B, max_len, d_c], [B, max_len, d_rope]
         "Write `T` new tokens after the cached ones; return the buffers (rows past the new length are to be masked)."
         T = c_kv.shape[1]
-        if self.length + T > self.c_kv.shape[1]:
-            raise ValueError(f"MLACache holds {self.c_kv.shape[1]} tokens and {self.length + T} were asked for: "
-                             "allocate it with a larger max_len")
+        self.check_room(T)
         rows = self.positions(T)
         self.c_kv.index_copy_(1, rows, c_kv.to(self.c_kv.dtype))
         self.k_rope.index_copy_(1, rows, k_rope.to(self.k_rope.dtype))

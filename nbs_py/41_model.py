@@ -607,7 +607,7 @@ class DecodeGraph:
             if isinstance(s, GDNState): state[i] = GDNState(s.recurrent.clone(), s.conv.clone())
         self.entries = list(state)  # an eager `decode` on `state` would replace these: see __call__
         self.caches = [s for s in state if isinstance(s, MLACache)]
-        self._check_room(1)
+        for c in self.caches: c.check_room(1)
         self.token = torch.zeros(self._batch(), 1, dtype=torch.long, device=model.embed.weight.device)  # (B, 1) the input
         self.graph = None
         if capture is None: capture = self.token.is_cuda
@@ -632,12 +632,6 @@ class DecodeGraph:
     def _batch(self) -> int:
         s = self.state[0]
         return (s.c_kv if isinstance(s, MLACache) else s.recurrent).shape[0]
-
-    def _check_room(self, n: int):
-        for c in self.caches:
-            if c.length + n > c.c_kv.shape[1]:
-                raise ValueError(f"MLACache holds {c.c_kv.shape[1]} tokens and {c.length + n} were asked for: "
-                                 "allocate it with a larger max_len")
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for s in self.state for t in ((s.c_kv, s.k_rope, s.pos) if isinstance(s, MLACache) else s)]
@@ -665,7 +659,7 @@ class DecodeGraph:
             raise ValueError("this state was stepped by something else (an eager model.decode) since the DecodeGraph was "
                              "built, which the graph would not see: build a new DecodeGraph")
         if tokens.shape != self.token.shape: raise ValueError(f"one token per sequence: [{self._batch()}, 1], got {tuple(tokens.shape)}")
-        self._check_room(1)
+        for c in self.caches: c.check_room(1)
         self.token.copy_(tokens)
         if self.graph is None: return self._step()
         self.graph.replay()
