@@ -125,22 +125,28 @@ def generate_text(model: HyMo, tok, # From `load_run`
 
 
 class _Stream:
-    "Hands `show` the text of the ids drawn so far, piece by piece, holding back a character whose bytes are not all drawn."
+    """Hands `show` the text of the ids drawn so far, piece by piece, holding back a character whose bytes are not all drawn.
+    Only the ids since the last complete character are decoded again, so each token costs the same however long the text."""
     def __init__(self, tok, ids: list[int], eot: int | None, show: Callable[[str], None] | None):
-        self.tok, self.ids, self.eot, self.show, self.done, self.ended = tok, list(ids), eot, show, "", False
-        self._show(tok.decode(self.ids))
+        self.tok, self.eot, self.show, self.ended = tok, eot, show, False
+        self.done = ""        # text shown so far
+        self.settled = ""     # the text of the ids before `self.tail`: it ends on a whole character, so no id changes it
+        self.tail = list(ids) # ids whose text may still change: their last character can be incomplete
+        self._advance()
 
-    def _show(self, text: str):
-        if self.show is None or not text.startswith(self.done): return  # not a prefix: wait (finish sends the rest)
-        if text.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens decodes as U+FFFD until complete
-        if len(text) > len(self.done): self.show(text[len(self.done):])
-        self.done = text
+    def _advance(self):
+        piece = self.tok.decode(self.tail)
+        # byte-level BPE: a character split over tokens decodes as U+FFFD until its last byte is drawn
+        if piece.endswith("\ufffd"): return
+        self.settled, self.tail = self.settled + piece, []
+        if self.show is not None and len(self.settled) > len(self.done): self.show(self.settled[len(self.done):])
+        self.done = self.settled
 
     def add(self, i: int):
         self.ended = self.ended or i == self.eot  # after the end-of-text token nothing is shown (FSDP ranks run on)
         if not self.ended:
-            self.ids.append(i)
-            self._show(self.tok.decode(self.ids))
+            self.tail.append(i)
+            self._advance()
 
     def finish(self, text: str):
         "Show what is left of `text`, the returned text, so the pieces always add up to it."
@@ -252,6 +258,24 @@ for i in snow: s.add(i)
 s.finish(tok.decode(snow))
 test_eq("".join(pieces), "snow ☃ and é")
 assert not any("\ufffd" in piece for piece in pieces), pieces
+
+
+# %% [markdown]
+# Each new token decodes only the ids since the last whole character, not the whole text again, so
+# streaming a long generation costs the same per token at the end as at the start:
+
+# %%
+class Counting:
+    "A tokenizer that records how many ids each decode is given."
+    def __init__(self, tok): self.tok, self.sizes = tok, []
+    def decode(self, ids): self.sizes.append(len(ids)); return self.tok.decode(ids)
+
+counting, pieces = Counting(tok), []
+s = _Stream(counting, [], None, pieces.append)
+long_ids = tok.encode("snow ☃ and é, " * 200).ids
+for i in long_ids: s.add(i)
+test_eq("".join(pieces), tok.decode(long_ids))
+assert max(counting.sizes) <= 3, max(counting.sizes)  # ☃, three bytes, is three tokens at most
 
 
 # %% [markdown]
