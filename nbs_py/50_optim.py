@@ -996,12 +996,15 @@ plt.xlabel("step"); plt.ylabel("loss"); plt.legend(); plt.tight_layout(); plt.sh
 # $$\mathrm{mult}(t) = \begin{cases}
 #   (t+1)/W & t < W \\
 #   1 & W \le t < S \\
-#   r + (1 - r)\, \psi\big((t - S)/D\big) & S \le t
+#   r + (1 - r)\, \psi\big((t - S + 1)/(D + 1)\big) & S \le t
 # \end{cases}
 # \qquad \psi(p) = 1 - p,\;\; 1 - \sqrt{p},\;\; \tfrac12(1 + \cos \pi p)$$
 # for the `linear`, `1-sqrt` and `cosine` shapes; $p$ is clipped to 1 past the end. Steps are
-# 0-based and the warmup starts at $1/W$ rather than 0, so no step is wasted. The multiplier reaches
-# $r$ exactly at step $N$, one past the last trained step $N - 1$.
+# 0-based and the warmup starts at $1/W$ rather than 0, so no step is wasted. The decay runs from
+# the last stable step $S - 1$ (multiplier 1) to step $N$, one past the last trained step, where it
+# reaches $r$; the $D$ decay steps $S \dots N-1$ take the $D$ points in between. So every decay step
+# decays, even in a run whose decay is one step long, and no step trains at exactly $r$, which at
+# the default $r = 0$ would be a step that changes nothing.
 
 # %%
 #| export
@@ -1017,7 +1020,7 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
                          "lower warmup_steps or decay_fraction")
     if step < W: return (step + 1) / W
     if step < S or D == 0: return 1.0
-    p = min(1.0, (step - S) / D)
+    p = min(1.0, (step - S + 1) / (D + 1))  # step S - 1 is the last at 1, step N the first at r
     shapes = {"linear": 1 - p, "1-sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}
     if cfg.decay_shape not in shapes: raise ValueError(f"decay_shape={cfg.decay_shape!r}: choose one of {', '.join(map(repr, shapes))}")
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shapes[cfg.decay_shape]
@@ -1053,17 +1056,22 @@ ax[1].set(xlabel="step", title="decays branched from checkpoints"); ax[1].legend
 plt.tight_layout(); plt.show()
 
 # %% [markdown]
-# Values at chosen steps, computed by hand from the formula ($W = 30$, $N = 300$, $D = 90$, $S = 210$):
+# Values at chosen steps, computed by hand from the formula ($W = 30$, $N = 300$, $D = 90$, $S = 210$,
+# so $p = (t - 209)/91$):
 
 # %%
 test_close(wsd_schedule(0, tcfg), 1 / 30)
 test_close(wsd_schedule(29, tcfg), 1.0)
 test_eq(wsd_schedule(100, tcfg), 1.0)
-test_eq(wsd_schedule(210, tcfg), 1.0)
-test_close(wsd_schedule(255, tcfg), 1 - math.sqrt(45 / 90))  # 1-sqrt is the preset's default
-test_close(wsd_schedule(255, dataclasses.replace(tcfg, decay_shape="cosine")), 0.5)
-test_close(wsd_schedule(255, dataclasses.replace(tcfg, decay_shape="linear", min_lr_ratio=0.1)), 0.1 + 0.9 * 0.5)
+test_eq(wsd_schedule(209, tcfg), 1.0)  # the last stable step
+test_close(wsd_schedule(210, tcfg), 1 - math.sqrt(1 / 91))  # the first decay step already decays; 1-sqrt is the default
+test_close(wsd_schedule(255, tcfg), 1 - math.sqrt(46 / 91))
+test_close(wsd_schedule(255, dataclasses.replace(tcfg, decay_shape="cosine")), 0.5 * (1 + math.cos(math.pi * 46 / 91)))
+test_close(wsd_schedule(255, dataclasses.replace(tcfg, decay_shape="linear", min_lr_ratio=0.1)), 0.1 + 0.9 * 45 / 91)
+test_close(wsd_schedule(299, dataclasses.replace(tcfg, decay_shape="linear")), 1 / 91)  # the last trained step
 test_eq(wsd_schedule(300, tcfg), 0.0)
+short = dataclasses.replace(tcfg, max_steps=4, warmup_steps=1, decay_fraction=0.2, decay_shape="linear")  # D = 1
+test_eq([wsd_schedule(t, short) for t in range(5)], [1.0, 1.0, 1.0, 0.5, 0.0])  # a one-step decay decays
 test_fail(lambda: wsd_schedule(0, dataclasses.replace(tcfg, warmup_steps=250)), contains="lower warmup_steps")
 
 opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)

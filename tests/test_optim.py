@@ -304,18 +304,21 @@ def test_real_hymo_parameters_are_all_grouped():
 # ---------------------------------------------------------------- WSD
 
 def test_wsd_values_by_hand():
-    c = load_config("hymo_tiny", max_steps=1000, warmup_steps=100, decay_fraction=0.2, min_lr_ratio=0.0).train
-    # W = 100, D = 200, decay starts at S = 800
+    c = load_config("hymo_tiny", max_steps=1000, warmup_steps=100, decay_fraction=0.199, min_lr_ratio=0.0).train
+    # W = 100, D = 199, decay starts at S = 801; p = (t - S + 1) / (D + 1) = (t - 800) / 200
     assert wsd_schedule(0, c) == pytest.approx(0.01)
     assert wsd_schedule(49, c) == pytest.approx(0.5)
     assert wsd_schedule(99, c) == pytest.approx(1.0)
     assert wsd_schedule(500, c) == 1.0 and wsd_schedule(800, c) == 1.0
     for shape, want in [("linear", 1 - 0.25), ("1-sqrt", 1 - 0.5), ("cosine", 0.5 * (1 + math.cos(math.pi / 4)))]:
         assert wsd_schedule(850, dataclasses.replace(c, decay_shape=shape)) == pytest.approx(want)  # p = 50/200
+    assert wsd_schedule(801, c) < 1.0 and wsd_schedule(999, c) > 0.0  # every decay step decays, none trains at r = 0
     c2 = dataclasses.replace(c, decay_shape="linear", min_lr_ratio=0.1)
     assert wsd_schedule(900, c2) == pytest.approx(0.1 + 0.9 * 0.5)
     assert wsd_schedule(1000, c2) == pytest.approx(0.1) and wsd_schedule(5000, c2) == pytest.approx(0.1)
     assert wsd_schedule(999, dataclasses.replace(c, decay_fraction=0.0)) == 1.0
+    tiny = dataclasses.replace(c, max_steps=4, warmup_steps=1, decay_fraction=0.2, decay_shape="linear")  # D = 1
+    assert [wsd_schedule(t, tiny) for t in range(5)] == [1.0, 1.0, 1.0, 0.5, 0.0]  # the one decay step decays
 
 
 def test_wsd_is_monotone_and_rejects_overlap():

@@ -346,7 +346,7 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
                          "lower warmup_steps or decay_fraction")
     if step < W: return (step + 1) / W
     if step < S or D == 0: return 1.0
-    p = min(1.0, (step - S) / D)
+    p = min(1.0, (step - S + 1) / (D + 1))  # step S - 1 is the last at 1, step N the first at r
     shapes = {"linear": 1 - p, "1-sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}
     if cfg.decay_shape not in shapes: raise ValueError(f"decay_shape={cfg.decay_shape!r}: choose one of {', '.join(map(repr, shapes))}")
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shapes[cfg.decay_shape]
