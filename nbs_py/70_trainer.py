@@ -70,6 +70,12 @@ from hymo.config import load_config
 # torchrun --nnodes 4 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \
 #     -m hymo.train --config hymo_750m data_dir=/data/shards
 # ```
+#
+# Without `run_dir=`, a run makes a new folder named after the time it started. Every rank must
+# write into the same one (each rank's checkpoint shards go to the folder *it* was given), and
+# ranks on other nodes, or one that reads its clock a second later, would name another; so rank 0
+# names it and sends the name to the others (`new_run_dir`). Multi-node runs need the run folder on
+# a file system every node sees.
 
 # %%
 #| export
@@ -101,6 +107,15 @@ def setup_distributed() -> Dist:
     return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device, joined)
 
 
+def new_run_dir(name: str, # Preset name
+                d: Dist, # This process
+               ) -> str:
+    "`runs/<name>-<time>`, with rank 0's time given to every rank: ranks whose clocks read another second share one folder."
+    path = [f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if d.distributed: dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
 # %% [markdown]
 # ## Parallelising the model
 #
@@ -115,8 +130,9 @@ def setup_distributed() -> Dist:
 # 2. **`torch.compile`** (by config): each block (and each MTP head) is compiled on its own, so
 #    the compiled regions are small and identical: two graphs for 32 blocks, one per block type.
 #    The Triton GDN kernel is a registered operator, so a GDN block is one graph. On the H200 this
-#    takes a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s (see the results
-#    chapter), which is why the `hymo_750m` preset turns it on;
+#    took a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s when first measured; since
+#    the GDN prelude has Triton kernels of its own, a micro-batch is about 1.2× faster compiled (see
+#    the results chapter). The `hymo_750m` preset turns it on;
 # 3. **`fully_shard` per block**: each block's parameters become DTensor shards. By FSDP's default
 #    they are all-gathered before the block runs and freed after, and gradients reduce-scattered;
 #    the training step changes that to one gather and one reduce-scatter per block and step
@@ -182,8 +198,15 @@ def peak_flops(device: torch.device) -> float | None:
 #
 # A checkpoint is a folder `checkpoints/step_000100/` written with `torch.distributed.checkpoint`
 # (DCP): every rank writes its own shards, and a later run with a different number of ranks
-# reshards them on load. Beside the DCP files, each rank writes its RNG states, and rank 0 writes
-# `meta.json` (step, counters, the config).
+# reshards them on load. Beside the DCP files, each rank writes its RNG states and its loader's
+# position, and rank 0 writes `meta.json` (step, counters, the config).
+#
+# A resume may split the batch differently: another number of ranks, or a smaller micro-batch with
+# more accumulation after an out-of-memory error on a new machine. Optimiser step $s$ reads windows
+# $sG \dots (s+1)G - 1$ of the epoch's order whatever the split, so the loader continues after the
+# $sG_\text{saved}$ windows the saved run read (counted in this run's micro-steps), and within the
+# epoch the data is the same as without the change. Only the windows left over at an epoch's end,
+# and so later epochs' order, depend on the split; the resume says so.
 #
 # The folder is written as `step_000100.tmp` and renamed only when every rank has finished. A crash
 # mid-write leaves a `.tmp` folder that is never read, so the last complete checkpoint stays the
@@ -396,7 +419,7 @@ class Trainer:
                  quiet: bool = False): # No progress bar or prints (tests)
         self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
         self.d = setup_distributed()
-        self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+        self.run_dir = Path(run_dir or train_cfg.run_dir or new_run_dir(name, self.d)).expanduser()
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
         self.accum = split_micro_batches(train_cfg, self.d.world_size)
@@ -485,14 +508,20 @@ class Trainer:
                             "HYMO_CACHE=... to a folder you can write to") from None
         return prepare_default(vocab_size=self.mcfg.vocab_size)
 
+    @staticmethod
+    def _whole(ckpt: Path) -> bool:
+        "Whether checkpoint folder `ckpt` has every file a complete one has (DCP's `.metadata`, meta.json, each rank's)."
+        try: ranks = json.loads((ckpt / "meta.json").read_text())["world_size"]
+        except (OSError, ValueError, KeyError, TypeError): return False
+        return (ckpt / ".metadata").exists() and all((ckpt / f"rank{r}.pt").exists() for r in range(ranks))
+
     def _remove_partial_checkpoints(self):
         "Remove `.tmp` checkpoint folders whose writing was cut short (a kill, a second Ctrl-C): never read, only space."
         if not self.d.is_main: return
         done = list_checkpoints(self.run_dir)
         newest = checkpoint_step(done[-1]) if done else -1
         for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
-            whole = (tmp / "meta.json").exists() and (tmp / ".metadata").exists()
-            if whole and checkpoint_step(tmp.with_suffix("")) > newest:  # its rename alone was cut short
+            if self._whole(tmp) and checkpoint_step(tmp.with_suffix("")) > newest:  # its rename alone was cut short
                 self.log(f"warning: {tmp} looks complete and is newer than every checkpoint: it is left as it is; "
                          f"rename it without .tmp to resume from it")
                 continue
@@ -920,6 +949,14 @@ Trainer.evaluate = evaluate
 # same one-line error. Before, the other ranks sat at a barrier until the failed rank's exit broke
 # the connection (a traceback from gloo) or torchrun killed them (NCCL). Each step's line in
 # `metrics.jsonl` and the end's artefacts (`finish`) go through `_together` the same way.
+#
+# A process that dies loses nothing the operating system has accepted; a machine that loses power
+# loses what is still in its page cache. So every file of a checkpoint is flushed to the disk
+# before the rename (DCP does this for its shards, `_to_disk` for `rank{r}.pt` and `meta.json`),
+# and the rename itself is flushed before the checkpoint it replaces is deleted: at every instant
+# one complete checkpoint is on the disk. A `.tmp` folder left by a kill between the last write and
+# the rename is complete only if it has DCP's `.metadata`, `meta.json` and every rank's file
+# (`_whole`); the next start says how to use it rather than deleting it.
 
 # %%
 #| export
@@ -929,6 +966,15 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _to_disk(f):
+    "Flush an open file, or a folder's entries (a `Path`: renames and new files in it), to the disk itself."
+    if isinstance(f, Path):
+        fd = os.open(f, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+    else: f.flush(); os.fsync(f.fileno())
 
 
 def save(self: Trainer) -> Path:
@@ -945,17 +991,19 @@ def save(self: Trainer) -> Path:
     def own_files():  # every rank's; through a file: a full disk is an OSError, as elsewhere
         with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
+            _to_disk(f)
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "config": Config(self.mcfg, self.cfg).to_dict()}
-            (tmp / "meta.json").write_text(json.dumps(meta))
+            with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); _to_disk(f)
 
     def publish():  # complete on every rank: the rename makes it a checkpoint
         if not self.d.is_main: return
         replaced = final.with_name(f"replaced-{final.name}")  # a checkpoint of this step is never deleted before its successor is in place
         if final.exists(): shutil.rmtree(replaced, ignore_errors=True); os.replace(final, replaced)
         os.replace(tmp, final)
+        _to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
         for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
             if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
             try: shutil.rmtree(old)
@@ -1006,16 +1054,21 @@ def load(self: Trainer, ckpt: Path):
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.branched_from = meta.get("branched_from")
     self.history = meta["history"]
+    # the loader's position from the windows the saved run read (ceil: none is read twice), in this run's micro-steps
+    old_G = meta["config"]["train"]["global_batch_size"] if "config" in meta else self.cfg.global_batch_size
+    position = -(-self.step * old_G // (self.d.world_size * self.cfg.micro_batch_size))
     if extra is not None:
         _set_rng_state(extra["rng"])
         saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
-        self.train_loader.load_state_dict({**saved, "accum": self.accum})  # the other settings must match
-        if saved["accum"] != self.accum:  # another global batch: the position follows from the steps done
-            self.train_loader.step = self.step * self.accum
-            notes.append(f"the loader's accumulation was {saved['accum']}, now {self.accum}: the data "
-                         "position follows from the steps done, and later epochs' order differs from the saved run's")
+        ours = {"accum": self.accum, "micro_batch_size": self.cfg.micro_batch_size}
+        self.train_loader.load_state_dict({**saved, **ours})  # the other settings (data, seed, seq_len, ranks) must match
+        if any(saved[k] != v for k, v in ours.items()):  # another split of the batch, or another global batch
+            self.train_loader.step = position
+            notes.append(f"each rank's step was {saved['accum']} micro-batches of {saved['micro_batch_size']}, now "
+                         f"{self.accum} of {self.cfg.micro_batch_size}: the data continues after the windows the saved run "
+                         "read, and later epochs' order differs from the saved run's")
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
-        self.train_loader.step = self.step * self.accum
+        self.train_loader.step = position
     self._train_iter = iter(self.train_loader)
     self.saved_step = self.step  # that checkpoint exists: a stop right away need not write it again
     self.log(f"resumed from {ckpt} at step {self.step}")
@@ -1037,6 +1090,13 @@ Trainer.save, Trainer.load = save, load
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
 # (`metric_line`), which stays in the scroll-back and in a job's log file, where a progress bar
 # only keeps its last state.
+#
+# With `wandb=true` the same metrics go to Weights & Biases: online when you are logged in, else
+# offline into `run_dir/wandb` (`wandb sync` uploads it later). A resumed run continues the *same*
+# wandb run: its id is kept in `run_dir/wandb/hymo_run_id` and given back to `wandb.init`, so a run
+# preempted ten times is one curve, not eleven. A run that starts at step 0 gets a new id. Steps
+# trained again after a crash (those between the last checkpoint and the crash) are in
+# `metrics.jsonl` once, rewritten, but wandb keeps the first copy: its steps only go forward.
 #
 # A run is stopped from outside by Ctrl-C (SIGINT) or by a scheduler's SIGTERM (preemption, a time
 # limit). Either one, during `fit`, is only *noted* (`StopSignals`): the step in flight finishes,
@@ -1171,8 +1231,12 @@ def _wandb(self: Trainer):
     if not (self.cfg.wandb and self.d.is_main): return None
     import wandb
     online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
-    return wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
-                      config=Config(self.mcfg, self.cfg).to_dict(), resume="allow")
+    id_file = self.run_dir / "wandb" / "hymo_run_id"  # one wandb run for the whole run, however often it resumes
+    run_id = id_file.read_text().strip() or None if self.step > 0 and id_file.exists() else None  # step 0: a new run
+    run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
+                     config=Config(self.mcfg, self.cfg).to_dict(), id=run_id, resume="allow")
+    id_file.write_text(run.id)  # wandb.init made run_dir/wandb
+    return run
 
 Trainer.fit, Trainer._fit_steps, Trainer.request_stop = fit, _fit_steps, request_stop
 

@@ -85,6 +85,22 @@ def test_default_command_end_to_end(tmp_path):
     if not torch.cuda.is_available(): assert g.stdout.strip() == summary["sample"].strip(), (g.stdout, summary["sample"])
 
 
+def test_wandb_logs_offline_and_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
+    """wandb=true without a login logs offline into run_dir/wandb. A resume used to open a new wandb run each time
+    (resume="allow" without an id); now it continues the first one, and a run that starts afresh gets its own."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    def wandb_runs(run): return sorted(p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*"))
+    make(tmp_path / "a", max_steps=4, ckpt_every=2, warmup_steps=1, wandb=True).fit(2)
+    make(tmp_path / "a", max_steps=4, warmup_steps=1, wandb=True).fit()  # resumes at step 2
+    first, again = wandb_runs(tmp_path / "a")
+    assert first == again, (first, again)
+    history = next((tmp_path / "a" / "wandb").glob("offline-run-*")) / f"run-{first}.wandb"
+    assert history.stat().st_size > 0  # the steps were logged
+    make(tmp_path / "b", max_steps=4, warmup_steps=1, wandb=True).fit(1)
+    assert wandb_runs(tmp_path / "b") != [first]
+
+
 def test_loss_falls(tmp_path):
     t = make(tmp_path / "a", max_steps=25, warmup_steps=3)
     m = t.fit()
@@ -149,6 +165,23 @@ def test_resume_takes_the_new_optimiser_settings_and_keeps_the_moments(tmp_path)
     assert second.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.001 * m["lr_mult"])
 
 
+def test_resume_with_a_smaller_micro_batch_reads_the_same_windows(tmp_path):
+    """Halving micro_batch_size (doubling the accumulation) at a resume, as after running out of memory, used to be
+    refused ("cannot resume the data order"); the global batch is the same, so the next step reads the same windows."""
+    straight = make(tmp_path / "a", max_steps=6, micro_batch_size=4, global_batch_size=8, ckpt_every=2)
+    straight.fit(2)
+    loader = straight.train_loader
+    want = sorted(int(k) for p in range(loader.step, loader.step + straight.accum) for k in loader.window_ids(p))
+    halved = make(tmp_path / "a", max_steps=6, micro_batch_size=2, global_batch_size=8)
+    assert halved.step == 2 and halved.accum == 4
+    assert any("micro-batches of 4, now 4 of 2" in w for w in halved.resume_warnings), halved.resume_warnings
+    loader = halved.train_loader
+    got = sorted(int(k) for p in range(loader.step, loader.step + halved.accum) for k in loader.window_ids(p))
+    assert got == want
+    m = halved.fit(1)[0]
+    assert abs(m["loss"] - straight.fit(1)[0]["loss"]) < 1e-4
+
+
 def test_a_finished_run_is_not_finished_again(tmp_path):
     """Resuming a finished run (same max_steps, another learning rate) trains nothing and rewrites nothing: the final
     checkpoint's meta.json keeps the config the run trained with, as config.yaml does; raising max_steps trains on."""
@@ -159,6 +192,44 @@ def test_a_finished_run_is_not_finished_again(tmp_path):
     assert again.step == 4 and again.fit() == [] and meta.read_bytes() == before
     assert again.summary == json.loads((tmp_path / "run" / "summary.json").read_text()) and again.summary["step"] == 4
     assert [m["step"] for m in make(tmp_path / "run", max_steps=6).fit()] == [5, 6]
+
+
+def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_is_deleted(tmp_path, monkeypatch):
+    """rank0.pt and meta.json are fsynced before the rename, and the folder holding the rename before an older
+    checkpoint is deleted: a power cut at any instant leaves one whole checkpoint (before: no fsync at all)."""
+    import shutil
+    events, fsync, rmtree = [], os.fsync, shutil.rmtree
+    def recording_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))); fsync(fd)
+    def recording_rmtree(path, *a, **k):
+        events.append(("rmtree", str(path))); rmtree(path, *a, **k)
+    t = make(tmp_path / "run", max_steps=4, ckpt_every=1, keep_last_k=1, warmup_steps=1)
+    t.fit(1)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(shutil, "rmtree", recording_rmtree)
+    t.fit(1)  # step 2's checkpoint replaces step 1's
+    root = str((tmp_path / "run" / "checkpoints").resolve())
+    synced = [p for e, p in events if e == "fsync"]
+    gone = events.index(("rmtree", f"{root}/step_000001"))
+    assert f"{root}/step_000002.tmp/rank0.pt" in synced and f"{root}/step_000002.tmp/meta.json" in synced, synced
+    assert ("fsync", root) in events[:gone], events
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000002"]
+
+
+def test_a_complete_tmp_checkpoint_is_kept_and_an_incomplete_one_removed(tmp_path, capsys):
+    """A .tmp folder with every file (only its rename was cut short) and newer than every checkpoint is left, with a
+    message saying how to use it; one that lacks a rank's file is removed (before, meta.json and .metadata sufficed)."""
+    import shutil
+    make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1).fit(2)
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(ckpts / "step_000002", ckpts / "step_000003.tmp")
+    from hymo.training.trainer import Trainer
+    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 4, "warmup_steps": 1})
+    Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run")
+    assert (ckpts / "step_000003.tmp").exists() and "rename it without .tmp to resume from it" in capsys.readouterr().out
+    (ckpts / "step_000003.tmp" / "rank0.pt").unlink()
+    Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run")
+    assert not (ckpts / "step_000003.tmp").exists() and "cut short" in capsys.readouterr().out
 
 
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
@@ -295,6 +366,30 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
                       cwd=tmp_path, env_extra=CPU_RANKS)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and read_jsonl(tmp_path / "two" / "metrics.jsonl")[-1]["step"] == 6
+
+
+def test_ranks_whose_clocks_differ_share_the_new_run_folder(tmp_path):
+    """Without run_dir= each rank used to name the timestamped folder from its own clock: a rank a second late wrote its
+    checkpoint shards into a folder of its own, and every checkpoint of the run was missing them. Here rank 1's clock is
+    a day ahead; rank 0's name is used by both, so the run has one folder and its checkpoint resumes."""
+    script = tmp_path / "late_clock.py"
+    script.write_text(
+        "import os, sys, time\nfrom hymo.train import main\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    real = time.strftime\n"
+        "    time.strftime = lambda f, t=None: real(f, time.localtime((t or time.time()) + 86400) if t is None else t)\n"
+        "main(sys.argv[1:])\n")
+    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
+            "warmup_steps=1", "max_steps=2"]
+    r = torchrun(str(script), *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1, runs
+    ckpt = runs[0] / "checkpoints" / "step_000002"
+    assert (ckpt / "rank0.pt").exists() and (ckpt / "rank1.pt").exists(), sorted(p.name for p in ckpt.iterdir())
+    again = torchrun("-m", "hymo.train", *args[:-1], "max_steps=3", f"run_dir={runs[0]}", cwd=tmp_path)
+    assert again.returncode == 0 and "resumed from" in again.stdout, again.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(runs[0] / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_path):

@@ -35,12 +35,13 @@ from .data import DataError, TokenLoader, check_compatible, load_manifest, load_
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'Dist', 'setup_distributed', 'parallelize',
-           'resolve_precision', 'peak_flops', 'list_checkpoints', 'checkpoint_step', 'CheckpointUnreadable', 'wrapped',
-           'reraise_interrupt', 'resume_changes', 'trim_metrics', 'split_micro_batches', 'lock_run_dir',
-           'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation',
-           'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'metric_line', 'StopSignals', 'fit',
-           'request_stop', 'json_line', 'finish', 'write_safetensors', 'sample', 'plot_losses']
+__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'Dist', 'setup_distributed', 'new_run_dir',
+           'parallelize', 'resolve_precision', 'peak_flops', 'list_checkpoints', 'checkpoint_step',
+           'CheckpointUnreadable', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics',
+           'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
+           'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
+           'metric_line', 'StopSignals', 'fit', 'request_stop', 'json_line', 'finish', 'write_safetensors', 'sample',
+           'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -69,6 +70,15 @@ def setup_distributed() -> Dist:
     if joined: dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device, joined)
+
+
+def new_run_dir(name: str, # Preset name
+                d: Dist, # This process
+               ) -> str:
+    "`runs/<name>-<time>`, with rank 0's time given to every rank: ranks whose clocks read another second share one folder."
+    path = [f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if d.distributed: dist.broadcast_object_list(path, src=0)
+    return path[0]
 
 # %% ../../nbs/70_trainer.ipynb #214e8b10
 def parallelize(model: HyMo, cfg: TrainingConfig, d: Dist) -> HyMo:
@@ -280,7 +290,7 @@ class Trainer:
                  quiet: bool = False): # No progress bar or prints (tests)
         self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
         self.d = setup_distributed()
-        self.run_dir = Path(run_dir or train_cfg.run_dir or f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}").expanduser()
+        self.run_dir = Path(run_dir or train_cfg.run_dir or new_run_dir(name, self.d)).expanduser()
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
         self.accum = split_micro_batches(train_cfg, self.d.world_size)
@@ -369,14 +379,20 @@ class Trainer:
                             "HYMO_CACHE=... to a folder you can write to") from None
         return prepare_default(vocab_size=self.mcfg.vocab_size)
 
+    @staticmethod
+    def _whole(ckpt: Path) -> bool:
+        "Whether checkpoint folder `ckpt` has every file a complete one has (DCP's `.metadata`, meta.json, each rank's)."
+        try: ranks = json.loads((ckpt / "meta.json").read_text())["world_size"]
+        except (OSError, ValueError, KeyError, TypeError): return False
+        return (ckpt / ".metadata").exists() and all((ckpt / f"rank{r}.pt").exists() for r in range(ranks))
+
     def _remove_partial_checkpoints(self):
         "Remove `.tmp` checkpoint folders whose writing was cut short (a kill, a second Ctrl-C): never read, only space."
         if not self.d.is_main: return
         done = list_checkpoints(self.run_dir)
         newest = checkpoint_step(done[-1]) if done else -1
         for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
-            whole = (tmp / "meta.json").exists() and (tmp / ".metadata").exists()
-            if whole and checkpoint_step(tmp.with_suffix("")) > newest:  # its rename alone was cut short
+            if self._whole(tmp) and checkpoint_step(tmp.with_suffix("")) > newest:  # its rename alone was cut short
                 self.log(f"warning: {tmp} looks complete and is newer than every checkpoint: it is left as it is; "
                          f"rename it without .tmp to resume from it")
                 continue
@@ -667,6 +683,15 @@ def _single_process_quiet():
         yield
 
 
+def _to_disk(f):
+    "Flush an open file, or a folder's entries (a `Path`: renames and new files in it), to the disk itself."
+    if isinstance(f, Path):
+        fd = os.open(f, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+    else: f.flush(); os.fsync(f.fileno())
+
+
 def save(self: Trainer) -> Path:
     "Write a complete checkpoint for the current step (temp folder, then rename), keep the last k."
     import torch.distributed.checkpoint as dcp
@@ -681,17 +706,19 @@ def save(self: Trainer) -> Path:
     def own_files():  # every rank's; through a file: a full disk is an OSError, as elsewhere
         with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
+            _to_disk(f)
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "config": Config(self.mcfg, self.cfg).to_dict()}
-            (tmp / "meta.json").write_text(json.dumps(meta))
+            with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); _to_disk(f)
 
     def publish():  # complete on every rank: the rename makes it a checkpoint
         if not self.d.is_main: return
         replaced = final.with_name(f"replaced-{final.name}")  # a checkpoint of this step is never deleted before its successor is in place
         if final.exists(): shutil.rmtree(replaced, ignore_errors=True); os.replace(final, replaced)
         os.replace(tmp, final)
+        _to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
         for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
             if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
             try: shutil.rmtree(old)
@@ -742,16 +769,21 @@ def load(self: Trainer, ckpt: Path):
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.branched_from = meta.get("branched_from")
     self.history = meta["history"]
+    # the loader's position from the windows the saved run read (ceil: none is read twice), in this run's micro-steps
+    old_G = meta["config"]["train"]["global_batch_size"] if "config" in meta else self.cfg.global_batch_size
+    position = -(-self.step * old_G // (self.d.world_size * self.cfg.micro_batch_size))
     if extra is not None:
         _set_rng_state(extra["rng"])
         saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
-        self.train_loader.load_state_dict({**saved, "accum": self.accum})  # the other settings must match
-        if saved["accum"] != self.accum:  # another global batch: the position follows from the steps done
-            self.train_loader.step = self.step * self.accum
-            notes.append(f"the loader's accumulation was {saved['accum']}, now {self.accum}: the data "
-                         "position follows from the steps done, and later epochs' order differs from the saved run's")
+        ours = {"accum": self.accum, "micro_batch_size": self.cfg.micro_batch_size}
+        self.train_loader.load_state_dict({**saved, **ours})  # the other settings (data, seed, seq_len, ranks) must match
+        if any(saved[k] != v for k, v in ours.items()):  # another split of the batch, or another global batch
+            self.train_loader.step = position
+            notes.append(f"each rank's step was {saved['accum']} micro-batches of {saved['micro_batch_size']}, now "
+                         f"{self.accum} of {self.cfg.micro_batch_size}: the data continues after the windows the saved run "
+                         "read, and later epochs' order differs from the saved run's")
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
-        self.train_loader.step = self.step * self.accum
+        self.train_loader.step = position
     self._train_iter = iter(self.train_loader)
     self.saved_step = self.step  # that checkpoint exists: a stop right away need not write it again
     self.log(f"resumed from {ckpt} at step {self.step}")
@@ -882,8 +914,12 @@ def _wandb(self: Trainer):
     if not (self.cfg.wandb and self.d.is_main): return None
     import wandb
     online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
-    return wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
-                      config=Config(self.mcfg, self.cfg).to_dict(), resume="allow")
+    id_file = self.run_dir / "wandb" / "hymo_run_id"  # one wandb run for the whole run, however often it resumes
+    run_id = id_file.read_text().strip() or None if self.step > 0 and id_file.exists() else None  # step 0: a new run
+    run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
+                     config=Config(self.mcfg, self.cfg).to_dict(), id=run_id, resume="allow")
+    id_file.write_text(run.id)  # wandb.init made run_dir/wandb
+    return run
 
 Trainer.fit, Trainer._fit_steps, Trainer.request_stop = fit, _fit_steps, request_stop
 
