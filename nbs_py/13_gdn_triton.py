@@ -143,6 +143,18 @@ assert_close(y, (x * s[:, None]) @ w, rtol=2e-3, atol=2e-3)              # tf32 
 # is the query scale and $G_C$ the last cumulative decay of the chunk. Every exponent is a difference
 # $G_i - G_j \le 0$, masked *before* `exp`: no factor exceeds 1.
 #
+# The letters follow the kernels' variable names, and differ from chapter 12's (and the first
+# workshop deck's), which derived the same system:
+#
+# | this chapter, the kernels | chapter 12 | what it is |
+# |---|---|---|
+# | $L$ | $A$ | strictly lower-triangular $\mathrm{strict\_tril}(\mathrm{diag}(\beta) K K^\top \odot \Gamma)$ |
+# | $A = (I + L)^{-1}$ | $T = (I + A)^{-1}$ (`T_ut`) | the inverse the UT transform computes |
+# | $\Gamma$, the matrix $e^{G_i - G_j}$ | $D$ | decay between two tokens of a chunk |
+# | $G$, $e^{G}$ | $\gamma$, $\Gamma = e^{\gamma}$ (a vector) | cumulative log-decay, and decay since the chunk's start |
+#
+# So "prep (gates, $A$)" in the benchmarks below is the inverse, chapter 12's $T$.
+#
 # Two kinds of work follow. $A$ depends only on the chunk's own $K$, $\beta$, $g$, so all chunks of
 # all heads are solved at once (a grid of $T/64 \times B H$ programs). The rest carries $S$ from
 # chunk to chunk: one program per head walks its chunks in order and keeps $S$ on chip, in fp32.
@@ -1357,6 +1369,10 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # When few tokens arrive at a time with a state to carry: decoding. Each token then costs $O(KV)$
 # per head, where a chunk would solve a $64\times64$ system for one token. For training and prefill
 # the chunked path wins, because its work is matrix products on the tensor cores and only $T/64$
-# steps are sequential instead of $T$ (the loop at $T = 4096$ in PyTorch: about 0.67 s forward,
-# against 0.42 ms for the chunked kernels).
+# steps are sequential instead of $T$: 64 times fewer dependent steps, each a few small products
+# rather than a rank-one update that leaves the tensor cores idle. HyMo has no fused recurrent
+# Triton kernel to time against (decoding steps the PyTorch recurrence, chapter 41), so no measured
+# ratio is given here. The Python reference loop, a much slower thing, takes about 0.67 s forward at
+# $T = 4096$ (extrapolated from $T = 256$) against 0.42 ms for the chunked kernels; that gap is
+# mostly Python and launch overhead, not the algorithm.
 # :::

@@ -321,7 +321,7 @@ for kk, rows in ((k_, N_), (1, N_ * k_)):
 # bf16 has fp32's 8-bit exponent, so it does not underflow where fp32 does not: $10^{-30}$ is fine,
 # and a 16-way softmax's probabilities near $1/16$ are nowhere near any underflow. (The design
 # document's "probabilities below 6e-8 vanish" is fp16's subnormal limit, not bf16's.) What bf16
-# lacks is mantissa: 8 bits of precision, about 3 significant digits. The probabilities of a near-uniform
+# lacks is mantissa: 8 bits of precision (7 stored), 2 to 3 significant digits. The probabilities of a near-uniform
 # router differ by a few thousandths (its logits by a few hundredths); rounded to bf16 they collide or swap, and the top-k changes.
 
 # %%
@@ -785,8 +785,8 @@ test_eq(set(direct.state_dict()) >= {"gate_bias", "ema_counts", "expert_counts",
 # ::: {.callout-tip collapse="true"}
 # ## Why compute the router in fp32 when everything else is bf16?
 # Not because of underflow: bf16 has fp32's 8-bit exponent and represents probabilities down to
-# about 1e-38 (the design document's 6e-8 is fp16's limit). The problem is bf16's 8-bit mantissa,
-# about 3 significant digits. A near-uniform router's probabilities differ by thousandths, which bf16
+# about 1e-38 (the design document's 6e-8 is fp16's limit). The problem is bf16's 8 bits of precision
+# (7 stored), 2 to 3 significant digits. A near-uniform router's probabilities differ by thousandths, which bf16
 # rounds away or reorders, so the top-k set flips for a noticeable fraction of tokens (measured
 # above: a few percent at initialisation). Those flips are noise in the routing and in the load
 # statistics. The gate is a d×E matmul, negligible next to the experts, so fp32 is free; autocast

@@ -1082,5 +1082,5 @@ assert t_mem > 50 * t_flop
 # 3000 tokens/s per sequence is an upper bound; batching many sequences amortises the weight reads
 # until compute or the cache becomes the limit (and at large batch nearly all experts are touched,
 # so the full 1.24 B parameters are read). HyMo's own decoding step, replayed as a CUDA graph, reaches about 140–150
-# tokens/s on an H200 (chapter 80): thousands of small kernels, not bandwidth, still set its pace.
+# tokens/s on an H200 with fp32 weights (119–124 under bf16 autocast) (chapter 80): thousands of small kernels, not bandwidth, still set its pace.
 # :::
