@@ -326,10 +326,13 @@ def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, di
     elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
-    try: raw = yaml.safe_load(p.read_text()) or {}
+    try: raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); for one that is, see "
                           f"{PRESET_DIR / 'hymo_tiny.yaml'} or a run folder's config.yaml") from None
+    if raw is None:  # empty, or only comments: the defaults are hymo_750m's, surely not what was meant
+        raise ConfigError(f"{p} is empty: a config file has 'model:' and 'train:' sections (see {PRESET_DIR / 'hymo_tiny.yaml'}); "
+                          f"for a preset as it is, name it ({', '.join(presets())})")
     if not isinstance(raw, dict) or set(raw) - {"model", "train", "name", "base"}:
         raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
                           f"has, and a 'base:' preset it changes); "

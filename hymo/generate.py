@@ -8,6 +8,8 @@ Docs: https://hymo-lm.github.io/hymo/generate.html.md"""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -51,10 +53,18 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if wrong.missing_keys or wrong.unexpected_keys:
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: missing "
                           f"{wrong.missing_keys[:3]}, unexpected {wrong.unexpected_keys[:3]}")
+    again = "copy it again from the run's data folder (data_dir in config.yaml; the bundled corpus is prepared under $HYMO_CACHE)"
     try: tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     except Exception as e:  # tokenizers' own error for a cut or damaged file
-        raise ConfigError(f"{run / 'tokenizer.json'} cannot be read ({e}): copy it again from the run's data folder "
-                          "(data_dir in config.yaml; the bundled corpus is prepared under $HYMO_CACHE)") from None
+        raise ConfigError(f"{run / 'tokenizer.json'} cannot be read ({e}): {again}") from None
+    try: want = json.loads((run / "summary.json").read_text()).get("tokenizer_sha256")  # runs before it was recorded: None
+    except (OSError, ValueError, AttributeError): want = None
+    if want and hashlib.sha256((run / "tokenizer.json").read_text(encoding="utf-8").encode("utf-8")).hexdigest() != want:
+        raise ConfigError(f"{run / 'tokenizer.json'} is not the tokenizer this run trained with (its sha256 differs from "
+                          f"summary.json's): {again}, from the dataset whose manifest.json has that tokenizer_sha256")
+    if tok.get_vocab_size() > cfg.model.vocab_size:
+        raise ConfigError(f"{run / 'tokenizer.json'} has {tok.get_vocab_size()} tokens, more than the model's vocab_size="
+                          f"{cfg.model.vocab_size}: it is not this run's tokenizer; {again}")
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
     return model.eval(), tok
 
@@ -141,6 +151,9 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
+        n, L = len(tok.encode(a.prompt).ids) + 1, model.config.max_seq_len  # + the end-of-text token that opens it
+        if n > L: print(f"note: the prompt is {n} tokens, more than the model's max_seq_len={L}: it sees only the last {L}",
+                        file=sys.stderr)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)
     except (ConfigError, ValueError) as e:
         p.error(str(e))

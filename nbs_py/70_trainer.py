@@ -210,7 +210,9 @@ def peak_flops(device: torch.device) -> float | None:
 #
 # The folder is written as `step_000100.tmp` and renamed only when every rank has finished. A crash
 # mid-write leaves a `.tmp` folder that is never read, so the last complete checkpoint stays the
-# one a resume uses. After a successful save, only the newest `keep_last_k` are kept.
+# one a resume uses. After a successful save, only the newest `keep_last_k` are kept. Only names of
+# exactly that form are checkpoints: a copy you made as `step_000100.bak` is neither read nor
+# pruned.
 #
 # A checkpoint can still be damaged afterwards (a disk that filled up, a file deleted by hand). A
 # resume then says which one cannot be read and why, renames it `damaged-step_...` (kept, never
@@ -225,11 +227,11 @@ CKPT_PREFIX = "step_"
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    "Complete checkpoints in `run_dir/checkpoints`, oldest first (`.tmp` folders are ignored)."
+    """The checkpoints in `run_dir/checkpoints`, oldest first: folders named `step_` and the step's digits, renamed from
+    `.tmp` once complete. Other names (`.tmp`, `damaged-...`, a backup copy `step_000100.bak`) are not checkpoints."""
     root = Path(run_dir) / "checkpoints"
-    if not root.exists(): return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CKPT_PREFIX) and not p.name.endswith(".tmp")
-            and (p / "meta.json").exists()]
+    if not root.is_dir(): return []
+    done = [p for p in root.iterdir() if re.fullmatch(CKPT_PREFIX + r"\d{6,}", p.name) and p.is_dir()]
     return sorted(done, key=checkpoint_step)
 
 
@@ -453,6 +455,10 @@ class Trainer:
         self._refuse_a_foreign_folder()
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
         self._resume(resume)
+        if self.step > train_cfg.max_steps:  # finishing would export a model that never had its decay as the final one
+            raise ConfigError(f"{self.run_dir}'s checkpoint is at step {self.step}, past max_steps={train_cfg.max_steps}: "
+                              f"there is nothing to train. Give max_steps={self.step} or more, or --resume an earlier "
+                              f"checkpoint ({self.run_dir / 'checkpoints'}/step_...) to branch a shorter run from it")
         try: self._together(lambda: self.d.is_main and self.run_dir.mkdir(parents=True, exist_ok=True), self.run_dir)
         except OSError as e:  # only now: a mistake leaves no empty run folder
             raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
@@ -531,6 +537,11 @@ class Trainer:
     def _resume(self, resume):
         "Load what `resume` names: a checkpoint folder, True (the newest readable one in the run folder, if any) or False."
         done = list_checkpoints(self.run_dir)
+        finished = [n for n in ("model.safetensors", "summary.json") if (self.run_dir / n).exists()]
+        if finished and not done:  # e.g. checkpoints/ deleted to free space: training again would start at step 0
+            raise ConfigError(f"{self.run_dir} holds a finished run's {' and '.join(finished)} but no checkpoint to "
+                              f"continue from: training there would start again at step 0 and replace them. Give a new "
+                              f"run_dir=..., or move {' and '.join(finished)} out of it to start afresh in that folder")
         if resume is False or resume is None:
             if done:
                 raise ConfigError(f"{self.run_dir} already holds checkpoints of a run (newest: {done[-1].name}); starting "
@@ -540,8 +551,11 @@ class Trainer:
         if resume is not True:
             p = Path(resume)
             if not (p / "meta.json").exists():
-                raise ConfigError(f"{p} {'is not a complete checkpoint (no meta.json)' if p.is_dir() else 'does not exist'}; "
-                                  f"complete ones in {self.run_dir}: {[c.name for c in done]}")
+                own = list_checkpoints(p)  # a run folder given for one of its checkpoints
+                what = (f"is a run folder, not a checkpoint: give one of its checkpoints, e.g. {own[-1]}" if own else
+                        "is not a complete checkpoint (no meta.json)" if p.is_dir() else
+                        "is a file, not a checkpoint folder" if p.exists() else "does not exist")
+                raise ConfigError(f"{p} {what}" + (f"; the checkpoints in {self.run_dir}: {[c.name for c in done]}" if done else ""))
             if p.name.endswith(".tmp"):
                 raise ConfigError(f"{p} is a checkpoint whose writing was cut short: give a complete one, or leave out "
                                   "--resume to use the newest complete one")
@@ -995,6 +1009,7 @@ def save(self: Trainer) -> Path:
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
+                    "data_fingerprint": getattr(self.train_loader, "manifest", {}).get("fingerprint"),
                     "config": Config(self.mcfg, self.cfg).to_dict()}
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); _to_disk(f)
 
@@ -1034,14 +1049,15 @@ def load(self: Trainer, ckpt: Path):
     try:  # this rank's own files first; all ranks then agree on them before DCP's collective load
         meta = json.loads((ckpt / "meta.json").read_text())
         mine = ckpt / f"rank{self.d.rank}.pt"
-        same_ranks = meta["world_size"] == self.d.world_size and mine.exists()
-        extra = torch.load(mine, weights_only=False) if same_ranks else None
+        same_ranks = meta["world_size"] == self.d.world_size  # else DCP reshards and the loader position is recomputed
+        extra = torch.load(mine, weights_only=False) if same_ranks else None  # missing: damaged, as a cut one is
         if not (ckpt / ".metadata").exists(): raise FileNotFoundError(f"{ckpt / '.metadata'} is missing")
     except Exception as e:
         if not _unreadable(e): raise
         error = e
     if not self._agree(error is None):
         raise error or CheckpointUnreadable(f"another rank cannot read its files in {ckpt}")
+    self._check_same_data(meta, ckpt)
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
@@ -1075,7 +1091,21 @@ def load(self: Trainer, ckpt: Path):
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
 
-Trainer.save, Trainer.load = save, load
+def _check_same_data(self: Trainer, meta: dict, ckpt: Path):
+    """Raise `DataError` unless this run reads the data `ckpt` trained on, in the same order: the same dataset
+    (fingerprint), `seq_len` and `seed`. Checked on any number of ranks (each rank's loader checks it again)."""
+    fingerprint = getattr(self.train_loader, "manifest", {}).get("fingerprint")
+    if meta.get("data_fingerprint") not in (None, fingerprint):
+        raise DataError(f"the dataset in {self.data_dir} is not the one {ckpt} trained on (fingerprint "
+                        f"{meta['data_fingerprint'][:12]}… then, {str(fingerprint)[:12]}… now: prepared again, or another "
+                        "folder): resume with that data, or give a new run_dir=... to train on this one")
+    old = (meta.get("config") or {}).get("train", {})
+    diff = [f"{k} {old[k]} -> {getattr(self.cfg, k)}" for k in ("seq_len", "seed") if k in old and old[k] != getattr(self.cfg, k)]
+    if diff: raise DataError(f"{ckpt} cannot continue its data order with {', '.join(diff)} (the order of the windows "
+                             "depends on them): resume with the checkpoint's values, or give a new run_dir=... to start afresh")
+
+
+Trainer.save, Trainer.load, Trainer._check_same_data = save, load, _check_same_data
 
 
 # %% [markdown]
@@ -1266,7 +1296,9 @@ def finish(self: Trainer) -> dict:
         if not self.d.is_main: return
         write_safetensors(full, self.run_dir / "model.safetensors")
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
-            shutil.copyfile(Path(self.data_dir) / load_manifest(self.data_dir)["tokenizer"], self.run_dir / "tokenizer.json")
+            manifest = load_manifest(self.data_dir)
+            shutil.copyfile(Path(self.data_dir) / manifest["tokenizer"], self.run_dir / "tokenizer.json")
+            summary["tokenizer_sha256"] = manifest["tokenizer_sha256"]  # generate checks the copy it reads against it
         plot_losses(self.history, self.run_dir / "loss.png")
         (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
         summary["sample"] = sample
@@ -1403,6 +1435,10 @@ test_eq([m["loss"] for m in t3.fit()], [m["loss"] for m in metrics[3:]])
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work / "run" / "nope", quiet=True),
           contains="nope does not exist")
+test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work / "run", quiet=True),  # the run, not one of its checkpoints
+          contains=f"is a run folder, not a checkpoint: give one of its checkpoints, e.g. {work / 'run' / 'checkpoints'}")
+test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work / "run" / "config.yaml", quiet=True),
+          contains="config.yaml is a file, not a checkpoint folder")
 bad = load_config("hymo_tiny", **small, vocab_size=1024, data_dir=str(trainer.data_dir))  # ids up to 2047 do not fit
 test_fail(lambda: Trainer(bad.model, bad.train, run_dir=work / "y", quiet=True), contains="vocab")
 assert not (work / "x").exists() and not (work / "y").exists()
@@ -1434,7 +1470,14 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   Writing a step's checkpoint again sets the old one aside (`replaced-step_...`) until the new one
 #   is in place, and `finish` does not write again the checkpoint it was loaded from.
 # * A `run_dir` that is the dataset's folder, or that cannot be created, is refused before anything
-#   is written.
+#   is written. So is a finished run's folder whose checkpoints are gone (deleted to free space,
+#   say): training there would start again at step 0 and replace its `model.safetensors`.
+# * A checkpoint at a step past `max_steps` is refused: there is nothing to train, and finishing
+#   would export a model that never had its decay as the final one.
+# * A resume reads the data the checkpoint trained on, in its order: `meta.json` holds the dataset's
+#   fingerprint, so a `data_dir` prepared again from other text is refused, and so are a changed
+#   `seq_len` or `seed`, on any number of ranks. The split of the global batch may change (see
+#   *Checkpoints*).
 
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "run", resume=False, quiet=True), contains="--no-resume")

@@ -33,6 +33,8 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import sys
 from pathlib import Path
@@ -88,10 +90,18 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if wrong.missing_keys or wrong.unexpected_keys:
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: missing "
                           f"{wrong.missing_keys[:3]}, unexpected {wrong.unexpected_keys[:3]}")
+    again = "copy it again from the run's data folder (data_dir in config.yaml; the bundled corpus is prepared under $HYMO_CACHE)"
     try: tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     except Exception as e:  # tokenizers' own error for a cut or damaged file
-        raise ConfigError(f"{run / 'tokenizer.json'} cannot be read ({e}): copy it again from the run's data folder "
-                          "(data_dir in config.yaml; the bundled corpus is prepared under $HYMO_CACHE)") from None
+        raise ConfigError(f"{run / 'tokenizer.json'} cannot be read ({e}): {again}") from None
+    try: want = json.loads((run / "summary.json").read_text()).get("tokenizer_sha256")  # runs before it was recorded: None
+    except (OSError, ValueError, AttributeError): want = None
+    if want and hashlib.sha256((run / "tokenizer.json").read_text(encoding="utf-8").encode("utf-8")).hexdigest() != want:
+        raise ConfigError(f"{run / 'tokenizer.json'} is not the tokenizer this run trained with (its sha256 differs from "
+                          f"summary.json's): {again}, from the dataset whose manifest.json has that tokenizer_sha256")
+    if tok.get_vocab_size() > cfg.model.vocab_size:
+        raise ConfigError(f"{run / 'tokenizer.json'} has {tok.get_vocab_size()} tokens, more than the model's vocab_size="
+                          f"{cfg.model.vocab_size}: it is not this run's tokenizer; {again}")
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
     return model.eval(), tok
 
@@ -183,6 +193,9 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
+        n, L = len(tok.encode(a.prompt).ids) + 1, model.config.max_seq_len  # + the end-of-text token that opens it
+        if n > L: print(f"note: the prompt is {n} tokens, more than the model's max_seq_len={L}: it sees only the last {L}",
+                        file=sys.stderr)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
@@ -333,6 +346,28 @@ for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperatu
     with contextlib.redirect_stderr(io.StringIO()) as err:
         test_fail(lambda: main([str(work / "run"), *args]), exc=SystemExit)
     assert says in err.getvalue(), err.getvalue()
+
+# %% [markdown]
+# The run's `tokenizer.json` is the dataset's, and `summary.json` records its sha256: a tokenizer
+# copied in from another dataset (the cache holds several side by side) would turn the model's ids
+# into other text, or into ids it has no row for. It is refused, saying where the right one is. A
+# prompt longer than `max_seq_len` is not an error (the model reads its last `max_seq_len` tokens,
+# as it does once a long generation outgrows that), but the command line says so.
+
+# %%
+import shutil
+test_eq(json.loads((work / "run" / "summary.json").read_text())["tokenizer_sha256"],
+        hashlib.sha256((work / "run" / "tokenizer.json").read_bytes()).hexdigest())
+other = work / "other_tokenizer"
+shutil.copytree(work / "run", other)
+from tokenizers import Tokenizer, models, pre_tokenizers
+wrong = Tokenizer(models.BPE()); wrong.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+wrong.add_special_tokens([EOT]); wrong.save(str(other / "tokenizer.json"))
+test_fail(lambda: load_run(other), contains="is not the tokenizer this run trained with")
+long_prompt = "ROMEO: " * 300  # about 600 tokens; max_seq_len is 256
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+    main([str(work / "run"), "--prompt", long_prompt, "--tokens", "2", "--device", "cpu"])
+assert "it sees only the last 256" in err.getvalue(), err.getvalue()
 
 # %% [markdown]
 # ## Interview questions

@@ -181,6 +181,13 @@ def test_invalid_yaml_points_at_a_valid_example(tmp_path):
     assert load_config(example).name == "hymo_tiny"  # the file it names exists and loads
 
 
+def test_an_empty_config_file_is_refused_not_read_as_the_750m_defaults(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("# to fill in\n")
+    with pytest.raises(ConfigError, match="mine.yaml is empty: a config file has 'model:' and 'train:' sections"):
+        load_config(str(p))
+
+
 def _float_fields(cls):
     from hymo.config import _field_types
     return [n for n, tp in _field_types(cls).items() if tp in (float, Optional[float])]  # list items: the next test

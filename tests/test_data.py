@@ -240,6 +240,12 @@ def test_input_errors(tmp_path):
     with pytest.raises(DataError, match="is not a Hugging Face tokenizer.json"):
         prepare(tmp_path / "ok.txt", tmp_path / "o", tokenizer=tmp_path / "tok.json")
     assert not (tmp_path / "o").exists() and (tmp_path / "ok.txt").read_text() == "hello\n"
+    # the same file twice (here once directly, once in its folder) would be trained on twice: refused
+    with pytest.raises(DataError, match="is given twice"): prepare([tmp_path / "ok.txt", tmp_path / "ok.txt"], tmp_path / "o")
+    (tmp_path / "docs").mkdir(); (tmp_path / "docs" / "a.txt").write_text("one\n")
+    with pytest.raises(DataError, match=r"given twice \(as docs/a.txt and as a.txt\)"):
+        prepare([tmp_path / "docs", tmp_path / "docs" / "a.txt"], tmp_path / "o")
+    assert not (tmp_path / "o").exists()
 
 
 def test_dataset_errors(ds, text, tmp_path):
@@ -247,12 +253,19 @@ def test_dataset_errors(ds, text, tmp_path):
     with pytest.raises(DataError, match=f"set model.vocab_size >= {VOCAB}"): check_compatible(ds, 256)
     with pytest.raises(DataError, match="use a shorter seq_len"): TokenLoader(ds, "val", seq_len=10**6, micro_batch_size=1)
     with pytest.raises(DataError, match="python -m hymo.data prepare"): TokenLoader(tmp_path, "train")
+    (tmp_path / "texts").mkdir(); (tmp_path / "texts" / "a.txt").write_text("some text\n")  # texts, not yet prepared
+    with pytest.raises(DataError, match=f"--input {tmp_path / 'texts'} --out {tmp_path / 'texts_prepared'}`, then give"):
+        TokenLoader(tmp_path / "texts", "train")
     bad = prepare(text, tmp_path / "bad", vocab_size=VOCAB, progress=False)
     (bad / "tokenizer.json").write_text((bad / "tokenizer.json").read_text().replace('"Ġthe"', '"Ġteh"'))
     with pytest.raises(DataError, match="not the tokenizer the shards were encoded with"): check_compatible(bad, VOCAB)
     bad2 = prepare(text, tmp_path / "bad2", vocab_size=VOCAB, progress=False)
     np.save(bad2 / "val_0000.npy", np.load(bad2 / "val_0000.npy")[:-5])
     with pytest.raises(DataError, match="damaged"): check_compatible(bad2, VOCAB)
+    for size in (5000, 100):  # a shard cut short: shorter than its header says, or inside the header (a traceback before)
+        bad3 = prepare(text, tmp_path / f"bad3_{size}", vocab_size=VOCAB, shard_tokens=10**6, progress=False)
+        os.truncate(bad3 / "train_0000.npy", size)
+        with pytest.raises(DataError, match="train_0000.npy cannot be read .*prepare it again"): check_compatible(bad3, VOCAB)
     (bad2 / "manifest.json").write_text('{"format": ')  # cut short
     with pytest.raises(DataError, match="manifest.json is damaged"): check_compatible(bad2, VOCAB)
 

@@ -182,6 +182,66 @@ def test_resume_with_a_smaller_micro_batch_reads_the_same_windows(tmp_path):
     assert abs(m["loss"] - straight.fit(1)[0]["loss"]) < 1e-4
 
 
+def test_a_finished_run_whose_checkpoints_are_gone_is_not_trained_over(tmp_path):
+    """checkpoints/ deleted to free space after a run finished: the same folder used to train again from step 0 and
+    replace model.safetensors and summary.json. Refused, with the two ways on."""
+    import shutil
+    from hymo.config import ConfigError
+    make(tmp_path / "run", max_steps=2, warmup_steps=1).fit()
+    weights = (tmp_path / "run" / "model.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    for resume in (True, False):
+        with pytest.raises(ConfigError, match="holds a finished run's model.safetensors and summary.json but no checkpoint"):
+            make(tmp_path / "run", max_steps=4, warmup_steps=1, resume=resume)
+    assert (tmp_path / "run" / "model.safetensors").read_bytes() == weights
+
+
+def test_a_checkpoint_past_max_steps_is_refused_not_exported_as_final(tmp_path):
+    """Lowering max_steps below the checkpoint's step used to only warn, then export the undecayed model as final."""
+    from hymo.config import ConfigError
+    make(tmp_path / "run", max_steps=8, ckpt_every=4, warmup_steps=1).fit(4)
+    with pytest.raises(ConfigError, match=r"at step 4, past max_steps=3: there is nothing to train\. Give max_steps=4"):
+        make(tmp_path / "run", max_steps=3, warmup_steps=1)
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(tmp_path):
+    """The dataset's fingerprint is in meta.json, so a re-prepared data_dir is refused with a message that says so, also
+    when rank0.pt cannot be used (another number of ranks); so are a changed seq_len or seed."""
+    from hymo.training.data import DataError, prepare
+    src = tmp_path / "a.txt"
+    src.write_text("".join(f"Speech {i}: to be or not to be, that is the question.\n\n" for i in range(400)))
+    data = prepare(src, tmp_path / "data", vocab_size=300, progress=False)
+    over = dict(max_steps=4, ckpt_every=2, warmup_steps=1, vocab_size=300, data_dir=str(data))
+    make(tmp_path / "run", **over).fit(2)
+    with pytest.raises(DataError, match="cannot continue its data order with seq_len 32 -> 16"):
+        make(tmp_path / "run", **over, seq_len=16)
+    with pytest.raises(DataError, match="seed 0 -> 1"): make(tmp_path / "run", **over, seed=1)
+    src.write_text(src.read_text().replace("question", "answer"))
+    prepare(src, data, vocab_size=300, overwrite=True, progress=False)
+    meta = tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json"  # as if written by 2 ranks: rank0.pt unused
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": 2}))
+    with pytest.raises(DataError, match="is not the one .*step_000002 trained on .*prepared again"):
+        make(tmp_path / "run", **over)
+
+
+def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):
+    """A backup copy step_000002.bak used to crash every resume (int('000002.bak')); a checkpoint missing its meta.json
+    was skipped silently and later overwritten instead of being kept as damaged."""
+    import shutil
+    from hymo.training.trainer import list_checkpoints
+    make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1).fit(4)
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(ckpts / "step_000004", ckpts / "step_000004.bak")
+    (ckpts / "step_4").mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002", "step_000004"]
+    (ckpts / "step_000004" / "meta.json").unlink()
+    t = make(tmp_path / "run", max_steps=8, warmup_steps=1)
+    assert t.step == 2 and (ckpts / "damaged-step_000004").exists() and (ckpts / "step_000004.bak").exists()
+    t.fit()
+    assert (ckpts / "step_000004.bak").exists() and (ckpts / "step_4").exists()
+
+
 def test_a_finished_run_is_not_finished_again(tmp_path):
     """Resuming a finished run (same max_steps, another learning rate) trains nothing and rewrites nothing: the final
     checkpoint's meta.json keeps the config the run trained with, as config.yaml does; raising max_steps trains on."""

@@ -68,6 +68,12 @@ def find_files(inputs: Iterable, # Paths of files or folders
             files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
+    seen = {}
+    for f, name in files:
+        key = f.resolve()
+        if key in seen: raise DataError(f"input {f} is given twice (as {seen[key]} and as {name}): its documents would be "
+                                        "trained on twice, and could be in both splits; give each file once")
+        seen[key] = name
     for f, _ in files: _check_readable(f, "input")
     return files
 
@@ -258,10 +264,14 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
 # %% ../../nbs/60_data.ipynb #3a6f78ab
 def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
-    m = Path(data_dir) / "manifest.json"
-    if not m.exists():
-        raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run "
-                        f"`python -m hymo.data prepare --input TEXT... --out {data_dir}`")
+    d = Path(data_dir)
+    m = d / "manifest.json"
+    if not m.exists():  # texts not prepared yet (a file, or a folder of them): prepare them into a folder of their own
+        texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
+        out = d.with_name(f"{d.with_suffix('').name if d.is_file() else d.name}_prepared")
+        raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run `python -m hymo.data prepare "
+                        + (f"--input {data_dir} --out {out}`, then give data_dir={out}" if texts else
+                           f"--input TEXT... --out {data_dir}`"))
     try: manifest = json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{m} is damaged ({e}): prepare the dataset again (`python -m hymo.data prepare ... "
@@ -375,7 +385,9 @@ def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]
     for s in manifest["splits"][split]["shards"]:
         p = Path(data_dir) / s["file"]
         if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again")
-        a = np.load(p, mmap_mode="r")
+        try: a = np.load(p, mmap_mode="r")
+        except (ValueError, OSError) as e:  # cut short: numpy cannot read the header, or the file is shorter than it says
+            raise DataError(f"shard {p} cannot be read ({e}): the dataset is damaged, prepare it again") from None
         if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"]:
             raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
                             f"{manifest['dtype']}: the dataset is damaged, prepare it again")
@@ -512,6 +524,10 @@ class TokenLoader:
     def load_state_dict(self, state: dict):
         "Continue from a `state_dict()`; the order-defining settings must be the same."
         mine = self.state_dict()
+        if state.get("fingerprint") != mine["fingerprint"]:
+            raise DataError(f"the dataset in {self.data_dir} is not the one this run trained on (fingerprint "
+                            f"{str(state.get('fingerprint'))[:12]}… then, {mine['fingerprint'][:12]}… now: prepared again, or "
+                            "another folder): resume with that data, or give a new run_dir=... to train on this one")
         diff = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in mine if k != "step" and state.get(k) != mine[k]]
         if diff: raise DataError("cannot resume the data order, settings differ (" + "; ".join(diff) + "): "
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
