@@ -154,6 +154,8 @@ def _type_hint(name: str, value, tp) -> str:
     "The fix for the two usual slips: a number where text is meant, and a count written as a float."
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML reads run_dir=2024 as a number
         return f"; quote it: '{value}' (from a shell: \"{name.split('.')[-1]}='{value}'\")"
+    if tp is str and value is None:  # moe_balance=None, meaning "off"
+        return "; None and null are not text: give one of its values (off, where it can be, is the word none, lower case)"
     if tp is int and (isinstance(value, float) or isinstance(value, str) and _SCI.fullmatch(value)) and float(value).is_integer():
         return f"; write it as a whole number: {int(float(value))}"
     return ""

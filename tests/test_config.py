@@ -181,6 +181,12 @@ def test_invalid_yaml_points_at_a_valid_example(tmp_path):
     assert load_config(example).name == "hymo_tiny"  # the file it names exists and loads
 
 
+def test_none_for_a_text_setting_says_how_to_write_off():
+    with pytest.raises(ConfigError, match="not text: give one of its values .*the word none, lower case"):
+        load_config("hymo_tiny", moe_balance=None)
+    assert load_config("hymo_tiny", moe_balance="none").model.moe_balance == "none"
+
+
 def test_an_empty_config_file_is_refused_not_read_as_the_750m_defaults(tmp_path):
     p = tmp_path / "mine.yaml"
     p.write_text("# to fill in\n")
