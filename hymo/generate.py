@@ -98,27 +98,35 @@ def generate_text(model: HyMo, tok, # From `load_run`
 
 
 class _Stream:
-    """Hands `show` the text of the ids drawn so far, piece by piece, holding back a character whose bytes are not all drawn.
-    Only the ids since the last complete character are decoded again, so each token costs the same however long the text."""
+    """Hands `show` the text of the ids drawn so far, piece by piece, never a piece that later ids would change.
+    Each piece is the new ids decoded after the last shown chunk, and minus that chunk's text: some decoders (Metaspace,
+    WordPiece) drop the space before the first token of a decode, so a token needs its left neighbour to decode right.
+    Only those few ids are decoded again, so each token costs the same however long the text."""
     def __init__(self, tok, ids: list[int], eot: int | None, show: Callable[[str], None] | None):
         self.tok, self.eot, self.show, self.ended = tok, eot, show, False
-        self.done = ""        # text shown so far
-        self.settled = ""     # the text of the ids before `self.tail`: it ends on a whole character, so no id changes it
-        self.tail = list(ids) # ids whose text may still change: their last character can be incomplete
+        self.ids, self.done = list(ids), ""  # every id drawn (the prompt's first); the text shown so far
+        self.ctx = self.mark = 0  # ids[ctx:mark]: the last chunk shown, the left context; ids[mark:]: not shown yet
         self._advance()
 
     def _advance(self):
-        piece = self.tok.decode(self.tail)
-        # byte-level BPE: a character split over tokens decodes as U+FFFD until its last byte is drawn
-        if piece.endswith("\ufffd"): return
-        self.settled, self.tail = self.settled + piece, []
-        if self.show is not None and len(self.settled) > len(self.done): self.show(self.settled[len(self.done):])
-        self.done = self.settled
+        if self.show is None: return
+        before, now = self.tok.decode(self.ids[self.ctx:self.mark]), self.tok.decode(self.ids[self.ctx:])
+        cut = len(self.ids)
+        if now.endswith("\ufffd") and cut - self.mark > 4:  # bytes that are no character (a model drawing junk): a
+            cut -= 4                                          # character is at most 4 byte tokens, so all but the last 4
+            part = self.tok.decode(self.ids[self.ctx:cut])    # ids are final, if their text begins `now`
+            if not now.startswith(part): return
+            now = part
+        elif now.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens is U+FFFD until complete
+        if not now.startswith(before): return  # the decoder rewrote the context: wait (`finish` sends the rest)
+        if len(now) > len(before):
+            self.show(now[len(before):]); self.done += now[len(before):]
+        if cut > self.mark: self.ctx, self.mark = self.mark, cut
 
     def add(self, i: int):
         self.ended = self.ended or i == self.eot  # after the end-of-text token nothing is shown (FSDP ranks run on)
         if not self.ended:
-            self.tail.append(i)
+            self.ids.append(i)
             self._advance()
 
     def finish(self, text: str):

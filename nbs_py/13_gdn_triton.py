@@ -152,6 +152,7 @@ assert_close(y, (x * s[:, None]) @ w, rtol=2e-3, atol=2e-3)              # tf32 
 # | $A = (I + L)^{-1}$ | $T = (I + A)^{-1}$ (`T_ut`) | the inverse the UT transform computes |
 # | $\Gamma$, the matrix $e^{G_i - G_j}$ | $D$ | decay between two tokens of a chunk |
 # | $G$, $e^{G}$ | $\gamma$, $\Gamma = e^{\gamma}$ (a vector) | cumulative log-decay, and decay since the chunk's start |
+# | $U = A\,\mathrm{diag}(\beta) V - W S_0$ | $V_{new} = U - W S_0$ | the corrected values; chapter 12's $U$ is $T\,\mathrm{diag}(\beta) V$ alone |
 #
 # So "prep (gates, $A$)" in the benchmarks below is the inverse, chapter 12's $T$.
 #

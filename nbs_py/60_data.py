@@ -139,7 +139,8 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for f, name in files:
         key = f.resolve()
         if key in seen: raise DataError(f"input {f} is given twice (as {seen[key]} and as {name}): its documents would be "
-                                        "trained on twice, and could be in both splits; give each file once")
+                                        "trained on twice, and could be in both splits; give each file once (to weight a file more "
+                                        "on purpose, give a copy of it under another name)")
         seen[key] = name
     for f, _ in files: _check_readable(f, "input")
     return files

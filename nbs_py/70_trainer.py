@@ -131,8 +131,9 @@ def new_run_dir(name: str, # Preset name
 #    the compiled regions are small and identical: two graphs for 32 blocks, one per block type.
 #    The Triton GDN kernel is a registered operator, so a GDN block is one graph. On the H200 this
 #    took a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s when first measured; since
-#    the GDN prelude has Triton kernels of its own, a micro-batch is about 1.2× faster compiled (see
-#    the results chapter). The `hymo_750m` preset turns it on;
+#    the GDN prelude has Triton kernels of its own, a micro-batch is about 1.2× faster compiled
+#    (0.39 s against 0.47 s, `benchmarks/results/train_step.json`, 2026-12-02). The `hymo_750m`
+#    preset turns it on;
 # 3. **`fully_shard` per block**: each block's parameters become DTensor shards. By FSDP's default
 #    they are all-gathered before the block runs and freed after, and gradients reduce-scattered;
 #    the training step changes that to one gather and one reduce-scatter per block and step
@@ -455,10 +456,6 @@ class Trainer:
         self._refuse_a_foreign_folder()
         self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
         self._resume(resume)
-        if self.step > train_cfg.max_steps:  # finishing would export a model that never had its decay as the final one
-            raise ConfigError(f"{self.run_dir}'s checkpoint is at step {self.step}, past max_steps={train_cfg.max_steps}: "
-                              f"there is nothing to train. Give max_steps={self.step} or more, or --resume an earlier "
-                              f"checkpoint ({self.run_dir / 'checkpoints'}/step_...) to branch a shorter run from it")
         try: self._together(lambda: self.d.is_main and self.run_dir.mkdir(parents=True, exist_ok=True), self.run_dir)
         except OSError as e:  # only now: a mistake leaves no empty run folder
             raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
@@ -537,11 +534,13 @@ class Trainer:
     def _resume(self, resume):
         "Load what `resume` names: a checkpoint folder, True (the newest readable one in the run folder, if any) or False."
         done = list_checkpoints(self.run_dir)
-        finished = [n for n in ("model.safetensors", "summary.json") if (self.run_dir / n).exists()]
-        if finished and not done:  # e.g. checkpoints/ deleted to free space: training again would start at step 0
-            raise ConfigError(f"{self.run_dir} holds a finished run's {' and '.join(finished)} but no checkpoint to "
-                              f"continue from: training there would start again at step 0 and replace them. Give a new "
-                              f"run_dir=..., or move {' and '.join(finished)} out of it to start afresh in that folder")
+        def not_finished():  # e.g. checkpoints/ deleted to free space: training again would start at step 0
+            finished = [n for n in ("model.safetensors", "summary.json") if (self.run_dir / n).exists()]
+            if finished and not done:
+                raise ConfigError(f"{self.run_dir} holds a finished run's {' and '.join(finished)} but no checkpoint to "
+                                  f"continue from: training there would start again at step 0 and replace them. Give a "
+                                  f"new run_dir=..., or move {' and '.join(finished)} out of it to start afresh in that folder")
+        self._together(not_finished, self.run_dir)  # every rank refuses, even if only one sees the files
         if resume is False or resume is None:
             if done:
                 raise ConfigError(f"{self.run_dir} already holds checkpoints of a run (newest: {done[-1].name}); starting "
@@ -987,6 +986,8 @@ def _to_disk(f):
     if isinstance(f, Path):
         fd = os.open(f, os.O_RDONLY)
         try: os.fsync(fd)
+        except OSError as e:  # some network and FUSE file systems cannot sync a folder: they keep renames in order anyway
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF): raise
         finally: os.close(fd)
     else: f.flush(); os.fsync(f.fileno())
 
@@ -1017,6 +1018,7 @@ def save(self: Trainer) -> Path:
         if not self.d.is_main: return
         replaced = final.with_name(f"replaced-{final.name}")  # a checkpoint of this step is never deleted before its successor is in place
         if final.exists(): shutil.rmtree(replaced, ignore_errors=True); os.replace(final, replaced)
+        _to_disk(tmp)  # every rank's files are in: the folder's entries on disk before the rename names it a checkpoint
         os.replace(tmp, final)
         _to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
         for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
@@ -1057,6 +1059,10 @@ def load(self: Trainer, ckpt: Path):
         error = e
     if not self._agree(error is None):
         raise error or CheckpointUnreadable(f"another rank cannot read its files in {ckpt}")
+    if meta["step"] > self.cfg.max_steps:  # finishing would export a model that never had its decay as the final one
+        raise ConfigError(f"{ckpt} is at step {meta['step']}, past max_steps={self.cfg.max_steps}: there is nothing to "
+                          f"train. Give max_steps={meta['step']} or more, or --resume an earlier checkpoint (in "
+                          f"{ckpt.parent}) to branch a shorter run from it")
     self._check_same_data(meta, ckpt)
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
@@ -1071,8 +1077,7 @@ def load(self: Trainer, ckpt: Path):
     self.branched_from = meta.get("branched_from")
     self.history = meta["history"]
     # the loader's position from the windows the saved run read (ceil: none is read twice), in this run's micro-steps
-    old_G = meta["config"]["train"]["global_batch_size"] if "config" in meta else self.cfg.global_batch_size
-    position = -(-self.step * old_G // (self.d.world_size * self.cfg.micro_batch_size))
+    position = -(-_windows_read(ckpt, meta, extra) // (self.d.world_size * self.cfg.micro_batch_size))
     if extra is not None:
         _set_rng_state(extra["rng"])
         saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
@@ -1091,6 +1096,15 @@ def load(self: Trainer, ckpt: Path):
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
 
+def _windows_read(ckpt: Path, meta: dict, extra: dict | None) -> int:
+    """Windows (all ranks) the loader of `ckpt`'s run had read: from rank 0's saved loader (its micro-steps × ranks ×
+    micro-batch), which holds whatever splits the run had before; else the steps × the global batch it saved."""
+    try: state = extra["loader"] if extra is not None else torch.load(ckpt / "rank0.pt", weights_only=False)["loader"]
+    except Exception: state = None  # a rank-0 file that cannot be read: the global batch in meta.json
+    if state and "world_size" in state: return state["step"] * state["world_size"] * state["micro_batch_size"]
+    return meta["step"] * (meta.get("config") or {}).get("train", {}).get("global_batch_size", 0)
+
+
 def _check_same_data(self: Trainer, meta: dict, ckpt: Path):
     """Raise `DataError` unless this run reads the data `ckpt` trained on, in the same order: the same dataset
     (fingerprint), `seq_len` and `seed`. Checked on any number of ranks (each rank's loader checks it again)."""
@@ -1098,11 +1112,13 @@ def _check_same_data(self: Trainer, meta: dict, ckpt: Path):
     if meta.get("data_fingerprint") not in (None, fingerprint):
         raise DataError(f"the dataset in {self.data_dir} is not the one {ckpt} trained on (fingerprint "
                         f"{meta['data_fingerprint'][:12]}… then, {str(fingerprint)[:12]}… now: prepared again, or another "
-                        "folder): resume with that data, or give a new run_dir=... to train on this one")
+                        "folder): resume with that data; to train on this one, start a new run (a new run_dir=..., "
+                        "without --resume)")
     old = (meta.get("config") or {}).get("train", {})
     diff = [f"{k} {old[k]} -> {getattr(self.cfg, k)}" for k in ("seq_len", "seed") if k in old and old[k] != getattr(self.cfg, k)]
     if diff: raise DataError(f"{ckpt} cannot continue its data order with {', '.join(diff)} (the order of the windows "
-                             "depends on them): resume with the checkpoint's values, or give a new run_dir=... to start afresh")
+                             "depends on them): resume with the checkpoint's values, or start a new run (a new "
+                             "run_dir=..., without --resume)")
 
 
 Trainer.save, Trainer.load, Trainer._check_same_data = save, load, _check_same_data
@@ -1122,11 +1138,14 @@ Trainer.save, Trainer.load, Trainer._check_same_data = save, load, _check_same_d
 # only keeps its last state.
 #
 # With `wandb=true` the same metrics go to Weights & Biases: online when you are logged in, else
-# offline into `run_dir/wandb` (`wandb sync` uploads it later). A resumed run continues the *same*
-# wandb run: its id is kept in `run_dir/wandb/hymo_run_id` and given back to `wandb.init`, so a run
-# preempted ten times is one curve, not eleven. A run that starts at step 0 gets a new id. Steps
+# offline into `run_dir/wandb` (`wandb sync run_dir/wandb/offline-run-*` uploads it later). Every
+# part of a run (each resume starts one) is in the wandb group named after the run folder. Online,
+# a resumed run also continues the *same* wandb run: its id is kept in `run_dir/wandb/hymo_run_id`
+# and given back to `wandb.init`, so a run preempted ten times is one curve, not eleven. Steps
 # trained again after a crash (those between the last checkpoint and the crash) are in
 # `metrics.jsonl` once, rewritten, but wandb keeps the first copy: its steps only go forward.
+# Offline, each part is a run of its own, since syncing several offline folders of one id replaces
+# rather than appends; the group keeps them together.
 #
 # A run is stopped from outside by Ctrl-C (SIGINT) or by a scheduler's SIGTERM (preemption, a time
 # limit). Either one, during `fit`, is only *noted* (`StopSignals`): the step in flight finishes,
@@ -1257,15 +1276,24 @@ def json_line(m: dict) -> str:
 
 
 def _wandb(self: Trainer):
-    "A wandb run when enabled: online if you are logged in, else offline (sync later with `wandb sync`)."
-    if not (self.cfg.wandb and self.d.is_main): return None
-    import wandb
-    online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
-    id_file = self.run_dir / "wandb" / "hymo_run_id"  # one wandb run for the whole run, however often it resumes
-    run_id = id_file.read_text().strip() or None if self.step > 0 and id_file.exists() else None  # step 0: a new run
-    run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
-                     config=Config(self.mcfg, self.cfg).to_dict(), id=run_id, resume="allow")
-    id_file.write_text(run.id)  # wandb.init made run_dir/wandb
+    """Rank 0's wandb run when enabled: online if you are logged in, else offline (sync later with `wandb sync`).
+    Online, a resumed run continues the wandb run it began (its id is in run_dir/wandb/hymo_run_id); every part of a
+    run is in the wandb group named after the run folder."""
+    if not self.cfg.wandb: return None
+    run = None
+    def start():  # rank 0's; a failure (no network, a full disk) stops every rank, not rank 0 alone
+        nonlocal run
+        if not self.d.is_main: return
+        import wandb
+        online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
+        id_file = self.run_dir / "wandb" / "hymo_run_id"
+        reuse = online and self.step > 0 and id_file.exists()  # step 0 is a new run; offline parts stay apart (below)
+        run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
+                         config=Config(self.mcfg, self.cfg).to_dict(), group=self.run_dir.name,
+                         id=(id_file.read_text().strip() or None) if reuse else None, resume="allow")
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(run.id)
+    self._together(start, self.run_dir / "wandb")
     return run
 
 Trainer.fit, Trainer._fit_steps, Trainer.request_stop = fit, _fit_steps, request_stop
@@ -1453,8 +1481,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   folder's checkpoint there (`--resume other/checkpoints/step_...`); into a new or empty folder it
 #   is how a run branches. The branch records where it began (`branched_from` in `meta.json`), so
 #   the same command given again (a requeued job) continues the branch instead of being refused.
-# * Resuming into weights of other shapes is refused, naming what changed; every other changed
-#   setting only warns (the MoE's capacity, say, or the schedule), and a moved learning-rate
+# * Resuming into weights of other shapes is refused, naming what changed; most other changed
+#   settings only warn (the MoE's capacity, say, or the schedule; those that fix the data's order
+#   are refused, below), and a moved learning-rate
 #   schedule says how far the rate jumps. The optimisers' moments come from the checkpoint, their
 #   settings (peak learning rates, weight decay, betas) from this run's config: lowering `muon_lr`
 #   after a divergence takes effect.

@@ -85,20 +85,33 @@ def test_default_command_end_to_end(tmp_path):
     if not torch.cuda.is_available(): assert g.stdout.strip() == summary["sample"].strip(), (g.stdout, summary["sample"])
 
 
-def test_wandb_logs_offline_and_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
-    """wandb=true without a login logs offline into run_dir/wandb. A resume used to open a new wandb run each time
-    (resume="allow" without an id); now it continues the first one, and a run that starts afresh gets its own."""
+def test_wandb_logs_offline_and_a_resumed_run_continues_its_wandb_run_when_online(tmp_path, monkeypatch):
+    """wandb=true without a login logs offline into run_dir/wandb, each part of a run (a resume starts one) in a group
+    named after the run folder. Online, a resume used to open a new wandb run each time (resume="allow" without an id);
+    now it continues the first one, and a run that starts afresh gets its own."""
+    import wandb
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    def wandb_runs(run): return sorted(p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*"))
+    calls, real = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **k: calls.append(k) or real(**k))
     make(tmp_path / "a", max_steps=4, ckpt_every=2, warmup_steps=1, wandb=True).fit(2)
     make(tmp_path / "a", max_steps=4, warmup_steps=1, wandb=True).fit()  # resumes at step 2
-    first, again = wandb_runs(tmp_path / "a")
-    assert first == again, (first, again)
-    history = next((tmp_path / "a" / "wandb").glob("offline-run-*")) / f"run-{first}.wandb"
-    assert history.stat().st_size > 0  # the steps were logged
-    make(tmp_path / "b", max_steps=4, warmup_steps=1, wandb=True).fit(1)
-    assert wandb_runs(tmp_path / "b") != [first]
+    assert [(c["group"], c["id"]) for c in calls] == [("a", None), ("a", None)]  # offline: two runs, one group
+    parts = sorted((tmp_path / "a" / "wandb").glob("offline-run-*"))
+    assert parts and all((p / f"run-{p.name.rsplit('-', 1)[1]}.wandb").stat().st_size > 0 for p in parts)  # logged
+
+    class Online:  # what wandb.init returns, without a network
+        def __init__(self, id): self.id = id or "first0id"
+        def log(self, *a, **k): pass
+        def finish(self): pass
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    calls.clear()
+    monkeypatch.setattr(wandb, "init", lambda **k: calls.append(k) or Online(k["id"]))
+    make(tmp_path / "b", max_steps=4, ckpt_every=2, warmup_steps=1, wandb=True).fit(2)
+    make(tmp_path / "b", max_steps=4, warmup_steps=1, wandb=True).fit()
+    make(tmp_path / "c", max_steps=4, warmup_steps=1, wandb=True).fit(1)
+    assert [(c["group"], c["id"], c["mode"]) for c in calls] == [("b", None, "online"), ("b", "first0id", "online"),
+                                                                  ("c", None, "online")]
 
 
 def test_loss_falls(tmp_path):
@@ -168,11 +181,12 @@ def test_resume_takes_the_new_optimiser_settings_and_keeps_the_moments(tmp_path)
 def test_resume_with_a_smaller_micro_batch_reads_the_same_windows(tmp_path):
     """Halving micro_batch_size (doubling the accumulation) at a resume, as after running out of memory, used to be
     refused ("cannot resume the data order"); the global batch is the same, so the next step reads the same windows."""
-    straight = make(tmp_path / "a", max_steps=6, micro_batch_size=4, global_batch_size=8, ckpt_every=2)
+    dropless = dict(moe_capacity_factor=None)  # the capacity is per micro-batch: another split would drop other tokens
+    straight = make(tmp_path / "a", max_steps=6, micro_batch_size=4, global_batch_size=8, ckpt_every=2, **dropless)
     straight.fit(2)
     loader = straight.train_loader
     want = sorted(int(k) for p in range(loader.step, loader.step + straight.accum) for k in loader.window_ids(p))
-    halved = make(tmp_path / "a", max_steps=6, micro_batch_size=2, global_batch_size=8)
+    halved = make(tmp_path / "a", max_steps=6, micro_batch_size=2, global_batch_size=8, **dropless)
     assert halved.step == 2 and halved.accum == 4
     assert any("micro-batches of 4, now 4 of 2" in w for w in halved.resume_warnings), halved.resume_warnings
     loader = halved.train_loader
@@ -180,6 +194,15 @@ def test_resume_with_a_smaller_micro_batch_reads_the_same_windows(tmp_path):
     assert got == want
     m = halved.fit(1)[0]
     assert abs(m["loss"] - straight.fit(1)[0]["loss"]) < 1e-4
+
+
+def test_a_resplit_after_a_change_of_global_batch_continues_after_every_window_read(tmp_path):
+    """2 steps of 8 windows, then 2 of 4: 24 windows read. Resuming with micro-batches of 2 continues at micro-step 12;
+    the step count times the last global batch (16 windows) would read 8 windows again."""
+    make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)
+    make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=4, ckpt_every=2).fit(2)
+    t = make(tmp_path / "a", max_steps=8, micro_batch_size=2, global_batch_size=4)
+    assert (t.step, t.train_loader.step) == (4, 24 // 2)
 
 
 def test_a_finished_run_whose_checkpoints_are_gone_is_not_trained_over(tmp_path):
@@ -262,7 +285,7 @@ def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_is_deleted(tmp_p
     def recording_fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))); fsync(fd)
     def recording_rmtree(path, *a, **k):
-        events.append(("rmtree", str(path))); rmtree(path, *a, **k)
+        events.append(("rmtree", str(Path(path).resolve()))); rmtree(path, *a, **k)
     t = make(tmp_path / "run", max_steps=4, ckpt_every=1, keep_last_k=1, warmup_steps=1)
     t.fit(1)
     monkeypatch.setattr(os, "fsync", recording_fsync)
@@ -272,6 +295,7 @@ def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_is_deleted(tmp_p
     synced = [p for e, p in events if e == "fsync"]
     gone = events.index(("rmtree", f"{root}/step_000001"))
     assert f"{root}/step_000002.tmp/rank0.pt" in synced and f"{root}/step_000002.tmp/meta.json" in synced, synced
+    assert f"{root}/step_000002.tmp" in synced, synced  # the folder's entries, before its rename
     assert ("fsync", root) in events[:gone], events
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000002"]
 
