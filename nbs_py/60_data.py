@@ -121,7 +121,7 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 #| export
 def find_files(inputs: Iterable, # Paths of files or folders
               ) -> list[tuple[Path, str]]:
-    "The files to read, in order, as `(path, name)`: `name` is the path relative to the input given."
+    "The files to read, in order, as `(path, name)`: `name` is the path from the input given (a folder's name first)."
     inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     if not inputs: raise DataError("no input given: pass one or more text files, folders, .jsonl or .parquet files")
     files = []
@@ -622,8 +622,8 @@ plt.tight_layout(); plt.show()
 # `tokenizer.json` is the one the shards were encoded with (its sha256 is in the manifest), that
 # every shard is present with the recorded length and dtype, and that the largest possible id,
 # $V_\text{data} - 1$, is a row of the model's embedding: $V_\text{data} \le V_\text{model}$. A
-# model vocabulary larger than the data's is allowed (the 750M model pads 64 000 to 64 256, a
-# multiple of 128); a smaller one would index past the embedding.
+# model vocabulary larger than the data's is allowed (data prepared with 64 000 tokens fits the 750M
+# model's 64 256 rows, a multiple of 128); a smaller one would index past the embedding.
 
 # %%
 #| export

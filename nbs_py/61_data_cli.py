@@ -163,7 +163,8 @@ with redirect_stderr(io.StringIO()) as err: test_eq(main([]), 2)
 assert "prepare" in err.getvalue()
 
 # %% [markdown]
-# An `--out` that cannot be made is one line too, said before any input is read:
+# An `--out` that cannot be made is one line too, said before any input is tokenized (the inputs
+# are only read to hash them first):
 
 # %%
 (work / "afile").write_text("a file, not a folder\n")

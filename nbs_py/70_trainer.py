@@ -122,23 +122,30 @@ def new_run_dir(name: str, # Preset name
 # The model code is single-device. `parallelize` applies everything else from outside, always in
 # the same order, because each step wraps the result of the one before:
 #
-# 1. **activation checkpointing** (by config): each block recomputes its activations in backward.
-#    The recompute routes the MoE's tokens again and adds the same counts to `expert_counts` a second
-#    time (eager and compiled alike). Every use of the counts is a ratio (the EMA against its mean,
-#    the sign rule, the logged load and drop fractions), so the bias and the metrics are unchanged;
-#    only the EMA's absolute scale doubles. A test in `tests/test_moe.py` holds this;
+# 1. **activation checkpointing** (by config): each block recomputes its activations in backward;
 # 2. **`torch.compile`** (by config): each block (and each MTP head) is compiled on its own, so
 #    the compiled regions are small and identical: two graphs for 32 blocks, one per block type.
-#    The Triton GDN kernel is a registered operator, so a GDN block is one graph. On the H200 this
-#    took a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s when first measured; since
-#    the GDN prelude has Triton kernels of its own, a micro-batch is about 1.2× faster compiled
-#    (0.39 s against 0.47 s, `benchmarks/results/train_step.json`, 2026-12-02). The `hymo_750m`
+#    The Triton GDN kernel is a registered operator, so a GDN block is one graph. The `hymo_750m`
 #    preset turns it on;
 # 3. **`fully_shard` per block**: each block's parameters become DTensor shards. By FSDP's default
 #    they are all-gathered before the block runs and freed after, and gradients reduce-scattered;
 #    the training step changes that to one gather and one reduce-scatter per block and step
 #    (`fsdp_step`, below);
 # 4. **`fully_shard` on the root**: the embedding, final norm and MTP heads.
+#
+# ::: {.callout-note collapse="true"}
+# ## Two details: the MoE's counts under recompute, and what compiling buys
+# Activation checkpointing's recompute routes the MoE's tokens again and adds the same counts to
+# `expert_counts` a second time (eager and compiled alike). Every use of the counts is a ratio (the
+# EMA against its mean, the sign rule, the logged load and drop fractions), so the bias and the
+# metrics are unchanged; only the EMA's absolute scale doubles. A test in `tests/test_moe.py`
+# holds this.
+#
+# On the H200, compiling took a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s when
+# first measured. Since the GDN prelude has Triton kernels of its own, a step of one micro-batch
+# (and its optimiser step) is about 1.2× faster compiled: 0.39 s against 0.47 s
+# (`benchmarks/results/train_step.json`, 2026-12-02).
+# :::
 #
 # On a GPU the FSDP mixed-precision policy computes in bf16 and reduces gradients in fp32, while
 # the optimiser keeps fp32 master weights. On CPU everything stays fp32. A single GPU process
@@ -1138,14 +1145,18 @@ Trainer.save, Trainer.load, Trainer._check_same_data = save, load, _check_same_d
 # only keeps its last state.
 #
 # With `wandb=true` the same metrics go to Weights & Biases: online when you are logged in, else
-# offline into `run_dir/wandb` (`wandb sync run_dir/wandb/offline-run-*` uploads it later). Every
-# part of a run (each resume starts one) is in the wandb group named after the run folder. Online,
-# a resumed run also continues the *same* wandb run: its id is kept in `run_dir/wandb/hymo_run_id`
-# and given back to `wandb.init`, so a run preempted ten times is one curve, not eleven. Steps
-# trained again after a crash (those between the last checkpoint and the crash) are in
-# `metrics.jsonl` once, rewritten, but wandb keeps the first copy: its steps only go forward.
-# Offline, each part is a run of its own, since syncing several offline folders of one id replaces
-# rather than appends; the group keeps them together.
+# offline into `run_dir/wandb` (`wandb sync run_dir/wandb/offline-run-*` uploads it later).
+#
+# ::: {.callout-note collapse="true"}
+# ## A resumed run in wandb
+# Every part of a run (each resume starts one) is in the wandb group named after the run folder.
+# Online, a resumed run also continues the *same* wandb run: its id is kept in
+# `run_dir/wandb/hymo_run_id` and given back to `wandb.init`, so a run preempted ten times is one
+# curve, not eleven. Steps trained again after a crash (those between the last checkpoint and the
+# crash) are in `metrics.jsonl` once, rewritten, but wandb keeps the first copy: its steps only go
+# forward. Offline, each part is a run of its own, since syncing several offline folders of one id
+# replaces rather than appends; the group keeps them together.
+# :::
 #
 # A run is stopped from outside by Ctrl-C (SIGINT) or by a scheduler's SIGTERM (preemption, a time
 # limit). Either one, during `fit`, is only *noted* (`StopSignals`): the step in flight finishes,
@@ -1478,7 +1489,7 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #
 # * Starting afresh (`resume=False`, the CLI's `--no-resume`) in a folder that holds checkpoints is
 #   refused: the two runs' checkpoints would be pruned together, by step. So is continuing another
-#   folder's checkpoint there (`--resume other/checkpoints/step_...`); into a new or empty folder it
+#   folder's checkpoint there (`--resume other/checkpoints/step_...`); into a folder without checkpoints it
 #   is how a run branches. The branch records where it began (`branched_from` in `meta.json`), so
 #   the same command given again (a requeued job) continues the branch instead of being refused.
 # * Resuming into weights of other shapes is refused, naming what changed; most other changed
@@ -1560,7 +1571,8 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # A process can die mid-write (pre-emption, out of disk). If the checkpoint were written in place,
 # a half-written folder would look like the newest checkpoint and the resume would fail or, worse,
 # load garbage. Renaming a finished folder is atomic on one filesystem, so the newest complete
-# checkpoint is always a good one; the `.tmp` leftovers are ignored and overwritten.
+# checkpoint is always a good one; the `.tmp` leftovers are never read, and the next start removes
+# them (a complete one newer than every checkpoint is kept, with a warning).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

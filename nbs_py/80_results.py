@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-04 (rounds 2 to 24 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 to 2026-12-04 (rounds 2 to 25 of work on the step) by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -41,7 +41,7 @@
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.6 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one) | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
 # | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.46× (round 24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 3 of the 9 rounds that timed both paths on one machine (round 25 did not time the PyTorch path) |
 #
@@ -167,7 +167,7 @@ if tl_row:
 # %% [markdown]
 # What the numbers say:
 #
-# * **Memory: 50.6 GB at the preset's step (rounds 11 to 19), inside the 80 GB target.** The loss
+# * **Memory: 50.6 GB at the preset's step (every round since 11), inside the 80 GB target.** The loss
 #   used to build three fp32 logit tensors of 4 × 4096 × 64 256 (main and two MTP heads) with
 #   their gradients: 92 GB peak. `linear_cross_entropy` (MTP chapter) computes the same losses and
 #   gradients chunk by chunk. The Triton prelude (chapter 14) saves no activation of its own

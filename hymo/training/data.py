@@ -54,7 +54,7 @@ def split_text(text: str, # Plain text, e.g. a whole file
 # %% ../../nbs/60_data.ipynb #9cf2b473
 def find_files(inputs: Iterable, # Paths of files or folders
               ) -> list[tuple[Path, str]]:
-    "The files to read, in order, as `(path, name)`: `name` is the path relative to the input given."
+    "The files to read, in order, as `(path, name)`: `name` is the path from the input given (a folder's name first)."
     inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
     if not inputs: raise DataError("no input given: pass one or more text files, folders, .jsonl or .parquet files")
     files = []
