@@ -175,6 +175,57 @@ if tl_row:
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
 #   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
 #   (in round 2).
+# * **What is left** (the breakdown above, round 19's profile of round 18's code: 191.3 ms of
+#   kernels per micro-batch). Matrix multiplies are about 52 % (98.6 ms, about 65 TFLOP at some 650
+#   TFLOP/s, near what the H200 gives at these widths; the loss's vocabulary products, about 17
+#   TFLOP, are among them, and the routed experts' grouped products, 17.2 ms at about 570 TFLOP/s,
+#   are the slowest). The GDN rule kernels are 13 % (25.5 ms; the local-gradient kernel alone
+#   0.50 ms per layer, 12.1 ms per micro-batch). Inductor's fused elementwise kernels are 12 %
+#   (23.2 ms: RMSNorms, the output gate, SwiGLU, the MoE's routing, and since round 11
+#   `add_into`'s additions of the copies' gradients), cuDNN attention 8 % (15.6 ms), the prelude
+#   7.8 % (15.0 ms), eager kernels 3 % (5.7 ms), the loss's softmax 2.6 % (5.0 ms). A profiled
+#   micro-batch spans 196.5 ms: 191.3 ms of kernels and 5.1 ms of launch latency between some
+#   3 500 kernels; the GPU hardly waits for its host (rounds 17 and 19). On round 16's fastest
+#   machine a step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step
+#   (the optimisers and clipping; about 0.10 s since round 18). 40 % MFU needs 5.86 s per step,
+#   about 180 ms per micro-batch. The matrix multiplies and attention already run in the fastest
+#   kernels available at their shapes (rounds 15 and 16; the experts' grouped products trail the
+#   dense ones by some 4 ms, a gap of the grouped kernel that round 19 found no way around), so
+#   everything else would have to give up the rest. On round 19's profiled machine, whose
+#   unprofiled micro-batches spanned 199.3 ms, with 114 ms of matrix multiplies and attention,
+#   that is about 85 ms of other kernels and launch gaps falling to about 66 ms: 23 % less.
+# * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
+#   remove the launch latency (5–6 ms per micro-batch; 5.1 ms in round 19's profile). They failed
+#   here (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
+#   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
+#   instead (above): it works, and with the bf16 copies it gains nothing.
+# * **Triton GDN path against the PyTorch chunked path: 4.46× faster per preset step in round 24
+#   (28.87 s against 6.473 s), 4.20× in round 23 (26.87 s against 6.400 s), 5.36× in round 19, 5.29× in round 18, 4.3–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each
+#   round on one machine (round 19's fifth: one timed step of 35.14 s against 6.559 s; round 18's
+#   first: one timed step of 34.38 s against 6.498 s; round 16's third: the
+#   PyTorch path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's
+#   second: 34.35 and 35.51 s against 6.489 s); the target is 5×. The same comparison read 3.6×
+#   in round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s).** The
+#   ratio moves with the machine most likely because the PyTorch path's step is
+#   set by the host, not the GPU: its profile on round 15's second machine
+#   (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of kernels in a 1 549 ms micro-batch,
+#   the GPU idle 72 % of the time between some 45 000 kernels, among them about 18 000 small
+#   products averaging 3–5 µs from the chunk loop. Its steps took 23.3–35.5 s from round 5 to round
+#   16 (the changes in between, such as the bf16 residual stream, could only speed it up), while
+#   the Triton path's, which keeps the GPU busy (idle 7 %), differed by about 2–3 % between machines
+#   running the same code. So 5× held on round 15's, 18's and 19's machines and not on round 13's
+#   or 16's; this page reports each measurement as it came (the hosts' launch speeds were not compared). Earlier
+#   rounds: 4.4× in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on
+#   different machines (28.3 and 24.8 s, 3.6–4.1× against each round's own Triton steps). With one
+#   micro-batch per step, in round 2: 2.3× compiled, 3.6× eager. The rule kernel itself is 51×
+#   faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but GDN
+#   is only part of the step.
+# * **All-MLA** (32 MLA + MoE blocks, in round 2): 0.75 s per one-micro-batch step at 6.8
+#   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
+#   stored parameters, and a KV cache in every layer.
+#
+# ::: {.callout-note collapse="true"}
+# ## The round log: what each round changed and measured (rounds 6 to 25)
 # * **Round 25: no change to the step; 6.353 s (36.9 %, 82.5 k tokens/s, 50.6 GB) on the round's
 #   one machine for it.** The round made generation on a GPU replay each decoding step as a CUDA
 #   graph (chapter 41; the section on generation below) and moved the MoE's sorted dispatch into a
@@ -555,54 +606,7 @@ if tl_row:
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
 #   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
-# * **What is left** (the breakdown above, round 19's profile of round 18's code: 191.3 ms of
-#   kernels per micro-batch). Matrix multiplies are about 52 % (98.6 ms, about 65 TFLOP at some 650
-#   TFLOP/s, near what the H200 gives at these widths; the loss's vocabulary products, about 17
-#   TFLOP, are among them, and the routed experts' grouped products, 17.2 ms at about 570 TFLOP/s,
-#   are the slowest). The GDN rule kernels are 13 % (25.5 ms; the local-gradient kernel alone
-#   0.50 ms per layer, 12.1 ms per micro-batch). Inductor's fused elementwise kernels are 12 %
-#   (23.2 ms: RMSNorms, the output gate, SwiGLU, the MoE's routing, and since round 11
-#   `add_into`'s additions of the copies' gradients), cuDNN attention 8 % (15.6 ms), the prelude
-#   7.8 % (15.0 ms), eager kernels 3 % (5.7 ms), the loss's softmax 2.6 % (5.0 ms). A profiled
-#   micro-batch spans 196.5 ms: 191.3 ms of kernels and 5.1 ms of launch latency between some
-#   3 500 kernels; the GPU hardly waits for its host (rounds 17 and 19). On round 16's fastest
-#   machine a step took 6.343 s, about 195 ms per micro-batch besides some 0.12 s once per step
-#   (the optimisers and clipping; about 0.10 s since round 18). 40 % MFU needs 5.86 s per step,
-#   about 180 ms per micro-batch. The matrix multiplies and attention already run in the fastest
-#   kernels available at their shapes (rounds 15 and 16; the experts' grouped products trail the
-#   dense ones by some 4 ms, a gap of the grouped kernel that round 19 found no way around), so
-#   everything else would have to give up the rest. On round 19's profiled machine, whose
-#   unprofiled micro-batches spanned 199.3 ms, with 114 ms of matrix multiplies and attention,
-#   that is about 85 ms of other kernels and launch gaps falling to about 66 ms: 23 % less.
-# * **CUDA graphs** (`--compile-mode reduce-overhead`, an experiment in `train_step.py`) would
-#   remove the launch latency (5–6 ms per micro-batch; 5.1 ms in round 19's profile). They failed
-#   here (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
-#   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
-#   instead (above): it works, and with the bf16 copies it gains nothing.
-# * **Triton GDN path against the PyTorch chunked path: 4.46× faster per preset step in round 24
-#   (28.87 s against 6.473 s), 4.20× in round 23 (26.87 s against 6.400 s), 5.36× in round 19, 5.29× in round 18, 4.3–4.6× in round 16 and 5.3–5.5× in round 15, both paths compiled, each
-#   round on one machine (round 19's fifth: one timed step of 35.14 s against 6.559 s; round 18's
-#   first: one timed step of 34.38 s against 6.498 s; round 16's third: the
-#   PyTorch path's two timed steps took 29.30 and 27.58 s, the Triton path's 6.343 s; round 15's
-#   second: 34.35 and 35.51 s against 6.489 s); the target is 5×. The same comparison read 3.6×
-#   in round 13 (23.25 s against 6.431 s) and 4.98× in round 11 (32.2 s against 6.473 s).** The
-#   ratio moves with the machine most likely because the PyTorch path's step is
-#   set by the host, not the GPU: its profile on round 15's second machine
-#   (`train_step_profile_cuda_torch_gdn.txt`) shows 430 ms of kernels in a 1 549 ms micro-batch,
-#   the GPU idle 72 % of the time between some 45 000 kernels, among them about 18 000 small
-#   products averaging 3–5 µs from the chunk loop. Its steps took 23.3–35.5 s from round 5 to round
-#   16 (the changes in between, such as the bf16 residual stream, could only speed it up), while
-#   the Triton path's, which keeps the GPU busy (idle 7 %), differed by about 2–3 % between machines
-#   running the same code. So 5× held on round 15's, 18's and 19's machines and not on round 13's
-#   or 16's; this page reports each measurement as it came (the hosts' launch speeds were not compared). Earlier
-#   rounds: 4.4× in round 9 (29.4 s against 6.71–6.74 s); rounds 5 and 6 timed the two paths on
-#   different machines (28.3 and 24.8 s, 3.6–4.1× against each round's own Triton steps). With one
-#   micro-batch per step, in round 2: 2.3× compiled, 3.6× eager. The rule kernel itself is 51×
-#   faster (1.44 ms against 73 ms per layer, forward + backward; see the Triton chapter), but GDN
-#   is only part of the step.
-# * **All-MLA** (32 MLA + MoE blocks, in round 2): 0.75 s per one-micro-batch step at 6.8
-#   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
-#   stored parameters, and a KV cache in every layer.
+# :::
 
 # %% [markdown]
 # ## Generation on the H200
