@@ -528,7 +528,7 @@ class TokenLoader:
         if state.get("fingerprint") != mine["fingerprint"]:
             raise DataError(f"the dataset in {self.data_dir} is not the one this run trained on (fingerprint "
                             f"{str(state.get('fingerprint'))[:12]}… then, {mine['fingerprint'][:12]}… now: prepared again, or "
-                            "another folder): resume with that data, or give a new run_dir=... to train on this one")
+                            "another folder): resume with that data; to train on this one, start a new run (a new run_dir=..., without --resume)")
         diff = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in mine if k != "step" and state.get(k) != mine[k]]
         if diff: raise DataError("cannot resume the data order, settings differ (" + "; ".join(diff) + "): "
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
