@@ -32,9 +32,11 @@ def _options_help() -> str:
     for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)):
         docs = docments(cls)
         lines.append(f"\n{sec} options (key=value, or {sec}.key=value), with hymo_tiny's values (the default preset):")
-        for f in dataclasses.fields(cls):
+        pairs = [f"{f.name}={show(tiny[sec][f.name])}" for f in dataclasses.fields(cls)]
+        width = max(map(len, pairs))  # one column for the descriptions
+        for f, pair in zip(dataclasses.fields(cls), pairs):
             a, b = tiny[sec][f.name], big[sec][f.name]
-            lines.append(f"  {f.name}={show(a):<14} {docs.get(f.name) or ''}" + (f" [hymo_750m: {show(b)}]" if a != b else ""))
+            lines.append(f"  {pair:<{width}}  {docs.get(f.name) or ''}" + (f" [hymo_750m: {show(b)}]" if a != b else ""))
     return "\n".join(lines)
 
 

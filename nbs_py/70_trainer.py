@@ -785,7 +785,13 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # gathered). The benchmark's profile calls the same two, so what it records is what a step runs.
 # The loss of each micro-batch is divided by `accum` so the
 # accumulated gradient is the mean over the global batch; FSDP's reduce-scatter then averages over
-# ranks. The learning rate of every group is set from the schedule before the step, from its
+# ranks. That is exact when every micro-batch has the same number of targets, as the main loss
+# always does. With `doc_masking`, MTP head $k$ does not predict across a document's end, so a
+# micro-batch loses $k$ of its $B T$ targets per document boundary, and the step's MTP loss is a mean
+# of per-micro-batch means: a micro-batch of many short documents weighs its targets slightly more.
+# At 4 × 4096 tokens and documents of a few hundred tokens that is well under 1 % of a head's
+# weight; weighting by counts instead would need every rank's count before the first backward.
+# The learning rate of every group is set from the schedule before the step, from its
 # `peak_lr`, so the schedule has no state beyond `step`.
 #
 # Under FSDP the gradients cross the network once per optimiser step, not once per micro-batch:

@@ -2,6 +2,7 @@
 exact kill-and-resume, crash-safe checkpoints, skipped non-finite steps, and CLI errors."""
 import json
 import math
+import re
 import os
 import shutil
 import subprocess
@@ -669,6 +670,10 @@ def test_cli_help_lists_every_option(tmp_path):
     from dataclasses import fields
     from hymo.config import ModelConfig, TrainingConfig
     for f in fields(ModelConfig) + fields(TrainingConfig): assert f"  {f.name}=" in r.stdout, f.name
+    for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)):  # each section's descriptions form one column
+        lines = [l for l in r.stdout.splitlines() if any(l.startswith(f"  {f.name}=") for f in fields(cls))]
+        starts = {re.match(r"  \S+=.*?\s{2,}\S", l).end() for l in lines}  # values may hold one space: "[0.3, 0.1]"
+        assert len(lines) == len(fields(cls)) and len(starts) == 1, (sec, starts)
 
 
 @pytest.mark.parametrize("args, expect", [
