@@ -1076,7 +1076,10 @@ def load(self: Trainer, ckpt: Path):
         raise ConfigError(f"{ckpt} is at step {meta['step']}, past max_steps={self.cfg.max_steps}: there is nothing to "
                           f"train. Give max_steps={meta['step']} or more, or --resume an earlier checkpoint (in "
                           f"{ckpt.parent}) to branch a shorter run from it")
-    self._check_same_data(meta, ckpt)
+    old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
+    if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
+        self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
+                                           **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
@@ -1118,23 +1121,7 @@ def _windows_read(ckpt: Path, meta: dict, extra: dict | None) -> int:
     return meta["step"] * (meta.get("config") or {}).get("train", {}).get("global_batch_size", 0)
 
 
-def _check_same_data(self: Trainer, meta: dict, ckpt: Path):
-    """Raise `DataError` unless this run reads the data `ckpt` trained on, in the same order: the same dataset
-    (fingerprint), `seq_len` and `seed`. Checked on any number of ranks (each rank's loader checks it again)."""
-    fingerprint = getattr(self.train_loader, "manifest", {}).get("fingerprint")
-    if meta.get("data_fingerprint") not in (None, fingerprint):
-        raise DataError(f"the dataset in {self.data_dir} is not the one {ckpt} trained on (fingerprint "
-                        f"{meta['data_fingerprint'][:12]}… then, {str(fingerprint)[:12]}… now: prepared again, or another "
-                        "folder): resume with that data; to train on this one, start a new run (a new run_dir=..., "
-                        "without --resume)")
-    old = (meta.get("config") or {}).get("train", {})
-    diff = [f"{k} {old[k]} -> {getattr(self.cfg, k)}" for k in ("seq_len", "seed") if k in old and old[k] != getattr(self.cfg, k)]
-    if diff: raise DataError(f"{ckpt} cannot continue its data order with {', '.join(diff)} (the order of the windows "
-                             "depends on them): resume with the checkpoint's values, or start a new run (a new "
-                             "run_dir=..., without --resume)")
-
-
-Trainer.save, Trainer.load, Trainer._check_same_data = save, load, _check_same_data
+Trainer.save, Trainer.load = save, load
 
 
 # %% [markdown]

@@ -106,6 +106,12 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     return model.eval(), tok
 
 
+def prompt_ids(tok, prompt: str) -> list[int]:
+    "The ids the model reads for `prompt`: the end-of-text token first, as it opens every training document (chapter 60)."
+    eot = tok.token_to_id(EOT)
+    return ([] if eot is None else [eot]) + tok.encode(prompt).ids
+
+
 def generate_text(model: HyMo, tok, # From `load_run`
                   prompt: str = "ROMEO:", # Text to continue
                   max_new_tokens: int = 200, # Tokens to add
@@ -117,8 +123,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
-    eot = tok.token_to_id(EOT)  # opens every training document (chapter 60)
-    ids = ([] if eot is None else [eot]) + tok.encode(prompt).ids
+    eot, ids = tok.token_to_id(EOT), prompt_ids(tok, prompt)
     if not ids: raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
     shown = _Stream(tok, ids[eot is not None:], eot, stream)
     dev = next(model.parameters()).device
@@ -201,7 +206,7 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
-        n, L = len(tok.encode(a.prompt).ids) + 1, model.config.max_seq_len  # + the end-of-text token that opens it
+        n, L = len(prompt_ids(tok, a.prompt)), model.config.max_seq_len
         if n > L: print(f"note: the prompt is {n} tokens, more than the model's max_seq_len={L}: it sees only the last {L}",
                         file=sys.stderr)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)

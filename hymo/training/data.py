@@ -522,13 +522,25 @@ class TokenLoader:
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
                 "world_size": self.world_size, "accum": self.accum, "split": self.split, "fingerprint": self.manifest["fingerprint"]}
 
+    def check_same_data(self, saved: dict, # `fingerprint`, `seq_len` and `seed` of a saved run; a key it lacks is not checked
+                        source: str, # What saved them, for the message (a checkpoint's folder)
+                       ):
+        "Raise `DataError` unless `saved` names this loader's dataset, and the `seq_len` and `seed` its order depends on."
+        mine = self.state_dict()
+        if saved.get("fingerprint") not in (None, mine["fingerprint"]):
+            raise DataError(f"the dataset in {self.data_dir} is not the one {source} trained on (fingerprint "
+                            f"{saved['fingerprint'][:12]}… then, {mine['fingerprint'][:12]}… now: prepared again, or another "
+                            "folder): resume with that data; to train on this one, start a new run (a new run_dir=..., "
+                            "without --resume)")
+        diff = [f"{k} {saved[k]} -> {mine[k]}" for k in ("seq_len", "seed") if saved.get(k, mine[k]) != mine[k]]
+        if diff: raise DataError(f"{source} cannot continue its data order with {', '.join(diff)} (the order of the windows "
+                                 "depends on them): resume with the saved values, or start a new run (a new run_dir=..., "
+                                 "without --resume)")
+
     def load_state_dict(self, state: dict):
         "Continue from a `state_dict()`; the order-defining settings must be the same."
+        self.check_same_data({"fingerprint": state.get("fingerprint")}, "this run")  # the other settings, listed below
         mine = self.state_dict()
-        if state.get("fingerprint") != mine["fingerprint"]:
-            raise DataError(f"the dataset in {self.data_dir} is not the one this run trained on (fingerprint "
-                            f"{str(state.get('fingerprint'))[:12]}… then, {mine['fingerprint'][:12]}… now: prepared again, or "
-                            "another folder): resume with that data; to train on this one, start a new run (a new run_dir=..., without --resume)")
         diff = [f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in mine if k != "step" and state.get(k) != mine[k]]
         if diff: raise DataError("cannot resume the data order, settings differ (" + "; ".join(diff) + "): "
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
