@@ -6,6 +6,9 @@
 A quicker A/B than the whole train step (train_step.py) when a change touches one block: run it on
 both versions, on the same machine. The default is hymo_750m's shape, micro-batch 4 x 4096; the loss
 is a plain sum of the output; `iters` timed calls follow 3 warm-up calls (CUDA events on a GPU).
+The block runs as in a one-GPU training step: its input is the residual stream in bf16 (as the model
+casts it under autocast) and its matrices are the trainer's bf16 copies (`BF16Matrices`), whose
+gradients are added to the fp32 masters after each backward.
 """
 import argparse
 import json
@@ -16,15 +19,20 @@ import torch
 from hymo.config import load_config
 from hymo.models.gdn import GatedDeltaNetBlock
 from hymo.models.mla import MLABlock
+from hymo.training.trainer import BF16Matrices
 from need_gpu import need_gpu  # the script beside this one
 
 
 def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
-    "Mean ms of a compiled forward + backward."
+    "Mean ms of a compiled forward + backward, on the trainer's bf16 copies of the block's matrices."
     f, dev = torch.compile(block), x.device.type
+    mats = BF16Matrices(block, torch.bfloat16, compiled=True)
+    mats.refresh()
     def step():
-        with torch.autocast(dev, torch.bfloat16): y = f(x)
-        y.float().sum().backward()
+        with mats.swapped():
+            with torch.autocast(dev, torch.bfloat16): y = f(x)
+            y.float().sum().backward()
+        mats.collect()
     for _ in range(3): step()
     if dev == "cuda":
         torch.cuda.synchronize()
@@ -44,7 +52,7 @@ def main(args):
     torch.manual_seed(0)
     block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)
     block = block.to(args.device)
-    x = torch.randn(args.batch, args.seq_len, cfg.dim, device=args.device, requires_grad=True)
+    x = torch.randn(args.batch, args.seq_len, cfg.dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     ms = block_ms(block, x, args.iters)
     res = dict(config=args.config, block=args.block, ms_fwd_bwd=ms, iters=args.iters, shape=list(x.shape),
                device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,

@@ -2,11 +2,16 @@
 # The train-step rows of the results page, one process each (clean peak-memory numbers).
 # On the GPU machine: OUT=/some/dir bash benchmarks/h200_train_step.sh kernels|main|variants|host   (each fits 10 minutes)
 # kernels: also the optimiser step alone (optim_step.py); host: the host time per launch, and one compiled block of each kind
+# OUT is a scratch folder: benchmarks/results/ is the results page's curated record (rows labelled, newest first),
+# which these scripts would overwrite; copy the rows worth keeping there by hand, with their `code` and `note`.
 set -u
 export PYTHONPATH=$PWD
-OUT=${OUT:-benchmarks/results}
+: "${OUT:?set OUT to a scratch folder, e.g. OUT=/tmp/bench bash $0 main}"
+if [ "$(cd "$OUT" 2>/dev/null && pwd -P)" = "$(cd benchmarks/results && pwd -P)" ]; then
+  echo "OUT=$OUT is benchmarks/results, the results page's record: give a scratch folder" >&2; exit 2; fi
+mkdir -p "$OUT"
 J=$OUT/train_step.json
-run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" "$@" 2>&1 | grep -v Warning | tail -70; }
+run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" --code "${CODE:-}" "$@" 2>&1 | grep -v Warning | tail -70; }
 case "${1:-main}" in
   kernels)  # parity and speed of the Triton kernels: GDN prelude (chapter 14), cross-entropy chunk (42), GDN rule (13) and its solve for A
     timeout 150 python benchmarks/gdn_conv_kernel.py --out "$OUT/gdn_conv_kernel.json" 2>&1 | grep -v Warning | tail -40
@@ -26,9 +31,9 @@ case "${1:-main}" in
     run --accum 32 --warmup 1 --steps 2
     run
     run --loss logits ;;
-  variants)  # activation checkpointing, all-MLA, and the PyTorch GDN path
-    run --compile --ac
-    run --compile --all-mla
+  variants)  # activation checkpointing, all-MLA, and the PyTorch GDN path, at the preset's 32 micro-batches a step
+    run --compile --ac --accum 32 --warmup 1 --steps 2
+    run --compile --all-mla --accum 32 --warmup 1 --steps 2
     run --compile --gdn torch --accum 32 --warmup 1 --steps 2
     run --compile --gdn torch --warmup 2 --steps 3
     run --gdn torch --warmup 2 --steps 3 ;;

@@ -14,18 +14,24 @@
     python benchmarks/train_step.py --doc-masking 1024       # packed documents of ~1024 tokens: cu_seqlens for GDN and MLA
     python benchmarks/train_step.py --fsdp                   # FSDP-2 mixed precision on a process group of one GPU, as each
                                                              # GPU of a torchrun launch computes (instead of autocast)
-    python benchmarks/train_step.py --out results.json       # append the result as JSON
+    python benchmarks/train_step.py --out results.json --code "what this measures"   # add the result, newest first
 
 The step is `Trainer.train_step` itself (forward with main + MTP losses, backward, clipping, NorMuon +
 AdamW, MoE bias update) on synthetic tokens, so what is measured is what training runs.
-MFU = tokens/s x HyMo.flops_per_token(seq_len) / 989e12 (H100/H200 dense bf16 peak).
+MFU = tokens/s x FLOPs per token / the GPU's dense bf16 peak (989e12 for an H100/H200; the trainer's table).
+FLOPs per token are HyMo.flops_per_token(seq_len), except with --doc-masking: the trainer's own count for
+the timed steps, whose attention is counted within each document (`doc_keys_per_query`).
+Peak memory is the process's, warm-up and compilation included: what a training run must fit.
+The rows of benchmarks/results/ are the results page's record, newest first, each labelled by --code;
+run into a scratch file and copy over the rows worth keeping.
 """
 import argparse
 import hashlib
 import json
 import os
-import tempfile
 import re
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +42,6 @@ from hymo.training.data import doc_cu_seqlens
 from hymo.training.trainer import Trainer, peak_flops
 from need_gpu import need_gpu  # the script beside this one
 
-PEAK = 989e12
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
 DOC_LEN = 0  # set by --doc-masking: mean document length of the synthetic batches (0: no document boundaries)
 
@@ -233,12 +238,11 @@ def run(args) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t = SyntheticTrainer(cfg.model, cfg.train, run_dir=tempfile.mkdtemp(prefix="hymo_bench_"), resume=False, quiet=True)  # one each: run folders are locked
     t.model.loss_impl = args.loss
-    flops = t.model.flops_per_token(args.seq_len)
     for _ in range(args.warmup): t.train_step()
     torch.cuda.synchronize()
     spans = time_optimizers(t.optimizers)
     mb_rows, restore = time_micro_batches() if args.timeline else (None, lambda: None)
-    times, lines = [], []
+    times, lines, flops = [], [], []
     try:
         for _ in range(args.steps):
             if mb_rows is not None:
@@ -248,17 +252,23 @@ def run(args) -> dict:
             if mb_rows is not None: s1.record()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            flops.append(m["flops"] / (m["tokens"] / t.d.world_size))  # the trainer's count: per document with --doc-masking
             if mb_rows is not None: lines.append(timeline(mb_rows, s0, s1))
     finally: restore()
     step = sorted(times)[len(times) // 2]
     tok_s = args.micro_batch * args.accum * args.seq_len / step
-    res = dict(conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
+    fpt = sum(flops) / len(flops)
+    peak = peak_flops(t.d.device)
+    if peak is None: print(f"no MFU: {torch.cuda.get_device_name()} has no dense bf16 peak in the trainer's PEAK_BF16_FLOPS table")
+    res = dict(code=args.code or _unlabelled(), conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
                + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "") + (" fsdp" if args.fsdp else "") + f" accum={args.accum} loss={args.loss}",
-               step_s=step, step_times_s=[round(x, 4) for x in times], tokens_per_s=tok_s, flops_per_token=flops, mfu=tok_s * flops / PEAK,
+               step_s=step, step_times_s=[round(x, 4) for x in times], tokens_per_s=tok_s, flops_per_token=fpt,
+               mfu=tok_s * fpt / peak if peak else None,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
-               gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak_flops(t.d.device),
-               date=time.strftime("%Y-%m-%d"), mfu_formula="tokens/s * flops_per_token / 989e12", optimizer=optimizer_ms(spans))
+               gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak,
+               date=time.strftime("%Y-%m-%d"), mfu_formula=f"tokens/s * flops_per_token / {peak:.3g}" if peak else None,
+               optimizer=optimizer_ms(spans))
     if lines: res["timeline"] = lines
     try:
         import triton; res["triton"] = triton.__version__
@@ -295,7 +305,27 @@ def run(args) -> dict:
     return res
 
 
-if __name__ == "__main__":
+def _unlabelled() -> str:
+    "The row's `code` when --code is not given: the commit measured, marked when the checkout has changes."
+    try:
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()
+        return f"unlabelled: {git('rev-parse', '--short', 'HEAD')}" + (" + changes" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.CalledProcessError): return "unlabelled"
+
+
+def check_args(p: argparse.ArgumentParser, args):
+    "Refuse what would run something else than the row says, before the model is built."
+    for name in ("steps", "accum", "micro_batch", "seq_len", "profile_micro_batches", "profile_rows"):
+        if getattr(args, name) < 1: p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("warmup", "doc_masking"):
+        if getattr(args, name) < 0: p.error(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
+    if args.compile_mode and not args.compile:
+        p.error(f"--compile-mode {args.compile_mode} needs --compile: without it nothing is compiled")
+    if args.conv_launch and args.gdn == "torch":
+        p.error("--conv-launch sets the Triton prelude's tiles, which --gdn torch does not run")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gdn", default="triton", choices=["triton", "torch", "auto"])
     p.add_argument("--all-mla", action="store_true")
@@ -325,13 +355,19 @@ if __name__ == "__main__":
                         "issue it, and whether the GPU had run dry at each micro-batch boundary (it then likely waited on the host)")
     p.add_argument("--conv-launch", default=None, help="JSON of tiles for the GDN prelude kernels (gdn_conv_kernel.py --best-out)")
     p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
-    p.add_argument("--out", default=None, help="append the result to this JSON list")
+    p.add_argument("--out", default=None, help="add the result to this JSON list, first (the results page reads newest first)")
+    p.add_argument("--code", default=None, help="the row's label: what code it measured and why (default: 'unlabelled: <commit>')")
+    return p
+
+
+if __name__ == "__main__":
+    p = build_parser()
     args = p.parse_args()
-    if args.profile_micro_batches < 1: p.error(f"--profile-micro-batches must be at least 1, got {args.profile_micro_batches}")
+    check_args(p, args)
     need_gpu()
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))
     if args.out:
         path = Path(args.out)
         old = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps(old + [r], indent=1))
+        path.write_text(json.dumps([r] + old, indent=1))

@@ -567,7 +567,7 @@ test_fail(lambda: causal_conv1d(xc, wc, cache=c[:, :2]), contains="the conv cach
 #
 # Steps 1 and 2 together are the mixer's *prelude*, which turns the projected $[B, T, 2HK + HV]$
 # into the rule's inputs. It is written once, here, as the reference; chapter 14 fuses it into one
-# Triton kernel forward and one backward with the same contract, and the mixer uses that on the GPU.
+# Triton kernel forward and three backward with the same contract, and the mixer uses them on the GPU.
 
 # %%
 #| export

@@ -957,7 +957,7 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
     if cu_seqlens is not None: cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     return (q, k, v, g.float().contiguous(), beta.float().contiguous(), K ** -0.5 if scale is None else scale,
-            _pad_last(initial_state, Kp, Vp), cu_seqlens)
+            None if initial_state is None else _pad_last(initial_state, Kp, Vp).contiguous(), cu_seqlens)  # read row-major
 
 
 def triton_gated_delta_rule(
@@ -1198,7 +1198,12 @@ for p in bench["parity"]:
     print(f"{p['T']:5d} {p['B']:2d} " + " ".join(f"{p[n]:7.1e}" for n in "o ht dq dk dv dg dbeta dh0".split()))
 assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
     p[n] <= 0.01 for p in bench["parity"] for n in ("dq", "dk", "dv", "dg", "dbeta", "dh0"))
-print("not measured on the GPU yet:", bench["not_measured"])
+
+# %% [markdown]
+# These rows are bf16 at HyMo's heads. A later run of `gdn_verify.py` on the H200 added fp32,
+# packed rows of several documents, the fused recurrent kernel and wide heads ($H = 16$,
+# $K = V = 128$), all within the same targets: its table is on the results page ("GDN kernel
+# parity on the H200"), with the re-checks of each later change to the kernels.
 
 # %% [markdown]
 # ## Questions
@@ -1371,9 +1376,10 @@ print("not measured on the GPU yet:", bench["not_measured"])
 # per head, where a chunk would solve a $64\times64$ system for one token. For training and prefill
 # the chunked path wins, because its work is matrix products on the tensor cores and only $T/64$
 # steps are sequential instead of $T$: 64 times fewer dependent steps, each a few small products
-# rather than a rank-one update that leaves the tensor cores idle. HyMo has no fused recurrent
-# Triton kernel to time against (decoding steps the PyTorch recurrence, chapter 41), so no measured
-# ratio is given here. The Python reference loop, a much slower thing, takes about 0.67 s forward at
+# rather than a rank-one update that leaves the tensor cores idle. HyMo's decoding steps on a GPU
+# run `fused_recurrent_gated_delta_rule` above (chapter 12's mixer picks it when a state is carried);
+# its time against the chunked kernels for a token or a few has not been measured, so no ratio is
+# given here. The Python reference loop, a much slower thing, takes about 0.67 s forward at
 # $T = 4096$ (extrapolated from $T = 256$) against 0.42 ms for the chunked kernels; that gap is
 # mostly Python and launch overhead, not the algorithm.
 # :::

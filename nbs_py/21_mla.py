@@ -124,12 +124,12 @@ def naive_mla(x, # [T, D] one sequence
 # makes one call of the flash kernel's variable-length form instead (`varlen_flash_attention`):
 # it reads the document boundaries itself, so one launch covers the whole row, and its grouped
 # keys are never repeated either. The loop was the first version, and on the H200 a document-masked
-# 750M step took 17.2 s for 8 micro-batches (3.4 % MFU) against 1.74 s without documents: there
+# 750M step took 17.2 s for 8 micro-batches (3.2 % MFU) against 1.74 s without documents: there
 # SDPA picks cuDNN, and cuDNN builds a new execution plan for every new sequence length it meets,
 # that is, for nearly every document. One packed row of 16 384 tokens in 17 documents took
 # 1.6–4.2 s forward and backward with new lengths, 6 ms with lengths seen before; the varlen call
 # takes 2.5–2.8 ms (the same row as one causal sequence under cuDNN: 6.6 ms), and the step 2.16 s;
-# 1.93 s (30.4 % MFU) once the checks of the boundaries read the GPU once instead of three times
+# 1.93 s (28.7 % MFU, attention counted within documents) once the checks of the boundaries read the GPU once instead of three times
 # (`benchmarks/results/`).
 #
 # `forward_decode`, the cached decoder, is derived in its own section below. Two limits to know:

@@ -256,9 +256,12 @@ class HyMo(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
         return n - (_inactive_expert_params(self) if active else 0)
 
-    def flops_per_token(self, seq_len: int) -> float:  # Training window length T
+    def flops_per_token(self,
+                        seq_len: int,  # Training window length T
+                        keys: Optional[float] = None,  # Mean keys an MLA query attends to; None: T/2 (see `doc_keys_per_query`)
+                       ) -> float:
         "Training FLOPs per token (forward + backward = 3 × forward, a multiply-add = 2 FLOPs); see `flops_breakdown`."
-        return sum(flops_breakdown(self, seq_len).values())
+        return sum(flops_breakdown(self, seq_len, keys).values())
 
     def state_bytes(self, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
         "Bytes of decode state one sequence of `seq_len` tokens holds; see `state_breakdown`."
@@ -304,9 +307,18 @@ class HyMo(nn.Module):
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `max_seq_len`; from there (and without `cache`) every token re-runs the last `max_seq_len` tokens."""
-        if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"generate takes one prompt [1, T]; got {tuple(tokens.shape)}")
+        if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
+            raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
+        if not (max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature) and (top_k is None or top_k >= 1)):
+            raise ValueError(f"generate needs max_new_tokens >= 0, a finite temperature >= 0 and top_k None or >= 1; got "
+                             f"max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
         was_training = self.training
         self.eval()
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph)
+        finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
+
+    def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph) -> torch.Tensor:
+        "The loop of `generate`, in eval mode."
         L = self.config.max_seq_len
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
         state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
@@ -333,7 +345,6 @@ class HyMo(nn.Module):
             tokens = torch.cat([tokens, nxt], 1)
             if on_token is not None: on_token(int(nxt))
             if stop is not None and int(nxt) == stop: break  # one host read per token; the forward dwarfs it
-        self.train(was_training)
         return tokens
 
 
@@ -438,8 +449,8 @@ test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), 
 # `doc_masking=true` trains; the MTP heads take the same boundaries and skip targets in a later
 # document (chapter 40). On one H200 the 750M step with documents of about 1 024 tokens costs
 # 11 to 24 % more than without, depending on the machine (1.93 to 2.16 s per 8 micro-batches
-# against 1.70 to 1.74 s; the latest pair, measured together, 2.11 against 1.70 s, 27.8 % MFU; the
-# results page): MLA attends through one varlen flash call, and what is left is the host reading
+# against 1.70 to 1.74 s; the latest pair, measured together, 2.11 against 1.70 s, 26.2 % MFU with attention counted
+# within each document, as below; the results page): MLA attends through one varlen flash call, and what is left is the host reading
 # document boundaries from the GPU.
 
 # %%
@@ -535,7 +546,8 @@ test_eq(state[0].recurrent.shape, (1, dec_cfg.gdn_n_heads, dec_cfg.gdn_head_k_di
 # %% [markdown]
 # So the cached and the uncached `generate` draw the same tokens, greedy or sampled with one seed,
 # including a run that outgrows `max_seq_len` (here 24, for a prompt of 10 and 30 new tokens) and
-# continues on the window. The model's mode is restored.
+# continues on the window. The model's mode is restored, also when the loop stops with an error; a
+# negative temperature (which would favour the least likely tokens) and `top_k=0` are refused.
 
 # %%
 prompt = seq[:, :10]
@@ -550,6 +562,12 @@ test_fail(lambda: dec_short.decode_state(1, 25), contains="max_seq_len=24")
 out = model.generate(tokens[:1, :8], max_new_tokens=6, temperature=0.8, top_k=50)
 test_eq((out.shape, out[:, :8]), ((1, 14), tokens[:1, :8]))
 assert model.training  # generate restores the mode it found
+for bad in (dict(temperature=-0.5), dict(temperature=float("nan")), dict(top_k=0), dict(max_new_tokens=-1)):
+    test_fail(lambda: model.generate(tokens[:1, :8], **{"max_new_tokens": 2, **bad}), contains="generate needs")
+test_fail(lambda: model.generate(tokens[:1, :0], 2), contains="at least one token")
+def interrupt(i): raise KeyboardInterrupt
+test_fail(lambda: model.generate(tokens[:1, :8], 4, on_token=interrupt), exc=KeyboardInterrupt)
+assert model.training  # also when the loop is interrupted
 
 # %% [markdown]
 # What it buys, on this CPU for the tiny eight-block model and 200 new tokens after a prompt of 10
@@ -807,7 +825,10 @@ def param_breakdown(model: HyMo) -> dict[str, int]:
 #    causal window the mean is about $T/2$ keys, so per token and MLA block the forward costs
 #    $2 H (d_{qk} + d_v) \cdot T/2 = H (d_{qk} + d_v)\, T$.
 #    (PaLM's convention counts the full $T$, twice this; we count the causal half, which is what a
-#    FlashAttention-style kernel computes.)
+#    FlashAttention-style kernel computes.) Packed documents attend less: a query sees only its own
+#    document, so documents of lengths $L_i$ give a mean of $\sum_i L_i^2 / (2 \sum_i L_i)$ keys
+#    (`keys=`; `doc_keys_per_query` reads it off `cu_seqlens`). Left at $T/2$, the count is that of
+#    the same tokens unmasked, which is what the trainer reports with `doc_masking` too.
 # 4. **The chunked gated delta rule**, per head and chunk of $C$ tokens (chapter 12's
 #    `_chunk_rule`): $KK^\top$, $W = T(\ldots K)$, $QK^\top$ cost $2C^2K$ each; $U = T(\ldots V)$ and
 #    the intra-chunk $(QK^\top \odot D) V_\text{new}$ cost $2C^2V$ each; $V_\text{new} = U - WS$,
@@ -826,9 +847,11 @@ def _matrix_params(module: nn.Module, exclude: tuple = ()) -> int:
 
 def flops_breakdown(model: HyMo,
                     seq_len: int,  # Training window T
+                    keys: Optional[float] = None,  # Mean keys an MLA query attends to; None: T/2, a causal window
                    ) -> dict[str, float]:
     "Training FLOPs per token by term (3 × forward, multiply-add = 2 FLOPs); they sum to `model.flops_per_token`."
     c, T = model.config, seq_len
+    keys = T / 2 if keys is None else keys
     n_mla = sum(c.is_mla(i) for i in range(c.n_layers))
     n_gdn = c.n_layers - n_mla
     trunk = _matrix_params(model.layers) - _inactive_expert_params(model)
@@ -839,8 +862,15 @@ def flops_breakdown(model: HyMo,
     return {"matrices (blocks)": 3 * 2 * trunk,
             "output head": 3 * 2 * vocab,
             "MTP heads (MLP + vocabulary projection)": 3 * 2 * (_matrix_params(model.mtp) + c.mtp_depth * vocab),
-            "MLA attention scores + values": 3 * n_mla * H * (dqk + dv) * T,
+            "MLA attention scores + values": 3 * n_mla * 2 * H * (dqk + dv) * keys,
             "GDN chunked rule": 3 * n_gdn * Hg * gdn_rule}
+
+
+def doc_keys_per_query(cu_seqlens: torch.Tensor,  # [N+1] document boundaries of a packed row, on the host
+                      ) -> float:
+    "Mean keys a query attends to in a packed row of documents of lengths L_i: Σ L_i² / (2 Σ L_i), for `flops_breakdown`."
+    L = cu_seqlens.diff().double()
+    return float((L * L).sum() / (2 * L.sum()))
 
 
 # %% [markdown]
@@ -912,6 +942,22 @@ for name, m in models.items():
     sb = state_breakdown(m, 4096)
     print(f"  decode state at T = 4096 (bf16): {m.state_bytes(4096)/2**20:.2f} MiB per sequence")
     for k, v in sb.items(): print(f"    {k:42s}{v/2**20:12.3f} MiB")
+
+# %% [markdown]
+# A window of $T$ tokens taken as one document attends to $T/2$ keys per query, the default; the
+# same tokens as four documents of $T/4$ attend to a quarter of that, and the attention term shrinks
+# by as much while the others stay:
+
+# %%
+T = 4096
+one, four = torch.tensor([0, T]), torch.tensor([0, 1024, 2048, 3072, T])
+test_eq(doc_keys_per_query(one), T / 2)
+test_eq(doc_keys_per_query(four), T / 8)
+att = "MLA attention scores + values"
+test_close(flops_breakdown(model_750m, T, doc_keys_per_query(four))[att], flops_breakdown(model_750m, T)[att] / 4)
+test_close(model_750m.flops_per_token(T) - model_750m.flops_per_token(T, T / 8), flops_breakdown(model_750m, T)[att] * 3 / 4)
+print(f"750M, T = {T}: {model_750m.flops_per_token(T)/1e9:.3f} GFLOPs per token as one document, "
+      f"{model_750m.flops_per_token(T, T / 8)/1e9:.3f} as four")
 
 # %% [markdown]
 # The matrices dominate; the MTP heads' two extra vocabulary projections are the next largest term

@@ -64,6 +64,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 #
 # The lanes start at $m = -10^{38}$ rather than $-\infty$: masked lanes of the last block read
 # $z = -\infty$, and $e^{-\infty - (-\infty)}$ would be NaN.
+#
+# The targets are not checked on the host (that would make it wait for the GPU). A target outside
+# $[0, V)$, from a tokenizer larger than the model's vocabulary, would otherwise read a logit of
+# another row; the kernel writes NaN as that row's loss instead, so the step is non-finite and the
+# trainer skips it and says so, as PyTorch's gather would fail.
 
 # %%
 #| export
@@ -84,7 +89,9 @@ def _ce_kernel(z, y, w, loss, dz, V, szr, WANT_GRAD: tl.constexpr, BV: tl.conste
     lse = m + tl.log(tl.sum(b_s * tl.exp(b_m - m), 0))
     tgt = tl.load(y + row)
     wr = tl.load(w + row).to(tl.float32)
-    tl.store(loss + row, wr * (lse - tl.load(z_row + tgt).to(tl.float32)))
+    ok = (tgt >= 0) & (tgt < V)  # a target outside the vocabulary makes the loss NaN, not another row's logit
+    z_y = tl.load(z_row + tl.where(ok, tgt, 0)).to(tl.float32)
+    tl.store(loss + row, tl.where(ok, wr * (lse - z_y), float("nan")))
     if WANT_GRAD:
         dz_row = dz + row * V
         for v0 in range(0, V, BV):
@@ -107,7 +114,7 @@ LAUNCH = dict(BV=4096, num_warps=16)
 
 
 def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32), class stride 1
-                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (not checked: no host sync)
+                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (one outside: a NaN loss)
                     w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
                     want_grad: bool, # Also return d(loss)/dz
                    ):
@@ -201,7 +208,7 @@ assert res["parity"]["dz"] <= 1e-2 and res["parity"]["loss"] <= 1e-5
 # to 1.5e-4 (the bf16 rounding of the output; the compiled version's error is the same). The block
 # width and warp count matter little: the sweep's 12 settings ranged over 0.42–0.67 ms, and the
 # best three were within 3 % of each other. In the 750M model, the loss's softmax work fell from 10.8 to 4.9 ms
-# per micro-batch (results page).
+# per micro-batch (the profiles of rounds 3 and 4 in `benchmarks/results/train_step.json`).
 
 # %% [markdown]
 # ## Questions

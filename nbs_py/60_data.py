@@ -264,7 +264,7 @@ test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 
 # Byte-level BPE (GPT-2's scheme): text is first turned into bytes, each byte mapped to one of 256
 # printable symbols, so every string is encodable and decoding is exact; the GPT-2 regex
 # pre-tokenizer splits words, numbers and punctuation; BPE then learns `vocab_size - 257` merges
-# (256 byte symbols and EOT are fixed). On the 1 MB corpus, training takes about a second.
+# (256 byte symbols and EOT are fixed). On the 1 MB corpus, training takes under a second on a laptop CPU.
 #
 # `encode_special_tokens = True` makes the tokenizer encode a literal `<|endoftext|>` *in the
 # text* as ordinary characters. Without it, a document that quotes the string would inject a
@@ -553,7 +553,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
 
 
 # %% [markdown]
-# Preparing the whole bundled corpus takes a couple of seconds:
+# Preparing the whole bundled corpus takes about a second:
 
 # %%
 work = Path(tempfile.mkdtemp())

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
-from hymo.models.model import HyMo, build_hymo
+from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
 from hymo.training.optim import build_optimizers, wsd_schedule
 
@@ -454,7 +454,8 @@ class Trainer:
         self.dtype = resolve_precision(train_cfg, self.d.device)
         single_gpu_autocast = self.d.device.type == "cuda" and self.dtype == torch.bfloat16 and not self.d.distributed
         self.matrices = BF16Matrices(self.model, self.dtype, compiled=train_cfg.compile) if single_gpu_autocast else None  # cast once per step
-        self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)
+        self.flops_per_token = self.model.flops_per_token(train_cfg.seq_len)  # a window of one document; see `forward_backward`
+        self.flops_per_key = self.model.flops_per_token(train_cfg.seq_len, 1) - self.model.flops_per_token(train_cfg.seq_len, 0)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self.branched_from = None  # another folder's checkpoint this run began from (`--resume`), kept in every meta.json
@@ -783,6 +784,7 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # `train_step` consumes `accum` micro-batches, each through `forward_backward`, inside
 # `accumulation` (what holds for the whole step: the bf16 copies refreshed, or FSDP's weights kept
 # gathered). The benchmark's profile calls the same two, so what it records is what a step runs.
+# Each micro-batch also returns its model FLOPs, for the MFU (see the question on MFU below).
 # The loss of each micro-batch is divided by `accum` so the
 # accumulated gradient is the mean over the global batch; FSDP's reduce-scatter then averages over
 # ranks. That is exact when every micro-batch has the same number of targets, as the main loss
@@ -875,27 +877,32 @@ def accumulation(self: Trainer):
     with fsdp_step(self.model) if hasattr(self.model, "set_requires_gradient_sync") else nullcontext(): yield
 
 
-def forward_backward(self: Trainer, last: bool) -> tuple[dict, int]:
-    "One micro-batch, forward and backward of `loss / accum`; `last` is the step's last. Returns its losses and token count."
+def forward_backward(self: Trainer, last: bool) -> tuple[dict, int, float]:
+    """One micro-batch, forward and backward of `loss / accum`; `last` is the step's last. Returns its losses, its token
+    count and its model FLOPs (with packed documents, attention counted within each document)."""
     if hasattr(self.model, "set_requires_gradient_sync"): fsdp_micro_batch(self.model, last)
     mats = self.matrices  # one GPU under autocast: bf16 copies of the matrices, made once per step
-    tokens, targets, cu = _to_device(self, next(self._train_iter))
+    batch = next(self._train_iter)
+    tokens, targets, cu = _to_device(self, batch)
+    flops = tokens.numel() * self.flops_per_token
+    if cu is not None:  # the loader's boundaries, still on the host: no wait for the GPU
+        flops += tokens.numel() * self.flops_per_key * (doc_keys_per_query(batch[2]) - self.cfg.seq_len / 2)
     with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
         with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
         (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
     if mats is not None: mats.collect()
-    return {"total": loss.detach(), **parts}, tokens.numel()
+    return {"total": loss.detach(), **parts}, tokens.numel(), flops
 
 
 def train_step(self: Trainer) -> dict:
     "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
     self.model.train()
-    totals, n_tokens = {}, 0
+    totals, n_tokens, flops = {}, 0, 0.0
     with accumulation(self):
         for i in range(self.accum):
-            parts, n = forward_backward(self, last=i == self.accum - 1)
+            parts, n, f = forward_backward(self, last=i == self.accum - 1)
             for k, v in parts.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
-            n_tokens += n
+            n_tokens += n; flops += f
     losses = totals  # mean over the micro-batches: the total and each part
     if self.d.distributed:
         stacked = torch.stack([losses[k] for k in sorted(losses)])
@@ -921,7 +928,7 @@ def train_step(self: Trainer) -> dict:
     self.step += 1
     metrics = {"step": self.step, "loss": float(losses.pop("total")),
                **{f"loss/{k}": float(v) for k, v in losses.items()}, "grad_norm": float(gnorm), "lr_mult": lr_mult,
-               "tokens": n_tokens * self.d.world_size, "skipped": not finite, "bad_steps": self.bad_steps, **moe}
+               "tokens": n_tokens * self.d.world_size, "flops": flops, "skipped": not finite, "bad_steps": self.bad_steps, **moe}
     if not finite and self.consecutive_bad > self.cfg.max_bad_steps:
         last = list_checkpoints(self.run_dir)
         fix = "lower the learning rate or check the data"
@@ -1157,9 +1164,12 @@ Trainer.save, Trainer.load = save, load
 # the checkpoint is collective), a checkpoint of that step is written, and `fit` returns with
 # `stopped_by` set; `python -m hymo.train` then says where the checkpoint is and exits with
 # 128 + the signal's number, as a killed process would. Nothing since the last checkpoint is lost,
-# and the line printed last is the command that resumes: the same one, naming `run_dir` if the run
-# made a new timestamped folder, and leaving out `--resume` or `--no-resume` (which would go back to
+# and the line printed last says how to resume: the same command, with `run_dir=` added if the run
+# made a new timestamped folder, and without `--resume` or `--no-resume` (which would go back to
 # an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint.
+# Under `torchrun`, Ctrl-C reaches torchrun too, which passes it to every rank (each then stops as
+# above, together) and reports the signal itself: it ends with a `SignalException` traceback and
+# exit status 1, after the ranks have written their checkpoint.
 
 # %%
 #| export
@@ -1241,7 +1251,8 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         if self.d.device.type == "cuda": torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         m["tokens_per_s"] = m["tokens"] / dt
-        m["mfu"] = (m["tokens_per_s"] * self.flops_per_token / (peak * self.d.world_size)) if peak else None
+        flops = m.pop("flops")  # this rank's model FLOPs, at this rank's peak
+        m["mfu"] = flops / (dt * peak) if peak else None
         due = (self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.max_steps
         if due and self.val_loader is not None: m["val_loss"] = self.evaluate()  # the last step's is the final one too
         self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
@@ -1590,6 +1601,9 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # MFU = tokens per second × training FLOPs per token ÷ (peak FLOP/s × number of devices). The
 # FLOPs per token come from the model's own accounting (`HyMo.flops_per_token`: 3 × the forward,
 # counting a multiply-add as two FLOPs, with attention and the GDN recurrence included), and the
-# peak from a table of dense bf16 figures (989 TFLOP/s for an H100/H200). A CPU has no comparable
-# single peak figure, so the trainer reports tokens per second only.
+# peak from a table of dense bf16 figures (989 TFLOP/s for an H100/H200). With `doc_masking` a
+# query attends only within its document, so each micro-batch's attention is counted from its own
+# document lengths (`doc_keys_per_query`, chapter 41) rather than over the whole window: counted
+# over the window, 1 024-token documents at $T = 4096$ would overstate the 750M's MFU by some 7 %.
+# A CPU has no comparable single peak figure, so the trainer reports tokens per second only.
 # :::

@@ -195,11 +195,15 @@ def main(argv: list[str] | None = None) -> str:
     if a.tokens < 0 or not a.temperature >= 0 or a.top_k < 0:  # `not >=` also refuses nan
         p.error("--tokens, --temperature and --top-k must be numbers, not negative")
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
+    if not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try: device = torch.device(device)
     except RuntimeError: p.error(f"--device {a.device}: give cpu, cuda, cuda:N or auto")
     if device.type not in ("cpu", "cuda"): p.error(f"--device {a.device}: HyMo generates on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    if device.type == "cpu" and device.index: p.error(f"--device {a.device}: the CPU is one device, give cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     shown = []
     def show(piece: str):  # the text appears as it is drawn, so a Ctrl-C keeps what was printed
         shown.append(piece)
@@ -381,7 +385,9 @@ assert r.returncode == 2 and "has no config.yaml" in r.stderr and "Traceback" no
 
 # %%
 for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperature", "inf"], "must be finite"),
-                   (["--device", "tpu"], "give cpu, cuda"), (["--device", "meta"], "on cpu or cuda")]:
+                   (["--device", "tpu"], "give cpu, cuda"), (["--device", "meta"], "on cpu or cuda"),
+                   (["--device", "cpu:3"], "the CPU is one device"), (["--seed", "99999999999999999999"], "--seed must be in"),
+                   (["--seed", "-1"], "--seed must be in")]:
     with contextlib.redirect_stderr(io.StringIO()) as err:
         test_fail(lambda: main([str(work / "run"), *args]), exc=SystemExit)
     assert says in err.getvalue(), err.getvalue()

@@ -32,7 +32,10 @@
 # **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the H200's dense bf16
 # peak). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
 # $T = 4096$ (3 × forward, a multiply-add is two FLOPs, attention over the causal half, the GDN
-# recurrence and the MTP heads' vocabulary projections included; see the model chapter).
+# recurrence and the MTP heads' vocabulary projections included; see the model chapter). With
+# packed documents (`--doc-masking`) a query attends only within its document, and the attention
+# term is counted that way: 4.17 GFLOPs per token for the benchmark's documents of about 1 024
+# tokens (the rows measured before round 26 were recomputed so; each note gives the old figure).
 #
 # ## Against the targets
 #
@@ -173,8 +176,12 @@ if tl_row:
 #   gradients chunk by chunk. The Triton prelude (chapter 14) saves no activation of its own
 #   (52.0 → 48.8 GB compiled in round 3). The GDN forward keeps its triangular inverses $A$ (in
 #   round 5, +2 GB) and, since round 6, its chunk states (+0.5 GB, 21 MB per layer) for the
-#   backward. Activation checkpointing brought the peak to 25 GB for 18 % fewer tokens per second
-#   (in round 2).
+#   backward. Activation checkpointing brought the peak to 25 GB (in round 2), at 0.521 against
+#   0.427 s a step of one micro-batch, 18 % fewer tokens per second. That step holds a whole
+#   optimiser step too: round 2's compiled steps of 1 and 32 micro-batches (0.427 and 8.745 s) split
+#   into about 0.268 s per micro-batch and 0.159 s once per step, so checkpointing adds some 35 % to
+#   each micro-batch, about 25 % fewer tokens per second at the preset's 32 (an estimate; the
+#   `variants` set of `h200_train_step.sh` now times it at 32).
 # * **What is left** (the breakdown above, round 19's profile of round 18's code: 191.3 ms of
 #   kernels per micro-batch). Matrix multiplies are about 52 % (98.6 ms, about 65 TFLOP at some 650
 #   TFLOP/s, near what the H200 gives at these widths; the loss's vocabulary products, about 17
@@ -222,7 +229,10 @@ if tl_row:
 #   is only part of the step.
 # * **All-MLA** (32 MLA + MoE blocks, in round 2): 0.75 s per one-micro-batch step at 6.8
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
-#   stored parameters, and a KV cache in every layer.
+#   stored parameters, and a KV cache in every layer. A step of one micro-batch includes a whole
+#   optimiser step, here over 2.85× the hybrid's parameters, so that 43 % mixes the optimisers'
+#   cost into what is meant to compare attention; the `variants` set now times it at the preset's
+#   32 micro-batches, not yet run.
 #
 # ::: {.callout-note collapse="true"}
 # ## The round log: what each round changed and measured (rounds 6 to 25)
@@ -490,7 +500,7 @@ if tl_row:
 # * **Round 10, not kept:** the prelude's backward with its $\bar u$ in bf16 instead of fp32: 0.412
 #   against 0.455 ms per layer (about 1 ms per micro-batch, 0.5 %), for a 1.4× larger $\bar x$
 #   error and $\bar w$ error from 1e-7 to 1.6e-3 (`experiments.json`).
-# * **Round 9: packed documents train at 30 % MFU instead of 3.4 %.** The first H200 timing of
+# * **Round 9: packed documents train at 29 % MFU instead of 3.2 %.** The first H200 timing of
 #   `--doc-masking 1024` (documents of about 1 024 tokens, some 17 per packed row of 16 384) took
 #   17.2 s per step of 8 micro-batches, against 1.74 s for the same step without documents. MLA ran
 #   causal SDPA once per document, SDPA chose cuDNN, and cuDNN builds an execution plan for every
@@ -502,7 +512,8 @@ if tl_row:
 #   every read of a GPU value (the checks of the document boundaries, the GDN kernels' chunk
 #   tables) makes the host wait for the GPU, and there were some 200 per micro-batch. The checks
 #   now read the GPU once instead of three times (chapters 12 and 20), and the chunk tables once
-#   instead of twice (chapter 13): 1.93 s per step, 30.4 % MFU, 51.5 GB, the GPU idle 31 of 234 ms
+#   instead of twice (chapter 13): 1.93 s per step, 28.7 % MFU (30.4 % as first recorded, before
+#   attention was counted within documents), 51.5 GB, the GPU idle 31 of 234 ms
 #   per micro-batch, 11 % over the plain step. The chunk tables now need no read at all (the
 #   kernels take a bound on the chunk count that the shapes give). That final code measured 2.06 s
 #   on another machine, whose host was slower in the longest gaps (kernel launches overlapping

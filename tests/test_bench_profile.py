@@ -1,10 +1,14 @@
 """The profile arithmetic of benchmarks/train_step.py: idle gaps between GPU activity and the host work during them,
 and the per-micro-batch timeline (`--timeline`).
 
-The benchmark itself needs a GPU; these helpers take plain `(start, end, name)` intervals and are checked here.
+The benchmark itself needs a GPU; these helpers take plain `(start, end, name)` intervals and are checked here, and
+its step runs here on hymo_tiny with the CUDA calls stood in for.
 """
+import os
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import torch  # noqa: E402
@@ -47,6 +51,31 @@ def test_a_profile_window_of_no_micro_batches_is_refused_before_anything_runs():
     assert r.returncode == 2 and "--profile-micro-batches must be at least 1" in r.stderr, r.stderr[-500:]
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--doc-masking", "-3"], "--doc-masking must be at least 0"),
+    (["--compile-mode", "reduce-overhead"], "needs --compile"),
+    (["--gdn", "torch", "--conv-launch", "tiles.json"], "which --gdn torch does not run")])
+def test_train_step_refuses_what_would_measure_something_else(argv, says, capsys):
+    from train_step import build_parser, check_args
+    p = build_parser()
+    with pytest.raises(SystemExit) as e: check_args(p, p.parse_args(argv))
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    check_args(p, p.parse_args(["--compile", "--compile-mode", "reduce-overhead", "--doc-masking", "0"]))  # fine
+
+
+def test_the_h200_script_keeps_off_the_results_record(tmp_path):
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    for out in (None, "benchmarks/results", "./benchmarks/../benchmarks/results/"):
+        env = {k: v for k, v in os.environ.items() if k != "OUT"} | ({"OUT": out} if out else {})
+        before = {f: f.stat().st_mtime_ns for f in (root / "benchmarks" / "results").iterdir()}
+        r = subprocess.run(["bash", "benchmarks/h200_train_step.sh", "main"], cwd=root, env=env, capture_output=True, text=True)
+        assert r.returncode != 0 and ("scratch folder" in r.stderr), (out, r.stderr)
+        assert {f: f.stat().st_mtime_ns for f in (root / "benchmarks" / "results").iterdir()} == before
+
+
 class FakeEvent:
     "A CUDA event on a fake GPU clock: `record` stamps the clock's time; `query` is True once the clock has passed it."
     clock = 0.0
@@ -84,3 +113,28 @@ def test_the_timeline_times_each_micro_batch_and_sees_when_the_gpu_ran_dry(monke
     assert (line["before_first_ms"], line["after_last_ms"]) == (0.0, 7.0)
     assert line["boundaries_gpu_drained"] == 1  # after 8 ms the 5 ms still queued had run out; after 2 ms they had not
     assert abs(line["host_ms_mean"] - sum(r["host_ms"] for r in rows) / 3) < 1e-9
+
+
+def test_the_step_on_a_cpu_counts_packed_documents_and_labels_its_row(monkeypatch):
+    """`run` on hymo_tiny (CUDA's clocks and memory stood in for): with --doc-masking its FLOPs per token are the
+    trainer's, attention within documents, below the window's count; the MFU uses the peak the row records."""
+    import train_step as ts
+    from hymo.config import load_config
+    def tiny(name, **over):  # the preset's split of the batch, at hymo_tiny's size and in fp32 on the CPU
+        over.update(precision="fp32", gdn_kernel="torch", seq_len=64)
+        return load_config("hymo_tiny", **over)
+    monkeypatch.setattr(ts, "load_config", tiny)
+    monkeypatch.setattr(ts, "peak_flops", lambda device: 1e12)
+    for f in ("reset_peak_memory_stats", "synchronize", "empty_cache"): monkeypatch.setattr(torch.cuda, f, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "cpu")
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    p = ts.build_parser()
+    rows = {docs: ts.run(p.parse_args(["--seq-len", "64", "--micro-batch", "2", "--accum", "2", "--warmup", "0", "--steps", "1",
+                                       "--gdn", "torch", "--doc-masking", str(docs), "--code", "a test"]))
+            for docs in (0, 16)}
+    whole = rows[0]["flops_per_token"]
+    assert rows[16]["flops_per_token"] < whole and "docs~16" in rows[16]["variant"]
+    for r in rows.values():
+        assert r["code"] == "a test" and r["table_peak"] == 1e12 and r["mfu_formula"].endswith("/ 1e+12")
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 1e12)

@@ -36,6 +36,7 @@ PAGE_FACTS = """() => {
   return {
     text: clone.innerText,
     maths: document.querySelectorAll('math').length,
+    mathScrollsY: [...document.querySelectorAll('math[display="block"]')].filter(m => m.scrollHeight > m.clientHeight + 1).length,
     closedQA: document.querySelectorAll('details.callout:not([open])').length,
     rawMath: document.querySelectorAll('span.math:not(:has(math))').length,
     hrefs: [...document.querySelectorAll('a[href]')].map(a => a.href),
@@ -166,6 +167,8 @@ def test_maths_renders_as_mathml(visits, built):
         if re.search(r"\$[^$\s][^$]*\$", md):
             with_maths += 1
             assert v["maths"] > 0, f"{ch.html}: the notebook has $...$ but the page has no <math>"
+    scrolls = {c.html: visits[c.html]["mathScrollsY"] for c in chapters if visits[c.html]["mathScrollsY"]}
+    assert not scrolls, f"display formulas with a vertical scrollbar: {scrolls}"
     for name, v in visits.items():
         assert v["rawMath"] == 0, f"{name}: {v['rawMath']} formulas were left as TeX (pandoc could not convert them)"
         leftover = re.findall(r"\$\$?[^$\n]{1,80}\$|\\\(|\\\[|\\begin\{", v["text"])

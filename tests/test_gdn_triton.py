@@ -32,9 +32,10 @@ CHILD = textwrap.dedent('''
         ((o.float() * torch.randn(o.shape, generator=gen)).sum() + (ht * torch.randn(ht.shape, generator=gen)).sum()).backward()
         return [o.float(), ht] + [x.grad.float() for x in leaves]
 
-    def case(B, T, H, K, V, dtype=torch.float32, cu=None, seed=0):
+    def case(B, T, H, K, V, dtype=torch.float32, cu=None, seed=0, h0_transposed=False):
         xs = inputs(B, T, H, K, V, dtype, seed)
         h0 = torch.randn(B if cu is None else len(cu) - 1, H, K, V)
+        if h0_transposed: h0 = h0.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, column-major
         ref = run(naive_gated_delta_rule, [x.float() for x in xs], h0, cu, seed)
         out = run(triton_gated_delta_rule, xs, h0, cu, seed)
         names = "o ht dq dk dv dg dbeta dh0".split()
@@ -46,6 +47,7 @@ CHILD = textwrap.dedent('''
     res["packed"] = case(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=3)
     res["packed_spare_slots"] = case(1, 192, 2, 16, 16, cu=torch.tensor([0, 64, 128, 130, 192]), seed=9)  # 4 chunks, 6 slots
     res["fp16"] = case(1, 70, 1, 16, 32, dtype=torch.float16, seed=4)
+    res["h0_transposed"] = case(2, 70, 2, 16, 16, seed=10, h0_transposed=True)  # K, V already padded: no copy on the way in
     xs, h0, cu = inputs(1, 90, 2, 16, 16, torch.float32, 6), torch.randn(3, 2, 16, 16), torch.tensor([0, 10, 80, 90])
     kept, again = (run(lambda *a: triton_gated_delta_rule(*a, keep_prep=kp), xs, h0, cu, 6) for kp in (True, False))
     res["keep_prep_vs_recompute"] = max((a - b).abs().max().item() for a, b in zip(kept, again))
@@ -82,6 +84,13 @@ CHILD = textwrap.dedent('''
                                                  initial_state=S60, output_final_state=True)
     res["decode_several"] = {"o": [(o8 - o_ref[:, 60:]).abs().max().item(), o_ref[:, 60:].abs().max().item()],
                              "ht": [(S - S_ref).abs().max().item(), S_ref.abs().max().item()]}
+    xs, h0 = inputs(2, 8, 2, 16, 16, torch.float32, 11), torch.randn(2, 2, 16, 16)  # K, V already padded: no copy on the way in
+    o_ref8, S_ref8 = naive_gated_delta_rule(*xs, initial_state=h0, output_final_state=True)
+    with torch.no_grad():  # from a column-major copy of the state
+        o8, S = fused_recurrent_gated_delta_rule(*xs, initial_state=h0.transpose(-1, -2).contiguous().transpose(-1, -2),
+                                                 output_final_state=True)
+    res["decode_h0_transposed"] = {"o": [(o8 - o_ref8).abs().max().item(), o_ref8.abs().max().item()],
+                                   "ht": [(S - S_ref8).abs().max().item(), S_ref8.abs().max().item()]}
     q, k, v, g, beta = inputs(1, 30, 2, 12, 20, torch.float32, 6)  # and on a packed row of three documents
     cu, h0 = torch.tensor([0, 7, 8, 30]), torch.randn(3, 2, 12, 20)
     o_ref, S_ref = naive_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
@@ -131,7 +140,8 @@ def _check(case, tol):
         assert err <= tol * max(scale, 1.0), f"{name}: max error {err:.3g} (reference max {scale:.3g})"
 
 
-@pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed", "packed_spare_slots", "other_local_order"])
+@pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed", "packed_spare_slots", "other_local_order",
+                                  "h0_transposed"])
 def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
     "fp32: o, the final state and the gradients of q, k, v, g, beta and the initial state, to fp32 rounding."
     _check(errors[name], 1e-4)
@@ -153,7 +163,7 @@ def test_decoding_continues_a_prefill(errors):
     _check(errors["decode"], 1e-4)
 
 
-@pytest.mark.parametrize("name", ["decode_several", "decode_packed"])
+@pytest.mark.parametrize("name", ["decode_several", "decode_packed", "decode_h0_transposed"])
 def test_recurrent_kernel_on_several_tokens_and_packed_documents(errors, name):
     "The recurrent kernel given several tokens per call, and a packed row (the state restarts per document), equals the loop."
     _check(errors[name], 1e-4)

@@ -149,6 +149,23 @@ def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):
     assert len(metrics) == 3 and all(math.isfinite(m["loss"]) for m in metrics)
 
 
+def test_document_masking_counts_attention_flops_within_documents(tmp_path):
+    "The MFU's FLOPs of a packed micro-batch: attention over each document's own length, not the whole window."
+    from hymo.models.model import doc_keys_per_query
+    t = make(tmp_path / "run", doc_masking=True, micro_batch_size=16, global_batch_size=32, max_steps=3, warmup_steps=1)
+    seen, batches = [], t._train_iter
+    def recording():
+        for b in batches: seen.append(b); yield b
+    t._train_iter = recording()
+    m = t.train_step()
+    assert len(seen) == 2 and all(len(b) == 3 and b[2].numel() > 17 for b in seen)  # windows and documents
+    want = sum(b[0].numel() * t.model.flops_per_token(t.cfg.seq_len, doc_keys_per_query(b[2])) for b in seen)
+    assert m["flops"] == pytest.approx(want, rel=1e-12)
+    assert m["flops"] < m["tokens"] * t.flops_per_token  # the window's count is larger
+    plain = make(tmp_path / "plain", micro_batch_size=16, global_batch_size=32, max_steps=3, warmup_steps=1).train_step()
+    assert plain["flops"] == plain["tokens"] * t.flops_per_token
+
+
 def test_kill_and_resume_equals_straight_run(tmp_path):
     straight = make(tmp_path / "straight", max_steps=20, ckpt_every=10).fit()
     first = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)

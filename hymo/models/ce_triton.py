@@ -34,7 +34,9 @@ def _ce_kernel(z, y, w, loss, dz, V, szr, WANT_GRAD: tl.constexpr, BV: tl.conste
     lse = m + tl.log(tl.sum(b_s * tl.exp(b_m - m), 0))
     tgt = tl.load(y + row)
     wr = tl.load(w + row).to(tl.float32)
-    tl.store(loss + row, wr * (lse - tl.load(z_row + tgt).to(tl.float32)))
+    ok = (tgt >= 0) & (tgt < V)  # a target outside the vocabulary makes the loss NaN, not another row's logit
+    z_y = tl.load(z_row + tl.where(ok, tgt, 0)).to(tl.float32)
+    tl.store(loss + row, tl.where(ok, wr * (lse - z_y), float("nan")))
     if WANT_GRAD:
         dz_row = dz + row * V
         for v0 in range(0, V, BV):
@@ -48,7 +50,7 @@ LAUNCH = dict(BV=4096, num_warps=16)
 
 
 def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32), class stride 1
-                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (not checked: no host sync)
+                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (one outside: a NaN loss)
                     w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
                     want_grad: bool, # Also return d(loss)/dz
                    ):

@@ -606,7 +606,7 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
     if cu_seqlens is not None: cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     return (q, k, v, g.float().contiguous(), beta.float().contiguous(), K ** -0.5 if scale is None else scale,
-            _pad_last(initial_state, Kp, Vp), cu_seqlens)
+            None if initial_state is None else _pad_last(initial_state, Kp, Vp).contiguous(), cu_seqlens)  # read row-major
 
 
 def triton_gated_delta_rule(

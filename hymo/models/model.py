@@ -23,7 +23,7 @@ from .moe import DeepSeekMoE
 from .mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
 
 # %% auto #0
-__all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'state_breakdown']
+__all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'doc_keys_per_query', 'state_breakdown']
 
 # %% ../../nbs/41_model.ipynb #4edabcb8
 class HyMo(nn.Module):
@@ -134,9 +134,12 @@ class HyMo(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
         return n - (_inactive_expert_params(self) if active else 0)
 
-    def flops_per_token(self, seq_len: int) -> float:  # Training window length T
+    def flops_per_token(self,
+                        seq_len: int,  # Training window length T
+                        keys: Optional[float] = None,  # Mean keys an MLA query attends to; None: T/2 (see `doc_keys_per_query`)
+                       ) -> float:
         "Training FLOPs per token (forward + backward = 3 × forward, a multiply-add = 2 FLOPs); see `flops_breakdown`."
-        return sum(flops_breakdown(self, seq_len).values())
+        return sum(flops_breakdown(self, seq_len, keys).values())
 
     def state_bytes(self, seq_len: int, dtype: torch.dtype = torch.bfloat16) -> int:
         "Bytes of decode state one sequence of `seq_len` tokens holds; see `state_breakdown`."
@@ -182,9 +185,18 @@ class HyMo(nn.Module):
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `max_seq_len`; from there (and without `cache`) every token re-runs the last `max_seq_len` tokens."""
-        if tokens.ndim != 2 or tokens.shape[0] != 1: raise ValueError(f"generate takes one prompt [1, T]; got {tuple(tokens.shape)}")
+        if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
+            raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
+        if not (max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature) and (top_k is None or top_k >= 1)):
+            raise ValueError(f"generate needs max_new_tokens >= 0, a finite temperature >= 0 and top_k None or >= 1; got "
+                             f"max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
         was_training = self.training
         self.eval()
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph)
+        finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
+
+    def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph) -> torch.Tensor:
+        "The loop of `generate`, in eval mode."
         L = self.config.max_seq_len
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
         state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
@@ -211,7 +223,6 @@ class HyMo(nn.Module):
             tokens = torch.cat([tokens, nxt], 1)
             if on_token is not None: on_token(int(nxt))
             if stop is not None and int(nxt) == stop: break  # one host read per token; the forward dwarfs it
-        self.train(was_training)
         return tokens
 
 # %% ../../nbs/41_model.ipynb #21aa74db
@@ -341,9 +352,11 @@ def _matrix_params(module: nn.Module, exclude: tuple = ()) -> int:
 
 def flops_breakdown(model: HyMo,
                     seq_len: int,  # Training window T
+                    keys: Optional[float] = None,  # Mean keys an MLA query attends to; None: T/2, a causal window
                    ) -> dict[str, float]:
     "Training FLOPs per token by term (3 × forward, multiply-add = 2 FLOPs); they sum to `model.flops_per_token`."
     c, T = model.config, seq_len
+    keys = T / 2 if keys is None else keys
     n_mla = sum(c.is_mla(i) for i in range(c.n_layers))
     n_gdn = c.n_layers - n_mla
     trunk = _matrix_params(model.layers) - _inactive_expert_params(model)
@@ -354,8 +367,15 @@ def flops_breakdown(model: HyMo,
     return {"matrices (blocks)": 3 * 2 * trunk,
             "output head": 3 * 2 * vocab,
             "MTP heads (MLP + vocabulary projection)": 3 * 2 * (_matrix_params(model.mtp) + c.mtp_depth * vocab),
-            "MLA attention scores + values": 3 * n_mla * H * (dqk + dv) * T,
+            "MLA attention scores + values": 3 * n_mla * 2 * H * (dqk + dv) * keys,
             "GDN chunked rule": 3 * n_gdn * Hg * gdn_rule}
+
+
+def doc_keys_per_query(cu_seqlens: torch.Tensor,  # [N+1] document boundaries of a packed row, on the host
+                      ) -> float:
+    "Mean keys a query attends to in a packed row of documents of lengths L_i: Σ L_i² / (2 Σ L_i), for `flops_breakdown`."
+    L = cu_seqlens.diff().double()
+    return float((L * L).sum() / (2 * L.sum()))
 
 # %% ../../nbs/41_model.ipynb #8f03843a
 def state_breakdown(model: HyMo,
