@@ -212,6 +212,9 @@ class HyMo(nn.Module):
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
         # Lengths on a GPU are not read back here (a wait for the GPU); the trainer's loader cuts documents at seq_len.
         if cu_seqlens.device.type == "cpu" and cu_seqlens.ndim == 1 and len(cu_seqlens) > 1:
+            if cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() < 0).any()):
+                raise ValueError(f"cu_seqlens must rise from 0 to T={tokens.shape[1]} (document boundaries of the row); got "
+                                 f"{cu_seqlens.tolist()[:8]}{' ...' if len(cu_seqlens) > 8 else ''}")
             longest = int(cu_seqlens.diff().max())
             if longest > L:
                 raise ValueError(f"a packed document has {longest} tokens > max_seq_len={L}: split long documents or raise max_seq_len")
@@ -441,6 +444,8 @@ test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long)),
 test_fail(lambda: model(tokens, cu_seqlens=torch.tensor([0, 32, 64])), contains="must be [1, T]")
 long_doc = torch.tensor([0, 5, tiny.max_seq_len + 6])
 test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), cu_seqlens=long_doc), contains="split long documents")
+for cu in ([0, 5, 10], [0, 7, 5, 12], [2, 12]):  # not ending at T = 12, falling, not starting at 0
+    test_fail(lambda: model(torch.zeros(1, 12, dtype=torch.long), cu_seqlens=torch.tensor(cu)), contains="must rise from 0 to T=12")
 
 # %% [markdown]
 # With `cu_seqlens` the positions restart at every document, so a packed row may be longer than

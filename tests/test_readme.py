@@ -1,4 +1,4 @@
-"""The README and the home page notebook give the same install, test and run commands."""
+"""The README and the home page notebook give the same install, test and run commands; llms.txt lists every module."""
 import json
 import re
 from pathlib import Path
@@ -24,3 +24,13 @@ def test_readme_tree_names_existing_files():
     for line in re.findall(r"^(\S+)\s{2,}", tree, flags=re.M):
         if line.startswith("```"): continue
         assert (ROOT / line).exists(), f"README's file tree names {line}, which does not exist"
+
+
+def test_llms_txt_lists_every_module():
+    "nbs/llms.txt (written by `tools/nb.py sync`) names every public module of the package, with its summary."
+    text = (ROOT / "nbs" / "llms.txt").read_text()
+    pkg = ROOT / "hymo"
+    mods = {".".join(("hymo", *p.relative_to(pkg).with_suffix("").parts)) for p in pkg.rglob("*.py") if not p.name.startswith("_")}
+    assert len(mods) >= 17
+    listed = set(re.findall(r"^- \[(hymo[\w.]*)\]\(", text, re.M))
+    assert listed == mods, (mods - listed, listed - mods)

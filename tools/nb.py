@@ -27,6 +27,22 @@ def sync():
     sh("nbdev-clean")
     sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))))
     sh("nbdev-export")
+    write_llms_txt()
+
+
+LLMS_MARK = "<!-- Written by `python tools/nb.py sync` from the modules' docstrings; edit the notebooks, not this file -->"
+
+
+def write_llms_txt():
+    """`nbs/llms.txt`, nbdev's index for language models, listing every module. nbdev's own lists only modules whose
+    docstring runs past its summary and link (here 2 of 17); this file, without nbdev's marker, is left to us."""
+    from nbdev.config import _modline, _pkg_docparts, get_config
+    import nbdev.config as nc
+    plain, nc._substantive = nc._substantive, lambda doc: bool(doc.strip())
+    try: path, desc, intro, mods = _pkg_docparts(get_config().lib_path)
+    finally: nc._substantive = plain
+    lines = [f"# {path.name}", f"> {desc}", intro, "## Modules", "\n".join(_modline(*m) for m in mods), LLMS_MARK]
+    (NBS / "llms.txt").write_text("\n\n".join(l for l in lines if l) + "\n", encoding="utf-8")
 
 
 def _skip(cell) -> bool:
