@@ -184,6 +184,36 @@ def test_750m_on_meta_device():
           f"{m.state_bytes(4096)/2**20:.1f} MiB state at T=4096")
 
 
+def test_flop_accounting_agrees_with_torchs_flop_counter(tiny):
+    """`flops_breakdown` against PyTorch's own count of the matrix products in one forward (FlopCounterMode), block by
+    block: every weight a token uses once, only the k chosen experts, the GDN rule's products. What the counter does
+    not see is taken out by hand: the depthwise convolutions, the triangular inverse (not a product), attention (CPU
+    SDPA is not counted), and the MTP heads' last k positions, which have no target (the accounting counts all T)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from hymo.models.model import _inactive_expert_params, _matrix_params
+    c = tiny
+    m = build_hymo(c).eval()  # eval: dropless routing, exactly k experts per token
+    B, T = 2, 128
+    x, y = torch.randint(0, c.vocab_size, (B, T)), torch.randint(0, c.vocab_size, (B, T))
+    with FlopCounterMode(display=False) as fc, torch.no_grad(): m(x, targets=y)
+    counts = {mod: {str(op): v / (B * T) for op, v in d.items()} for mod, d in fc.get_flop_counts().items()}
+    fb = {k: v / 3 for k, v in flops_breakdown(m, T).items()}  # forward, per token
+    n_gdn = sum(not c.is_mla(i) for i in range(c.n_layers))
+    inverse = c.gdn_n_heads * c.gdn_chunk_size ** 2 / 3
+    blocks = 0
+    for i, layer in enumerate(m.layers):
+        got = counts[f"HyMo.layers.{i}"]
+        conv = sum(p.numel() for n, p in layer.named_parameters() if "conv" in n)
+        want = 2 * (_matrix_params(layer) - conv - (_inactive_expert_params(m) / (c.n_layers - n_gdn) if c.is_mla(i) else 0))
+        assert got["aten.mm"] == pytest.approx(want, rel=1e-12), i
+        if not c.is_mla(i): assert got["aten.bmm"] == pytest.approx(fb["GDN chunked rule"] / n_gdn - inverse, rel=1e-12), i
+        blocks += want + 2 * conv
+    assert blocks == pytest.approx(fb["matrices (blocks)"], rel=1e-12)
+    seen = sum(T - k for k in range(1, c.mtp_depth + 1)) / (c.mtp_depth * T)  # head k has targets for T - k positions
+    mtp_and_head = counts["HyMo"]["aten.mm"] - sum(counts[f"HyMo.layers.{i}"]["aten.mm"] for i in range(c.n_layers))
+    assert mtp_and_head == pytest.approx(fb["output head"] + seen * fb["MTP heads (MLP + vocabulary projection)"], rel=1e-12)
+
+
 def test_generate(dropless):
     m = _model(dropless)
     prompt = torch.randint(0, dropless.vocab_size, (1, 6))

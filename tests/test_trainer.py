@@ -166,6 +166,65 @@ def test_document_masking_counts_attention_flops_within_documents(tmp_path):
     assert plain["flops"] == plain["tokens"] * t.flops_per_token
 
 
+def test_activation_checkpointing_trains_the_same_and_its_checkpoints_resume_without_it(tmp_path):
+    "AC recomputes the blocks in the backward: the same losses and gradients; its checkpoints (wrapped names) load without it."
+    straight = make(tmp_path / "plain", max_steps=4).fit()
+    ac = make(tmp_path / "ac", max_steps=4, ckpt_every=2, activation_checkpointing=True)
+    assert all(type(b).__name__ == "CheckpointWrapper" for b in ac.model.layers)
+    part1 = ac.fit(num_steps=2)
+    del ac
+    part2 = make(tmp_path / "ac", max_steps=4, ckpt_every=2).fit()
+    assert losses(part1 + part2) == losses(straight)
+    assert [m["grad_norm"] for m in part1 + part2] == [m["grad_norm"] for m in straight]
+
+
+def test_gradients_reach_the_optimisers_clipped_to_grad_clip(tmp_path):
+    "The optimisers see the gradient scaled to norm `grad_clip` when it is larger (the logged norm is before clipping); 0 turns it off."
+    for clip in (0.5, 0.0):
+        t = make(tmp_path / f"clip{clip}", grad_clip=clip, max_steps=3)
+        seen = []
+        for opt in t.optimizers:
+            def step(*a, _plain=opt.step, _opt=opt, **kw):
+                seen.append(sum(float(p.grad.double().pow(2).sum()) for g in _opt.param_groups for p in g["params"] if p.grad is not None))
+                return _plain(*a, **kw)
+            opt.step = step
+        m = t.train_step()
+        assert len(seen) == len(t.optimizers) and m["grad_norm"] > 0.5, m  # the clip has work to do
+        assert math.sqrt(sum(seen)) == pytest.approx(min(m["grad_norm"], clip) if clip else m["grad_norm"], rel=1e-4)  # fp32 norms
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    "The first SIGINT (or SIGTERM) is noted for a stop after the step; a second SIGINT raises KeyboardInterrupt at once."
+    import signal, time
+    from hymo.training.trainer import StopSignals
+    before = signal.getsignal(signal.SIGINT)
+    for first in (signal.SIGINT, signal.SIGTERM):
+        got = []
+        with StopSignals(got.append, announce=False):
+            os.kill(os.getpid(), first); time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)  # a repeated SIGTERM is absorbed
+            assert got == [first, signal.SIGTERM]
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_path):
+    "`evaluate`: the mean main loss of the model in eval mode over `eval_batches` windows, moving no MoE statistics."
+    t = make(tmp_path / "run", max_steps=4, eval_batches=3)
+    t.fit(num_steps=2)
+    moe = lambda: [torch.cat([m.gate_bias.flatten(), m.expert_counts.flatten().float()]) for m in t.model.moe_layers()]
+    before = moe()
+    got = t.evaluate()
+    assert t.model.training and all(torch.equal(a, b) for a, b in zip(before, moe()))
+    t.model.eval()
+    with torch.no_grad():
+        want = [float(t.model(x, targets=y)[1]["main"]) for x, y in t.val_loader.eval_batches(3)]
+    t.model.train()
+    assert len(want) == 3 and got == pytest.approx(sum(want) / 3, rel=1e-6)
+    assert got != pytest.approx(want[0], rel=1e-6)  # the windows differ: a pass of one would show
+
+
 def test_kill_and_resume_equals_straight_run(tmp_path):
     straight = make(tmp_path / "straight", max_steps=20, ckpt_every=10).fit()
     first = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)
@@ -463,6 +522,8 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
     assert len(a) == len(b) == 5
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["loss"], y["loss"])
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)  # the global norm over the shards (and the clip)
+    assert "val_loss" in a[-1] and abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= 1e-5  # one validation pass over both ranks
     # a checkpoint written by 2 processes resumes in 1 (DCP reshards)
     resumed = run_cli(*[c if not c.startswith("max_steps") else "max_steps=6" for c in common], "run_dir=two",
                       cwd=tmp_path, env_extra=CPU_RANKS)
