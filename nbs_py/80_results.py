@@ -25,9 +25,12 @@
 # python benchmarks/generate_speed.py --prompt 3840               # decoding with the state against re-running the context
 # ```
 #
-# (`benchmarks/h200_train_step.sh` runs the whole set, one process per variant. On a machine without a
-# GPU each script says so in one line and names what a CPU can run instead, such as the tests that
-# run the kernels through Triton's interpreter.)
+# (`OUT=/tmp/bench bash benchmarks/h200_train_step.sh main` runs the whole set, one process per
+# variant, in four parts: `main`, `variants`, `kernels`, `host`. It writes to a scratch folder: the
+# files here are the page's record, and a row worth keeping is copied over by hand, newest first,
+# with its `code` (`--code`, what was measured) and a `note`. On a machine without a GPU each script
+# says so in one line and names what a CPU can run instead, such as the tests that run the kernels
+# through Triton's interpreter.)
 #
 # **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the H200's dense bf16
 # peak). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
