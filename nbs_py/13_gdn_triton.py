@@ -1377,7 +1377,8 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # the chunked path wins, because its work is matrix products on the tensor cores and only $T/64$
 # steps are sequential instead of $T$: 64 times fewer dependent steps, each a few small products
 # rather than a rank-one update that leaves the tensor cores idle. HyMo's decoding steps on a GPU
-# run `fused_recurrent_gated_delta_rule` above (chapter 12's mixer picks it when a state is carried);
+# run `fused_recurrent_gated_delta_rule` above (chapter 12's mixer picks it for one new token with a
+# carried state and no gradient);
 # its time against the chunked kernels for a token or a few has not been measured, so no ratio is
 # given here. The Python reference loop, a much slower thing, takes about 0.67 s forward at
 # $T = 4096$ (extrapolated from $T = 256$) against 0.42 ms for the chunked kernels; that gap is

@@ -376,7 +376,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h.dtype, torch.float32)                 # fp32 (fp64 stays fp64, for checks)
         valid = targets != IGNORE_INDEX                                   # (N,)
         row_w = valid.to(acc) / valid.sum().clamp_min(1).to(acc)          # (N,) 1/n_valid or 0
-        safe = targets.clamp_min(0)                                       # ignored rows read class 0, weighted 0
+        safe = torch.where(valid, targets, 0)                             # ignored rows read class 0, weighted 0
         step = _ce_chunk_for(h)
         loss = torch.zeros((), dtype=acc, device=h.device)
         dh = torch.empty_like(h) if want_h else None

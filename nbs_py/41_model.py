@@ -211,8 +211,8 @@ class HyMo(nn.Module):
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
         # Lengths on a GPU are not read back here (a wait for the GPU); the trainer's loader cuts documents at seq_len.
-        if cu_seqlens.device.type == "cpu" and cu_seqlens.ndim == 1 and len(cu_seqlens) > 1:
-            if cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() < 0).any()):
+        if cu_seqlens.device.type == "cpu":
+            if cu_seqlens.ndim != 1 or len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() < 0).any()):
                 raise ValueError(f"cu_seqlens must rise from 0 to T={tokens.shape[1]} (document boundaries of the row); got "
                                  f"{cu_seqlens.tolist()[:8]}{' ...' if len(cu_seqlens) > 8 else ''}")
             longest = int(cu_seqlens.diff().max())
@@ -444,7 +444,7 @@ test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long)),
 test_fail(lambda: model(tokens, cu_seqlens=torch.tensor([0, 32, 64])), contains="must be [1, T]")
 long_doc = torch.tensor([0, 5, tiny.max_seq_len + 6])
 test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 6, dtype=torch.long), cu_seqlens=long_doc), contains="split long documents")
-for cu in ([0, 5, 10], [0, 7, 5, 12], [2, 12]):  # not ending at T = 12, falling, not starting at 0
+for cu in ([0, 5, 10], [0, 7, 5, 12], [2, 12], [12]):  # not ending at T = 12, falling, not starting at 0, no document
     test_fail(lambda: model(torch.zeros(1, 12, dtype=torch.long), cu_seqlens=torch.tensor(cu)), contains="must rise from 0 to T=12")
 
 # %% [markdown]
@@ -832,8 +832,8 @@ def param_breakdown(model: HyMo) -> dict[str, int]:
 #    (PaLM's convention counts the full $T$, twice this; we count the causal half, which is what a
 #    FlashAttention-style kernel computes.) Packed documents attend less: a query sees only its own
 #    document, so documents of lengths $L_i$ give a mean of $\sum_i L_i^2 / (2 \sum_i L_i)$ keys
-#    (`keys=`; `doc_keys_per_query` reads it off `cu_seqlens`). Left at $T/2$, the count is that of
-#    the same tokens unmasked, which is what the trainer reports with `doc_masking` too.
+#    (`keys=`; `doc_keys_per_query` reads it off `cu_seqlens`), and the trainer counts each
+#    micro-batch of packed documents so. Left at $T/2$, the count is that of the same tokens unmasked.
 # 4. **The chunked gated delta rule**, per head and chunk of $C$ tokens (chapter 12's
 #    `_chunk_rule`): $KK^\top$, $W = T(\ldots K)$, $QK^\top$ cost $2C^2K$ each; $U = T(\ldots V)$ and
 #    the intra-chunk $(QK^\top \odot D) V_\text{new}$ cost $2C^2V$ each; $V_\text{new} = U - WS$,

@@ -65,10 +65,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The lanes start at $m = -10^{38}$ rather than $-\infty$: masked lanes of the last block read
 # $z = -\infty$, and $e^{-\infty - (-\infty)}$ would be NaN.
 #
-# The targets are not checked on the host (that would make it wait for the GPU). A target outside
-# $[0, V)$, from a tokenizer larger than the model's vocabulary, would otherwise read a logit of
-# another row; the kernel writes NaN as that row's loss instead, so the step is non-finite and the
-# trainer skips it and says so, as PyTorch's gather would fail.
+# The targets are not checked on the host (that would make it wait for the GPU). The trainer
+# refuses data whose vocabulary does not fit the model before it starts, so a target outside
+# $[0, V)$ is a caller's mistake; unchecked, it would read a logit of another row. As a defence the
+# kernel writes NaN as that row's loss instead, so the step is non-finite and the trainer skips it
+# and says so, where `ce_chunk`'s gather would fail.
 
 # %%
 #| export

@@ -904,10 +904,11 @@ def train_step(self: Trainer) -> dict:
             for k, v in parts.items(): totals[k] = totals.get(k, 0.0) + v.float() / self.accum
             n_tokens += n; flops += f
     losses = totals  # mean over the micro-batches: the total and each part
-    if self.d.distributed:
-        stacked = torch.stack([losses[k] for k in sorted(losses)])
+    if self.d.distributed:  # means over the ranks, the FLOPs too (each rank's documents differ)
+        names = sorted(losses)
+        stacked = torch.stack([losses[k] for k in names] + [torch.tensor(flops, device=self.d.device)])
         dist.all_reduce(stacked, op=dist.ReduceOp.AVG)
-        losses = dict(zip(sorted(losses), stacked))
+        losses, flops = dict(zip(names, stacked[:-1])), float(stacked[-1])
     gnorm = _grad_norm(self)
     lr_mult = wsd_schedule(self.step, self.cfg)
     finite = bool(torch.isfinite(gnorm)) and all(bool(torch.isfinite(v)) for v in losses.values())
@@ -1251,7 +1252,7 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         if self.d.device.type == "cuda": torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         m["tokens_per_s"] = m["tokens"] / dt
-        flops = m.pop("flops")  # this rank's model FLOPs, at this rank's peak
+        flops = m.pop("flops")  # the model FLOPs of a rank's share of the step (the ranks' mean), at one device's peak
         m["mfu"] = flops / (dt * peak) if peak else None
         due = (self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.max_steps
         if due and self.val_loader is not None: m["val_loss"] = self.evaluate()  # the last step's is the final one too

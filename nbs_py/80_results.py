@@ -69,7 +69,7 @@ steps = json.loads((RESULTS / "train_step.json").read_text())
 # %%
 preset = [r for r in steps if r["variant"] == "hybrid gdn=triton ac=False compile=True accum=32 loss=fused"
           and not r["code"].startswith("experiment")]
-best = max(preset, key=lambda r: r["mfu"])
+best = max(preset, key=lambda r: r["mfu"] or 0)  # a GPU missing from the peak table has no MFU (None)
 print(f"best preset step: {best['mfu']:.1%} MFU, {best['step_s']:.3f} s, {best['peak_mem_gb']:.1f} GB ({best['code']})")
 print(f"newest: {preset[0]['mfu']:.1%} MFU, {preset[0]['step_s']:.3f} s ({preset[0]['code']})")
 print(f"peak memory of every preset row: {min(r['peak_mem_gb'] for r in preset):.1f}-{max(r['peak_mem_gb'] for r in preset):.1f} GB")
@@ -93,7 +93,8 @@ print(f"{'variant':40s} {'step s':>7s} {'tokens/s':>9s} {'MFU':>6s} {'peak GB':>
 for code in dict.fromkeys(r["code"] for r in steps):  # rows grouped by the code they measured, newest first
     print(f"-- {code}")
     for r in (r for r in steps if r["code"] == code):
-        print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} {r['peak_mem_gb']:8.1f}"
+        mfu = f"{r['mfu']:6.1%}" if r["mfu"] is not None else "     -"
+        print(f"{label(r):40s} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} {mfu} {r['peak_mem_gb']:8.1f}"
               + (f"   {r['note']}" if r.get("note") else ""))
 print(f"\n{steps[0]['gpu']}, torch {steps[0]['torch']}, Triton {steps[0].get('triton')}, {steps[0]['date']}")
 
@@ -111,7 +112,7 @@ for r in steps:  # one bar per row: a repeated measurement gets a prime
     while n in names: n += "'"
     names.append(n)
 fig, ax = plt.subplots(1, 2, figsize=(10, 1 + 0.3 * len(steps)))
-ax[0].barh(names, [100 * r["mfu"] for r in steps], color="tab:blue")
+ax[0].barh(names, [100 * (r["mfu"] or 0) for r in steps], color="tab:blue")
 ax[0].axvline(40, ls="--", c="k", lw=1); ax[0].set_xlabel("MFU, % (target 40)"); ax[0].invert_yaxis()
 ax[1].barh(names, [r["peak_mem_gb"] for r in steps], color="tab:orange")
 ax[1].axvline(80, ls="--", c="k", lw=1); ax[1].set_xlabel("peak memory, GB (target 80)"); ax[1].invert_yaxis()

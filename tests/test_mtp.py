@@ -161,6 +161,10 @@ def test_linear_cross_entropy_edge_cases():
     mtp_out = [MTPOutput(1, h[None, :5], torch.zeros(1, 5, dtype=torch.long), 0.3)]
     with pytest.raises(ValueError, match="lm_loss_fused"):
         lm_loss(torch.randn(1, 6, 11), torch.zeros(1, 6, dtype=torch.long), mtp_out)
+    # a negative target other than IGNORE_INDEX is an error, as in F.cross_entropy, not class 0
+    for bad in (-1, 11):
+        with pytest.raises((IndexError, RuntimeError)):
+            linear_cross_entropy(h, w, torch.tensor([bad, 2, 3, 4, 5, 6]))
 
 
 def test_linear_cross_entropy_skips_gradients_without_grad_mode(monkeypatch):

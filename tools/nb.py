@@ -34,15 +34,23 @@ LLMS_MARK = "<!-- Written by `python tools/nb.py sync` from the modules' docstri
 
 
 def write_llms_txt():
-    """`nbs/llms.txt`, nbdev's index for language models, listing every module. nbdev's own lists only modules whose
-    docstring runs past its summary and link (here 2 of 17); this file, without nbdev's marker, is left to us."""
-    from nbdev.config import _modline, _pkg_docparts, get_config
-    import nbdev.config as nc
-    plain, nc._substantive = nc._substantive, lambda doc: bool(doc.strip())
-    try: path, desc, intro, mods = _pkg_docparts(get_config().lib_path)
-    finally: nc._substantive = plain
-    lines = [f"# {path.name}", f"> {desc}", intro, "## Modules", "\n".join(_modline(*m) for m in mods), LLMS_MARK]
-    (NBS / "llms.txt").write_text("\n\n".join(l for l in lines if l) + "\n", encoding="utf-8")
+    """`nbs/llms.txt`, nbdev's index for language models, listing every module with its summary and docs page. nbdev's
+    own lists only modules whose docstring runs past its summary and link (here 2 of 17); this file, without nbdev's
+    marker, is left to us. Read from the exported modules' docstrings (the notebooks' `> description` lines)."""
+    import ast
+    from nbdev.config import get_config
+    cfg = get_config()
+    lib = Path(cfg.lib_path)
+    rows = []
+    for p in sorted(lib.rglob("*.py")):
+        if p.name.startswith("_"): continue
+        doc = ast.get_docstring(ast.parse(p.read_text(encoding="utf-8"))) or ""
+        summary = " ".join(doc.split("\n\n")[0].split())
+        url = next((l[5:].strip() for l in doc.splitlines() if l.startswith("Docs:")), "")
+        name = ".".join((lib.name, *p.relative_to(lib).with_suffix("").parts))
+        rows.append(f"- [{name}]({url}): {summary}" if url else f"- `{name}`: {summary}")
+    text = "\n\n".join([f"# {lib.name}", f"> {cfg.description}", "## Modules", "\n".join(rows), LLMS_MARK]) + "\n"
+    (NBS / "llms.txt").write_text(text, encoding="utf-8")
 
 
 def _skip(cell) -> bool:

@@ -89,8 +89,8 @@ class HyMo(nn.Module):
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
         # Lengths on a GPU are not read back here (a wait for the GPU); the trainer's loader cuts documents at seq_len.
-        if cu_seqlens.device.type == "cpu" and cu_seqlens.ndim == 1 and len(cu_seqlens) > 1:
-            if cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() < 0).any()):
+        if cu_seqlens.device.type == "cpu":
+            if cu_seqlens.ndim != 1 or len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() < 0).any()):
                 raise ValueError(f"cu_seqlens must rise from 0 to T={tokens.shape[1]} (document boundaries of the row); got "
                                  f"{cu_seqlens.tolist()[:8]}{' ...' if len(cu_seqlens) > 8 else ''}")
             longest = int(cu_seqlens.diff().max())
