@@ -118,12 +118,17 @@ def main(argv: list[str] | None = None) -> dict:
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
     else: trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
+    summary = getattr(trainer, "summary", {})
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
+        import gc
         import torch.distributed as dist
         dist.barrier()
+        # The model's FSDP state holds the group too; left to the interpreter's exit, the group is torn down with it
+        # (a rank of a finished two-rank test run once aborted there, "terminate called without an active exception")
+        trainer = None; gc.collect()
         dist.destroy_process_group()
     if stop is not None: sys.exit(128 + int(getattr(stop, "value", signal.SIGTERM)))  # as if the signal had killed it
-    return getattr(trainer, "summary", {})
+    return summary
 
 # %% ../nbs/71_train.ipynb #0468dcd5
 def _in_ipython() -> bool:

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 # %% [markdown]
 # An unknown `--option` gets the closest real one, like an unknown config key does. Under
 # `torchrun`, `main` ends by leaving the process group it joined on every rank together (a barrier,
-# then `destroy_process_group`), so that NCCL does not warn of leaked resources at exit; a group the
-# caller created is left to the caller:
+# then `destroy_process_group`), so that NCCL does not warn of leaked resources at exit. It drops the
+# trainer first, whose model holds the group as well, so that the group is gone before the interpreter
+# shuts down. A group the caller created is left to the caller:
 
 # %%
 #| export
@@ -160,12 +161,17 @@ def main(argv: list[str] | None = None) -> dict:
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
     else: trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
+    summary = getattr(trainer, "summary", {})
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
+        import gc
         import torch.distributed as dist
         dist.barrier()
+        # The model's FSDP state holds the group too; left to the interpreter's exit, the group is torn down with it
+        # (a rank of a finished two-rank test run once aborted there, "terminate called without an active exception")
+        trainer = None; gc.collect()
         dist.destroy_process_group()
     if stop is not None: sys.exit(128 + int(getattr(stop, "value", signal.SIGTERM)))  # as if the signal had killed it
-    return getattr(trainer, "summary", {})
+    return summary
 
 
 # %%
