@@ -1211,6 +1211,28 @@ class StopSignals:
         for s, handler in self.old.items(): signal.signal(s, handler)
 
 
+# %% [markdown]
+# `fit` is the loop around `train_step`: metrics, validation, checkpoints, stops. On a CPU it first
+# checks the size of a step: `hymo_750m` there would take about 6 hours a step at 100 GFLOP/s
+# ($4.4 \times 10^9$ FLOPs for each of 524 288 tokens) and some 20 GB for its weights, gradients and
+# optimiser states, so such a run begins with a line that says so rather than going quiet for hours
+# (or being killed for memory without a word).
+
+# %%
+#| export
+CPU_FLOPS = 1e11  # what a laptop CPU sustains in fp32 on these shapes, roughly: only for the warning below
+
+
+def _warn_if_slow_on_cpu(self: Trainer):
+    "A line before a CPU run whose steps would take more than ten minutes each (hymo_750m: hours, and some 20 GB)."
+    step = self.flops_per_token * self.cfg.global_batch_size * self.cfg.seq_len
+    if step / CPU_FLOPS < 600: return
+    state_gb = 16 * self.model.num_params() / 1e9  # fp32 weights and gradients, two optimiser moments
+    self.log(f"warning: a step of this run is {step:.1e} FLOPs, about {step / CPU_FLOPS / 3600:.1f} h on a CPU at "
+             f"{CPU_FLOPS / 1e9:.0f} GFLOP/s, and its weights, gradients and optimiser states take some {state_gb:.0f} GB. "
+             "It is meant for GPUs (torchrun ... --config hymo_750m on CUDA); hymo_tiny trains on a CPU in minutes")
+
+
 def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
     from tqdm.auto import tqdm
@@ -1226,6 +1248,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     metrics_file = self.run_dir / "metrics.jsonl"
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
+    if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
     with bar, StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:  # an error's line
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)                     # goes below the bar

@@ -225,6 +225,18 @@ def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_p
     assert got != pytest.approx(want[0], rel=1e-6)  # the windows differ: a pass of one would show
 
 
+def test_a_cpu_run_whose_steps_take_hours_says_so_before_it_starts(tmp_path, monkeypatch, capsys):
+    "hymo_750m on a CPU is hours a step and ~20 GB: one warning line first. hymo_tiny's steps are quick: none."
+    import hymo.training.trainer as tr
+    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 1, "warmup_steps": 0})
+    tr.Trainer(cfg.model, cfg.train, run_dir=tmp_path / "a").fit()
+    assert "meant for GPUs" not in capsys.readouterr().out
+    monkeypatch.setattr(tr, "CPU_FLOPS", 1e3)  # as slow as hymo_750m's steps would be
+    tr.Trainer(cfg.model, cfg.train, run_dir=tmp_path / "b").fit()
+    out = capsys.readouterr().out
+    assert "warning: a step of this run is" in out and "meant for GPUs" in out and out.index("warning") < out.index("step 1/1")
+
+
 def test_kill_and_resume_equals_straight_run(tmp_path):
     straight = make(tmp_path / "straight", max_steps=20, ckpt_every=10).fit()
     first = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)

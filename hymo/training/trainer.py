@@ -35,7 +35,7 @@ from .data import DataError, TokenLoader, check_compatible, load_manifest, load_
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'Dist', 'setup_distributed', 'new_run_dir',
+__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'CPU_FLOPS', 'Dist', 'setup_distributed', 'new_run_dir',
            'parallelize', 'resolve_precision', 'peak_flops', 'list_checkpoints', 'checkpoint_step',
            'CheckpointUnreadable', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics',
            'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
@@ -866,6 +866,19 @@ class StopSignals:
     def __exit__(self, *exc):
         for s, handler in self.old.items(): signal.signal(s, handler)
 
+# %% ../../nbs/70_trainer.ipynb #c8405460
+CPU_FLOPS = 1e11  # what a laptop CPU sustains in fp32 on these shapes, roughly: only for the warning below
+
+
+def _warn_if_slow_on_cpu(self: Trainer):
+    "A line before a CPU run whose steps would take more than ten minutes each (hymo_750m: hours, and some 20 GB)."
+    step = self.flops_per_token * self.cfg.global_batch_size * self.cfg.seq_len
+    if step / CPU_FLOPS < 600: return
+    state_gb = 16 * self.model.num_params() / 1e9  # fp32 weights and gradients, two optimiser moments
+    self.log(f"warning: a step of this run is {step:.1e} FLOPs, about {step / CPU_FLOPS / 3600:.1f} h on a CPU at "
+             f"{CPU_FLOPS / 1e9:.0f} GFLOP/s, and its weights, gradients and optimiser states take some {state_gb:.0f} GB. "
+             "It is meant for GPUs (torchrun ... --config hymo_750m on CUDA); hymo_tiny trains on a CPU in minutes")
+
 
 def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     "Train until `max_steps`, or for `num_steps` more steps; returns this call's metrics."
@@ -882,6 +895,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     metrics_file = self.run_dir / "metrics.jsonl"
     bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
+    if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
     with bar, StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:  # an error's line
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)                     # goes below the bar
