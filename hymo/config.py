@@ -136,7 +136,7 @@ def _check_type(name: str, value, tp):
     "Return `value` as type `tp` (ints are accepted as floats, lists as tuples), or raise `ConfigError`."
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
-        if value is None: return None
+        if value is None or value in ("none", "None"): return None  # the word, as a command line writes it
         return _check_type(name, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
         if not isinstance(value, (list, tuple)):

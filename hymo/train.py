@@ -47,7 +47,7 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
         k, v = item.split("=", 1)
-        try: out[k.strip()] = None if v.strip() in ("None", "none") else yaml.safe_load(v)
+        try: out[k.strip()] = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "
                               f"e.g. '{k.strip()}=[0.3, 0.1]'") from None

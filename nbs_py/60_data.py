@@ -170,10 +170,9 @@ def _parquet_docs(path: Path) -> Iterator[str]:
     except ImportError as e: raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from e
     try:
         f = pq.ParquetFile(path)
-        names = f.schema_arrow.names
-        strings = [n for n in names if str(f.schema_arrow.field(n).type) in ("string", "large_string", "string_view")]
-        col = "text" if "text" in names else (strings[0] if len(strings) == 1 else None)
-        if col is None: raise DataError(f"{path}: no 'text' column and not exactly one string column (columns: {names}); name the text column 'text'")
+        names, col = f.schema_arrow.names, "text"
+        if col not in names:  # another string column may be a URL or an id: guessing could train on it
+            raise DataError(f"{path}: no 'text' column (columns: {names}); rename the column that holds the documents to 'text'")
         for batch in f.iter_batches(columns=[col], batch_size=4096):
             for t in batch.column(0).to_pylist():
                 if t is not None and not isinstance(t, str):  # a 'text' column of numbers or bytes
@@ -244,7 +243,7 @@ def split_train_val(docs: Iterable[str], # Documents in corpus order
         if pos + len(b) <= cut: yield "train", d
         elif pos >= cut: yield "val", d
         else:  # the cut falls inside this document: end it at the next newline
-            i = b.find(b"\n", cut - pos)
+            i = b.find(b"\n", max(cut - pos - 1, 0))  # a newline at byte cut - 1 ends the line at the cut
             head, tail = (b, b"") if i < 0 else (b[:i + 1], b[i + 1:])
             yield "train", head.decode("utf-8")
             if tail.strip(): yield "val", tail.decode("utf-8")
@@ -255,6 +254,7 @@ def split_train_val(docs: Iterable[str], # Documents in corpus order
 toy = ["aaaa\nbbbb\n", "cccc\n", "dddd\neeee\n"]  # 25 bytes; 40 % validation cuts at byte 15
 test_eq(list(split_train_val(toy, 25, 0.4)), [("train", "aaaa\nbbbb\n"), ("train", "cccc\n"), ("val", "dddd\neeee\n")])
 test_eq(list(split_train_val(toy, 25, 0.3)), [("train", "aaaa\nbbbb\n"), ("train", "cccc\n"), ("train", "dddd\n"), ("val", "eeee\n")])
+test_eq(list(split_train_val(["aaaa\nbbbb\n"], 10, 0.5)), [("train", "aaaa\n"), ("val", "bbbb\n")])  # a boundary exactly at the cut
 test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 1)")
 
 
@@ -782,6 +782,7 @@ class TokenLoader:
                  seed: int = 0, # Seeds the per-epoch window order
                  doc_masking: bool = False, # Also return `cu_seqlens` (document starts in the flattened batch)
                  accum: int = 1, # A: micro-batch steps per optimiser step; an epoch is a whole number of optimiser steps
+                 eval_only: bool = False, # Only for `eval_batches` (validation): one micro-batch of windows is enough
                 ):
         self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
         self.rank, self.world_size, self.seed, self.doc_masking, self.accum = rank, world_size, seed, doc_masking, accum
@@ -798,7 +799,7 @@ class TokenLoader:
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
-        if self.n_windows < per_step:
+        if self.n_windows < (micro_batch_size if eval_only else per_step):  # eval_plan shares what there is among the ranks
             raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than the "
                             f"{per_step} one optimiser step needs (world_size {world_size} x micro_batch_size "
                             f"{micro_batch_size} x accumulation {accum}): use a shorter seq_len, a smaller batch or more data")
@@ -811,6 +812,9 @@ class TokenLoader:
 
     def window_ids(self, step: int) -> np.ndarray:
         "The window indices $k$ this rank reads at `step`: `[B]`."
+        if not self.steps_per_epoch:
+            raise DataError(f"the {self.split} split has {self.n_windows} windows, fewer than one optimiser step's "
+                            f"{self.world_size * self.micro_batch_size * self.accum}: it serves `eval_batches` only")
         epoch, t = divmod(step, self.steps_per_epoch)
         B = self.micro_batch_size
         first = t * self.world_size * B + self.rank * B
@@ -982,6 +986,20 @@ test_eq(first[1][0].numpy(), np.load(ds / "val_0000.npy")[B * T:B * T + T])
 print(f"validation: {val.n_tokens:,} tokens, {val.n_windows} windows, {val.n_windows // B} full batches")
 plans = [TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, rank=r, world_size=3).eval_plan(4) for r in range(3)]
 test_eq(plans, [[(0, True), (3, True)], [(1, True), (0, False)], [(2, True), (1, False)]])  # 4 groups, 3 ranks: 2 repeats
+
+# %% [markdown]
+# A validation split smaller than one optimiser step of the training split still gives a
+# validation loss: `eval_only` asks for one micro-batch of windows, and ranks past the last group
+# repeat one without counting it. So the same data reports the same validation loss on one GPU or
+# on many, where a split of two micro-batches would otherwise have none on four ranks.
+
+# %%
+few = val.n_windows // B  # micro-batches in the split
+many = [TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, rank=r, world_size=few + 2, eval_only=True) for r in range(few + 2)]
+counted = sorted(g for ld in many for g, c in ld.eval_plan() if c)
+test_eq(counted, list(range(few)))  # every group once, whichever rank
+test_fail(lambda: TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, world_size=few + 2), contains="fewer than")
+test_fail(lambda: next(many[0]), contains="serves `eval_batches` only")
 
 # %% [markdown]
 # And the errors, each with what to do:

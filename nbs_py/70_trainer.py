@@ -500,7 +500,7 @@ class Trainer:
         check_compatible(self.data_dir, self.mcfg.vocab_size)
         mk = lambda split, accum: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                               rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
-                                              doc_masking=self.cfg.doc_masking, accum=accum)
+                                              doc_masking=self.cfg.doc_masking, accum=accum, eval_only=split == "val")
         self.train_loader = mk("train", self.accum)  # epochs of whole optimiser steps: the same data on any world size
         has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
         self.val_loader = None

@@ -81,7 +81,7 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
         k, v = item.split("=", 1)
-        try: out[k.strip()] = None if v.strip() in ("None", "none") else yaml.safe_load(v)
+        try: out[k.strip()] = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "
                               f"e.g. '{k.strip()}=[0.3, 0.1]'") from None
@@ -186,8 +186,12 @@ if __name__ == "__main__" and not _in_ipython():
     main()
 
 # %%
-test_eq(parse_overrides(["dim=64", "train.wandb=true", "moe_capacity_factor=None", "mtp_loss_weights=[0.5,0.2]"]),
-        {"dim": 64, "train.wandb": True, "moe_capacity_factor": None, "mtp_loss_weights": [0.5, 0.2]})
+test_eq(parse_overrides(["dim=64", "train.wandb=true", "moe_capacity_factor=none", "mtp_loss_weights=[0.5,0.2]"]),
+        {"dim": 64, "train.wandb": True, "moe_capacity_factor": "none", "mtp_loss_weights": [0.5, 0.2]})
+# 'none' is None for an optional setting (dropless routing) and the word itself for a choice that has it
+cfg = load_config("hymo_tiny", **parse_overrides(["moe_capacity_factor=none", "moe_balance=none"])).model
+test_eq((cfg.moe_capacity_factor, cfg.moe_balance), (None, "none"))
+test_eq(load_config("hymo_tiny", **parse_overrides(["moe_capacity_factor=None"])).model.moe_capacity_factor, None)
 test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
 test_fail(lambda: parse_overrides(["mtp_loss_weights=[0.3,"]), contains="not valid YAML")
 

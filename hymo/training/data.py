@@ -94,10 +94,9 @@ def _parquet_docs(path: Path) -> Iterator[str]:
     except ImportError as e: raise DataError(f"reading {path} needs pyarrow: pip install pyarrow") from e
     try:
         f = pq.ParquetFile(path)
-        names = f.schema_arrow.names
-        strings = [n for n in names if str(f.schema_arrow.field(n).type) in ("string", "large_string", "string_view")]
-        col = "text" if "text" in names else (strings[0] if len(strings) == 1 else None)
-        if col is None: raise DataError(f"{path}: no 'text' column and not exactly one string column (columns: {names}); name the text column 'text'")
+        names, col = f.schema_arrow.names, "text"
+        if col not in names:  # another string column may be a URL or an id: guessing could train on it
+            raise DataError(f"{path}: no 'text' column (columns: {names}); rename the column that holds the documents to 'text'")
         for batch in f.iter_batches(columns=[col], batch_size=4096):
             for t in batch.column(0).to_pylist():
                 if t is not None and not isinstance(t, str):  # a 'text' column of numbers or bytes
@@ -146,7 +145,7 @@ def split_train_val(docs: Iterable[str], # Documents in corpus order
         if pos + len(b) <= cut: yield "train", d
         elif pos >= cut: yield "val", d
         else:  # the cut falls inside this document: end it at the next newline
-            i = b.find(b"\n", cut - pos)
+            i = b.find(b"\n", max(cut - pos - 1, 0))  # a newline at byte cut - 1 ends the line at the cut
             head, tail = (b, b"") if i < 0 else (b[:i + 1], b[i + 1:])
             yield "train", head.decode("utf-8")
             if tail.strip(): yield "val", tail.decode("utf-8")
@@ -449,6 +448,7 @@ class TokenLoader:
                  seed: int = 0, # Seeds the per-epoch window order
                  doc_masking: bool = False, # Also return `cu_seqlens` (document starts in the flattened batch)
                  accum: int = 1, # A: micro-batch steps per optimiser step; an epoch is a whole number of optimiser steps
+                 eval_only: bool = False, # Only for `eval_batches` (validation): one micro-batch of windows is enough
                 ):
         self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
         self.rank, self.world_size, self.seed, self.doc_masking, self.accum = rank, world_size, seed, doc_masking, accum
@@ -465,7 +465,7 @@ class TokenLoader:
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
-        if self.n_windows < per_step:
+        if self.n_windows < (micro_batch_size if eval_only else per_step):  # eval_plan shares what there is among the ranks
             raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than the "
                             f"{per_step} one optimiser step needs (world_size {world_size} x micro_batch_size "
                             f"{micro_batch_size} x accumulation {accum}): use a shorter seq_len, a smaller batch or more data")
@@ -478,6 +478,9 @@ class TokenLoader:
 
     def window_ids(self, step: int) -> np.ndarray:
         "The window indices $k$ this rank reads at `step`: `[B]`."
+        if not self.steps_per_epoch:
+            raise DataError(f"the {self.split} split has {self.n_windows} windows, fewer than one optimiser step's "
+                            f"{self.world_size * self.micro_batch_size * self.accum}: it serves `eval_batches` only")
         epoch, t = divmod(step, self.steps_per_epoch)
         B = self.micro_batch_size
         first = t * self.world_size * B + self.rank * B
