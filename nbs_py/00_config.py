@@ -160,6 +160,11 @@ class TrainingConfig:
     wandb: bool = False  # Log to Weights & Biases (offline unless you are logged in)
     wandb_project: str = "hymo"  # W&B project name
 
+    @property
+    def decay_steps(self) -> int:
+        "The WSD decay's length D: round(decay_fraction · max_steps), and at least one step when decay_fraction > 0."
+        return max(1, round(self.decay_fraction * self.max_steps)) if self.decay_fraction > 0 else 0
+
 
 # %% [markdown]
 # ## Validation
@@ -306,7 +311,7 @@ def validate_training(t: TrainingConfig):
         if not 0 <= b < 1: raise ConfigError(f"train.{name}={b} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1: raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the decay ends at this fraction of the peak")
     if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
-    decay_start = t.max_steps - round(t.decay_fraction * t.max_steps)  # as in the WSD schedule
+    decay_start = t.max_steps - t.decay_steps  # as in the WSD schedule
     if t.warmup_steps > decay_start:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
                           f"= max_steps={t.max_steps} × (1 − decay_fraction={t.decay_fraction}): lower warmup_steps "

@@ -997,7 +997,8 @@ plt.xlabel("step"); plt.ylabel("loss"); plt.legend(); plt.tight_layout(); plt.sh
 # ## The warmup-stable-decay schedule
 #
 # Both optimisers multiply their peak learning rate by one schedule. With $W$ = `warmup_steps`,
-# $N$ = `max_steps`, $D = \mathrm{round}(f N)$ decay steps ($f$ = `decay_fraction`), decay start
+# $N$ = `max_steps`, $D = \mathrm{round}(f N)$ decay steps ($f$ = `decay_fraction`; at least one
+# when $f > 0$, so that a short run asked to decay does, `TrainingConfig.decay_steps`), decay start
 # $S = N - D$, and $r$ = `min_lr_ratio`:
 # $$\mathrm{mult}(t) = \begin{cases}
 #   (t+1)/W & t < W \\
@@ -1019,7 +1020,7 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
                 ) -> float:
     "Learning-rate multiplier at `step`: linear warmup, constant, then a decay to `min_lr_ratio` over the last `decay_fraction` of `max_steps`."
     W, N = cfg.warmup_steps, cfg.max_steps
-    D = round(cfg.decay_fraction * N)
+    D = cfg.decay_steps
     S = N - D  # first step of the decay
     if W > S:
         raise ValueError(f"warmup_steps={W} runs into the decay, which starts at step {S} = max_steps·(1 − decay_fraction); "
@@ -1078,6 +1079,9 @@ test_close(wsd_schedule(299, dataclasses.replace(tcfg, decay_shape="linear")), 1
 test_eq(wsd_schedule(300, tcfg), 0.0)
 short = dataclasses.replace(tcfg, max_steps=4, warmup_steps=1, decay_fraction=0.2, decay_shape="linear")  # D = 1
 test_eq([wsd_schedule(t, short) for t in range(5)], [1.0, 1.0, 1.0, 0.5, 0.0])  # a one-step decay decays
+tiny_decay = dataclasses.replace(short, decay_fraction=0.1, min_lr_ratio=0.5)  # 0.1 × 4 rounds to 0: one decay step all the same
+test_eq([wsd_schedule(t, tiny_decay) for t in range(5)], [1.0, 1.0, 1.0, 0.75, 0.5])
+test_eq([wsd_schedule(t, dataclasses.replace(short, decay_fraction=0.0)) for t in range(5)], [1.0] * 5)  # 0: no decay, on purpose
 test_fail(lambda: wsd_schedule(0, dataclasses.replace(tcfg, warmup_steps=250)), contains="lower warmup_steps")
 
 opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)

@@ -339,7 +339,7 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
                 ) -> float:
     "Learning-rate multiplier at `step`: linear warmup, constant, then a decay to `min_lr_ratio` over the last `decay_fraction` of `max_steps`."
     W, N = cfg.warmup_steps, cfg.max_steps
-    D = round(cfg.decay_fraction * N)
+    D = cfg.decay_steps
     S = N - D  # first step of the decay
     if W > S:
         raise ValueError(f"warmup_steps={W} runs into the decay, which starts at step {S} = max_steps·(1 − decay_fraction); "
