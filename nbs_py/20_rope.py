@@ -115,6 +115,8 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
     if x.shape[-1] != 2 * cos.shape[-1]:
         raise ValueError(f"apply_rope: x has {x.shape[-1]} dims but the tables rotate {2 * cos.shape[-1]}; "
                          "pass only the rotated slice of x, and tables made with dim = that slice's width")
+    if cos.shape[-2] != x.shape[-3]:  # a table of one position would broadcast over all T: every token at one angle
+        raise ValueError(f"apply_rope: x has {x.shape[-3]} positions but the tables {cos.shape[-2]}; give one position per token")
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, d/2) each
     cos, sin = cos[..., None, :], sin[..., None, :]  # (.., T, 1, d/2): one angle for all heads
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).to(x.dtype)  # (B, T, H, d)
@@ -132,6 +134,7 @@ y_ref = torch.stack([x[:, m].double() @ rope_matrix(m, d).T for m in range(T)], 
 torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=0)
 test_eq(cos.shape, (T, d // 2))
 test_fail(lambda: apply_rope(torch.randn(1, T, H, 10), cos, sin), contains="only the rotated slice")
+test_fail(lambda: apply_rope(x, *rope_cos_sin(torch.tensor([5]), d)), contains="one position per token")  # not broadcast
 test_fail(lambda: rope_inv_freq(7), contains="must be even")
 
 # %% [markdown]

@@ -322,9 +322,10 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = cache.append(c_new, k_rope_new[:, :, 0])  # (B, L, d_c), (B, L, d_rope), L = max_len
         w_uk, w_uv = self.kv_b_proj.weight.view(G, self.d_nope + self.d_v, self.d_c).split([self.d_nope, self.d_v], 1)
         q_lat = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, self.d_nope), w_uk).flatten(2, 3)  # (B, T, H, d_c)
-        s = torch.einsum("bthc,bsc->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)  # (B, H, T, L)
+        with torch.autocast(x.device.type, enabled=False):  # scores in fp32, as the training kernels keep them
+            s = torch.einsum("bthc,bsc->bhts", q_lat.float(), c_kv.float()) + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope.float())
         s = (s * self.softmax_scale).masked_fill(torch.arange(c_kv.shape[1], device=x.device) > pos[:, None], float("-inf"))
-        p = s.float().softmax(-1).to(c_kv.dtype)  # query at position p sees cached tokens 0..p
+        p = s.softmax(-1).to(c_kv.dtype)  # (B, H, T, L); query at position p sees cached tokens 0..p
         o_lat = torch.einsum("bhts,bsc->bthc", p, c_kv)  # (B, T, H, d_c): attention averages latents
         o = torch.einsum("btgrc,gvc->btgrv", o_lat.view(B, T, G, R, self.d_c), w_uv)  # (B, T, G, R, d_v)
         return self.o_proj(o.flatten(2))  # (B, T, H*d_v) -> (B, T, D)
@@ -702,6 +703,30 @@ for P in (1, 17, 64):
         assert err <= 1e-5
     torch.testing.assert_close(outs["absorbed"], outs["naive"], atol=1e-5, rtol=0)
     test_eq(cache.length, P + extra)
+
+# %% [markdown]
+# Under bf16 autocast the decoder computes its scores in fp32, as the training kernels keep theirs:
+# rounded to bf16 before the softmax, scores of a few tens would carry errors of a tenth or more
+# into the exponent. With weights at twice unit scale (scores of a few tens, as in sharp heads), the
+# cached decoder's error against the fp32 forward is then that of the bf16 forward itself (with the
+# scores in bf16 it was 1.6 times that).
+
+# %%
+sharp = randomize_(MultiHeadLatentAttention(cfg), seed=3)
+with torch.no_grad():
+    for p in sharp.parameters():
+        if p.dim() == 2: p.mul_(2)
+    P, E = 256, 16
+    xs = torch.randn(1, P, cfg.dim)
+    ref = sharp(xs)[:, -E:]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_fwd = sharp(xs.bfloat16()).float()[:, -E:]
+        cache = MLACache.empty(cfg, 1, P, dtype=torch.bfloat16)
+        sharp.forward_decode(xs[:, :P - E].bfloat16(), cache)
+        y_dec = torch.cat([sharp.forward_decode(xs[:, t:t + 1].bfloat16(), cache) for t in range(P - E, P)], 1).float()
+rel = lambda y: ((y - ref).norm() / ref.norm()).item()
+print(f"bf16, relative to fp32: forward {rel(y_fwd):.4f}, cached decode {rel(y_dec):.4f}")
+assert rel(y_dec) <= 1.15 * rel(y_fwd)
 
 # %% [markdown]
 # The cache is exactly $d_c + d_\text{rope}$ values per token, and it refuses to overflow:

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -221,7 +222,8 @@ for n in range(2):
 # the cost. DeepSeek-V3 trains dropless; the default 1.5 is the design document's choice, and
 # `moe_capacity_factor: null` turns it off.
 #
-# The keep mask uses one sort: by expert, then by descending score inside each expert. An
+# The keep mask comes from two stable sorts: by descending score, then by expert, which leaves the
+# assignments grouped by expert and by descending score inside each (ties in token order). An
 # assignment's rank inside its expert's segment is its sorted position minus the segment start.
 # The counts are a comparison with every expert summed over the assignments, a reduction that
 # `torch.compile` fuses. (`index_add_` of ones gives the same counts, but compiled for a GPU it
@@ -458,7 +460,9 @@ class DeepSeekMoE(nn.Module):
     def capacity(self, n_tokens: int) -> int | None:
         "C = ceil(capacity_factor · N · k / E) assignments per expert in training, or None (dropless). Eval is always dropless."
         if self.capacity_factor is None: return None
-        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_routed)
+        # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
+        cf = Fraction(self.capacity_factor).limit_denominator(10**6)
+        return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: # x: [B, T, d]
         if x.dim() != 3 or x.shape[-1] != self.dim:

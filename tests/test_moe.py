@@ -108,6 +108,16 @@ def test_gate_scores_are_fp32_under_bf16_input():
     torch.testing.assert_close(s.sum(-1), torch.ones(8))
 
 
+def test_capacity_is_the_exact_ceiling():
+    "C = ceil(c·N·k/E) in exact arithmetic: 1.1·400·2/8 is 110 (in floats 110.00000000000001, whose ceiling is 111)."
+    from fractions import Fraction
+    for cf in (1.0, 1.1, 1.25, 1.5, 2.0, 1.3):
+        moe = make(moe_capacity_factor=cf)
+        for n in (1, 7, 64, 400, 4096, 16384):
+            want = -(-Fraction(str(cf)) * n * moe.top_k // moe.n_routed)
+            assert moe.capacity(n) == want, (cf, n, moe.capacity(n), want)
+
+
 def test_capacity_drops_lowest_scores_and_counts_them():
     moe = make(moe_capacity_factor=1.0).train()
     with torch.no_grad(): moe.gate.weight[0] += 0.5 * torch.randn(moe.dim)  # skew

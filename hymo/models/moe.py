@@ -9,6 +9,7 @@ Docs: https://hymo-lm.github.io/hymo/moe.html.md"""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,9 @@ class DeepSeekMoE(nn.Module):
     def capacity(self, n_tokens: int) -> int | None:
         "C = ceil(capacity_factor · N · k / E) assignments per expert in training, or None (dropless). Eval is always dropless."
         if self.capacity_factor is None: return None
-        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_routed)
+        # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
+        cf = Fraction(self.capacity_factor).limit_denominator(10**6)
+        return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: # x: [B, T, d]
         if x.dim() != 3 or x.shape[-1] != self.dim:
