@@ -261,7 +261,7 @@ def validate_training(t: TrainingConfig):
     decay_start = t.max_steps - t.decay_steps  # as in the WSD schedule
     if t.warmup_steps > decay_start:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
-                          f"= max_steps={t.max_steps} × (1 − decay_fraction={t.decay_fraction}): lower warmup_steps "
+                          f"= max_steps={t.max_steps} − {t.decay_steps} decay steps (decay_fraction={t.decay_fraction}): lower warmup_steps "
                           f"(e.g. warmup_steps={max(decay_start // 10, min(1, decay_start))}) or decay_fraction, or raise max_steps")
     _choice("train.decay_shape", t.decay_shape, ("linear", "1-sqrt", "cosine"))
     _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))

@@ -332,8 +332,10 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
         raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({diff['model']}): a resumed run "
                           "keeps its architecture, so drop these overrides, or give a new run_dir=... to start afresh")
     notes = [f"{sec} settings differ from the checkpoint's: {d}" for sec, d in diff.items() if d]
-    a, b = wsd_schedule(step, old_train), wsd_schedule(step, train_cfg)
-    if abs(a - b) > 1e-9:
+    try: a = wsd_schedule(step, old_train)
+    except ValueError: a = None  # a run from before a decay_fraction > 0 meant at least one decay step: no longer valid
+    b = wsd_schedule(step, train_cfg)
+    if a is not None and abs(a - b) > 1e-9:
         notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
                      "to extend a finished run without the jump, resume a checkpoint from before its decay if one is "
                      "still kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)")

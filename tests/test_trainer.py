@@ -237,6 +237,27 @@ def test_a_cpu_run_whose_steps_take_hours_says_so_before_it_starts(tmp_path, mon
     assert "warning: a step of this run is" in out and "meant for GPUs" in out and out.index("warning") < out.index("step 1/1")
 
 
+def test_a_small_validation_split_still_reports_on_many_ranks(tmp_path):
+    "The trainer's validation loader needs one micro-batch of windows, not one optimiser step's on every rank (eval_plan shares them)."
+    import dataclasses
+    t = make(tmp_path / "run", max_steps=4, warmup_steps=1)
+    n = t.val_loader.n_windows
+    t.cfg = dataclasses.replace(t.cfg, micro_batch_size=n // 2, global_batch_size=4 * (n // 2))
+    t.d, t.accum = dataclasses.replace(t.d, world_size=4), 1  # as rank 0 of 4: a training step reads 2n windows, validation has n
+    t.setup_data()
+    assert t.val_loader is not None and [c for _, c in t.val_loader.eval_plan()] == [True]
+
+
+def test_resuming_a_run_whose_old_schedule_is_no_longer_valid_says_nothing_of_a_jump():
+    "A checkpoint's config from before decay_fraction > 0 meant at least one decay step may not make a valid schedule now."
+    from hymo.training.trainer import resume_changes
+    old = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "warmup_steps": 3, "decay_fraction": 0.1})
+    saved = old.to_dict()
+    saved["train"].update(max_steps=3, decay_fraction=0.1, warmup_steps=3)  # round(0.3) = 0 decay steps then, 1 now
+    notes = resume_changes(json.loads(json.dumps(saved)), old.model, old.train, step=3)
+    assert notes and not any("jumps" in n for n in notes)
+
+
 def test_kill_and_resume_equals_straight_run(tmp_path):
     straight = make(tmp_path / "straight", max_steps=20, ckpt_every=10).fit()
     first = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)

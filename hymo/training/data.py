@@ -465,7 +465,10 @@ class TokenLoader:
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
-        if self.n_windows < (micro_batch_size if eval_only else per_step):  # eval_plan shares what there is among the ranks
+        if eval_only and self.n_windows < micro_batch_size:  # eval_plan shares what there is among the ranks
+            raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than one "
+                            f"micro-batch (micro_batch_size {micro_batch_size}): use a shorter seq_len, a smaller batch or more data")
+        if not eval_only and self.n_windows < per_step:
             raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than the "
                             f"{per_step} one optimiser step needs (world_size {world_size} x micro_batch_size "
                             f"{micro_batch_size} x accumulation {accum}): use a shorter seq_len, a smaller batch or more data")

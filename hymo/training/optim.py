@@ -342,7 +342,7 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
     D = cfg.decay_steps
     S = N - D  # first step of the decay
     if W > S:
-        raise ValueError(f"warmup_steps={W} runs into the decay, which starts at step {S} = max_steps·(1 − decay_fraction); "
+        raise ValueError(f"warmup_steps={W} runs into the decay, which starts at step {S} = max_steps − {D} decay steps; "
                          "lower warmup_steps or decay_fraction")
     if step < W: return (step + 1) / W
     if step < S or D == 0: return 1.0
