@@ -158,6 +158,7 @@ def _check_readable(path: Path, what: str):
 # (not Parquet, cut short, a damaged page) raises `ArrowInvalid` when opened, or a bare `OSError`
 # when a damaged page is decoded, possibly long after the first documents: both become a
 # `DataError` naming the file. Text files and `.jsonl` must be UTF-8, with one message for both.
+# A `.jsonl` line needs a `text` field; in both formats a null or blank text is an empty document, skipped.
 
 # %%
 #| export
@@ -189,9 +190,10 @@ def _jsonl_docs(path: Path) -> Iterator[str]:
                 if not line.strip(): continue
                 try: row = json.loads(line)
                 except json.JSONDecodeError as e: raise DataError(f"{path}:{i} is not valid JSON ({e.msg}): one JSON object per line") from e
-                t = row.get("text") if isinstance(row, dict) else None
-                if not isinstance(t, str): raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
-                if t.strip(): yield t
+                if not isinstance(row, dict) or not isinstance(row.get("text", 0), (str, type(None))):
+                    raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
+                t = row["text"]  # null, like a Parquet null, is an empty document: skipped
+                if t and t.strip(): yield t
         except UnicodeDecodeError as e: raise _not_utf8(path) from e
 
 

@@ -198,8 +198,9 @@ def test_jsonl_and_parquet_inputs(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     rows = [f"Row {i} says {'hello ' * (i % 5)}there.\nSecond line {i}." for i in range(60)]
     (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(rows[:30])))
-    pq.write_table(pa.table({"text": rows[30:], "n": list(range(30))}), tmp_path / "in" / "b.parquet")
+    (tmp_path / "in" / "a.jsonl").write_text("".join(json.dumps({"text": r, "id": i}) + "\n" for i, r in enumerate(rows[:30]))
+                                             + '{"text": null}\n{"text": "  "}\n')  # empty documents, skipped
+    pq.write_table(pa.table({"text": rows[30:] + [None, ""], "n": list(range(32))}), tmp_path / "in" / "b.parquet")
     (tmp_path / "in" / "notes.csv").write_text("ignored in a folder\n")
     ds = prepare(tmp_path / "in", tmp_path / "ds", vocab_size=VOCAB, val_fraction=0.0, progress=False)
     m = load_manifest(ds)
@@ -208,8 +209,9 @@ def test_jsonl_and_parquet_inputs(tmp_path):
     assert [tok.decode(d.tolist()) for d in np.split(s, np.flatnonzero(s == 0) + 1)[:-1]] == rows
     pq.write_table(pa.table({"url": ["http://a"], "n": [1]}), tmp_path / "one.parquet")  # its one string column is not the text
     with pytest.raises(DataError, match="no 'text' column"): prepare(tmp_path / "one.parquet", tmp_path / "x", progress=False)
-    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2 has no string field 'text'"): prepare(tmp_path / "bad.jsonl", tmp_path / "x", progress=False)
+    for bad in ('{"body": "no text"}', '{"text": 3}', '["text"]'):
+        (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n' + bad + '\n')
+        with pytest.raises(DataError, match=r"bad.jsonl:2 has no string field 'text'"): prepare(tmp_path / "bad.jsonl", tmp_path / "x", progress=False)
 
 
 def test_given_tokenizer_is_used(ds, text, tmp_path):

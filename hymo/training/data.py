@@ -113,9 +113,10 @@ def _jsonl_docs(path: Path) -> Iterator[str]:
                 if not line.strip(): continue
                 try: row = json.loads(line)
                 except json.JSONDecodeError as e: raise DataError(f"{path}:{i} is not valid JSON ({e.msg}): one JSON object per line") from e
-                t = row.get("text") if isinstance(row, dict) else None
-                if not isinstance(t, str): raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
-                if t.strip(): yield t
+                if not isinstance(row, dict) or not isinstance(row.get("text", 0), (str, type(None))):
+                    raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
+                t = row["text"]  # null, like a Parquet null, is an empty document: skipped
+                if t and t.strip(): yield t
         except UnicodeDecodeError as e: raise _not_utf8(path) from e
 
 
