@@ -112,8 +112,8 @@ assert_close(o_cum, o_par, atol=1e-5, rtol=1e-5)                           # cau
 
 # %% [markdown]
 # Modern linear attention drops the denominator $z_t^\top\phi(q_t)$ (it can get close to zero and
-# destabilise training; an output norm does its job) and replaces $\phi$ by an L2 normalisation of
-# $q$ and $k$. The state update $S_t = S_{t-1} + k_t v_t^\top$ is then the starting point of the next
+# destabilise training; an output norm does its job). GLA keeps $\phi$ the identity; DeltaNet and
+# Gated DeltaNet (and HyMo) use SiLU and then an L2 normalisation of $q$ and $k$. The state update $S_t = S_{t-1} + k_t v_t^\top$ is then the starting point of the next
 # chapter, which asks what is wrong with *adding* to a memory.
 
 # %% [markdown]
@@ -162,7 +162,6 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 
 # %%
 slope = lambda ys: (math.log(ys[-1]) - math.log(ys[0])) / (math.log(Ts[-1]) - math.log(Ts[0]))
-test_close(slope(mem["parallel"]), 2.0, eps=1e-9)
 print(f"time, slope on this CPU: parallel {slope(res['parallel']):.2f}, recurrent {slope(res['recurrent']):.2f}")
 
 # %% [markdown]
@@ -208,6 +207,7 @@ print(f"time, slope on this CPU: parallel {slope(res['parallel']):.2f}, recurren
 # ## Why do modern linear-attention layers drop the normaliser $z_t^\top\phi(q_t)$?
 # The denominator can become small (its terms are non-negative but can nearly vanish), so it
 # divides by a noisy quantity and destabilises training; it also forces $\phi \ge 0$. Dropping it
-# and normalising the output (RMSNorm on the head's output) and the inputs (L2 norm of $q$, $k$)
-# works better in practice and is what GLA, DeltaNet and Gated DeltaNet do.
+# and normalising the output (RMSNorm on the head's output) works better in practice and is what
+# GLA, DeltaNet and Gated DeltaNet do. DeltaNet and Gated DeltaNet also L2-normalise $q$ and $k$
+# (after a SiLU); GLA uses them as they are.
 # :::

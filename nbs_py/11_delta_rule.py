@@ -174,10 +174,14 @@ test_close(g_bf.item(), -1e-4, eps=2e-7)                                # within
 test_close(g_bf.float().mul(1000).exp().item(), 0.9999 ** 1000, eps=1e-3)  # decay over 1000 tokens, from the sum of g
 
 # %% [markdown]
-# The delta rule also keeps the state bounded without any normalisation of $S$: with
+# The delta rule also keeps the state in check without any normalisation of $S$: with
 # $\lVert k_t\rVert = 1$, $I - \beta_t k_t k_t^\top$ has eigenvalues $1 - \beta_t$ (along $k_t$) and 1,
 # so it never amplifies, and along $k_t$ the new content is a $\beta_t$-weighted mix of the old read
-# and $v_t$. Additive writes grow like $\sqrt t$ instead:
+# and $v_t$. That rules out exponential growth, $\lVert S_t\rVert \le \lVert S_{t-1}\rVert + \beta_t\lVert v_t\rVert$,
+# but it is not a bound by itself: keys that keep landing where the state reads nothing ($S^\top k_t = 0$,
+# possible whenever $V < K$) erase nothing, and the norm grows like $\sqrt t$ as with additive writes.
+# A decay $\alpha_t \le \bar\alpha < 1$ (next chapter) gives a true bound. For typical keys, as here,
+# the delta rule's state settles on the scale of the values, while additive writes grow like $\sqrt t$:
 
 # %%
 S_add, S_del, norms = torch.zeros(K, V), torch.zeros(K, V), []
@@ -188,6 +192,18 @@ for t in range(3000):
     norms.append((S_add.norm().item(), S_del.norm().item()))
 print(f"|S| after 3000 writes: additive {norms[-1][0]:.0f}, delta rule {norms[-1][1]:.1f} (|v| ~ {math.sqrt(V):.1f})")
 assert norms[-1][0] > 10 * norms[-1][1] and max(n[1] for n in norms) < 3 * math.sqrt(K * V)
+
+# %% [markdown]
+# Typical, not guaranteed: here $V = 8 < K = 16$, so the state always reads nothing along some key.
+# Writing each unit value under such a key erases nothing, and every write adds $\beta^2$ to $\lVert S\rVert^2$:
+
+# %%
+S_adv = torch.zeros(K, V)
+for t in range(1000):
+    k_ = F.normalize(torch.linalg.svd(S_adv.T, full_matrices=True).Vh[-1], dim=0)  # S^T k = 0
+    S_adv = delta_write(S_adv, k_, F.normalize(torch.randn(V), dim=0), 0.5)
+print(f"|S| after 1000 writes under keys the state reads as zero: {S_adv.norm():.2f} = 0.5 * sqrt(1000)")
+test_close(S_adv.norm().item(), 0.5 * math.sqrt(1000), eps=1e-3)
 
 # %% [markdown]
 # ## Where GDN sits among its relatives
@@ -209,7 +225,8 @@ assert norms[-1][0] > 10 * norms[-1][1] and max(n[1] for n in norms) < 3 * math.
 # write and read keys; it is gated linear attention with a scalar decay. What GDN adds is the
 # **erase term** $-\beta_t k_t k_t^\top S_{t-1}$, which removes the old value stored under $k_t$
 # before writing the new one. GLA's per-row decay is finer than a scalar but still decays rather than
-# erases, and a decay cannot remove one association without fading all the others.
+# erases: a scalar decay cannot remove one association without fading all the others, and a vector
+# decay can only erase along its fixed coordinate axes, not along the direction $k_t$ of a learned key.
 #
 # The experiment: store 8 pairs under orthonormal keys, then overwrite 4 of them with new values,
 # and read all 8 back. Gated linear attention is tried with every constant decay; GDN uses $\beta = 1$
@@ -294,8 +311,12 @@ assert min(err_gla) > 0.3 and err_gdn < 1e-5
 # With $\lVert k_t\rVert = 1$ the matrix $I - \beta_tk_tk_t^\top$ has eigenvalues $1 - \beta_t$ (along
 # $k_t$) and $1$, so with $\beta_t \in (0,1)$ and $\alpha_t\le1$ the transition never amplifies the
 # state; and a write does not pile up along $k_t$, it moves the read for $k_t$ a fraction $\beta_t$ of
-# the way to $v_t$. The state therefore stays on the scale of the values (see the experiment above,
-# against a $\sqrt t$ growth for additive writes). This is why $k$ is L2-normalised; no "max state
-# norm" trick is needed. Unnormalised keys with $\beta_t\lVert k_t\rVert^2 > 2$ would make the
+# the way to $v_t$. So nothing grows exponentially ($\lVert S_t\rVert \le \alpha_t\lVert S_{t-1}\rVert + \beta_t\lVert v_t\rVert$),
+# and for typical keys the state stays on the scale of the values (the experiment above, against a
+# $\sqrt t$ growth for additive writes). It is not a guarantee on its own: keys chosen where the state
+# reads zero erase nothing and let it grow like $\sqrt t$. The decay makes it one: with
+# $\alpha_t \le \bar\alpha < 1$, $\lVert S\rVert$ stays below $\max\beta_t\lVert v_t\rVert/(1-\bar\alpha)$
+# plus the decayed initial state. This is why $k$ is L2-normalised; no "max state norm" trick is
+# needed. Unnormalised keys with $\beta_t\lVert k_t\rVert^2 > 2$ would make the
 # transition expansive and the recurrence could diverge.
 # :::

@@ -319,7 +319,7 @@ assert cv(U) < 0.5 * cv(O)
 # where $u$ is the optimiser's update. Where the update is pushing $x$ *away* from zero, the decay
 # and the update fight each other, and the decay wins on weights the loss wants large. Cautious
 # weight decay (Chen et al., 2025) applies the decay only where the two agree in sign,
-# $$x \leftarrow x - \eta\big(u + \lambda\, \mathbb{1}[u \odot x \ge 0] \odot x\big) ,$$
+# $$x \leftarrow x - \eta\big(u + \lambda\, \mathbf{1}[u \odot x \ge 0] \odot x\big) ,$$
 # that is, only on the coordinates the update is already shrinking. The mask is computed from the
 # weights before the step.
 
@@ -346,7 +346,7 @@ test_eq(weight_decay_term(x, u, cautious=False), x)
 #
 # AdamW, below, updates many tensors at once with PyTorch's `_foreach_*` operations (one
 # launch for a whole list instead of one per tensor). There is no `_foreach` comparison, so the
-# list form builds the mask from a sign: $\mathbb{1}[u x \ge 0] = \min(\operatorname{sign}(u x) + 1,\ 1)$,
+# list form builds the mask from a sign: $\mathbf{1}[u x \ge 0] = \min(\operatorname{sign}(u x) + 1,\ 1)$,
 # which is 0 where the signs disagree and 1 elsewhere, exactly the mask above. The decay term is
 # then `mask * x`, which `_foreach_addcmul` folds into the update.
 #
@@ -650,7 +650,7 @@ torch.testing.assert_close(stacked.data, torch.stack([s.data for s in single]))
 # The parameters NorMuon does not take go to AdamW. We write AdamW out (it is short) rather than
 # use `torch.optim.AdamW`, so that it can apply the same cautious decay: the sign of Adam's update
 # $\hat m / (\sqrt{\hat v} + \epsilon)$ is the sign of its first moment $m$, so the mask is
-# $\mathbb{1}[m \odot x \ge 0]$. With `cautious=False` it is plain decoupled AdamW (Loshchilov &
+# $\mathbf{1}[m \odot x \ge 0]$. With `cautious=False` it is plain decoupled AdamW (Loshchilov &
 # Hutter), step for step the same arithmetic as PyTorch's single-tensor implementation:
 # $$m \leftarrow \beta_1 m + (1-\beta_1) g, \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2, \quad
 #   x \leftarrow x - \eta\Big(\frac{m / (1-\beta_1^t)}{\sqrt{v / (1-\beta_2^t)} + \epsilon} + \lambda d\Big).$$
@@ -1263,7 +1263,7 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 # zero. Cautious decay applies $\lambda x$ only where $u \odot x \ge 0$, i.e. where the update already
 # moves the weight towards zero, so it regularises without opposing the gradient. It costs one
 # comparison per entry and no state. For Adam the sign of the update is the sign of the first
-# moment, so the mask is $\mathbb{1}[m \odot x \ge 0]$.
+# moment, so the mask is $\mathbf{1}[m \odot x \ge 0]$.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -18,11 +18,11 @@ CHILD = textwrap.dedent('''
     from hymo.models.gdn import naive_gated_delta_rule
     from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule, triton_gated_delta_rule
 
-    def inputs(B, T, H, K, V, dtype, seed):
+    def inputs(B, T, H, K, V, dtype, seed, g_mult=6):
         gen = torch.Generator().manual_seed(seed)
         r = lambda *s: torch.randn(*s, generator=gen)
         q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
-        g = F.logsigmoid(r(B, T, H) + 3) * 6                       # mostly near 0, a few near -10
+        g = F.logsigmoid(r(B, T, H) + 3) * g_mult                  # 6: mostly near 0, a few near -10
         return [q.to(dtype), k.to(dtype), r(B, T, H, V).to(dtype), g, torch.rand(B, T, H, generator=gen)]
 
     def run(rule, xs, h0, cu, seed):
@@ -32,8 +32,8 @@ CHILD = textwrap.dedent('''
         ((o.float() * torch.randn(o.shape, generator=gen)).sum() + (ht * torch.randn(ht.shape, generator=gen)).sum()).backward()
         return [o.float(), ht] + [x.grad.float() for x in leaves]
 
-    def case(B, T, H, K, V, dtype=torch.float32, cu=None, seed=0, h0_transposed=False):
-        xs = inputs(B, T, H, K, V, dtype, seed)
+    def case(B, T, H, K, V, dtype=torch.float32, cu=None, seed=0, h0_transposed=False, g_mult=6):
+        xs = inputs(B, T, H, K, V, dtype, seed, g_mult)
         h0 = torch.randn(B if cu is None else len(cu) - 1, H, K, V)
         if h0_transposed: h0 = h0.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, column-major
         ref = run(naive_gated_delta_rule, [x.float() for x in xs], h0, cu, seed)
@@ -47,6 +47,8 @@ CHILD = textwrap.dedent('''
     res["packed"] = case(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=3)
     res["packed_spare_slots"] = case(1, 192, 2, 16, 16, cu=torch.tensor([0, 64, 128, 130, 192]), seed=9)  # 4 chunks, 6 slots
     res["fp16"] = case(1, 70, 1, 16, 32, dtype=torch.float16, seed=4)
+    # g_mult=6 decays so strongly that a chunk keeps ~1e-10 of its incoming state: this case carries ~0.3 of it
+    res["weak_decay"] = case(1, 150, 2, 16, 16, seed=12, g_mult=0.2)
     res["h0_transposed"] = case(2, 70, 2, 16, 16, seed=10, h0_transposed=True)  # K, V already padded: no copy on the way in
     xs, h0, cu = inputs(1, 90, 2, 16, 16, torch.float32, 6), torch.randn(3, 2, 16, 16), torch.tensor([0, 10, 80, 90])
     kept, again = (run(lambda *a: triton_gated_delta_rule(*a, keep_prep=kp), xs, h0, cu, 6) for kp in (True, False))
@@ -141,7 +143,7 @@ def _check(case, tol):
 
 
 @pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed", "packed_spare_slots", "other_local_order",
-                                  "h0_transposed"])
+                                  "h0_transposed", "weak_decay"])
 def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
     "fp32: o, the final state and the gradients of q, k, v, g, beta and the initial state, to fp32 rounding."
     _check(errors[name], 1e-4)
