@@ -14,8 +14,10 @@
 # else: no registry, no lazily injected options, no `config.x.build()` trees. The origin of every
 # value is the dataclass default, the preset, or your override.
 #
-# The defaults are the design document's 750M model. The `hymo_tiny` preset shrinks every width so
-# that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
+# The defaults are the design document's "750M" model. The name is the design's, not a count: the
+# built model stores 1.24 B parameters and uses 0.54 B per token (its 8 MoE layers hold 16 routed
+# experts each, a token visits 2); chapter 41 counts them. The `hymo_tiny` preset shrinks every
+# width so that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
 
 # %%
 #| export
@@ -53,7 +55,7 @@ class ModelConfig:
     vocab_size: int = 64256  # Tokens in the vocabulary: embedding rows, also the tied output head
     dim: int = 896  # Width of the residual stream
     n_layers: int = 32  # Number of blocks, GDN and MLA together
-    mla_every: int = 4  # Every `mla_every`-th block is MLA + MoE, the others GDN + SwiGLU (4 gives 3:1)
+    mla_every: int = 4  # Every `mla_every`-th block is MLA + MoE, the others GDN + SwiGLU (4 gives 3:1; 0: GDN only)
     norm_eps: float = 1e-6  # Epsilon of every RMSNorm
     max_seq_len: int = 4096  # Longest sequence the RoPE tables cover
     init_std: float = 0.02  # Standard deviation of the embedding and hidden matrix initialisation
@@ -92,8 +94,8 @@ class ModelConfig:
     mtp_inter_dim: int = 2304  # Hidden width of each MTP head
 
     def is_mla(self, i: int) -> bool:
-        "Is block `i` (0-based) an MLA block? Blocks `mla_every-1, 2*mla_every-1, ...` are."
-        return (i + 1) % self.mla_every == 0
+        "Is block `i` (0-based) an MLA block? Blocks `mla_every-1, 2*mla_every-1, ...` are (none when `mla_every` is 0)."
+        return self.mla_every > 0 and (i + 1) % self.mla_every == 0
 
     @property
     def layer_types(self) -> list[str]:
@@ -257,23 +259,30 @@ def validate_model(m: ModelConfig):
     for name, tp in _field_types(ModelConfig).items():
         setattr(m, name, _check_type(f"model.{name}", getattr(m, name), tp))
     _finite("model", m)
-    positive = ["vocab_size", "dim", "n_layers", "mla_every", "gdn_n_heads", "gdn_head_k_dim", "gdn_head_v_dim",
+    positive = ["vocab_size", "dim", "n_layers", "gdn_n_heads", "gdn_head_k_dim", "gdn_head_v_dim",
                 "gdn_conv_size", "gdn_chunk_size", "ffn_inter_dim", "mla_n_heads", "mla_n_kv_groups",
                 "mla_kv_lora_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_head_dim", "moe_n_routed",
                 "moe_top_k", "moe_inter_dim", "mtp_inter_dim", "max_seq_len",
                 "norm_eps", "init_std", "rope_theta"]  # 0 or less: NaN from the first norm or RoPE table, or no init
     for name in positive:
         if getattr(m, name) <= 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
-    for name in ["mla_q_lora_rank", "moe_n_shared", "mtp_depth", "moe_bias_speed", "moe_dead_band"]:  # 0 turns each off
+    for name in ["mla_every", "mla_q_lora_rank", "moe_n_shared", "mtp_depth", "moe_bias_speed", "moe_dead_band"]:  # 0 turns each off
         if getattr(m, name) < 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be 0 or more")
+    if m.mla_every > m.n_layers:  # e.g. a shallow test model: not the hybrid, and nothing would say so
+        raise ConfigError(f"model.n_layers={m.n_layers} with mla_every={m.mla_every} has no MLA block (blocks "
+                          f"{m.mla_every - 1}, {2 * m.mla_every - 1}, … are): give n_layers ≥ {m.mla_every}, or a smaller "
+                          f"mla_every; mla_every=0 asks for GDN blocks only")
+    if m.moe_dead_band >= 1:
+        raise ConfigError(f"model.moe_dead_band={m.moe_dead_band} must be below 1: at 1 an expert that gets no token is "
+                          f"inside the band and its bias is never raised (moe_balance: none turns balancing off)")
     if not 0 <= m.moe_ema_decay < 1:
         raise ConfigError(f"model.moe_ema_decay={m.moe_ema_decay} must be in [0, 1): at 1 the load average never moves "
                           f"and the gate bias is never updated (moe_balance: none is the way to turn balancing off)")
     if any(w < 0 for w in m.mtp_loss_weights):
         raise ConfigError(f"model.mtp_loss_weights={list(m.mtp_loss_weights)} must be 0 or more: a negative weight trains against its head")
-    _divides("mla_n_kv_groups", m.mla_n_kv_groups, "mla_n_heads", m.mla_n_heads,
+    _divides("model.mla_n_kv_groups", m.mla_n_kv_groups, "model.mla_n_heads", m.mla_n_heads,
              "every key/value group serves the same number of query heads")
-    _divides("2", 2, "mla_qk_rope_dim", m.mla_qk_rope_dim, "RoPE rotates pairs of dimensions")
+    if m.mla_qk_rope_dim % 2: raise ConfigError(f"model.mla_qk_rope_dim={m.mla_qk_rope_dim} must be even: RoPE rotates pairs of dimensions")
     if m.moe_top_k > m.moe_n_routed:
         raise ConfigError(f"moe_top_k={m.moe_top_k} > moe_n_routed={m.moe_n_routed}: a token cannot pick more experts than exist")
     if len(m.mtp_loss_weights) != m.mtp_depth:
@@ -296,7 +305,7 @@ def validate_training(t: TrainingConfig):
     _finite("train", t)
     for name in ["seq_len", "micro_batch_size", "global_batch_size", "max_steps", "ns_steps", "keep_last_k", "max_bad_steps"]:
         if getattr(t, name) <= 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
-    _divides("micro_batch_size", t.micro_batch_size, "global_batch_size", t.global_batch_size,
+    _divides("train.micro_batch_size", t.micro_batch_size, "train.global_batch_size", t.global_batch_size,
              "an optimiser step is a whole number of micro-batches")
     for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "seed"]:  # seed: NumPy refuses a negative one
         if getattr(t, name) < 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or more")
@@ -599,7 +608,9 @@ test_fail(lambda: load_config("hymo_tiny", run_dir=2024), contains="expected str
 # ## How is the 3:1 layout encoded, and why not a list of layer types?
 # `mla_every = 4` makes blocks 3, 7, 11, … MLA blocks and the rest GDN. A single integer cannot
 # describe an inconsistent layout, and changing depth keeps the ratio. `layer_types` derives the
-# explicit list when you want to see it.
+# explicit list when you want to see it. The two ends are ablations: `mla_every = 1` is all MLA,
+# `mla_every = 0` all GDN. A model shallower than `mla_every` is refused rather than silently
+# built without MLA blocks.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -10,9 +10,22 @@
 # A language model is trained to predict the next token. Multi-token prediction (MTP) adds small
 # heads that predict tokens further ahead from the same hidden state. The idea comes from
 # Gloeckle et al. 2024, *Better & Faster Large Language Models via Multi-token Prediction*, and
-# DeepSeek-V3 uses a sequential variant of it. The extra losses are down-weighted: they shape the
-# hidden state so that it carries information about more than one step of the future, and then
-# they are thrown away (or used to draft tokens) at inference.
+# DeepSeek-V3 uses a sequential variant of it. The extra losses shape the hidden state so that it
+# carries information about more than one step of the future, and then the heads are thrown away
+# (or used to draft tokens) at inference. Gloeckle et al. weight every head equally; DeepSeek-V3
+# and HyMo down-weight the extra losses so that next-token prediction stays the main objective.
+#
+# **HyMo's heads are parallel, not DeepSeek-V3's sequential modules.** DeepSeek-V3's module $k$
+# combines RMSNorm of the previous depth's hidden state with RMSNorm of the *embedding of the true
+# token* $x_{t+k}$ through a projection, runs a full transformer block on the result and shares the
+# output head; the loss is $
+# rac{\lambda}{D}\sum_k L_k$. HyMo follows the design document instead:
+# every head reads only the trunk's $h_t$, independently of the others, and is a small MLP rather
+# than a transformer block. That costs far less (no attention and no chained dependency between
+# heads, so the heads run in parallel and one forward pass drafts every lookahead token), and it
+# keeps the extra losses' gradient in the trunk, which is what they are for. What it gives up:
+# head $k$ must predict $x_{t+1+k}$ without being told the tokens in between, so its task is harder
+# and its drafts are accepted less often than the chained predictions of DeepSeek-V3.
 
 # %%
 #| export
@@ -507,11 +520,14 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 # :::
 #
 # ::: {.callout-tip collapse="true"}
-# ## Why do the MTP heads read the main hidden state instead of having their own trunk?
+# ## Why are the MTP heads small, and fed only the main hidden state?
 # The point is to change what the shared trunk represents: gradients from the $t+2$ and $t+3$
 # losses flow into the same $h_t$ the main head uses, pushing it to carry information about the
-# nearer future beyond one token. A separate trunk per head would learn its own features and leave
-# the main model unchanged, at several times the compute.
+# nearer future beyond one token. A head with much capacity of its own (several layers, or its own
+# view of the tokens) could do more of the lookahead itself and push less of it into $h_t$, at
+# more compute. DeepSeek-V3 chooses differently: each of its MTP modules is a transformer block
+# that also sees the embedding of the true intermediate token, so its predictions are better
+# drafts, and its depths run one after another.
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -554,6 +570,8 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 # ::: {.callout-tip collapse="true"}
 # ## Who proposed multi-token prediction?
 # Gloeckle et al., 2024, *Better & Faster Large Language Models via Multi-token Prediction* (Meta),
-# with independent output heads on a shared trunk. DeepSeek-V3 (2024) chains its MTP modules
-# sequentially so that each prediction depth keeps a causal chain.
+# with independent output heads (one transformer layer each) on a shared trunk, equally weighted.
+# DeepSeek-V3 (2024) chains its MTP modules sequentially, each fed the previous depth's state and the
+# next true token's embedding, so that each prediction depth keeps a causal chain. HyMo's heads are
+# independent, like Gloeckle's, but small MLPs, and down-weighted like DeepSeek-V3's.
 # :::

@@ -254,6 +254,12 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 # number, which the rescale removes. The state is $m$ floats per matrix, negligible next to the
 # momentum's $mn$.
 #
+# The rescale is HyMo's choice, not the paper's. Li et al. set the step's size directly, with
+# $\hat\eta = 0.2\,\eta\sqrt{mn}/\lVert\hat O\rVert_F$ (Moonshot's RMS matching, so that AdamW's
+# learning rates carry over) and plain momentum. HyMo keeps Muon's units instead: Nesterov
+# momentum, the shape factor $\sqrt{\max(1, m/n)}$ and a learning rate of 0.02 keep their meaning
+# from Muon (as in modded-nanogpt's NorMuon), and the row normalisation only redistributes the step.
+#
 # Written as three passes over $O$ (divide, take both norms, rescale), this is mostly memory
 # traffic: at the 750M model's 1.2 billion NorMuon weights each fp32 pass is some 9 GB. One pass
 # is enough, because everything except the final product is a number per row. With
@@ -444,6 +450,14 @@ torch.testing.assert_close(y, x - 0.1 * (o * f + 0.5 * torch.tensor([[1.0, 0.0, 
 # 3. $U, v$ = `normuon_rownorm(O, v, beta2, gain=s(m, n))`: the row-normalised update, scaled by $s(m, n)$;
 # 4. $W \leftarrow W - \eta\,(U + \lambda\, d)$ with $d$ the (cautious) decay term.
 #
+# One exception, which plain Muon does not make: a matrix whose gradient is exactly zero this step
+# gets $U = 0$. Newton–Schulz gives its output one size whatever the size of its input, so a stale
+# momentum, shrinking by $\beta$ each step, would still move the matrix a full step in its old
+# direction, for hundreds of steps. The matrices this happens to are routed experts that received
+# no token in a step (a dead expert, or one whose tokens were all dropped). Their momentum still
+# decays and their $v$ stays as it was; the decoupled decay still applies, as AdamW applies it to a
+# parameter without a gradient.
+#
 # First the plain loop on one matrix, written without any of the helpers:
 
 # %%
@@ -453,6 +467,8 @@ def normuon_reference(W, grads, lr, momentum=0.95, beta2=0.95, wd=0.1, steps=5):
     m, n = W.shape
     for G in grads:
         M = momentum * M + (1 - momentum) * G
+        if not G.any():  # no gradient this step: no update from the stale momentum, only the decay
+            W = W - lr * wd * W; continue
         N = (1 - momentum) * G + momentum * M
         X = N.to(ns_dtype(N))                         # Newton–Schulz (bf16 on GPU, fp32 on CPU) on the wide side
         if m > n: X = X.T
@@ -571,8 +587,11 @@ class NorMuon(torch.optim.Optimizer):
             else: N[i].copy_(M)
         k, shape = len(ps), tuple(ps[0].shape)
         O = newton_schulz(_gather_stack(N, ps[0], (k, *shape)), group["ns_steps"])
-        V = _gather_stack(torch.stack(vs), ps[0], (k, *shape[:-1], 1))
+        rows = torch.stack([torch.linalg.vector_norm(g, float("inf"), -1, True, dtype=torch.float32) for g in grads])
+        V, R = _gather_stack(torch.cat([torch.stack(vs), rows], -1), ps[0], (k, *shape[:-1], 2)).split(1, -1)  # one gather
         f, v = normuon_row_factor(O, V, group["beta2"], muon_shape_scale(*shape[-2:]))  # U = O · f
+        live = R.amax((-2, -1), keepdim=True) > 0  # (k, ..., 1, 1): a matrix (an expert) without gradient takes
+        f, v = f * live, torch.where(live, v, V)   # no update from its stale momentum, and keeps its v
         O, f, v = (_local_stack(t, ps[0]) for t in (O, f, v))  # this rank's rows
         torch._foreach_copy_(vs, list(v.unbind(0)))
         fused = self.fused if self.fused is not None else xs[0].is_cuda and xs[0].numel() >= FUSED_MIN_NUMEL
@@ -642,6 +661,24 @@ for g in grads:
     for e in range(3): single[e].grad = g[e].clone()
     o2.step()
 torch.testing.assert_close(stacked.data, torch.stack([s.data for s in single]))
+
+# %% [markdown]
+# And an expert that stops receiving tokens stops moving, but for the decay. Without the exception
+# its step would keep the live expert's size while its momentum shrinks (the norm of $M$ is printed):
+
+# %%
+torch.manual_seed(0)
+experts = nn.Parameter(torch.randn(2, 64, 32) * 0.02)
+opt = NorMuon([experts], weight_decay=0.1)
+for t in range(30):
+    g = torch.randn(2, 64, 32)
+    if t >= 10: g[1] = 0  # expert 1 is dead from step 10 on
+    before = experts.detach().clone()
+    experts.grad = g; opt.step()
+    if t in (9, 10, 29):
+        moved = (experts - before).norm(dim=(1, 2))
+        print(f"step {t}: |step| live {moved[0]:.4f}, dead {moved[1]:.5f}; dead |M| {opt.state[experts]['momentum_buffer'][1].norm():.3f}")
+assert moved[0] > 0.1 and abs(moved[1] - 0.02 * 0.1 * before[1].norm()) < 1e-6  # a full step; the decay ηλ|W| alone
 
 
 # %% [markdown]
@@ -1155,6 +1192,8 @@ test_eq(ns_flops(4, 2, steps=1), 4 * 4 * 4 + 2 * 8)
 #
 # The check: two CPU processes (gloo), a model with uneven shards (9 rows over 2 ranks, 3 experts
 # over 2 ranks), five NorMuon steps sharded and unsharded from the same initial weights and batches.
+# From the third step one expert, and all of rank 1's rows of another matrix, have no gradient: the
+# expert must be left alone, the matrix not (whether a matrix has a gradient is decided over all its rows).
 # The script is written to a file and run in a subprocess because spawned workers must be importable.
 
 # %%
@@ -1170,14 +1209,18 @@ class Net(nn.Module):
         self.up = nn.Linear(6, 9, bias=False)                      # [9, 6]: rows split 5 + 4
         self.experts = nn.Parameter(torch.randn(3, 5, 9) * 0.3)    # [E, 5, 9]: experts split 2 + 1
         self.down = nn.Linear(5, 4, bias=False)                    # [4, 5]
+        self.register_buffer("rows", torch.ones(9))                # 0 in a row of `up`: no gradient there
+        self.register_buffer("used", torch.ones(3, 1, 1))          # 0 for an expert: no gradient for it
     def forward(self, x):                                          # (B, 6) -> (B, 4)
-        h = torch.tanh(self.up(x))                                 # (B, 9)
-        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts))  # (B, 5)
+        h = torch.tanh(self.up(x) * self.rows)                     # (B, 9)
+        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts * self.used))  # (B, 5)
         return self.down(h)
 
 def train(model, steps=5):
     opt, g = NorMuon(model.parameters(), lr=0.05, weight_decay=0.1), torch.Generator().manual_seed(1)
-    for _ in range(steps):
+    for step in range(steps):
+        if step == 2:  # from here on rank 1's rows of `up` and its expert have no gradient: the expert is left
+            model.rows[5:] = 0; model.used[2] = 0  # alone, `up` is not (its other rows have one)
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)  # same batch on every rank
         (model(x) - y).pow(2).mean().backward()
         opt.step(); opt.zero_grad()
@@ -1232,7 +1275,8 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 # adds unevenness, so some neurons get much larger steps. Dividing by $\sqrt{v}$ evens them out,
 # as Adam does per coordinate, at the cost of one float per row. The rescale back to the Frobenius
 # norm of $O$ keeps the update size (and thus the learning rate and shape scaling) of Muon, and
-# makes a bias correction of $v$ unnecessary.
+# makes a bias correction of $v$ unnecessary. (The paper instead sets the update's RMS to
+# $0.2\,\eta$, to reuse AdamW's learning rates; HyMo keeps Muon's.)
 # :::
 #
 # ::: {.callout-tip collapse="true"}

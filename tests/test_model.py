@@ -172,6 +172,7 @@ def test_750m_on_meta_device():
     expected = c.vocab_size * c.dim + n_gdn * gdn + n_mla * (mla + moe) + c.dim + mtp
     assert m.num_params() == expected
     active = m.num_params(active=True)
+    assert (m.num_params(), active) == (1_235_166_976, 541_533_952)  # quoted by chapters 00 and 41, the slides and results
     assert m.num_params() - active == n_mla * (c.moe_n_routed - c.moe_top_k) * 3 * c.dim * c.moe_inter_dim
     f4k = m.flops_per_token(4096)
     assert f4k > 6 * (active - c.vocab_size * c.dim)  # 6N is a lower bound: head, MTP, attention, GDN come on top
@@ -182,6 +183,18 @@ def test_750m_on_meta_device():
     assert m.state_bytes(8192) - m.state_bytes(4096) == n_mla * 4096 * (dc + dr) * 2
     print(f"750M: {m.num_params()/1e9:.3f} B stored, {active/1e6:.1f} M active, {f4k/1e9:.2f} GFLOPs/token, "
           f"{m.state_bytes(4096)/2**20:.1f} MiB state at T=4096")
+
+
+def test_gdn_only_model_with_mla_every_0():
+    "mla_every=0 is the all-GDN ablation: no MLA, no MoE; it trains, and its FLOPs have no attention or MoE part."
+    c = load_config("hymo_tiny", mla_every=0).model
+    m = HyMo(c)
+    assert c.layer_types == ["gdn"] * c.n_layers and m.moe_layers() == []
+    x = torch.randint(0, c.vocab_size, (2, 17))
+    loss, parts = m(x[:, :-1], targets=x[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in m.parameters())
+    assert m.flops_per_token(64) == m.flops_per_token(128)  # no attention: the cost per token does not grow with T
 
 
 def test_flop_accounting_agrees_with_torchs_flop_counter(tiny):

@@ -62,6 +62,8 @@ def normuon_from_scratch(W, grads, lr, beta=0.95, beta2=0.95, wd=0.1, cautious=T
     W, M, v = W.clone(), torch.zeros_like(W), torch.zeros(m, 1)
     for G in grads:
         M = beta * M + (1 - beta) * G
+        if not G.any():  # no gradient: no update from the stale momentum; the decay (its mask is all ones for U = 0)
+            W = W - lr * wd * W; continue
         N = (1 - beta) * G + beta * M if nesterov else M
         O = ns_from_scratch(N)
         v = beta2 * v + (1 - beta2) * (O * O).mean(dim=1, keepdim=True)
@@ -78,6 +80,7 @@ def test_normuon_equals_from_scratch_loop(shape, cautious, nesterov):
     torch.manual_seed(0)
     W0 = 0.1 * torch.randn(shape)
     grads = [torch.randn(shape) for _ in range(6)]
+    grads[3].zero_()  # a step without gradient: the stale momentum must not move the matrix
     p = nn.Parameter(W0.clone())
     opt = NorMuon([p], lr=0.03, momentum=0.95, nesterov=nesterov, beta2=0.95, weight_decay=0.1, cautious=cautious)
     for g in grads:
@@ -89,14 +92,19 @@ def test_normuon_equals_from_scratch_loop(shape, cautious, nesterov):
 
 def test_normuon_stacked_experts_are_separate_matrices():
     torch.manual_seed(0)
-    W0, grads = torch.randn(4, 20, 8), [torch.randn(4, 20, 8) for _ in range(3)]
+    W0, grads = torch.randn(4, 20, 8), [torch.randn(4, 20, 8) for _ in range(4)]
+    grads[2][1] = 0; grads[3][1] = 0  # expert 1 gets no token in the last two steps
     stacked = nn.Parameter(W0.clone())
     single = [nn.Parameter(W0[e].clone()) for e in range(4)]
     o1, o2 = NorMuon([stacked], weight_decay=0.1), NorMuon(single, weight_decay=0.1)
-    for g in grads:
+    for i, g in enumerate(grads):
+        before = stacked.detach().clone()
         stacked.grad = g.clone(); o1.step()
         for e in range(4): single[e].grad = g[e].clone()
         o2.step()
+        if i >= 2:  # expert 1 only decays (lr 0.02, weight decay 0.1); the others take a full step
+            torch.testing.assert_close(stacked[1].detach(), before[1] * (1 - 0.02 * 0.1))
+            assert (stacked[0] - before[0]).norm() > 0.05
     torch.testing.assert_close(stacked.data, torch.stack([s.data for s in single]))
 
 
@@ -172,7 +180,8 @@ def test_normuon_decays_exactly_where_update_and_weight_agree():
 
 # ---------------------------------------------------------------- AdamW
 
-def test_adamw_equals_torch_adamw():
+@pytest.mark.parametrize("grad_scale", [1.0, 1e-8])  # 1e-8: gradients on eps's scale, where eps changes the step
+def test_adamw_equals_torch_adamw(grad_scale):
     torch.manual_seed(0)
     shapes = [(8, 5), (7,), (3, 4, 2)]
     x0 = [torch.randn(s) for s in shapes]
@@ -183,10 +192,13 @@ def test_adamw_equals_torch_adamw():
                            eps=1e-8, weight_decay=0.1)
     for _ in range(8):
         for p, q in zip(ours, ref):
-            p.grad = torch.randn(p.shape)
+            p.grad = torch.randn(p.shape) * grad_scale
+            p.grad.view(-1)[0] = 0  # and one coordinate without gradient
             q.grad = p.grad.clone()
         o1.step(); o2.step()
-    for p, q in zip(ours, ref): torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
+    for p, q, x in zip(ours, ref, x0):
+        assert (p.data - x).abs().max() > 1e-3  # the steps are large enough to compare
+        torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 
 
 def test_adamw_updates_parameters_at_different_steps_like_torch_adamw():
@@ -357,9 +369,11 @@ class Net(nn.Module):
         self.gate = nn.Linear(5, 11, bias=False)                 # [11, 5] too: stacked with wide, one gather for both
         self.down = nn.Linear(11, 4, bias=False)                 # [4, 11]: 2 + 2
         self.row = nn.Parameter(0.3 * torch.randn(1, 4))         # [1, 4]: 1 + 0, rank 1 holds an empty shard
+        self.register_buffer("rows", torch.ones(9))              # 0: that row of `up` gets no gradient
+        self.register_buffer("used", torch.ones(3, 1, 1))        # 0: that expert gets no gradient
     def forward(self, x):                                        # (B, 6) -> (B, 4)
-        h = torch.tanh(self.up(x))
-        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts))
+        h = torch.tanh(self.up(x) * self.rows)
+        h = torch.tanh(torch.einsum("bi,eoi->bo", h, self.experts * self.used))
         return self.down(torch.tanh(self.wide(h)) * torch.sigmoid(self.gate(h))) * (1 + self.row)
 
 GATHERS = []  # whole tensors made from DTensor shards inside NorMuon's steps
@@ -372,7 +386,9 @@ def train(model, steps):
     groups = [{"params": mats}, {"params": [model.row], "nesterov": False, "cautious": False}]
     opts = (NorMuon(groups, lr=0.05, weight_decay=0.1), CautiousAdamW([model.up.bias], lr=0.01, weight_decay=0.1))
     g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
+    for step in range(steps):
+        if step == 2:  # rank 1's rows of `up` and its expert lose their gradient: the expert must be left alone (it is
+            model.rows[5:] = 0; model.used[2] = 0  # whole on rank 1), `up` must not be (rank 0's rows still have one)
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)  # the same batch on every rank
         (model(x) - y).pow(2).mean().backward()
         DTensor.full_tensor = _counted
@@ -437,8 +453,9 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
     assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "gate.weight", "row", "up.weight", "wide.weight"]
     assert "by rows" in res["refused"], res["refused"]
     # one step gathers each shape group once, updates and row statistics: wide and gate share one stack
-    assert sorted(map(tuple, res["gathers"])) == sorted([(1, 9, 6), (1, 9, 1), (1, 3, 5, 9), (1, 3, 5, 1), (2, 11, 5), (2, 11, 1),
-                                                         (1, 4, 11), (1, 4, 1), (1, 1, 4), (1, 1, 1)]), res["gathers"]
+    # (row statistics: the second moment and whether the row has a gradient, side by side)
+    assert sorted(map(tuple, res["gathers"])) == sorted([(1, 9, 6), (1, 9, 2), (1, 3, 5, 9), (1, 3, 5, 2), (2, 11, 5), (2, 11, 2),
+                                                         (1, 4, 11), (1, 4, 2), (1, 1, 4), (1, 1, 2)]), res["gathers"]
 
 
 def test_same_shape_matrices_batched_equal_one_at_a_time():

@@ -224,8 +224,11 @@ class NorMuon(torch.optim.Optimizer):
             else: N[i].copy_(M)
         k, shape = len(ps), tuple(ps[0].shape)
         O = newton_schulz(_gather_stack(N, ps[0], (k, *shape)), group["ns_steps"])
-        V = _gather_stack(torch.stack(vs), ps[0], (k, *shape[:-1], 1))
+        rows = torch.stack([torch.linalg.vector_norm(g, float("inf"), -1, True, dtype=torch.float32) for g in grads])
+        V, R = _gather_stack(torch.cat([torch.stack(vs), rows], -1), ps[0], (k, *shape[:-1], 2)).split(1, -1)  # one gather
         f, v = normuon_row_factor(O, V, group["beta2"], muon_shape_scale(*shape[-2:]))  # U = O · f
+        live = R.amax((-2, -1), keepdim=True) > 0  # (k, ..., 1, 1): a matrix (an expert) without gradient takes
+        f, v = f * live, torch.where(live, v, V)   # no update from its stale momentum, and keeps its v
         O, f, v = (_local_stack(t, ps[0]) for t in (O, f, v))  # this rank's rows
         torch._foreach_copy_(vs, list(v.unbind(0)))
         fused = self.fused if self.fused is not None else xs[0].is_cuda and xs[0].numel() >= FUSED_MIN_NUMEL

@@ -1,0 +1,49 @@
+"""RMSNorm and SwiGLU against fp64 references."""
+import pytest
+import torch
+
+from hymo.models.layers import RMSNorm, SwiGLU
+
+
+def _ulps(y, ref):  # largest error in units of bf16's spacing at ref
+    spacing = 2.0 ** torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) * 2**-7
+    return ((y.double() - ref) / spacing).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rmsnorm_is_the_fp64_result_rounded_once(dtype):
+    "Computed in fp32 with its learned gain, rounded to the input's dtype only at the end."
+    torch.manual_seed(0)
+    norm = RMSNorm(896, eps=1e-6)
+    with torch.no_grad(): norm.weight.copy_(1 + 0.5 * torch.randn(896))
+    x = (3 * torch.randn(64, 896)).to(dtype)
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+    y = norm(x)
+    assert y.dtype == dtype
+    if dtype == torch.bfloat16: assert _ulps(y, ref) <= 0.51  # half an ulp: one rounding
+    else:  # half an ulp relative (fp16: 2^-11); fp16's subnormals below 6e-5 have an absolute spacing of 6e-8
+        rtol, atol = {torch.float16: (2**-11, 3e-8), torch.float32: (1e-6, 0)}[dtype]
+        torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
+
+
+def test_rmsnorm_gradient_matches_fp64():
+    torch.manual_seed(1)
+    norm, ref = RMSNorm(24), RMSNorm(24).double()
+    with torch.no_grad(): norm.weight.copy_(torch.randn(24)); ref.weight.copy_(norm.weight.double())
+    x = torch.randn(5, 24, requires_grad=True)
+    xd = x.detach().double().requires_grad_()
+    g = torch.randn(5, 24)
+    (norm(x) * g).sum().backward(); (ref(xd) * g.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.weight.grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_is_w2_of_silu_w1_times_w3():
+    torch.manual_seed(2)
+    ffn = SwiGLU(16, 40)
+    x = torch.randn(3, 7, 16)
+    w1, w2, w3 = (m.weight.double() for m in (ffn.w1, ffn.w2, ffn.w3))
+    h = x.double() @ w1.T
+    ref = (h * torch.sigmoid(h) * (x.double() @ w3.T)) @ w2.T
+    torch.testing.assert_close(ffn(x).double(), ref, rtol=1e-5, atol=1e-6)
+    assert sum(p.numel() for p in ffn.parameters()) == 3 * 16 * 40
