@@ -254,6 +254,7 @@ def validate_training(t: TrainingConfig):
              "an optimiser step is a whole number of micro-batches")
     for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "seed"]:  # seed: NumPy refuses a negative one
         if getattr(t, name) < 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or more")
+    if t.seed >= 2**64: raise ConfigError(f"train.seed={t.seed} must be below 2**64 (torch's seeds are 64-bit)")
     for name in ["log_every", "eval_batches", "muon_lr", "adamw_lr"]:
         if not getattr(t, name) > 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if not t.adamw_eps > 0:
@@ -335,12 +336,20 @@ def _section_of(key: str) -> tuple[str, str]:
 
 
 def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
-    p = Path(name_or_path)
-    if p.suffix not in (".yaml", ".yml"): p = PRESET_DIR / f"{name_or_path}.yaml"
+    p = Path(name_or_path).expanduser()
+    if p.suffix not in (".yaml", ".yml"):
+        if p.is_dir() or p.is_file():  # a run folder, or a file of another kind: not a preset's name either
+            hint = f" (a run folder's settings are its config.yaml: {p / 'config.yaml'})" if (p / "config.yaml").is_file() else ""
+            raise ConfigError(f"{name_or_path} is a {'folder' if p.is_dir() else 'file'} but not a .yaml file: give a preset "
+                              f"({', '.join(presets())}) or a .yaml file{hint}")
+        p = PRESET_DIR / f"{name_or_path}.yaml"
     elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
-    try: raw = yaml.safe_load(p.read_text())
+    try: text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError: raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML config file") from None
+    except OSError as e: raise ConfigError(f"{p} cannot be read ({e.strerror}): give a YAML config file") from None
+    try: raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); for one that is, see "
                           f"{PRESET_DIR / 'hymo_tiny.yaml'} or a run folder's config.yaml") from None

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                 print(f"note: the tokenizer learned {m['vocab_size']} of the {args.vocab_size} tokens asked for: the text has "
                       f"no more pairs worth merging. It trains any model whose vocab_size is {m['vocab_size']} or more "
                       f"(the unused rows of a larger one are never targets)")
-        elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1))
+        elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1), flush=True)
         else:
             parser.print_help(sys.stderr)
             return 2
@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
         print("interrupted" + (f"; {args.out} never holds part of a dataset (one is installed whole, at the end): "
                                "the same command prepares it again" if args.command == "prepare" else ""), file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `... info DIR | head`: the reader has what it wanted and closed the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        return 0
     except OSError as e:
         msg = _out_error(e, Path(args.out)) if args.command == "prepare" else None
         if msg is None: raise  # not --out's: a traceback, it may be a bug

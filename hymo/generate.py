@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> str:
         p.error("--tokens, --temperature and --top-k must be numbers, not negative")
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
     if not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
+    try: a.prompt.encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
+    except UnicodeEncodeError: p.error("--prompt is not valid UTF-8 text: check the terminal's or the script's encoding")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try: device = torch.device(device)
     except RuntimeError: p.error(f"--device {a.device}: give cpu, cuda, cuda:N or auto")

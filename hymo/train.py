@@ -20,7 +20,7 @@ from .config import ConfigError, ModelConfig, TrainingConfig, load_config, prese
 from .training.data import DataError
 
 # %% auto #0
-__all__ = ['parse_overrides', 'build_parser', 'main']
+__all__ = ['parse_overrides', 'build_parser', 'main', 'cli']
 
 # %% ../nbs/71_train.ipynb #af21d71e
 def _options_help() -> str:
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(e))
     try: from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
+    if args.resume is not None and not args.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset: not a fresh start
+        parser.error("--resume was given an empty path (an unset variable?): give a checkpoint folder, or leave out "
+                     "--resume to continue from the run folder's newest checkpoint")
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:
@@ -131,6 +134,11 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 # %% ../nbs/71_train.ipynb #0468dcd5
+def cli() -> None:
+    "The `hymo-train` console script: `main`, whose summary is not returned, so that a finished run exits with status 0."
+    main()
+
+
 def _in_ipython() -> bool:
     "True inside Jupyter/IPython (where `__name__` is also '__main__')."
     import builtins

@@ -87,7 +87,8 @@ torch.manual_seed(0)
 # 2. **$\bar x$** reads $\bar u$ at the $W$ shifted rows and writes $\bar x$. It handles all channels
 #    at once, since it no longer needs whole heads.
 # 3. **$\bar w$** reads $\bar u$ and $x$ and sums $\bar u_t\, x_{t-W+1+j}$ over a stretch of rows
-#    per program. The tile is $[B_T, W, B_C]$: rows, taps and channels, with $x$ loaded at the $W$
+#    per program. The tile is $[B_T, W_P, B_C]$ ($W_P$ the power of two at or above $W$): rows, taps
+#    and channels, with $x$ loaded at the $W$
 #    shifted rows along the tap axis, so that every product lands where it belongs. The rows are
 #    summed once, at the end; PyTorch adds up the per-program sums.
 #
@@ -443,7 +444,8 @@ assert x.grad[:, 12].abs().max() > 0
 
 # %% [markdown]
 # In bf16 the kernels round once, at the end; the PyTorch prelude rounds after the convolution, after
-# the SiLU and after the norm. Both are compared with the fp32 prelude on the same bf16 inputs:
+# the SiLU and after the norm. Here the two are compared with each other on the same bf16 inputs
+# (the GPU benchmark compares both with the fp32 prelude):
 
 # %%
 outs = check(2, 70, 3, 32, 32, dtype=torch.bfloat16, tol=1e-2, seed=3)
@@ -590,11 +592,12 @@ for name, us in host.items():
 # :::
 #
 # ::: {.callout-tip collapse="true"}
-# ## Why recompute the forward in the backward instead of saving q, k and v?
-# The output of the prelude is as large as its input, and the input is saved anyway (the projection
-# produced it; the weight gradient needs it). Recomputing $u$ costs arithmetic, which this kernel
-# has in excess. Saving $y$ would cost 126 MB per layer at the 750M shape, 3 GB for 24 layers. The
-# delta rule keeps its own inputs (q, k, v) for its backward, but those are needed there anyway.
+# ## Why recompute the forward in the backward instead of saving what it computed?
+# The outputs $y$ (q, k, v) are kept anyway, by the delta rule that reads them, but they are not
+# enough: the L2 norm forgets $\lVert s\rVert$ and the SiLU cannot be inverted, so the backward
+# needs the convolution's output $u$. Saving $u$ would cost another 126 MB per layer at the 750M
+# shape, 3 GB for 24 layers. The input $x$ is saved anyway (the projection produced it; the weight
+# gradient needs it), and recomputing $u$ from it costs arithmetic, which this kernel has in excess.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -18,8 +18,7 @@
 # **HyMo's heads are parallel, not DeepSeek-V3's sequential modules.** DeepSeek-V3's module $k$
 # combines RMSNorm of the previous depth's hidden state with RMSNorm of the *embedding of the true
 # token* $x_{t+k}$ through a projection, runs a full transformer block on the result and shares the
-# output head; the loss is $
-# rac{\lambda}{D}\sum_k L_k$. HyMo follows the design document instead:
+# output head; the loss is $\frac{\lambda}{D}\sum_k L_k$. HyMo follows the design document instead:
 # every head reads only the trunk's $h_t$, independently of the others, and is a small MLP rather
 # than a transformer block. That costs far less (no attention and no chained dependency between
 # heads, so the heads run in parallel and one forward pass drafts every lookahead token), and it

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
+import logging
 import math
 import os
 import pickle
@@ -110,10 +112,25 @@ def setup_distributed() -> Dist:
 def new_run_dir(name: str, # Preset name
                 d: Dist, # This process
                ) -> str:
-    "`runs/<name>-<time>`, with rank 0's time given to every rank: ranks whose clocks read another second share one folder."
+    """`runs/<name>-<time>`, not yet created, with rank 0's time given to every rank (ranks whose clocks read another
+    second share one folder); `-2`, `-3`, ... when that folder exists (a run started in the same second)."""
     path = [f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"]
+    if d.is_main: path[0] = next(p for p in _numbered(path[0]) if not Path(p).exists())
     if d.distributed: dist.broadcast_object_list(path, src=0)
     return path[0]
+
+
+def _numbered(base: str):
+    "`base`, `base-2`, `base-3`, ..."
+    yield base
+    for n in itertools.count(2): yield f"{base}-{n}"
+
+
+def _create_new_run_dir(path: Path) -> Path:
+    "Create a new run folder at `path`, or at the first of `path-2`, `path-3`, ... that no other run created first."
+    for p in _numbered(str(path)):
+        try: Path(p).mkdir(parents=True); return Path(p)
+        except FileExistsError: continue
 
 
 # %% [markdown]
@@ -347,13 +364,15 @@ def trim_metrics(run_dir: Path, step: int, log=print):
     f = Path(run_dir) / "metrics.jsonl"
     if not f.exists(): return
     keep, drop = [], []
-    for line in f.read_text().splitlines(keepends=True):
+    text = f.read_text(encoding="utf-8", errors="surrogateescape")  # damaged bytes go to the discarded lines as they were
+    for line in text.splitlines(keepends=True):
         try: ok = json.loads(line)["step"] <= step
         except (ValueError, KeyError, TypeError): ok = False  # a line cut short by the crash
         (keep if ok else drop).append(line if line.endswith("\n") else line + "\n")
     if not drop: return
-    with open(f.with_name("metrics.discarded.jsonl"), "a") as d: d.writelines(drop)
-    tmp = f.with_name("metrics.jsonl.tmp"); tmp.write_text("".join(keep)); os.replace(tmp, f)
+    with open(f.with_name("metrics.discarded.jsonl"), "a", encoding="utf-8", errors="surrogateescape") as d: d.writelines(drop)
+    tmp = f.with_name("metrics.jsonl.tmp")
+    tmp.write_text("".join(keep), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, f)
     log(f"metrics.jsonl: {len(drop)} lines after step {step} (steps this run redoes) moved to metrics.discarded.jsonl")
 
 
@@ -431,6 +450,7 @@ class Trainer:
                  quiet: bool = False): # No progress bar or prints (tests)
         self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
         self.d = setup_distributed()
+        self.auto_dir = not (run_dir or train_cfg.run_dir)  # a new timestamped folder, whose name may still move on
         self.run_dir = Path(run_dir or train_cfg.run_dir or new_run_dir(name, self.d)).expanduser()
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise ConfigError(f"run_dir={self.run_dir} is a file: give a folder, new or an earlier run's")
@@ -460,17 +480,31 @@ class Trainer:
         self.flops_per_key = self.model.flops_per_token(train_cfg.seq_len, 1) - self.model.flops_per_token(train_cfg.seq_len, 0)
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
-        self.branched_from = None  # another folder's checkpoint this run began from (`--resume`), kept in every meta.json
+        self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
-        self._refuse_a_foreign_folder()
-        self._lock_run_dir()  # a folder that exists: before resuming changes anything in it
+        if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
+            self._refuse_a_foreign_folder()
+            self._lock_run_dir()
+            self._finish_cut_renames()
         self._resume(resume)
-        try: self._together(lambda: self.d.is_main and self.run_dir.mkdir(parents=True, exist_ok=True), self.run_dir)
-        except OSError as e:  # only now: a mistake leaves no empty run folder
-            raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
+        self._create_run_dir()  # only now: a mistake leaves no empty run folder
         self._lock_run_dir()  # a new folder: now that it exists
         self._remove_partial_checkpoints()
+
+    def _create_run_dir(self):
+        "Create the run folder (rank 0); a new timestamped one that another run took first moves on to the next name."
+        made = [None]
+        def create():
+            if not self.d.is_main: return
+            if self.auto_dir: made[0] = str(_create_new_run_dir(self.run_dir))
+            else: self.run_dir.mkdir(parents=True, exist_ok=True)
+        try: self._together(create, self.run_dir)
+        except OSError as e:
+            raise ConfigError(f"cannot create run_dir={self.run_dir} ({e.strerror}): give a folder you can write to") from None
+        if self.auto_dir:
+            if self.d.distributed: dist.broadcast_object_list(made, src=0)
+            self.run_dir = Path(made[0])
 
     def _refuse_a_foreign_folder(self):
         "Refuse a `run_dir` that holds files but nothing of a run: the run's own files would overwrite those of the same names."
@@ -528,15 +562,31 @@ class Trainer:
         except (OSError, ValueError, KeyError, TypeError): return False
         return (ckpt / ".metadata").exists() and all((ckpt / f"rank{r}.pt").exists() for r in range(ranks))
 
+    def _finish_cut_renames(self):
+        """A `.tmp` checkpoint with every file, of the step its name says, newer than every checkpoint: only its rename
+        was cut short (a kill right after writing). Rename it, so that it is resumed from, not written over."""
+        def finish():
+            if not self.d.is_main: return
+            done = list_checkpoints(self.run_dir)
+            newest = checkpoint_step(done[-1]) if done else -1
+            for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp"), key=lambda t: checkpoint_step(t.with_suffix(""))):
+                final = tmp.with_suffix("")
+                step = (_json_dict(tmp / "meta.json") or {}).get("step")
+                if re.fullmatch(CKPT_PREFIX + r"\d{6,}", final.name) and self._whole(tmp) and step == checkpoint_step(final) > newest:
+                    os.replace(tmp, final)
+                    newest = step
+                    self.log(f"{tmp} was complete (only its rename was cut short): it is now the checkpoint {final.name}")
+        self._together(finish, self.run_dir)
+
     def _remove_partial_checkpoints(self):
         "Remove `.tmp` checkpoint folders whose writing was cut short (a kill, a second Ctrl-C): never read, only space."
         if not self.d.is_main: return
         done = list_checkpoints(self.run_dir)
         newest = checkpoint_step(done[-1]) if done else -1
         for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
-            if self._whole(tmp) and checkpoint_step(tmp.with_suffix("")) > newest:  # its rename alone was cut short
-                self.log(f"warning: {tmp} looks complete and is newer than every checkpoint: it is left as it is; "
-                         f"rename it without .tmp to resume from it")
+            if self._whole(tmp) and checkpoint_step(tmp.with_suffix("")) > newest:  # complete, but not this step's
+                self.log(f"warning: {tmp} looks complete and is newer than every checkpoint, but its meta.json names "
+                         f"another step: it is left as it is")
                 continue
             shutil.rmtree(tmp, ignore_errors=True)
             self.log(f"removed {tmp}, a checkpoint whose writing was cut short")
@@ -558,7 +608,13 @@ class Trainer:
                                   "give a new run_dir=..., or leave out --no-resume to continue that run")
             return
         if resume is not True:
-            p = Path(resume)
+            p = Path(resume).expanduser()
+            began = (_json_dict(done[-1] / "meta.json") or {}).get("branched_from") if done else None
+            if began == str(p.resolve()) and done[-1].resolve() != p.resolve():  # the same command again (a requeued job)
+                self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint "
+                         f"(to begin from {p.name} once more, set aside the checkpoints after it)")
+                resume = True
+        if resume is not True:
             if not (p / "meta.json").exists():
                 own = list_checkpoints(p)  # a run folder given for one of its checkpoints
                 what = (f"is a run folder, not a checkpoint: give one of its checkpoints, e.g. {own[-1]}" if own else
@@ -568,9 +624,7 @@ class Trainer:
             if p.name.endswith(".tmp"):
                 raise ConfigError(f"{p} is a checkpoint whose writing was cut short: give a complete one, or leave out "
                                   "--resume to use the newest complete one")
-            if self._resume_given(p, done): return
-            # else: this folder's run began from `p` and trained on; the same command again (a requeued job)
-            self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint")
+            self._resume_given(p, done); return
         damaged = []
         for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
             try: self.load(ckpt); break
@@ -583,11 +637,10 @@ class Trainer:
                               "the warnings above say why): restore one, or give a new run_dir=... to start afresh")
         self._set_aside(damaged, "damaged", "it will not be read again")
 
-    def _resume_given(self, p: Path, done: list[Path]) -> bool:
-        "Load checkpoint `p` given by `--resume`; False when `p` is where this folder's own run began (resume that run)."
+    def _resume_given(self, p: Path, done: list[Path]):
+        "Load checkpoint `p` given by `--resume` (not where this folder's run began and trained on from: `_resume` says so)."
         own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
-        if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one?
-            if (_json_dict(done[-1] / "meta.json") or {}).get("branched_from") == str(p.resolve()): return False  # no: that run began from `p`
+        if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one
             raise ConfigError(f"{p} is not a checkpoint of run_dir={self.run_dir}, which holds a run of its own "
                               f"(newest: {done[-1].name}); continuing from {p} there would mix two runs and prune "
                               "one's checkpoints: leave out --resume to continue that run, or give a new run_dir=... "
@@ -597,11 +650,10 @@ class Trainer:
             if not _unreadable(e): raise
             raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
                               "to use the newest readable one") from None
-        if not own: self.branched_from = str(p.resolve())  # a branch: the same command later continues it
+        self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
         newer = [c for c in done if checkpoint_step(c) > self.step] if own else []  # an older checkpoint of this folder
         if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
                                   "they would outrank its new checkpoints")
-        return True
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
@@ -992,16 +1044,28 @@ Trainer.evaluate = evaluate
 # and the rename itself is flushed before the checkpoint it replaces is deleted: at every instant
 # one complete checkpoint is on the disk. A `.tmp` folder left by a kill between the last write and
 # the rename is complete only if it has DCP's `.metadata`, `meta.json` and every rank's file
-# (`_whole`); the next start says how to use it rather than deleting it.
+# (`_whole`, with a `meta.json` of the step its name says); the next start finishes its rename and
+# resumes from it. Were it left, the run would resume from the checkpoint before and delete the
+# `.tmp` when it came to write that step again.
 
 # %%
 #| export
+class _MetadataNoise(logging.Filter):
+    "DCP's log of a damaged checkpoint's metadata, two tracebacks; the warning `_resume` prints names the same reasons."
+    def filter(self, record): return not str(record.msg).startswith(("Global metadata is not found", "Rank local metadata is not found"))
+
+
 @contextmanager
 def _single_process_quiet():
-    "Silence DCP's warning that it runs without a process group: that is the normal single-process case."
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    "Silence DCP's warning that it runs without a process group (the normal single-process case) and its metadata noise."
+    import torch.distributed.checkpoint.state_dict_loader as loader
+    log, noise = getattr(loader, "logger", logging.getLogger()), _MetadataNoise()  # torch 2.13's is the root logger
+    log.addFilter(noise)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally: log.removeFilter(noise)
 
 
 def _to_disk(f):
@@ -1522,6 +1586,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   folder's checkpoint there (`--resume other/checkpoints/step_...`); into a folder without checkpoints it
 #   is how a run branches. The branch records where it began (`branched_from` in `meta.json`), so
 #   the same command given again (a requeued job) continues the branch instead of being refused.
+#   A rewind to an older checkpoint of the folder (below) records it the same way: the same command
+#   again continues from the newest checkpoint since, instead of going back once more and setting
+#   aside every step trained since (to go back again, set the newer checkpoints aside by hand).
 # * Resuming into weights of other shapes is refused, naming what changed; most other changed
 #   settings only warn (the MoE's capacity, say, or the schedule; those that fix the data's order
 #   are refused, below), and a moved learning-rate

@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(e))
     try: from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
+    if args.resume is not None and not args.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset: not a fresh start
+        parser.error("--resume was given an empty path (an unset variable?): give a checkpoint folder, or leave out "
+                     "--resume to continue from the run folder's newest checkpoint")
     resume = False if args.no_resume else (args.resume or True)
     trainer = None
     try:
@@ -174,8 +177,18 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+# %% [markdown]
+# `main` returns the run's summary, for scripts and tests. The `hymo-train` command that installing
+# the package provides calls `cli` instead: a console script exits with whatever its function
+# returns, and a returned dict would be printed and read as a failure (status 1).
+
 # %%
 #| export
+def cli() -> None:
+    "The `hymo-train` console script: `main`, whose summary is not returned, so that a finished run exits with status 0."
+    main()
+
+
 def _in_ipython() -> bool:
     "True inside Jupyter/IPython (where `__name__` is also '__main__')."
     import builtins

@@ -232,6 +232,10 @@ def test_list_items_must_be_finite():
     (dict(moe_n_shared=-1), r"model.moe_n_shared=-1 must be 0 or more"),
     (dict(adamw_eps=0), r"train.adamw_eps=0.0 must be positive: .*NaN"),
     (dict(seed=-1), r"train.seed=-1 must be 0 or more"),
+    (dict(seed=2**64), r"train.seed=18446744073709551616 must be below 2\*\*64"),
+    (dict(moe_capacity_factor=0), r"moe_capacity_factor=0.0 must be positive, or None"),
+    (dict(muon_momentum=1.0), r"train.muon_momentum=1.0 must be in \[0, 1\)"),
+    (dict(adamw_betas=[0.9, 1.0]), r"train.adamw_betas\[1\]=1.0 must be in \[0, 1\)"),
 ])
 def test_model_and_training_values_out_of_range_are_refused(over, expect):
     with pytest.raises(ConfigError, match=expect):
@@ -262,3 +266,19 @@ def test_type_errors_say_how_to_write_the_value():
         load_config("hymo_tiny", dim=64.0)
     with pytest.raises(ConfigError, match=r"model.dim: expected int, got float 64.5$"):  # no whole number to suggest
         load_config("hymo_tiny", dim=64.5)
+
+
+def test_a_config_file_that_is_not_text_or_not_a_file_is_one_clear_error(tmp_path):
+    (tmp_path / "bin.yaml").write_bytes(b"\x8b\x00\xff\xfe")
+    with pytest.raises(ConfigError, match=r"bin.yaml is not a text file \(not UTF-8\)"): load_config(str(tmp_path / "bin.yaml"))
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(ConfigError, match=r"dir.yaml cannot be read"): load_config(str(tmp_path / "dir.yaml"))
+    (tmp_path / "run").mkdir(); (tmp_path / "run" / "config.yaml").write_text("train:\n  seed: 1\n")
+    with pytest.raises(ConfigError, match=r"run is a folder but not a .yaml file.*run/config.yaml"): load_config(str(tmp_path / "run"))
+    (tmp_path / "notes.txt").write_text("dim: 3\n")
+    with pytest.raises(ConfigError, match=r"notes.txt is a file but not a .yaml file"): load_config(str(tmp_path / "notes.txt"))
+
+
+def test_decay_steps_round_to_the_nearest_step():
+    c = load_config("hymo_tiny", max_steps=100, decay_fraction=0.29, warmup_steps=1).train
+    assert c.decay_steps == 29  # int() of 28.999999999999996 would give 28

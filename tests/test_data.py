@@ -219,6 +219,8 @@ def test_given_tokenizer_is_used(ds, text, tmp_path):
     assert load_manifest(out)["tokenizer_sha256"] == load_manifest(ds)["tokenizer_sha256"]
     assert np.array_equal(stream_of(out, "train"), stream_of(ds, "train"))
     with pytest.raises(DataError, match="drop --vocab-size"): prepare(text, tmp_path / "x", vocab_size=512, tokenizer=ds / "tokenizer.json")
+    (tmp_path / "bin.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(DataError, match=r"tokenizer .*bin.json is not text \(not UTF-8\)"): prepare(text, tmp_path / "x", tokenizer=tmp_path / "bin.json")
     from tokenizers import Tokenizer, models
     Tokenizer(models.BPE()).save(str(tmp_path / "no_eot.json"))
     with pytest.raises(DataError, match="has no <|endoftext|> token"): prepare(text, tmp_path / "y", tokenizer=tmp_path / "no_eot.json")
@@ -261,6 +263,8 @@ def test_dataset_errors(ds, text, tmp_path):
     bad = prepare(text, tmp_path / "bad", vocab_size=VOCAB, progress=False)
     (bad / "tokenizer.json").write_text((bad / "tokenizer.json").read_text().replace('"Ġthe"', '"Ġteh"'))
     with pytest.raises(DataError, match="not the tokenizer the shards were encoded with"): check_compatible(bad, VOCAB)
+    (bad / "tokenizer.json").write_bytes(b"\x8b\x1f" + (bad / "tokenizer.json").read_bytes()[2:])  # damaged: not UTF-8
+    with pytest.raises(DataError, match="not the tokenizer the shards were encoded with"): check_compatible(bad, VOCAB)
     bad2 = prepare(text, tmp_path / "bad2", vocab_size=VOCAB, progress=False)
     np.save(bad2 / "val_0000.npy", np.load(bad2 / "val_0000.npy")[:-5])
     with pytest.raises(DataError, match="damaged"): check_compatible(bad2, VOCAB)
@@ -293,6 +297,10 @@ def test_cli(ds, text, tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 1 and "not a prepared dataset" in capsys.readouterr().err
     r = run("prepare", "--input", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x"))
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    closed = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from hymo.data import main; "
+              f"sys.exit(main(['info', {str(tmp_path / 'cli')!r}]))")  # `... info DIR | head`, the reader gone before
+    r = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stderr == "", r.stderr  # no BrokenPipeError traceback
 
 
 def test_concurrent_prepares_agree(text, tmp_path):

@@ -358,6 +358,16 @@ def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(t
         make(tmp_path / "run", **over)
 
 
+def test_a_damaged_checkpoint_metadata_is_one_warning_line_without_dcps_tracebacks(tmp_path, capfd):
+    make(tmp_path / "run", max_steps=6, ckpt_every=2, warmup_steps=1).fit(4)
+    meta = tmp_path / "run" / "checkpoints" / "step_000004" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])  # cut short
+    capfd.readouterr()
+    t = make(tmp_path / "run", max_steps=6, warmup_steps=1)
+    err = "".join(capfd.readouterr())
+    assert t.step == 2 and "Traceback" not in err and "metadata is not found" not in err, err
+
+
 def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):
     """A backup copy step_000002.bak used to crash every resume (int('000002.bak')); a checkpoint missing its meta.json
     was skipped silently and later overwritten instead of being kept as damaged."""
@@ -410,20 +420,38 @@ def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_is_deleted(tmp_p
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000002"]
 
 
-def test_a_complete_tmp_checkpoint_is_kept_and_an_incomplete_one_removed(tmp_path, capsys):
-    """A .tmp folder with every file (only its rename was cut short) and newer than every checkpoint is left, with a
-    message saying how to use it; one that lacks a rank's file is removed (before, meta.json and .metadata sufficed)."""
+def test_a_complete_tmp_checkpoint_is_finished_and_an_incomplete_one_removed(tmp_path, capsys):
+    """A .tmp folder with every file, of the step its name says, newer than every checkpoint: only its rename was cut
+    short. The next start finishes the rename and resumes from it; before, it resumed from the checkpoint before and
+    deleted the .tmp when it saved that step again. One that lacks a rank's file is removed; one whose meta.json names
+    another step is left alone."""
     import shutil
-    make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1).fit(2)
+    make(tmp_path / "run", max_steps=6, ckpt_every=2, keep_last_k=3, warmup_steps=1).fit(4)
     ckpts = tmp_path / "run" / "checkpoints"
-    shutil.copytree(ckpts / "step_000002", ckpts / "step_000003.tmp")
+    os.replace(ckpts / "step_000004", ckpts / "step_000004.tmp")  # killed between the last write and the rename
+    t = make(tmp_path / "run", max_steps=6, ckpt_every=2, keep_last_k=3, warmup_steps=1)
+    assert t.step == 4 and sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
+    shutil.copytree(ckpts / "step_000004", ckpts / "step_000005.tmp")  # complete, but of step 4: not this step's
     from hymo.training.trainer import Trainer
-    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 4, "warmup_steps": 1})
+    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 6, "warmup_steps": 1})
     Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run")
-    assert (ckpts / "step_000003.tmp").exists() and "rename it without .tmp to resume from it" in capsys.readouterr().out
-    (ckpts / "step_000003.tmp" / "rank0.pt").unlink()
+    assert (ckpts / "step_000005.tmp").exists() and "names another step: it is left as it is" in capsys.readouterr().out
+    (ckpts / "step_000005.tmp" / "rank0.pt").unlink()
     Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run")
-    assert not (ckpts / "step_000003.tmp").exists() and "cut short" in capsys.readouterr().out
+    assert not (ckpts / "step_000005.tmp").exists() and "cut short" in capsys.readouterr().out
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    "Without run_dir=, two runs whose clocks read the same second (a sweep launched at once) take -2, -3, ... folders."
+    from hymo.training import trainer as tr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tr.time, "strftime", lambda fmt, *a: "20261205-120000")
+    first, second = make(None), make(None)
+    assert (first.run_dir, second.run_dir) == (Path("runs/hymo-20261205-120000"), Path("runs/hymo-20261205-120000-2"))
+    assert first.run_dir.is_dir() and second.run_dir.is_dir()
+    # the race: another run creates the folder between choosing the name and creating it
+    (tmp_path / "runs" / "x").mkdir()
+    assert tr._create_new_run_dir(Path("runs/x")) == Path("runs/x-2")
 
 
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
@@ -436,6 +464,10 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     t.fit(num_steps=2)  # keep_last_k=1: the old run's step 8 would have outranked (and pruned) this one
     assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000006"]
     assert make(tmp_path / "run", max_steps=12, ckpt_every=2).step == 6  # a plain resume continues the new run
+    # the rewinding command again (a requeued job), step_4 since pruned: it continues the new run, sets nothing aside
+    again = make(tmp_path / "run", resume=ckpts / "step_000004", max_steps=12, ckpt_every=2, keep_last_k=1)
+    assert again.step == 6 and sorted(p.name for p in ckpts.iterdir()) == ["step_000006", "superseded-step_000006",
+                                                                          "superseded-step_000008"]
 
 
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
@@ -650,6 +682,24 @@ def test_the_ending_line_names_the_command_that_resumes(tmp_path):
 
 def _cli_args(run, **over):
     return [f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "ckpt_every": 2, "run_dir": run, **over}.items()]
+
+
+def test_the_console_script_exits_0_after_a_finished_run(tmp_path, monkeypatch, capsys):
+    """`hymo-train` is `sys.exit(<its function>())`: a returned summary dict would be printed and exit with status 1."""
+    import importlib, tomllib
+    target = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]["hymo-train"]
+    module, func = target.split(":")
+    monkeypatch.setattr(sys, "argv", ["hymo-train", *_cli_args(tmp_path / "run", max_steps=2, warmup_steps=1)])
+    with pytest.raises(SystemExit) as e: sys.exit(getattr(importlib.import_module(module), func)())
+    assert e.value.code is None and (tmp_path / "run" / "summary.json").exists()  # None: status 0
+
+
+def test_an_empty_resume_path_is_refused(tmp_path, capsys):
+    "`--resume \"$CKPT\"` with CKPT unset used to start a fresh run without a word."
+    from hymo.train import main
+    with pytest.raises(SystemExit) as e: main(["--resume", "", *_cli_args(tmp_path / "run")])
+    assert e.value.code == 2 and "--resume was given an empty path" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_full_disk_leaves_no_partial_checkpoint_and_ends_in_one_line(tmp_path, monkeypatch, capsys):
@@ -999,7 +1049,7 @@ def test_a_partial_checkpoint_folder_is_removed_when_the_run_resumes(tmp_path):
     t = make(tmp_path / "run", max_steps=4, ckpt_every=2)
     assert t.step == 2 and not partial.exists() and not older.exists()
     assert [p.name for p in ckpts.iterdir()] == ["step_000002"]
-    # complete and newer than every checkpoint: only its rename was cut short, so it is left (and said)
+    # complete and newer than every checkpoint, but its meta.json is of another step: left (and said)
     shutil.copytree(ckpts / "step_000002", ckpts / "step_000005.tmp")
     make(tmp_path / "run", max_steps=4, ckpt_every=2)
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000005.tmp"]
@@ -1078,6 +1128,17 @@ def test_generate_on_damaged_run_files_says_what_to_do_and_the_advice_works(tmp_
         with pytest.raises(SystemExit) as e: gen.main([str(run), "--tokens", "5"])
         assert e.value.code == 130
     finally: gen.generate_text = gen_text
+    with pytest.raises(SystemExit) as e: gen.main([str(run), "--prompt", b"\xff\xfe".decode("utf-8", "surrogateescape")])
+    assert e.value.code == 2  # bytes that are not UTF-8, as argv gives them to Python: one line, not a TypeError
+
+
+def test_metrics_lines_after_the_resumed_step_are_kept_aside_even_when_damaged(tmp_path):
+    from hymo.training.trainer import trim_metrics
+    garbage = b"\x8b\x00\xff garbage\n"
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n{"step": 2}\n' + garbage)
+    trim_metrics(tmp_path, 1, log=lambda m: None)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'
+    assert (tmp_path / "metrics.discarded.jsonl").read_bytes() == b'{"step": 2}\n' + garbage  # byte for byte
 
 
 def test_ctrl_c_while_torch_is_imported_ends_in_one_line(tmp_path, monkeypatch, capsys):

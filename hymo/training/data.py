@@ -327,7 +327,8 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         if not tokenizer.is_file():
             raise DataError(f"tokenizer {tokenizer} {'is a folder' if tokenizer.is_dir() else 'does not exist'}: give a Hugging Face tokenizer.json")
         _check_readable(tokenizer, "tokenizer")
-        tokenizer_json = tokenizer.read_text(encoding="utf-8")
+        try: tokenizer_json = tokenizer.read_text(encoding="utf-8")
+        except UnicodeDecodeError: raise DataError(f"tokenizer {tokenizer} is not text (not UTF-8): give a Hugging Face tokenizer.json") from None
         try: tok = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
             raise DataError(f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({e}): give the file that "
@@ -370,8 +371,9 @@ def load_tokenizer(data_dir: Path):
     from tokenizers import Tokenizer
     manifest = load_manifest(data_dir)
     path = Path(data_dir) / manifest["tokenizer"]
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
+    try: text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    except UnicodeDecodeError: text = None  # damaged bytes: not the tokenizer the manifest names either
+    if text is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
         raise DataError(f"{path} is missing or is not the tokenizer the shards were encoded with (sha256 differs "
                         f"from the manifest): prepare the dataset again")
     tok = Tokenizer.from_str(text)
