@@ -134,6 +134,21 @@ def test_windows_are_slices_of_the_stream(ds):
     assert loader.n_windows == (len(s) - 1) // T
 
 
+def test_an_epoch_is_whole_optimiser_steps_the_same_windows_however_the_batch_is_split(ds):
+    "With accumulation an epoch ends on an optimiser step, and 4 micro-batches of 1 read what 1 micro-batch of 4 reads."
+    split = TokenLoader(ds, seq_len=16, micro_batch_size=1, accum=4, seed=3)
+    whole = TokenLoader(ds, seq_len=16, micro_batch_size=4, accum=1, seed=3)
+    assert split.steps_per_epoch % 4 == 0 and split.steps_per_epoch == 4 * whole.steps_per_epoch
+    for step in (0, 1, whole.steps_per_epoch + 1):  # one optimiser step's windows, also in the next epoch
+        assert np.array_equal(np.concatenate([split.window_ids(4 * step + i) for i in range(4)]), whole.window_ids(step))
+
+
+def test_the_validation_cut_is_the_first_line_boundary_at_or_after_the_fraction():
+    from hymo.training.data import split_train_val
+    assert list(split_train_val(["aaaa\nbbbb\n"], 10, 0.5)) == [("train", "aaaa\n"), ("val", "bbbb\n")]
+    assert list(split_train_val(["aa\n", "bb\n", "cc\n"], 9, 0.4)) == [("train", "aa\n"), ("train", "bb\n"), ("val", "cc\n")]
+
+
 def test_ranks_are_disjoint_and_cover_an_epoch(ds):
     W, B, T = 3, 2, 16
     loaders = [TokenLoader(ds, seq_len=T, micro_batch_size=B, rank=r, world_size=W, seed=0) for r in range(W)]

@@ -41,6 +41,18 @@ def test_rope_scores_depend_on_relative_position_only():
     assert (base - q[0, :, 0] @ k[0, :, 0].T).abs().max() > 1e-2  # the rotation did something
 
 
+def test_rope_of_bf16_inputs_is_computed_in_fp32():
+    "bf16 in, bf16 out, rounded once: within one bf16 ulp of the fp64 rotation at every position up to 4096."
+    T, d = 4096, 32
+    x = torch.randn(1, T, 4, d).bfloat16()
+    cos, sin = rope_cos_sin(torch.arange(T), d)
+    ref_cos, ref_sin = rope_cos_sin(torch.arange(T, dtype=torch.float64), d)
+    out = apply_rope(x, cos, sin)
+    ref = apply_rope(x.double(), ref_cos.double(), ref_sin.double())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-6)
+
+
 def test_rope_matches_rotation_matrix_and_keeps_norms():
     d, m = 8, 5
     x = torch.randn(1, 1, 2, d, dtype=torch.float64)
@@ -69,7 +81,7 @@ def naive_deepseek_mla(m: MultiHeadLatentAttention, x: torch.Tensor) -> torch.Te
     "DeepSeek-V2/V3 MLA from the paper, head by head, for one sequence x [T, D], with m's weights sliced per head (G == H)."
     T, H, dn, dr, dv, dc = x.shape[0], m.n_heads, m.d_nope, m.d_rope, m.d_v, m.d_c
     rms = lambda v, g: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + CFG.norm_eps) * g
-    cos, sin = rope_cos_sin(torch.arange(T), dr, CFG.rope_theta)
+    cos, sin = rope_cos_sin(torch.arange(T), dr, m.config.rope_theta)
     rope = lambda v: apply_rope(v[None, :, None], cos, sin)[0, :, 0]
     q_b = m.q_b_proj.weight.view(H, dn + dr, -1)
     kv_b = m.kv_b_proj.weight.view(H, dn + dv, dc)
@@ -87,9 +99,12 @@ def naive_deepseek_mla(m: MultiHeadLatentAttention, x: torch.Tensor) -> torch.Te
     return torch.cat(outs, -1) @ m.o_proj.weight.T
 
 
+@pytest.mark.parametrize("rope_theta, v_dim", [(10000.0, None), (500000.0, None), (10000.0, 24)])
 @torch.no_grad()
-def test_equals_deepseek_formula_when_groups_equal_heads():
-    m = randomize_(MultiHeadLatentAttention(CFG_MHA))
+def test_equals_deepseek_formula_when_groups_equal_heads(rope_theta, v_dim):
+    "Also with the config's RoPE base reaching the tables, and with d_v != d_nope + d_rope (the softmax scale is the latter's)."
+    over = dict(mla_n_kv_groups=CFG.mla_n_heads, rope_theta=rope_theta) | ({"mla_v_head_dim": v_dim} if v_dim else {})
+    m = randomize_(MultiHeadLatentAttention(load_config("hymo_tiny", **over).model))
     x = x_(2, 20)
     y = m(x)
     assert y.std() > 0.1
@@ -124,9 +139,11 @@ def test_grouped_equals_repeated_kv():
     assert (m(x) - full(x)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("v_dim", [None, 24])  # 24: d_v != d_nope + d_rope, so the two paths' softmax scales could differ
 @torch.no_grad()
-def test_cu_seqlens_equals_separate_documents():
-    m = randomize_(MultiHeadLatentAttention(CFG))
+def test_cu_seqlens_equals_separate_documents(v_dim):
+    m = randomize_(MultiHeadLatentAttention(load_config("hymo_tiny", moe_capacity_factor=None, mla_v_head_dim=v_dim).model
+                                           if v_dim else CFG))
     lens = [7, 1, 12]
     x = x_(1, sum(lens))
     cu = torch.tensor([0, 7, 8, 20])
@@ -195,6 +212,24 @@ def test_cached_decoding_equals_forward(prompt):
     c_kv, k_rope = m.latents(x, m.rope_tables(torch.arange(prompt + extra)))
     torch.testing.assert_close(cache.c_kv, c_kv)
     torch.testing.assert_close(cache.k_rope, k_rope[:, :, 0])
+
+
+@torch.no_grad()
+def test_bf16_cached_decoding_is_as_close_to_fp32_as_the_bf16_forward():
+    "Under autocast the decoder's scores are fp32: rounded to bf16 first (scores of tens), its error was 1.6x the forward's."
+    sharp = randomize_(MultiHeadLatentAttention(CFG), seed=3)
+    for p in sharp.parameters():
+        if p.dim() == 2: p.mul_(2)  # sharp heads: scores of a few tens
+    P, E = 256, 16
+    xs = torch.randn(1, P, CFG.dim, generator=torch.Generator().manual_seed(4))
+    ref = sharp(xs)[:, -E:]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y_fwd = sharp(xs.bfloat16()).float()[:, -E:]
+        cache = MLACache.empty(CFG, 1, P, dtype=torch.bfloat16)
+        sharp.forward_decode(xs[:, :P - E].bfloat16(), cache)
+        y_dec = torch.cat([sharp.forward_decode(xs[:, t:t + 1].bfloat16(), cache) for t in range(P - E, P)], 1).float()
+    rel = lambda y: ((y - ref).norm() / ref.norm()).item()
+    assert rel(y_dec) <= 1.15 * rel(y_fwd), (rel(y_dec), rel(y_fwd))
 
 
 @torch.no_grad()

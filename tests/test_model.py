@@ -180,6 +180,7 @@ def test_750m_on_meta_device():
     assert flops_breakdown(m, 4096)["output head"] == 6 * c.vocab_size * c.dim
     s = state_breakdown(m, 4096, torch.bfloat16)
     assert s["GDN recurrent state (fp32)"] == n_gdn * H * K * V * 4
+    assert s["GDN convolution windows"] == n_gdn * (c.gdn_conv_size - 1) * (2 * H * K + H * V) * 2  # the last W-1 inputs, bf16
     assert m.state_bytes(8192) - m.state_bytes(4096) == n_mla * 4096 * (dc + dr) * 2
     print(f"750M: {m.num_params()/1e9:.3f} B stored, {active/1e6:.1f} M active, {f4k/1e9:.2f} GFLOPs/token, "
           f"{m.state_bytes(4096)/2**20:.1f} MiB state at T=4096")
@@ -312,6 +313,17 @@ def test_bad_input_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="max_seq_len"): m(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"\[1, T\]"): m(torch.zeros(2, 8, dtype=torch.long), cu_seqlens=torch.tensor([0, 8]))
     with pytest.raises(ValueError, match="shape of tokens"): m(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 7, dtype=torch.long))
+    L = tiny.max_seq_len  # a packed row may be longer than max_seq_len, one of its documents may not
+    with pytest.raises(ValueError, match=f"a packed document has {L + 1} tokens > max_seq_len={L}"):
+        m(torch.zeros(1, L + 8, dtype=torch.long), cu_seqlens=torch.tensor([0, L + 1, L + 8]))
+    with pytest.raises(ValueError, match=f"max_len={L + 1} must be in 1..max_seq_len={L}"): m.decode_state(1, L + 1)
+
+
+def test_doc_keys_per_query_by_hand():
+    "Σ L² / (2 Σ L): documents of 1 and 4 tokens give (1 + 16) / 10 = 1.7 keys a query (not the mean of L/2 per document)."
+    from hymo.models.model import doc_keys_per_query
+    assert doc_keys_per_query(torch.tensor([0, 1, 5])) == pytest.approx(1.7)
+    assert doc_keys_per_query(torch.tensor([0, 4096])) == pytest.approx(2048)
 
 
 @pytest.mark.parametrize("cache", [True, False])

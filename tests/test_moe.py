@@ -69,6 +69,18 @@ def test_dispatch_matches_dense_reference(score_func, cf):
         for a, b in zip(grads(moe), ref_grads): torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=impl)
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@torch.no_grad()
+def test_decoding_path_matches_the_dense_reference(score_func):
+    "A few tokens in eval (N·k <= E) take the gathered path, with its own weights: they must be route's, sigmoid's renormalised."
+    moe = make(moe_score_func=score_func).eval()
+    moe.gate.weight.normal_(0, 0.1)
+    moe.gate_bias.copy_(torch.tensor([0.05, -0.02, 0.0, 0.01]))
+    x = torch.randn(1, 2, moe.dim)  # 2 tokens · top_k 2 = 4 assignments <= 4 experts
+    assert moe.impl == "auto" and x.shape[1] * moe.top_k <= moe.n_routed
+    torch.testing.assert_close(moe(x), dense_reference(moe, x), atol=1e-5, rtol=1e-4)
+
+
 def test_loop_and_grouped_kernels_agree_with_empty_experts():
     if not grouped_available(): pytest.skip("this torch has no CPU torch._grouped_mm")
     w1, w3 = torch.randn(2, 5, 24, 16)
