@@ -159,6 +159,7 @@ def _check_readable(path: Path, what: str):
 # when a damaged page is decoded, possibly long after the first documents: both become a
 # `DataError` naming the file. Text files and `.jsonl` must be UTF-8, with one message for both.
 # A `.jsonl` line needs a `text` field; in both formats a null or blank text is an empty document, skipped.
+# A UTF-8 byte-order mark at the start of a text or `.jsonl` file is dropped, not trained on.
 
 # %%
 #| export
@@ -184,7 +185,7 @@ def _parquet_docs(path: Path) -> Iterator[str]:
 
 
 def _jsonl_docs(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte-order mark (Windows editors write one) is not text
         try:
             for i, line in enumerate(fh, 1):
                 if not line.strip(): continue
@@ -205,7 +206,7 @@ def read_documents(path: Path, # A .txt, .md, .jsonl or .parquet file
     if path.suffix == ".jsonl": yield from _jsonl_docs(path)
     elif path.suffix == ".parquet": yield from _parquet_docs(path)
     elif path.suffix in (".txt", ".md"):
-        try: text = path.read_text(encoding="utf-8")
+        try: text = path.read_text(encoding="utf-8-sig")  # without a byte-order mark, which is no part of the text
         except UnicodeDecodeError as e: raise _not_utf8(path) from e
         yield from split_text(text, doc_split)
     else: raise DataError(f"unknown file type '{path.suffix}' of {path}: give {', '.join(SUFFIXES)} files")

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--input", nargs="+", required=True, metavar="PATH",
                     help="text files (.txt, .md), folders of them (recursive), .jsonl ('text' field) or .parquet ('text' column)")
     pp.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
-    pp.add_argument("--vocab-size", type=int, default=None, help=f"BPE vocabulary to train (default {DEFAULT_VOCAB_SIZE})")
+    pp.add_argument("--vocab-size", type=int, default=None, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE})")
     pp.add_argument("--tokenizer", default=None, metavar="PATH", help="use this tokenizer.json instead of training one")
     pp.add_argument("--doc-split", choices=("blank", "file"), default="blank",
                     help="plain text: blank lines end a document (default), or one document per file")

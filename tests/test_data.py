@@ -46,6 +46,14 @@ def test_round_trip_text_tokens_text():
     assert 0 not in ids and tok.decode(ids) == "a <|endoftext|> b"
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    from hymo.training.data import read_documents
+    (tmp_path / "bom.txt").write_bytes("\ufeffFirst speech.\n\nSecond.\n".encode("utf-8"))
+    (tmp_path / "bom.jsonl").write_bytes('\ufeff{"text": "one"}\n{"text": "two"}\n'.encode("utf-8"))
+    assert list(read_documents(tmp_path / "bom.txt")) == ["First speech.\n", "Second.\n"]
+    assert list(read_documents(tmp_path / "bom.jsonl")) == ["one", "two"]
+
+
 def test_documents_of_plain_text():
     assert split_text("A:\nx\n\n \n\nB:\ny") == ["A:\nx\n", "B:\ny\n"]
     assert split_text("A\n\nB\n", "file") == ["A\n\nB\n"]
