@@ -115,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 #| export
 def _resume_from(trainer, cfg, args) -> str:
     "The command that resumes from the newest checkpoint, for the one-line endings of `main`."
-    from hymo.training.trainer import list_checkpoints
+    from hymo.training.trainer import cut_short_renames, list_checkpoints
     run_dir = trainer.run_dir if trainer is not None else cfg.train.run_dir  # None: a new, timestamped folder
-    last = list_checkpoints(Path(run_dir).expanduser()) if run_dir else []
+    run_dir = Path(run_dir).expanduser() if run_dir else None  # a .tmp left complete is renamed and resumed from
+    last = list_checkpoints(run_dir) + [t.with_suffix("") for t in cut_short_renames(run_dir)] if run_dir else []
     if not last: return "no checkpoint was written"
     change = [f"without {o}" for o, given in (("--resume", args.resume), ("--no-resume", args.no_resume)) if given]
     if not cfg.train.run_dir: change.append(f"with run_dir={run_dir}")  # run again as it was, it would start a new folder

@@ -38,7 +38,7 @@ from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'CPU_FLOPS', 'Dist', 'setup_distributed', 'new_run_dir',
-           'parallelize', 'resolve_precision', 'peak_flops', 'list_checkpoints', 'checkpoint_step',
+           'parallelize', 'resolve_precision', 'peak_flops', 'list_checkpoints', 'cut_short_renames', 'checkpoint_step',
            'CheckpointUnreadable', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics',
            'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
            'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
@@ -148,6 +148,20 @@ def _json_dict(path: Path) -> dict | None:
     try: d = json.loads(path.read_text())
     except (OSError, ValueError): return None
     return d if isinstance(d, dict) else None
+
+
+def cut_short_renames(run_dir: Path) -> list[Path]:
+    """The `.tmp` checkpoints of `run_dir` whose rename alone was cut short (a kill, or a refused rename, right after
+    writing): every file there, a `meta.json` of the step the name says, newer than every checkpoint. Oldest first."""
+    done = list_checkpoints(run_dir)
+    newest, found = (checkpoint_step(done[-1]) if done else -1), []
+    root = Path(run_dir) / "checkpoints"
+    tmps = [t for t in root.glob(f"{CKPT_PREFIX}*.tmp") if re.fullmatch(CKPT_PREFIX + r"\d{6,}", t.with_suffix("").name)] if root.is_dir() else []
+    for tmp in sorted(tmps, key=lambda t: checkpoint_step(t.with_suffix(""))):
+        step = (_json_dict(tmp / "meta.json") or {}).get("step")
+        if Trainer._whole(tmp) and step == checkpoint_step(tmp.with_suffix("")) > newest:
+            found.append(tmp); newest = step
+    return found
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -424,19 +438,12 @@ class Trainer:
         return (ckpt / ".metadata").exists() and all((ckpt / f"rank{r}.pt").exists() for r in range(ranks))
 
     def _finish_cut_renames(self):
-        """A `.tmp` checkpoint with every file, of the step its name says, newer than every checkpoint: only its rename
-        was cut short (a kill right after writing). Rename it, so that it is resumed from, not written over."""
+        "Rename the `.tmp` checkpoints whose rename alone was cut short (`cut_short_renames`): resumed from, not written over."
         def finish():
             if not self.d.is_main: return
-            done = list_checkpoints(self.run_dir)
-            newest = checkpoint_step(done[-1]) if done else -1
-            for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp"), key=lambda t: checkpoint_step(t.with_suffix(""))):
-                final = tmp.with_suffix("")
-                step = (_json_dict(tmp / "meta.json") or {}).get("step")
-                if re.fullmatch(CKPT_PREFIX + r"\d{6,}", final.name) and self._whole(tmp) and step == checkpoint_step(final) > newest:
-                    os.replace(tmp, final)
-                    newest = step
-                    self.log(f"{tmp} was complete (only its rename was cut short): it is now the checkpoint {final.name}")
+            for tmp in cut_short_renames(self.run_dir):
+                os.replace(tmp, tmp.with_suffix(""))
+                self.log(f"{tmp} was complete (only its rename was cut short): it is now the checkpoint {tmp.with_suffix('').name}")
         self._together(finish, self.run_dir)
 
     def _remove_partial_checkpoints(self):
