@@ -409,11 +409,12 @@ def _section_of(key: str) -> tuple[str, str]:
 def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
     p = Path(name_or_path).expanduser()
     if p.suffix not in (".yaml", ".yml"):
-        if p.is_dir() or p.is_file():  # a run folder, or a file of another kind: not a preset's name either
+        preset = PRESET_DIR / f"{name_or_path}.yaml"
+        if not preset.exists() and (p.is_dir() or p.is_file()):  # a run folder, or a file of another kind: not a preset either
             hint = f" (a run folder's settings are its config.yaml: {p / 'config.yaml'})" if (p / "config.yaml").is_file() else ""
             raise ConfigError(f"{name_or_path} is a {'folder' if p.is_dir() else 'file'} but not a .yaml file: give a preset "
                               f"({', '.join(presets())}) or a .yaml file{hint}")
-        p = PRESET_DIR / f"{name_or_path}.yaml"
+        p = preset
     elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
     if not p.exists():
         raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")

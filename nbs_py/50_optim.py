@@ -587,7 +587,7 @@ class NorMuon(torch.optim.Optimizer):
             else: N[i].copy_(M)
         k, shape = len(ps), tuple(ps[0].shape)
         O = newton_schulz(_gather_stack(N, ps[0], (k, *shape)), group["ns_steps"])
-        rows = torch.stack([torch.linalg.vector_norm(g, float("inf"), -1, True, dtype=torch.float32) for g in grads])
+        rows = torch.stack([torch.linalg.vector_norm(g, float("inf"), -1, True).ne(0) for g in grads]).float()  # exact, any dtype
         V, R = _gather_stack(torch.cat([torch.stack(vs), rows], -1), ps[0], (k, *shape[:-1], 2)).split(1, -1)  # one gather
         f, v = normuon_row_factor(O, V, group["beta2"], muon_shape_scale(*shape[-2:]))  # U = O · f
         live = R.amax((-2, -1), keepdim=True) > 0  # (k, ..., 1, 1): a matrix (an expert) without gradient takes

@@ -115,7 +115,9 @@ def new_run_dir(name: str, # Preset name
     """`runs/<name>-<time>`, not yet created, with rank 0's time given to every rank (ranks whose clocks read another
     second share one folder); `-2`, `-3`, ... when that folder exists (a run started in the same second)."""
     path = [f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    if d.is_main: path[0] = next(p for p in _numbered(path[0]) if not Path(p).exists())
+    if d.is_main:
+        try: path[0] = next(p for p in _numbered(path[0]) if not os.path.lexists(p))
+        except OSError: pass  # runs/ cannot be searched: creating the folder says so, on every rank
     if d.distributed: dist.broadcast_object_list(path, src=0)
     return path[0]
 
@@ -128,9 +130,11 @@ def _numbered(base: str):
 
 def _create_new_run_dir(path: Path) -> Path:
     "Create a new run folder at `path`, or at the first of `path-2`, `path-3`, ... that no other run created first."
+    path.parent.mkdir(parents=True, exist_ok=True)  # an OSError here (runs/ a broken link, say) is the caller's to report
     for p in _numbered(str(path)):
-        try: Path(p).mkdir(parents=True); return Path(p)
-        except FileExistsError: continue
+        try: Path(p).mkdir(); return Path(p)
+        except FileExistsError:
+            if not os.path.lexists(p): raise  # not a name another run took: do not try the next forever
 
 
 # %% [markdown]
@@ -598,9 +602,15 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             self.log(f"removed {tmp}, a checkpoint whose writing was cut short")
 
+    def _listed(self) -> list[Path]:
+        "Rank 0's `list_checkpoints` on every rank (on a network file system another node's listing may lag a rename)."
+        done = [list_checkpoints(self.run_dir) if self.d.is_main and not self.auto_dir else []]  # a new folder holds none
+        if self.d.distributed: dist.broadcast_object_list(done, src=0)
+        return done[0]
+
     def _resume(self, resume):
         "Load what `resume` names: a checkpoint folder, True (the newest readable one in the run folder, if any) or False."
-        done = list_checkpoints(self.run_dir)
+        done = self._listed()
         def not_finished():  # e.g. checkpoints/ deleted to free space: training again would start at step 0
             finished = [n for n in ("model.safetensors", "summary.json") if (self.run_dir / n).exists()]
             if finished and not done:
@@ -616,10 +626,13 @@ class Trainer:
             return
         if resume is not True:
             p = Path(resume).expanduser()
-            began = (_json_dict(done[-1] / "meta.json") or {}).get("branched_from") if done else None
-            if began == str(p.resolve()) and done[-1].resolve() != p.resolve():  # the same command again (a requeued job)
+            newest = (_json_dict(done[-1] / "meta.json") or {}) if done else {}
+            own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
+            same = json.loads(json.dumps(Config(self.mcfg, self.cfg).to_dict())) == newest.get("config")
+            if newest.get("branched_from") == str(p.resolve()) and done[-1].resolve() != p.resolve() and (same or not own):
+                # the same command again (a requeued job); a rewind with other settings (a new learning rate) is a new rewind
                 self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint "
-                         f"(to begin from {p.name} once more, set aside the checkpoints after it)")
+                         f"(to begin from {p.name} once more, change a setting or set aside the checkpoints after it)")
                 resume = True
         if resume is not True:
             if not (p / "meta.json").exists():

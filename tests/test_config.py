@@ -282,3 +282,9 @@ def test_a_config_file_that_is_not_text_or_not_a_file_is_one_clear_error(tmp_pat
 def test_decay_steps_round_to_the_nearest_step():
     c = load_config("hymo_tiny", max_steps=100, decay_fraction=0.29, warmup_steps=1).train
     assert c.decay_steps == 29  # int() of 28.999999999999996 would give 28
+
+
+def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hymo_tiny").mkdir()  # e.g. run_dir=hymo_tiny
+    assert load_config("hymo_tiny").name == "hymo_tiny"

@@ -90,6 +90,19 @@ def test_normuon_equals_from_scratch_loop(shape, cautious, nesterov):
     assert opt.state[p]["second_moment"].shape == (shape[0], 1)
 
 
+def test_normuon_steps_fp64_parameters_and_leaves_one_without_gradient():
+    p, q = nn.Parameter(torch.randn(6, 4, dtype=torch.float64)), nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    opt = NorMuon([p, q], weight_decay=0.0)
+    p0, q0 = p.detach().clone(), q.detach().clone()
+    p.grad, q.grad = torch.randn_like(p), torch.randn_like(q)
+    opt.step()
+    p1, q1 = p.detach().clone(), q.detach().clone()
+    p.grad, q.grad = torch.randn_like(p), torch.zeros_like(q)
+    opt.step()
+    assert not torch.equal(p1, p0) and not torch.equal(p.detach(), p1) and not torch.equal(q1, q0)
+    assert torch.equal(q.detach(), q1)  # no gradient, no decay: unchanged
+
+
 def test_normuon_stacked_experts_are_separate_matrices():
     torch.manual_seed(0)
     W0, grads = torch.randn(4, 20, 8), [torch.randn(4, 20, 8) for _ in range(4)]

@@ -441,6 +441,13 @@ def test_a_complete_tmp_checkpoint_is_finished_and_an_incomplete_one_removed(tmp
     assert not (ckpts / "step_000005.tmp").exists() and "cut short" in capsys.readouterr().out
 
 
+def test_a_runs_folder_that_is_a_broken_link_is_an_error_not_an_endless_search(tmp_path, monkeypatch):
+    from hymo.training import trainer as tr
+    monkeypatch.chdir(tmp_path)
+    os.symlink(tmp_path / "nowhere", tmp_path / "runs")
+    with pytest.raises(OSError): tr._create_new_run_dir(Path("runs/x"))
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
     "Without run_dir=, two runs whose clocks read the same second (a sweep launched at once) take -2, -3, ... folders."
     from hymo.training import trainer as tr
@@ -452,6 +459,11 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monk
     # the race: another run creates the folder between choosing the name and creating it
     (tmp_path / "runs" / "x").mkdir()
     assert tr._create_new_run_dir(Path("runs/x")) == Path("runs/x-2")
+    # ... and has saved a checkpoint there before this run looked: this new run must not continue it
+    first.fit(num_steps=2); first.save()
+    monkeypatch.setattr(tr, "new_run_dir", lambda name, d: str(first.run_dir))
+    third = make(None)
+    assert third.step == 0 and third.run_dir == Path("runs/hymo-20261205-120000-3")
 
 
 def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
@@ -468,6 +480,16 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     again = make(tmp_path / "run", resume=ckpts / "step_000004", max_steps=12, ckpt_every=2, keep_last_k=1)
     assert again.step == 6 and sorted(p.name for p in ckpts.iterdir()) == ["step_000006", "superseded-step_000006",
                                                                           "superseded-step_000008"]
+    # a rewind to a checkpoint that still exists, with another setting (a lower learning rate): a new rewind, honoured
+    del again
+    t = make(tmp_path / "run", max_steps=12, ckpt_every=2, keep_last_k=2)
+    t.fit(num_steps=2)  # step_6, step_8, both begun from step_4 (pruned)
+    rewind = make(tmp_path / "run", resume=ckpts / "step_000006", max_steps=12, ckpt_every=2, keep_last_k=2)
+    rewind.fit(num_steps=2)  # step_8 again, begun from step_6
+    same = make(tmp_path / "run", resume=ckpts / "step_000006", max_steps=12, ckpt_every=2, keep_last_k=2)
+    assert same.step == 8  # the same command again: a requeue, continues
+    lower = make(tmp_path / "run", resume=ckpts / "step_000006", max_steps=12, ckpt_every=2, keep_last_k=2, muon_lr=0.01)
+    assert lower.step == 6 and (ckpts / "superseded-step_000008").exists()  # honoured; the newer one kept aside
 
 
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
