@@ -210,7 +210,7 @@ if tl_row:
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
 # * **Round 28: the PyTorch path ran far faster than ever before, and the ratio fell to 2.56×.** On the
-#   round's one machine, three steps in one call, PyTorch, Triton, PyTorch, took 16.34, 6.389 and
+#   round's first machine, three steps in one call, PyTorch, Triton, PyTorch, took 16.34, 6.389 and
 #   16.34 s; an earlier call there took 16.58 s against 6.348 s (2.61×). No change since round 24
 #   touched the PyTorch path's code, and the Triton path's step is as usual. The PyTorch path's steps
 #   were 23.3–35.5 s on every earlier machine, which fits the explanation below (the host sets that
@@ -240,18 +240,23 @@ if tl_row:
 #   GFLOPs per token, 15.0 % MFU but 43 % fewer tokens per second than the hybrid, 81 GB, 3.5 B
 #   stored parameters, and a KV cache in every layer. A step of one micro-batch includes a whole
 #   optimiser step, here over 2.85× the hybrid's parameters, so that 43 % mixes the optimisers'
-#   cost into what is meant to compare attention; the `variants` set now times it at the preset's
-#   32 micro-batches, not yet run.
+#   cost into what is meant to compare attention. **At the preset's 32 micro-batches (round 28):
+#   9.16 s a step, 57.2 k tokens per second, 30.7 % fewer than the hybrid's 82.6 k that session, at
+#   6.79 GFLOPs per token (1.54× the hybrid's), so 39.3 % MFU, and 88.7 GB.** Dense attention keeps
+#   the GPU busier (the matrix products are larger) but each token costs more, and the MoE in every
+#   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
 # ## The round log: what each round changed and measured (rounds 6 to 28)
 # * **Round 28: 6.348 s (36.9 %, 82.6 k tokens/s, 50.6 GB), and 6.389 s (36.7 %) in a second call on
-#   the round's one machine.** Rounds 26 and 27 had no GPU. The step's one change since round 25:
+#   the round's first machine** (a second ran the all-MLA variant). Rounds 26 and 27 had no GPU.
+#   The step's one change since round 25:
 #   NorMuon leaves a matrix with no gradient this step (an expert that got no token) where it is
 #   (chapter 50); its step took 88.0–88.9 ms of GPU time (85.2 ms in round 24, on another machine;
-#   `optim_step.json`). Measured too: activation checkpointing at the preset's 32 micro-batches
-#   (above), the PyTorch GDN path (above: 2.56×) and the GDN kernels' parity under three decay
-#   regimes (below). The one-GPU tests of the layers, optimisers, MLA's flash path, the compiled
+#   `optim_step.json`). Measured too: activation checkpointing and all-MLA at the preset's 32
+#   micro-batches (above), the PyTorch GDN path (above: 2.56×) and the GDN kernels' parity under
+#   three decay regimes (below). A profile of the PyTorch path on that machine did not finish
+#   inside its time limit. The one-GPU tests of the layers, optimisers, MLA's flash path, the compiled
 #   prelude, the CUDA cross-entropy, decoding and its CUDA graph, and the one-GPU trainer passed
 #   there (64).
 # * **Round 25: no change to the step; 6.353 s (36.9 %, 82.5 k tokens/s, 50.6 GB) on the round's
