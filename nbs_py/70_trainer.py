@@ -112,12 +112,9 @@ def setup_distributed() -> Dist:
 def new_run_dir(name: str, # Preset name
                 d: Dist, # This process
                ) -> str:
-    """`runs/<name>-<time>`, not yet created, with rank 0's time given to every rank (ranks whose clocks read another
-    second share one folder); `-2`, `-3`, ... when that folder exists (a run started in the same second)."""
+    """`runs/<name>-<time>`, with rank 0's time given to every rank (ranks whose clocks read another second share one
+    folder). Not yet created: `_create_new_run_dir` takes `-2`, `-3`, ... when a run started in the same second has it."""
     path = [f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"]
-    if d.is_main:
-        try: path[0] = next(p for p in _numbered(path[0]) if not os.path.lexists(p))
-        except OSError: pass  # runs/ cannot be searched: creating the folder says so, on every rank
     if d.distributed: dist.broadcast_object_list(path, src=0)
     return path[0]
 
@@ -627,7 +624,7 @@ class Trainer:
         if resume is not True:
             p = Path(resume).expanduser()
             newest = (_json_dict(done[-1] / "meta.json") or {}) if done else {}
-            own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
+            own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()  # an older checkpoint of this folder
             same = json.loads(json.dumps(Config(self.mcfg, self.cfg).to_dict())) == newest.get("config")
             if newest.get("branched_from") == str(p.resolve()) and done[-1].resolve() != p.resolve() and (same or not own):
                 # the same command again (a requeued job); a rewind with other settings (a new learning rate) is a new rewind
@@ -644,7 +641,7 @@ class Trainer:
             if p.name.endswith(".tmp"):
                 raise ConfigError(f"{p} is a checkpoint whose writing was cut short: give a complete one, or leave out "
                                   "--resume to use the newest complete one")
-            self._resume_given(p, done); return
+            self._resume_given(p, done, own); return
         damaged = []
         for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
             try: self.load(ckpt); break
@@ -657,9 +654,8 @@ class Trainer:
                               "the warnings above say why): restore one, or give a new run_dir=... to start afresh")
         self._set_aside(damaged, "damaged", "it will not be read again")
 
-    def _resume_given(self, p: Path, done: list[Path]):
-        "Load checkpoint `p` given by `--resume` (not where this folder's run began and trained on from: `_resume` says so)."
-        own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()
+    def _resume_given(self, p: Path, done: list[Path], own: bool):
+        "Load checkpoint `p` given by `--resume` (`own`: one of this folder's); `_resume` has ruled out a requeued rewind or branch."
         if done and not own:  # another folder's checkpoint into a folder with a run of its own: two runs in one
             raise ConfigError(f"{p} is not a checkpoint of run_dir={self.run_dir}, which holds a run of its own "
                               f"(newest: {done[-1].name}); continuing from {p} there would mix two runs and prune "
