@@ -85,7 +85,7 @@ def main():
     ap.add_argument("--out", default="gdn_verify.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decays", default="strong,init,weak", help="decay regimes of the chunked checks: " +
-                    "; ".join(f"{k}: {v}" for k, v in DECAYS.items()))
+                    "; ".join(f"{k}: {v}" for k, v in DECAYS.items()).replace("%", "%%"))  # argparse formats help with %
     ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed and recurrent checks); wide: H=16, K=V=128")
     args = ap.parse_args()
     need_gpu("set TRITON_INTERPRET=1 for a smoke run at small shapes", interpreter_ok=True)

@@ -29,6 +29,18 @@ def test_gpu_benchmarks_say_they_need_a_gpu(tmp_path):
     assert not list(tmp_path.iterdir()), "a benchmark wrote files before checking for a GPU"
 
 
+def test_every_benchmark_explains_itself():
+    """`--help` of every script in benchmarks/ prints its usage (a stray % in a help string made argparse crash)."""
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "need_gpu.py")
+    assert set(GPU_ONLY) <= set(scripts)
+    runs = {n: subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / n), "--help"], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for n in scripts}
+    for name, p in runs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and "Traceback" not in err, (name, err[-2000:])
+        assert out.startswith("usage: ") and "--out" in out, (name, out[:500])
+
+
 def test_generate_speed_runs_on_a_cpu(tmp_path):
     """benchmarks/generate_speed.py on hymo_tiny: the JSON it writes, and a clear refusal of a prompt that does not fit. (Its
     count of tokens drawn alike is informative only: at initial weights a broken state would draw the same; the parity
