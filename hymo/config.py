@@ -239,6 +239,9 @@ def validate_model(m: ModelConfig):
     _choice("model.gdn_kernel", m.gdn_kernel, ("auto", "triton", "torch", "naive"))
     if m.gdn_kernel == "triton": check_triton_chunk(m.gdn_chunk_size)
     _choice("model.moe_score_func", m.moe_score_func, ("softmax", "sigmoid"))
+    if m.moe_score_func == "sigmoid" and m.moe_top_k == 1 and m.moe_n_routed:
+        raise ConfigError("model.moe_score_func='sigmoid' with model.moe_top_k=1 gives the router no gradient: the one "
+                          "chosen expert's weight is normalised to exactly 1. Use moe_score_func='softmax', or moe_top_k=2 or more")
     _choice("model.moe_balance", m.moe_balance, ("ema", "sign", "none"))
     return m
 

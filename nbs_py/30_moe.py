@@ -83,7 +83,9 @@ test_close(2 * expert_params / 1e6, 12.4, eps=0.05)
 # so the balancing never distorts what a chosen expert contributes. Sigmoid scores are independent
 # per expert and do not sum to one, so V3 normalises the chosen ones; softmax scores are already a
 # distribution and DeepSeek-V2 uses the top-k probabilities as they are. (V3 also multiplies the
-# routed sum by a constant 2.5; HyMo does not.)
+# routed sum by a constant 2.5; HyMo does not.) The router learns only through the weights $w$, so
+# sigmoid scores need $k \ge 2$: with one expert chosen its normalised weight is exactly 1, whatever
+# $W_g$ is, and the router would get no gradient at all (the config refuses that pair).
 #
 # A naive router, one token at a time, to check the batched one against:
 

@@ -19,7 +19,9 @@
 #
 # Everything that changes what training does next is in the checkpoint: weights, both optimisers'
 # state, the MoE buffers, the data loader's position, every RNG, and the step. A resumed run is
-# therefore the same run: on CPU its losses equal the uninterrupted run's exactly.
+# therefore the same run: on CPU its losses equal the uninterrupted run's exactly. (A resume on
+# another number of ranks restarts the RNG streams from the seed instead: nothing in training draws
+# random numbers, so its losses still follow the uninterrupted run's, within rounding.)
 
 # %%
 #| export
@@ -235,9 +237,10 @@ def peak_flops(device: torch.device) -> float | None:
 # and so later epochs' order, depend on the split; the resume says so.
 #
 # The folder is written as `step_000100.tmp` and renamed only when every rank has finished. A crash
-# mid-write leaves a `.tmp` folder that is never read, so the last complete checkpoint stays the
-# one a resume uses. After a successful save, only the newest `keep_last_k` are kept. Only names of
-# exactly that form are checkpoints: a copy you made as `step_000100.bak` is neither read nor
+# mid-write leaves an incomplete `.tmp` folder that is never read, so the last complete checkpoint
+# stays the one a resume uses (a `.tmp` that is complete, whose rename alone was cut short, is
+# renamed and resumed from). After a successful save, only the newest `keep_last_k` are kept. Only
+# names of exactly that form are checkpoints: a copy you made as `step_000100.bak` is neither read nor
 # pruned.
 #
 # A checkpoint can still be damaged afterwards (a disk that filled up, a file deleted by hand). A
@@ -1246,7 +1249,9 @@ Trainer.save, Trainer.load = save, load
 # every rank agrees that a stop was asked for (a signal may reach the ranks at different steps, and
 # the checkpoint is collective), a checkpoint of that step is written, and `fit` returns with
 # `stopped_by` set; `python -m hymo.train` then says where the checkpoint is and exits with
-# 128 + the signal's number, as a killed process would. Nothing since the last checkpoint is lost,
+# 128 + the signal's number, as a killed process would. A signal while the last step's checkpoint is
+# written lets it complete and stops the run there: the resume does the rest of the finish. Nothing
+# since the last checkpoint is lost,
 # and the line printed last says how to resume: the same command, with `run_dir=` added if the run
 # made a new timestamped folder, and without `--resume` or `--no-resume` (which would go back to
 # an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint.
@@ -1338,6 +1343,10 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")
             if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
+        elif self.step >= self.cfg.max_steps and self.saved_step != self.step:
+            self.save()  # the final checkpoint, under the handlers too: a SIGTERM now cannot cut it short
+            if not self._agree(signals.received is None):  # ... but stops the run there: `finish` is left to the resume
+                self.request_stop(signals.received or "a stop on another rank")
     if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
     return out
@@ -1619,7 +1628,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   `metrics.discarded.jsonl`.
 # * A `step_....tmp` folder, a checkpoint whose writing a kill cut short, is removed when a run
 #   starts in the folder (never read; at 750M it holds gigabytes), unless it is complete and newer
-#   than every checkpoint: then only its rename was cut short, and it is left, with a warning.
+#   than every checkpoint: then only its rename was cut short, so it is renamed and resumed from
+#   (the start says so). One that looks complete but whose `meta.json` names another step is left
+#   as it is, with a warning.
 #   Writing a step's checkpoint again sets the old one aside (`replaced-step_...`) until the new one
 #   is in place, and `finish` does not write again the checkpoint it was loaded from.
 # * A `run_dir` that is the dataset's folder, or that cannot be created, is refused before anything
@@ -1684,8 +1695,9 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # A process can die mid-write (pre-emption, out of disk). If the checkpoint were written in place,
 # a half-written folder would look like the newest checkpoint and the resume would fail or, worse,
 # load garbage. Renaming a finished folder is atomic on one filesystem, so the newest complete
-# checkpoint is always a good one; the `.tmp` leftovers are never read, and the next start removes
-# them (a complete one newer than every checkpoint is kept, with a warning).
+# checkpoint is always a good one; an incomplete `.tmp` leftover is never read, and the next start
+# removes it (a complete one newer than every checkpoint, whose rename alone was cut short, is
+# renamed and resumed from).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -236,6 +236,7 @@ def test_list_items_must_be_finite():
     (dict(moe_capacity_factor=0), r"moe_capacity_factor=0.0 must be positive, or None"),
     (dict(muon_momentum=1.0), r"train.muon_momentum=1.0 must be in \[0, 1\)"),
     (dict(adamw_betas=[0.9, 1.0]), r"train.adamw_betas\[1\]=1.0 must be in \[0, 1\)"),
+    (dict(moe_score_func="sigmoid", moe_top_k=1), r"model.moe_score_func='sigmoid' with model.moe_top_k=1 gives the router no gradient"),
 ])
 def test_model_and_training_values_out_of_range_are_refused(over, expect):
     with pytest.raises(ConfigError, match=expect):

@@ -114,9 +114,12 @@ def test_bias_changes_selection_not_weights():
 
 
 def test_gate_scores_are_fp32_under_bf16_input():
+    "Under bf16 autocast too (as the model trains): the router's product runs in fp32, on the fp32 weight."
     moe = make()
-    s = moe.gate_forward(torch.randn(8, moe.dim).bfloat16())
+    x = torch.randn(8, moe.dim).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16): s = moe.gate_forward(x)
     assert s.dtype == torch.float32
+    torch.testing.assert_close(s, (x.float() @ moe.gate.weight.T).softmax(-1), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(s.sum(-1), torch.ones(8))
 
 
@@ -253,9 +256,14 @@ def test_resume_is_bit_identical():
 
 def test_gradients_reach_the_gate():
     moe = make()
-    moe(torch.randn(2, 16, moe.dim)).pow(2).mean().backward()
+    x = torch.randn(2, 16, moe.dim)
+    moe(x).pow(2).mean().backward()
     assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0
-    assert moe.gate_bias.grad is None  # a buffer, not a parameter
+    g = moe.gate.weight.grad.clone()
+    moe.zero_grad()
+    with torch.no_grad(): moe.gate_bias.fill_(0.7)  # a uniform shift of the bias: the same choices, the same gradient
+    moe(x).pow(2).mean().backward()
+    assert torch.equal(moe.gate.weight.grad, g)
 
 
 def test_meta_build_and_reset():

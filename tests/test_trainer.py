@@ -611,11 +611,20 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["loss"], y["loss"])
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)  # the global norm over the shards (and the clip)
     assert "val_loss" in a[-1] and abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= 1e-5  # one validation pass over both ranks
-    # a checkpoint written by 2 processes resumes in 1 (DCP reshards)
-    resumed = run_cli(*[c if not c.startswith("max_steps") else "max_steps=6" for c in common], "run_dir=two",
-                      cwd=tmp_path, env_extra=CPU_RANKS)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and read_jsonl(tmp_path / "two" / "metrics.jsonl")[-1]["step"] == 6
+    # a checkpoint written by 2 processes resumes in 1, and one written by 1 process in 2 (DCP reshards; the loader
+    # continues after the windows the saved run read): their steps 6 and 7 are those of 1 process resuming its own
+    import shutil
+    shutil.copytree(tmp_path / "one", tmp_path / "one_on_two")
+    longer = [c if not c.startswith("max_steps") else "max_steps=7" for c in common]
+    for resumed in (run_cli(*longer, "run_dir=one", cwd=tmp_path, env_extra=CPU_RANKS),
+                    run_cli(*longer, "run_dir=two", cwd=tmp_path, env_extra=CPU_RANKS),
+                    torchrun("-m", "hymo.train", *longer, "run_dir=one_on_two", cwd=tmp_path, timeout=600)):
+        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    same = read_jsonl(tmp_path / "one" / "metrics.jsonl")[5:]
+    for other in ("two", "one_on_two"):
+        after = read_jsonl(tmp_path / other / "metrics.jsonl")[5:]
+        assert [m["step"] for m in after] == [m["step"] for m in same] == [6, 7]
+        for x, y in zip(same, after): assert abs(x["loss"] - y["loss"]) <= 1e-5, (other, x["loss"], y["loss"])
 
 
 def test_ranks_whose_clocks_differ_share_the_new_run_folder(tmp_path):
@@ -805,6 +814,32 @@ print(t.stopped_by.name, [c.name for c in list_checkpoints(t.run_dir)])
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.split() == ["SIGTERM", "['step_000003']"], (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_a_sigterm_during_the_final_checkpoint_keeps_it_and_the_resume_finishes(tmp_path):
+    """The last step's checkpoint is written under the stop handlers too: a SIGTERM as it is written (a scheduler's
+    time limit) lets it complete, the run stops there with the stop line's exit code, and the same command finishes
+    the run. Before, the default handler killed the process mid-save and every step since the last periodic
+    checkpoint was lost. In a subprocess: a regression kills the process."""
+    script = f"""
+import os, signal
+from hymo.config import load_config
+from hymo.training.trainer import Trainer, list_checkpoints
+cfg = load_config("hymo_tiny", **{dict(FAST, max_steps=5, ckpt_every=2)!r})
+t = Trainer(cfg.model, cfg.train, run_dir={str(tmp_path / "run")!r}, quiet=True)
+save = t.save
+def sigterm_then_save():
+    if t.step == 5: os.kill(os.getpid(), signal.SIGTERM)
+    return save()
+t.save = sigterm_then_save
+t.fit()
+print(t.stopped_by.name, [c.name for c in list_checkpoints(t.run_dir)], (t.run_dir / "summary.json").exists())
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["SIGTERM", "['step_000004',", "'step_000005']", "False"], r.stdout
+    again = make(tmp_path / "run", max_steps=5, ckpt_every=2)
+    assert again.step == 5 and again.fit() == [] and (tmp_path / "run" / "summary.json").exists()  # resumed at the end
 
 
 def test_a_checkpoint_from_before_the_loader_saved_its_accumulation_resumes(tmp_path):

@@ -983,6 +983,10 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")
             if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
+        elif self.step >= self.cfg.max_steps and self.saved_step != self.step:
+            self.save()  # the final checkpoint, under the handlers too: a SIGTERM now cannot cut it short
+            if not self._agree(signals.received is None):  # ... but stops the run there: `finish` is left to the resume
+                self.request_stop(signals.received or "a stop on another rank")
     if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
     if logger: logger.finish()
     return out
