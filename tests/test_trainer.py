@@ -1001,6 +1001,24 @@ def test_safetensors_io_errors_are_oserrors(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["w"], torch.ones(2, 2))
 
 
+def test_a_dataset_one_rank_cannot_read_stops_every_rank_with_one_line(tmp_path):
+    """A data_dir that one node cannot read (not mounted there, say): that rank's one-line error, and the other ranks
+    stop with one line too, instead of a gloo traceback from the next collective they waited in."""
+    script = tmp_path / "rank1_cannot_read.py"
+    script.write_text(
+        "import os, sys\nfrom hymo.training import trainer\nfrom hymo.training.data import DataError\nfrom hymo.train import main\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    def unreadable(data_dir, vocab_size): raise DataError(f'{data_dir} has no manifest.json (on rank 1)')\n"
+        "    trainer.check_compatible = unreadable\n"
+        "main(sys.argv[1:])\n")
+    r = torchrun(str(script), "seq_len=32", "micro_batch_size=2", "global_batch_size=4", "max_steps=2", "warmup_steps=1",
+                 "run_dir=two", cwd=tmp_path, timeout=300)
+    out = r.stdout + r.stderr  # (torchrun adds a traceback of its own for a child's non-zero exit)
+    assert r.returncode != 0 and "hymo/training/trainer.py" not in out and "distributed_c10d" not in out, out[-3000:]
+    assert "has no manifest.json (on rank 1)" in out and "another rank refused" in out, out[-3000:]
+    assert not (tmp_path / "two").exists()  # nothing was written
+
+
 @pytest.mark.parametrize("where", ["rank 1's own file", "rank 0's rename", "rank 0's model file", "rank 0's metrics line"])
 def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where):
     """A full disk (or a refused rename) on one rank while a checkpoint is written: every rank stops promptly with

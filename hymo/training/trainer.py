@@ -339,7 +339,9 @@ class Trainer:
                               "gdn_kernel=auto (Triton on a GPU, PyTorch elsewhere) or torch, or set TRITON_INTERPRET=1 "
                               "to run the kernels in Triton's interpreter (slow: for checking them)")
 
-        self.setup_data()  # first: preparing the default corpus is the slow part of a first run
+        # first: preparing the default corpus is the slow part of a first run. Together: a dataset one node cannot
+        # read stops every rank with one line, not only that one (the others would wait in the next collective)
+        self._together(self.setup_data, Path(train_cfg.data_dir or "the bundled corpus"))
         if self.data_dir is not None and self.run_dir.resolve() == self.data_dir.resolve():  # None: synthetic tokens
             raise ConfigError(f"run_dir and data_dir are the same folder ({self.run_dir}): the run would write its "
                               "checkpoints and tokenizer.json into the dataset; give the run a folder of its own")
