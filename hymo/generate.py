@@ -22,7 +22,7 @@ from .models.model import HyMo, build_hymo
 from .training.data import EOT
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'load_run', 'prompt_ids', 'generate_text', 'main']
+__all__ = ['RUN_FILES', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'main']
 
 # %% ../nbs/72_generate.ipynb #aff7e580
 RUN_FILES = ("config.yaml", "model.safetensors", "tokenizer.json")
@@ -69,6 +69,12 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     return model.eval(), tok
 
 
+def trained_length(run_dir: str | Path) -> int:
+    "The longest sequence the run trained on (its train.seq_len): how much text the model reads at once when generating."
+    cfg = load_config(Path(run_dir) / "config.yaml", gdn_kernel="auto")
+    return min(cfg.train.seq_len, cfg.model.max_seq_len)
+
+
 def prompt_ids(tok, prompt: str) -> list[int]:
     "The ids the model reads for `prompt`: the end-of-text token first, as it opens every training document (chapter 60)."
     eot = tok.token_to_id(EOT)
@@ -84,6 +90,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                   cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
+                  window: int | None = None, # Most tokens one forward reads: the run's train.seq_len (`trained_length`); None: max_seq_len
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot, ids = tok.token_to_id(EOT), prompt_ids(tok, prompt)
@@ -94,7 +101,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
                              vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
-                             on_token=shown.add if stream else None, cache=cache)
+                             on_token=shown.add if stream else None, cache=cache, window=window)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
     text = tok.decode(ids[eot is not None:] + new)
@@ -170,10 +177,10 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
-        n, L = len(prompt_ids(tok, a.prompt)), model.config.max_seq_len
-        if n > L: print(f"note: the prompt is {n} tokens, more than the model's max_seq_len={L}: it sees only the last {L}",
-                        file=sys.stderr)
-        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)
+        n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)
+        if n > L: print(f"note: the prompt is {n} tokens, more than the {L} the model trained on (train.seq_len): it "
+                        f"sees only the last {L}", file=sys.stderr)
+        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except KeyboardInterrupt:

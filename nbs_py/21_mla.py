@@ -326,7 +326,7 @@ class MultiHeadLatentAttention(nn.Module):
             s = torch.einsum("bthc,bsc->bhts", q_lat.float(), c_kv.float()) + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope.float())
         s = (s * self.softmax_scale).masked_fill(torch.arange(c_kv.shape[1], device=x.device) > pos[:, None], float("-inf"))
         p = s.softmax(-1).to(c_kv.dtype)  # (B, H, T, L); query at position p sees cached tokens 0..p
-        o_lat = torch.einsum("bhts,bsc->bthc", p, c_kv)  # (B, T, H, d_c): attention averages latents
+        o_lat = torch.einsum("bhts,bsc->bthc", p, c_kv).to(w_uv.dtype)  # (B, T, H, d_c): attention averages latents
         o = torch.einsum("btgrc,gvc->btgrv", o_lat.view(B, T, G, R, self.d_c), w_uv)  # (B, T, G, R, d_v)
         return self.o_proj(o.flatten(2))  # (B, T, H*d_v) -> (B, T, D)
 

@@ -198,10 +198,17 @@ class HyMo(nn.Module):
         if self.loss_impl != "fused": raise ValueError(f"loss_impl={self.loss_impl!r}: choose 'fused' or 'logits'")
         return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets, cu_seqlens=cu_seqlens))
 
+    def _check_ids(self, tokens):
+        "Raise `ValueError` for ids outside the vocabulary (an embedding lookup would fail, on a GPU with a device-side assert)."
+        V = self.config.vocab_size
+        if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < V):
+            raise ValueError(f"token ids must be in 0..{V - 1} (vocab_size={V}); got {int(tokens.min())}..{int(tokens.max())}")
+
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
             raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.device.type == "cpu": self._check_ids(tokens)  # on a GPU this would wait for it: `generate` checks its prompt
         L = self.config.max_seq_len
         if cu_seqlens is None:
             if tokens.shape[1] > L:
@@ -273,12 +280,14 @@ class HyMo(nn.Module):
     def decode_state(self,
                      batch: int,  # Sequences decoded together
                      max_len: int,  # Most tokens they will hold, prompt included (at most max_seq_len)
-                     dtype: torch.dtype = torch.float32,  # Of the MLA caches: the residual stream's (bf16 under autocast)
+                     dtype: Optional[torch.dtype] = None,  # Of the MLA caches: the residual stream's; None: the autocast dtype, else the weights'
                     ) -> list:  # per layer: None (a GDN block not yet run) or an `MLACache`
         "Empty decode state for `decode`: an `MLACache` per MLA block, a place for the `GDNState` of each GDN block."
         if not 0 < max_len <= self.config.max_seq_len:
             raise ValueError(f"max_len={max_len} must be in 1..max_seq_len={self.config.max_seq_len}")
         dev = self.embed.weight.device
+        if dtype is None:
+            dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else self.embed.weight.dtype
         return [MLACache.empty(self.config, batch, max_len, dev, dtype) if self.config.is_mla(i) else None
                 for i in range(self.config.n_layers)]
 
@@ -289,6 +298,13 @@ class HyMo(nn.Module):
         "The new tokens' logits given everything `state` has seen: `forward` on the whole sequence, restricted to them."
         if self.training:  # training routes with capacity and moves the MoE's load statistics: not inference
             raise RuntimeError("decode is for inference: call model.eval() first (generate does)")
+        self._check_tokens(tokens, None)
+        if tokens.shape[1] == 0: raise ValueError("decode needs at least one new token: tokens is [B, 0]")
+        held = next((c.c_kv.shape[0] for c in state if isinstance(c, MLACache)),
+                    next((c.recurrent.shape[0] for c in state if c is not None and not isinstance(c, MLACache)), tokens.shape[0]))
+        if len(state) != self.config.n_layers or held != tokens.shape[0]:
+            raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state holds {held} in {len(state)} layers "
+                             f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
         x = self.embed(tokens)                                    # (B, T, D)
         if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
         for i, layer in enumerate(self.layers):
@@ -307,27 +323,34 @@ class HyMo(nn.Module):
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
                  cache: bool = True,  # Carry the GDN states and MLA caches (`decode`); False re-runs the whole forward per token
                  graph: bool = True,  # With `cache` on a GPU: replay each one-token step as a CUDA graph (`DecodeGraph`)
+                 window: Optional[int] = None,  # Most tokens one forward reads: the length the model trained on (train.seq_len); None: max_seq_len
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
-        the text fills `max_seq_len`; from there (and without `cache`) every token re-runs the last `max_seq_len` tokens."""
+        the text fills `window`; from there (and without `cache`) every token re-runs the last `window` tokens."""
         if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
             raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
-        if not (max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature) and (top_k is None or top_k >= 1)):
-            raise ValueError(f"generate needs max_new_tokens >= 0, a finite temperature >= 0 and top_k None or >= 1; got "
-                             f"max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
+        is_int = lambda n: isinstance(n, int) and not isinstance(n, bool)
+        if not (is_int(max_new_tokens) and max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature)
+                and (top_k is None or is_int(top_k) and top_k >= 1)):
+            raise ValueError(f"generate needs an int max_new_tokens >= 0, a finite temperature >= 0 and top_k None or an "
+                             f"int >= 1; got max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
+        V, L = self.config.vocab_size, self.config.max_seq_len
+        if vocab is not None and not (is_int(vocab) and 1 <= vocab <= V):
+            raise ValueError(f"vocab={vocab} must be in 1..{V} (the model's vocab_size): the tokenizer's size")
+        if window is not None and not (is_int(window) and 1 <= window <= L):
+            raise ValueError(f"window={window} must be in 1..max_seq_len={L}: the length the model was trained on")
+        self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
-        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph)
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window or L)
         finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
 
-    def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph) -> torch.Tensor:
-        "The loop of `generate`, in eval mode."
-        L = self.config.max_seq_len
+    def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
+        "The loop of `generate`, in eval mode; `L` is its window."
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
         state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
         if tokens.shape[1] < room and max_new_tokens > 0:
-            dev = tokens.device.type
-            state = self.decode_state(1, room, torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.embed.weight.dtype)
+            state = self.decode_state(1, room)  # in the residual stream's dtype
         for _ in range(max_new_tokens):
             if state is not None and tokens.shape[1] <= room:
                 if step is None and graph and tokens.is_cuda and seen > 0 and room - seen >= 8:  # the prompt is in: capture
@@ -515,9 +538,11 @@ for n, d in enumerate(docs):
 # stack with that state: the whole prompt in one call, then one token per call. Each call gives the
 # logits `forward` would give those tokens at the end of the whole sequence.
 #
-# `generate` uses it by default. When the text grows past `max_seq_len` it falls back to
-# re-running the last `max_seq_len` tokens for each new one, as `cache=False` always does, so the
-# model never sees a position it was not trained on.
+# `generate` uses it by default. When the text grows past its `window` it falls back to re-running
+# the last `window` tokens for each new one, as `cache=False` always does. The window is the length
+# the model was trained on (`train.seq_len`; `python -m hymo.generate` and the trainer's samples pass
+# it), so the model never sees a position it was not trained on; without one it is `max_seq_len`,
+# the length the RoPE tables cover, which a run may train below (`hymo_tiny`: 256 against 128).
 #
 # The check needs weights at unit scale: at `init_std = 0.02` every logit is near zero, and any
 # two functions would "agree". It uses eight blocks, so that two are MLA blocks and one of those
@@ -550,8 +575,10 @@ test_eq(state[0].recurrent.shape, (1, dec_cfg.gdn_n_heads, dec_cfg.gdn_head_k_di
 
 # %% [markdown]
 # So the cached and the uncached `generate` draw the same tokens, greedy or sampled with one seed,
-# including a run that outgrows `max_seq_len` (here 24, for a prompt of 10 and 30 new tokens) and
-# continues on the window. The model's mode is restored, also when the loop stops with an error; a
+# including a run that outgrows `max_seq_len` (here 24, for a prompt of 10 and 30 new tokens) or a
+# smaller `window` (16) and continues on the window. (The same up to rounding: their logits differ in
+# the last bits, so a near-tie between two tokens can go either way, as a 300-token greedy run in
+# fp32 on a GPU showed at its 127th token.) The model's mode is restored, also when the loop stops with an error; a
 # negative temperature (which would favour the least likely tokens) and `top_k=0` are refused.
 
 # %%
@@ -563,6 +590,7 @@ test_eq(drawn, dec.generate(prompt, 30, temperature=0.8, top_k=50))
 short = load_config("hymo_tiny", n_layers=8, nope_layers=[7], max_seq_len=24, seq_len=16).model
 dec_short = unit_scale_(build_hymo(short)).eval()
 test_eq(dec_short.generate(prompt, 30, temperature=0), dec_short.generate(prompt, 30, temperature=0, cache=False))
+test_eq(dec_short.generate(prompt, 30, temperature=0, window=16), dec_short.generate(prompt, 30, temperature=0, cache=False, window=16))
 test_fail(lambda: dec_short.decode_state(1, 25), contains="max_seq_len=24")
 out = model.generate(tokens[:1, :8], max_new_tokens=6, temperature=0.8, top_k=50)
 test_eq((out.shape, out[:, :8]), ((1, 14), tokens[:1, :8]))

@@ -1494,6 +1494,7 @@ def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = N
         return generate_text(self.model, load_tokenizer(self.data_dir), prompt, max_new_tokens or self.cfg.sample_tokens,
                              temperature=temperature, top_k=50, seed=self.cfg.seed,
                              stop=not self.d.distributed,  # FSDP: every rank runs every forward (all-gathers), then cuts
+                             window=self.cfg.seq_len,  # as `python -m hymo.generate` reads the finished run
                              cache=not (self.d.distributed or self.cfg.compile or self.cfg.activation_checkpointing))
     # `decode` calls the blocks outside the root's forward (FSDP's hooks) and with a growing state (a compiled
     # block would recompile): those models re-run the forward per token instead

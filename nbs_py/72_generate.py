@@ -25,8 +25,10 @@
 # Sampling is `HyMo.generate` (chapter 41). The prompt runs through the stack once, and each new
 # token then costs one token's work: the GDN blocks carry their recurrent state and the MLA blocks
 # their latent cache (`HyMo.decode`, with the state of chapters 12 and 21). Once the text is longer
-# than `max_seq_len`, each token re-runs the last `max_seq_len` tokens instead, so the model never
-# sees a position it was not trained on.
+# than the run's training length (`train.seq_len`, which `trained_length` reads from its
+# config.yaml; `hymo_tiny` trains on 128 tokens, though its RoPE tables cover `max_seq_len` = 256),
+# each token re-runs the last `train.seq_len` tokens instead, so the model never sees a position it
+# was not trained on: its loss rises past that length, context or not.
 
 # %%
 #| export
@@ -106,6 +108,12 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     return model.eval(), tok
 
 
+def trained_length(run_dir: str | Path) -> int:
+    "The longest sequence the run trained on (its train.seq_len): how much text the model reads at once when generating."
+    cfg = load_config(Path(run_dir) / "config.yaml", gdn_kernel="auto")
+    return min(cfg.train.seq_len, cfg.model.max_seq_len)
+
+
 def prompt_ids(tok, prompt: str) -> list[int]:
     "The ids the model reads for `prompt`: the end-of-text token first, as it opens every training document (chapter 60)."
     eot = tok.token_to_id(EOT)
@@ -121,6 +129,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                   cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
+                  window: int | None = None, # Most tokens one forward reads: the run's train.seq_len (`trained_length`); None: max_seq_len
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot, ids = tok.token_to_id(EOT), prompt_ids(tok, prompt)
@@ -131,7 +140,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
                              vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
-                             on_token=shown.add if stream else None, cache=cache)
+                             on_token=shown.add if stream else None, cache=cache, window=window)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
     text = tok.decode(ids[eot is not None:] + new)
@@ -212,10 +221,10 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
-        n, L = len(prompt_ids(tok, a.prompt)), model.config.max_seq_len
-        if n > L: print(f"note: the prompt is {n} tokens, more than the model's max_seq_len={L}: it sees only the last {L}",
-                        file=sys.stderr)
-        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show)
+        n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)
+        if n > L: print(f"note: the prompt is {n} tokens, more than the {L} the model trained on (train.seq_len): it "
+                        f"sees only the last {L}", file=sys.stderr)
+        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except KeyboardInterrupt:
@@ -398,8 +407,8 @@ for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperatu
 # The run's `tokenizer.json` is the dataset's, and `summary.json` records its sha256: a tokenizer
 # copied in from another dataset (the cache holds several side by side) would turn the model's ids
 # into other text, or into ids it has no row for. It is refused, saying where the right one is. A
-# prompt longer than `max_seq_len` is not an error (the model reads its last `max_seq_len` tokens,
-# as it does once a long generation outgrows that), but the command line says so.
+# prompt longer than the training length is not an error (the model reads its last `train.seq_len`
+# tokens, as it does once a long generation outgrows that), but the command line says so.
 
 # %%
 import shutil
@@ -414,10 +423,11 @@ test_fail(lambda: load_run(other), contains="is not the tokenizer this run train
 (other / "summary.json").unlink()  # a run from before summary.json had the sha256: the vocabulary is still checked
 wrong.add_tokens([f"w{i}" for i in range(3000)]); wrong.save(str(other / "tokenizer.json"))
 test_fail(lambda: load_run(other), contains="tokens, more than the model's vocab_size=2048: it is not this run's tokenizer")
-long_prompt = "ROMEO: " * 300  # about 600 tokens; max_seq_len is 256
+test_eq(trained_length(work / "run"), small["seq_len"])  # 32 here; max_seq_len is 256
+long_prompt = "ROMEO: " * 30  # about 60 tokens
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
     main([str(work / "run"), "--prompt", long_prompt, "--tokens", "2", "--device", "cpu"])
-assert "it sees only the last 256" in err.getvalue(), err.getvalue()
+assert f"more than the 32 the model trained on (train.seq_len): it sees only the last 32" in err.getvalue(), err.getvalue()
 
 # %% [markdown]
 # ## Interview questions
@@ -430,11 +440,14 @@ assert "it sees only the last 256" in err.getvalue(), err.getvalue()
 # keeps the state $S$ (40 heads of 32 × 32 fp32 numbers at the 750M size) and the last three inputs
 # of the short convolution, and each MLA layer the latent cache $c_t$ with the shared rope key. A
 # new token then costs one step of the recurrence in each GDN layer, the same at token 10 and token
-# 4 000, and one attention row against the cache in each MLA layer, which grows with the context.
+# 4 000, and one attention row against the cache in each MLA layer. That row grows with the context
+# in principle; HyMo scores the whole cache it allocated (prompt + new tokens) and masks the rows not
+# yet written, so that every step has the same shapes and replays as one CUDA graph: its cost is the
+# longest text's from the first token, still one row per layer.
 # That is the point of the hybrid: 24 of the 32 layers carry a constant-size state. (HyMo steps the
-# recurrence itself, with the fused recurrent kernel of chapter 13 on a GPU. This holds up to
-# `max_seq_len`, 4 096 tokens: past it, `generate` re-runs the last `max_seq_len` tokens for every
-# new one, since the model was never trained on later positions.)
+# recurrence itself, with the fused recurrent kernel of chapter 13 on a GPU. This holds up to the
+# training length, 4 096 tokens for `hymo_750m`: past it, `generate` re-runs the last 4 096 tokens
+# for every new one, since the model was never trained on later positions.)
 # :::
 #
 # ::: {.callout-tip collapse="true"}

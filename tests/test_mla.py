@@ -254,6 +254,24 @@ def test_block_decode_and_packing():
     torch.testing.assert_close(blk(x, torch.tensor([0, 5, 12]))[:, 5:], blk(x[:, 5:]), atol=1e-5, rtol=1e-5)
 
 
+def test_decode_into_a_cache_of_another_dtype():
+    "bf16 weights with an fp32 cache (and the other way round) decode as with a cache of the weights' dtype."
+    blk = randomize_(MLABlock(CFG, layer_idx=3)).bfloat16()
+    x = x_(1, 9).bfloat16()
+    with torch.no_grad():
+        outs = {}
+        for dt in (torch.bfloat16, torch.float32):
+            cache = MLACache.empty(CFG, 1, 9, dtype=dt)
+            outs[dt] = torch.cat([blk.forward_decode(x[:, :6], cache), blk.forward_decode(x[:, 6:], cache)], 1)
+        assert outs[torch.float32].dtype == torch.bfloat16
+        torch.testing.assert_close(outs[torch.float32], outs[torch.bfloat16], atol=0.05, rtol=0.05)
+        cache = MLACache.empty(CFG, 1, 9, dtype=torch.bfloat16)
+        blk32 = randomize_(MLABlock(CFG, layer_idx=3))
+        ref = blk32(x.float())
+        got = torch.cat([blk32.forward_decode(x[:, :6].float(), cache), blk32.forward_decode(x[:, 6:].float(), cache)], 1)
+        assert got.dtype == torch.float32 and ((got - ref).norm() / ref.norm()) < 0.02
+
+
 def test_cache_size_is_latent_plus_rope_key():
     c = load_config("hymo_750m").model
     assert MLACache.empty(c, 1, 4, dtype=torch.bfloat16).bytes_per_token() == (128 + 32) * 2

@@ -386,9 +386,56 @@ def test_a_broken_state_would_be_seen(short_model, monkeypatch):
 def test_decode_refuses_training_mode_and_runs_bf16_weights(dropless):
     m = _model(dropless)
     with pytest.raises(RuntimeError, match="call model.eval"): m.decode(torch.zeros(1, 3, dtype=torch.long), m.decode_state(1, 8))
-    m = m.eval().to(torch.bfloat16)  # weights in bf16, no autocast: every rule returns the inputs' dtype
-    prompt = torch.randint(0, dropless.vocab_size, (1, 8))
+    m = _unit_scale(m).eval()
+    seq = torch.randint(0, dropless.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = m(seq)  # fp32
+        m = m.to(torch.bfloat16)  # weights in bf16, no autocast: every rule returns the inputs' dtype
+        state = m.decode_state(1, 12)  # the state's dtype follows the weights'
+        got = torch.cat([m.decode(seq[:, :9], state)] + [m.decode(seq[:, t:t + 1], state) for t in (9, 10, 11)], 1)
+        full = m(seq)
+    assert got.dtype == torch.bfloat16 and ref.abs().max() > 1
+    rel = lambda a: ((a.float() - ref).norm() / ref.norm()).item()
+    assert rel(got) < 1.5 * rel(full) and rel(full) < 0.1, (rel(got), rel(full))  # decode errs as bf16's forward does (6 %)
+    prompt = seq[:, :8]
     assert m.generate(prompt, 3, temperature=0).shape == m.generate(prompt, 3, temperature=0, cache=False).shape == (1, 11)
+
+
+def test_bad_token_ids_and_decode_input_are_refused_in_one_line(dropless):
+    """Ids outside the vocabulary (an IndexError on a CPU, a device-side assert that poisons a GPU's context), and
+    decode inputs that do not fit the state, raise a ValueError that says what is wrong."""
+    m = _model(dropless).eval()
+    V = dropless.vocab_size
+    for bad in (V, -1):
+        with pytest.raises(ValueError, match=rf"token ids must be in 0\.\.{V - 1}"): m(torch.tensor([[1, bad, 2]]))
+        with pytest.raises(ValueError, match=rf"token ids must be in 0\.\.{V - 1}"): m.generate(torch.tensor([[1, bad]]), 2)
+    state = m.decode_state(1, 8)
+    with pytest.raises(ValueError, match="integer ids of shape"): m.decode(torch.zeros(3, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="at least one new token"): m.decode(torch.zeros(1, 0, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="2 sequences, and the state holds 1"): m.decode(torch.zeros(2, 3, dtype=torch.long), state)
+    with pytest.raises(ValueError, match=rf"vocab=0 must be in 1\.\.{V}"): m.generate(torch.tensor([[1, 2]]), 2, vocab=0)
+    with pytest.raises(ValueError, match="window=1000000 must be in 1..max_seq_len=256"): m.generate(torch.tensor([[1, 2]]), 2, window=10**6)
+    with pytest.raises(ValueError, match="got max_new_tokens=2.5"): m.generate(torch.tensor([[1, 2]]), 2.5)
+
+
+def test_generate_reads_no_more_than_its_window(short_model):
+    """`window` (the length the run trained on, train.seq_len) bounds what one forward reads, as max_seq_len does:
+    with the state until the text fills the window, then the last `window` tokens; the same tokens either way."""
+    prompt = torch.randint(0, short_model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(5))
+    seen = []
+    forward = type(short_model).forward
+    def counting(self, tokens, *a, **k):
+        seen.append(tokens.shape[1])
+        return forward(self, tokens, *a, **k)
+    type(short_model).forward = counting
+    try:
+        cached = short_model.generate(prompt, 14, temperature=0, window=16)
+        assert cached.shape == (1, 24) and max(seen) == 16 and seen == [16] * 7, seen  # 16 tokens by decode, then 7 re-runs
+        seen.clear()
+        assert torch.equal(cached, short_model.generate(prompt, 14, temperature=0, window=16, cache=False))
+        assert max(seen) == 16
+    finally:
+        type(short_model).forward = forward
 
 
 @pytest.mark.parametrize("device", DEVICES)
