@@ -47,7 +47,7 @@ def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
 
 
 def main(args):
-    if args.device == "cuda": need_gpu("pass --device cpu (and a smaller --config or --seq-len) to time the block there")
+    if args.device == "cuda": need_gpu("time a small block there: block_step.py --device cpu --config hymo_tiny --batch 2 --seq-len 256 --iters 2")
     cfg = load_config(args.config).model
     torch.manual_seed(0)
     block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)

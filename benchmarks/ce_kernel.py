@@ -29,7 +29,7 @@ def inputs(seed=0):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()

@@ -96,7 +96,7 @@ def sweep() -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--best-out", default=None, help="with --sweep: write the fastest tiles here (train_step.py --conv-launch reads them)")

@@ -125,7 +125,7 @@ def safe(f):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gdn_kernel.json")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--kernels-only", action="store_true", help="only the Triton launches (and --sweep): no PyTorch path, loop or memory")

@@ -242,7 +242,7 @@ def error(k, g, beta, variant):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gdn_prep_solve.json")
     args = ap.parse_args()
     need_gpu("set TRITON_INTERPRET=1 to check the solves' accuracy at a small shape", interpreter_ok=True)

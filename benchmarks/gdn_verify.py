@@ -81,7 +81,7 @@ def parity(B, T, H, K, V, dtype, cu=None, seed=0, decays="strong"):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gdn_verify.json")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decays", default="strong,init,weak", help="decay regimes of the chunked checks: " +

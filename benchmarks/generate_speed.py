@@ -41,8 +41,8 @@ def timed_generate(model, prompt, n: int, cache: bool, graph: bool, device: torc
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="preset or YAML (default: hymo_750m on a GPU, hymo_tiny on a CPU)")
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens to draw (default 256)")
+    p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512, at most half of max_seq_len)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to draw (default 256, at most what max_seq_len leaves)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (a GPU only); default fp32")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -53,6 +53,8 @@ def main(argv=None):
     config = a.config or ("hymo_750m" if device.type == "cuda" else "hymo_tiny")
     try: cfg = load_config(config).model
     except ConfigError as e: p.error(str(e))
+    if a.prompt is None: a.prompt = min(512, cfg.max_seq_len // 2)  # hymo_tiny (a CPU's default) holds 256 tokens
+    if a.tokens is None: a.tokens = min(256, cfg.max_seq_len - a.prompt)
     if a.prompt < 1 or a.tokens < 1 or a.prompt + a.tokens > cfg.max_seq_len:
         p.error(f"--prompt and --tokens must be positive and add up to at most max_seq_len={cfg.max_seq_len}")
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ def host_us(fn, loops: int = 5, calls: int = 60) -> float:
 
 
 def main(args):
-    need_gpu()
+    need_gpu("nothing: it times the host launching kernels onto a GPU, which a CPU has no equivalent of")
     dev, (B, T, H, K, V) = "cuda", (4, 4096, 40, 32, 32)
     C = 2 * H * K + H * V
     qkv = torch.randn(B, T, C, device=dev, dtype=torch.bfloat16)

@@ -364,7 +364,7 @@ if __name__ == "__main__":
     p = build_parser()
     args = p.parse_args()
     check_args(p, args)
-    need_gpu()
+    need_gpu("python -m hymo.train trains hymo_tiny, and block_step.py --device cpu --config hymo_tiny times one block")
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))
     if args.out:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_ONLY = {"train_step.py": "", "optim_step.py": "tests/test_optim.py", "ce_kernel.py": "tests/test_ce_triton.py",
+GPU_ONLY = {"train_step.py": "python -m hymo.train", "optim_step.py": "tests/test_optim.py", "ce_kernel.py": "tests/test_ce_triton.py",
             "gdn_conv_kernel.py": "tests/test_gdn_conv_triton.py", "gdn_kernel.py": "tests/test_bench_gdn.py",
-            "host_launch.py": "", "block_step.py": "--device cpu",
+            "host_launch.py": "no equivalent", "block_step.py": "--device cpu --config hymo_tiny",
             "gdn_prep_solve.py": "TRITON_INTERPRET=1", "gdn_verify.py": "TRITON_INTERPRET=1"}
 
 
@@ -25,7 +25,7 @@ def test_gpu_benchmarks_say_they_need_a_gpu(tmp_path):
         assert p.returncode == 1, (name, p.returncode, err[-2000:])
         assert "Traceback" not in err, (name, err[-2000:])
         assert err.strip().splitlines()[-1].startswith("this benchmark needs a CUDA GPU"), (name, err[-500:])
-        assert GPU_ONLY[name] in err, (name, err)
+        assert GPU_ONLY[name] and GPU_ONLY[name] in err, (name, err)  # and what a CPU can run instead
     assert not list(tmp_path.iterdir()), "a benchmark wrote files before checking for a GPU"
 
 
@@ -39,6 +39,8 @@ def test_every_benchmark_explains_itself():
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and "Traceback" not in err, (name, err[-2000:])
         assert out.startswith("usage: ") and "--out" in out, (name, out[:500])
+        doc = (ROOT / "benchmarks" / name).read_text().split('"""')[1].strip().splitlines()[0]
+        assert doc[:40] in " ".join(out.split()), (name, doc)  # what the script measures, from its docstring
 
 
 def test_generate_speed_runs_on_a_cpu(tmp_path):
@@ -52,6 +54,10 @@ def test_generate_speed_runs_on_a_cpu(tmp_path):
     g = json.loads((tmp_path / "g.json").read_text())
     assert (g["config"], g["new_tokens"], g["precision"]) == ("hymo_tiny", 12, "fp32") and 0 <= g["leading_tokens_alike"] <= 12, g
     assert g["with_state"]["tokens_per_s"] > 0 and g["forward_per_token"]["tokens_per_s"] > 0
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_speed.py"), "--tokens", "3", "--out", str(tmp_path / "d.json")],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr[-2000:]  # its defaults fit the CPU's preset (hymo_tiny: 256 tokens)
+    assert json.loads((tmp_path / "d.json").read_text())["prompt_tokens"] == 128
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_speed.py"), "--device", "cpu", "--prompt", "250",
                         "--tokens", "12"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "at most max_seq_len=256" in r.stderr and "Traceback" not in r.stderr
