@@ -280,3 +280,25 @@ def test_reveal_js_that_npm_cannot_fetch_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(sh, "which", lambda name: "/bin/false")  # an npm that fails, as offline
     with pytest.raises(SystemExit) as e: site.ensure_reveal()
     assert "npm could not fetch reveal.js" in str(e.value) and str(tmp_path / "npm") in str(e.value)
+
+
+def test_offline_sidebar_parts_are_quartos(monkeypatch):
+    """The offline site's parts (`PARTS` in tools/site.py) are the sections of nbs/_quarto.yml's sidebar, with the same
+    chapters in each (Quarto's `auto: "N*.ipynb"` globs by the tens digit), and every chapter is in one of them."""
+    import importlib.util
+    import yaml
+    spec = importlib.util.spec_from_file_location("hymo_site", ROOT / "tools" / "site.py")
+    site = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hymo_site", site)
+    spec.loader.exec_module(site)
+    sidebar = yaml.safe_load((ROOT / "nbs" / "_quarto.yml").read_text())["website"]["sidebar"]["contents"]
+    quarto = {}
+    for item in sidebar:
+        if not isinstance(item, dict) or "section" not in item: continue
+        globs = [c["auto"] for c in item["contents"] if isinstance(c, dict) and "auto" in c]
+        if globs: quarto[item["section"]] = sorted(int(re.fullmatch(r"(\d)\*\.ipynb", g)[1]) for g in globs)
+    firsts = [n for n, _ in site.PARTS] + [site.PARTS[-1][0] + 10]  # the last part: its own tens (a 9x chapter is in no section)
+    offline = {name: list(range(firsts[i] // 10, firsts[i + 1] // 10)) for i, (_, name) in enumerate(site.PARTS)}
+    assert offline == quarto
+    tens = {int(p.name[0]) for p in (ROOT / "nbs").glob("[0-9][0-9]_*.ipynb")}
+    assert tens <= {d for ds in quarto.values() for d in ds}, "a chapter that no sidebar section lists"
