@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-04 (rounds 2 to 25 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 to 2026-12-05 (rounds 2 to 29 of work on the step) by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -42,17 +42,18 @@
 #
 # ## Against the targets
 #
-# The targets of the 750M step on one H200, and where round 28 (2026-12-05) leaves them. Every
+# The targets of the 750M step on one H200, and where round 29 (2026-12-05) leaves them. Every
 # number is in a row of the tables below, or in its note.
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one) | no |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 2.56× (round 28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 3 of the 10 rounds that timed both paths on one machine (round 25 did not time the PyTorch path) |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 4 of the 11 rounds that timed both paths on one machine (round 25 did not time the PyTorch path) |
 #
-# The PyTorch path's step is set by its host's launch speed (see the bullet on it below), so the
-# ratio moves by machine; the Triton path's step moves by 2–3 % between machines running the same
+# The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
+# the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
+# it, and the GPU running dry), so the ratio moves by machine; the Triton path's step moves by 2–3 % between machines running the same
 # code, more than most single changes of the last rounds. What 40 % would still need is in the
 # bullet "What is left" below.
 
@@ -159,10 +160,10 @@ if prof:
 #
 # `train_step.py --timeline` puts CUDA events around every micro-batch of the timed steps (no
 # profiler) and records how long the host took to issue it, and whether the GPU had already run
-# out of work when the host began the next one. The newest row with a timeline:
+# out of work when the host began the next one. The preset step's newest row with a timeline:
 
 # %%
-tl_row = next((r for r in steps if r.get("timeline")), None)
+tl_row = next((r for r in steps if r.get("timeline") and r["variant"] == preset[0]["variant"]), None)  # the preset's
 if tl_row:
     print(f"{label(tl_row)}, {tl_row['code']}")
     for i, t in enumerate(tl_row["timeline"]):
@@ -209,6 +210,13 @@ if tl_row:
 #   here (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
 #   instead (above): it works, and with the bf16 copies it gains nothing.
+# * **Round 29: the PyTorch path is host-bound, measured.** With `--timeline` (CUDA events, no
+#   profiler) on one machine, that path's host took 1 112 ms to issue a micro-batch and the GPU
+#   spanned 1 112 ms, running dry at 25 of the 31 boundaries between micro-batches (a step of
+#   35.71 s); in a second call, after the Triton step, 1 010 ms against 1 011 ms, dry at 16 of 31
+#   (32.46 s). The Triton path's host took 197 ms for a GPU span of 199 ms, and its GPU never ran
+#   dry: the GPU sets its pace. The paired ratio was 5.00× (32.46 s against 6.486 s); with the first
+#   call's step, 5.51×. Round 28's 2.56× came from a machine whose host ran that path twice as fast.
 # * **Round 28: the PyTorch path ran far faster than ever before, and the ratio fell to 2.56×.** On the
 #   round's first machine, three steps in one call, PyTorch, Triton, PyTorch, took 16.34, 6.389 and
 #   16.34 s; an earlier call there took 16.58 s against 6.348 s (2.61×). No change since round 24
@@ -247,7 +255,13 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 28)
+# ## The round log: what each round changed and measured (rounds 6 to 29)
+# * **Round 29: no change to the step; 6.486 s (36.2 %, 80.8 k tokens/s, 50.6 GB) on the round's
+#   one machine, with `--timeline`.** The round timed the PyTorch GDN path with `--timeline` twice
+#   (35.71 and 32.46 s: host-bound, see the bullet above; 5.00× paired) and ran the GDN kernels'
+#   parity at $T$ up to 4 096 under the mixer's initial and weak decays (below). Its code changes
+#   were to generation, the trainer's stops and the MoE's configuration (chapters 41, 70, 72, 00),
+#   none on the step's path.
 # * **Round 28: 6.348 s (36.9 %, 82.6 k tokens/s, 50.6 GB), and 6.389 s (36.7 %) in a second call on
 #   the round's first machine** (a second ran the all-MLA variant). Rounds 26 and 27 had no GPU.
 #   The step's one change since round 25:
@@ -738,7 +752,25 @@ assert all(max(r["o"], r["ht"]) <= 5e-3 and max(r.get(n, 0) for n in names[2:]) 
 
 # %% [markdown]
 # At $T \le 256$ every regime stays inside the targets, the weak one by little: $o$ and the state
-# within 4.8e-3 of the 5e-3 target, the gradients within 6.0e-3. Longer sequences with weak decays
-# are not in this record; a reviewer's single run at $T$ = 2 048 with $g = -10^{-3}$ measured 5.2e-3
-# for $o$, just above the target. Keeping the carried state in fp32 for the products that read it
-# would lower this, at the cost of fp32 matrix products in the state pass; it is not done.
+# within 4.8e-3 of the 5e-3 target, the gradients within 6.0e-3. Round 29 ran the longer sequences
+# ($T$ = 1 000 and 4 096, at the model's heads, `gdn_verify_decays_long_h200.json`):
+
+# %%
+long = json.loads((RESULTS / "gdn_verify_decays_long_h200.json").read_text())
+print(long["meta"]["date"], long["meta"]["code"])
+for kind in long["meta"]["decays"]:
+    for r in (r for r in long["rows"] if r["kind"] == "chunk" and r["decays"] == kind and r["dtype"] == "bfloat16"):
+        print(f"{kind:5s} bf16 T={r['T']:5d}: o {r['o']:.1e}, state {r['ht']:.1e}, worst gradient {max(r[n] for n in names[2:]):.1e}")
+weak = {r["T"]: r for r in long["rows"] if r["kind"] == "chunk" and r.get("decays") == "weak" and r["dtype"] == "bfloat16"}
+assert weak[4096]["o"] > 5e-3 > weak[256]["o"]  # the weak decays' o crosses the target past T = 256 (the prose below)
+assert all(max((r[n] for n in names[2:] if n in r), default=0) <= 1e-2 for r in long["rows"])  # every gradient inside its target
+
+# %% [markdown]
+# With weak decays the error grows with $T$ and levels off: $o$ reaches 5.1e-3 at $T$ = 1 000 and
+# 5.2e-3 at 4 096, just above the 5e-3 target, while every gradient stays inside 1e-2 (6.3e-3 at
+# worst); with the mixer's initial decays everything stays inside (4.1e-3 and 5.0e-3). In fp32 the
+# kernel is within 2.0e-3 and 2.7e-3 in every regime, so the excess is bf16's rounding of the
+# carried state, not the algorithm. Keeping that state in fp32 for the products that read it would
+# lower it, at the cost of fp32 matrix products in the state pass; it is not done. The target of
+# 5e-3 was set against strong decays; for a relative error of bf16 arithmetic (whose unit roundoff
+# is 3.9e-3) a 5.2e-3 is the same order, and training is what it affects, not a single output.
