@@ -1068,15 +1068,23 @@ print(f"= {total / (8 * 989e12 * 0.4) / 3600:.0f} hours on 8 H100s at 40% of the
 # compute: every step reads every active weight once (bf16: 2 bytes each) and the cache, and does
 # two FLOPs per weight, plus the attention. A decoding step's attention is the absorbed one
 # (chapter 21) over all $L$ cached tokens, not the training window's average of $T/2$: per MLA
-# layer and head, $d_\text{nope} d_c + L (2 d_c + d_\text{rope}) + d_c d_v$ multiply-adds. On an
+# layer and head, $d_\text{nope} d_c + L (2 d_c + d_\text{rope}) + d_c d_v$ multiply-adds, whose
+# first and last terms are $W_{UK}$ and $W_{UV}$ (so `kv_b_proj` leaves the matrices). Each GDN
+# layer takes one recurrent step, about $4 d_k d_v$ multiply-adds a head (decay, read $k^\top S$,
+# rank-one write, read $q^\top S$), instead of the chunked form. The MTP heads do not run. On an
 # H100 (3.35 TB/s, 989 TFLOP/s dense bf16), at a context of $L = 4096$:
 
 # %%
 c750, L_ctx = model_750m.config, 4096
 absorbed = 2 * c750.layer_types.count("mla") * c750.mla_n_heads * (c750.mla_qk_nope_dim * c750.mla_kv_lora_rank + c750.mla_v_head_dim * c750.mla_kv_lora_rank
                                                   + L_ctx * (2 * c750.mla_kv_lora_rank + c750.mla_qk_rope_dim))
-bytes_step = model_750m.num_params(active=True) * 2 + model_750m.state_bytes(L_ctx)
-flops_step = fwd_no_mtp - flops_breakdown(model_750m, L_ctx)["MLA attention scores + values"] / 3 + absorbed
+fb = flops_breakdown(model_750m, L_ctx)
+kv_b = sum(l.attn.kv_b_proj.weight.numel() for l in model_750m.layers if isinstance(l, MLABlock))  # absorbed above
+gdn_step = 2 * 4 * len(gdn_blocks) * c750.gdn_n_heads * c750.gdn_head_k_dim * c750.gdn_head_v_dim  # one recurrent step per layer
+mtp_params = sum(p.numel() for p in model_750m.mtp.parameters())  # the heads' own (the shared embedding is counted once)
+bytes_step = (model_750m.num_params(active=True) - mtp_params) * 2 + model_750m.state_bytes(L_ctx)
+flops_step = (fwd_no_mtp - fb["MLA attention scores + values"] / 3 - fb["GDN chunked rule"] / 3 - 2 * kv_b
+              + absorbed + gdn_step)
 t_mem, t_flop = bytes_step / 3.35e12, flops_step / 989e12
 print(f"per token at T=4096, batch 1: {bytes_step/1e9:.2f} GB read -> {t_mem*1e3:.2f} ms; "
       f"{flops_step/1e9:.2f} GFLOPs -> {t_flop*1e6:.1f} µs")
