@@ -6,7 +6,7 @@ import torch
 
 from hymo.config import load_config
 from hymo.models.gdn import GatedDeltaNetBlock
-from hymo.models.mla import MLABlock
+from hymo.models.mla import MLABlock, MLACache
 import hymo.models.model as model_module
 from hymo.models.model import DecodeGraph, HyMo, build_hymo, flops_breakdown, param_breakdown, state_breakdown
 from hymo.models.moe import DeepSeekMoE
@@ -392,6 +392,7 @@ def test_decode_refuses_training_mode_and_runs_bf16_weights(dropless):
         ref = m(seq)  # fp32
         m = m.to(torch.bfloat16)  # weights in bf16, no autocast: every rule returns the inputs' dtype
         state = m.decode_state(1, 12)  # the state's dtype follows the weights'
+        assert {c.c_kv.dtype for c in state if isinstance(c, MLACache)} == {torch.bfloat16}
         got = torch.cat([m.decode(seq[:, :9], state)] + [m.decode(seq[:, t:t + 1], state) for t in (9, 10, 11)], 1)
         full = m(seq)
     assert got.dtype == torch.bfloat16 and ref.abs().max() > 1
@@ -413,9 +414,20 @@ def test_bad_token_ids_and_decode_input_are_refused_in_one_line(dropless):
     with pytest.raises(ValueError, match="integer ids of shape"): m.decode(torch.zeros(3, dtype=torch.long), state)
     with pytest.raises(ValueError, match="at least one new token"): m.decode(torch.zeros(1, 0, dtype=torch.long), state)
     with pytest.raises(ValueError, match="2 sequences, and the state holds 1"): m.decode(torch.zeros(2, 3, dtype=torch.long), state)
-    with pytest.raises(ValueError, match=rf"vocab=0 must be in 1\.\.{V}"): m.generate(torch.tensor([[1, 2]]), 2, vocab=0)
-    with pytest.raises(ValueError, match="window=1000000 must be in 1..max_seq_len=256"): m.generate(torch.tensor([[1, 2]]), 2, window=10**6)
+    with pytest.raises(ValueError, match=rf"vocab=0 must be an int in 1\.\.{V}"): m.generate(torch.tensor([[1, 2]]), 2, vocab=0)
+    with pytest.raises(ValueError, match="window=1000000 must be an int in 1..max_seq_len=256"): m.generate(torch.tensor([[1, 2]]), 2, window=10**6)
     with pytest.raises(ValueError, match="got max_new_tokens=2.5"): m.generate(torch.tensor([[1, 2]]), 2.5)
+    import numpy as np  # numpy's integers are ints
+    assert m.generate(torch.tensor([[1, 2]]), np.int64(2), top_k=np.int64(5), vocab=np.int64(V), window=np.int64(8)).shape == (1, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generate_checks_its_prompts_ids_on_any_device(dropless, device):
+    "On a GPU the forward does not read ids back (a wait): `generate` checks its prompt once, before a device-side assert."
+    m = _model(dropless).to(device).eval()
+    with pytest.raises(ValueError, match="token ids must be in 0"):
+        m.generate(torch.tensor([[1, dropless.vocab_size]], device=device), 2)
+    assert m.generate(torch.tensor([[1, 2]], device=device), 2).shape == (1, 4)
 
 
 def test_generate_reads_no_more_than_its_window(short_model):

@@ -62,7 +62,7 @@ def run_cli(*args, cwd, env_extra=None, timeout=600):
 
 def test_default_command_end_to_end(tmp_path):
     """The README's command, shortened by overrides: it trains, evaluates, samples and writes every artefact."""
-    r = run_cli("max_steps=6", "warmup_steps=1", "eval_every=3", "sample_tokens=12", "seq_len=64", cwd=tmp_path)
+    r = run_cli("max_steps=6", "warmup_steps=1", "eval_every=3", "sample_tokens=72", "seq_len=64", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "run folder:" in r.stdout and "sample" in r.stdout
     run = next((tmp_path / "runs").iterdir())
@@ -79,8 +79,9 @@ def test_default_command_end_to_end(tmp_path):
     from safetensors.torch import load_file
     w = load_file(str(run / "model.safetensors"))
     assert w["embed.weight"].shape == (2048, 128) and all(torch.isfinite(v).all() for v in w.values())
-    # the folder alone generates; on a CPU, the trainer's own sample (same seed, top-k, temperature and precision)
-    g = subprocess.run([sys.executable, "-m", "hymo.generate", str(run), "--tokens", "12", "--device", "cpu"],
+    # the folder alone generates; on a CPU, the trainer's own sample (same seed, top-k, temperature and precision, and
+    # the same window: the 72 tokens outgrow the 64 the run trained on)
+    g = subprocess.run([sys.executable, "-m", "hymo.generate", str(run), "--tokens", "72", "--device", "cpu"],
                        capture_output=True, text=True, timeout=300)
     assert g.returncode == 0 and g.stdout.startswith("ROMEO:"), g.stderr[-2000:]
     if not torch.cuda.is_available(): assert g.stdout.strip() == summary["sample"].strip(), (g.stdout, summary["sample"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -207,16 +208,16 @@ class HyMo(nn.Module):
         the text fills `window`; from there (and without `cache`) every token re-runs the last `window` tokens."""
         if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
             raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
-        is_int = lambda n: isinstance(n, int) and not isinstance(n, bool)
+        is_int = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy's ints too
         if not (is_int(max_new_tokens) and max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature)
                 and (top_k is None or is_int(top_k) and top_k >= 1)):
             raise ValueError(f"generate needs an int max_new_tokens >= 0, a finite temperature >= 0 and top_k None or an "
                              f"int >= 1; got max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
         V, L = self.config.vocab_size, self.config.max_seq_len
         if vocab is not None and not (is_int(vocab) and 1 <= vocab <= V):
-            raise ValueError(f"vocab={vocab} must be in 1..{V} (the model's vocab_size): the tokenizer's size")
+            raise ValueError(f"vocab={vocab!r} must be an int in 1..{V} (the model's vocab_size): the tokenizer's size")
         if window is not None and not (is_int(window) and 1 <= window <= L):
-            raise ValueError(f"window={window} must be in 1..max_seq_len={L}: the length the model was trained on")
+            raise ValueError(f"window={window!r} must be an int in 1..max_seq_len={L}: the length the model was trained on")
         self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
