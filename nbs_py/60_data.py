@@ -194,7 +194,12 @@ def _jsonl_docs(path: Path) -> Iterator[str]:
                 if not isinstance(row, dict) or not isinstance(row.get("text", 0), (str, type(None))):
                     raise DataError(f"{path}:{i} has no string field 'text': each line must be {{\"text\": \"...\"}}")
                 t = row["text"]  # null, like a Parquet null, is an empty document: skipped
-                if t and t.strip(): yield t
+                if t and t.strip():
+                    try: t.encode("utf-8")
+                    except UnicodeEncodeError as e:  # a lone surrogate escape, "\ud800": JSON allows it, UTF-8 does not
+                        raise DataError(f"{path}:{i} has text that is not valid Unicode ({e.reason}, {t[e.start:e.end]!r} "
+                                        f"at character {e.start}): fix or drop that line") from None
+                    yield t
         except UnicodeDecodeError as e: raise _not_utf8(path) from e
 
 
@@ -277,7 +282,8 @@ test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 
 #| export
 def _check_vocab_size(vocab_size: int):
     if vocab_size < 257: raise DataError(f"vocab_size={vocab_size} must be at least 257: the 256 byte symbols and {EOT}")
-    if vocab_size > 2**32: raise DataError(f"vocab_size={vocab_size} does not fit uint32 token ids")
+    if vocab_size > 2**24:  # the tokenizer trainer reserves memory in proportion (2**32 asks for some 280 GB)
+        raise DataError(f"vocab_size={vocab_size} is above 2**24 = 16,777,216, far beyond any language model's vocabulary")
 
 
 def train_tokenizer(docs: Iterable[str], # Training documents
@@ -337,8 +343,11 @@ assert 0 not in tok.encode("a <|endoftext|> b").ids
 #
 # **The fingerprint** is a sha256 of everything that determines the output: the format version,
 # every input file's name and content hash, and the options. Re-running `prepare` with the same
-# fingerprint returns at once without writing (so file times do not change); a different
-# fingerprint in an existing dataset folder is refused unless `overwrite=True`. Tokenizer
+# fingerprint returns at once without writing (so file times do not change), if the dataset is
+# intact (`check_compatible`: every shard and the tokenizer as the manifest records them); a
+# damaged one (a shard deleted or cut short) is prepared again, which is what the trainer's error
+# for it asks. A different fingerprint in an existing dataset folder is refused unless
+# `overwrite=True`, and so is a manifest that cannot be read. Tokenizer
 # training and encoding are deterministic, and the manifest holds no time stamps, so two
 # preparations of the same input are byte-identical.
 
@@ -462,21 +471,30 @@ def load_manifest(data_dir: Path) -> dict:
                         + (f"--input {data_dir} --out {out}`, then give data_dir={out}" if texts else
                            f"--input TEXT... --out {data_dir}`"))
     try: manifest = json.loads(m.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
         raise DataError(f"{m} is damaged ({e}): prepare the dataset again (`python -m hymo.data prepare ... "
                         f"--out {data_dir} --overwrite`)") from None
     if not isinstance(manifest, dict): manifest = {}
     if manifest.get("format") != FORMAT:
-        raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it again")
+        raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it "
+                        f"again (`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
+    if not isinstance(manifest.get("fingerprint"), str):
+        raise DataError(f"{m} is damaged (it has no fingerprint): prepare the dataset again (`python -m hymo.data "
+                        f"prepare ... --out {data_dir} --overwrite`)")
     return manifest
 
 
 def _same_dataset(out: Path, fingerprint: str) -> bool:
-    return (out / "manifest.json").exists() and load_manifest(out)["fingerprint"] == fingerprint
+    "Whether `out` holds the dataset `fingerprint` names, intact (every shard and the tokenizer as its manifest says)."
+    try:
+        if not (out / "manifest.json").exists() or load_manifest(out)["fingerprint"] != fingerprint: return False
+        check_compatible(out, load_manifest(out)["vocab_size"])
+    except DataError: return False  # damaged: prepared again
+    return True
 
 
 def _install(tmp: Path, out: Path, fingerprint: str):
-    "Move the finished `tmp` to `out`, replacing an older dataset there."
+    "Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there."
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     old = None
     if out.exists():
@@ -489,6 +507,57 @@ def _install(tmp: Path, out: Path, fingerprint: str):
         if not _same_dataset(out, fingerprint): raise
         shutil.rmtree(tmp)
     if old is not None: shutil.rmtree(old, ignore_errors=True)
+
+
+# %%
+#| export
+def load_tokenizer(data_dir: Path):
+    "The `tokenizers.Tokenizer` of a prepared dataset: `.encode(text).ids` and `.decode(ids)`."
+    from tokenizers import Tokenizer
+    manifest = load_manifest(data_dir)
+    path = Path(data_dir) / manifest["tokenizer"]
+    try: text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    except UnicodeDecodeError: text = None  # damaged bytes: not the tokenizer the manifest names either
+    if text is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
+        raise DataError(f"{path} is missing or is not the tokenizer the shards were encoded with (sha256 differs "
+                        f"from the manifest): prepare the dataset again (the same `python -m hymo.data prepare` command)")
+    tok = Tokenizer.from_str(text)
+    tok.encode_special_tokens = True
+    return tok
+
+
+def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]:
+    "Memory-map the shards of `split`, checking each against the manifest."
+    if split not in manifest["splits"]: raise DataError(f"split {split!r}: choose one of {sorted(manifest['splits'])}")
+    arrays = []
+    for s in manifest["splits"][split]["shards"]:
+        p = Path(data_dir) / s["file"]
+        if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again (the same `python -m hymo.data prepare` command)")
+        try: a = np.load(p, mmap_mode="r")
+        except (ValueError, OSError) as e:  # cut short: numpy cannot read the header, or the file is shorter than it says
+            raise DataError(f"shard {p} cannot be read ({e}): the dataset is damaged, prepare it again (the same "
+                            "`python -m hymo.data prepare` command)") from None
+        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"]:
+            raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
+                            f"{manifest['dtype']}: the dataset is damaged, prepare it again (the same `python -m hymo.data prepare` command)")
+        arrays.append(a)
+    return arrays
+
+
+def check_compatible(data_dir: Path, # A prepared dataset folder
+                     vocab_size: int, # The model's vocabulary (embedding rows)
+                    ) -> dict:
+    "Raise a `DataError` unless the dataset is intact and its ids fit a model of `vocab_size`; return its manifest."
+    manifest = load_manifest(data_dir)
+    tok = load_tokenizer(data_dir)
+    if tok.get_vocab_size() != manifest["vocab_size"]:
+        raise DataError(f"tokenizer.json has {tok.get_vocab_size()} tokens, the manifest says {manifest['vocab_size']}: prepare again")
+    for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
+    if manifest["vocab_size"] > vocab_size:
+        raise DataError(f"{data_dir} was tokenized with {manifest['vocab_size']} tokens but the model has vocab_size="
+                        f"{vocab_size}: set model.vocab_size >= {manifest['vocab_size']}, or prepare the data "
+                        f"with --vocab-size {vocab_size}")
+    return manifest
 
 
 # %%
@@ -524,6 +593,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             raise DataError(f"tokenizer {tokenizer} is not a Hugging Face tokenizer.json ({e}): give the file that "
                             "`Tokenizer.save` writes") from None
         if tok.token_to_id(EOT) is None: raise DataError(f"tokenizer {tokenizer} has no {EOT} token: add it as a special token")
+        top = max(tok.get_vocab(with_added_tokens=True).values())
+        if top + 1 != tok.get_vocab_size():  # the embedding needs a row for every id, not for every token
+            raise DataError(f"tokenizer {tokenizer} has {tok.get_vocab_size()} tokens but ids up to {top}: its ids must "
+                            f"be 0..{tok.get_vocab_size() - 1}, without gaps (renumber it, or train one: drop --tokenizer)")
         if vocab_size is not None and vocab_size != tok.get_vocab_size():
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
         tok.encode_special_tokens = True
@@ -534,10 +607,15 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if out.exists() and any(out.iterdir()):
         if not (out / "manifest.json").exists():
             raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
-        if load_manifest(out)["fingerprint"] == fingerprint: return out  # already prepared: nothing to write
-        if not overwrite:
+        if _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
+        try: same = load_manifest(out)["fingerprint"] == fingerprint
+        except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
+            if not overwrite: raise
+            same = True
+        if not (same or overwrite):
             raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass overwrite=True "
                             f"(--overwrite) to replace it, or choose another --out")
+        # the same inputs and options, damaged (a shard or the tokenizer missing or cut): prepared again
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -617,67 +695,17 @@ ax.set_xlabel("tokens per document (speech)"); ax.set_ylabel("documents")
 ax.set_title(f"median {np.median(lengths):.0f}, mean {lengths.mean():.0f} tokens")
 plt.tight_layout(); plt.show()
 
-
 # %% [markdown]
 # ## Using a prepared dataset
 #
 # The trainer needs two things from a dataset folder besides its tokens: the tokenizer (to print
-# samples) and the assurance that the token ids fit the model. `check_compatible` verifies that
+# samples) and the assurance that the token ids fit the model. `check_compatible` (defined before
+# `prepare`, which uses it to tell an intact dataset from a damaged one) verifies that
 # `tokenizer.json` is the one the shards were encoded with (its sha256 is in the manifest), that
 # every shard is present with the recorded length and dtype, and that the largest possible id,
 # $V_\text{data} - 1$, is a row of the model's embedding: $V_\text{data} \le V_\text{model}$. A
 # model vocabulary larger than the data's is allowed (data prepared with 64 000 tokens fits the 750M
 # model's 64 256 rows, a multiple of 128); a smaller one would index past the embedding.
-
-# %%
-#| export
-def load_tokenizer(data_dir: Path):
-    "The `tokenizers.Tokenizer` of a prepared dataset: `.encode(text).ids` and `.decode(ids)`."
-    from tokenizers import Tokenizer
-    manifest = load_manifest(data_dir)
-    path = Path(data_dir) / manifest["tokenizer"]
-    try: text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    except UnicodeDecodeError: text = None  # damaged bytes: not the tokenizer the manifest names either
-    if text is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
-        raise DataError(f"{path} is missing or is not the tokenizer the shards were encoded with (sha256 differs "
-                        f"from the manifest): prepare the dataset again")
-    tok = Tokenizer.from_str(text)
-    tok.encode_special_tokens = True
-    return tok
-
-
-def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]:
-    "Memory-map the shards of `split`, checking each against the manifest."
-    if split not in manifest["splits"]: raise DataError(f"split {split!r}: choose one of {sorted(manifest['splits'])}")
-    arrays = []
-    for s in manifest["splits"][split]["shards"]:
-        p = Path(data_dir) / s["file"]
-        if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again")
-        try: a = np.load(p, mmap_mode="r")
-        except (ValueError, OSError) as e:  # cut short: numpy cannot read the header, or the file is shorter than it says
-            raise DataError(f"shard {p} cannot be read ({e}): the dataset is damaged, prepare it again") from None
-        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"]:
-            raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
-                            f"{manifest['dtype']}: the dataset is damaged, prepare it again")
-        arrays.append(a)
-    return arrays
-
-
-def check_compatible(data_dir: Path, # A prepared dataset folder
-                     vocab_size: int, # The model's vocabulary (embedding rows)
-                    ) -> dict:
-    "Raise a `DataError` unless the dataset is intact and its ids fit a model of `vocab_size`; return its manifest."
-    manifest = load_manifest(data_dir)
-    tok = load_tokenizer(data_dir)
-    if tok.get_vocab_size() != manifest["vocab_size"]:
-        raise DataError(f"tokenizer.json has {tok.get_vocab_size()} tokens, the manifest says {manifest['vocab_size']}: prepare again")
-    for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
-    if manifest["vocab_size"] > vocab_size:
-        raise DataError(f"{data_dir} was tokenized with {manifest['vocab_size']} tokens but the model has vocab_size="
-                        f"{vocab_size}: set model.vocab_size >= {manifest['vocab_size']}, or prepare the data "
-                        f"with --vocab-size {vocab_size}")
-    return manifest
-
 
 # %%
 test_eq(check_compatible(ds, 2048)["vocab_size"], 2048)

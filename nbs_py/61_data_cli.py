@@ -102,6 +102,11 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                 print(f"note: the tokenizer learned {m['vocab_size']} of the {args.vocab_size} tokens asked for: the text has "
                       f"no more pairs worth merging. It trains any model whose vocab_size is {m['vocab_size']} or more "
                       f"(the unused rows of a larger one are never targets)")
+            if args.val_fraction > 0 and m["splits"].get("val", {}).get("tokens", 0) == 0:
+                print(f"warning: the validation split is empty: the cut at {args.val_fraction:.0%} of the bytes fell in the "
+                      "last document, which stays whole in training (a document is never split). Give the text more "
+                      "documents (blank lines, or --doc-split file with several files), or --val-fraction 0 to say so",
+                      file=sys.stderr)
         elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1), flush=True)
         else:
             parser.print_help(sys.stderr)

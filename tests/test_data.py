@@ -358,7 +358,7 @@ def test_options_are_checked_before_any_input_is_read(ds, text, tmp_path, monkey
     monkeypatch.setattr(D, "sha256_file", lambda p: read.append(p))
     monkeypatch.setattr(D, "read_documents", lambda p, *a: read.append(p))
     for kw, msg in [(dict(val_fraction=1.5), r"val_fraction=1.5 must be in \[0, 1\)"), (dict(vocab_size=0), "vocab_size=0 must be at least 257"),
-                    (dict(vocab_size=-5), "at least 257"), (dict(vocab_size=2**33), "does not fit uint32"),
+                    (dict(vocab_size=-5), "at least 257"), (dict(vocab_size=2**33), r"is above 2\*\*24"),
                     (dict(shard_tokens=0), "shard_tokens=0 must be positive")]:
         with pytest.raises(DataError, match=msg): prepare(text, tmp_path / "o", progress=False, **kw)
         with pytest.raises(DataError, match=msg): prepare(text, ds, progress=False, **kw)  # not "holds a dataset prepared from other inputs"
@@ -443,3 +443,49 @@ def test_each_epoch_has_its_own_order(ds):
     for e in (first, second):  # each epoch: distinct windows (all but the few that do not fill a step)
         ids = np.concatenate(e)
         assert len(np.unique(ids)) == len(ids) and ids.max() < loader.n_windows and loader.n_windows - len(ids) < 4
+
+
+def test_a_damaged_dataset_is_prepared_again_by_the_command_its_error_names(text, tmp_path, capsys):
+    """A missing shard: the trainer's check says to prepare again, and the same `prepare` now rebuilds it (it used to see
+    the matching manifest and return at once, leaving the shard missing). A damaged manifest is replaced with --overwrite,
+    as its message says, and refused without it."""
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    want = {p.name: D.sha256_file(p) for p in out.iterdir()}
+    (out / "val_0000.npy").unlink()
+    with pytest.raises(DataError, match="is missing: prepare the dataset again"): check_compatible(out, VOCAB)
+    prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    assert {p.name: D.sha256_file(p) for p in out.iterdir()} == want and check_compatible(out, VOCAB)
+    (out / "manifest.json").write_text('{"format": "hymo-tok')  # cut short
+    with pytest.raises(DataError, match="is damaged .*--overwrite"): prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, overwrite=True, progress=False)
+    assert {p.name: D.sha256_file(p) for p in out.iterdir()} == want
+    m = json.loads((out / "manifest.json").read_text()); del m["fingerprint"]; (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match="it has no fingerprint"): load_manifest(out)
+    (out / "manifest.json").unlink(); (out / "manifest.json").mkdir()
+    with pytest.raises(DataError, match="manifest.json is damaged"): load_manifest(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temporary folder left
+
+
+def test_inputs_and_tokenizers_that_would_give_wrong_ids_are_refused(text, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    gaps = Tokenizer(models.BPE(vocab={**{chr(97 + i): i for i in range(20)}, EOT: 5000}, merges=[]))
+    gaps.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    gaps.save(str(tmp_path / "gaps.json"))
+    with pytest.raises(DataError, match="has 21 tokens but ids up to 5000"):
+        prepare(text, tmp_path / "a", tokenizer=tmp_path / "gaps.json", progress=False)
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n{"text": "bad \\ud800 surrogate"}\n')
+    with pytest.raises(DataError, match=r"s.jsonl:2 has text that is not valid Unicode"):
+        prepare(tmp_path / "s.jsonl", tmp_path / "b", vocab_size=VOCAB, progress=False)
+    with pytest.raises(DataError, match=r"vocab_size=4294967296 is above 2\*\*24"):
+        prepare(text, tmp_path / "c", vocab_size=2**32, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gaps.json", "s.jsonl"]
+
+
+def test_an_empty_validation_split_is_said(tmp_path, capsys):
+    "One line (no newline to cut at) with the default val_fraction: the cut falls inside it, and the command says so."
+    from hymo.data import main
+    (tmp_path / "one.txt").write_text(CORPUS.read_text()[:20_000].replace("\n", " "))
+    assert main(["prepare", "--input", str(tmp_path / "one.txt"), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB),
+                 "--no-progress"]) in (0, None)
+    cap = capsys.readouterr()
+    assert "val 0 tokens" in cap.out and "warning: the validation split is empty" in cap.err, (cap.out, cap.err)
