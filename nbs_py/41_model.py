@@ -301,10 +301,9 @@ class HyMo(nn.Module):
             raise RuntimeError("decode is for inference: call model.eval() first (generate does)")
         self._check_tokens(tokens, None)
         if tokens.shape[1] == 0: raise ValueError("decode needs at least one new token: tokens is [B, 0]")
-        held = next((c.c_kv.shape[0] for c in state if isinstance(c, MLACache)),
-                    next((c.recurrent.shape[0] for c in state if c is not None and not isinstance(c, MLACache)), tokens.shape[0]))
-        if len(state) != self.config.n_layers or held != tokens.shape[0]:
-            raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state holds {held} in {len(state)} layers "
+        held = {c.c_kv.shape[0] if isinstance(c, MLACache) else c.recurrent.shape[0] for c in state if c is not None}
+        if len(state) != self.config.n_layers or held - {tokens.shape[0]}:
+            raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state holds {'/'.join(map(str, sorted(held)))} in {len(state)} layers "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
         x = self.embed(tokens)                                    # (B, T, D)
         if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))

@@ -295,10 +295,9 @@ def load_manifest(data_dir: Path) -> dict:
 def _same_dataset(out: Path, fingerprint: str) -> bool:
     "Whether `out` holds the dataset `fingerprint` names, intact (every shard and the tokenizer as its manifest says)."
     try:
-        if not (out / "manifest.json").exists() or load_manifest(out)["fingerprint"] != fingerprint: return False
-        check_compatible(out, load_manifest(out)["vocab_size"])
-    except DataError: return False  # damaged: prepared again
-    return True
+        m = load_manifest(out)
+        return m["fingerprint"] == fingerprint and check_compatible(out, m["vocab_size"]) is not None
+    except DataError: return False  # none there, or damaged: prepared again
 
 
 def _install(tmp: Path, out: Path, fingerprint: str):
@@ -317,6 +316,9 @@ def _install(tmp: Path, out: Path, fingerprint: str):
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 
 # %% ../../nbs/60_data.ipynb #8bdbd9d0
+_SAME_COMMAND = "(the same `python -m hymo.data prepare` command)"  # what rebuilds a damaged dataset
+
+
 def load_tokenizer(data_dir: Path):
     "The `tokenizers.Tokenizer` of a prepared dataset: `.encode(text).ids` and `.decode(ids)`."
     from tokenizers import Tokenizer
@@ -326,7 +328,7 @@ def load_tokenizer(data_dir: Path):
     except UnicodeDecodeError: text = None  # damaged bytes: not the tokenizer the manifest names either
     if text is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
         raise DataError(f"{path} is missing or is not the tokenizer the shards were encoded with (sha256 differs "
-                        f"from the manifest): prepare the dataset again (the same `python -m hymo.data prepare` command)")
+                        f"from the manifest): prepare the dataset again {_SAME_COMMAND}")
     tok = Tokenizer.from_str(text)
     tok.encode_special_tokens = True
     return tok
@@ -338,14 +340,13 @@ def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]
     arrays = []
     for s in manifest["splits"][split]["shards"]:
         p = Path(data_dir) / s["file"]
-        if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again (the same `python -m hymo.data prepare` command)")
+        if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again {_SAME_COMMAND}")
         try: a = np.load(p, mmap_mode="r")
         except (ValueError, OSError) as e:  # cut short: numpy cannot read the header, or the file is shorter than it says
-            raise DataError(f"shard {p} cannot be read ({e}): the dataset is damaged, prepare it again (the same "
-                            "`python -m hymo.data prepare` command)") from None
+            raise DataError(f"shard {p} cannot be read ({e}): the dataset is damaged, prepare it again {_SAME_COMMAND}") from None
         if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"]:
             raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
-                            f"{manifest['dtype']}: the dataset is damaged, prepare it again (the same `python -m hymo.data prepare` command)")
+                            f"{manifest['dtype']}: the dataset is damaged, prepare it again {_SAME_COMMAND}")
         arrays.append(a)
     return arrays
 
@@ -411,11 +412,11 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if out.exists() and any(out.iterdir()):
         if not (out / "manifest.json").exists():
             raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
-        if _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
         try: same = load_manifest(out)["fingerprint"] == fingerprint
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
             if not overwrite: raise
-            same = True
+            same = False
+        if same and _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
         if not (same or overwrite):
             raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass overwrite=True "
                             f"(--overwrite) to replace it, or choose another --out")
