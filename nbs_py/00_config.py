@@ -345,6 +345,8 @@ def validate_training(t: TrainingConfig):
 # few values of another preset instead, name it as the file's `base:` (a preset, or another YAML
 # file, relative to this one): `base: hymo_tiny` and a `model:` section with `dim: 96` is hymo_tiny
 # with a wider model. The base's values come first, the file's over them, the command line's last.
+# A key written twice in one section is refused, with both its lines: plain YAML would keep the
+# second without a word, so editing the first of two `adamw_lr:` lines would change nothing.
 
 # %%
 #| export
@@ -409,6 +411,24 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
+class _KeyTwice(yaml.YAMLError): pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    "YAML's safe loader, refusing a key given twice in one mapping: plain YAML keeps the last one without a word."
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge": continue  # `<<: *base` merges, and may be overridden
+            key = self.construct_object(key_node, deep=True)
+            try: first = lines.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError: continue  # an unhashable key: the safe loader's own error says so
+            if first != key_node.start_mark.line + 1:
+                raise _KeyTwice(f"'{key}' is given twice (lines {first} and {key_node.start_mark.line + 1}); YAML would "
+                                "keep the second without a word: keep one")
+        return super().construct_mapping(node, deep)
+
+
 def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
     p = Path(name_or_path).expanduser()
     if p.suffix not in (".yaml", ".yml"):
@@ -424,7 +444,8 @@ def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, di
     try: text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError: raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML config file") from None
     except OSError as e: raise ConfigError(f"{p} cannot be read ({e.strerror}): give a YAML config file") from None
-    try: raw = yaml.safe_load(text)
+    try: raw = yaml.load(text, Loader=_UniqueKeys)
+    except _KeyTwice as e: raise ConfigError(f"{p}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p} is not valid YAML ({' '.join(str(e).split())}); for one that is, see "
                           f"{PRESET_DIR / 'hymo_tiny.yaml'} or a run folder's config.yaml") from None

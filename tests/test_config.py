@@ -289,3 +289,16 @@ def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hymo_tiny").mkdir()  # e.g. run_dir=hymo_tiny
     assert load_config("hymo_tiny").name == "hymo_tiny"
+
+
+def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
+    "Plain YAML keeps the last of two equal keys without a word: one `adamw_lr:` edited and another left below would be ignored."
+    p = tmp_path / "twice.yaml"
+    p.write_text("base: hymo_tiny\ntrain:\n  adamw_lr: 0.01\n  max_steps: 5\n  adamw_lr: 0.002\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: 'adamw_lr' is given twice \(lines 3 and 5\)"):
+        load_config(str(p))
+    p.write_text("base: hymo_tiny\nmodel:\n  dim: 64\ntrain:\n  max_steps: 5\nmodel:\n  n_heads: 2\n")  # a whole section twice
+    with pytest.raises(ConfigError, match=r"'model' is given twice \(lines 2 and 6\)"):
+        load_config(str(p))
+    p.write_text("base: hymo_tiny\nmodel:\n  dim: 64\ntrain:\n  adamw_lr: 0.01\n")  # the same keys in two sections are fine
+    assert load_config(str(p)).train.adamw_lr == 0.01
