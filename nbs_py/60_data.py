@@ -36,6 +36,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -71,6 +72,10 @@ CORPUS = package_dir() / "assets" / "tinyshakespeare.txt"  # The bundled corpus
 
 class DataError(ValueError):
     "Data that cannot be used; the message says what to do."
+
+
+class DataWarning(UserWarning):
+    "Data that can be used, perhaps not as meant; the message says what was done and how to change it."
 
 
 # %% [markdown]
@@ -114,6 +119,9 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 # Inputs are files or folders. A folder is searched recursively for the four supported types, in
 # sorted order of their relative paths (so the stream does not depend on the file system's
 # listing order); a file of any other type given by name is an error rather than silently skipped.
+# Hidden files and folders are skipped. So are `NOTES.TXT` and other suffixes not in lower case, with
+# a warning that names them (reading them now would change datasets prepared before from such a
+# folder); a folder with nothing else is an error that names them.
 # Every file found is opened once before any work starts, so one that cannot be read (no
 # permission) is a one-line error at once, not a traceback halfway through.
 
@@ -128,9 +136,14 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-                           key=lambda f: f.relative_to(p).as_posix())
+            visible = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            found = sorted((f for f in visible if f.suffix in SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
+            cased = sorted(f.relative_to(p).as_posix() for f in visible if f.suffix not in SUFFIXES and f.suffix.lower() in SUFFIXES)
+            if cased:  # `A.TXT` is not read (reading it now would change the datasets already prepared from such folders)
+                skipped = f"{len(cased)} file{'s' * (len(cased) > 1)} ({', '.join(cased[:3])}{', ...' * (len(cased) > 3)}) " \
+                          f"whose suffix is not lower case: rename {'them' if len(cased) > 1 else 'it'} to be read"
+                if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {skipped}")
+                warnings.warn(f"folder {p}: skipped {skipped}", DataWarning, stacklevel=2)
             if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files")
             files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))

@@ -25,9 +25,10 @@ import errno
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
-from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, load_manifest, prepare
+from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, load_manifest, prepare
 
 # %%
 import subprocess
@@ -92,9 +93,13 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
-            out = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-                          doc_split=args.doc_split, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                          overwrite=args.overwrite, progress=not args.no_progress)
+            with warnings.catch_warnings(record=True) as said:  # a DataWarning as one line, like the errors
+                warnings.simplefilter("always", DataWarning)
+                try: out = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                                   doc_split=args.doc_split, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                                   overwrite=args.overwrite, progress=not args.no_progress)
+                finally:
+                    for w in said: print(f"warning: {w.message}", file=sys.stderr)
             m = load_manifest(out)
             print(f"{out}: vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))

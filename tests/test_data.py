@@ -489,3 +489,20 @@ def test_an_empty_validation_split_is_said(tmp_path, capsys):
                  "--no-progress"]) in (0, None)
     cap = capsys.readouterr()
     assert "val 0 tokens" in cap.out and "warning: the validation split is empty" in cap.err, (cap.out, cap.err)
+
+
+def test_a_folder_s_files_with_upper_case_suffixes_are_named_not_skipped_silently(tmp_path, capsys):
+    "`A.TXT` is not read from a folder (reading it would change datasets already prepared): the command says so."
+    from hymo.data import main
+    from hymo.training.data import DataWarning, find_files
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_text(CORPUS.read_text()[:20_000])
+    (d / "B.TXT").write_text("never read\n")
+    (d / "c.Md").write_text("never read\n")
+    with pytest.warns(DataWarning, match=r"skipped 2 files \(B.TXT, c.Md\) whose suffix is not lower case: rename them"):
+        assert [n for _, n in find_files(d)] == ["in/a.txt"]
+    assert main(["prepare", "--input", str(d), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) in (0, None)
+    assert "warning: folder" in capsys.readouterr().err
+    (d / "a.txt").unlink()
+    with pytest.raises(DataError, match=r"holds no .* files, only 2 files \(B.TXT, c.Md\)"): find_files(d)

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -23,9 +24,10 @@ from tqdm import tqdm
 from ..config import package_dir
 
 # %% auto #0
-__all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'DataError', 'split_text', 'find_files', 'read_documents',
-           'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype', 'load_manifest', 'load_tokenizer',
-           'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens', 'TokenLoader']
+__all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'DataError', 'DataWarning', 'split_text', 'find_files',
+           'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype', 'load_manifest',
+           'load_tokenizer', 'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens',
+           'TokenLoader']
 
 # %% ../../nbs/60_data.ipynb #68bc71f4
 EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
@@ -37,6 +39,10 @@ CORPUS = package_dir() / "assets" / "tinyshakespeare.txt"  # The bundled corpus
 
 class DataError(ValueError):
     "Data that cannot be used; the message says what to do."
+
+
+class DataWarning(UserWarning):
+    "Data that can be used, perhaps not as meant; the message says what was done and how to change it."
 
 # %% ../../nbs/60_data.ipynb #2ffb8e9d
 _BLANK_LINES = re.compile(r"\n\s*\n")
@@ -60,9 +66,14 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            found = sorted((f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES
-                            and not any(part.startswith(".") for part in f.relative_to(p).parts)),
-                           key=lambda f: f.relative_to(p).as_posix())
+            visible = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            found = sorted((f for f in visible if f.suffix in SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
+            cased = sorted(f.relative_to(p).as_posix() for f in visible if f.suffix not in SUFFIXES and f.suffix.lower() in SUFFIXES)
+            if cased:  # `A.TXT` is not read (reading it now would change the datasets already prepared from such folders)
+                skipped = f"{len(cased)} file{'s' * (len(cased) > 1)} ({', '.join(cased[:3])}{', ...' * (len(cased) > 3)}) " \
+                          f"whose suffix is not lower case: rename {'them' if len(cased) > 1 else 'it'} to be read"
+                if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {skipped}")
+                warnings.warn(f"folder {p}: skipped {skipped}", DataWarning, stacklevel=2)
             if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files")
             files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
