@@ -269,6 +269,12 @@ def validate_training(t: TrainingConfig):
         if not 0 <= b < 1: raise ConfigError(f"train.{name}={b} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1: raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the decay ends at this fraction of the peak")
     if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
+    for name in ("muon_lr", "adamw_lr"):  # decoupled decay multiplies the weights by 1 − lr·weight_decay at the peak
+        if getattr(t, name) * t.weight_decay >= 1:
+            raise ConfigError(f"train.weight_decay={t.weight_decay} with train.{name}={getattr(t, name)}: each step would multiply "
+                              f"the weights by 1 − {name}·weight_decay = {1 - getattr(t, name) * t.weight_decay:.3g}, "
+                              f"{'zeroing' if getattr(t, name) * t.weight_decay == 1 else 'flipping'} them; "
+                              f"give weight_decay < {1 / getattr(t, name):.3g} (0.1 is usual)")
     decay_start = t.max_steps - t.decay_steps  # as in the WSD schedule
     if t.warmup_steps > decay_start:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
@@ -413,8 +419,11 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     for raw in reversed(chain):  # the deepest base first
         for sec in ("model", "train"):
             for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+    spelled = {}
     for k, v in overrides.items():
         sec, f = _section_of(k)
+        if spelled.setdefault((sec, f), k) != k:
+            raise ConfigError(f"'{spelled[sec, f]}' and '{k}' both set {sec}.{f}: give it once")
         values[sec][f] = v
     cfg = Config(model=validate_model(ModelConfig(**values["model"])),
                  train=validate_training(TrainingConfig(**values["train"])), name=name)

@@ -47,6 +47,7 @@ def parse_overrides(items: list[str]) -> dict:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
         k, v = item.split("=", 1)
+        if k.strip() in out: raise ConfigError(f"'{k.strip()}' is given twice on the command line: give it once")
         try: out[k.strip()] = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "

@@ -324,6 +324,12 @@ def validate_training(t: TrainingConfig):
         if not 0 <= b < 1: raise ConfigError(f"train.{name}={b} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1: raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the decay ends at this fraction of the peak")
     if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
+    for name in ("muon_lr", "adamw_lr"):  # decoupled decay multiplies the weights by 1 − lr·weight_decay at the peak
+        if getattr(t, name) * t.weight_decay >= 1:
+            raise ConfigError(f"train.weight_decay={t.weight_decay} with train.{name}={getattr(t, name)}: each step would multiply "
+                              f"the weights by 1 − {name}·weight_decay = {1 - getattr(t, name) * t.weight_decay:.3g}, "
+                              f"{'zeroing' if getattr(t, name) * t.weight_decay == 1 else 'flipping'} them; "
+                              f"give weight_decay < {1 / getattr(t, name):.3g} (0.1 is usual)")
     decay_start = t.max_steps - t.decay_steps  # as in the WSD schedule
     if t.warmup_steps > decay_start:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
@@ -488,8 +494,11 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     for raw in reversed(chain):  # the deepest base first
         for sec in ("model", "train"):
             for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+    spelled = {}
     for k, v in overrides.items():
         sec, f = _section_of(k)
+        if spelled.setdefault((sec, f), k) != k:
+            raise ConfigError(f"'{spelled[sec, f]}' and '{k}' both set {sec}.{f}: give it once")
         values[sec][f] = v
     cfg = Config(model=validate_model(ModelConfig(**values["model"])),
                  train=validate_training(TrainingConfig(**values["train"])), name=name)
@@ -599,10 +608,15 @@ test_fail(lambda: load_config("hymo_tiny", **{"model.max_steps": 3}), contains="
 # %% [markdown]
 # Values in range: a NaN or an infinity is refused everywhere, and each number must lie where the
 # code that reads it can work (a positive `norm_eps`, a `moe_ema_decay` below 1, a non-negative MTP
-# weight, ...). Zero stays allowed where the field's comment says it turns something off.
+# weight, ...). Zero stays allowed where the field's comment says it turns something off. A
+# weight decay is refused where a learning rate times it reaches 1: decoupled decay multiplies the
+# weights by $1 - \eta\lambda$ each step, so the weights would be zeroed or flip sign. One key set
+# twice, by two spellings (`dim=` and `model.dim=`) or twice on the command line, is refused too.
 
 # %%
 test_fail(lambda: load_config("hymo_tiny", grad_clip=float("nan")), contains="train.grad_clip=nan must be a finite number")
+test_fail(lambda: load_config("hymo_tiny", weight_decay=50.0), contains="flipping them; give weight_decay <")
+test_fail(lambda: load_config("hymo_tiny", **{"dim": 64, "model.dim": 96}), contains="both set model.dim: give it once")
 test_fail(lambda: load_config("hymo_tiny", mtp_loss_weights=[0.3, float("inf")]), contains="mtp_loss_weights[1]=inf")
 test_fail(lambda: load_config("hymo_tiny", norm_eps=0), contains="model.norm_eps=0.0 must be positive")
 test_fail(lambda: load_config("hymo_tiny", moe_ema_decay=1), contains="must be in [0, 1)")

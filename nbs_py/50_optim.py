@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from itertools import chain
 from typing import Iterable
 
 import torch
@@ -566,6 +567,15 @@ class NorMuon(torch.optim.Optimizer):
             for ps in _same_shape([p for p in group["params"] if p.grad is not None]): self._update(ps, group)
         return loss
 
+    def load_state_dict(self, state_dict: dict):
+        """As `Optimizer.load_state_dict`, which casts every state tensor to its parameter's dtype, except
+        `second_moment`: it stays fp32 (in bf16 it would be rounded; with fp64 parameters, refused by `lerp`)."""
+        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])  # matched in order, as the base class does
+        v = {p: state_dict["state"][k]["second_moment"] for k, p in zip(saved, chain.from_iterable(g["params"] for g in self.param_groups))
+             if "second_moment" in state_dict["state"].get(k, {})}
+        super().load_state_dict(state_dict)
+        for p, s in v.items(): self.state[p]["second_moment"] = s.detach().to(device=p.device, dtype=torch.float32, copy=True)
+
     def _update(self, ps: list, group: dict):
         """Update parameters of one shape together: one Newton–Schulz over the stacked `[k, m, n]`
         (far fewer, larger kernels than k separate ones). FSDP-2 shards are stacked too, this rank's
@@ -634,6 +644,12 @@ def _same_shape(params: list) -> list[list]:
 # every matrix), some 50–55 ms at the 450–485 TFLOP/s these batched bf16 products reach (410–495
 # in the other layouts tried, `experiments.json`); the rest is the elementwise passes and the
 # launches of the small matrices.
+#
+# The second moment $v$ is fp32 whatever the parameters' dtype, and stays so through a checkpoint:
+# `Optimizer.load_state_dict` casts every state tensor to its parameter's dtype, which would round a
+# bf16 model's $v$ on resume (and hand fp64 parameters an fp64 $v$ that `lerp` then refuses), so
+# NorMuon's `load_state_dict` puts the saved fp32 values back. A resumed optimiser steps exactly as
+# one that never stopped (`tests/test_optim.py`, in fp32, bf16 and fp64).
 #
 # Five steps on one matrix agree with the from-scratch loop, for a tall and a wide matrix:
 

@@ -302,3 +302,29 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
         load_config(str(p))
     p.write_text("base: hymo_tiny\nmodel:\n  dim: 64\ntrain:\n  adamw_lr: 0.01\n")  # the same keys in two sections are fine
     assert load_config(str(p)).train.adamw_lr == 0.01
+
+
+def test_a_key_set_twice_by_overrides_is_refused():
+    "Two spellings of one key, or one key given twice on the command line, would keep one value without a word."
+    from hymo.train import parse_overrides
+    with pytest.raises(ConfigError, match=r"'dim' and 'model.dim' both set model.dim: give it once"):
+        load_config("hymo_tiny", **{"dim": 64, "model.dim": 96})
+    with pytest.raises(ConfigError, match=r"'max_steps' is given twice on the command line"):
+        parse_overrides(["max_steps=10", "seed=1", "max_steps=20"])
+    assert load_config("hymo_tiny", **parse_overrides(["dim=64", "train.seed=3"])).train.seed == 3
+
+
+def test_out_of_range_schedule_and_decay_are_refused():
+    with pytest.raises(ConfigError, match=r"decay_fraction=-0.5 must be in \[0, 1\]"):
+        load_config("hymo_tiny", decay_fraction=-0.5)
+    with pytest.raises(ConfigError, match=r"decay_fraction=1.5 must be in \[0, 1\]"):
+        load_config("hymo_tiny", decay_fraction=1.5)
+    with pytest.raises(ConfigError, match=r"seq_len=512 is longer than model.max_seq_len=256"):
+        load_config("hymo_tiny", seq_len=512, max_seq_len=256)
+    with pytest.raises(ConfigError, match=r"weight_decay=50.0 with train.muon_lr=.*flipping them; give weight_decay <"):
+        load_config("hymo_tiny", weight_decay=50.0)
+    cfg = load_config("hymo_tiny")
+    lr = cfg.train.adamw_lr
+    with pytest.raises(ConfigError, match=r"train.adamw_lr=.*zeroing them"):
+        load_config("hymo_tiny", weight_decay=1 / lr, muon_lr=lr / 2)
+    assert load_config("hymo_tiny", weight_decay=0.5).train.weight_decay == 0.5

@@ -38,6 +38,14 @@ def test_rmsnorm_gradient_matches_fp64():
     torch.testing.assert_close(norm.weight.grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_rmsnorm_epsilon_is_inside_the_root():
+    "A zero row gives zeros, not NaN; a large eps is visible in the output (it must be added before the root)."
+    norm = RMSNorm(4, eps=1.0)
+    assert torch.equal(norm(torch.zeros(2, 4)), torch.zeros(2, 4))
+    x = torch.tensor([[0.5, -0.5, 0.5, -0.5]])
+    torch.testing.assert_close(norm(x), x / (0.25 + 1.0) ** 0.5)
+
+
 def test_swiglu_is_w2_of_silu_w1_times_w3():
     torch.manual_seed(2)
     ffn = SwiGLU(16, 40)

@@ -1,5 +1,6 @@
 """Optimisers: Newton–Schulz, NorMuon against a from-scratch loop, AdamW against PyTorch's, cautious decay,
 parameter groups, the WSD schedule, and NorMuon on FSDP-2 shards in two processes."""
+import copy
 import dataclasses
 import json
 import math
@@ -57,7 +58,7 @@ def ns_from_scratch(M, steps=5):
     return (X.T if tall else X).float()
 
 
-def normuon_from_scratch(W, grads, lr, beta=0.95, beta2=0.95, wd=0.1, cautious=True, nesterov=True):
+def normuon_from_scratch(W, grads, lr, beta=0.95, beta2=0.95, wd=0.1, cautious=True, nesterov=True, ns_steps=5):
     m, n = W.shape
     W, M, v = W.clone(), torch.zeros_like(W), torch.zeros(m, 1)
     for G in grads:
@@ -65,7 +66,7 @@ def normuon_from_scratch(W, grads, lr, beta=0.95, beta2=0.95, wd=0.1, cautious=T
         if not G.any():  # no gradient: no update from the stale momentum; the decay (its mask is all ones for U = 0)
             W = W - lr * wd * W; continue
         N = (1 - beta) * G + beta * M if nesterov else M
-        O = ns_from_scratch(N)
+        O = ns_from_scratch(N, ns_steps)
         v = beta2 * v + (1 - beta2) * (O * O).mean(dim=1, keepdim=True)
         Oh = O / v.sqrt()
         U = Oh * (O.norm() / Oh.norm()) * math.sqrt(max(1.0, m / n))
@@ -88,6 +89,53 @@ def test_normuon_equals_from_scratch_loop(shape, cautious, nesterov):
         opt.step()
     torch.testing.assert_close(p.data, normuon_from_scratch(W0, grads, lr=0.03, cautious=cautious, nesterov=nesterov))
     assert opt.state[p]["second_moment"].shape == (shape[0], 1)
+
+
+def test_normuon_uses_its_own_momentum_beta2_and_ns_steps():
+    "The defaults share 0.95 for both betas and 5 steps: other values tell which setting drives which part."
+    torch.manual_seed(0)
+    W0, grads = 0.1 * torch.randn(24, 16), [torch.randn(24, 16) for _ in range(5)]
+    p = nn.Parameter(W0.clone())
+    opt = NorMuon([p], lr=0.03, momentum=0.8, beta2=0.99, ns_steps=3, weight_decay=0.1)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    torch.testing.assert_close(p.data, normuon_from_scratch(W0, grads, lr=0.03, beta=0.8, beta2=0.99, ns_steps=3))
+
+
+def test_normuon_row_without_gradient_stays_finite():
+    "A row that never gets a gradient has v = 0 for ever: its factor must not be 0 · ∞."
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(8, 16))
+    opt = NorMuon([p], weight_decay=0.1)
+    for _ in range(3):
+        p.grad = torch.randn(8, 16)
+        p.grad[2] = 0
+        opt.step()
+    assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_normuon_resumes_from_its_state_dict_exactly(dtype):
+    "`Optimizer.load_state_dict` casts state to each parameter's dtype; the second moment must come back in fp32."
+    torch.manual_seed(0)
+    W0, grads = torch.randn(12, 8).to(dtype), [torch.randn(12, 8).to(dtype) for _ in range(6)]
+    def run(ps, opt, gs):
+        for g in gs:
+            ps[0].grad = g.clone()
+            opt.step()
+    straight = [nn.Parameter(W0.clone())]
+    run(straight, NorMuon(straight, weight_decay=0.1), grads)
+    first = [nn.Parameter(W0.clone())]
+    o = NorMuon(first, weight_decay=0.1)
+    run(first, o, grads[:3])
+    sd = copy.deepcopy(o.state_dict())
+    resumed = [nn.Parameter(first[0].detach().clone())]
+    o2 = NorMuon(resumed, weight_decay=0.1)
+    o2.load_state_dict(sd)
+    assert o2.state[resumed[0]]["second_moment"].dtype == torch.float32
+    run(resumed, o2, grads[3:])
+    assert torch.equal(resumed[0], straight[0])
 
 
 def test_normuon_steps_fp64_parameters_and_leaves_one_without_gradient():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from itertools import chain
 from typing import Iterable
 
 import torch
@@ -202,6 +203,15 @@ class NorMuon(torch.optim.Optimizer):
             # parameters of one shape (and, for FSDP-2 shards, one layout) are updated together
             for ps in _same_shape([p for p in group["params"] if p.grad is not None]): self._update(ps, group)
         return loss
+
+    def load_state_dict(self, state_dict: dict):
+        """As `Optimizer.load_state_dict`, which casts every state tensor to its parameter's dtype, except
+        `second_moment`: it stays fp32 (in bf16 it would be rounded; with fp64 parameters, refused by `lerp`)."""
+        saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])  # matched in order, as the base class does
+        v = {p: state_dict["state"][k]["second_moment"] for k, p in zip(saved, chain.from_iterable(g["params"] for g in self.param_groups))
+             if "second_moment" in state_dict["state"].get(k, {})}
+        super().load_state_dict(state_dict)
+        for p, s in v.items(): self.state[p]["second_moment"] = s.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
     def _update(self, ps: list, group: dict):
         """Update parameters of one shape together: one Newton–Schulz over the stacked `[k, m, n]`
