@@ -180,7 +180,7 @@ test_close(g_bf.float().mul(1000).exp().item(), 0.9999 ** 1000, eps=1e-3)  # dec
 # and $v_t$. That rules out exponential growth, $\lVert S_t\rVert \le \lVert S_{t-1}\rVert + \beta_t\lVert v_t\rVert$,
 # but it is not a bound by itself: keys that keep landing where the state reads nothing ($S^\top k_t = 0$,
 # possible whenever $V < K$) erase nothing, and the norm grows like $\sqrt t$ as with additive writes.
-# A decay $\alpha_t \le \bar\alpha < 1$ (next chapter) gives a true bound. For typical keys, as here,
+# A decay $\alpha_t \le \bar\alpha < 1$ (gating, below) gives a true bound. For typical keys, as here,
 # the delta rule's state settles on the scale of the values, while additive writes grow like $\sqrt t$:
 
 # %%

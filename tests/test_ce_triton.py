@@ -36,8 +36,8 @@ CHILD = textwrap.dedent('''
                              stride=z.stride(0))
     lt, gt = ce.triton_ce_chunk(z, y, torch.zeros(5), True)               # every row ignored
     out["all_ignored"] = dict(loss=lt.item(), dz_max=gt.abs().max().item())
-    z, y = torch.randn(3, 50, generator=gen), torch.tensor([55, 2, -1])  # targets outside the vocabulary: NaN, not a neighbour
-    out["outside"] = [ce.triton_ce_chunk(z[i:i + 1], y[i:i + 1], torch.ones(1), False)[0].item() for i in range(3)]
+    z, y = torch.randn(3, 50, generator=gen), torch.tensor([55, 2, -1, 50])  # targets outside the vocabulary: NaN, not a neighbour
+    out["outside"] = [ce.triton_ce_chunk(z[i % 3:i % 3 + 1], y[i:i + 1], torch.ones(1), False)[0].item() for i in range(4)]
     try: ce.triton_ce_chunk(z, y[:2], torch.ones(3), False); out["short_targets"] = "read past them"
     except ValueError as e: out["short_targets"] = str(e)  # the kernel would read a target past the tensor's end
     print("RESULT", json.dumps(out))
@@ -48,7 +48,7 @@ def test_ce_kernel_matches_ce_chunk():
     res = run_child(CHILD, timeout=300)
     rs, ig, outside = res.pop("row_stride"), res.pop("all_ignored"), res.pop("outside")
     assert res.pop("short_targets").startswith("y and w must be [3], one per row of z"), "targets shorter than the rows"
-    assert math.isnan(outside[0]) and math.isfinite(outside[1]) and math.isnan(outside[2]), outside
+    assert math.isnan(outside[0]) and math.isfinite(outside[1]) and math.isnan(outside[2]) and math.isnan(outside[3]), outside  # 50 = V
     assert rs["stride"] == 313 and rs["loss"] < 1e-6 and rs["dz"] < 1e-6, rs  # reads with the row stride, writes dense
     assert ig == dict(loss=0.0, dz_max=0.0), ig
     for name, r in res.items():

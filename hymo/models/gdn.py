@@ -19,9 +19,21 @@ from .layers import RMSNorm, SwiGLU
 
 # %% auto #0
 __all__ = ['naive_gated_delta_rule', 'chunk_gated_delta_rule_torch', 'causal_conv1d', 'conv_silu_norm', 'GDNState',
-           'GatedDeltaNet', 'GatedDeltaNetBlock']
+           'GatedDeltaNet', 'reference_mixer', 'GatedDeltaNetBlock']
 
 # %% ../../nbs/12_gated_deltanet.ipynb #463f9489
+def _check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+    "Raise `ValueError` unless `cu_seqlens` packs documents into one row of T tokens; return their number N."
+    if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}; flatten the batch first")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor of document boundaries, e.g. torch.tensor([0, {T}]) for one document; "
+                         f"got {cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or bool(  # one read of a GPU tensor, not three: each read waits for the GPU
+            (cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens.diff() < 0).any()):
+        raise ValueError(f"cu_seqlens must be a non-decreasing [N+1] tensor from 0 to T={T}; got {cu_seqlens.tolist()}")
+    return len(cu_seqlens) - 1
+
+
 def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
     "Raise `ValueError` naming the argument whose shape does not fit the `[B, T, H, D]` layout."
     if q.ndim != 4 or q.shape != k.shape:
@@ -31,13 +43,7 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, H): raise ValueError(f"{name} must be [B, T, H] = [{B}, {T}, {H}]; got {tuple(x.shape)}")
-    n = B
-    if cu_seqlens is not None:
-        if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}; flatten the batch first")
-        if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or bool(  # one read of a GPU tensor, not three: each read waits for the GPU
-                (cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens.diff() < 0).any()):
-            raise ValueError(f"cu_seqlens must be a non-decreasing [N+1] tensor from 0 to T={T}; got {cu_seqlens.tolist()}")
-        n = len(cu_seqlens) - 1
+    n = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = "
                          f"[{n}, {H}, {K}, {v.shape[-1]}]; got {tuple(initial_state.shape)}")
@@ -62,6 +68,9 @@ def naive_gated_delta_rule(
             h0 = None if initial_state is None else initial_state[n:n + 1]
             o, h = naive_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale, h0, True)
             outs.append(o); states.append(h)
+        if not outs:  # no document (cu_seqlens = [0]): no output, no state
+            (_, _, H, K), V = q.shape, v.shape[-1]
+            outs, states = [v.new_zeros(1, 0, H, V)], [q.new_zeros(0, H, K, V, dtype=torch.promote_types(v.dtype, torch.float32))]
         return torch.cat(outs, 1), (torch.cat(states) if output_final_state else None)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -95,6 +104,8 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     B, T, H, K = q.shape
     V = v.shape[-1]
     NT = T // C
+    if NT == 0:  # no token: no output, and the state as it came
+        return v.new_zeros(B, 0, H, V), ((q.new_zeros(B, H, K, V) if S is None else S) if output_final_state else None)
     q, k, v = (x.reshape(B, NT, C, H, -1).transpose(2, 3) for x in (q, k, v))  # (B, NT, H, C, D)
     g, beta = (x.reshape(B, NT, C, H).transpose(2, 3) for x in (g, beta))     # (B, NT, H, C)
     gc = g.cumsum(-1)                                                          # gamma: cumulative log-decay in the chunk
@@ -169,8 +180,7 @@ def causal_conv1d(
         y = sum(xf[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype)  # summed in fp32, rounded once
         return y, (xp[:, T:].clone() if output_final_state else None)    # the new cache: the last W-1 inputs (a copy,
                                                                           # not a view that would keep all of xp alive)
-    if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
-    N, n_tok, dev = len(cu_seqlens) - 1, x.shape[1], x.device
+    N, n_tok, dev = _check_cu_seqlens(cu_seqlens, B, T), x.shape[1], x.device
     lens = cu_seqlens.diff()
     cache = x.new_zeros(N, W - 1, C) if cache is None else cache
     if cache.shape != (N, W - 1, C): raise ValueError(f"the conv cache must be [{N}, {W - 1}, {C}]; got {tuple(cache.shape)}")
@@ -182,7 +192,7 @@ def causal_conv1d(
 
     pos = torch.arange(n_tok, device=dev) - cu_seqlens[doc]                 # (n_tok,) position inside the document
     taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (n_tok, W, C): x_t, x_{t-1}, ...
-    y = (taps * weight.flip(-1).T).sum(1).view(-1, T, C)                   # (B, T, C)
+    y = (taps * weight.flip(-1).T).sum(1).view(1, T, C)                    # (B, T, C)
     new_cache = None
     if output_final_state:
         d = torch.arange(N, device=dev)[:, None]
@@ -323,6 +333,33 @@ class GatedDeltaNet(nn.Module):
             return lambda *a: chunk_gated_delta_rule_torch(*a, chunk_size=self.chunk_size)
         if kernel == "naive": return naive_gated_delta_rule
         raise ValueError(f"gdn_kernel={kernel!r}: choose 'auto', 'triton', 'torch' or 'naive'")
+
+# %% ../../nbs/12_gated_deltanet.ipynb #a75c8815
+def reference_mixer(m: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+    """The Gated DeltaNet mixer written out from the paper, one token at a time, from `m`'s parameters: each of q, k, v
+    projected, causally convolved on its own (width W), SiLU; q and k L2-normalised per head; decay
+    α = exp(-exp(A_log)·softplus(a + dt_bias)), write strength β = sigmoid(b); S ← αS + β k (v - αSᵀk)ᵀ, o = Sᵀq/√K;
+    per-head RMSNorm of o times SiLU of the output gate, then o_proj."""
+    B, T, _ = x.shape
+    H, K, V = m.n_heads, m.head_k_dim, m.head_v_dim
+    def conv(proj, c):  # [B, T, C] -> [B, T, C], causal, depthwise
+        u = proj(x).transpose(1, 2)
+        return F.conv1d(F.pad(u, (c.kernel_size[0] - 1, 0)), c.weight, groups=u.shape[1]).transpose(1, 2)
+    q = F.normalize(F.silu(conv(m.q_proj, m.q_conv1d)).view(B, T, H, K), dim=-1)
+    k = F.normalize(F.silu(conv(m.k_proj, m.k_conv1d)).view(B, T, H, K), dim=-1)
+    v = F.silu(conv(m.v_proj, m.v_conv1d)).view(B, T, H, V)
+    alpha = torch.exp(-m.A_log.exp() * F.softplus(m.a_proj(x) + m.dt_bias))  # (B, T, H) in (0, 1)
+    beta = torch.sigmoid(m.b_proj(x))                                          # (B, T, H)
+    S, outs = x.new_zeros(B, H, K, V), []
+    for t in range(T):
+        S = alpha[:, t, :, None, None] * S
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t]))
+        S = S + torch.einsum("bhk,bhv->bhkv", k[:, t], u)
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]) / math.sqrt(K))
+    o = torch.stack(outs, 1)                                                   # (B, T, H, V)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + m.o_norm.eps) * m.o_norm.weight
+    o = o * F.silu(m.g_proj(x).view(B, T, H, V))
+    return m.o_proj(o.reshape(B, T, H * V))
 
 # %% ../../nbs/12_gated_deltanet.ipynb #3d924e76
 class GatedDeltaNetBlock(nn.Module):
