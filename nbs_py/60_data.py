@@ -30,6 +30,7 @@
 #| export
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -467,16 +468,28 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
 # The dataset appears all at once. Everything is written into a hidden sibling folder
 # `.DIR.tmp-<pid>-<random>`, which is renamed to `DIR` only when the manifest is written. An
 # interrupted run (Ctrl-C, an exception) removes its temporary folder; a killed one leaves a
-# hidden folder that nothing mistakes for a dataset. If two processes prepare the same data at
-# once (say every rank of a `torchrun`), the second to finish finds a dataset with the same
-# fingerprint already in place and drops its own copy.
+# hidden folder that nothing mistakes for a dataset, and the next `prepare` of `DIR` names it in a
+# warning (it is not deleted: it may be another `prepare` still running). Replacing a dataset
+# takes two renames, the old one aside to `.DIR.old-<random>` and the new one in; stopped between
+# the two, `DIR` is missing, and reading it says where the old dataset is and how to rename it
+# back. If two processes prepare the same data at once (say every rank of a `torchrun`), the
+# second to finish finds a dataset with the same fingerprint already in place and drops its own copy.
 
 # %%
 #| export
+def _left_behind(out: Path) -> list[Path]:
+    "Folders a stopped `prepare` of `out` left beside it: its work in progress (`.tmp-*`), the dataset it replaced (`.old-*`)."
+    return sorted(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")) + sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*"))
+
+
 def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
     d = Path(data_dir)
     m = d / "manifest.json"
+    old = [p for p in _left_behind(d) if ".old-" in p.name and (p / "manifest.json").is_file()]
+    if not d.exists() and old:  # stopped between `_install`'s two renames: the dataset is there, under another name
+        raise DataError(f"{data_dir} does not exist, but {old[-1]} holds the dataset that was there (a prepare into it was "
+                        f"stopped as it swapped the folders): rename it back (mv {old[-1]} {data_dir}), or prepare again")
     if not m.exists():  # texts not prepared yet (a file, or a folder of them): prepare them into a folder of their own
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
         out = d.with_name(f"{d.with_suffix('').name if d.is_file() else d.name}_prepared")
@@ -631,6 +644,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
                             f"(--overwrite) to replace it, or choose another --out")
         # the same inputs and options, damaged (a shard or the tokenizer missing or cut): prepared again
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
+    if left := _left_behind(out):
+        warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by a "
+                      f"prepare of {out.name} that was stopped: delete {'them' if len(left) > 1 else 'it'} if no prepare "
+                      f"of {out.name} is running", DataWarning, stacklevel=2)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:

@@ -506,3 +506,22 @@ def test_a_folder_s_files_with_upper_case_suffixes_are_named_not_skipped_silentl
     assert "warning: folder" in capsys.readouterr().err
     (d / "a.txt").unlink()
     with pytest.raises(DataError, match=r"holds no .* files, only 2 files \(B.TXT, c.Md\)"): find_files(d)
+
+
+def test_what_a_stopped_prepare_leaves_is_named(tmp_path):
+    "Stopped between `_install`'s renames, the dataset is only under `.out.old-*`: the error says to rename it back."
+    import os
+    from hymo.training.data import DataWarning, load_manifest
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS.read_text()[:20_000])
+    ds = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    old = tmp_path / ".ds.old-0123abcd"
+    os.replace(ds, old)  # as if Ctrl-C came between the two renames
+    with pytest.raises(DataError, match=r"ds does not exist, but .*\.ds\.old-0123abcd holds the dataset .*mv "):
+        load_manifest(ds)
+    os.replace(old, ds)
+    assert load_manifest(ds)["vocab_size"] == VOCAB
+    (tmp_path / ".ds2.tmp-99-abc").mkdir()  # a killed prepare's work in progress
+    with pytest.warns(DataWarning, match=r"\.ds2\.tmp-99-abc in .* was left by a prepare of ds2 that was stopped"):
+        prepare(text, tmp_path / "ds2", vocab_size=VOCAB, progress=False)
+    assert (tmp_path / ".ds2.tmp-99-abc").exists()  # named, not deleted: it may belong to a prepare still running
