@@ -522,6 +522,6 @@ def test_what_a_stopped_prepare_leaves_is_named(tmp_path):
     os.replace(old, ds)
     assert load_manifest(ds)["vocab_size"] == VOCAB
     (tmp_path / ".ds2.tmp-99-abc").mkdir()  # a killed prepare's work in progress
-    with pytest.warns(DataWarning, match=r"\.ds2\.tmp-99-abc in .* was left by a prepare of ds2 that was stopped"):
+    with pytest.warns(DataWarning, match=r"\.ds2\.tmp-99-abc in .* was left by another prepare of ds2, stopped or still running"):
         prepare(text, tmp_path / "ds2", vocab_size=VOCAB, progress=False)
     assert (tmp_path / ".ds2.tmp-99-abc").exists()  # named, not deleted: it may belong to a prepare still running
