@@ -645,8 +645,8 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         # the same inputs and options, damaged (a shard or the tokenizer missing or cut): prepared again
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
     if left := _left_behind(out):
-        warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by a "
-                      f"prepare of {out.name} that was stopped: delete {'them' if len(left) > 1 else 'it'} if no prepare "
+        warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by "
+                      f"another prepare of {out.name}, stopped or still running: delete {'them' if len(left) > 1 else 'it'} if no prepare "
                       f"of {out.name} is running", DataWarning, stacklevel=2)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
