@@ -139,6 +139,8 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.weights = tuple(config.mtp_loss_weights)
+        if len(self.weights) != config.mtp_depth:  # zip would drop the heads without a weight: never trained
+            raise ValueError(f"mtp_loss_weights has {len(self.weights)} entries but mtp_depth={config.mtp_depth}: give one weight per MTP head")
         self.heads = nn.ModuleList(MTPBlock(config.dim, config.mtp_inter_dim, config.norm_eps)
                                    for _ in range(config.mtp_depth))
 
@@ -147,7 +149,10 @@ class MultiTokenPrediction(nn.Module):
                 head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, # The tied vocabulary projection; None: no logits
                 cu_seqlens: Optional[torch.Tensor] = None, # [N+1] document boundaries of a packed row (B == 1)
                ) -> list[MTPOutput]:
-        T = hidden.shape[1]
+        B, T = hidden.shape[:2]
+        if targets.shape != (B, T): raise ValueError(f"targets {tuple(targets.shape)} must be [B, T] = [{B}, {T}], one per hidden position")
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens describes one packed row: B must be 1, got B={B}")
         if T <= len(self.heads):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
         doc = None if cu_seqlens is None else document_ids(cu_seqlens, T)  # (T,)
@@ -431,6 +436,8 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
     if cdt == torch.float16:
         raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "
                         "scaling); use bf16 autocast or fp32")
+    if chunk_rows is not None and not (isinstance(chunk_rows, int) and chunk_rows > 0):  # 0 or less: no chunk ran, dh unset
+        raise ValueError(f"chunk_rows={chunk_rows!r} must be a positive int, or None for about 1 GB of fp32 logits a chunk")
     chunk = chunk_rows or max(1, 2 ** 28 // weight.shape[0])
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk,

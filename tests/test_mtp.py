@@ -215,3 +215,42 @@ def test_linear_cross_entropy_on_cuda_matches_cross_entropy():
     assert abs(got.item() - ref.item()) < 1e-3 * ref.item()
     for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
         assert rel(a, b) < 1e-2
+
+
+def test_head_is_norm_linear_silu_linear_norm(cfg):
+    "Each head's formula written out from its parameters: a missing SiLU or norm changes the output by order one."
+    from hymo.models.mtp import MTPBlock
+    torch.manual_seed(0)
+    blk = MTPBlock(cfg.dim, cfg.mtp_inter_dim)
+    with torch.no_grad():
+        for m in (blk.proj_in, blk.proj_out): m.weight.copy_(torch.randn_like(m.weight) / m.weight.shape[1] ** 0.5)
+        for n in (blk.norm, blk.out_norm): n.weight.copy_(1 + 0.3 * torch.randn_like(n.weight))
+    h = 3 * torch.randn(2, 5, cfg.dim)
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    ref = rms(F.silu(rms(h, blk.norm.weight) @ blk.proj_in.weight.T) @ blk.proj_out.weight.T, blk.out_norm.weight)
+    torch.testing.assert_close(blk(h), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_row_masks_targets_across_documents(cfg):
+    "Head k's target at t counts only inside t's document: t and t+k in one document."
+    T, cu = 10, torch.tensor([0, 4, 5, 10])  # documents 0-3, 4, 5-9
+    targets = torch.arange(100, 100 + T)[None]
+    outs = MultiTokenPrediction(cfg)(torch.randn(1, T, cfg.dim), targets, cu_seqlens=cu)
+    doc = [0, 0, 0, 0, 1, 2, 2, 2, 2, 2]
+    for o in outs:
+        want = [100 + t + o.k if doc[t] == doc[t + o.k] else IGNORE_INDEX for t in range(T - o.k)]
+        assert o.targets[0].tolist() == want, o.k
+
+
+def test_mtp_refuses_inputs_it_would_misread(cfg):
+    from hymo.config import ModelConfig
+    mtp = MultiTokenPrediction(cfg)
+    with pytest.raises(ValueError, match=r"targets \(1, 8\) must be \[B, T\] = \[1, 6\]"):
+        mtp(torch.randn(1, 6, cfg.dim), torch.zeros(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="B must be 1"):
+        mtp(torch.randn(2, 6, cfg.dim), torch.zeros(2, 6, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 6]))
+    with pytest.raises(ValueError, match="mtp_loss_weights has 2 entries but mtp_depth=3"):
+        MultiTokenPrediction(ModelConfig(dim=16, mtp_inter_dim=8, mtp_depth=3))  # a config not through load_config
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="chunk_rows=.* must be a positive int"): linear_cross_entropy(h, w, t, chunk_rows=bad)
