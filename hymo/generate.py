@@ -22,7 +22,7 @@ from .models.model import HyMo, build_hymo
 from .training.data import EOT
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'main']
+__all__ = ['RUN_FILES', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'newer_checkpoint_note', 'main']
 
 # %% ../nbs/72_generate.ipynb #aff7e580
 RUN_FILES = ("config.yaml", "model.safetensors", "tokenizer.json")
@@ -146,12 +146,24 @@ class _Stream:
         if self.show is not None and text.startswith(self.done) and len(text) > len(self.done): self.show(text[len(self.done):])
 
 # %% ../nbs/72_generate.ipynb #2c95b25d
+def newer_checkpoint_note(run_dir: str | Path) -> str | None:
+    "A note when the run's exported model is older than its newest checkpoint: a finished run resumed, not finished again."
+    from hymo.training.trainer import _json_dict, checkpoint_step, list_checkpoints
+    run = Path(run_dir)
+    step, ckpts = (_json_dict(run / "summary.json") or {}).get("step"), list_checkpoints(run)
+    if not isinstance(step, int) or not ckpts or checkpoint_step(ckpts[-1]) <= step: return None
+    return (f"note: {run / 'model.safetensors'} is the model of step {step}, but the run has checkpoints up to step "
+            f"{checkpoint_step(ckpts[-1])}: it was resumed and has not finished; the train command that resumed it "
+            f"finishes it and writes the newer model")
+
+
 def main(argv: list[str] | None = None) -> str:
     "Parse `argv`, load the run, print and return the generated text."
     p = argparse.ArgumentParser(prog="python -m hymo.generate", description="Continue a prompt with a trained HyMo.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run folder (config.yaml, model.safetensors, tokenizer.json)")
     p.add_argument("--prompt", default="ROMEO:", help="text to continue (default: ROMEO:)")
-    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--tokens", type=int, default=200, help="at most this many tokens: the text ends earlier where the model "
+                   "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: 0)")
@@ -177,6 +189,7 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
+        if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
         n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)
         if n > L: print(f"note: the prompt is {n} tokens, more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)

@@ -640,8 +640,8 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             same = False
         if same and _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
         if not (same or overwrite):
-            raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass overwrite=True "
-                            f"(--overwrite) to replace it, or choose another --out")
+            raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass --overwrite "
+                            f"(overwrite=True in Python) to replace it, or choose another --out")
         # the same inputs and options, damaged (a shard or the tokenizer missing or cut): prepared again
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
     if left := _left_behind(out):

@@ -15,6 +15,12 @@
 # python -m hymo.train run_dir=runs/a                    # again: resumes from runs/a's latest checkpoint
 # ```
 #
+# A YAML file without `base:` changes the design defaults, hymo_750m's; one that leaves values
+# unset that way gets a note saying so first (its `seq_len` of 4 096, say, would otherwise surface
+# only as a dataset too small for it). A stop that comes during the last step leaves the final
+# model unwritten (the step is saved; its validation, `model.safetensors` and `summary.json` are
+# `finish`'s), and the stop line says that the same command writes it.
+#
 # The command is thin: it parses, loads the config (whose errors already say what to do), builds a
 # `Trainer` (whose refusals, about the data, the run folder or a checkpoint, say so too) and calls
 # `fit`. Each of these mistakes ends in the usage line and one line that says what to do, exit
@@ -126,6 +132,19 @@ def _resume_from(trainer, cfg, args) -> str:
     return f"the same command{' ' + ' and '.join(change) if change else ''} resumes from {last[-1]}"
 
 
+def design_defaults_note(config: str) -> str | None:
+    "A note when `--config` is a YAML file without `base:` that leaves values unset: those are hymo_750m's, not hymo_tiny's."
+    from hymo.config import _read_with_bases
+    if config in presets(): return None
+    _, chain = _read_with_bases(config)
+    unset = [f.name for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)) for f in dataclasses.fields(cls)
+             if f.name not in (chain[-1].get(sec) or {})]
+    if len(chain) > 1 or not unset: return None  # a base sets the rest; a printed config sets every value
+    return (f"note: {config} has no 'base:', so the {len(unset)} values it does not set are the design defaults "
+            f"(hymo_750m's: seq_len={TrainingConfig.seq_len}, dim={ModelConfig.dim}, ...); to change hymo_tiny instead, "
+            f"add the line 'base: hymo_tiny'")
+
+
 def main(argv: list[str] | None = None) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
@@ -140,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:
         parser.error(str(e))
+    if (note := design_defaults_note(args.config)) and os.environ.get("RANK", "0") == "0": print(note, flush=True)
     try: from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
     if args.resume is not None and not args.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset: not a fresh start
@@ -165,7 +185,11 @@ def main(argv: list[str] | None = None) -> dict:
                        f"(or give another run_dir=...); {_resume_from(trainer, cfg, args)}\n")
     stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
     if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
-    else: trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
+    elif trainer.step < cfg.train.max_steps:
+        trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
+    else:  # the last step is trained and saved; its validation, model.safetensors and summary.json are not written yet
+        trainer.log(f"stopped by {getattr(stop, 'name', stop)} after the last step ({trainer.step}), before the final model "
+                    f"was written; {_resume_from(trainer, cfg, args)} and writes it")
     summary = getattr(trainer, "summary", {})
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import gc

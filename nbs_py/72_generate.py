@@ -187,15 +187,33 @@ class _Stream:
 
 # %% [markdown]
 # ## The command line
+#
+# `--tokens` is an upper bound: the text ends where the model draws the end-of-text token. The
+# command reads the folder's exported model, which `finish` writes at the end of a run; a finished
+# run that was resumed to more steps and stopped before its end still holds the old model beside
+# newer checkpoints, and the command says so on stderr rather than pass the old model off as the
+# run's.
 
 # %%
 #| export
+def newer_checkpoint_note(run_dir: str | Path) -> str | None:
+    "A note when the run's exported model is older than its newest checkpoint: a finished run resumed, not finished again."
+    from hymo.training.trainer import _json_dict, checkpoint_step, list_checkpoints
+    run = Path(run_dir)
+    step, ckpts = (_json_dict(run / "summary.json") or {}).get("step"), list_checkpoints(run)
+    if not isinstance(step, int) or not ckpts or checkpoint_step(ckpts[-1]) <= step: return None
+    return (f"note: {run / 'model.safetensors'} is the model of step {step}, but the run has checkpoints up to step "
+            f"{checkpoint_step(ckpts[-1])}: it was resumed and has not finished; the train command that resumed it "
+            f"finishes it and writes the newer model")
+
+
 def main(argv: list[str] | None = None) -> str:
     "Parse `argv`, load the run, print and return the generated text."
     p = argparse.ArgumentParser(prog="python -m hymo.generate", description="Continue a prompt with a trained HyMo.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run folder (config.yaml, model.safetensors, tokenizer.json)")
     p.add_argument("--prompt", default="ROMEO:", help="text to continue (default: ROMEO:)")
-    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    p.add_argument("--tokens", type=int, default=200, help="at most this many tokens: the text ends earlier where the model "
+                   "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: 0)")
@@ -221,6 +239,7 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
+        if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
         n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)
         if n > L: print(f"note: the prompt is {n} tokens, more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)

@@ -1,5 +1,6 @@
 """The configuration: presets load, overrides apply, and every kind of mistake gets a clear error."""
 import dataclasses
+import re
 import subprocess
 import sys
 from typing import Optional
@@ -328,3 +329,14 @@ def test_out_of_range_schedule_and_decay_are_refused():
     with pytest.raises(ConfigError, match=r"train.adamw_lr=.*zeroing them"):
         load_config("hymo_tiny", weight_decay=1 / lr, muon_lr=lr / 2)
     assert load_config("hymo_tiny", weight_decay=0.5).train.weight_decay == 0.5
+
+
+def test_a_config_file_without_base_is_said_to_start_from_the_design_defaults(tmp_path):
+    from hymo.train import design_defaults_note
+    (tmp_path / "mine.yaml").write_text("train:\n  max_steps: 3\n")
+    assert re.search(r"has no 'base:', so the \d+ values it does not set are the design defaults \(hymo_750m's: seq_len=4096",
+                     design_defaults_note(str(tmp_path / "mine.yaml")))
+    (tmp_path / "based.yaml").write_text("base: hymo_tiny\ntrain:\n  max_steps: 3\n")
+    (tmp_path / "printed.yaml").write_text(str(load_config("hymo_tiny")))  # a run's config.yaml sets every value
+    assert design_defaults_note(str(tmp_path / "based.yaml")) is None and design_defaults_note(str(tmp_path / "printed.yaml")) is None
+    assert design_defaults_note("hymo_tiny") is None

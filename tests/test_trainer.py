@@ -1266,3 +1266,28 @@ def test_a_folder_of_other_files_is_refused_not_overwritten(tmp_path):
     hidden.mkdir()
     (hidden / ".DS_Store").write_text("")  # hidden files alone: nobody's work, the folder counts as empty
     assert make(hidden, max_steps=4).step == 0
+
+
+def test_a_stop_during_the_last_step_says_the_final_model_is_still_to_write(tmp_path, monkeypatch, capsys):
+    """The last step is trained and saved, but `finish` (validation, model.safetensors, summary.json) is left: the line
+    says so, the same command writes it, and until then `generate` would say its model is older than the checkpoints."""
+    import signal
+    from hymo.generate import newer_checkpoint_note
+    from hymo.train import main
+    from hymo.training.trainer import Trainer
+    run, real = tmp_path / "run", Trainer.train_step
+    main(_cli_args(str(run), max_steps=3))  # a finished run ...
+    def step_then_stop(self):
+        if self.step == 4: self.request_stop(signal.SIGINT)  # ... resumed to 5 steps, Ctrl-C during the last
+        return real(self)
+    monkeypatch.setattr(Trainer, "train_step", step_then_stop)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e: main(_cli_args(str(run), max_steps=5))
+    out = capsys.readouterr().out
+    assert e.value.code == 130 and "stopped by SIGINT after the last step (5), before the final model was written; " \
+        f"the same command resumes from {run / 'checkpoints' / 'step_000005'} and writes it" in out, out[-1500:]
+    assert json.loads((run / "summary.json").read_text())["step"] == 3
+    assert "is the model of step 3, but the run has checkpoints up to step 5" in newer_checkpoint_note(run)
+    monkeypatch.setattr(Trainer, "train_step", real)
+    main(_cli_args(str(run), max_steps=5))
+    assert json.loads((run / "summary.json").read_text())["step"] == 5 and newer_checkpoint_note(run) is None
