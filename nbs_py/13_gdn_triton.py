@@ -232,7 +232,7 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #    the tile, and the sum over $j$ leaves $D_i - e_i$ along the other, the axis along which column
 #    $i$ of $D_b^\top$ is written. Round 12's kernel carried $(D_b - I)^\top$ instead and subtracted
 #    $L_i$ itself, which lies along the axis it was picked out along, not the sum's, so every step moved two small vectors between
-#    layouts through shared memory (51 layout conversions in the compiled kernel against 41). On
+#    layouts through shared memory (51 layout conversions in the compiled kernel against 41, counted then and not kept). On
 #    the H200 the kernel took 0.178 ms that way and 0.151 ms this way (an identical copy of its body,
 #    timed in `benchmarks/gdn_prep_solve.py`'s harness in the same run), with $A$'s errors against
 #    float64 unchanged in every case that script tries (round 13).
@@ -450,11 +450,11 @@ assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the tail ch
 # %% [markdown]
 # ## Kernel 2: the state pass
 #
-# One program per (sequence, head, block of `BV` value columns; at HyMo's $V = 32$ one block is the
-# whole head, so one program per (sequence, head)): the columns of $S$ are
-# independent (each column of $U$, $O$ and $S_C$ needs only the same column of $S_0$ and of $V$), so
-# splitting $V$ multiplies the programs at no cost but recomputing $W$. The program walks its chunks
-# in order with $S$ in fp32 registers.
+# One program per (sequence, head), holding all of the head's value columns (`_bv`). The columns of
+# $S$ are independent (each column of $U$, $O$ and $S_C$ needs only the same column of $S_0$ and of
+# $V$), so blocks of columns could go to separate programs at the cost of recomputing $W$ in each;
+# that was slower here, and then crashed (the question "Why does one program walk all the chunks
+# of a head" below). The program walks its chunks in order with $S$ in fp32 registers.
 #
 # Two habits matter in a latency-bound loop like this one:
 #
@@ -839,8 +839,8 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
 # as a 64-wide head of values (84 MB per layer at the 750M model's 4 × 4096 tokens, 2 GB for its 24
 # GDN layers) and the states a quarter of that ($K \times V$ per chunk and head in the input dtype,
 # 21 MB per layer). It saves, per layer on an H200, a launch of kernel 1 (0.24 ms then, 0.151 ms since round 13) and half of the
-# state launch (0.30 → 0.19 ms), for 0.014 ms more in the forward, which now stores the states
-# (0.182 → 0.196 ms). The default is to recompute, which keeps this operator's peak within 2× its
+# state launch (0.30 → 0.19 ms), for 0.012 ms more in the forward, which now stores the states
+# (0.183 → 0.195 ms). The default is to recompute, which keeps this operator's peak within 2× its
 # inputs and outputs (measured below); the model's mixer keeps them (`GatedDeltaNet.keep_prep`),
 # where 105 MB is small beside the rest of a layer's activations. With packed documents the number
 # of chunks depends on the lengths, which the fake tensor cannot see, so `hs` has room for the most
@@ -952,11 +952,19 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    (B, T, H, K), V = q.shape, v.shape[-1]
+    Kp, Vp = _padded(K), _padded(V)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)
+        raise ValueError(f"{max(B, N)} sequences x {H} heads: more programs than a CUDA grid's second axis holds (65 535); "
+                         "split the batch, or the packed row's documents, into several calls")
+    chunks = B * triton.cdiv(T, BT) + (N if cu_seqlens is not None else 0)  # a packed row: at most one part-chunk a document more
+    if max(B * T * H * max(Kp, Vp, BT), chunks * H * Kp * Vp) >= 2 ** 31:  # the kernels' offsets are int32
+        raise ValueError(f"[B, T, H] = [{B}, {T}, {H}] with K={K}, V={V}: the per-chunk states ({chunks} chunks) or the "
+                         "[B, T, H, 64] buffers pass the kernels' int32 offsets; split the batch or the sequence")
     if q.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use chunk_gated_delta_rule_torch")
-    K, V = q.shape[-1], v.shape[-1]
-    Kp, Vp = _padded(K), _padded(V)
     if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9)
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
@@ -1197,9 +1205,11 @@ print(f"round 12 ({k12['meta']['date']}):", ", ".join(f"{n} {v:.3f}" for n, v in
 
 # %% [markdown]
 # Parity on the GPU, relative RMSE $\lVert \text{ref} - \text{out}\rVert_2 / \lVert\text{ref}\rVert_2$
-# against the fp32 loop on the same bf16 inputs. With these rows' strong decays about 0.003 is the
-# rounding of a bf16 result (the kernels' outputs and gradients are bf16, the reference is fp32);
-# the targets were 0.005 for $o$ and the state and 0.01 for the gradients.
+# against the fp32 loop on the same bf16 inputs. With these rows' strong decays the errors are
+# about 0.003: half of that is the one rounding of a bf16 result (a bf16 rounding alone gives a
+# relative RMSE of 1.7e-3; the kernels' outputs and gradients are bf16, the reference fp32), the
+# rest the roundings inside the kernels (the bf16 $A$, $U$ and state as product operands, above).
+# The targets were 0.005 for $o$ and the state and 0.01 for the gradients.
 
 # %%
 print(f"{'T':>5s} {'B':>2s} " + " ".join(f"{n:>7s}" for n in "o ht dq dk dv dg dbeta dh0".split()))
@@ -1216,7 +1226,11 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # strong decays, which let little of the carried state through. Round 28 added the mixer's initial
 # decays and weak ones (a chunk keeps 0.94 of its state): at $T \le 256$ the bf16 errors grow to
 # 4.8e-3 for $o$ and the state and 6.0e-3 for the gradients, inside the targets but no longer by
-# much; the bf16 roundings of the state named above are the cause.
+# much. Round 29 ran $T$ up to 4 096: with weak decays $o$ reaches 5.1e-3 at $T$ = 1 000 and 5.2e-3
+# at 4 096, just over its target, and the gradients 6.3e-3; with the mixer's initial decays 4.3e-3
+# and 5.4e-3 at most; in fp32 2.0e-3 and 2.7e-3 (`gdn_verify_decays_long_h200.json`). So the excess
+# is the bf16 rounding of the carried state as a product operand, named above; keeping it in fp32
+# for those products would cost fp32 matrix products in the state pass, and is not done.
 
 # %% [markdown]
 # ## Questions
@@ -1224,7 +1238,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # ::: {.callout-tip collapse="true"}
 # ## Why solve the UT matrix in 16×16 blocks instead of row by row?
 # **In short:** row by row is 63 dependent steps on a tile spread over four warps, each step a
-# reduction across them; four $16\times16$ blocks, one warp each, need 15 short in-warp steps and
+# reduction across them; four $16\times16$ blocks, solved by one warp (the kernel runs with `num_warps=1`), need 15 short steps and
 # some small products. At HyMo's shape that took the solve from 2.3 ms to 0.151 ms. The story:
 #
 # Forward substitution is sequential: row $i$ needs rows $0..i-1$. In a Triton program the tile
@@ -1281,12 +1295,12 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # launch). The Function keeps only its inputs, and one forward + backward peaks at 287 MB, 1.74× the
 # bytes of its inputs and outputs (measured), against 3.1 GB for the PyTorch chunked path under autograd.
 # Keeping $A$ and the gates from the forward was measured too, on the H200: forward + backward
-# 1.44 → 1.24 ms per layer, but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
+# 1.44 → 1.24 ms per layer (a measurement not kept), but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
 # built to. So by default the backward recomputes them, and `keep_prep=True` keeps them. The model
 # asks for that: in the 750M model's compiled micro-batch the GDN rule kernels fell from 36.5 to
 # 30.0 ms with it, for 2 GB more at the peak (48.8 → 50.9 GB). Keeping the chunk states as well
-# took them to 28.4 ms, for 0.5 GB more (51.4 GB), and the preset's whole step from 6.95 to 6.89 s
-# (same H200, same session).
+# took them to 28.4 ms, for 0.5 GB more (51.4 GB), and the preset's whole step from 6.933 to 6.84 s
+# (round 6, one H200; `train_step.json`).
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -1296,7 +1310,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # The carried part keeps $S$ (32×32 fp32 at HyMo's shape, 4 KB) in registers for all 64 chunks:
 # it never goes to memory between chunks, and the loads of the next chunk are issued before the
 # current one is computed. Splitting a head's state over two programs (16 value columns each) was
-# slower in the first version (0.53 against 0.36 ms for the state pass) and, in the current one,
+# slower in the first version (0.53 against 0.36 ms for the state pass; the 0.53 was not kept) and, in the current one,
 # ended in an illegal memory access on the H200 under Triton 3.6 (the interpreter computes the same
 # kernels correctly), as do 8 warps at $K = V = 32$; so one program per (sequence, head), 4 warps, it is.
 # :::
@@ -1359,7 +1373,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # $K > 64$ hold $P$ and $KK^\top\odot\Gamma$ across the loop as before (192 KiB), everything else
 # recomputes them. `gdn_registers.py` reports each kernel's shared memory, and a test compiles the
 # fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag. fp32 heads
-# wider than 128 fit in neither order (352 KiB at $K = 256$, Triton 3.6); their backward needs
+# wider than 128 fit in neither order (352 KiB at $K = 256$, Triton 3.6, from a compile not kept); their backward needs
 # bf16 or fp16 inputs, or the PyTorch path, and says so when it cannot launch. A GPU with less shared memory than the H200 (an
 # A100 has 164 KiB) has a lower limit still.
 # :::

@@ -13,7 +13,7 @@
 # $[B, T, 2HK + HV]$ activation, and so does each step of its backward. At the 750M shape
 # ($B\,T = 16\,384$ tokens, 3 840 channels) that activation is 126 MB in bf16. `torch.compile`
 # fuses the steps into a few kernels, but they re-read shifted copies of the input: in isolation
-# the compiled prelude takes 2.1 ms per layer, forward and backward, for about 0.6 GB of necessary
+# the compiled prelude takes 2.0 ms per layer, forward and backward, for about 0.6 GB of necessary
 # traffic (0.13 ms at the H200's bandwidth). Eager PyTorch takes 8.4 ms.
 #
 # None of this needs that much memory traffic. A program can hold a tile of $T$ rows × a few heads,
@@ -47,6 +47,7 @@ import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake
 
+from hymo.models.gdn import _check_cu_seqlens
 from hymo.models.gdn_triton import INTERPRET  # importing it also readies Triton's library for the interpreter
 
 EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
@@ -355,6 +356,10 @@ conv_silu_norm_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_c
 # The public function has `conv_silu_norm`'s contract for the case the kernels cover: no carried
 # cache and no final cache (decoding keeps the PyTorch prelude, where it runs a token at a time).
 # It checks what the kernels would otherwise get wrong silently, and returns views shaped per head.
+# Document boundaries are checked for their kind and shape; their values (from 0 to $T$, never
+# decreasing) only on the CPU. On a GPU that read would wait for the GPU once more per layer, and in
+# the mixer the gated delta rule reads them right after (`_check_rule_inputs`) and refuses bad ones
+# before the prelude's output is used; a direct caller on a GPU must pass valid boundaries.
 
 # %%
 #| export
@@ -372,8 +377,8 @@ def triton_conv_silu_norm(
         raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V")
     if weight.ndim != 2 or weight.shape[0] != C:
         raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    if cu_seqlens is not None:  # the values only where reading them is free: on a GPU the mixer's rule reads them next
+        _check_cu_seqlens(cu_seqlens, B, T, read=cu_seqlens.device.type == "cpu")
     if B * T * max(C, qkv.stride(1)) >= 2 ** 31:
         raise ValueError(f"qkv spans {B} x {T} x {max(C, qkv.stride(1))} elements, past the kernels' int32 offsets; "
                          "split the batch or the sequence")

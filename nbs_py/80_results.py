@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 29 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step) by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -271,7 +271,7 @@ if tl_row:
 #   the round's first machine** (a second ran the all-MLA variant). Rounds 26 and 27 had no GPU.
 #   The step's one change since round 25:
 #   NorMuon leaves a matrix with no gradient this step (an expert that got no token) where it is
-#   (chapter 50); its step took 88.0–88.9 ms of GPU time (85.2 ms in round 24, on another machine;
+#   (chapter 50); its step took 88.1 ms of GPU time (85.3 ms in round 18, on another machine;
 #   `optim_step.json`). Measured too: activation checkpointing and all-MLA at the preset's 32
 #   micro-batches (above), the PyTorch GDN path (above: 2.56×) and the GDN kernels' parity under
 #   three decay regimes (below). A profile of the PyTorch path on that machine did not finish
@@ -293,7 +293,7 @@ if tl_row:
 #   round made the trainer's checkpoints and run folders safer on several ranks (chapter 70) and
 #   checked on the GPU that the one-GPU trainer, model, MLA, MTP and cross-entropy tests pass there
 #   (102 passed; one CPU-only refusal test now forces the CPU). This machine's PyTorch path was
-#   faster than most (26.9 s against 34–35 s in rounds 15–19), so the ratio fell below 5× with no
+#   faster than most (26.9 s against 29.3 s in round 16 and 34–35 s in rounds 15, 18 and 19), so the ratio fell below 5× with no
 #   change to either path: the host sets that path's speed.
 # * **Round 20: no change to the step; 6.500 s (36.1 %, 50.6 GB) on the round's one machine.** The
 #   round fixed the trainer's resume and command line (chapters 70 and 71: damaged checkpoints,
@@ -388,7 +388,7 @@ if tl_row:
 #   took 6.505 and 6.543 s on round 14's machines: the 2–3 % between machines is larger than any
 #   change of rounds 12–14. The round's fresh profile (above; the previous one was round 11's)
 #   confirms kernel 1's two rewrites inside the model: 0.150 ms per layer, against 0.249 ms in round
-#   11's profile. Tried and not kept (`experiments.json`): **every fused attention kernel PyTorch
+#   6's profile (`train_step_profile.txt`). Tried and not kept (`experiments.json`): **every fused attention kernel PyTorch
 #   offers, at MLA's shape** (4 × 4096 tokens, 16 query heads over 4 key groups, width 128, bf16,
 #   causal). cuDNN, which SDPA already picks, is the fastest: 0.49–0.51 ms forward and 2.04–2.08 ms
 #   forward + backward (463–472 TFLOP/s), against 2.95 ms for FlexAttention (compiled), 3.56–3.57 ms
@@ -472,16 +472,16 @@ if tl_row:
 #     trains with; the multi-GPU path already ran it.
 #   - **The copies' gradients are added by a compiled `_foreach_add_`** (`add_into`, chapter 70).
 #     For fp32 += bf16, eager PyTorch has no fused path and launched one unvectorised kernel per
-#     matrix, about 330 per micro-batch (6.9 ms); compiled, 5.4 ms. 6.655–6.680 s → 6.594–6.612 s
+#     matrix, about 330 per micro-batch (6.9 ms); compiled, 5.4 ms (in profiles not kept). 6.655–6.680 s → 6.594–6.612 s
 #     (three alternating pairs), gradients identical.
 #   - **FSDP: NorMuon's step took 907 ms on one GPU**, all of it host time: it updated the
-#     330 sharded matrices one at a time, every elementwise step a DTensor operation (each costs
+#     332 sharded matrices one at a time, every elementwise step a DTensor operation (each costs
 #     the host tens of µs to dispatch), with one all-gather per matrix. It now stacks same-shaped
 #     shards as it stacks plain matrices, gathers each stack once and works on the local tensors
 #     (chapter 50): 114 ms, and the FSDP step 7.50 → 6.70 s. With several GPUs it also issues one
 #     all-gather per shape group instead of per matrix: 28 instead of 664 per step (332 matrices
 #     in 14 shapes, each gathered twice: update and row statistics; not measured, only one GPU was
-#     lent). From their step times the two paths now differ by under 1 ms per micro-batch; their
+#     lent). From their step times (6.702 s through FSDP, 6.665 s without) the two paths now differ by about 1.2 ms per micro-batch; their
 #     3-micro-batch profiles differ more (36.5 against 10.5 ms idle), since FSDP's once-per-step
 #     gathers weigh a third there.
 #   The round's profile (above, before `add_into`): 206.9 ms per micro-batch, 196.4 ms of kernels
@@ -489,18 +489,18 @@ if tl_row:
 # * **Round 10: MFU 34.9 % at the preset's step on this round's machine (6.716 s, 78.1 k tokens/s,
 #   53.8 GB), with the matrices cast once per step instead of at every use; the target is 40 %.**
 #   The same trainer with autocast's casts took 6.792 s (34.5 %), alternating in one process;
-#   round 8's machines ran the step before this change in 6.675–6.691 s (35.0–35.1 %): machines
+#   round 8's machines ran the step before this change in 6.675–6.692 s (35.0–35.1 %): machines
 #   differ by 1–2 %, so rows from different machines compare only roughly. Details in the round-10
 #   bullets below.
 # * **MFU: 35.0–35.1 % at the preset's step in round 8 (32 micro-batches per optimiser step,
-#   6.675–6.691 s, about 78.5 k tokens/s).** Timed in turn on one machine with the same
+#   6.675–6.692 s, about 78.5 k tokens/s).** Timed in turn on one machine with the same
 #   script, round 7's final code (731eef1) took 6.676 and 6.680 s: round 8's kernel
 #   change (below; about 0.3 % expected) is below what two pairs of runs resolve. Round 8's
 #   machines were faster than round 7's: round 7 measured 6.84–6.88 s, before its
 #   output-gate change (an estimated 0.7 %), and its final code measured 6.68–6.73 s in round 8, so about
 #   1–2 % of the difference between rounds is the machine. Earlier rounds: 6.84–6.88 s (34.1–34.3 %,
 #   rounds 7 and 6), 6.93 s (33.8 %), 7.57 s (31.0 %), 8.37 s
-#   (28.0 %), 8.75 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
+#   (28.0 %), 8.74 s (26.8 %). `torch.compile` was worth 1.8× at the preset's step (15.9 s eager,
 #   in round 2).
 # * **Round 10: the matrices cast to bf16 once per optimiser step on one GPU** (`BF16Matrices`,
 #   chapter 70). Under autocast, every micro-batch cast each weight to bf16 at every use, cast each
@@ -618,7 +618,7 @@ if tl_row:
 #     bound by the host's launches.
 # * **Round 7: the GPU hardly waited on its host any more.** A profile that records host
 #   operators slows the host, and hosts differ between machines, so the waits of round 6 (12 ms per
-#   micro-batch on one machine, under 1 ms on another) could not tell how much was real. Recording
+#   micro-batch on one machine, under 1 ms on another, in a profile not kept) could not tell how much was real. Recording
 #   only the GPU's activity (`--profile cuda`) showed that the GPU, running round 6's code, waited 4.9 ms per
 #   micro-batch in gaps of 10 µs or more, most of them just before the first kernel of a GDN block
 #   in the forward (`benchmarks/results/host_waits.json`). There the host was only just ahead of
@@ -657,7 +657,7 @@ if tl_row:
 #   and a row normalisation that reads the update once; the GDN forward keeping every chunk's state
 #   for the backward (chapter 13, `keep_prep`): GDN rule kernels per micro-batch 30.0 → 28.4 ms.
 #   Tried then and not kept: a scratch buffer for the diagonal blocks of the solve for $A$ (kernel
-#   1: 0.24 → 0.41 ms), $KK^\top$ formed after the value loop of the local-gradient kernel (within
+#   1: 0.24 → 0.41 ms, not kept in `experiments.json`), $KK^\top$ formed after the value loop of the local-gradient kernel (within
 #   noise), pipelining stages 1–3 (within 1 %).
 # :::
 
@@ -685,15 +685,15 @@ assert all(g["graph_speedup"] > 5 for g in gens) and fp32[3840]["speedup"] > 20 
 # 100 per block: projections, norms, gates, the convolution's window, the routing), each a few
 # microseconds of GPU work, and the GPU waits between them; that gave 15–18 tokens/s, whatever the
 # context. Replayed as one CUDA graph (`DecodeGraph`, chapter 41), the same step gives 119–147
-# tokens/s, 7.7–9.7× faster, and a token still costs the same at a context of 512 or 3 840.
+# tokens/s, 7.6–9.7× faster, and a token still costs the same at a context of 512 or 3 840.
 # Re-running the context costs more the longer it is (12.3 → 5.3 tokens/s in fp32), so the state
 # with the graph is 11× faster at 512 tokens and 27× at 3 840. In round 24, before the graph and
 # before a single token's experts were gathered instead of sorted (chapter 30), the state gave about
 # 16 tokens/s, no faster than re-running a 512-token context. All four rows are from one machine;
 # an earlier machine of the round, with a faster host, gave 152–153 tokens/s with the graph and
-# 18–26 eager (an earlier version of the graph, which read autocast's cached weight copies). bf16
+# 18–26 eager (an earlier version of the graph, which read autocast's cached weight copies; rows not kept). bf16
 # autocast is slower than fp32 here: at batch 1 the step is still a few thousand kernels, the graph
-# records the weights' casts among them, and the saving in bytes is small. 145 tokens/s is 6.9 ms
+# records the weights' casts among them, and the saving in bytes is small. 147 tokens/s is 6.8 ms
 # a token, against the 0.45 ms that reading the 0.54 B active weights once in fp32 at the H200's
 # 4.8 TB/s would take (chapter 41 estimates this bound): the kernels are still many and small,
 # and fusing them (`torch.compile` on the decoding step) is the next step, which this code does

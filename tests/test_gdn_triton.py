@@ -181,6 +181,12 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_gated_delta_rule(q, k, v.half(), g, beta)
     with pytest.raises(RuntimeError, match="no backward"):
         fused_recurrent_gated_delta_rule(q.clone().requires_grad_(), k, v, g, beta)
+    big = lambda *s: torch.zeros(1, 1, 1, *s[3:]).expand(*s) if len(s) == 4 else torch.zeros(1, 1, 1).expand(*s)  # no memory
+    with pytest.raises(ValueError, match="2048 sequences x 40 heads: more programs than a CUDA grid's second axis"):
+        fused_recurrent_gated_delta_rule(big(2048, 1, 40, 32), big(2048, 1, 40, 32), big(2048, 1, 40, 32), big(2048, 1, 40), big(2048, 1, 40))
+    B, T, H = 1, 2 ** 20, 40  # a 1M-token prefill: [B, T, H, 64] buffers past 2**31 elements
+    with pytest.raises(ValueError, match="int32 offsets; split the batch or the sequence"):
+        triton_gated_delta_rule(big(B, T, H, 32), big(B, T, H, 32), big(B, T, H, 32), big(B, T, H), big(B, T, H))
 
 
 def test_keeping_gates_and_A_changes_nothing(errors):

@@ -22,13 +22,15 @@ __all__ = ['naive_gated_delta_rule', 'chunk_gated_delta_rule_torch', 'causal_con
            'GatedDeltaNet', 'reference_mixer', 'GatedDeltaNetBlock']
 
 # %% ../../nbs/12_gated_deltanet.ipynb #463f9489
-def _check_cu_seqlens(cu_seqlens, B: int, T: int) -> int:
+def _check_cu_seqlens(cu_seqlens, B: int, T: int,
+                      read: bool = True, # Also check the values: one read, which on a GPU waits for it
+                     ) -> int:
     "Raise `ValueError` unless `cu_seqlens` packs documents into one row of T tokens; return their number N."
     if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}; flatten the batch first")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor of document boundaries, e.g. torch.tensor([0, {T}]) for one document; "
                          f"got {cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
-    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or bool(  # one read of a GPU tensor, not three: each read waits for the GPU
+    if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or read and bool(  # one read of a GPU tensor, not three: each read waits
             (cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens.diff() < 0).any()):
         raise ValueError(f"cu_seqlens must be a non-decreasing [N+1] tensor from 0 to T={T}; got {cu_seqlens.tolist()}")
     return len(cu_seqlens) - 1

@@ -16,6 +16,7 @@ import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake
 
+from .gdn import _check_cu_seqlens
 from .gdn_triton import INTERPRET  # importing it also readies Triton's library for the interpreter
 
 EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
@@ -253,8 +254,8 @@ def triton_conv_silu_norm(
         raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V")
     if weight.ndim != 2 or weight.shape[0] != C:
         raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
-    if cu_seqlens is not None and B != 1:
-        raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}")
+    if cu_seqlens is not None:  # the values only where reading them is free: on a GPU the mixer's rule reads them next
+        _check_cu_seqlens(cu_seqlens, B, T, read=cu_seqlens.device.type == "cpu")
     if B * T * max(C, qkv.stride(1)) >= 2 ** 31:
         raise ValueError(f"qkv spans {B} x {T} x {max(C, qkv.stride(1))} elements, past the kernels' int32 offsets; "
                          "split the batch or the sequence")

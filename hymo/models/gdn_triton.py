@@ -596,11 +596,19 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    (B, T, H, K), V = q.shape, v.shape[-1]
+    Kp, Vp = _padded(K), _padded(V)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)
+        raise ValueError(f"{max(B, N)} sequences x {H} heads: more programs than a CUDA grid's second axis holds (65 535); "
+                         "split the batch, or the packed row's documents, into several calls")
+    chunks = B * triton.cdiv(T, BT) + (N if cu_seqlens is not None else 0)  # a packed row: at most one part-chunk a document more
+    if max(B * T * H * max(Kp, Vp, BT), chunks * H * Kp * Vp) >= 2 ** 31:  # the kernels' offsets are int32
+        raise ValueError(f"[B, T, H] = [{B}, {T}, {H}] with K={K}, V={V}: the per-chunk states ({chunks} chunks) or the "
+                         "[B, T, H, 64] buffers pass the kernels' int32 offsets; split the batch or the sequence")
     if q.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use chunk_gated_delta_rule_torch")
-    K, V = q.shape[-1], v.shape[-1]
-    Kp, Vp = _padded(K), _padded(V)
     if INTERPRET and q.dtype == torch.bfloat16:  # the interpreter's bf16 tl.dot is wrong (Triton 3.9)
         q, k, v = q.float(), k.float(), v.float()
     q, k, v = (_pad_last(x, n).contiguous() for x, n in ((q, Kp), (k, Kp), (v, Vp)))
