@@ -112,6 +112,10 @@ def test_bad_shapes_have_clear_errors():
         chunk_gated_delta_rule_torch(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 10]))
     with pytest.raises(ValueError, match="initial_state must be"):
         naive_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, H, K, K))
+    with pytest.raises(TypeError, match="must be floating point"):
+        chunk_gated_delta_rule_torch(q, k, v.long(), g, beta)
+    with pytest.raises(ValueError, match="chunk_size=64.0 must be a positive int"):
+        chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=64.0)
 
 
 @pytest.mark.parametrize("cu", [None, [0], [0, 0], [0, 0, 40, 40, 90]], ids=["T0", "no_document", "one_empty", "empty_among"])

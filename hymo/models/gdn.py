@@ -45,6 +45,8 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, H): raise ValueError(f"{name} must be [B, T, H] = [{B}, {T}, {H}]; got {tuple(x.shape)}")
+    if not all(x.is_floating_point() for x in (q, k, v, g, beta)):  # an integer v would come back rounded to integers
+        raise TypeError(f"q, k, v, g and beta must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}, {g.dtype}, {beta.dtype}")
     n = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T)
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = "
@@ -147,7 +149,7 @@ def chunk_gated_delta_rule_torch(
 ):
     "The gated delta rule by chunks (WY representation, UT transform) in fp32 PyTorch. Returns `(o [B, T, H, V], final_state or None)`."
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if chunk_size < 1: raise ValueError(f"chunk_size={chunk_size} must be positive")
+    if not isinstance(chunk_size, int) or chunk_size < 1: raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
     dtype, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)  # fp32 inside (fp64 stays fp64, for checks)
