@@ -545,16 +545,24 @@ class NorMuon(torch.optim.Optimizer):
                                             # launches (False); None: compiled on a GPU for FUSED_MIN_NUMEL entries or more
                 ):
         self.fused = fused  # for every group, not a per-group option (benchmarks toggle it between steps)
-        if lr < 0 or not 0 <= momentum < 1 or not 0 <= beta2 < 1 or ns_steps < 1 or weight_decay < 0:
-            raise ValueError(f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
-                             f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, beta2=beta2, ns_steps=ns_steps,
                                       weight_decay=weight_decay, cautious=cautious))
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.ndim not in (2, 3):
-                    raise ValueError(f"NorMuon takes 2-D [m, n] or stacked 3-D [E, m, n] matrices; got shape {tuple(p.shape)}. "
-                                     "Give 1-D parameters, embeddings and convolutions to AdamW (see `param_group`).")
+
+    def add_param_group(self, param_group: dict):
+        "As `Optimizer.add_param_group` (which `__init__` calls for each group), refusing a group's values or shapes NorMuon cannot use."
+        super().add_param_group(param_group)  # fills in the defaults
+        g = self.param_groups[-1]
+        lr, momentum, beta2, ns_steps, wd = (g[k] for k in ("lr", "momentum", "beta2", "ns_steps", "weight_decay"))
+        bad = None
+        if not (lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and ns_steps >= 1 and wd >= 0):  # `not >=` refuses NaN
+            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
+                   f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={wd}")
+        elif (p := next((p for p in g["params"] if p.ndim not in (2, 3)), None)) is not None:
+            bad = (f"NorMuon takes 2-D [m, n] or stacked 3-D [E, m, n] matrices; got shape {tuple(p.shape)}. "
+                   "Give 1-D parameters, embeddings and convolutions to AdamW (see `param_group`).")
+        if bad:
+            self.param_groups.pop()
+            raise ValueError(bad)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -719,10 +727,17 @@ class CautiousAdamW(torch.optim.Optimizer):
                  weight_decay: float = 0.0, # λ: decoupled decay, x ← x − ηλx
                  cautious: bool = True, # Decay only where the update and the parameter agree in sign
                 ):
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"CautiousAdamW: need lr, eps, weight_decay ≥ 0 and betas in [0, 1); got lr={lr}, "
-                             f"betas={betas}, eps={eps}, weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, cautious=cautious))
+
+    def add_param_group(self, param_group: dict):
+        "As `Optimizer.add_param_group` (which `__init__` calls for each group), refusing a group's values AdamW cannot use."
+        super().add_param_group(param_group)  # fills in the defaults
+        g = self.param_groups[-1]
+        lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+        if not (lr >= 0 and eps >= 0 and wd >= 0 and len(betas) == 2 and all(0 <= b < 1 for b in betas)):  # refuses NaN too
+            self.param_groups.pop()
+            raise ValueError(f"CautiousAdamW: need lr, eps, weight_decay ≥ 0 and two betas in [0, 1); got lr={lr}, "
+                             f"betas={betas}, eps={eps}, weight_decay={wd}")
 
     @torch.no_grad()
     def step(self, closure=None):

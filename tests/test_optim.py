@@ -215,6 +215,14 @@ def test_normuon_rejects_vectors_and_bad_hyperparameters():
         NorMuon([nn.Parameter(torch.ones(5))])
     with pytest.raises(ValueError, match="momentum"):
         NorMuon([nn.Parameter(torch.ones(2, 2))], momentum=1.0)
+    w = nn.Parameter(torch.ones(2, 2))
+    for group in ({"lr": float("nan")}, {"beta2": 1.0}, {"ns_steps": 0}, {"weight_decay": -0.1}):  # a group's own values too
+        with pytest.raises(ValueError, match="NorMuon: need"): NorMuon([{"params": [w], **group}])
+    with pytest.raises(ValueError, match="CautiousAdamW: need"): CautiousAdamW([{"params": [w], "lr": float("nan")}])
+    with pytest.raises(ValueError, match="CautiousAdamW: need"): CautiousAdamW([w], betas=(0.9, 1.0))
+    opt = NorMuon([w])
+    with pytest.raises(ValueError, match="AdamW"): opt.add_param_group({"params": [nn.Parameter(torch.ones(3))]})
+    assert len(opt.param_groups) == 1  # the refused group is not left behind
 
 
 # ---------------------------------------------------------------- cautious weight decay
