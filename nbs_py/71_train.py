@@ -137,9 +137,10 @@ def design_defaults_note(config: str) -> str | None:
     from hymo.config import _read_with_bases
     if config in presets(): return None
     _, chain = _read_with_bases(config)
+    if len(chain) > 1: return None  # its base sets the rest
     unset = [f.name for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)) for f in dataclasses.fields(cls)
-             if f.name not in (chain[-1].get(sec) or {})]
-    if len(chain) > 1 or not unset: return None  # a base sets the rest; a printed config sets every value
+             if f.name not in (chain[0].get(sec) or {})]
+    if not unset: return None  # a printed config (a run's config.yaml) sets every value
     return (f"note: {config} has no 'base:', so the {len(unset)} values it does not set are the design defaults "
             f"(hymo_750m's: seq_len={TrainingConfig.seq_len}, dim={ModelConfig.dim}, ...); to change hymo_tiny instead, "
             f"add the line 'base: hymo_tiny'")
