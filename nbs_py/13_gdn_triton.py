@@ -1375,7 +1375,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag. fp32 heads
 # wider than 128 fit in neither order (352 KiB at $K = 256$, Triton 3.6, from a compile not kept); their backward needs
 # bf16 or fp16 inputs, or the PyTorch path, and says so when it cannot launch. A GPU with less shared memory than the H200 (an
-# A100 has 164 KiB) has a lower limit still.
+# A100 block may have 163 KiB) has a lower limit still.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -277,7 +277,8 @@ test_fail(lambda: positions_from_cu_seqlens(torch.tensor([0.0, 8.0]), 8), contai
 # A single angle per token wraps around after $2\pi/\theta$ tokens, so distant positions would
 # alias onto near ones. The geometric ladder $\theta_i = \text{theta}^{-2i/d}$ gives fast pairs that
 # resolve neighbouring tokens and slow pairs (the slowest turns $\text{theta}^{-(d-2)/d}$ radians a token: a wavelength of about 35 000 tokens at $d = 32$)
-# that still separate tokens thousands apart. Raising `rope_theta` slows every pair, which is what
+# that still separate tokens thousands apart. Raising `rope_theta` slows every pair but the fastest (which turns 1 radian a token whatever
+# the base), the slower ones the more, which is what
 # long-context recipes do.
 # :::
 #

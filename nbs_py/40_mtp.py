@@ -568,15 +568,21 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 #
 # ::: {.callout-tip collapse="true"}
 # ## What happens to the MTP heads at inference?
-# Plain generation ignores them: only the main head is needed. They can be used to draft the next
-# few tokens for self-speculative decoding, where one forward pass verifies the drafts and every
-# accepted one saves a sequential step.
+# Plain generation ignores them: only the main head is needed (HyMo's `generate` uses it alone).
+# They can draft the next few tokens for self-speculative decoding, where one forward pass verifies
+# the drafts and every accepted one saves a sequential step. In a hybrid that has a catch a
+# transformer does not: a KV cache is simply cut back past a rejected draft, but each GDN layer's
+# state and convolution window have already absorbed it, so the state from before the verification
+# (or one per drafted position) must be kept and the accepted tokens stepped in again.
 # :::
 #
 # ::: {.callout-tip collapse="true"}
 # ## Who proposed multi-token prediction?
-# Gloeckle et al., 2024, *Better & Faster Large Language Models via Multi-token Prediction* (Meta),
-# with independent output heads (one transformer layer each) on a shared trunk, equally weighted.
+# The idea of predicting several future tokens with extra heads is older: Stern et al. (2018,
+# blockwise parallel decoding) drafted with them, and ProphetNet (Qi et al., 2020) trained with a
+# future n-gram objective. Gloeckle et al., 2024, *Better & Faster Large Language Models via
+# Multi-token Prediction* (Meta), showed it helps as an auxiliary loss in LLM pretraining, with
+# independent output heads (one transformer layer each) on a shared trunk, equally weighted.
 # DeepSeek-V3 (2024) chains its MTP modules sequentially, each fed the previous depth's state and the
 # next true token's embedding, so that each prediction depth keeps a causal chain. HyMo's heads are
 # independent, like Gloeckle's, but small MLPs, and down-weighted like DeepSeek-V3's.

@@ -1096,12 +1096,13 @@ assert t_mem > 50 * t_flop
 #
 # ::: {.callout-tip collapse="true"}
 # ## Why does HyMo put the MoE on the MLA blocks and a dense SwiGLU on every GDN block?
-# Every block needs a per-token non-linear FFN; the question is only which kind. An MoE layer adds
+# In HyMo every block has a per-token non-linear FFN (a choice: pure Mamba stacks have none); the
+# question is which kind. An MoE layer adds
 # stored capacity (16 routed experts) at a fixed active cost (2 of them) but is also a dispatch
 # point (gathering tokens per expert, and an all-to-all under expert parallelism). Placing it on
 # the 8 attention blocks gives the model about 0.8 B parameters of expert capacity with 8 dispatch
 # points per forward; MoE on all 32 blocks would quadruple the expert storage. It is a choice for a
-# small model, not a law: Qwen3-Next and Kimi Linear use MoE throughout. The GDN blocks are
+# small model, not a law: Qwen3-Next puts an MoE in every layer, and Kimi Linear in nearly every one. The GDN blocks are
 # not "recurrence-only": each has a dense SwiGLU of width 2560.
 # :::
 #
@@ -1110,6 +1111,9 @@ assert t_mem > 50 * t_flop
 # No. A GDN block's dense SwiGLU costs $2 \cdot 3 \cdot 896 \cdot 2560 \approx 13.8$ MFLOPs per token
 # forward; an MLA block's MoE runs the shared expert and two routed ones,
 # $3 \times 2 \cdot 3 \cdot 896 \cdot 2304 \approx 37.2$ MFLOPs, plus attention that grows with $T$.
+# With the mixers (`flops_breakdown`): about 26.5 MFLOPs a token forward for a GDN block (11.6 in
+# its projections, 1.1 in the chunked rule) against about 60 for an MLA block at $T = 4096$
+# (5.5 in its projections, 16.8 in causal attention), some 2.2×.
 # The design document's "every layer runs 2 of 16 experts" is false for the GDN blocks, which run
 # no experts at all.
 # :::
@@ -1140,7 +1144,7 @@ assert t_mem > 50 * t_flop
 # plus a 3-token convolution window, whatever $T$; each MLA block caches $d_c + d_\text{rope} =
 # 160$ values per token. At $T = 4096$ in bf16 that is about 4 MiB + 10 MiB ≈ 14 MiB per
 # sequence, against about 1 GiB for a 32-layer MHA transformer with 16 heads of 128. The GDN
-# state is per sequence, not per token, as the design document says.
+# state is per sequence, not per token as the design document claims.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -1322,8 +1322,11 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 #
 # ::: {.callout-tip collapse="true"}
 # ## Which parameters must not go to Muon, and why?
-# Embeddings and the (tied) output head: they are lookup tables whose rows are updated only by the
-# tokens that use them, and an adaptive per-coordinate step works better there. 1-D parameters
+# The embedding and the (tied) output head. The embedding's inputs are one-hot: a row moves only
+# when its token appears, and a per-coordinate adaptive step suits such sparse, rare-row gradients
+# better than a spectral one. The output head's gradient is dense (the softmax reaches every row),
+# but it too trains better on AdamW in practice (the Muon write-up and Moonlight keep it there);
+# HyMo ties the two, so the one matrix goes to AdamW. 1-D parameters
 # (norm gains, biases, `A_log`, `dt_bias`): a vector has no singular directions; they also get no
 # weight decay, since shrinking them changes what the layer computes. Depthwise convolution
 # kernels: each channel's taps are an independent filter, not a linear map between hidden spaces.
