@@ -269,12 +269,13 @@ def validate_training(t: TrainingConfig):
         if not 0 <= b < 1: raise ConfigError(f"train.{name}={b} must be in [0, 1)")
     if not 0 <= t.min_lr_ratio <= 1: raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]: the decay ends at this fraction of the peak")
     if not 0 <= t.decay_fraction <= 1: raise ConfigError(f"train.decay_fraction={t.decay_fraction} must be in [0, 1]")
-    for name in ("muon_lr", "adamw_lr"):  # decoupled decay multiplies the weights by 1 − lr·weight_decay at the peak
-        if getattr(t, name) * t.weight_decay >= 1:
-            raise ConfigError(f"train.weight_decay={t.weight_decay} with train.{name}={getattr(t, name)}: each step would multiply "
-                              f"the weights by 1 − {name}·weight_decay = {1 - getattr(t, name) * t.weight_decay:.3g}, "
-                              f"{'zeroing' if getattr(t, name) * t.weight_decay == 1 else 'flipping'} them; "
-                              f"give weight_decay < {1 / getattr(t, name):.3g} (0.1 is usual)")
+    name = max(("muon_lr", "adamw_lr"), key=lambda n: getattr(t, n))  # decoupled decay: weights × (1 − lr·weight_decay)
+    if (lr := getattr(t, name)) * t.weight_decay >= 1:
+        bound = 10 ** (math.floor(math.log10(1 / lr)) - 2)  # 1/lr rounded down to three digits: a bound that holds
+        raise ConfigError(f"train.weight_decay={t.weight_decay} with train.{name}={lr}: each step would multiply the weights "
+                          f"by 1 − {name}·weight_decay = {1 - lr * t.weight_decay:.3g}, "
+                          f"{'zeroing' if lr * t.weight_decay == 1 else 'flipping'} them; give weight_decay < "
+                          f"{math.floor(1 / lr / bound) * bound:.3g} (0.1 is usual)")
     decay_start = t.max_steps - t.decay_steps  # as in the WSD schedule
     if t.warmup_steps > decay_start:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
@@ -349,17 +350,21 @@ class _KeyTwice(yaml.YAMLError): pass
 
 class _UniqueKeys(yaml.SafeLoader):
     "YAML's safe loader, refusing a key given twice in one mapping: plain YAML keeps the last one without a word."
-    def construct_mapping(self, node, deep=False):
-        lines = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge": continue  # `<<: *base` merges, and may be overridden
-            key = self.construct_object(key_node, deep=True)
-            try: first = lines.setdefault(key, key_node.start_mark.line + 1)
-            except TypeError: continue  # an unhashable key: the safe loader's own error says so
-            if first != key_node.start_mark.line + 1:
-                raise _KeyTwice(f"'{key}' is given twice (lines {first} and {key_node.start_mark.line + 1}); YAML would "
-                                "keep the second without a word: keep one")
-        return super().construct_mapping(node, deep)
+    def flatten_mapping(self, node):  # every mapping comes here before `<<: *base` merges rewrite it (a merged one first)
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            lines = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge": continue  # merged keys may be overridden
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try: first = lines.get(key)
+                except TypeError: continue  # an unhashable key: the safe loader's own error says so
+                if first is not None:
+                    where = f"line {line}" if first == line else f"lines {first} and {line}"
+                    raise _KeyTwice(f"'{key}' is given twice ({where}); YAML would keep the second without a word: keep one")
+                lines[key] = line
+        super().flatten_mapping(node)
 
 
 def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:

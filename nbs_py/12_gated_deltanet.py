@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
@@ -63,13 +64,14 @@ torch.manual_seed(0)
 # %%
 #| export
 def _check_cu_seqlens(cu_seqlens, B: int, T: int,
-                      read: bool = True, # Also check the values: one read, which on a GPU waits for it
+                      read: bool | None = True, # Also check the values: one read, which on a GPU waits for it; None: on a CPU only
                      ) -> int:
     "Raise `ValueError` unless `cu_seqlens` packs documents into one row of T tokens; return their number N."
     if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}; flatten the batch first")
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor of document boundaries, e.g. torch.tensor([0, {T}]) for one document; "
                          f"got {cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+    if read is None: read = cu_seqlens.device.type == "cpu"
     if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or read and bool(  # one read of a GPU tensor, not three: each read waits
             (cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens.diff() < 0).any()):
         raise ValueError(f"cu_seqlens must be a non-decreasing [N+1] tensor from 0 to T={T}; got {cu_seqlens.tolist()}")
@@ -368,7 +370,9 @@ def chunk_gated_delta_rule_torch(
 ):
     "The gated delta rule by chunks (WY representation, UT transform) in fp32 PyTorch. Returns `(o [B, T, H, V], final_state or None)`."
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    if not isinstance(chunk_size, int) or chunk_size < 1: raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
+    chunk_size = int(chunk_size)
     B, T, H, K = q.shape
     scale = K ** -0.5 if scale is None else scale
     dtype, acc = v.dtype, torch.promote_types(v.dtype, torch.float32)  # fp32 inside (fp64 stays fp64, for checks)
@@ -523,7 +527,9 @@ for T in (256, 1024):
 # two, where cuDNN's depthwise `conv1d` backward took 1.35 ms per layer in an early 750M profile
 # (its table is not kept). The
 # shapes never depend on the values, so a decoding step can be captured as a CUDA graph
-# (chapter 41). Packed documents (`cu_seqlens`) gather the $W$ taps of every token by index.
+# (chapter 41). Packed documents (`cu_seqlens`) gather the $W$ taps of every token by index; their
+# boundaries' values are checked where reading them is free, on a CPU (on a GPU the read would wait
+# for it, and in the mixer the rule that follows reads them).
 
 # %%
 #| export
@@ -545,18 +551,18 @@ def causal_conv1d(
         y = sum(xf[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype)  # summed in fp32, rounded once
         return y, (xp[:, T:].clone() if output_final_state else None)    # the new cache: the last W-1 inputs (a copy,
                                                                           # not a view that would keep all of xp alive)
-    N, n_tok, dev = _check_cu_seqlens(cu_seqlens, B, T), x.shape[1], x.device
+    N, dev = _check_cu_seqlens(cu_seqlens, B, T, read=None), x.device  # a GPU's values: the rule reads them
     lens = cu_seqlens.diff()
     cache = x.new_zeros(N, W - 1, C) if cache is None else cache
     if cache.shape != (N, W - 1, C): raise ValueError(f"the conv cache must be [{N}, {W - 1}, {C}]; got {tuple(cache.shape)}")
-    buf = torch.cat([cache.reshape(N * (W - 1), C), x[0]])                  # (N(W-1) + n_tok, C): caches, then tokens
-    doc = torch.repeat_interleave(torch.arange(N, device=dev), lens)       # (n_tok,) document of each token
+    buf = torch.cat([cache.reshape(N * (W - 1), C), x[0]])                  # (N(W-1) + T, C): caches, then tokens
+    doc = torch.repeat_interleave(torch.arange(N, device=dev), lens)       # (T,) document of each token
 
     def src(d, rel):  # row of buf holding the input at position `rel` (may be negative) of document d
         return torch.where(rel >= 0, N * (W - 1) + cu_seqlens[d] + rel, d * (W - 1) + (W - 1) + rel)
 
-    pos = torch.arange(n_tok, device=dev) - cu_seqlens[doc]                 # (n_tok,) position inside the document
-    taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (n_tok, W, C): x_t, x_{t-1}, ...
+    pos = torch.arange(T, device=dev) - cu_seqlens[doc]                    # (T,) position inside the document
+    taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (T, W, C): x_t, x_{t-1}, ...
     y = (taps * weight.flip(-1).T).sum(1).view(1, T, C)                    # (B, T, C)
     new_cache = None
     if output_final_state:

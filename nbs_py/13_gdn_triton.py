@@ -1206,7 +1206,7 @@ print(f"round 12 ({k12['meta']['date']}):", ", ".join(f"{n} {v:.3f}" for n, v in
 # %% [markdown]
 # Parity on the GPU, relative RMSE $\lVert \text{ref} - \text{out}\rVert_2 / \lVert\text{ref}\rVert_2$
 # against the fp32 loop on the same bf16 inputs. With these rows' strong decays the errors are
-# about 0.003: half of that is the one rounding of a bf16 result (a bf16 rounding alone gives a
+# about 0.003: about half of that (by RMSE) is the one rounding of a bf16 result (a bf16 rounding alone gives a
 # relative RMSE of 1.7e-3; the kernels' outputs and gradients are bf16, the reference fp32), the
 # rest the roundings inside the kernels (the bf16 $A$, $U$ and state as product operands, above).
 # The targets were 0.005 for $o$ and the state and 0.01 for the gradients.

@@ -30,6 +30,7 @@
 #| export
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -436,8 +437,10 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
     if cdt == torch.float16:
         raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "
                         "scaling); use bf16 autocast or fp32")
-    if chunk_rows is not None and not (isinstance(chunk_rows, int) and chunk_rows > 0):  # 0 or less: no chunk ran, dh unset
+    if chunk_rows is not None and not (isinstance(chunk_rows, numbers.Integral) and not isinstance(chunk_rows, bool)
+                                       and chunk_rows > 0):  # 0 or less: no chunk ran, dh unset
         raise ValueError(f"chunk_rows={chunk_rows!r} must be a positive int, or None for about 1 GB of fp32 logits a chunk")
+    chunk_rows = None if chunk_rows is None else int(chunk_rows)
     chunk = chunk_rows or max(1, 2 ** 28 // weight.shape[0])
     with torch.autocast(dev, enabled=False):
         return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]).to(cdt), weight.to(cdt), targets.reshape(-1), chunk,

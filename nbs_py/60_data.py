@@ -486,10 +486,11 @@ def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
     d = Path(data_dir)
     m = d / "manifest.json"
-    old = [p for p in _left_behind(d) if ".old-" in p.name and (p / "manifest.json").is_file()]
-    if not d.exists() and old:  # stopped between `_install`'s two renames: the dataset is there, under another name
-        raise DataError(f"{data_dir} does not exist, but {old[-1]} holds the dataset that was there (a prepare into it was "
-                        f"stopped as it swapped the folders): rename it back (mv {old[-1]} {data_dir}), or prepare again")
+    old = [] if d.exists() else [p for p in _left_behind(d) if ".old-" in p.name and (p / "manifest.json").is_file()]
+    if old:  # stopped between `_install`'s two renames: the dataset is there, under another name
+        old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
+        raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
+                        f"stopped as it swapped the folders): rename it back (mv {old} {data_dir}), or prepare again")
     if not m.exists():  # texts not prepared yet (a file, or a folder of them): prepare them into a folder of their own
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
         out = d.with_name(f"{d.with_suffix('').name if d.is_file() else d.name}_prepared")

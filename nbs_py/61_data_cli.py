@@ -98,8 +98,10 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                 try: out = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                                    doc_split=args.doc_split, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
                                    overwrite=args.overwrite, progress=not args.no_progress)
-                finally:
-                    for w in said: print(f"warning: {w.message}", file=sys.stderr)
+                finally:  # others (from tokenizers, pyarrow) as Python shows them
+                    for w in said:
+                        if issubclass(w.category, DataWarning): print(f"warning: {w.message}", file=sys.stderr)
+                        else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             m = load_manifest(out)
             print(f"{out}: vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))

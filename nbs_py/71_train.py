@@ -54,7 +54,7 @@ from pathlib import Path
 
 import yaml
 
-from hymo.config import ConfigError, ModelConfig, TrainingConfig, load_config, presets
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, load_config, presets
 from hymo.training.data import DataError
 
 # %%
@@ -138,9 +138,11 @@ def design_defaults_note(config: str) -> str | None:
     if config in presets(): return None
     _, chain = _read_with_bases(config)
     if len(chain) > 1: return None  # its base sets the rest
-    unset = [f.name for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)) for f in dataclasses.fields(cls)
+    unset = [(sec, f.name) for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)) for f in dataclasses.fields(cls)
              if f.name not in (chain[0].get(sec) or {})]
-    if not unset: return None  # a printed config (a run's config.yaml) sets every value
+    tiny, design = load_config("hymo_tiny"), Config()
+    if all(getattr(getattr(tiny, s), n) == getattr(getattr(design, s), n) for s, n in unset):
+        return None  # a printed config sets every value; a preset, or a copy of hymo_tiny, leaves only values they share
     return (f"note: {config} has no 'base:', so the {len(unset)} values it does not set are the design defaults "
             f"(hymo_750m's: seq_len={TrainingConfig.seq_len}, dim={ModelConfig.dim}, ...); to change hymo_tiny instead, "
             f"add the line 'base: hymo_tiny'")

@@ -271,7 +271,7 @@ if tl_row:
 #   the round's first machine** (a second ran the all-MLA variant). Rounds 26 and 27 had no GPU.
 #   The step's one change since round 25:
 #   NorMuon leaves a matrix with no gradient this step (an expert that got no token) where it is
-#   (chapter 50); its step took 88.1 ms of GPU time (85.3 ms in round 18, on another machine;
+#   (chapter 50); its step took 88.1 ms of GPU time (85.3–86.0 ms in round 18, on another machine;
 #   `optim_step.json`). Measured too: activation checkpointing and all-MLA at the preset's 32
 #   micro-batches (above), the PyTorch GDN path (above: 2.56×) and the GDN kernels' parity under
 #   three decay regimes (below). A profile of the PyTorch path on that machine did not finish
@@ -293,7 +293,7 @@ if tl_row:
 #   round made the trainer's checkpoints and run folders safer on several ranks (chapter 70) and
 #   checked on the GPU that the one-GPU trainer, model, MLA, MTP and cross-entropy tests pass there
 #   (102 passed; one CPU-only refusal test now forces the CPU). This machine's PyTorch path was
-#   faster than most (26.9 s against 29.3 s in round 16 and 34–35 s in rounds 15, 18 and 19), so the ratio fell below 5× with no
+#   faster than most (26.9 s against 29.3 s in round 16 and 34–35.5 s in rounds 15, 18 and 19), so the ratio fell below 5× with no
 #   change to either path: the host sets that path's speed.
 # * **Round 20: no change to the step; 6.500 s (36.1 %, 50.6 GB) on the round's one machine.** The
 #   round fixed the trainer's resume and command line (chapters 70 and 71: damaged checkpoints,

@@ -340,3 +340,28 @@ def test_a_config_file_without_base_is_said_to_start_from_the_design_defaults(tm
     (tmp_path / "printed.yaml").write_text(str(load_config("hymo_tiny")))  # a run's config.yaml sets every value
     assert design_defaults_note(str(tmp_path / "based.yaml")) is None and design_defaults_note(str(tmp_path / "printed.yaml")) is None
     assert design_defaults_note("hymo_tiny") is None
+    from hymo.config import PRESET_DIR
+    assert design_defaults_note(str(PRESET_DIR / "hymo_tiny.yaml")) is None  # a preset's own file: nothing unset differs
+
+
+def test_duplicate_keys_on_one_line_and_yaml_merges(tmp_path):
+    "A flow mapping's key twice on one line is refused; `<<: *base` merges, overridden or nested, are not duplicates."
+    p = tmp_path / "c.yaml"
+    p.write_text("base: hymo_tiny\ntrain: {adamw_lr: 0.01, seed: 5, adamw_lr: 0.002}\n")
+    with pytest.raises(ConfigError, match=r"'adamw_lr' is given twice \(line 2\)"):
+        load_config(str(p))
+    p.write_text("base: hymo_tiny\ntrain: &t {seed: 5, max_steps: 200}\nmodel:\n  dim: 64\n")
+    assert load_config(str(p)).train.seed == 5
+    from hymo.config import _UniqueKeys
+    nested = "b: &B {x: 1}\na: &A {<<: *B, x: 2}\nc: {<<: *A, y: 3}\n"  # A merged into c after its own override of B's x
+    assert yaml.load(nested, Loader=_UniqueKeys)["c"] == {"x": 2, "y": 3}
+
+
+def test_the_weight_decay_bound_it_names_holds_for_both_learning_rates():
+    import math
+    with pytest.raises(ConfigError, match=r"train.adamw_lr=0.1: .*give weight_decay < 10 ") as e:
+        load_config("hymo_tiny", muon_lr=0.06, adamw_lr=0.1, weight_decay=15.0)  # the larger rate sets the bound
+    with pytest.raises(ConfigError) as e:
+        load_config("hymo_tiny", muon_lr=0.06, adamw_lr=0.001, weight_decay=17.0)
+    bound = float(str(e.value).split("give weight_decay < ")[1].split()[0])
+    assert bound <= 1 / 0.06 and load_config("hymo_tiny", muon_lr=0.06, adamw_lr=0.001, weight_decay=bound).train.weight_decay == bound

@@ -116,6 +116,9 @@ def test_bad_shapes_have_clear_errors():
         chunk_gated_delta_rule_torch(q, k, v.long(), g, beta)
     with pytest.raises(ValueError, match="chunk_size=64.0 must be a positive int"):
         chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=64.0)
+    import numpy as np
+    torch.testing.assert_close(chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=np.int64(16))[0],
+                               chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=16)[0])
 
 
 @pytest.mark.parametrize("cu", [None, [0], [0, 0], [0, 0, 40, 40, 90]], ids=["T0", "no_document", "one_empty", "empty_among"])

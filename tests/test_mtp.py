@@ -252,5 +252,7 @@ def test_mtp_refuses_inputs_it_would_misread(cfg):
     with pytest.raises(ValueError, match="mtp_loss_weights has 2 entries but mtp_depth=3"):
         MultiTokenPrediction(ModelConfig(dim=16, mtp_inter_dim=8, mtp_depth=3))  # a config not through load_config
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
-    for bad in (0, -1, 2.5):
+    import numpy as np
+    torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=np.int64(3)), F.cross_entropy(h @ w.T, t))
+    for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="chunk_rows=.* must be a positive int"): linear_cross_entropy(h, w, t, chunk_rows=bad)

@@ -255,7 +255,7 @@ def triton_conv_silu_norm(
     if weight.ndim != 2 or weight.shape[0] != C:
         raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
     if cu_seqlens is not None:  # the values only where reading them is free: on a GPU the mixer's rule reads them next
-        _check_cu_seqlens(cu_seqlens, B, T, read=cu_seqlens.device.type == "cpu")
+        _check_cu_seqlens(cu_seqlens, B, T, read=None)
     if B * T * max(C, qkv.stride(1)) >= 2 ** 31:
         raise ValueError(f"qkv spans {B} x {T} x {max(C, qkv.stride(1))} elements, past the kernels' int32 offsets; "
                          "split the batch or the sequence")
