@@ -303,6 +303,15 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused(tmp_path):
         load_config(str(p))
     p.write_text("base: hymo_tiny\nmodel:\n  dim: 64\ntrain:\n  adamw_lr: 0.01\n")  # the same keys in two sections are fine
     assert load_config(str(p)).train.adamw_lr == 0.01
+    # a flow mapping's key twice on one line too; `<<: *base` merges, overridden or nested, are not duplicates
+    p.write_text("base: hymo_tiny\ntrain: {adamw_lr: 0.01, seed: 5, adamw_lr: 0.002}\n")
+    with pytest.raises(ConfigError, match=r"'adamw_lr' is given twice \(line 2\)"):
+        load_config(str(p))
+    p.write_text("base: hymo_tiny\ntrain: &t {seed: 5, max_steps: 200}\nmodel:\n  dim: 64\n")
+    assert load_config(str(p)).train.seed == 5
+    from hymo.config import _UniqueKeys
+    nested = "b: &B {x: 1}\na: &A {<<: *B, x: 2}\nc: {<<: *A, y: 3}\n"  # A merged into c after its own override of B's x
+    assert yaml.load(nested, Loader=_UniqueKeys)["c"] == {"x": 2, "y": 3}
 
 
 def test_a_key_set_twice_by_overrides_is_refused():
@@ -342,19 +351,6 @@ def test_a_config_file_without_base_is_said_to_start_from_the_design_defaults(tm
     assert design_defaults_note("hymo_tiny") is None
     from hymo.config import PRESET_DIR
     assert design_defaults_note(str(PRESET_DIR / "hymo_tiny.yaml")) is None  # a preset's own file: nothing unset differs
-
-
-def test_duplicate_keys_on_one_line_and_yaml_merges(tmp_path):
-    "A flow mapping's key twice on one line is refused; `<<: *base` merges, overridden or nested, are not duplicates."
-    p = tmp_path / "c.yaml"
-    p.write_text("base: hymo_tiny\ntrain: {adamw_lr: 0.01, seed: 5, adamw_lr: 0.002}\n")
-    with pytest.raises(ConfigError, match=r"'adamw_lr' is given twice \(line 2\)"):
-        load_config(str(p))
-    p.write_text("base: hymo_tiny\ntrain: &t {seed: 5, max_steps: 200}\nmodel:\n  dim: 64\n")
-    assert load_config(str(p)).train.seed == 5
-    from hymo.config import _UniqueKeys
-    nested = "b: &B {x: 1}\na: &A {<<: *B, x: 2}\nc: {<<: *A, y: 3}\n"  # A merged into c after its own override of B's x
-    assert yaml.load(nested, Loader=_UniqueKeys)["c"] == {"x": 2, "y": 3}
 
 
 def test_the_weight_decay_bound_it_names_holds_for_both_learning_rates():
