@@ -62,6 +62,7 @@ CHILD = textwrap.dedent('''
            "padded_heads_W3": prelude(1, 45, 2, 12, 20, W=3, seed=1),
            "packed": prelude(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=2),
            "short_docs": prelude(1, 40, 2, 16, 16, cu=torch.tensor([0, 1, 3, 4, 20, 40]), seed=5),  # shorter than W
+           "two_dw_rows": prelude(1, 530, 1, 16, 16, seed=6),  # the default tiles: dw sums two RT=512 blocks, one partial
            "bf16": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3),
            "mixer": mixer(),
            "mixer_packed": mixer(cu=torch.tensor([0, 37, 100]), seed=1)}
@@ -82,7 +83,7 @@ def _check(case, tol):
         assert err <= tol, f"{name}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("name", ["odd_T", "small_tiles", "padded_heads_W3", "packed", "short_docs"])
+@pytest.mark.parametrize("name", ["odd_T", "small_tiles", "padded_heads_W3", "packed", "short_docs", "two_dw_rows"])
 def test_prelude_outputs_and_gradients_match_pytorch(errors, name):
     "fp32: q, k, v and the gradients of the input and the conv weights, to fp32 rounding."
     _check(errors[name], 1e-5)
