@@ -443,6 +443,21 @@ def lock_run_dir(run_dir: Path) -> str | None:
     return None
 
 
+def run_dir_holder(run_dir: Path) -> str | None:
+    "Who trains in `run_dir` now (its `.lock` held by a live process), without taking the lock; None if no one."
+    import fcntl
+    held = _HELD_LOCKS.get(Path(run_dir).resolve())
+    if held is not None and _same_file(held, Path(run_dir) / ".lock"): return None  # this process: a trainer in a notebook
+    try: f = open(Path(run_dir) / ".lock")  # read-only: never made here
+    except OSError: return None
+    with f:
+        try: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError: return f.read().strip() or "another process"
+        except OSError: return None  # a file system without flock: no one can be seen
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
 def _same_file(f, path: Path) -> bool:
     "Whether the open file `f` is still the file at `path` (not one of a folder deleted and made again)."
     try: return os.fstat(f.fileno()).st_ino == path.stat().st_ino

@@ -191,16 +191,20 @@ class _Stream:
 # `--tokens` is an upper bound: the text ends where the model draws the end-of-text token. The
 # command reads the folder's exported model, which `finish` writes at the end of a run; a finished
 # run that was resumed to more steps and stopped before its end still holds the old model beside
-# newer checkpoints, and the command says so on stderr rather than pass the old model off as the
-# run's.
+# newer checkpoints, and one being resumed now holds it until it finishes; the command says so on
+# stderr rather than pass the old model off as the run's latest.
 
 # %%
 #| export
 def newer_checkpoint_note(run_dir: str | Path) -> str | None:
-    "A note when the run's exported model is older than its newest checkpoint: a finished run resumed, not finished again."
-    from hymo.training.trainer import _json_dict, checkpoint_step, list_checkpoints
+    """A note when the run's exported model may not be its latest: a finished run resumed to more steps (newer
+    checkpoints beside it), or a process training in the folder now."""
+    from hymo.training.trainer import _json_dict, checkpoint_step, list_checkpoints, run_dir_holder
     run = Path(run_dir)
     step, ckpts = (_json_dict(run / "summary.json") or {}).get("step"), list_checkpoints(run)
+    if who := run_dir_holder(run):
+        return (f"note: a run is training in {run} now ({who}): {run / 'model.safetensors'} is the model of step {step}, "
+                f"the last one it exported")
     if not isinstance(step, int) or not ckpts or checkpoint_step(ckpts[-1]) <= step: return None
     return (f"note: {run / 'model.safetensors'} is the model of step {step}, but the run has checkpoints up to step "
             f"{checkpoint_step(ckpts[-1])}: it was resumed and has not finished; the train command that resumed it "

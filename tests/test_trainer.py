@@ -1288,6 +1288,14 @@ def test_a_stop_during_the_last_step_says_the_final_model_is_still_to_write(tmp_
         f"the same command resumes from {run / 'checkpoints' / 'step_000005'} and writes it" in out, out[-1500:]
     assert json.loads((run / "summary.json").read_text())["step"] == 3
     assert "is the model of step 3, but the run has checkpoints up to step 5" in newer_checkpoint_note(run)
+    import fcntl
+    from hymo.training import trainer as tr
+    tr._HELD_LOCKS.pop(run.resolve()).close()  # this process's trainers are done with the folder ...
+    assert newer_checkpoint_note(run) is not None and "training in" not in newer_checkpoint_note(run)
+    with open(run / ".lock", "a+") as held:  # ... and another process trains in it now (its lock held)
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 12345 on somehost\n"); held.flush()
+        assert "a run is training in" in newer_checkpoint_note(run) and "pid 12345 on somehost" in newer_checkpoint_note(run)
     monkeypatch.setattr(Trainer, "train_step", real)
     main(_cli_args(str(run), max_steps=5))
     assert json.loads((run / "summary.json").read_text())["step"] == 5 and newer_checkpoint_note(run) is None

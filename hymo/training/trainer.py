@@ -40,10 +40,10 @@ from .optim import build_optimizers, wsd_schedule
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'CPU_FLOPS', 'Dist', 'setup_distributed', 'new_run_dir',
            'parallelize', 'resolve_precision', 'peak_flops', 'list_checkpoints', 'cut_short_renames', 'checkpoint_step',
            'CheckpointUnreadable', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics',
-           'split_micro_batches', 'lock_run_dir', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
-           'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
-           'metric_line', 'StopSignals', 'fit', 'request_stop', 'json_line', 'finish', 'write_safetensors', 'sample',
-           'plot_losses']
+           'split_micro_batches', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into',
+           'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step',
+           'evaluate', 'save', 'load', 'metric_line', 'StopSignals', 'fit', 'request_stop', 'json_line', 'finish',
+           'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -303,6 +303,21 @@ def lock_run_dir(run_dir: Path) -> str | None:
         return who
     f.seek(0); f.truncate(); f.write(f"pid {os.getpid()} on {socket.gethostname()}\n"); f.flush()
     _HELD_LOCKS[key] = f
+    return None
+
+
+def run_dir_holder(run_dir: Path) -> str | None:
+    "Who trains in `run_dir` now (its `.lock` held by a live process), without taking the lock; None if no one."
+    import fcntl
+    held = _HELD_LOCKS.get(Path(run_dir).resolve())
+    if held is not None and _same_file(held, Path(run_dir) / ".lock"): return None  # this process: a trainer in a notebook
+    try: f = open(Path(run_dir) / ".lock")  # read-only: never made here
+    except OSError: return None
+    with f:
+        try: fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError: return f.read().strip() or "another process"
+        except OSError: return None  # a file system without flock: no one can be seen
+        fcntl.flock(f, fcntl.LOCK_UN)
     return None
 
 
