@@ -353,3 +353,21 @@ def test_mla_module_takes_the_varlen_path_with_its_own_layouts(monkeypatch):
     assert calls == [1]
     for a, b in zip(*res):
         assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
+
+
+@torch.no_grad()
+def test_a_nope_layer_decodes_as_its_forward():
+    "A NoPE layer's decoding must skip RoPE too: prompt then single tokens equal the whole forward."
+    cfg = load_config("hymo_tiny", nope_layers=[3], moe_capacity_factor=None).model
+    m, x = randomize_(MultiHeadLatentAttention(cfg, layer_idx=3)), x_(2, 9)
+    cache = MLACache.empty(cfg, 2, 9)
+    y = torch.cat([m.forward_decode(x[:, :5], cache)] + [m.forward_decode(x[:, t:t + 1], cache) for t in range(5, 9)], 1)
+    assert (y - m(x)).abs().max() <= 1e-5
+
+
+def test_positions_with_document_boundaries_are_refused():
+    m = MultiHeadLatentAttention(load_config("hymo_tiny").model)
+    with pytest.raises(ValueError, match="not both"):
+        m(x_(1, 20), cu_seqlens=torch.tensor([0, 7, 20]), positions=torch.arange(20))
+    with pytest.raises(ValueError, match="one position per token"):
+        apply_rope(torch.randn(1, 4, 1, 8), *rope_cos_sin(torch.tensor([0]), 8))

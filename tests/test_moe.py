@@ -304,3 +304,28 @@ def test_activation_checkpointing_counts_twice_but_steers_the_same(balance):
     assert torch.equal(ckpt[0].gate_bias, plain[0].gate_bias) and plain[0].gate_bias.abs().sum() > 0
     assert ckpt[2] == plain[2]
     torch.testing.assert_close(ckpt[0].ema_counts, 2 * plain[0].ema_counts)
+
+
+def test_drops_are_counted_per_assignment_not_per_token():
+    "Every token picks experts 0 and 1 and most lose both: the count is of (token, expert) pairs dropped."
+    moe = make(moe_capacity_factor=0.5).train()
+    mu = F.normalize(torch.randn(moe.dim), dim=0)
+    with torch.no_grad(): moe.gate.weight.zero_(); moe.gate.weight[0] += 5 * mu; moe.gate.weight[1] += 4 * mu
+    x = torch.randn(1, 64, moe.dim) * 0.1 + mu
+    idx, _, _ = moe.route(x.view(64, -1))
+    assert set(idx.flatten().tolist()) == {0, 1}
+    C = moe.capacity(64)  # each of experts 0 and 1 keeps C of its 64 assignments
+    moe(x)
+    assert int(moe.dropped_tokens) == 2 * (64 - C)
+    torch.testing.assert_close(moe.update_gate_bias()["moe_drop_frac"], torch.tensor(2 * (64 - C) / 128))
+
+
+@torch.no_grad()
+def test_decoding_takes_the_gathered_path_up_to_one_assignment_per_expert(monkeypatch):
+    "At N·k == E (the boundary) eval runs the gathered path (the one a CUDA graph records), and equals the reference."
+    import hymo.models.moe as moe_mod
+    moe, calls, real = make().eval(), [], moe_mod.experts_gathered
+    monkeypatch.setattr(moe_mod, "experts_gathered", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(1, moe.n_routed // moe.top_k, moe.dim)
+    torch.testing.assert_close(moe(x), dense_reference(moe, x), atol=1e-5, rtol=1e-4)
+    assert calls == [1]
