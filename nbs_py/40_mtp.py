@@ -565,8 +565,8 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 # of the graph; only the scalar that multiplies it downstream (the MTP weight, $1/\text{accum}$)
 # arrives later. So `linear_cross_entropy` forms $\partial L/\partial h$ and
 # $\partial L/\partial W$ chunk by chunk in the forward and its backward just scales them. At the
-# 750M shape this removed three 1 G-entry logit tensors and took the step's peak from 92 GB to
-# 73 GB (47 GB compiled), at the same matrix FLOPs.
+# 750M shape this removed three 1 G-entry logit tensors and took the peak of a one-micro-batch step
+# from 92 GB to 73 GB (47 GB compiled; round 2, `train_step.json`), at the same matrix FLOPs.
 # :::
 #
 # ::: {.callout-tip collapse="true"}
