@@ -78,8 +78,8 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int,
     return len(cu_seqlens) - 1
 
 
-def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
-    "Raise `ValueError` naming the argument whose shape does not fit the `[B, T, H, D]` layout."
+def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
+    "Raise `ValueError` naming the argument whose shape does not fit the `[B, T, H, D]` layout; return the number of sequences."
     if q.ndim != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     B, T, H, K = q.shape
@@ -93,6 +93,7 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens):
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = "
                          f"[{n}, {H}, {K}, {v.shape[-1]}]; got {tuple(initial_state.shape)}")
+    return n
 
 
 # %% [markdown]

@@ -430,9 +430,8 @@ RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints", "wandb")  # one of these i
 def lock_run_dir(run_dir: Path) -> str | None:
     "Lock `run_dir/.lock` for this process; None if it is ours now, else who holds it."
     import fcntl, socket
+    if _held_here(run_dir): return None
     key = Path(run_dir).resolve()
-    held = _HELD_LOCKS.get(key)
-    if held is not None and _same_file(held, key / ".lock"): return None
     f = open(key / ".lock", "a+")
     try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -446,8 +445,7 @@ def lock_run_dir(run_dir: Path) -> str | None:
 def run_dir_holder(run_dir: Path) -> str | None:
     "Who trains in `run_dir` now (its `.lock` held by a live process), without taking the lock; None if no one."
     import fcntl
-    held = _HELD_LOCKS.get(Path(run_dir).resolve())
-    if held is not None and _same_file(held, Path(run_dir) / ".lock"): return None  # this process: a trainer in a notebook
+    if _held_here(run_dir): return None  # this process: a trainer in a notebook
     try: f = open(Path(run_dir) / ".lock")  # read-only: never made here
     except OSError: return None
     with f:
@@ -456,6 +454,12 @@ def run_dir_holder(run_dir: Path) -> str | None:
         except OSError: return None  # a file system without flock: no one can be seen
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
+
+
+def _held_here(run_dir: Path) -> bool:
+    "Whether this process holds `run_dir`'s lock (the open `.lock` is still that folder's file)."
+    held = _HELD_LOCKS.get(Path(run_dir).resolve())
+    return held is not None and _same_file(held, Path(run_dir).resolve() / ".lock")
 
 
 def _same_file(f, path: Path) -> bool:

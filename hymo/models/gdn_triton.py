@@ -593,12 +593,11 @@ def _pad_last(x: Optional[torch.Tensor], *sizes: int) -> Optional[torch.Tensor]:
 
 def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     "Check and pad: `(q, k, v, g, beta, scale, initial_state, cu_seqlens)` ready for the kernels."
-    _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    N = _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # sequences: B, or the packed row's documents
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
     (B, T, H, K), V = q.shape, v.shape[-1]
     Kp, Vp = _padded(K), _padded(V)
-    N = B if cu_seqlens is None else len(cu_seqlens) - 1
     if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)
         raise ValueError(f"{max(B, N)} sequences x {H} heads: more programs than a CUDA grid's second axis holds (65 535); "
                          "split the batch, or the packed row's documents, into several calls")

@@ -280,16 +280,16 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
     return manifest
 
 # %% ../../nbs/60_data.ipynb #3a6f78ab
-def _left_behind(out: Path) -> list[Path]:
+def _left_behind(out: Path, kinds=("tmp", "old")) -> list[Path]:
     "Folders a stopped `prepare` of `out` left beside it: its work in progress (`.tmp-*`), the dataset it replaced (`.old-*`)."
-    return sorted(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")) + sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*"))
+    return [p for kind in kinds for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"))]
 
 
 def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
     d = Path(data_dir)
     m = d / "manifest.json"
-    old = [] if d.exists() else [p for p in _left_behind(d) if ".old-" in p.name and (p / "manifest.json").is_file()]
+    old = [] if d.exists() else [p for p in _left_behind(d, ("old",)) if (p / "manifest.json").is_file()]
     if old:  # stopped between `_install`'s two renames: the dataset is there, under another name
         old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
         raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
