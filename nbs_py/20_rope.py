@@ -30,6 +30,8 @@ import math
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 
+torch.manual_seed(0)  # the checks below draw random vectors
+
 
 # %% [markdown]
 # ## One pair of dimensions is one rotation
@@ -40,10 +42,12 @@ from fastcore.test import test_eq, test_close, test_fail
 # Rotations compose by adding angles and their transpose is their inverse, so for a query $q$ at
 # position $m$ and a key $k$ at position $n$
 # $$\big(R(m\theta) q\big)^\top \big(R(n\theta) k\big) = q^\top R(m\theta)^\top R(n\theta)\, k = q^\top R\big((n-m)\theta\big)\, k .$$
-# The score depends on $n - m$ only. One angle per pair would wrap around quickly, so a $d$-dimensional
-# head is cut into $d/2$ pairs, pair $i$ turning at its own frequency
+# The score depends on $n - m$ only. A rotation turns a plane, so a $d$-dimensional head is cut into
+# $d/2$ pairs of dimensions. If every pair turned at the same frequency $\theta$, the scores would
+# repeat every $2\pi/\theta$ tokens; so pair $i$ turns at its own frequency
 # $$\theta_i = \text{theta}^{-2i/d}, \qquad i = 0, \dots, d/2 - 1,$$
-# from one radian per token ($i = 0$) down to about $1/\text{theta}$ radians per token. The full
+# from one radian per token ($i = 0$) down to $\text{theta}^{-(d-2)/d}$, just above
+# $1/\text{theta}$ ($1.8 \times 10^{-4}$ radians per token at $d = 32$ and theta $= 10^4$). The full
 # rotation $R_m$ is block-diagonal with the $2\times2$ blocks $R(m\theta_i)$.
 #
 # First the naive reference: build $R_m$ as a matrix.
@@ -136,6 +140,23 @@ test_eq(cos.shape, (T, d // 2))
 test_fail(lambda: apply_rope(torch.randn(1, T, H, 10), cos, sin), contains="only the rotated slice")
 test_fail(lambda: apply_rope(x, *rope_cos_sin(torch.tensor([5]), d)), contains="one position per token")  # not broadcast
 test_fail(lambda: rope_inv_freq(7), contains="must be even")
+test_close(rope_inv_freq(32)[-1].item(), 10000 ** (-30 / 32), eps=1e-9)  # the slowest pair: 1.8e-4 rad per token
+
+
+# %% [markdown]
+# Llama's `rotate_half` convention is the same rotation with the dimensions listed in another
+# order: put the even dimensions first and the odd ones after, rotate pair $i$ as
+# $(x_i, x_{i + d/2})$, and undo the reordering.
+
+# %%
+def apply_rope_rotate_half(x, cos, sin):  # Llama's convention: pair i is (x[i], x[i + d/2])
+    x1, x2 = x.chunk(2, -1)
+    cos, sin = (torch.cat((t, t), -1)[..., None, :] for t in (cos, sin))  # (T, 1, d): the same angle on both halves
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+perm = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))  # evens first, then odds
+torch.testing.assert_close(apply_rope_rotate_half(x[..., perm], cos, sin)[..., perm.argsort()], y, atol=1e-6, rtol=0)
+assert (apply_rope_rotate_half(x, cos, sin) - y).abs().max() > 0.1  # without the reordering they differ
 
 # %% [markdown]
 # And the relative-position property holds for the fast form: shift both sequences by the same
@@ -158,8 +179,8 @@ assert (scores(0) - (q[0, :, 0] @ k[0, :, 0].T)).abs().max() > 0.1  # and the ro
 # Angles grow with position, so very long contexts compute them in fp32 at least (never bf16).
 #
 # With $q = k = \mathbf{1}$ the score as a function of the distance $n - m$ is
-# $\sum_i 2\cos((n-m)\theta_i)$: it starts high and oscillates down, the
-# "long-range decay" of the RoFormer paper. The fast pairs average out after a few tokens; only the
+# $\sum_i 2\cos((n-m)\theta_i)$: it starts high and oscillates down, going negative at some
+# distances (RoFormer §3.4.3 proves that an upper bound on such scores decays with distance). The fast pairs average out after a few tokens; only the
 # slow ones keep distant tokens distinguishable.
 
 # %%
@@ -174,14 +195,14 @@ plt.legend(); plt.gcf().set_size_inches(6, 2.8); plt.tight_layout(); plt.show()
 # ## Why RoPE will not go inside a compressed latent
 #
 # Multi-Head Latent Attention caches one small latent $c_s \in \mathbb{R}^{d_c}$ per token instead of
-# every head's key and value, and up-projects it: $k_s = W_{UK} c_s$. Without RoPE, a score is
-# $$q_t^\top k_s = (W_Q x_t)^\top W_{UK} c_s = x_t^\top \underbrace{W_Q^\top W_{UK}}_{\text{fixed}} c_s ,$$
-# so at inference $W_{UK}$ can be *absorbed* into the query side: compute $\tilde q_t = W_{UK}^\top q_t
+# every head's key and value, and up-projects it: $k_s = W^{UK} c_s$. Without RoPE, a score is
+# $$q_t^\top k_s = (W^Q x_t)^\top W^{UK} c_s = x_t^\top \underbrace{W^{Q\top} W^{UK}}_{\text{fixed}} c_s ,$$
+# so at inference $W^{UK}$ can be *absorbed* into the query side: compute $\tilde q_t = W^{UK\top} q_t
 # \in \mathbb{R}^{d_c}$ once per query and dot it with the cached latents directly, never
 # materialising a key. With RoPE on the whole head,
-# $$(R_t W_Q x_t)^\top (R_s W_{UK} c_s) = x_t^\top W_Q^\top R_{s-t} W_{UK} c_s ,$$
+# $$(R_t W^Q x_t)^\top (R_s W^{UK} c_s) = x_t^\top W^{Q\top} R_{s-t} W^{UK} c_s ,$$
 # and the matrix in the middle changes with the distance $s - t$. There is no one matrix to absorb;
-# one would have to cache the rotated keys $R_s W_{UK} c_s$ of every head, which is the full
+# one would have to cache the rotated keys $R_s W^{UK} c_s$ of every head, which is the full
 # multi-head cache MLA was built to avoid. Numerically:
 
 # %%
@@ -218,7 +239,6 @@ q = torch.randn(1, T, H, d_nope + d_rope)
 cos, sin = rope_cos_sin(torch.arange(T), d_rope)
 q_nope, q_rope = q.split([d_nope, d_rope], -1)
 q_rot = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], -1)  # (1, T, H, d_nope + d_rope)
-test_eq(q_rot[..., :d_nope], q[..., :d_nope])   # nope slice untouched
 R2 = torch.block_diag(torch.eye(d_nope, dtype=torch.float64), rope_matrix(2, d_rope))
 torch.testing.assert_close(q_rot[0, 2].double(), q[0, 2].double() @ R2.T, atol=1e-6, rtol=0)  # = diag(I, R_m) q
 
@@ -284,9 +304,9 @@ test_fail(lambda: positions_from_cu_seqlens(torch.tensor([0.0, 8.0]), 8), contai
 #
 # ::: {.callout-tip collapse="true"}
 # ## Why can't MLA apply RoPE to keys up-projected from the cached latent?
-# Because the decode trick of MLA is to absorb $W_{UK}$ into the query: $q^\top W_{UK} c_s$ with
-# $W_{UK}^\top q$ computed once. With RoPE, the score is $x_t^\top W_Q^\top R_{s-t} W_{UK} c_s$: the
-# rotation sits between $W_Q$ and $W_{UK}$ and depends on the distance, so no fixed matrix can be
+# Because the decode trick of MLA is to absorb $W^{UK}$ into the query: $q^\top W^{UK} c_s$ with
+# $W^{UK\top} q$ computed once. With RoPE, the score is $x_t^\top W^{Q\top} R_{s-t} W^{UK} c_s$: the
+# rotation sits between $W^Q$ and $W^{UK}$ and depends on the distance, so no fixed matrix can be
 # absorbed. You would have to cache every head's rotated key, losing the compression. Decoupled RoPE
 # keeps the latent position-free and adds a small rotated key (32 dims in HyMo) shared by all heads.
 # :::

@@ -47,7 +47,8 @@ torch.manual_seed(0);
 # %% [markdown]
 # ## The reference: DeepSeek's MLA in the paper's notation
 #
-# For token $t$ with hidden state $x_t \in \mathbb{R}^D$, heads $h = 1..H$ (DeepSeek-V2, §2.1):
+# For token $t$ with hidden state $x_t \in \mathbb{R}^D$, heads $h = 1..H$ (DeepSeek-V2, §2.1; the two
+# RMSNorms on the latents are added in its §3.1.2 and are in the released code):
 #
 # $$c^Q_t = \mathrm{RMSNorm}(W^{DQ} x_t) \in \mathbb{R}^{d_q}, \qquad
 #   q^C_{t,h} = W^{UQ}_h c^Q_t \in \mathbb{R}^{d_\text{nope}}, \qquad
@@ -512,7 +513,6 @@ print(f"kv_b_proj with G = H (DeepSeek): {kv_b_ds:,}, i.e. +{kv_b_ds - n_params[
 test_eq(n_params["kv_b_proj.weight"], 128 * 4 * (96 + 128))
 test_eq(kv_b_ds, 4 * n_params["kv_b_proj.weight"])
 
-
 # %% [markdown]
 # ## What the grouping costs and saves
 #
@@ -520,21 +520,36 @@ test_eq(kv_b_ds, 4 * n_params["kv_b_proj.weight"])
 # $d_c \to G (d_\text{nope} + d_v)$ and group $g$ serves query heads $gR .. gR+R-1$, $R = H/G$.
 # For the 750M block ($d_c = 128$, $H = 16$, $G = 4$, $d_\text{nope} + d_v = 224$):
 #
-# * **parameters**: `kv_b_proj` has 114,688 weights instead of 458,752; 344 k fewer per block, 2.75 M
-#   over 8 blocks. Small next to the block's 2.75 M attention weights and about 105 M of expert weights.
-# * **training FLOPs**: the up-projection costs $2 d_c G (d_\text{nope} + d_v) = 0.23$ MFLOP per token
-#   instead of 0.92. The attention itself is unchanged: every query head still takes a dot product
-#   with every earlier key, $2 H (d_\text{qk} + d_v) = 8{,}192$ FLOPs per (query, key) pair, about
-#   17 MFLOP per token at an average causal distance of 2048.
+# * **parameters**: `kv_b_proj` has 114,688 weights instead of 458,752: 344 k fewer per block (2.75 M
+#   over 8 blocks), 12.5 % of the block's 2.75 M attention weights and a rounding error next to its
+#   105 M expert weights (chapter 30).
+# * **forward FLOPs** (training costs three times these, forward and backward): the up-projection
+#   costs $2 d_c G (d_\text{nope} + d_v) = 0.23$ MFLOP per token instead of 0.92. The attention itself
+#   is unchanged: every query head still takes a dot product with every earlier key,
+#   $2 H (d_\text{qk} + d_v) = 8{,}192$ FLOPs per (query, key) pair, about 17 MFLOP per token at an
+#   average causal distance of 2048.
 # * **training memory**: keys and values are materialised for 4 groups, not 16 heads (1,024 instead of
 #   4,096 numbers per token, saved for backward), and SDPA reads them without repeating.
 # * **the cache**: identical. Only $c^{KV}$ and $k^R$ are cached, whatever $G$ is.
 # * **decoding**: identical per head. With absorption (below) every query head attends to the latent
 #   directly; grouping only means 4 distinct $W^{UK}$, $W^{UV}$ blocks instead of 16.
 # * **the price**: expressiveness. Four heads share each key and value, so within a group heads can
-#   only differ through their queries. It is a restriction of DeepSeek's MLA (tying, shown above),
-#   so it cannot do better at equal width; the bet is that at 750M scale the saved memory is worth
-#   more than the lost freedom. An ablation with `mla_n_kv_groups=16` tests it.
+#   only differ through their queries. It is a restriction of DeepSeek's MLA (tying, shown above):
+#   at equal width it can express only a subset of what DeepSeek's can. Whether it trains worse is
+#   an empirical question; the bet is that at 750M scale the saved memory is worth more than the
+#   lost freedom, and an ablation with `mla_n_kv_groups=16` measures it.
+
+# %%
+c = cfg750
+saved = kv_b_ds - n_params["kv_b_proj.weight"]
+up_flops = lambda G: 2 * c.mla_kv_lora_rank * G * (c.mla_qk_nope_dim + c.mla_v_head_dim)  # forward, per token
+pair_flops = 2 * c.mla_n_heads * (c.mla_qk_nope_dim + c.mla_qk_rope_dim + c.mla_v_head_dim)  # q.k and p.v per (query, key)
+print(f"kv_b_proj: {saved:,} fewer weights per block ({saved / total:.1%} of its attention weights), "
+      f"{saved * c.layer_types.count('mla') / 1e6:.2f} M over {c.layer_types.count('mla')} blocks")
+print(f"up-projection: {up_flops(c.mla_n_kv_groups) / 1e6:.2f} MFLOP per token (G = H: {up_flops(c.mla_n_heads) / 1e6:.2f}); "
+      f"attention: {pair_flops:,} FLOPs per pair, {pair_flops * 2048 / 1e6:.1f} MFLOP per token at distance 2048")
+test_eq((saved, pair_flops), (344_064, 8_192))
+
 
 # %% [markdown]
 # ## The KV cache, counted
@@ -749,7 +764,10 @@ naive_macs = L * c.mla_kv_lora_rank * c.mla_n_kv_groups * (c.mla_qk_nope_dim + c
              + L * (c.mla_qk_nope_dim + c.mla_qk_rope_dim + c.mla_v_head_dim)
 absorbed_macs = c.mla_qk_nope_dim * c.mla_kv_lora_rank + L * (2 * c.mla_kv_lora_rank + c.mla_qk_rope_dim) \
                 + c.mla_kv_lora_rank * c.mla_v_head_dim
-print(f"per head per step at L={L} (up-projection shared over heads): naive {naive_macs / 1e6:.2f} M MACs, absorbed {absorbed_macs / 1e6:.2f} M MACs")
+gqa_macs = L * (c.mla_qk_nope_dim + c.mla_qk_rope_dim + c.mla_v_head_dim)  # expanded keys and values cached
+print(f"per head per step at L={L} (up-projection shared over heads): naive {naive_macs / 1e6:.2f} M MACs, "
+      f"absorbed {absorbed_macs / 1e6:.2f} M MACs, a GQA-4-sized cache of expanded keys {gqa_macs / 1e6:.2f} M MACs")
+assert gqa_macs < absorbed_macs < 1.2 * gqa_macs < naive_macs / 20
 
 
 # %% [markdown]
@@ -895,7 +913,7 @@ for name, a, b in zip(["o", "dq", "dk", "dv"], outs["varlen"], outs["loop"]):
 #
 # ::: {.callout-tip collapse="true"}
 # ## Why is RoPE applied only to a 32-dimensional slice with its own key?
-# A rotation between $W_Q$ and $W^{UK}$ depends on the distance, $x^\top W_Q^\top R_{s-t} W^{UK} c_s$,
+# A rotation between $W^Q$ and $W^{UK}$ depends on the distance, $x^\top W^{Q\top} R_{s-t} W^{UK} c_s$,
 # so $W^{UK}$ could no longer be absorbed and every head's rotated key would have to be cached.
 # Decoupling keeps the latent position-free and carries position in a separate 32-dim slice whose
 # key is computed from $x$ directly and shared by all heads, adding only 32 values per token to the
@@ -908,8 +926,9 @@ for name, a, b in zip(["o", "dq", "dk", "dv"], outs["varlen"], outs["loop"]):
 # maps $d_c \to G(d_\text{nope} + d_v)$ with $G = 4$, each group serving 4 query heads; it equals
 # DeepSeek's with those blocks tied. It saves 344 k parameters per block, three quarters of the
 # up-projection FLOPs, and three quarters of the key/value activations in training; the cache and
-# the decode cost are the same (the cache is the latent either way). It can only lose quality at
-# equal width, so it is a bet that memory matters more at this scale.
+# the decode cost are the same (the cache is the latent either way). At equal width it can express
+# only a subset of what DeepSeek's can; whether it trains worse is what the `mla_n_kv_groups=16`
+# ablation measures. It is a bet that memory matters more at this scale.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -44,7 +44,7 @@ from hymo.config import load_config
 # An expert is a SwiGLU (chapter 01) of width $d$ = `dim` and hidden width $h$ = `moe_inter_dim`:
 # $3dh$ parameters, and $2 \cdot 3dh$ FLOPs per token forward, because a multiply-add is two FLOPs.
 # A layer holds `moe_n_routed` routed experts and `moe_n_shared` shared ones. Every token runs the
-# shared experts and `moe_top_k` routed ones, plus the router, a $d \times E$ matrix ($E$ =
+# shared experts and `moe_top_k` routed ones, plus the router, an $E \times d$ matrix ($E$ =
 # `moe_n_routed`). For the 750M design:
 
 # %%
@@ -66,7 +66,7 @@ test_close(2 * expert_params / 1e6, 12.4, eps=0.05)
 # The design document's "sparse FLOPs per layer = 2 × 6.2 M = 12 M" counts each parameter as one
 # FLOP and forgets the shared expert: the real figure is three experts of 12.4 MFLOPs each, about
 # 37 MFLOPs per token per MoE layer. The ratio it wants, stored over active, is $(E+S)/(k+S) = 17/3$,
-# not 8.
+# not the document's 8.3×.
 
 # %% [markdown]
 # ## Routing from scratch
@@ -101,6 +101,18 @@ def route_naive(x, W_g, b, k, score_func="softmax"):
         if score_func == "sigmoid": w = w / w.sum()
         out.append((chosen, w))
     return out
+
+
+# %% [markdown]
+# The claim about sigmoid scores and $k = 1$, checked: the router's gradient is zero with one expert
+# chosen and not with two.
+
+# %%
+x_r, W_r = torch.randn(5, 8), torch.randn(4, 8, requires_grad=True)  # 5 tokens, 4 experts
+for top_k, no_gradient in ((1, True), (2, False)):
+    w_r = torch.stack([w for _, w in route_naive(x_r, W_r, torch.zeros(4), top_k, "sigmoid")])  # (5, top_k)
+    (grad_r,) = torch.autograd.grad((w_r * torch.randn_like(w_r)).sum(), W_r)
+    assert (grad_r.abs().max() < 1e-6) == no_gradient, (top_k, grad_r.abs().max())
 
 
 # %% [markdown]
@@ -174,7 +186,7 @@ torch.testing.assert_close(ref[:5], F.linear(F.silu(xs[:5] @ w1[0].T) * (xs[:5] 
 # gather each token's $k$ experts' weights and run them as batched products. It reads each chosen
 # expert's three matrices once per assignment, which for one token is what any method reads. For
 # many sequences decoded together it reads an expert once per token that chose it, and materialises
-# those copies (at the 750M size, 64 sequences would gather about 1.6 GB per MoE layer and step);
+# those copies (at the 750M size, 64 sequences would gather about 1.6 GB of bf16 weights per MoE layer and step);
 # `generate` decodes one sequence, so HyMo leaves that case as it is.
 
 # %%
@@ -325,7 +337,7 @@ for kk, rows in ((k_, N_), (1, N_ * k_)):
 # %% [markdown]
 # ## Why the router runs in fp32
 #
-# bf16 has fp32's 8-bit exponent, so it does not underflow where fp32 does not: $10^{-30}$ is fine,
+# bf16 has fp32's 8-bit exponent, so it underflows only near fp32's limits (around $10^{-38}$): $10^{-30}$ is fine,
 # and a 16-way softmax's probabilities near $1/16$ are nowhere near any underflow. (The design
 # document's "probabilities below 6e-8 vanish" is fp16's subnormal limit, not bf16's.) What bf16
 # lacks is mantissa: 8 bits of precision (7 stored), 2 to 3 significant digits. The probabilities of a near-uniform
@@ -351,11 +363,12 @@ flips = lambda p: (top2(p32) != top2(p)).any(-1).float().mean().item()
 inputs_only = flips((x.bfloat16().float() @ W_g.T).softmax(-1))  # fp32 router, inputs from a bf16 residual stream
 weight_too = flips((x.bfloat16().float() @ W_g.bfloat16().float().T).softmax(-1))  # ... and its weight gathered in bf16
 print(f"fp32 router, top-2 changed by bf16 inputs: {inputs_only:.2%}; by bf16 inputs and weight: {weight_too:.2%}")
-test_eq((round(100 * flip, 1), round(100 * inputs_only, 2), round(100 * weight_too, 2)), (2.6, 0.17, 0.32))  # the prose
+# the prose's 2.6 %, 0.17 % and 0.32 % (within a few tokens of 4096: summation order may differ between BLAS builds)
+assert abs(flip - 0.026) < 0.002 and abs(inputs_only - 0.0017) < 0.0008 and abs(weight_too - 0.0032) < 0.0008
 
 
 # %% [markdown]
-# The gate is a [d, E] matrix multiply, a tiny fraction of the experts' work, so computing it in
+# The gate is an [E, d] matrix multiply, a tiny fraction of the experts' work, so computing it in
 # fp32 (autocast off, inputs and weight upcast) costs nothing measurable. Its inputs still arrive
 # rounded to bf16 (the residual stream is bf16 under mixed precision), which alone changes the top-2
 # set of 0.17 % of the tokens above. On one GPU the weight stays fp32 (the trainer keeps the router
@@ -684,9 +697,9 @@ moe.zero_grad(); moe.update_gate_bias();
 # the router weights.
 
 # %%
-def skewed_moe(balance, seed=0):
+def skewed_moe(balance, seed=0, **overrides):
     c = load_config("hymo_tiny", dim=32, moe_n_routed=16, moe_top_k=2, moe_inter_dim=8, moe_n_shared=0,
-                    moe_balance=balance, moe_capacity_factor=1.5).model
+                    moe_balance=balance, moe_capacity_factor=1.5, **overrides).model
     torch.manual_seed(seed)
     moe = DeepSeekMoE(c)
     with torch.no_grad():
@@ -699,10 +712,10 @@ def aux_loss(scores, idx, E, alpha=0.01):
     f = torch.zeros(E).index_add_(0, idx.flatten(), torch.ones(idx.numel())) / idx.numel()
     return alpha * E * (f * scores.mean(0)).sum()
 
-def simulate(rule, steps=500, n_tok=1024):
+def simulate(rule, steps=500, n_tok=1024, **overrides):
     "Route `steps` batches through a skewed router under `rule`; per step: counts, max/mean load, drop fraction."
     torch.manual_seed(1)
-    moe = skewed_moe("none" if rule == "aux" else rule)
+    moe = skewed_moe("none" if rule == "aux" else rule, **overrides)
     opt = torch.optim.SGD(moe.gate.parameters(), lr=2.0)
     hist = []
     for _ in range(steps):
@@ -740,9 +753,10 @@ ax[0].legend(); plt.tight_layout(); plt.show()
 final = {rule: sum(r for _, r, _ in hist[-50:]) / 50 for rule, hist in runs.items()}
 print({k: round(v, 2) for k, v in final.items()})
 assert final["none"] > 3 and max(final["aux"], final["sign"], final["ema"]) < 1.3
-windows = {rule: [sum(r for _, r, _ in runs[rule][i:i + 25]) / 25 for i in range(0, len(runs[rule]), 25)] for rule in ("sign", "ema")}
-for rule, w in windows.items(): print(f"{rule:5s} max/mean, 25-step windows:", " ".join(f"{v:.2f}" for v in w))
-settled = {rule: 25 * next(i for i in range(len(w)) if max(w[i:]) < 1.35) for rule, w in windows.items()}
+windows = lambda hist: [sum(r for _, r, _ in hist[i:i + 25]) / 25 for i in range(0, len(hist), 25)]  # mean max/mean load
+settled_step = lambda hist: next((25 * i for i, w in enumerate(windows(hist)) if max(windows(hist)[i:]) < 1.35), None)  # None: never
+for rule in ("sign", "ema"): print(f"{rule:5s} max/mean, 25-step windows:", " ".join(f"{v:.2f}" for v in windows(runs[rule])))
+settled = {rule: settled_step(runs[rule]) for rule in ("sign", "ema")}
 print("within 1.35 for good from step", settled)
 assert (settled["sign"], settled["ema"]) == (100, 300)  # the prose below
 assert sum(d for _, _, d in runs["ema"][-50:]) < sum(d for _, _, d in runs["none"][-50:]) / 10
@@ -762,13 +776,31 @@ assert sum(d for _, _, d in runs["ema"][-50:]) < sum(d for _, _, d in runs["none
 #   moving for tens of steps after the load has crossed the mean, and then has to come back. With
 #   softmax scores near $1/E \approx 0.06$, an overshoot of tens of $\gamma$ is large: its windows
 #   swing between 1.5 and 2.0 up to step 225 and settle near 1.2 only from about step 350, nearly
-#   three times as long as the sign rule (within 1.35 for good from step 300 against 100). Once settled, the EMA and the dead band stop the jitter, and
-#   it ends slightly better balanced than the sign rule. That is the trade HyMo's variant makes:
-#   smoother steady state, slower and oscillating approach. A smaller decay (a shorter window)
-#   shortens the lag; the band does not (it only decides how near the mean an expert's bias stops
-#   moving).
+#   three times as long as the sign rule (within 1.35 for good from step 300 against 100). Once
+#   settled, the EMA and the dead band stop the jitter, and it ends slightly better balanced than
+#   the sign rule. That is the trade HyMo's variant makes: smoother steady state, slower and
+#   oscillating approach. Both of its knobs change the approach (the runs below): a smaller decay
+#   (a shorter window, about 10 steps at 0.9) shortens the lag to the sign rule's; and the dead band
+#   is what damps the swings: without it the lagging rule keeps overshooting and is still swinging
+#   at step 500.
 # - The **auxiliary loss** balances too, but only by changing the router weights, the same weights
 #   the language-model loss wants to use; here there is no language-model loss to fight it.
+
+# %%
+torch.set_num_threads(1)
+variants = {"decay 0.9": simulate("ema", moe_ema_decay=0.9), "band 0": simulate("ema", moe_dead_band=0.0)}
+torch.set_num_threads(threads)
+for name, hist in variants.items():
+    step = settled_step(hist)
+    print(f"ema, {name:9s}: within 1.35 for good {'never in 500 steps' if step is None else f'from step {step}'}; "
+          f"last 50 steps {sum(r for _, r, _ in hist[-50:]) / 50:.2f}")
+assert settled_step(variants["decay 0.9"]) <= settled["sign"] < settled["ema"]  # a shorter window: no lag to speak of
+assert settled_step(variants["band 0"]) is None  # no band: never within 1.35 for good in 500 steps
+draws = torch.rand(500, 1024, 16, generator=torch.Generator().manual_seed(0)).topk(2, -1).indices  # uniform top-2, 500 batches
+load = F.one_hot(draws, 16).sum((1, 2)).float()  # (500, 16) assignments per expert
+noise_floor = (load.amax(-1) / load.mean(-1)).mean().item()
+print(f"uniform top-2 routing of 1024 tokens over 16 experts: max/mean load {noise_floor:.3f} on average")
+assert 1.12 < noise_floor < 1.19  # the floor the balanced rules settle just above
 
 # %% [markdown]
 # ### Rules in one step
@@ -827,7 +859,8 @@ test_eq(set(direct.state_dict()) >= {"gate_bias", "ema_counts", "expert_counts",
 # No. V3's aux-loss-free balancing adds a per-expert bias to the (sigmoid) scores for selection
 # only and, after each step, moves it by b_i += γ·sign(mean load − load_i): no EMA, no dead band.
 # HyMo's default is a variant: an EMA of the counts (decay 0.98) and a ±5 % dead band, which stops
-# the ±γ jitter once balanced at the cost of lag. Both are available (`moe_balance='sign'` / `'ema'`).
+# the ±γ jitter once balanced at the cost of lag (the band also damps the overshoot the lag causes:
+# without it the EMA rule never settles in the simulation above). Both are available (`moe_balance='sign'` / `'ema'`).
 # V3 also keeps a tiny sequence-wise auxiliary loss as a safety net; HyMo uses none.
 # :::
 #

@@ -1069,7 +1069,7 @@ print(f"= {total / (8 * 989e12 * 0.4) / 3600:.0f} hours on 8 H100s at 40% of the
 # two FLOPs per weight, plus the attention. A decoding step's attention is the absorbed one
 # (chapter 21) over all $L$ cached tokens, not the training window's average of $T/2$: per MLA
 # layer and head, $d_\text{nope} d_c + L (2 d_c + d_\text{rope}) + d_c d_v$ multiply-adds, whose
-# first and last terms are $W_{UK}$ and $W_{UV}$ (so `kv_b_proj` leaves the matrices). Each GDN
+# first and last terms are $W^{UK}$ and $W^{UV}$ (so `kv_b_proj` leaves the matrices). Each GDN
 # layer takes one recurrent step, about $4 d_k d_v$ multiply-adds a head (decay, read $k^\top S$,
 # rank-one write, read $q^\top S$), instead of the chunked form. The MTP heads do not run. On an
 # H100 (3.35 TB/s, 989 TFLOP/s dense bf16), at a context of $L = 4096$:
