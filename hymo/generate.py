@@ -17,15 +17,24 @@ from typing import Callable
 
 import torch
 
-from .config import ConfigError, load_config
+from .config import TRITON_CHUNK, ConfigError, load_config
 from .models.model import HyMo, build_hymo
 from .training.data import EOT
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'newer_checkpoint_note', 'main']
+__all__ = ['RUN_FILES', 'run_config', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'newer_checkpoint_note',
+           'main']
 
 # %% ../nbs/72_generate.ipynb #aff7e580
 RUN_FILES = ("config.yaml", "model.safetensors", "tokenizer.json")
+
+
+def run_config(run_dir: str | Path): # A run folder with its config.yaml
+    "The run's settings, with a GDN kernel that can load anywhere: the kernel is not part of the weights."
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    kernel = "auto" if cfg.model.gdn_kernel == "triton" else cfg.model.gdn_kernel  # a GPU run loads on a CPU
+    if kernel == "auto" and cfg.model.gdn_chunk_size != TRITON_CHUNK: kernel = "torch"  # Triton runs chunks of 64 only
+    return load_config(Path(run_dir) / "config.yaml", gdn_kernel=kernel)
 
 
 def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train` prints it)
@@ -40,7 +49,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if missing:
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end)")
-    cfg = load_config(run / "config.yaml", gdn_kernel="auto")  # the kernel is not part of the weights: a GPU run loads on a CPU
+    cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
     try: state = load_file(str(run / "model.safetensors"), device=str(device))
     except Exception as e:  # safetensors' own error for a cut or damaged file
@@ -71,7 +80,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
 
 def trained_length(run_dir: str | Path) -> int:
     "The longest sequence the run trained on (its train.seq_len): how much text the model reads at once when generating."
-    cfg = load_config(Path(run_dir) / "config.yaml", gdn_kernel="auto")
+    cfg = run_config(run_dir)
     return min(cfg.train.seq_len, cfg.model.max_seq_len)
 
 

@@ -209,6 +209,7 @@ class HyMo(nn.Module):
         "Raise `ValueError` for token tensors the model cannot take."
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
             raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0: raise ValueError(f"tokens holds no sequence ({tuple(tokens.shape)}): give at least one row")
         if tokens.device.type == "cpu": self._check_ids(tokens)  # on a GPU this would wait for it: `generate` checks its prompt
         L = self.config.max_seq_len
         if cu_seqlens is None:
@@ -305,6 +306,8 @@ class HyMo(nn.Module):
         if len(state) != self.config.n_layers or held - {tokens.shape[0]}:
             raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state holds {'/'.join(map(str, sorted(held)))} in {len(state)} layers "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
+        for c in state:  # before any layer moves: a refused call must leave the state as it was
+            if isinstance(c, MLACache): c.check_room(tokens.shape[1])
         x = self.embed(tokens)                                    # (B, T, D)
         if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
         for i, layer in enumerate(self.layers):
@@ -456,6 +459,10 @@ test_close(l_f, l_r, eps=1e-5)
 test_eq(g_f.keys(), g_r.keys())
 for n in g_r: assert_close(g_f[n], g_r[n], atol=1e-6, rtol=1e-4)
 test_fail(lambda: setattr(model, "loss_impl", "chunked") or model(tokens, targets), contains="choose 'fused' or 'logits'")
+with torch.no_grad():  # int32 ids, which the data loader may hand over, are taken by both
+    for impl in ("fused", "logits"):
+        model.loss_impl = impl
+        test_close(model(tokens.int(), targets.int())[0], l_f, eps=1e-5)
 model.loss_impl = "fused"
 
 # %% [markdown]
@@ -463,6 +470,7 @@ model.loss_impl = "fused"
 
 # %%
 test_fail(lambda: model(tokens.float()), contains="integer ids of shape [B, T]")
+test_fail(lambda: model(tokens[:0]), contains="holds no sequence")
 test_fail(lambda: model(torch.zeros(1, tiny.max_seq_len + 1, dtype=torch.long)), contains="max_seq_len")
 test_fail(lambda: model(tokens, cu_seqlens=torch.tensor([0, 32, 64])), contains="must be [1, T]")
 long_doc = torch.tensor([0, 5, tiny.max_seq_len + 6])
@@ -572,6 +580,18 @@ print(f"logits of order {full.abs().max().item():.0f}; max |decode - forward| = 
 assert err < 1e-3 and full.abs().max() > 1
 test_eq([c.length for c in state if isinstance(c, MLACache)], [78, 78])
 test_eq(state[0].recurrent.shape, (1, dec_cfg.gdn_n_heads, dec_cfg.gdn_head_k_dim, dec_cfg.gdn_head_v_dim))
+
+# %% [markdown]
+# A call that does not fit the caches is refused before any layer runs, so the state is as it was
+# and decoding can go on from it:
+
+# %%
+with torch.no_grad():
+    state = dec.decode_state(1, 12)
+    first = dec.decode(seq[:, :5], state)
+    test_fail(lambda: dec.decode(seq[:, 5:13], state), contains="larger max_len")  # 5 + 8 tokens > 12
+    rest = dec.decode(seq[:, 5:12], state)
+assert (torch.cat([first, rest], 1) - full[:, :12]).abs().max() < 1e-3
 
 # %% [markdown]
 # So the cached and the uncached `generate` draw the same tokens, greedy or sampled with one seed,
@@ -859,7 +879,9 @@ def param_breakdown(model: HyMo) -> dict[str, int]:
 #    $2 H (d_{qk} + d_v) \cdot T/2 = H (d_{qk} + d_v)\, T$.
 #    (PaLM's convention counts the full $T$, twice this; we count the causal half, which is what a
 #    FlashAttention-style kernel computes.) Packed documents attend less: a query sees only its own
-#    document, so documents of lengths $L_i$ give a mean of $\sum_i L_i^2 / (2 \sum_i L_i)$ keys
+#    document, so documents of lengths $L_i$ give a mean of $\sum_i L_i^2 / (2 \sum_i L_i)$ keys, in the
+#    same convention ($L/2$ a query in a document of $L$ tokens; the exact count, $(L+1)/2$, differs
+#    by half a key, 0.05 % at $L = 1024$)
 #    (`keys=`; `doc_keys_per_query` reads it off `cu_seqlens`), and the trainer counts each
 #    micro-batch of packed documents so. Left at $T/2$, the count is that of the same tokens unmasked.
 # 4. **The chunked gated delta rule**, per head and chunk of $C$ tokens (chapter 12's
@@ -901,7 +923,7 @@ def flops_breakdown(model: HyMo,
 
 def doc_keys_per_query(cu_seqlens: torch.Tensor,  # [N+1] document boundaries of a packed row, on the host
                       ) -> float:
-    "Mean keys a query attends to in a packed row of documents of lengths L_i: Σ L_i² / (2 Σ L_i), for `flops_breakdown`."
+    "Mean keys a query attends to in a packed row of documents of lengths L_i, counted as L/2 a query (the T/2 convention): Σ L_i² / (2 Σ L_i)."
     L = cu_seqlens.diff().double()
     return float((L * L).sum() / (2 * L.sum()))
 

@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from hymo.config import ConfigError, load_config
+from hymo.config import TRITON_CHUNK, ConfigError, load_config
 from hymo.models.model import HyMo, build_hymo
 from hymo.training.data import EOT
 
@@ -67,6 +67,14 @@ from fastcore.test import test_eq, test_fail
 RUN_FILES = ("config.yaml", "model.safetensors", "tokenizer.json")
 
 
+def run_config(run_dir: str | Path): # A run folder with its config.yaml
+    "The run's settings, with a GDN kernel that can load anywhere: the kernel is not part of the weights."
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    kernel = "auto" if cfg.model.gdn_kernel == "triton" else cfg.model.gdn_kernel  # a GPU run loads on a CPU
+    if kernel == "auto" and cfg.model.gdn_chunk_size != TRITON_CHUNK: kernel = "torch"  # Triton runs chunks of 64 only
+    return load_config(Path(run_dir) / "config.yaml", gdn_kernel=kernel)
+
+
 def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train` prints it)
              device: str | torch.device = "cpu", # Where the weights go
             ) -> tuple[HyMo, "tokenizers.Tokenizer"]:
@@ -79,7 +87,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if missing:
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end)")
-    cfg = load_config(run / "config.yaml", gdn_kernel="auto")  # the kernel is not part of the weights: a GPU run loads on a CPU
+    cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
     try: state = load_file(str(run / "model.safetensors"), device=str(device))
     except Exception as e:  # safetensors' own error for a cut or damaged file
@@ -110,7 +118,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
 
 def trained_length(run_dir: str | Path) -> int:
     "The longest sequence the run trained on (its train.seq_len): how much text the model reads at once when generating."
-    cfg = load_config(Path(run_dir) / "config.yaml", gdn_kernel="auto")
+    cfg = run_config(run_dir)
     return min(cfg.train.seq_len, cfg.model.max_seq_len)
 
 
@@ -447,6 +455,21 @@ test_fail(lambda: load_run(other), contains="is not the tokenizer this run train
 wrong.add_tokens([f"w{i}" for i in range(3000)]); wrong.save(str(other / "tokenizer.json"))
 test_fail(lambda: load_run(other), contains="tokens, more than the model's vocab_size=2048: it is not this run's tokenizer")
 test_eq(trained_length(work / "run"), small["seq_len"])  # 32 here; max_seq_len is 256
+
+# %% [markdown]
+# The GDN kernel a run was trained with is not part of its weights. `run_config` turns `triton`
+# into `auto`, so a GPU run loads on a CPU, and keeps the PyTorch chunked path for a run whose
+# chunks are not the Triton kernels' 64 tokens (on a GPU, `auto` would pick Triton and refuse them):
+
+# %%
+import re
+kernels = {}
+for kernel, chunk in (("triton", 64), ("auto", 32), ("torch", 32), ("torch", 64), ("naive", 64), ("auto", 64)):
+    (other / "config.yaml").write_text(re.sub(r"gdn_kernel: \w+", f"gdn_kernel: {kernel}", re.sub(
+        r"gdn_chunk_size: \d+", f"gdn_chunk_size: {chunk}", (work / "run" / "config.yaml").read_text())))
+    m = run_config(other).model
+    kernels[kernel, chunk] = (m.gdn_kernel, m.gdn_chunk_size)
+test_eq(list(kernels.values()), [("auto", 64), ("torch", 32), ("torch", 32), ("torch", 64), ("naive", 64), ("auto", 64)])
 long_prompt = "ROMEO: " * 30  # about 60 tokens
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
     main([str(work / "run"), "--prompt", long_prompt, "--tokens", "2", "--device", "cpu"])

@@ -320,7 +320,7 @@ def test_bad_input_is_a_clear_error(tiny):
 
 
 def test_doc_keys_per_query_by_hand():
-    "Σ L² / (2 Σ L): documents of 1 and 4 tokens give (1 + 16) / 10 = 1.7 keys a query (not the mean of L/2 per document)."
+    "Σ L² / (2 Σ L), L/2 keys a query as for T/2: documents of 1 and 4 tokens give (1 + 16) / 10 = 1.7 (not the mean of L/2 per document)."
     from hymo.models.model import doc_keys_per_query
     assert doc_keys_per_query(torch.tensor([0, 1, 5])) == pytest.approx(1.7)
     assert doc_keys_per_query(torch.tensor([0, 4096])) == pytest.approx(2048)

@@ -87,6 +87,7 @@ class HyMo(nn.Module):
         "Raise `ValueError` for token tensors the model cannot take."
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
             raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.shape[0] == 0: raise ValueError(f"tokens holds no sequence ({tuple(tokens.shape)}): give at least one row")
         if tokens.device.type == "cpu": self._check_ids(tokens)  # on a GPU this would wait for it: `generate` checks its prompt
         L = self.config.max_seq_len
         if cu_seqlens is None:
@@ -183,6 +184,8 @@ class HyMo(nn.Module):
         if len(state) != self.config.n_layers or held - {tokens.shape[0]}:
             raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state holds {'/'.join(map(str, sorted(held)))} in {len(state)} layers "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
+        for c in state:  # before any layer moves: a refused call must leave the state as it was
+            if isinstance(c, MLACache): c.check_room(tokens.shape[1])
         x = self.embed(tokens)                                    # (B, T, D)
         if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
         for i, layer in enumerate(self.layers):
@@ -399,7 +402,7 @@ def flops_breakdown(model: HyMo,
 
 def doc_keys_per_query(cu_seqlens: torch.Tensor,  # [N+1] document boundaries of a packed row, on the host
                       ) -> float:
-    "Mean keys a query attends to in a packed row of documents of lengths L_i: Σ L_i² / (2 Σ L_i), for `flops_breakdown`."
+    "Mean keys a query attends to in a packed row of documents of lengths L_i, counted as L/2 a query (the T/2 convention): Σ L_i² / (2 Σ L_i)."
     L = cu_seqlens.diff().double()
     return float((L * L).sum() / (2 * L.sum()))
 

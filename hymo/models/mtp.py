@@ -116,7 +116,7 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
 
 def _mean_ce(logits, targets):  # fp32 mean over the counted targets; 0, not NaN, when none counts
     n = (targets != IGNORE_INDEX).sum().clamp_min(1)
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), reduction="sum") / n
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().long(), reduction="sum") / n  # int32 ids too
 
 # %% ../../nbs/40_mtp.ipynb #dd85b326
 def ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V], in the compute dtype
