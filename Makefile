@@ -11,6 +11,5 @@ slides:
 	python tools/site.py --slides
 
 site:
-	touch README.md   # nbdev-docs rewrites README.md from nbs/index.ipynb when the notebook is newer; README has more
 	nbdev-docs
 	quarto render --no-clean

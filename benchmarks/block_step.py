@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hymo.config import load_config
+from hymo.config import ConfigError, load_config
 from hymo.models.gdn import GatedDeltaNetBlock
 from hymo.models.mla import MLABlock
 from hymo.training.trainer import BF16Matrices
@@ -46,16 +46,25 @@ def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+def _device(name: str) -> str:
+    "A device name torch understands (cpu, cuda, cuda:1), checked when the arguments are read."
+    try: torch.device(name)
+    except RuntimeError as e: raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
+    return name
+
+
 def main(args):
-    if args.device == "cuda": need_gpu("time a small block there: block_step.py --device cpu --config hymo_tiny --batch 2 --seq-len 256 --iters 2")
-    cfg = load_config(args.config).model
+    if torch.device(args.device).type == "cuda":  # cuda:1 too
+        need_gpu("time a small block there: block_step.py --device cpu --config hymo_tiny --batch 2 --seq-len 256 --iters 2")
+    try: cfg = load_config(args.config).model
+    except ConfigError as e: raise SystemExit(f"block_step.py: {e}") from None
     torch.manual_seed(0)
     block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)
     block = block.to(args.device)
     x = torch.randn(args.batch, args.seq_len, cfg.dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     ms = block_ms(block, x, args.iters)
     res = dict(config=args.config, block=args.block, ms_fwd_bwd=ms, iters=args.iters, shape=list(x.shape),
-               device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+               device=torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "cpu", torch=torch.__version__,
                date=time.strftime("%Y-%m-%d"))
     print(json.dumps(res, indent=1))
     if args.out:
@@ -68,7 +77,7 @@ if __name__ == "__main__":
     p.add_argument("--config", default="hymo_750m", help="preset whose model config builds the block")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", type=_device)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     main(p.parse_args())

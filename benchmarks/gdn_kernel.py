@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--naive-T", type=int, default=256)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
     args = ap.parse_args()
+    bad = set(args.shapes.split(",")) - set(SHAPES)
+    if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from {', '.join(SHAPES)} (comma-separated)")
     need_gpu("tests/test_bench_gdn.py runs its launches through Triton's interpreter")
     results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                              triton=triton.__version__, dtype="bfloat16", timer="triton.testing.do_bench, median, ms"),

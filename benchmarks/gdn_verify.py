@@ -11,6 +11,7 @@ forward's gates, A and chunk states for the backward (`keep_prep=True`, what the
 """
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,6 +89,8 @@ def main():
                     "; ".join(f"{k}: {v}" for k, v in DECAYS.items()).replace("%", "%%"))  # argparse formats help with %
     ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed and recurrent checks); wide: H=16, K=V=128")
     args = ap.parse_args()
+    bad = set(args.shapes.split(",")) - {"hymo", "wide"}
+    if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from hymo, wide (comma-separated)")
     need_gpu("set TRITON_INTERPRET=1 for a smoke run at small shapes", interpreter_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
@@ -133,7 +136,8 @@ def main():
                 triton=triton.__version__, metric="relative RMSE ||ref - out|| / ||ref|| against the fp32 loop",
                 decays={k: DECAYS[k] for k in decays})
     Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    worst = max((max(r[n] for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"]) for r in rows)
+    value = lambda x: x if math.isfinite(x) else math.inf  # a NaN would compare as neither worse nor better
+    worst = max((max(value(r[n]) for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"]) for r in rows)
     print("\nkind            decays dtype     T    K   " + "  ".join(f"{n:>7}" for n in NAMES))
     for r in rows:
         print(f"{r['kind']:15s} {r.get('decays', 'strong'):6s} {r['dtype']:8s} {r['T']:5d} {r['K']:4d}  " + "  ".join(f"{r[n]:7.1e}" if n in r else "      -" for n in NAMES)

@@ -8,7 +8,9 @@ batch 1: first with the decode state (the GDN blocks carry S and the convolution
 blocks their latent cache; on a GPU each one-token step is replayed as a CUDA graph,
 `DecodeGraph`), on a GPU also with the state but eager steps (`graph=False`), then without the
 state (`cache=False`: the whole context again for every token). Reports tokens per second of each
-(after one untimed warm-up generation of 16 tokens per mode), their ratios, the peak memory on a
+whole `generate` call, as a user waits for it: the prompt's prefill and, with the graph, its capture
+(once per call) are in the time, so the per-token decode rate is somewhat higher, the more so for
+short --tokens (after one untimed warm-up generation of 16 tokens per mode), their ratios, the peak memory on a
 GPU, and how many leading tokens the state and the re-run drew alike (bf16 rounding differs
 between the paths, and initial weights give near-equal logits, so greedy choices may part after a
 while: the parity checks are `tests/test_model.py`'s, on unit-scale weights). The model runs in

@@ -11,7 +11,9 @@ if [ "$(cd "$OUT" 2>/dev/null && pwd -P)" = "$(cd benchmarks/results && pwd -P)"
   echo "OUT=$OUT is benchmarks/results, the results page's record: give a scratch folder" >&2; exit 2; fi
 mkdir -p "$OUT"
 J=$OUT/train_step.json
-run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" --code "${CODE:-}" "$@" 2>&1 | grep -v Warning | tail -70; }
+# the last 70 lines of each run (its JSON row); KEEP=all keeps every line (a profile's table comes before its row)
+run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" --code "${CODE:-}" "$@" 2>&1 | grep -v Warning |
+        if [ "${KEEP:-}" = all ]; then cat; else tail -70; fi; }
 case "${1:-main}" in
   kernels)  # parity and speed of the Triton kernels: GDN prelude (chapter 14), cross-entropy chunk (42), GDN rule (13) and its solve for A
     timeout 150 python benchmarks/gdn_conv_kernel.py --out "$OUT/gdn_conv_kernel.json" 2>&1 | grep -v Warning | tail -40
@@ -21,13 +23,13 @@ case "${1:-main}" in
     timeout 120 python benchmarks/gdn_prep_solve.py --out "$OUT/gdn_prep_solve.json" 2>&1 | grep -v Warning | cut -c1-400
     timeout 100 python benchmarks/optim_step.py --out "$OUT/optim_step.json" 2>&1 | grep -v Warning | tail -20 ;;
   host)  # the GPU's waits on its host (a profile of GPU activity only), the host's cost per launch, one compiled block of each kind
-    run --compile --profile cuda
+    KEEP=all run --compile --profile cuda > "$OUT/train_step_profile_cuda.txt"; grep -A12 '^{' "$OUT/train_step_profile_cuda.txt" | head -14
     timeout 100 python benchmarks/host_launch.py --out "$OUT/host_launch.json" 2>&1 | grep -v Warning | tail -8
     timeout 120 python benchmarks/block_step.py --out "$OUT/block_step_gdn.json" 2>&1 | grep -v Warning | tail -4
     timeout 120 python benchmarks/block_step.py --block mla --out "$OUT/block_step_mla.json" 2>&1 | grep -v Warning | tail -4 ;;
   main)  # the preset's step compiled and eager, and the one-micro-batch step with its profile
     run --compile --accum 32 --warmup 1 --steps 2
-    run --compile --profile micro > "$OUT/train_step_profile.txt"; grep -A12 '^{' "$OUT/train_step_profile.txt" | head -14
+    KEEP=all run --compile --profile micro > "$OUT/train_step_profile.txt"; grep -A12 '^{' "$OUT/train_step_profile.txt" | head -14
     run --accum 32 --warmup 1 --steps 2
     run
     run --loss logits ;;

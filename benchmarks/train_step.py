@@ -260,8 +260,8 @@ def run(args) -> dict:
     fpt = sum(flops) / len(flops)
     peak = peak_flops(t.d.device)
     if peak is None: print(f"no MFU: {torch.cuda.get_device_name()} has no dense bf16 peak in the trainer's PEAK_BF16_FLOPS table")
-    res = dict(code=args.code or _unlabelled(), conv_launch=_conv_launch(), variant=("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
-               + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "") + (" fsdp" if args.fsdp else "") + f" accum={args.accum} loss={args.loss}",
+    res = dict(code=args.code or _unlabelled(), conv_launch=_conv_launch(), variant=variant(args),
+               seq_len=args.seq_len, micro_batch=args.micro_batch, accum=args.accum, warmup=args.warmup, steps=args.steps,
                step_s=step, step_times_s=[round(x, 4) for x in times], tokens_per_s=tok_s, flops_per_token=fpt,
                mfu=tok_s * fpt / peak if peak else None,
                peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
@@ -305,6 +305,15 @@ def run(args) -> dict:
     return res
 
 
+def variant(args) -> str:
+    "The row's label of what ran: the flags that change the step (a batch other than the preset's 4 x 4096 included)."
+    shape = "" if (args.micro_batch, args.seq_len) == (4, 4096) else f" batch={args.micro_batch}x{args.seq_len}"
+    return (("all-MLA" if args.all_mla else "hybrid") + f" gdn={args.gdn} ac={args.ac} compile={args.compile}"
+            + (f" mode={args.compile_mode}" if args.compile_mode else "") + (f" docs~{args.doc_masking}" if args.doc_masking else "")
+            + (" fsdp" if args.fsdp else "") + shape
+            + f" accum={args.accum} loss={args.loss}")
+
+
 def _unlabelled() -> str:
     "The row's `code` when --code is not given: the commit measured, marked when the checkout has changes."
     try:
@@ -321,8 +330,17 @@ def check_args(p: argparse.ArgumentParser, args):
         if getattr(args, name) < 0: p.error(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     if args.compile_mode and not args.compile:
         p.error(f"--compile-mode {args.compile_mode} needs --compile: without it nothing is compiled")
-    if args.conv_launch and args.gdn == "torch":
-        p.error("--conv-launch sets the Triton prelude's tiles, which --gdn torch does not run")
+    if args.conv_launch and (args.gdn == "torch" or args.all_mla):
+        p.error(f"--conv-launch sets the Triton prelude's tiles, which {'--all-mla' if args.all_mla else '--gdn torch'} does not run")
+    if args.compile and args.warmup == 0:
+        p.error("--compile with --warmup 0 would time the compilation: give --warmup 1 or more")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would count the global batch at one GPU's peak, and write
+        p.error("this measures one GPU: run it with python, not torchrun (--fsdp runs FSDP-2 on a group of one)")
+    if args.out:  # a bad --out fails now, not after minutes of measuring
+        try: old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
+        except (OSError, ValueError) as e: p.error(f"--out {args.out} cannot be read as JSON ({e}): give a results list or a new file")
+        if not isinstance(old, list): p.error(f"--out {args.out} holds a JSON {type(old).__name__}, not a list of rows")
+        if not Path(args.out).resolve().parent.is_dir(): p.error(f"--out {args.out}: its folder does not exist")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,7 +385,8 @@ if __name__ == "__main__":
     need_gpu("python -m hymo.train trains hymo_tiny, and block_step.py --device cpu --config hymo_tiny times one block")
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))
-    if args.out:
+    if args.out:  # read again (checked before the run), written whole and renamed: a crash leaves the old list
         path = Path(args.out)
         old = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps([r] + old, indent=1))
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps([r] + old, indent=1)); os.replace(tmp, path)

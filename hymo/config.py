@@ -111,7 +111,7 @@ class TrainingConfig:
     seed: int = 0  # Seed of initialisation, data order and sampling
     log_every: int = 10  # Steps between metric lines
     eval_every: int = 1000  # Steps between validation passes; 0: only the final one, at the end of the run
-    eval_batches: int = 20  # Micro-batches per validation pass
+    eval_batches: int = 20  # Micro-batches per validation pass: eval_batches × micro_batch_size windows
     ckpt_every: int = 1000  # Steps between checkpoints; 0 saves only at the end
     keep_last_k: int = 3  # Checkpoints kept in the run folder
     max_bad_steps: int = 5  # Consecutive non-finite steps tolerated before the run stops

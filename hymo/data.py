@@ -72,14 +72,15 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
             m = load_manifest(out)
             print(f"{out}: vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))
-            if args.vocab_size and m["vocab_size"] < args.vocab_size:
-                print(f"note: the tokenizer learned {m['vocab_size']} of the {args.vocab_size} tokens asked for: the text has "
+            asked = None if args.tokenizer else args.vocab_size or DEFAULT_VOCAB_SIZE  # a given tokenizer has its own size
+            if asked and m["vocab_size"] < asked:
+                print(f"note: the tokenizer learned {m['vocab_size']} of the {asked} tokens asked for: the text has "
                       f"no more pairs worth merging. It trains any model whose vocab_size is {m['vocab_size']} or more "
                       f"(the unused rows of a larger one are never targets)")
             if args.val_fraction > 0 and m["splits"].get("val", {}).get("tokens", 0) == 0:
                 print(f"warning: the validation split is empty: the cut at {args.val_fraction:.0%} of the bytes fell in the "
-                      "last document, which stays whole in training (a document is never split). Give the text more "
-                      "documents (blank lines, or --doc-split file with several files), or --val-fraction 0 to say so",
+                      "last line of the text, which stays in training (the cut moves to the next line break). Give the "
+                      "text more lines or documents, or --val-fraction 0 to say so",
                       file=sys.stderr)
         elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1), flush=True)
         else:

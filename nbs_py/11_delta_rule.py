@@ -15,13 +15,13 @@
 
 # %%
 import math
-
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from fastcore.test import test_eq, test_close
 from torch.testing import assert_close
 
+# %%
 torch.manual_seed(0)
 K, V = 16, 8
 

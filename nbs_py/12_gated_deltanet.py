@@ -45,11 +45,11 @@ from hymo.models.layers import RMSNorm, SwiGLU
 
 # %%
 import time
-
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_fail, test_close
 from torch.testing import assert_close
 
+# %%
 torch.manual_seed(0)
 
 
@@ -759,6 +759,7 @@ class GatedDeltaNet(nn.Module):
 # %%
 from hymo.config import load_config
 
+# %%
 cfg = load_config("hymo_tiny").model
 mixer = GatedDeltaNet(cfg)
 x = torch.randn(2, 70, cfg.dim)

@@ -24,9 +24,9 @@
 
 # %%
 import os
-
 import torch
 
+# %%
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: set before the first @triton.jit
 
@@ -63,13 +63,12 @@ if INTERPRET: _library_for_interpreter()
 # %%
 import json
 from pathlib import Path
-
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_fail
 from torch.testing import assert_close
-
 from hymo.models.gdn import chunk_gated_delta_rule_torch, naive_gated_delta_rule
 
+# %%
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 
@@ -1155,8 +1154,10 @@ test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, 
 # runs without a GPU). To measure again:
 
 # %%
-#| gpu
 import subprocess, sys
+
+# %%
+#| gpu
 subprocess.run([sys.executable, "../benchmarks/gdn_kernel.py", "--out", "../benchmarks/results/gdn_kernel_new.json"], check=True)
 subprocess.run([sys.executable, "../benchmarks/gdn_verify.py", "--out", "../benchmarks/results/gdn_verify_new.json"], check=True)
 

@@ -28,9 +28,9 @@
 
 # %%
 import os
-
 import torch
 
+# %%
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: set before the first @triton.jit
 
@@ -54,9 +54,9 @@ EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
 
 # %%
 from fastcore.test import test_eq, test_fail
-
 from hymo.models.gdn import conv_silu_norm
 
+# %%
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 
@@ -481,6 +481,7 @@ test_fail(lambda: triton_conv_silu_norm(torch.zeros(1, 1, 96, device=DEV).expand
 import json
 from pathlib import Path
 
+# %%
 res = json.loads((Path("..") / "benchmarks/results/gdn_conv_kernel.json").read_text())
 m = res["meta"]
 print(f"{m['device']}, torch {m['torch']}, Triton {m['triton']}, {m['date']}; shape {m['shape']}, bf16; tiles {res['launch_timed']}")

@@ -26,10 +26,10 @@ import torch
 
 # %%
 import math
-
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 
+# %%
 torch.manual_seed(0)  # the checks below draw random vectors
 
 

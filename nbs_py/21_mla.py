@@ -41,6 +41,7 @@ import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 from hymo.config import load_config
 
+# %%
 torch.manual_seed(0);
 
 
@@ -855,8 +856,10 @@ with torch.no_grad():
 # block at B = 2, T = 4096 took 4.4 ms.
 
 # %%
-#| gpu
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# %%
+#| gpu
 torch.backends.cuda.matmul.allow_tf32 = False
 with torch.device("cuda"): g = MultiHeadLatentAttention(cfg750, layer_idx=3)
 randomize_(g)

@@ -44,11 +44,10 @@ from hymo.models.mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 from torch.testing import assert_close
-
 from IPython.display import Markdown, display
-
 from hymo.config import load_config
 
+# %%
 torch.set_num_threads(1)  # the tiny model's tensors are small: on a shared 2-core machine more threads only add contention
 torch.manual_seed(0)
 
@@ -628,6 +627,8 @@ assert model.training  # also when the loop is interrupted
 
 # %%
 import time
+
+# %%
 for cache in (True, False):
     t0 = time.perf_counter(); dec.generate(prompt, 200, temperature=0, cache=cache)
     print(f"cache={cache}: {200 / (time.perf_counter() - t0):.0f} tokens/s")

@@ -21,9 +21,9 @@
 
 # %%
 import os
-
 import torch
 
+# %%
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when a kernel is decorated: set before the first @triton.jit
 
@@ -39,9 +39,9 @@ from hymo.models.gdn_triton import INTERPRET  # importing it also readies Triton
 
 # %%
 from fastcore.test import test_close, test_eq, test_fail
-
 from hymo.models.mtp import ce_chunk
 
+# %%
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -197,6 +197,7 @@ test_fail(lambda: triton_ce_chunk(torch.randn(4, 6, device=DEV, dtype=torch.floa
 import json
 from pathlib import Path
 
+# %%
 res = json.loads((Path("..") / "benchmarks/results/ce_kernel.json").read_text())
 m = res["meta"]
 print(f"{m['device']}, torch {m['torch']}, Triton {m['triton']}, {m['date']}; chunk {m['rows']} x {m['classes']} bf16; launch {res['launch_timed']}")

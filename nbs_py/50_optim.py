@@ -865,6 +865,8 @@ def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g
 # %%
 import torch.nn.functional as F
 
+
+# %%
 class StandInGDN(nn.Module):
     "GDN-named mixer: q/k/v/a/b/g/o projections, causal depthwise convs, A_log, dt_bias, o_norm. Not the real recurrence."
     def __init__(self, d, H, K):
@@ -1029,6 +1031,7 @@ test_eq((normuon.defaults["lr"], adamw.defaults["lr"], adamw.param_groups[1]["we
 # %%
 from hymo.config import package_dir
 
+# %%
 data = torch.tensor(list((package_dir() / "assets" / "tinyshakespeare.txt").read_bytes()[:200_000]))
 
 def train_standin(use_normuon, steps=60, B=8, T=64, seed=0):
@@ -1115,6 +1118,7 @@ def wsd_lambda(cfg: TrainingConfig, # The run's training config
 # %%
 import dataclasses
 
+# %%
 tcfg = dataclasses.replace(load_config("hymo_tiny").train, max_steps=300, warmup_steps=30)
 steps = range(tcfg.max_steps + 1)
 fig, ax = plt.subplots(1, 2, figsize=(9, 2.8))
@@ -1278,6 +1282,7 @@ if __name__ == "__main__":
 import re, subprocess, sys, tempfile
 from pathlib import Path
 
+# %%
 with tempfile.TemporaryDirectory() as d:
     (Path(d) / "fsdp_check.py").write_text(FSDP_CHECK)
     out = subprocess.run([sys.executable, "fsdp_check.py"], cwd=d, capture_output=True, text=True, timeout=300)

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import glob
+import errno
 import hashlib
 import json
 import os
@@ -380,6 +381,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def to_disk(f):
+    "Flush an open file, or a folder's entries (a `Path`: renames and new files in it), to the disk itself."
+    if isinstance(f, Path):
+        fd = os.open(f, os.O_RDONLY)
+        try: os.fsync(fd)
+        except OSError as e:  # some network and FUSE file systems cannot sync a folder: they keep renames in order anyway
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF): raise
+        finally: os.close(fd)
+    else: f.flush(); os.fsync(f.fileno())
+
+
+def _write_synced(path: Path, data: str | bytes):
+    "Write `path` and flush it to the disk: a dataset is renamed into place only once all of it is there."
+    with open(path, "wb") as f: f.write(data.encode("utf-8") if isinstance(data, str) else data); to_disk(f)
+
+
 class _ShardWriter:
     "Appends token arrays to one split and writes `{split}_{i:04d}.npy` shards of `shard_tokens` tokens."
     def __init__(self, folder: Path, split: str, dtype, shard_tokens: int):
@@ -395,7 +412,7 @@ class _ShardWriter:
     def _flush(self, n: int):
         arr = np.concatenate(self.buf) if self.buf else np.zeros(0, self.dtype)
         name = f"{self.split}_{len(self.shards):04d}.npy"
-        np.save(self.folder / name, arr[:n])
+        with open(self.folder / name, "wb") as f: np.save(f, arr[:n]); to_disk(f)
         self.shards.append({"file": name, "tokens": int(n)})
         self.buf, self.n_buf = ([arr[n:]] if len(arr) > n else []), len(arr) - n
 
@@ -407,7 +424,10 @@ class _ShardWriter:
 # %% [markdown]
 # `prepare` reads the inputs twice (once to count bytes for the split, once to encode) and a third
 # time, up to `tokenizer_train_bytes`, to train the tokenizer, so memory stays bounded for large
-# corpora. Documents are encoded in batches (`encode_batch` runs on all cores) under a progress bar.
+# corpora of ordinary documents. Documents are encoded in batches (`encode_batch` runs on all
+# cores) under a progress bar. A document is read and encoded whole, and encoding takes about a
+# hundred times its size in memory: a single file of several GB under `--doc-split file` needs
+# splitting first (blank lines, and the default `--doc-split blank`, do that).
 
 # %%
 #| export
@@ -443,7 +463,7 @@ def _batches(items: Iterable[tuple[str, str]], max_bytes: int = 1 << 22) -> Iter
 def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: str, doc_split: str,
                    val_fraction: float, shard_tokens: int, total_bytes: int, progress: bool) -> dict:
     "Encode every document into shards under `folder`; write tokenizer.json and, last, manifest.json."
-    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    _write_synced(folder / "tokenizer.json", tokenizer_json)
     vocab_size, eot_id = tok.get_vocab_size(), tok.token_to_id(EOT)
     dtype = token_dtype(vocab_size)
     writers = {s: _ShardWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
@@ -460,7 +480,7 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
                 "vocab_size": vocab_size, "eot_id": eot_id, "eot_token": EOT, "dtype": dtype.name,
                 "doc_split": doc_split, "val_fraction": val_fraction, "inputs": [name for _, name in files],
                 "splits": {s: w.close() for s, w in writers.items()}}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _write_synced(folder / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 
@@ -528,10 +548,12 @@ def _install(tmp: Path, out: Path, fingerprint: str):
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(out, old)
         else: out.rmdir()
+    to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
     try: os.replace(tmp, out)
     except OSError:  # another process installed `out` between our check and our rename
         if not _same_dataset(out, fingerprint): raise
         shutil.rmtree(tmp)
+    to_disk(out.parent)  # the rename itself, before the old dataset goes: a power cut leaves one of the two whole
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 
 
@@ -590,6 +612,20 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
 
 # %%
 #| export
+def _plain_tokenizer(tok, path: Path, text: str) -> str:
+    """Turn off what a given tokenizer.json may do to every document beyond splitting it into tokens (truncation,
+    padding, special tokens added around it), with a `DataWarning`; return the JSON the dataset keeps."""
+    adds = tok.encode("a b", add_special_tokens=True).ids != tok.encode("a b", add_special_tokens=False).ids
+    off = [name for name, on in (("truncation", tok.truncation), ("padding", tok.padding), ("special tokens its "
+           "post-processor adds around each text", adds)) if on]
+    if not off: return text
+    tok.no_truncation(); tok.no_padding()
+    if adds: tok.post_processor = None
+    warnings.warn(f"tokenizer {path}: its {', '.join(off)} turned off: they would cut, pad or mark every document "
+                  f"(each ends in {EOT}); the dataset keeps the tokenizer without them", DataWarning, stacklevel=3)
+    return tok.to_str()
+
+
 def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .parquet (a 'text' column)
             out, # Dataset folder to create
             vocab_size: Optional[int] = None, # BPE vocabulary to train (default 2048); with `tokenizer`, must match it if given
@@ -628,6 +664,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         if vocab_size is not None and vocab_size != tok.get_vocab_size():
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
         tok.encode_special_tokens = True
+        tokenizer_json = _plain_tokenizer(tok, tokenizer, tokenizer_json)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
@@ -654,6 +691,9 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try:
         total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
         if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
+        if not any(s == "train" for s, _ in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction)):
+            raise DataError(f"val_fraction={val_fraction} leaves no text for training (the cut falls before the first line "
+                            "break): lower it, or give more text")
         if tokenizer is None:
             train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
@@ -686,6 +726,9 @@ print({k: manifest[k] for k in ("vocab_size", "dtype", "eot_id", "doc_split", "i
 # text.
 
 # %%
+from tokenizers import Tokenizer
+
+# %%
 tr, va = manifest["splits"]["train"], manifest["splits"]["val"]
 test_close(va["bytes"] / (tr["bytes"] + va["bytes"]), 0.1, eps=0.002)
 test_eq(tr["documents"] + va["documents"], len(shakespeare) + 1)  # the speech cut at the split counts twice
@@ -694,7 +737,6 @@ stream = np.load(ds / "train_0000.npy", mmap_mode="r")
 test_eq(len(stream), tr["tokens"])
 test_eq(int((stream == manifest["eot_id"]).sum()), tr["documents"])
 test_eq(int(stream[-1]), manifest["eot_id"])
-from tokenizers import Tokenizer
 tok = Tokenizer.from_file(str(ds / "tokenizer.json"))
 first = np.flatnonzero(stream == manifest["eot_id"])[:2]
 test_eq(tok.decode(stream[:first[0]].tolist()), shakespeare[0])
@@ -951,6 +993,21 @@ class TokenLoader:
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
         self.step = int(state["step"])
 
+    def step_after(self, saved: dict, # A saved loader's `state_dict()`, or meta.json's {'optimizer_step': s, 'global_batch_size': G}
+                  ) -> int:
+        """The step at which to continue a run saved with another global batch or another split of it: in the saved
+        run's epoch, after the windows of that epoch it had read (rounded up to this loader's steps, so none is read
+        twice), or at the start of the next epoch when this loader's epoch has no more steps."""
+        if "optimizer_step" in saved:  # only meta.json: steps of G windows
+            per, per_epoch, step = saved["global_batch_size"], self.n_windows // saved["global_batch_size"], saved["optimizer_step"]
+        else:
+            per, a = saved["world_size"] * saved["micro_batch_size"], saved.get("accum", 1)  # windows per micro-step
+            per_epoch, step = self.n_windows // (per * a) * a, saved["step"]
+        epoch, t = divmod(step, per_epoch)
+        mine = -(-t * per // (self.world_size * self.micro_batch_size))  # ceil: windows read in the epoch, in this loader's steps
+        if mine >= self.steps_per_epoch: epoch, mine = epoch + 1, 0
+        return epoch * self.steps_per_epoch + mine
+
     def eval_plan(self, n_batches: Optional[int] = None, # Micro-batches in the pass, all ranks together; None: all full ones
                  ) -> list[tuple[int, bool]]:
         """This rank's share of a validation pass: (group, counted) per forward. Group g is windows [g·B, (g+1)·B) in
@@ -1025,6 +1082,26 @@ per_epoch = loader.n_windows // 32
 for s in (*range(0, 5 * per_epoch // 2, 7), per_epoch - 1, per_epoch, 2 * per_epoch):  # epoch boundaries too
     test_eq(optimiser_step_windows(1, 4, s), optimiser_step_windows(2, 2, s))
     test_eq(optimiser_step_windows(1, 4, s), optimiser_step_windows(4, 1, s))
+
+# %% [markdown]
+# A resume with another global batch (a different $G$) cannot keep the optimiser steps' windows,
+# and its epochs leave other windows over. `step_after` keeps what matters: it continues in the
+# saved run's epoch, after the windows of that epoch the saved run had read, so none is read twice
+# and none is skipped but for the rounding to a step. Here a run of $G = 32$ stopped a third of
+# the way into its second epoch continues with $G = 16$, and with $G = 128$:
+
+# %%
+old = TokenLoader(ds, seq_len=T, micro_batch_size=8, seed=0, accum=4)  # G = 32
+old.step = (per_epoch + per_epoch // 3) * 4  # micro-steps: a third into epoch 1
+read = {int(k) for t in range(per_epoch * 4, old.step) for k in old.window_ids(t)}  # what it read of epoch 1
+for G, accum in ((16, 2), (128, 16)):
+    new = TokenLoader(ds, seq_len=T, micro_batch_size=8, seed=0, accum=accum)
+    for saved in (old.state_dict(), {"optimizer_step": old.step // 4, "global_batch_size": 32}):  # rank 0's file, or meta.json
+        t = new.step_after(saved)
+        test_eq(t // new.steps_per_epoch, 1)  # the same epoch
+        rest = {int(k) for u in range(t, 2 * new.steps_per_epoch) for k in new.window_ids(u)}
+        assert not rest & read and len(rest) == (new.steps_per_epoch - t % new.steps_per_epoch) * 8
+        assert t % new.steps_per_epoch * 8 - len(read) < 8  # skipped: less than a step's windows
 
 # %% [markdown]
 # With document masking, each batch also carries its document starts in the flattened batch:
@@ -1134,7 +1211,9 @@ shutil.rmtree(work)
 # A dataset that looks complete but is not (a crash after three of five shards, or a manifest
 # written before the shards) trains silently on the wrong data. Writing everything into a hidden
 # temporary folder and renaming it in one `os.replace` means the folder `DIR` either does not
-# exist or is complete; on the same file system the rename is atomic. The fingerprint check
+# exist or is complete; on the same file system the rename is atomic. Every file is flushed to the
+# disk before the rename, and the rename before the old dataset is deleted, so a power cut cannot
+# leave a renamed folder whose shards the disk never got. The fingerprint check
 # makes a re-run free, and also lets concurrent ranks that all prepared the same data keep one
 # copy.
 # :::

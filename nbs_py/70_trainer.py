@@ -53,7 +53,7 @@ import torch.nn as nn
 
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
-from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default
+from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default, to_disk
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -211,15 +211,25 @@ def resolve_precision(cfg: TrainingConfig, device: torch.device) -> torch.dtype:
 
 # %%
 #| export
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+PEAK_BF16_FLOPS = {  # the first name found in the GPU's name wins: the PCIe and NVL H100s before the SXM
+    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+    "A10G": 125e12, "4090": 165e12}
 
 
 def peak_flops(device: torch.device) -> float | None:
     "Dense bf16 peak FLOP/s of `device`, or None when unknown (CPUs)."
     if device.type != "cuda": return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return peak_of(torch.cuda.get_device_name(device))
 
+
+def peak_of(gpu_name: str) -> float | None:
+    "The `PEAK_BF16_FLOPS` entry of a GPU by its name (`torch.cuda.get_device_name`), or None."
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in gpu_name), None)
+
+
+# %%
+test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200", "Tesla T4")],
+        [989e12, 756e12, 835e12, 989e12, None])
 
 # %% [markdown]
 # ## Checkpoints
@@ -370,6 +380,11 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     try: a = wsd_schedule(step, old_train)
     except ValueError: a = None  # a run from before a decay_fraction > 0 meant at least one decay step: no longer valid
     b = wsd_schedule(step, train_cfg)
+    old_w, new_w = (c.eval_batches * c.micro_batch_size for c in (old_train, train_cfg))
+    if old_w != new_w:  # a smaller micro-batch after running out of memory, say
+        keep = f", e.g. eval_batches={old_w // train_cfg.micro_batch_size}" if old_w % train_cfg.micro_batch_size == 0 else ""
+        notes.append(f"validation reads {new_w} windows (eval_batches × micro_batch_size), not {old_w}: val_loss after step "
+                     f"{step} is measured on other text than before; keep the product at {old_w} to compare it{keep}")
     if a is not None and abs(a - b) > 1e-9:
         notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
                      "to extend a finished run without the jump, resume a checkpoint from before its decay if one is "
@@ -377,7 +392,7 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     return notes
 
 
-def trim_metrics(run_dir: Path, step: int, log=print):
+def trim_metrics(run_dir: Path, step: int, log=print, why: str = "steps this run redoes"):
     "Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`."
     f = Path(run_dir) / "metrics.jsonl"
     if not f.exists(): return
@@ -391,7 +406,7 @@ def trim_metrics(run_dir: Path, step: int, log=print):
     with open(f.with_name("metrics.discarded.jsonl"), "a", encoding="utf-8", errors="surrogateescape") as d: d.writelines(drop)
     tmp = f.with_name("metrics.jsonl.tmp")
     tmp.write_text("".join(keep), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, f)
-    log(f"metrics.jsonl: {len(drop)} lines after step {step} (steps this run redoes) moved to metrics.discarded.jsonl")
+    log(f"metrics.jsonl: {len(drop)} lines {f'after step {step} ' if step >= 0 else ''}({why}) moved to metrics.discarded.jsonl")
 
 
 def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
@@ -417,14 +432,22 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
 #
 # A run also refuses a folder that holds files but nothing of a run (`run_dir=.` in a project, or
 # a folder with a `config.yaml` of your own): it would write its `config.yaml`, `summary.json` and
-# `loss.png` over files of those names. A folder with a `.lock`, `metrics.jsonl`, `checkpoints` or
-# `wandb` is a run's, even one that crashed before its first checkpoint; hidden files alone (a
-# `.DS_Store`, a `.gitkeep`) leave a folder empty enough.
+# `loss.png` over files of those names. A folder with something only a HyMo run writes (its `.lock`,
+# `metrics.jsonl`, a `checkpoints/step_...` folder, `wandb/hymo_run_id`) is a run's, even one that
+# crashed before its first checkpoint; a project's own `checkpoints/` or `wandb/` folder is not. Hidden
+# files alone (a `.DS_Store`, a `.gitkeep`) leave a folder empty enough.
 
 # %%
 #| export
 _HELD_LOCKS: dict[Path, object] = {}  # run folder -> its open .lock file, for the life of this process
-RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints", "wandb")  # one of these in a folder that holds files: a run's folder
+RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints/step_...", "wandb/hymo_run_id")  # what only a HyMo run writes
+
+
+def is_run_folder(d: Path) -> bool:
+    "Whether folder `d` holds one of `RUN_MARKS` (any `...step_NNNNNN...` name in checkpoints/: set aside or unfinished too)."
+    d = Path(d)
+    if any((d / n).exists() for n in (".lock", "metrics.jsonl", "wandb/hymo_run_id")): return True
+    return (d / "checkpoints").is_dir() and any(re.search(CKPT_PREFIX + r"\d{6,}", c.name) for c in (d / "checkpoints").iterdir())
 
 
 def lock_run_dir(run_dir: Path) -> str | None:
@@ -520,6 +543,7 @@ class Trainer:
         self.step, self.bad_steps, self.consecutive_bad, self.history = 0, 0, 0, []
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
+        self.foreign_start = False  # continuing another folder's checkpoint: what this folder logged before is another run's
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
@@ -549,7 +573,7 @@ class Trainer:
         "Refuse a `run_dir` that holds files but nothing of a run: the run's own files would overwrite those of the same names."
         d = self.run_dir
         try:  # hidden files (.DS_Store, .ipynb_checkpoints) are nobody's work; an unreadable folder is refused by the lock
-            ours = (not self.d.is_main or not d.is_dir() or any((d / n).exists() for n in RUN_MARKS)
+            ours = (not self.d.is_main or not d.is_dir() or is_run_folder(d)
                     or not any(not f.name.startswith(".") for f in d.iterdir()))
         except OSError: ours = True
         if not self._agree(ours):
@@ -691,6 +715,7 @@ class Trainer:
             raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
                               "to use the newest readable one") from None
         self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
+        self.foreign_start = not own  # a folder without checkpoints may hold the metrics and wandb id of a run that crashed early
         newer = [c for c in done if checkpoint_step(c) > self.step] if own else []  # an older checkpoint of this folder
         if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
                                   "they would outrank its new checkpoints")
@@ -1038,8 +1063,10 @@ Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulatio
 # %% [markdown]
 # ### Evaluation
 #
-# The validation loader yields the same windows every time, so validation losses are comparable
-# across steps and across runs. Only the main next-token loss is reported as `val_loss`.
+# The validation loader yields the same windows every time: the first `eval_batches` ×
+# `micro_batch_size` windows of the validation split, on any number of ranks. So validation losses
+# are comparable across steps, and across runs with the same product (a resume that changes it is
+# told so). Only the main next-token loss is reported as `val_loss`.
 
 # %%
 #| export
@@ -1108,17 +1135,6 @@ def _single_process_quiet():
     finally: log.removeFilter(noise)
 
 
-def _to_disk(f):
-    "Flush an open file, or a folder's entries (a `Path`: renames and new files in it), to the disk itself."
-    if isinstance(f, Path):
-        fd = os.open(f, os.O_RDONLY)
-        try: os.fsync(fd)
-        except OSError as e:  # some network and FUSE file systems cannot sync a folder: they keep renames in order anyway
-            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF): raise
-        finally: os.close(fd)
-    else: f.flush(); os.fsync(f.fileno())
-
-
 def save(self: Trainer) -> Path:
     "Write a complete checkpoint for the current step (temp folder, then rename), keep the last k."
     import torch.distributed.checkpoint as dcp
@@ -1133,21 +1149,21 @@ def save(self: Trainer) -> Path:
     def own_files():  # every rank's; through a file: a full disk is an OSError, as elsewhere
         with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
-            _to_disk(f)
+            to_disk(f)
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "data_fingerprint": getattr(self.train_loader, "manifest", {}).get("fingerprint"),
                     "config": Config(self.mcfg, self.cfg).to_dict()}
-            with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); _to_disk(f)
+            with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
     def publish():  # complete on every rank: the rename makes it a checkpoint
         if not self.d.is_main: return
         replaced = final.with_name(f"replaced-{final.name}")  # a checkpoint of this step is never deleted before its successor is in place
         if final.exists(): shutil.rmtree(replaced, ignore_errors=True); os.replace(final, replaced)
-        _to_disk(tmp)  # every rank's files are in: the folder's entries on disk before the rename names it a checkpoint
+        to_disk(tmp)  # every rank's files are in: the folder's entries on disk before the rename names it a checkpoint
         os.replace(tmp, final)
-        _to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
+        to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
         for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
             if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
             try: shutil.rmtree(old)
@@ -1186,10 +1202,12 @@ def load(self: Trainer, ckpt: Path):
         error = e
     if not self._agree(error is None):
         raise error or CheckpointUnreadable(f"another rank cannot read its files in {ckpt}")
-    if meta["step"] > self.cfg.max_steps:  # finishing would export a model that never had its decay as the final one
-        raise ConfigError(f"{ckpt} is at step {meta['step']}, past max_steps={self.cfg.max_steps}: there is nothing to "
-                          f"train. Give max_steps={meta['step']} or more, or --resume an earlier checkpoint (in "
-                          f"{ckpt.parent}) to branch a shorter run from it")
+    step, planned = meta["step"], (meta.get("config") or {}).get("train", {}).get("max_steps", meta["step"])
+    if step > self.cfg.max_steps or step == self.cfg.max_steps < planned:  # nothing to train: finishing would export
+        least = step if planned == step else step + 1                       # a model that never had its decay as final
+        raise ConfigError(f"{ckpt} is at step {step} of a run planned for {planned}: with max_steps={self.cfg.max_steps} "
+                          f"there is nothing to train, and its weights never had their decay. Give max_steps={least} or "
+                          f"more, or --resume an earlier checkpoint (in {ckpt.parent}) to branch a shorter run from it")
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
@@ -1206,8 +1224,9 @@ def load(self: Trainer, ckpt: Path):
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.branched_from = meta.get("branched_from")
     self.history = meta["history"]
-    # the loader's position from the windows the saved run read (ceil: none is read twice), in this run's micro-steps
-    position = -(-_windows_read(ckpt, meta, extra) // (self.d.world_size * self.cfg.micro_batch_size))
+    # the loader's position after the windows the saved run read in its epoch (none twice), in this run's micro-steps
+    where = _saved_loader(ckpt, meta, extra)
+    position = 0 if where is None else self.train_loader.step_after(where)
     if extra is not None:
         _set_rng_state(extra["rng"])
         saved = {"accum": 1, **extra["loader"]}  # written before the loader saved it: it then had none (1)
@@ -1216,8 +1235,8 @@ def load(self: Trainer, ckpt: Path):
         if any(saved[k] != v for k, v in ours.items()):  # another split of the batch, or another global batch
             self.train_loader.step = position
             notes.append(f"each rank's step was {saved['accum']} micro-batches of {saved['micro_batch_size']}, now "
-                         f"{self.accum} of {self.cfg.micro_batch_size}: the data continues after the windows the saved run "
-                         "read, and later epochs' order differs from the saved run's")
+                         f"{self.accum} of {self.cfg.micro_batch_size}: the data continues in the saved run's epoch after "
+                         "the windows it had read there, and later epochs' order differs from the saved run's")
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
         self.train_loader.step = position
     self._train_iter = iter(self.train_loader)
@@ -1226,13 +1245,14 @@ def load(self: Trainer, ckpt: Path):
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
 
-def _windows_read(ckpt: Path, meta: dict, extra: dict | None) -> int:
-    """Windows (all ranks) the loader of `ckpt`'s run had read: from rank 0's saved loader (its micro-steps × ranks ×
-    micro-batch), which holds whatever splits the run had before; else the steps × the global batch it saved."""
+def _saved_loader(ckpt: Path, meta: dict, extra: dict | None) -> dict | None:
+    """Where `ckpt`'s run was in its data, for `TokenLoader.step_after`: rank 0's saved loader (its micro-steps, ranks,
+    micro-batch and accumulation), else meta.json's optimiser step and global batch; None if neither is known."""
     try: state = extra["loader"] if extra is not None else torch.load(ckpt / "rank0.pt", weights_only=False)["loader"]
     except Exception: state = None  # a rank-0 file that cannot be read: the global batch in meta.json
-    if state and "world_size" in state: return state["step"] * state["world_size"] * state["micro_batch_size"]
-    return meta["step"] * (meta.get("config") or {}).get("train", {}).get("global_batch_size", 0)
+    if state and "world_size" in state: return state
+    G = (meta.get("config") or {}).get("train", {}).get("global_batch_size")
+    return {"optimizer_step": meta["step"], "global_batch_size": G} if G else None
 
 
 Trainer.save, Trainer.load = save, load
@@ -1397,7 +1417,10 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         def step_files():  # rank 0's; a full disk here stops every rank (`_together`)
             if not self.d.is_main: return
             if self.step == start + 1:  # this call's first step: only now does the run folder change
-                trim_metrics(self.run_dir, start, self.log)
+                if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
+                    trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
+                    self.foreign_start = False
+                else: trim_metrics(self.run_dir, start, self.log)
                 (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
             with open(metrics_file, "a") as f: f.write(json_line(m) + "\n")
 
@@ -1438,7 +1461,7 @@ def _wandb(self: Trainer):
         import wandb
         online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
         id_file = self.run_dir / "wandb" / "hymo_run_id"
-        reuse = online and self.step > 0 and id_file.exists()  # step 0 is a new run; offline parts stay apart (below)
+        reuse = online and self.step > 0 and id_file.exists() and not self.foreign_start  # step 0 or a branch: a new run
         run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
                          config=Config(self.mcfg, self.cfg).to_dict(), group=self.run_dir.name,
                          id=(id_file.read_text().strip() or None) if reuse else None, resume="allow")
@@ -1659,7 +1682,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   is written. So is a finished run's folder whose checkpoints are gone (deleted to free space,
 #   say): training there would start again at step 0 and replace its `model.safetensors`.
 # * A checkpoint at a step past `max_steps` is refused: there is nothing to train, and finishing
-#   would export a model that never had its decay as the final one.
+#   would export a model that never had its decay as the final one. So is one at exactly
+#   `max_steps` taken mid-way through a longer run (the checkpoint of a finished run is at its own
+#   `max_steps`, and finishing exports it).
 # * A resume reads the data the checkpoint trained on, in its order: `meta.json` holds the dataset's
 #   fingerprint, so a `data_dir` prepared again from other text is refused, and so are a changed
 #   `seq_len` or `seed`, on any number of ranks. The split of the global batch may change (see

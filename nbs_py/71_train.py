@@ -88,6 +88,8 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
         k, v = item.split("=", 1)
         if k.strip() in out: raise ConfigError(f"'{k.strip()}' is given twice on the command line: give it once")
+        if not v.strip():  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
+            raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k.strip()}=null for the default")
         try: out[k.strip()] = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "
@@ -235,6 +237,8 @@ cfg = load_config("hymo_tiny", **parse_overrides(["moe_capacity_factor=none", "m
 test_eq((cfg.moe_capacity_factor, cfg.moe_balance), (None, "none"))
 test_eq(load_config("hymo_tiny", **parse_overrides(["moe_capacity_factor=None"])).model.moe_capacity_factor, None)
 test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
+test_fail(lambda: parse_overrides(["data_dir="]), contains="no value (an unset shell variable?)")
+test_eq(parse_overrides(["data_dir=null"]), {"data_dir": None})
 test_fail(lambda: parse_overrides(["mtp_loss_weights=[0.3,"]), contains="not valid YAML")
 
 # %%

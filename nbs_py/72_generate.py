@@ -284,6 +284,7 @@ if __name__ == "__main__" and "__file__" in globals(): main()
 # %%
 from hymo.training.trainer import Trainer
 
+# %%
 torch.set_num_threads(1)
 work = Path(tempfile.mkdtemp())
 small = dict(seq_len=32, micro_batch_size=4, global_batch_size=8, max_steps=6, warmup_steps=2, eval_every=0,
@@ -357,6 +358,9 @@ assert max(counting.sizes) <= 6, max(counting.sizes)  # the last chunk shown (�
 # with the chunk before it as context.
 
 # %%
+from tokenizers import Tokenizer as HFTokenizer, decoders as hf_decoders, models as hf_models
+
+# %%
 junk = [tok.token_to_id("â")] * 50 + tok.encode(" and on").ids  # 50 times the first byte of a 3-byte character
 counting, pieces = Counting(tok), []
 s = _Stream(counting, [], None, pieces.append)
@@ -365,7 +369,6 @@ s.finish(tok.decode(junk))
 test_eq("".join(pieces), tok.decode(junk))
 assert len(pieces) > 10 and max(counting.sizes) <= 10, (len(pieces), max(counting.sizes))
 
-from tokenizers import Tokenizer as HFTokenizer, decoders as hf_decoders, models as hf_models
 words = {"▁Hello": 0, "▁world": 1, "▁again": 2}
 meta_tok = HFTokenizer(hf_models.WordLevel(words, unk_token="▁Hello")); meta_tok.decoder = hf_decoders.Metaspace()
 test_eq(meta_tok.decode([0, 1, 2]), "Hello world again")
@@ -443,11 +446,13 @@ for args, says in [(["--temperature", "nan"], "must be numbers"), (["--temperatu
 
 # %%
 import shutil
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+# %%
 test_eq(json.loads((work / "run" / "summary.json").read_text())["tokenizer_sha256"],
         hashlib.sha256((work / "run" / "tokenizer.json").read_bytes()).hexdigest())
 other = work / "other_tokenizer"
 shutil.copytree(work / "run", other)
-from tokenizers import Tokenizer, models, pre_tokenizers
 wrong = Tokenizer(models.BPE()); wrong.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
 wrong.add_special_tokens([EOT]); wrong.save(str(other / "tokenizer.json"))
 test_fail(lambda: load_run(other), contains="is not the tokenizer this run trained with")
@@ -463,6 +468,8 @@ test_eq(trained_length(work / "run"), small["seq_len"])  # 32 here; max_seq_len 
 
 # %%
 import re
+
+# %%
 kernels = {}
 for kernel, chunk in (("triton", 64), ("auto", 32), ("torch", 32), ("torch", 64), ("naive", 64), ("auto", 64)):
     (other / "config.yaml").write_text(re.sub(r"gdn_kernel: \w+", f"gdn_kernel: {kernel}", re.sub(

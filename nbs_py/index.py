@@ -58,5 +58,6 @@
 # %%
 from hymo.config import load_config
 
+# %%
 cfg = load_config("hymo_750m")
 print(" ".join(t.upper() for t in cfg.model.layer_types))

@@ -56,13 +56,33 @@ def test_a_profile_window_of_no_micro_batches_is_refused_before_anything_runs():
     (["--warmup", "-1"], "--warmup must be at least 0"),
     (["--doc-masking", "-3"], "--doc-masking must be at least 0"),
     (["--compile-mode", "reduce-overhead"], "needs --compile"),
-    (["--gdn", "torch", "--conv-launch", "tiles.json"], "which --gdn torch does not run")])
+    (["--gdn", "torch", "--conv-launch", "tiles.json"], "which --gdn torch does not run"),
+    (["--all-mla", "--conv-launch", "tiles.json"], "which --all-mla does not run"),
+    (["--compile", "--warmup", "0"], "would time the compilation")])
 def test_train_step_refuses_what_would_measure_something_else(argv, says, capsys):
     from train_step import build_parser, check_args
     p = build_parser()
     with pytest.raises(SystemExit) as e: check_args(p, p.parse_args(argv))
     assert e.value.code == 2 and says in capsys.readouterr().err
     check_args(p, p.parse_args(["--compile", "--compile-mode", "reduce-overhead", "--doc-masking", "0"]))  # fine
+
+
+def test_train_step_refuses_torchrun_and_an_unusable_out_before_measuring(tmp_path, monkeypatch, capsys):
+    "Under torchrun every rank counted the global batch at one GPU's peak; a bad --out failed after the whole run."
+    from train_step import build_parser, check_args
+    p = build_parser()
+    def refused(argv, says):
+        with pytest.raises(SystemExit) as e: check_args(p, p.parse_args(argv))
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    refused([], "run it with python, not torchrun")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    (tmp_path / "cut.json").write_text('[{"code": ')
+    refused(["--out", str(tmp_path / "cut.json")], "cannot be read as JSON")
+    (tmp_path / "dict.json").write_text("{}")
+    refused(["--out", str(tmp_path / "dict.json")], "holds a JSON dict, not a list of rows")
+    refused(["--out", str(tmp_path / "nope" / "r.json")], "its folder does not exist")
+    check_args(p, p.parse_args(["--out", str(tmp_path / "new.json")]))  # a new file in a folder that exists: fine
 
 
 def test_the_h200_script_keeps_off_the_results_record(tmp_path):
@@ -135,6 +155,12 @@ def test_the_step_on_a_cpu_counts_packed_documents_and_labels_its_row(monkeypatc
             for docs in (0, 16)}
     whole = rows[0]["flops_per_token"]
     assert rows[16]["flops_per_token"] < whole and "docs~16" in rows[16]["variant"]
+    model = tiny("hymo_tiny")
+    from hymo.models.model import build_hymo
+    assert whole == pytest.approx(build_hymo(model.model, device="meta").flops_per_token(64))  # the model's own count
     for r in rows.values():
         assert r["code"] == "a test" and r["table_peak"] == 1e12 and r["mfu_formula"].endswith("/ 1e+12")
+        assert r["tokens_per_s"] == pytest.approx(2 * 2 * 64 / r["step_s"])  # the step's tokens: micro-batch x accum x seq
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 1e12)
+        assert (r["seq_len"], r["micro_batch"], r["accum"], r["warmup"], r["steps"]) == (64, 2, 2, 0, 1)
+        assert "batch=2x64" in r["variant"]  # not the preset's 4 x 4096: never read as a preset row

@@ -249,6 +249,31 @@ def test_given_tokenizer_is_used(ds, text, tmp_path):
     with pytest.raises(DataError, match="has no <|endoftext|> token"): prepare(text, tmp_path / "y", tokenizer=tmp_path / "no_eot.json")
 
 
+def test_a_given_tokenizer_that_would_cut_pad_or_mark_documents_is_made_plain(ds, text, tmp_path):
+    """A published tokenizer.json may truncate, pad, or add special tokens around every text: applied to whole documents
+    that silently dropped most tokens or filled the stream with padding. They are turned off (and said), and the
+    dataset is the one the plain tokenizer makes; its tokenizer.json, which training and generation read, is plain too."""
+    from tokenizers import Tokenizer, processors
+    from hymo.training.data import DataWarning
+    tok = Tokenizer.from_file(str(ds / "tokenizer.json"))
+    tok.enable_truncation(8); tok.enable_padding(length=256, pad_id=0, pad_token="<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    tok.save(str(tmp_path / "published.json"))
+    with pytest.warns(DataWarning, match="truncation, padding, special tokens its post-processor adds .* turned off"):
+        out = prepare(text, tmp_path / "ds", tokenizer=tmp_path / "published.json", progress=False)
+    assert np.array_equal(stream_of(out, "train"), stream_of(ds, "train"))
+    kept = Tokenizer.from_file(str(out / "tokenizer.json"))
+    plain = Tokenizer.from_file(str(ds / "tokenizer.json"))
+    assert kept.truncation is None and kept.padding is None and kept.encode("a b c d e f g h i").ids == plain.encode("a b c d e f g h i").ids
+
+
+def test_a_validation_fraction_that_leaves_no_training_text_is_refused(tmp_path):
+    (tmp_path / "tiny.txt").write_text("one line of text\n\nanother doc here\n")
+    with pytest.raises(DataError, match="val_fraction=0.99 leaves no text for training"):
+        prepare(tmp_path / "tiny.txt", tmp_path / "ds", val_fraction=0.99, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.txt"]
+
+
 def test_input_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"): prepare(tmp_path / "missing.txt", tmp_path / "o")
     (tmp_path / "empty.txt").write_text("\n \n\n")

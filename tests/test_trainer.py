@@ -259,6 +259,18 @@ def test_resuming_a_run_whose_old_schedule_is_no_longer_valid_says_nothing_of_a_
     assert notes and not any("jumps" in n for n in notes)
 
 
+def test_a_resume_with_another_validation_size_says_so_and_how_to_keep_it():
+    "Validation reads eval_batches × micro_batch_size windows: a smaller micro-batch at a resume shrinks it unless told."
+    from hymo.training.trainer import resume_changes
+    old = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "eval_batches": 10})
+    saved = json.loads(json.dumps(old.to_dict()))
+    half = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "eval_batches": 10, "micro_batch_size": 2})
+    notes = resume_changes(saved, half.model, half.train, step=3)
+    assert any("validation reads 20 windows (eval_batches × micro_batch_size), not 40" in n and "eval_batches=20" in n for n in notes)
+    kept = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "eval_batches": 20, "micro_batch_size": 2})
+    assert not any("validation reads" in n for n in resume_changes(saved, kept.model, kept.train, step=3))
+
+
 def test_kill_and_resume_equals_straight_run(tmp_path):
     straight = make(tmp_path / "straight", max_steps=20, ckpt_every=10).fit()
     first = make(tmp_path / "resumed", max_steps=20, ckpt_every=10)
@@ -331,12 +343,19 @@ def test_a_finished_run_whose_checkpoints_are_gone_is_not_trained_over(tmp_path)
 
 
 def test_a_checkpoint_past_max_steps_is_refused_not_exported_as_final(tmp_path):
-    """Lowering max_steps below the checkpoint's step used to only warn, then export the undecayed model as final."""
+    """Lowering max_steps below the checkpoint's step used to only warn, then export the undecayed model as final; down
+    to exactly the checkpoint's step (of a longer run) it exported it silently. A finished run's checkpoint re-exports."""
     from hymo.config import ConfigError
     make(tmp_path / "run", max_steps=8, ckpt_every=4, warmup_steps=1).fit(4)
-    with pytest.raises(ConfigError, match=r"at step 4, past max_steps=3: there is nothing to train\. Give max_steps=4"):
-        make(tmp_path / "run", max_steps=3, warmup_steps=1)
+    for shorter in (3, 4):
+        with pytest.raises(ConfigError, match=rf"at step 4 of a run planned for 8: with max_steps={shorter} there is nothing "
+                                              r"to train, and its weights never had their decay\. Give max_steps=5"):
+            make(tmp_path / "run", max_steps=shorter, warmup_steps=1)
     assert not (tmp_path / "run" / "model.safetensors").exists()
+    t = make(tmp_path / "run", max_steps=5, warmup_steps=1)  # the advice: one step more, which decays
+    t.fit()
+    assert t.step == 5 and (tmp_path / "run" / "model.safetensors").exists()
+    make(tmp_path / "run", max_steps=5, warmup_steps=1).fit()  # the finished run's own checkpoint: accepted
 
 
 def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(tmp_path):
@@ -1091,6 +1110,11 @@ def test_resuming_another_folders_checkpoint_into_a_run_is_refused(tmp_path):
     c.fit(num_steps=2)  # the branch trains on (step_4), then its job is requeued with the same command
     again = make(tmp_path / "c", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=2)
     assert again.step == 4 and again.branched_from == c.branched_from  # it continues the branch, not step 2 again
+    make(tmp_path / "e", max_steps=6, seed=1).fit(num_steps=3)  # a run that crashed before its first checkpoint
+    e = make(tmp_path / "e", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6, ckpt_every=2)
+    e.fit(num_steps=2)  # the branch's metrics.jsonl holds its own steps only; the crashed run's lines are set aside
+    assert [m["step"] for m in read_jsonl(tmp_path / "e" / "metrics.jsonl")] == [3, 4]
+    assert [m["step"] for m in read_jsonl(tmp_path / "e" / "metrics.discarded.jsonl")] == [1, 2, 3]
     with pytest.raises(ConfigError, match="nope does not exist"):
         make(tmp_path / "d", resume=tmp_path / "nope", max_steps=6)
     with pytest.raises(ConfigError, match="cut short"):  # a .tmp folder is never a checkpoint to resume
@@ -1260,6 +1284,10 @@ def test_a_folder_of_other_files_is_refused_not_overwritten(tmp_path):
     (folder / "config.yaml").write_text("my important config")
     with pytest.raises(ConfigError, match="not a HyMo run folder"): make(folder, max_steps=4)
     assert [p.name for p in folder.iterdir()] == ["config.yaml"] and (folder / "config.yaml").read_text() == "my important config"
+    for common in ("wandb", "checkpoints"):  # a project's own folders of these names do not make it a run's
+        (folder / common / "latest").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="not a HyMo run folder"): make(folder, max_steps=4)
+    assert (folder / "config.yaml").read_text() == "my important config"
     (folder / "metrics.jsonl").write_text("")  # a run that crashed before its first checkpoint: its folder, accepted
     assert make(folder, max_steps=4).step == 0
     hidden = tmp_path / "fresh"

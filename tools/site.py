@@ -239,11 +239,13 @@ def api_doc(code: str, name: str) -> str:
     return f"::: {{.doc}}\n### {name} {{#{name} .doc-name}}\n\n{fence(sig, '{.python}')}{doc}\n:::"
 
 
-def link_names(md: str, symbols: dict[str, str], here: str) -> str:
-    "Link backticked names of exported objects (`RMSNorm`, `ModelConfig.layer_types`) to their docs."
+def link_names(md: str, symbols: dict[str, list], here: str) -> str:
+    """Link backticked names of exported objects (`RMSNorm`, `ModelConfig.layer_types`) to their docs: the definition on
+    this page if there is one, else the only one (a name several chapters define, like `main`, is left unlinked)."""
     def sub(m):
         whole, name = m.group(0), m.group(1)
-        target = symbols.get(name.split(".")[0])
+        targets = symbols.get(name.split(".")[0], [])
+        target = next((t for t in targets if t[0] == here), targets[0] if len(targets) == 1 else None)
         if not target: return whole
         page, anchor = target
         return f"[{whole}]({'' if page == here else page}#{anchor})"
@@ -354,7 +356,7 @@ def pager(pages: list[Page], i: int) -> str:
 
 
 def layout(page: Page, body: str, toc: str, hl_css: str, side: str, pager_html: str) -> str:
-    desc = f'<p class="description">{html.escape(page.desc)}</p>' if page.desc else ""
+    desc = f'<p class="description">{inline(page.desc)}</p>' if page.desc else ""
     toc_html = f'<aside class="toc"><h2>On this page</h2>{toc}</aside>' if toc else ""
     title = page.title if page.html == "index.html" else f"{page.title} – {SITE_TITLE}"
     return f"""<!doctype html>
@@ -392,13 +394,14 @@ def slides_list_md(slides: list[Page]) -> str:
 def build_chapters(tmp: Path, slides: list[Page]) -> list[Page]:
     pages = chapters()
     nb_pages = {p.src.name: p.html for p in pages} | {d.src.name: d.html for d in slides}
-    symbols = {}  # exported name -> (page, anchor)
+    symbols = {}  # exported name -> [(page, anchor)], one for each chapter that defines it
     for p in pages:
         for c in read_nb(p.src):
             if c["cell_type"] != "code": continue
             d, code = directives(c["source"])
             if ("export" in d or "exports" in d) and not d.keys() & {"hide"}:
-                for n in defined_names(code): symbols.setdefault(n, (p.html, n))
+                for n in defined_names(code):
+                    if (p.html, n) not in symbols.setdefault(n, []): symbols[n].append((p.html, n))
     def render(i):
         p = pages[i]
         md = notebook_md(p, symbols, nb_pages)

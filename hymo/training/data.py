@@ -9,6 +9,7 @@ Docs: https://hymo-lm.github.io/hymo/data.html.md"""
 from __future__ import annotations
 
 import glob
+import errno
 import hashlib
 import json
 import os
@@ -26,9 +27,9 @@ from ..config import package_dir
 
 # %% auto #0
 __all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'DataError', 'DataWarning', 'split_text', 'find_files',
-           'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype', 'load_manifest',
-           'load_tokenizer', 'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens',
-           'TokenLoader']
+           'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype', 'to_disk',
+           'load_manifest', 'load_tokenizer', 'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default',
+           'doc_cu_seqlens', 'TokenLoader']
 
 # %% ../../nbs/60_data.ipynb #68bc71f4
 EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
@@ -205,6 +206,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def to_disk(f):
+    "Flush an open file, or a folder's entries (a `Path`: renames and new files in it), to the disk itself."
+    if isinstance(f, Path):
+        fd = os.open(f, os.O_RDONLY)
+        try: os.fsync(fd)
+        except OSError as e:  # some network and FUSE file systems cannot sync a folder: they keep renames in order anyway
+            if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF): raise
+        finally: os.close(fd)
+    else: f.flush(); os.fsync(f.fileno())
+
+
+def _write_synced(path: Path, data: str | bytes):
+    "Write `path` and flush it to the disk: a dataset is renamed into place only once all of it is there."
+    with open(path, "wb") as f: f.write(data.encode("utf-8") if isinstance(data, str) else data); to_disk(f)
+
+
 class _ShardWriter:
     "Appends token arrays to one split and writes `{split}_{i:04d}.npy` shards of `shard_tokens` tokens."
     def __init__(self, folder: Path, split: str, dtype, shard_tokens: int):
@@ -220,7 +237,7 @@ class _ShardWriter:
     def _flush(self, n: int):
         arr = np.concatenate(self.buf) if self.buf else np.zeros(0, self.dtype)
         name = f"{self.split}_{len(self.shards):04d}.npy"
-        np.save(self.folder / name, arr[:n])
+        with open(self.folder / name, "wb") as f: np.save(f, arr[:n]); to_disk(f)
         self.shards.append({"file": name, "tokens": int(n)})
         self.buf, self.n_buf = ([arr[n:]] if len(arr) > n else []), len(arr) - n
 
@@ -259,7 +276,7 @@ def _batches(items: Iterable[tuple[str, str]], max_bytes: int = 1 << 22) -> Iter
 def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: str, doc_split: str,
                    val_fraction: float, shard_tokens: int, total_bytes: int, progress: bool) -> dict:
     "Encode every document into shards under `folder`; write tokenizer.json and, last, manifest.json."
-    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    _write_synced(folder / "tokenizer.json", tokenizer_json)
     vocab_size, eot_id = tok.get_vocab_size(), tok.token_to_id(EOT)
     dtype = token_dtype(vocab_size)
     writers = {s: _ShardWriter(folder, s, dtype, shard_tokens) for s in ("train", "val")}
@@ -276,7 +293,7 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
                 "vocab_size": vocab_size, "eot_id": eot_id, "eot_token": EOT, "dtype": dtype.name,
                 "doc_split": doc_split, "val_fraction": val_fraction, "inputs": [name for _, name in files],
                 "splits": {s: w.close() for s, w in writers.items()}}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _write_synced(folder / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
 # %% ../../nbs/60_data.ipynb #3a6f78ab
@@ -331,10 +348,12 @@ def _install(tmp: Path, out: Path, fingerprint: str):
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(out, old)
         else: out.rmdir()
+    to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
     try: os.replace(tmp, out)
     except OSError:  # another process installed `out` between our check and our rename
         if not _same_dataset(out, fingerprint): raise
         shutil.rmtree(tmp)
+    to_disk(out.parent)  # the rename itself, before the old dataset goes: a power cut leaves one of the two whole
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 
 # %% ../../nbs/60_data.ipynb #8bdbd9d0
@@ -389,6 +408,20 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     return manifest
 
 # %% ../../nbs/60_data.ipynb #33a82cea
+def _plain_tokenizer(tok, path: Path, text: str) -> str:
+    """Turn off what a given tokenizer.json may do to every document beyond splitting it into tokens (truncation,
+    padding, special tokens added around it), with a `DataWarning`; return the JSON the dataset keeps."""
+    adds = tok.encode("a b", add_special_tokens=True).ids != tok.encode("a b", add_special_tokens=False).ids
+    off = [name for name, on in (("truncation", tok.truncation), ("padding", tok.padding), ("special tokens its "
+           "post-processor adds around each text", adds)) if on]
+    if not off: return text
+    tok.no_truncation(); tok.no_padding()
+    if adds: tok.post_processor = None
+    warnings.warn(f"tokenizer {path}: its {', '.join(off)} turned off: they would cut, pad or mark every document "
+                  f"(each ends in {EOT}); the dataset keeps the tokenizer without them", DataWarning, stacklevel=3)
+    return tok.to_str()
+
+
 def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .parquet (a 'text' column)
             out, # Dataset folder to create
             vocab_size: Optional[int] = None, # BPE vocabulary to train (default 2048); with `tokenizer`, must match it if given
@@ -427,6 +460,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         if vocab_size is not None and vocab_size != tok.get_vocab_size():
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
         tok.encode_special_tokens = True
+        tokenizer_json = _plain_tokenizer(tok, tokenizer, tokenizer_json)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
@@ -453,6 +487,9 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try:
         total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
         if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
+        if not any(s == "train" for s, _ in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction)):
+            raise DataError(f"val_fraction={val_fraction} leaves no text for training (the cut falls before the first line "
+                            "break): lower it, or give more text")
         if tokenizer is None:
             train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
@@ -605,6 +642,21 @@ class TokenLoader:
         if diff: raise DataError("cannot resume the data order, settings differ (" + "; ".join(diff) + "): "
                                  "resume with the same data, seed, seq_len, micro_batch_size, world_size and accumulation")
         self.step = int(state["step"])
+
+    def step_after(self, saved: dict, # A saved loader's `state_dict()`, or meta.json's {'optimizer_step': s, 'global_batch_size': G}
+                  ) -> int:
+        """The step at which to continue a run saved with another global batch or another split of it: in the saved
+        run's epoch, after the windows of that epoch it had read (rounded up to this loader's steps, so none is read
+        twice), or at the start of the next epoch when this loader's epoch has no more steps."""
+        if "optimizer_step" in saved:  # only meta.json: steps of G windows
+            per, per_epoch, step = saved["global_batch_size"], self.n_windows // saved["global_batch_size"], saved["optimizer_step"]
+        else:
+            per, a = saved["world_size"] * saved["micro_batch_size"], saved.get("accum", 1)  # windows per micro-step
+            per_epoch, step = self.n_windows // (per * a) * a, saved["step"]
+        epoch, t = divmod(step, per_epoch)
+        mine = -(-t * per // (self.world_size * self.micro_batch_size))  # ceil: windows read in the epoch, in this loader's steps
+        if mine >= self.steps_per_epoch: epoch, mine = epoch + 1, 0
+        return epoch * self.steps_per_epoch + mine
 
     def eval_plan(self, n_batches: Optional[int] = None, # Micro-batches in the pass, all ranks together; None: all full ones
                  ) -> list[tuple[int, bool]]:
