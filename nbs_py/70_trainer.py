@@ -1107,7 +1107,7 @@ Trainer.evaluate = evaluate
 #
 # A process that dies loses nothing the operating system has accepted; a machine that loses power
 # loses what is still in its page cache. So every file of a checkpoint is flushed to the disk
-# before the rename (DCP does this for its shards, `_to_disk` for `rank{r}.pt` and `meta.json`),
+# before the rename (DCP does this for its shards, `to_disk` for `rank{r}.pt` and `meta.json`),
 # and the rename itself is flushed before the checkpoint it replaces is deleted: at every instant
 # one complete checkpoint is on the disk. A `.tmp` folder left by a kill between the last write and
 # the rename is complete only if it has DCP's `.metadata`, `meta.json` and every rank's file
@@ -1291,14 +1291,20 @@ Trainer.save, Trainer.load = save, load
 # the checkpoint is collective), a checkpoint of that step is written, and `fit` returns with
 # `stopped_by` set; `python -m hymo.train` then says where the checkpoint is and exits with
 # 128 + the signal's number, as a killed process would. A signal while the last step's checkpoint is
-# written lets it complete and stops the run there: the resume does the rest of the finish. Nothing
-# since the last checkpoint is lost,
-# and the line printed last says how to resume: the same command, with `run_dir=` added if the run
+# written lets it complete and stops the run there: the resume does the rest of the finish. (A
+# SIGTERM during the finish itself, the final validation, sample and export, ends the process at
+# once, without that line; nothing is lost either: `summary.json` is written last, and the same
+# command finishes the run.) Nothing since the last checkpoint is lost, and the line printed last
+# says how to resume: the same command, with `run_dir=` added if the run
 # made a new timestamped folder, and without `--resume` or `--no-resume` (which would go back to
 # an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint.
 # Under `torchrun`, Ctrl-C reaches torchrun too, which passes it to every rank (each then stops as
 # above, together) and reports the signal itself: it ends with a `SignalException` traceback and
-# exit status 1, after the ranks have written their checkpoint.
+# exit status 1, after the ranks have written their checkpoint. That is, if it waits for them:
+# torchrun kills its workers 30 s after the signal unless told otherwise (`--shutdown-timeout`, or
+# the `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` variable), and at 750M the step in flight and a checkpoint
+# of several GB take longer. Give it a few minutes, and your scheduler's grace period (Slurm's
+# `KillWait`) at least as long; a worker killed mid-checkpoint loses the steps since the last one.
 
 # %%
 #| export
