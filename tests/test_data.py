@@ -550,3 +550,118 @@ def test_what_a_stopped_prepare_leaves_is_named(tmp_path):
     with pytest.warns(DataWarning, match=r"\.ds2\.tmp-99-abc in .* was left by another prepare of ds2, stopped or still running"):
         prepare(text, tmp_path / "ds2", vocab_size=VOCAB, progress=False)
     assert (tmp_path / ".ds2.tmp-99-abc").exists()  # named, not deleted: it may belong to a prepare still running
+
+
+# Tests from mutation testing: each fails on a plausible change to the data pipeline that no other test caught.
+def test_the_order_is_the_documented_one_and_seeds_are_independent(ds):
+    a, b = (TokenLoader(ds, seq_len=16, micro_batch_size=4, seed=s) for s in (0, 1))
+    S, K = a.steps_per_epoch, a.n_windows
+    assert not np.array_equal(a.window_ids(S), b.window_ids(0))  # seed 0's 2nd epoch is not seed 1's 1st
+    # pinned: a changed recipe would silently change the data order of every checkpoint being resumed
+    assert np.array_equal(a.window_ids(S + 2), np.random.default_rng([0, 1]).permutation(K)[8:12])
+
+
+def test_epoch_is_fractional(ds):
+    loader = TokenLoader(ds, seq_len=16, micro_batch_size=4)
+    loader.step = loader.steps_per_epoch + loader.steps_per_epoch // 2
+    assert loader.epoch == loader.step / loader.steps_per_epoch and 1 < loader.epoch < 2
+
+
+def test_batches_are_int64(ds):
+    x, y = TokenLoader(ds, seq_len=16, micro_batch_size=4).batch(0)
+    assert x.dtype == y.dtype == torch.int64
+
+
+def test_a_document_that_starts_at_the_cut_is_all_validation():
+    from hymo.training.data import split_train_val
+    assert list(split_train_val(["aaaa\n", "bbbb\n"], 10, 0.5)) == [("train", "aaaa\n"), ("val", "bbbb\n")]
+
+
+def test_a_whitespace_tail_is_no_validation_document():
+    from hymo.training.data import split_train_val
+    assert list(split_train_val(["aaaa\n  \n"], 8, 0.5)) == [("train", "aaaa\n")]
+
+
+def test_a_shard_of_another_dtype_is_damaged(text, tmp_path):
+    bad = prepare(text, tmp_path / "d", vocab_size=VOCAB, progress=False)
+    np.save(bad / "val_0000.npy", np.load(bad / "val_0000.npy").astype(np.uint32))
+    with pytest.raises(DataError, match="damaged"): check_compatible(bad, VOCAB)
+
+
+def test_a_manifest_vocab_size_that_is_not_the_tokenizer_s_is_refused(text, tmp_path):
+    bad = prepare(text, tmp_path / "m", vocab_size=VOCAB, progress=False)
+    m = json.loads((bad / "manifest.json").read_text()); m["vocab_size"] = 256
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match=f"tokenizer.json has {VOCAB} tokens, the manifest says 256"): check_compatible(bad, 256)
+
+
+def test_a_changed_input_or_option_is_not_served_from_the_old_dataset(text, tmp_path):
+    src = tmp_path / "play.txt"; src.write_text(text.read_text())
+    out = prepare(src, tmp_path / "ds", vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    for kw in (dict(shard_tokens=500), dict(val_fraction=0.2), dict(doc_split="file"), dict(tokenizer_train_bytes=10**4)):
+        with pytest.raises(DataError, match="overwrite=True"):
+            prepare(src, out, vocab_size=VOCAB, progress=False, **{"shard_tokens": 1000, **kw})
+    src.write_text(text.read_text().replace("Citizen", "Citizeness"))  # the same name, other text
+    with pytest.raises(DataError, match="overwrite=True"): prepare(src, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+
+
+def test_the_first_window_of_a_sharded_split(ds):
+    s, T = stream_of(ds, "train"), 16
+    loader = TokenLoader(ds, seq_len=T, micro_batch_size=4)
+    assert len(load_manifest(ds)["splits"]["train"]["shards"]) > 1
+    x, y = next(iter(loader.eval_batches(1)))  # windows 0..3 in stream order
+    assert np.array_equal(x[0].numpy(), s[:T]) and np.array_equal(y[0].numpy(), s[1:T + 1])
+
+
+def test_a_rank_outside_the_world_is_refused(ds):
+    with pytest.raises(DataError, match=r"rank=2 must be in \[0, world_size=2\)"):
+        TokenLoader(ds, seq_len=16, micro_batch_size=2, rank=2, world_size=2)
+
+
+def test_resuming_with_other_settings_or_data_is_refused(ds, text, tmp_path):
+    base = dict(seq_len=16, micro_batch_size=4, seed=7)
+    a = TokenLoader(ds, **base); next(a)
+    for kw, msg in ((dict(world_size=2), "world_size: saved 1, now 2"), (dict(micro_batch_size=2), "micro_batch_size: saved 4, now 2"),
+                    (dict(accum=2), "accum: saved 1, now 2"), (dict(split="val"), "split: saved 'train', now 'val'")):
+        with pytest.raises(DataError, match=msg): TokenLoader(ds, **{**base, **kw}).load_state_dict(a.state_dict())
+    other = prepare(text, tmp_path / "o", vocab_size=VOCAB + 20, progress=False)
+    with pytest.raises(DataError, match="is not the one this run trained on"): TokenLoader(other, **base).load_state_dict(a.state_dict())
+
+
+def test_the_tokenizer_never_sees_validation_text(tmp_path):
+    train = "".join(f"speech {i} of the play.\n\n" for i in range(300))
+    val = "".join("zqxjv " * 50 + "\n\n" for _ in range(20))
+    (tmp_path / "t.txt").write_text(train + val)
+    ds = prepare(tmp_path / "t.txt", tmp_path / "ds", vocab_size=VOCAB, val_fraction=0.5, progress=False)
+    assert not any("qx" in t for t in load_tokenizer(ds).get_vocab())
+
+
+def test_the_tokenizer_trains_on_at_most_tokenizer_train_bytes(text, tmp_path, monkeypatch):
+    seen, real = [], D.train_tokenizer
+    monkeypatch.setattr(D, "train_tokenizer", lambda docs, *a: real(seen.extend(docs) or seen, *a))
+    prepare(text, tmp_path / "ds", vocab_size=VOCAB, tokenizer_train_bytes=5000, progress=False)
+    n = sum(len(d.encode()) for d in seen)
+    assert 5000 <= n < 5000 + max(len(d.encode()) for d in seen)
+
+
+def test_the_smallest_vocabulary_is_accepted(text, tmp_path):
+    assert load_manifest(prepare(text, tmp_path / "v", vocab_size=257, progress=False))["vocab_size"] == 257
+
+
+def test_an_eval_only_loader_needs_one_micro_batch(ds):
+    K = TokenLoader(ds, "val", seq_len=16, micro_batch_size=1, eval_only=True).n_windows
+    with pytest.raises(DataError, match="fewer than one micro-batch"):
+        TokenLoader(ds, "val", seq_len=16, micro_batch_size=K + 1, eval_only=True)
+
+
+def test_cli_options_and_notes(text, tmp_path, capsys):
+    from hymo.data import main
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "f"), "--vocab-size", str(VOCAB),
+                 "--doc-split", "file", "--val-fraction", "0", "--no-progress"]) == 0
+    m, cap = load_manifest(tmp_path / "f"), capsys.readouterr()
+    assert m["doc_split"] == "file" and m["splits"]["train"]["documents"] == 1
+    assert "validation split is empty" not in cap.err  # asked for: --val-fraction 0
+    (tmp_path / "small.txt").write_text("to be or not to be\n\nthat is the question\n" * 3)
+    assert main(["prepare", "--input", str(tmp_path / "small.txt"), "--out", str(tmp_path / "s"), "--vocab-size", "2000",
+                 "--val-fraction", "0", "--no-progress"]) == 0
+    assert "note: the tokenizer learned" in capsys.readouterr().out
