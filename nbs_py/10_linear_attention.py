@@ -164,7 +164,6 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # %%
 slope = lambda ys: (math.log(ys[-1]) - math.log(ys[0])) / (math.log(Ts[-1]) - math.log(Ts[0]))
 print(f"time, slope on this CPU: parallel {slope(res['parallel']):.2f}, recurrent {slope(res['recurrent']):.2f}")
-assert res["recurrent"][0] > 5 * res["parallel"][0]  # at T=128 the gap is widest (about 100x): robust to a busy CPU
 
 # %% [markdown]
 # ## Interview questions
