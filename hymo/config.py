@@ -258,6 +258,10 @@ def validate_training(t: TrainingConfig):
     for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "seed"]:  # seed: NumPy refuses a negative one
         if getattr(t, name) < 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or more")
     if t.seed >= 2**64: raise ConfigError(f"train.seed={t.seed} must be below 2**64 (torch's seeds are 64-bit)")
+    for name in ["data_dir", "run_dir", "wandb_project"]:  # "" (a quoted empty value) would mean the default silently
+        if getattr(t, name) is not None and not getattr(t, name).strip():
+            raise ConfigError(f"train.{name}={getattr(t, name)!r} is empty: give a value"
+                              + ("" if name == "wandb_project" else ", or null for the default"))
     for name in ["log_every", "eval_batches", "muon_lr", "adamw_lr"]:
         if not getattr(t, name) > 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if not t.adamw_eps > 0:

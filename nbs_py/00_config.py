@@ -313,6 +313,10 @@ def validate_training(t: TrainingConfig):
     for name in ["warmup_steps", "eval_every", "ckpt_every", "sample_tokens", "grad_clip", "weight_decay", "seed"]:  # seed: NumPy refuses a negative one
         if getattr(t, name) < 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or more")
     if t.seed >= 2**64: raise ConfigError(f"train.seed={t.seed} must be below 2**64 (torch's seeds are 64-bit)")
+    for name in ["data_dir", "run_dir", "wandb_project"]:  # "" (a quoted empty value) would mean the default silently
+        if getattr(t, name) is not None and not getattr(t, name).strip():
+            raise ConfigError(f"train.{name}={getattr(t, name)!r} is empty: give a value"
+                              + ("" if name == "wandb_project" else ", or null for the default"))
     for name in ["log_every", "eval_batches", "muon_lr", "adamw_lr"]:
         if not getattr(t, name) > 0: raise ConfigError(f"train.{name}={getattr(t, name)} must be positive")
     if not t.adamw_eps > 0:
@@ -640,6 +644,7 @@ test_eq(load_config("hymo_tiny", muon_lr="1e-3", adamw_lr="3E-4").train.muon_lr,
 test_fail(lambda: load_config("hymo_tiny", muon_lr="fast"), contains="expected float")
 test_fail(lambda: load_config("hymo_tiny", max_steps="1e5"), contains="expected int, got str '1e5'; write it as a whole number: 100000")
 test_fail(lambda: load_config("hymo_tiny", run_dir=2024), contains="expected str, got int 2024; quote it: '2024'")
+test_fail(lambda: load_config("hymo_tiny", data_dir=""), contains="train.data_dir='' is empty: give a value, or null")  # data_dir="" in a launcher
 
 # %% [markdown]
 # ## Interview questions

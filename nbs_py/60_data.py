@@ -424,10 +424,10 @@ class _ShardWriter:
 # %% [markdown]
 # `prepare` reads the inputs twice (once to count bytes for the split, once to encode) and a third
 # time, up to `tokenizer_train_bytes`, to train the tokenizer, so memory stays bounded for large
-# corpora of ordinary documents. Documents are encoded in batches (`encode_batch` runs on all
-# cores) under a progress bar. A document is read and encoded whole, and encoding takes about a
-# hundred times its size in memory: a single file of several GB under `--doc-split file` needs
-# splitting first (blank lines, and the default `--doc-split blank`, do that).
+# corpora of many files. Documents are encoded in batches (`encode_batch` runs on all cores) under
+# a progress bar. Memory grows with the largest file, which is read whole (about three times its
+# size, split into documents), and with the largest document, which is encoded whole (about a
+# hundred times its size): a corpus that is one file of several GB should be cut into files first.
 
 # %%
 #| export
@@ -615,7 +615,7 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
 def _plain_tokenizer(tok, path: Path, text: str) -> str:
     """Turn off what a given tokenizer.json may do to every document beyond splitting it into tokens (truncation,
     padding, special tokens added around it), with a `DataWarning`; return the JSON the dataset keeps."""
-    adds = tok.encode("a b", add_special_tokens=True).ids != tok.encode("a b", add_special_tokens=False).ids
+    adds = tok.post_processor is not None and tok.post_processor.num_special_tokens_to_add(False) > 0
     off = [name for name, on in (("truncation", tok.truncation), ("padding", tok.padding), ("special tokens its "
            "post-processor adds around each text", adds)) if on]
     if not off: return text
@@ -691,9 +691,9 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try:
         total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
         if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
-        if not any(s == "train" for s, _ in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction)):
-            raise DataError(f"val_fraction={val_fraction} leaves no text for training (the cut falls before the first line "
-                            "break): lower it, or give more text")
+        if int((1 - val_fraction) * total_bytes) == 0:  # any cut after byte 0 leaves training at least a line
+            raise DataError(f"val_fraction={val_fraction} leaves no text for training (less than a byte of the "
+                            f"{total_bytes}): lower it, or give more text")
         if tokenizer is None:
             train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
@@ -996,8 +996,8 @@ class TokenLoader:
     def step_after(self, saved: dict, # A saved loader's `state_dict()`, or meta.json's {'optimizer_step': s, 'global_batch_size': G}
                   ) -> int:
         """The step at which to continue a run saved with another global batch or another split of it: in the saved
-        run's epoch, after the windows of that epoch it had read (rounded up to this loader's steps, so none is read
-        twice), or at the start of the next epoch when this loader's epoch has no more steps."""
+        run's epoch, after the windows of that epoch it had read (rounded up to this loader's optimiser steps, so none
+        is read twice), or at the start of the next epoch when this loader's epoch has no more steps."""
         if "optimizer_step" in saved:  # only meta.json: steps of G windows
             per, per_epoch, step = saved["global_batch_size"], self.n_windows // saved["global_batch_size"], saved["optimizer_step"]
         else:
@@ -1005,6 +1005,7 @@ class TokenLoader:
             per_epoch, step = self.n_windows // (per * a) * a, saved["step"]
         epoch, t = divmod(step, per_epoch)
         mine = -(-t * per // (self.world_size * self.micro_batch_size))  # ceil: windows read in the epoch, in this loader's steps
+        mine = -(-mine // self.accum) * self.accum  # up to an optimiser step: an epoch stays whole optimiser steps
         if mine >= self.steps_per_epoch: epoch, mine = epoch + 1, 0
         return epoch * self.steps_per_epoch + mine
 
@@ -1087,7 +1088,8 @@ for s in (*range(0, 5 * per_epoch // 2, 7), per_epoch - 1, per_epoch, 2 * per_ep
 # A resume with another global batch (a different $G$) cannot keep the optimiser steps' windows,
 # and its epochs leave other windows over. `step_after` keeps what matters: it continues in the
 # saved run's epoch, after the windows of that epoch the saved run had read, so none is read twice
-# and none is skipped but for the rounding to a step. Here a run of $G = 32$ stopped a third of
+# and none is skipped but for the rounding up to an optimiser step (an epoch stays a whole number
+# of them). Here a run of $G = 32$ stopped a third of
 # the way into its second epoch continues with $G = 16$, and with $G = 128$:
 
 # %%
@@ -1101,7 +1103,7 @@ for G, accum in ((16, 2), (128, 16)):
         test_eq(t // new.steps_per_epoch, 1)  # the same epoch
         rest = {int(k) for u in range(t, 2 * new.steps_per_epoch) for k in new.window_ids(u)}
         assert not rest & read and len(rest) == (new.steps_per_epoch - t % new.steps_per_epoch) * 8
-        assert t % new.steps_per_epoch * 8 - len(read) < 8  # skipped: less than a step's windows
+        assert t % accum == 0 and t % new.steps_per_epoch * 8 - len(read) < G  # skipped: less than an optimiser step's
 
 # %% [markdown]
 # With document masking, each batch also carries its document starts in the flattened batch:

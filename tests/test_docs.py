@@ -181,6 +181,22 @@ def test_names_link_to_this_pages_definition_or_to_the_only_one(monkeypatch):
     assert site.link_names(md, symbols, "results.html") == "Call `main` or [`RMSNorm`](layers.html#RMSNorm)."
 
 
+def test_no_notebook_cell_mixes_imports_with_code():
+    """nbdev's docs pre-render runs every cell with an import anywhere in it (an import inside a block too; it warns only
+    of some): such a cell must hold imports only, or it runs without the cells before it, or starts a benchmark."""
+    import ast
+    bad = []
+    for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
+        for i, c in enumerate(json.loads(nb.read_text())["cells"]):
+            src = "".join(c["source"])
+            if c["cell_type"] != "code" or re.search(r"^#\|\s*(export|exports|exporti|eval:\s*false)\b", src, re.M): continue
+            tree = ast.parse("\n".join(l for l in src.splitlines() if not l.lstrip().startswith(("%", "!"))))
+            imports = (ast.Import, ast.ImportFrom)
+            if any(isinstance(n, imports) for n in ast.walk(tree)) and not all(isinstance(t, imports) for t in tree.body):
+                bad.append(f"{nb.name} cell {i}: {src.splitlines()[0][:60]}")
+    assert not bad, bad
+
+
 def test_nbdev_docs_prerender_runs_on_every_notebook():
     """`make site` (nbdev-docs, before Quarto renders) runs every exported cell and every cell with an import in a fresh
     kernel per notebook, skipping all others: a cell mixing imports with code would run without the cells before it

@@ -266,7 +266,7 @@ def test_a_resume_with_another_validation_size_says_so_and_how_to_keep_it():
     saved = json.loads(json.dumps(old.to_dict()))
     half = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "eval_batches": 10, "micro_batch_size": 2})
     notes = resume_changes(saved, half.model, half.train, step=3)
-    assert any("validation reads 20 windows (eval_batches × micro_batch_size), not 40" in n and "eval_batches=20" in n for n in notes)
+    assert any("validation reads up to 20 windows (eval_batches × micro_batch_size), not 40" in n and "eval_batches=20" in n for n in notes)
     kept = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "eval_batches": 20, "micro_batch_size": 2})
     assert not any("validation reads" in n for n in resume_changes(saved, kept.model, kept.train, step=3))
 
@@ -632,7 +632,7 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)  # the global norm over the shards (and the clip)
     assert "val_loss" in a[-1] and abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= 1e-5  # one validation pass over both ranks
     # a checkpoint written by 2 processes resumes in 1, and one written by 1 process in 2 (DCP reshards; the loader
-    # continues after the windows the saved run read): their steps 6 and 7 are those of 1 process resuming its own
+    # continues where the saved run's optimiser steps left off): their steps 6 and 7 are those of 1 process resuming its own
     import shutil
     shutil.copytree(tmp_path / "one", tmp_path / "one_on_two")
     longer = [c if not c.startswith("max_steps") else "max_steps=7" for c in common]
@@ -1115,6 +1115,10 @@ def test_resuming_another_folders_checkpoint_into_a_run_is_refused(tmp_path):
     e.fit(num_steps=2)  # the branch's metrics.jsonl holds its own steps only; the crashed run's lines are set aside
     assert [m["step"] for m in read_jsonl(tmp_path / "e" / "metrics.jsonl")] == [3, 4]
     assert [m["step"] for m in read_jsonl(tmp_path / "e" / "metrics.discarded.jsonl")] == [1, 2, 3]
+    make(tmp_path / "f", max_steps=6, seed=1).fit(num_steps=3)  # the same, branched from a finished run: no step to train
+    f = make(tmp_path / "f", resume=tmp_path / "a" / "checkpoints" / "step_000004", max_steps=4)
+    assert f.fit() == [] and json.loads((tmp_path / "f" / "summary.json").read_text())["step"] == 4
+    assert not read_jsonl(tmp_path / "f" / "metrics.jsonl") and len(read_jsonl(tmp_path / "f" / "metrics.discarded.jsonl")) == 3
     with pytest.raises(ConfigError, match="nope does not exist"):
         make(tmp_path / "d", resume=tmp_path / "nope", max_steps=6)
     with pytest.raises(ConfigError, match="cut short"):  # a .tmp folder is never a checkpoint to resume
@@ -1185,17 +1189,20 @@ def test_a_checkpoint_is_never_deleted_before_its_successor_is_in_place(tmp_path
 
 def test_metrics_lines_are_json_and_a_finished_run_has_its_final_config(tmp_path, monkeypatch):
     """A skipped step's NaN loss is written as null (JSON has no NaN, and jq refuses it); a run finished by a resume
-    that trains no step (max_steps lowered to the step reached) writes the config it finished with; the weights file
-    is readable like the run's other files."""
+    that trains no step (its finish was cut short after the final checkpoint) writes the config it finished with; the
+    weights file is readable like the run's other files."""
     import stat
-    t = make(tmp_path / "run", max_steps=3, warmup_steps=1)
-    forward = type(t.model).forward
+    t = make(tmp_path / "run", max_steps=2, warmup_steps=1)
+    forward, finish = type(t.model).forward, type(t).finish
     def nan_at_step_2(self, tokens, targets=None, cu_seqlens=None):
         loss, parts = forward(self, tokens, targets, cu_seqlens)
         return (loss * float("nan"), parts) if t.step == 1 else (loss, parts)
     monkeypatch.setattr(type(t.model), "forward", nan_at_step_2)
-    t.fit(num_steps=2); t.save()
+    monkeypatch.setattr(type(t), "finish", lambda self: None)  # stopped after the final checkpoint, before the finish
+    t.fit()
     monkeypatch.setattr(type(t.model), "forward", forward)
+    monkeypatch.setattr(type(t), "finish", finish)
+    assert not (tmp_path / "run" / "summary.json").exists()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert "NaN" not in lines[1] and json.loads(lines[1])["loss"] is None and json.loads(lines[0])["loss"] > 0
     make(tmp_path / "run", max_steps=2, warmup_steps=1, global_batch_size=8).fit()  # finishes at step 2 without training a step

@@ -411,7 +411,7 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
 def _plain_tokenizer(tok, path: Path, text: str) -> str:
     """Turn off what a given tokenizer.json may do to every document beyond splitting it into tokens (truncation,
     padding, special tokens added around it), with a `DataWarning`; return the JSON the dataset keeps."""
-    adds = tok.encode("a b", add_special_tokens=True).ids != tok.encode("a b", add_special_tokens=False).ids
+    adds = tok.post_processor is not None and tok.post_processor.num_special_tokens_to_add(False) > 0
     off = [name for name, on in (("truncation", tok.truncation), ("padding", tok.padding), ("special tokens its "
            "post-processor adds around each text", adds)) if on]
     if not off: return text
@@ -487,9 +487,9 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try:
         total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
         if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
-        if not any(s == "train" for s, _ in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction)):
-            raise DataError(f"val_fraction={val_fraction} leaves no text for training (the cut falls before the first line "
-                            "break): lower it, or give more text")
+        if int((1 - val_fraction) * total_bytes) == 0:  # any cut after byte 0 leaves training at least a line
+            raise DataError(f"val_fraction={val_fraction} leaves no text for training (less than a byte of the "
+                            f"{total_bytes}): lower it, or give more text")
         if tokenizer is None:
             train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
@@ -646,8 +646,8 @@ class TokenLoader:
     def step_after(self, saved: dict, # A saved loader's `state_dict()`, or meta.json's {'optimizer_step': s, 'global_batch_size': G}
                   ) -> int:
         """The step at which to continue a run saved with another global batch or another split of it: in the saved
-        run's epoch, after the windows of that epoch it had read (rounded up to this loader's steps, so none is read
-        twice), or at the start of the next epoch when this loader's epoch has no more steps."""
+        run's epoch, after the windows of that epoch it had read (rounded up to this loader's optimiser steps, so none
+        is read twice), or at the start of the next epoch when this loader's epoch has no more steps."""
         if "optimizer_step" in saved:  # only meta.json: steps of G windows
             per, per_epoch, step = saved["global_batch_size"], self.n_windows // saved["global_batch_size"], saved["optimizer_step"]
         else:
@@ -655,6 +655,7 @@ class TokenLoader:
             per_epoch, step = self.n_windows // (per * a) * a, saved["step"]
         epoch, t = divmod(step, per_epoch)
         mine = -(-t * per // (self.world_size * self.micro_batch_size))  # ceil: windows read in the epoch, in this loader's steps
+        mine = -(-mine // self.accum) * self.accum  # up to an optimiser step: an epoch stays whole optimiser steps
         if mine >= self.steps_per_epoch: epoch, mine = epoch + 1, 0
         return epoch * self.steps_per_epoch + mine
 

@@ -259,7 +259,7 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     old_w, new_w = (c.eval_batches * c.micro_batch_size for c in (old_train, train_cfg))
     if old_w != new_w:  # a smaller micro-batch after running out of memory, say
         keep = f", e.g. eval_batches={old_w // train_cfg.micro_batch_size}" if old_w % train_cfg.micro_batch_size == 0 else ""
-        notes.append(f"validation reads {new_w} windows (eval_batches × micro_batch_size), not {old_w}: val_loss after step "
+        notes.append(f"validation reads up to {new_w} windows (eval_batches × micro_batch_size), not {old_w}: val_loss after step "
                      f"{step} is measured on other text than before; keep the product at {old_w} to compare it{keep}")
     if a is not None and abs(a - b) > 1e-9:
         notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
@@ -305,7 +305,8 @@ def is_run_folder(d: Path) -> bool:
     "Whether folder `d` holds one of `RUN_MARKS` (any `...step_NNNNNN...` name in checkpoints/: set aside or unfinished too)."
     d = Path(d)
     if any((d / n).exists() for n in (".lock", "metrics.jsonl", "wandb/hymo_run_id")): return True
-    return (d / "checkpoints").is_dir() and any(re.search(CKPT_PREFIX + r"\d{6,}", c.name) for c in (d / "checkpoints").iterdir())
+    ours = re.compile(r"(?:(?:damaged|superseded|replaced)-)?" + CKPT_PREFIX + r"\d{6,}(?:-\d+)?(?:\.tmp)?")  # as this code names them
+    return (d / "checkpoints").is_dir() and any(ours.fullmatch(c.name) for c in (d / "checkpoints").iterdir())
 
 
 def lock_run_dir(run_dir: Path) -> str | None:
@@ -920,9 +921,12 @@ def load(self: Trainer, ckpt: Path):
         self.train_loader.load_state_dict({**saved, **ours})  # the other settings (data, seed, seq_len, ranks) must match
         if any(saved[k] != v for k, v in ours.items()):  # another split of the batch, or another global batch
             self.train_loader.step = position
+            G = lambda d: d["accum"] * d["micro_batch_size"] * d.get("world_size", self.d.world_size)
             notes.append(f"each rank's step was {saved['accum']} micro-batches of {saved['micro_batch_size']}, now "
-                         f"{self.accum} of {self.cfg.micro_batch_size}: the data continues in the saved run's epoch after "
-                         "the windows it had read there, and later epochs' order differs from the saved run's")
+                         f"{self.accum} of {self.cfg.micro_batch_size}: " + (
+                             "the same global batch, so the same data" if G(saved) == G({**ours, "world_size": self.d.world_size})
+                             else "the data continues in the saved run's epoch after the windows it had read there, and "
+                                  "later epochs' order differs from the saved run's"))
     else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
         self.train_loader.step = position
     self._train_iter = iter(self.train_loader)
@@ -1021,7 +1025,10 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
             self.save()  # the final checkpoint, under the handlers too: a SIGTERM now cannot cut it short
             if not self._agree(signals.received is None):  # ... but stops the run there: `finish` is left to the resume
                 self.request_stop(signals.received or "a stop on another rank")
-    if self.stopped_by is None and self.step >= self.cfg.max_steps: self.finish()
+    if self.stopped_by is None and self.step >= self.cfg.max_steps:
+        if self.step == start and self.foreign_start:  # a branch from a final checkpoint: no step, the folder is still
+            self._together(lambda: self._first_write(start), self.run_dir)  # another run's until now
+        self.finish()
     if logger: logger.finish()
     return out
 
@@ -1029,6 +1036,16 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
 def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signals`, or any description
     "Ask `fit` to stop after the step in flight, with a checkpoint of it (the SIGINT and SIGTERM handlers call this)."
     if self.stopped_by is None: self.stopped_by = why
+
+
+def _first_write(self: Trainer, start: int):
+    "Rank 0's first change to the run folder in a `fit` call: metrics of steps it redoes set aside, its config.yaml."
+    if not self.d.is_main: return
+    if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
+        trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
+        self.foreign_start = False
+    else: trim_metrics(self.run_dir, start, self.log)
+    (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:
@@ -1049,12 +1066,7 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
 
         def step_files():  # rank 0's; a full disk here stops every rank (`_together`)
             if not self.d.is_main: return
-            if self.step == start + 1:  # this call's first step: only now does the run folder change
-                if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
-                    trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
-                    self.foreign_start = False
-                else: trim_metrics(self.run_dir, start, self.log)
-                (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
+            if self.step == start + 1: self._first_write(start)  # this call's first step: only now does the folder change
             with open(metrics_file, "a") as f: f.write(json_line(m) + "\n")
 
         self._together(step_files, metrics_file)
@@ -1103,7 +1115,7 @@ def _wandb(self: Trainer):
     self._together(start, self.run_dir / "wandb")
     return run
 
-Trainer.fit, Trainer._fit_steps, Trainer.request_stop = fit, _fit_steps, request_stop
+Trainer.fit, Trainer._fit_steps, Trainer._first_write, Trainer.request_stop = fit, _fit_steps, _first_write, request_stop
 
 # %% ../../nbs/70_trainer.ipynb #7d62c347
 def finish(self: Trainer) -> dict:
