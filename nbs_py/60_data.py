@@ -301,6 +301,17 @@ def _check_vocab_size(vocab_size: int):
         raise DataError(f"vocab_size={vocab_size} is above 2**24 = 16,777,216, far beyond any language model's vocabulary")
 
 
+LONG_RUN = 1000  # characters without a space: the BPE trainer's time grows with the square of a word's length
+
+
+def _short_runs(docs: Iterable[str]) -> Iterator[str]:
+    """`docs` with a space after every `LONG_RUN` characters of a longer run without whitespace. The trainer counts
+    merges within words, and one 10 MB line of base64 or DNA would keep it busy for hours; broken up, it costs what
+    ordinary text does (and no merge is longer than `LONG_RUN`). Text without such runs is passed on as it is."""
+    long = re.compile(r"\S{%d}(?=\S)" % LONG_RUN)
+    for d in docs: yield long.sub(lambda m: m.group(0) + " ", d)
+
+
 def train_tokenizer(docs: Iterable[str], # Training documents
                     vocab_size: int = DEFAULT_VOCAB_SIZE, # Target vocabulary, EOT included (>= 257)
                     progress: bool = False, # Show the trainer's progress bar
@@ -313,7 +324,7 @@ def train_tokenizer(docs: Iterable[str], # Training documents
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer)
+    tok.train_from_iterator(_short_runs(docs), trainer)
     tok.encode_special_tokens = True
     return tok
 
@@ -329,6 +340,8 @@ print(enc.ids)
 print(f"{len(line.encode())} bytes -> {len(enc.ids)} tokens")
 test_eq(tok.decode(enc.ids), line)
 test_eq(tok.token_to_id(EOT), 0)
+test_eq([len(w) for w in next(_short_runs(["x" * 2500 + " y"])).split()], [1000, 1000, 500, 1])  # a long run, broken up
+test_eq(list(_short_runs(shakespeare[:6500])), shakespeare[:6500])  # ordinary text: what the trainer gets is the text
 
 # %% [markdown]
 # The round trip is exact for any Unicode, and the literal EOT string in text is not a boundary:

@@ -26,10 +26,10 @@ from tqdm import tqdm
 from ..config import package_dir
 
 # %% auto #0
-__all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'DataError', 'DataWarning', 'split_text', 'find_files',
-           'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype', 'to_disk',
-           'load_manifest', 'load_tokenizer', 'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default',
-           'doc_cu_seqlens', 'TokenLoader']
+__all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'LONG_RUN', 'DataError', 'DataWarning', 'split_text',
+           'find_files', 'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype',
+           'to_disk', 'load_manifest', 'load_tokenizer', 'check_compatible', 'prepare', 'default_cache_dir',
+           'prepare_default', 'doc_cu_seqlens', 'TokenLoader']
 
 # %% ../../nbs/60_data.ipynb #68bc71f4
 EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
@@ -176,6 +176,17 @@ def _check_vocab_size(vocab_size: int):
         raise DataError(f"vocab_size={vocab_size} is above 2**24 = 16,777,216, far beyond any language model's vocabulary")
 
 
+LONG_RUN = 1000  # characters without a space: the BPE trainer's time grows with the square of a word's length
+
+
+def _short_runs(docs: Iterable[str]) -> Iterator[str]:
+    """`docs` with a space after every `LONG_RUN` characters of a longer run without whitespace. The trainer counts
+    merges within words, and one 10 MB line of base64 or DNA would keep it busy for hours; broken up, it costs what
+    ordinary text does (and no merge is longer than `LONG_RUN`). Text without such runs is passed on as it is."""
+    long = re.compile(r"\S{%d}(?=\S)" % LONG_RUN)
+    for d in docs: yield long.sub(lambda m: m.group(0) + " ", d)
+
+
 def train_tokenizer(docs: Iterable[str], # Training documents
                     vocab_size: int = DEFAULT_VOCAB_SIZE, # Target vocabulary, EOT included (>= 257)
                     progress: bool = False, # Show the trainer's progress bar
@@ -188,7 +199,7 @@ def train_tokenizer(docs: Iterable[str], # Training documents
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer)
+    tok.train_from_iterator(_short_runs(docs), trainer)
     tok.encode_special_tokens = True
     return tok
 
