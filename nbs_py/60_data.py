@@ -288,6 +288,9 @@ test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 
 # printable symbols, so every string is encodable and decoding is exact; the GPT-2 regex
 # pre-tokenizer splits words, numbers and punctuation; BPE then learns `vocab_size - 257` merges
 # (256 byte symbols and EOT are fixed). On the 1 MB corpus, training takes under a second on a laptop CPU.
+# The trainer counts merges within words, in time that grows with the square of a word's length, so
+# runs of more than 1000 characters without whitespace (a line of base64, say) are broken up for it
+# first; ordinary text has none.
 #
 # `encode_special_tokens = True` makes the tokenizer encode a literal `<|endoftext|>` *in the
 # text* as ordinary characters. Without it, a document that quotes the string would inject a
