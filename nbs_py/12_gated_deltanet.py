@@ -684,8 +684,8 @@ class GatedDeltaNet(nn.Module):
 
         | parameter | init |
         |---|---|
-        | q, k, v, a, b, g projections | N(0, init_std) |
-        | o_proj | N(0, init_std / sqrt(2 n_layers)), GPT-2's residual scaling |
+        | q, k, v, a, b, g projections | N(0, init_std²) |
+        | o_proj | N(0, (init_std / sqrt(2 n_layers))²), GPT-2's residual scaling |
         | q/k/v_conv1d | PyTorch's Conv1d default, U(±1/sqrt(conv_size)) |
         | A_log | log U[1, 16] |
         | dt_bias | softplus⁻¹(dt), dt ~ logUniform[0.001, 0.1] floored at 1e-4 |
@@ -903,7 +903,7 @@ class GatedDeltaNetBlock(nn.Module):
     @torch.no_grad()
     def reset_parameters(self):
         """Initialise every parameter: the mixer as in `GatedDeltaNet.reset_parameters`; norms 1;
-        ffn.w1, ffn.w3 N(0, init_std); ffn.w2 N(0, init_std / sqrt(2 n_layers))."""
+        ffn.w1, ffn.w3 N(0, init_std²); ffn.w2 N(0, (init_std / sqrt(2 n_layers))²)."""
         c = self.config
         self.norm1.reset_parameters(); self.norm2.reset_parameters()
         self.mixer.reset_parameters()

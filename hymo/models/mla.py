@@ -127,8 +127,8 @@ class MultiHeadLatentAttention(nn.Module):
 
         | parameter | init |
         |---|---|
-        | q_a_proj, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj | N(0, init_std) |
-        | o_proj | N(0, init_std / sqrt(2 n_layers)), GPT-2's residual scaling |
+        | q_a_proj, q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj | N(0, init_std²) |
+        | o_proj | N(0, (init_std / sqrt(2 n_layers))²), GPT-2's residual scaling |
         | q_a_layernorm, kv_a_layernorm | 1 |
         """
         c = self.config

@@ -112,9 +112,9 @@ class HyMo(nn.Module):
 
         | what | init |
         |---|---|
-        | `embed.weight` (also the output head) | N(0, init_std) |
-        | hidden matrices: GDN q/k/v/a/b/g projections; MLA q_a, q_b, kv_a, kv_b; SwiGLU w1, w3 (dense FFN, shared and routed experts); MTP proj_in | N(0, init_std) |
-        | output projections into the residual stream: GDN and MLA `o_proj`, every SwiGLU `w2` (dense, shared and routed experts); also MTP `proj_out`, which feeds an RMSNorm, at this scale for uniformity | N(0, init_std / sqrt(2 n_layers)) |
+        | `embed.weight` (also the output head) | N(0, init_std²) |
+        | hidden matrices: GDN q/k/v/a/b/g projections; MLA q_a, q_b, kv_a, kv_b; SwiGLU w1, w3 (dense FFN, shared and routed experts); MTP proj_in | N(0, init_std²) |
+        | output projections into the residual stream: GDN and MLA `o_proj`, every SwiGLU `w2` (dense, shared and routed experts); also MTP `proj_out`, which feeds an RMSNorm, at this scale for uniformity | N(0, (init_std / sqrt(2 n_layers))²) |
         | MoE router `gate.weight` | N(0, 0.006), near-uniform first routing (`DeepSeekMoE.reset_parameters`) |
         | every RMSNorm weight | 1 |
         | GDN `A_log`, `dt_bias` | log U[1, 16]; softplus⁻¹ of logUniform[0.001, 0.1] (`GatedDeltaNet.reset_parameters`) |
