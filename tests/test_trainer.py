@@ -5,14 +5,17 @@ import math
 import re
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from argparse import Namespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hymo.config import load_config
+from hymo.config import ConfigError, load_config
 
 # Small and fast: the tiny model on short windows. Data comes from the bundled corpus, prepared once
 # per test session into a private cache.
@@ -1334,3 +1337,222 @@ def test_a_stop_during_the_last_step_says_the_final_model_is_still_to_write(tmp_
     monkeypatch.setattr(Trainer, "train_step", real)
     main(_cli_args(str(run), max_steps=5))
     assert json.loads((run / "summary.json").read_text())["step"] == 5 and newer_checkpoint_note(run) is None
+
+
+# ---------------------------------------------------------------- from mutation testing: each test fails on a
+# plausible change to the trainer that no test above caught
+
+def read_steps(path):
+    return [json.loads(l)["step"] for l in Path(path).read_text().splitlines()]
+
+
+def fake_ckpt(folder: Path, step: int, world_size: int = 1):
+    "The files `Trainer._whole` looks for, with a meta.json of `step` (no weights: for the pure functions)."
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size}))
+    (folder / ".metadata").write_bytes(b"")
+    for r in range(world_size): (folder / f"rank{r}.pt").write_bytes(b"")
+    return folder
+
+
+# ---------------------------------------------------------------- pure functions
+
+def test_trim_metrics_says_how_many_lines_it_set_aside(tmp_path):
+    "M02: the note of trim_metrics not emitted."
+    from hymo.training.trainer import trim_metrics
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    said = []
+    trim_metrics(tmp_path, 1, log=said.append)
+    assert said == ["metrics.jsonl: 2 lines after step 1 (steps this run redoes) moved to metrics.discarded.jsonl"]
+    trim_metrics(tmp_path, 1, log=said.append)  # nothing more to set aside: no second note
+    assert len(said) == 1
+
+
+def test_is_run_folder_knows_every_name_this_code_gives_a_checkpoint(tmp_path):
+    "M03: a folder whose checkpoints/ holds only a `replaced-step_...` copy (a Ctrl-C while a step was re-saved) is a run's."
+    from hymo.training.trainer import is_run_folder
+    for name in ("step_000002", "step_000002.tmp", "damaged-step_000002", "superseded-step_000002-2",
+                 "replaced-step_000002"):
+        d = tmp_path / name
+        (d / "checkpoints" / name).mkdir(parents=True)
+        assert is_run_folder(d), name
+    d = tmp_path / "other"; (d / "checkpoints" / "latest").mkdir(parents=True)
+    assert not is_run_folder(d)
+
+
+def test_a_complete_tmp_of_a_step_that_has_its_checkpoint_is_not_a_cut_short_rename(tmp_path):
+    """M06: `> newest` -> `>= newest`. A re-save of the newest step killed before its publish leaves step_N.tmp beside
+    step_N: renaming it over step_N fails (a non-empty folder), so every start of the run would crash."""
+    from hymo.training.trainer import cut_short_renames
+    ck = tmp_path / "checkpoints"
+    fake_ckpt(ck / "step_000004", 4)
+    fake_ckpt(ck / "step_000004.tmp", 4)
+    assert cut_short_renames(tmp_path) == []
+    fake_ckpt(ck / "step_000006.tmp", 6)
+    assert cut_short_renames(tmp_path) == [ck / "step_000006.tmp"]
+
+
+def test_set_aside_never_renames_over_an_earlier_copy(tmp_path):
+    "M09: `while dest.exists()` -> `if`: the third checkpoint of one name damaged stays in place (os.replace fails)."
+    from hymo.training.trainer import Dist, Trainer
+    ck = tmp_path / "checkpoints"
+    for name in ("damaged-step_000004", "damaged-step_000004-2"): fake_ckpt(ck / name, 4)
+    fake_ckpt(ck / "step_000004", 4)
+    said = []
+    Trainer._set_aside(SimpleNamespace(d=Dist(), log=said.append), [ck / "step_000004"], "damaged", "x")
+    assert not (ck / "step_000004").exists() and (ck / "damaged-step_000004-3" / "meta.json").exists(), said
+
+
+def _bare_loader(n_windows, world_size, micro_batch_size, accum):
+    "A TokenLoader with only what `step_after` reads (no data on disk)."
+    from hymo.training.data import TokenLoader
+    ld = object.__new__(TokenLoader)
+    ld.n_windows, ld.world_size, ld.micro_batch_size, ld.accum = n_windows, world_size, micro_batch_size, accum
+    ld.steps_per_epoch = n_windows // (world_size * micro_batch_size * accum) * accum
+    return ld
+
+
+def test_step_after_reads_no_window_twice_and_starts_on_an_optimiser_step():
+    """M16 (ceil -> floor) and M17 (no round-up to an optimiser step): a saved run that read 6 windows continues, in
+    micro-batches of 4, at micro-step 2 (windows 8..), not 1 (windows 4, 5 read again); with 2 micro-steps a step it
+    starts at a step boundary (micro-step 4 of 2 x 2 windows), not mid-step (3)."""
+    saved = {"step": 3, "world_size": 1, "micro_batch_size": 2, "accum": 1}  # 6 windows read
+    assert _bare_loader(1000, 1, 4, 1).step_after(saved) == 2
+    assert _bare_loader(1000, 1, 2, 2).step_after(saved) == 4
+    assert _bare_loader(1000, 1, 2, 2).step_after({"optimizer_step": 3, "global_batch_size": 2}) == 4  # meta.json's
+
+
+def test_metric_line_says_a_step_was_skipped():
+    "M19: the skipped-step note not emitted."
+    from hymo.training.trainer import metric_line
+    m = dict(step=3, loss=float("nan"), lr_mult=1.0, grad_norm=float("nan"), tokens_per_s=10.0, mfu=None, skipped=True)
+    assert metric_line(m, 10).endswith("skipped: non-finite loss or gradient")
+    assert "skipped" not in metric_line({**m, "loss": 1.0, "grad_norm": 1.0, "skipped": False}, 10)
+
+
+def test_peak_of_finds_the_gpu_by_a_part_of_its_name():
+    "M20: `k in gpu_name` reversed: every real device name (longer than the key) is unknown, and MFU is never shown."
+    from hymo.training.trainer import peak_of
+    assert peak_of("NVIDIA H100 80GB HBM3") == 989e12 and peak_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_of("NVIDIA A100-SXM4-80GB") == 312e12 and peak_of("AMD Instinct MI300X") is None
+
+
+def test_the_lock_of_a_folder_made_again_is_taken_again(tmp_path):
+    """M24: `_held_here` without its same-file check: a run folder deleted and made again in one process (a notebook) is
+    taken as locked already, and its new .lock is never locked: another process could train in it at once."""
+    from hymo.training.trainer import lock_run_dir, run_dir_holder
+    run = tmp_path / "run"; run.mkdir()
+    assert lock_run_dir(run) is None
+    shutil.rmtree(run); run.mkdir()
+    assert lock_run_dir(run) is None and run_dir_holder(run) is None  # ours, in this process
+    r = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from hymo.training.trainer import "
+                        "run_dir_holder; print(run_dir_holder(Path(sys.argv[1])))", str(run)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip().startswith(f"pid {os.getpid()} on"), (r.stdout, r.stderr[-2000:])
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_gets_a_fix_that_does():
+    """M26 (ceil -> floor: global_batch_size=0 for one micro-batch on two ranks) and M27 (micro_batch_size=G // W offered
+    when G is not a multiple of W: it would change the global batch)."""
+    from hymo.training.trainer import split_micro_batches
+    def fix(W, **over):
+        with pytest.raises(ConfigError) as e: split_micro_batches(load_config("hymo_tiny", **over).train, W)
+        return str(e.value).split("e.g. ")[1]
+    assert fix(global_batch_size=4, micro_batch_size=4, W=2) == "global_batch_size=8 or micro_batch_size=2"
+    assert fix(global_batch_size=12, micro_batch_size=4, W=2) == "global_batch_size=16 or micro_batch_size=6"
+    assert fix(global_batch_size=6, micro_batch_size=2, W=4) == "global_batch_size=8"
+
+
+def test_an_override_value_may_hold_an_equals_sign():
+    "M28: split at the last '=' instead of the first: data_dir=/data/v=2 becomes the unknown key 'data_dir=/data/v'."
+    from hymo.train import parse_overrides
+    assert parse_overrides(["data_dir=/data/v=2", "train.run_dir=a=b"]) == {"data_dir": "/data/v=2", "train.run_dir": "a=b"}
+
+
+def test_the_ending_line_names_a_checkpoint_whose_rename_was_cut_short(tmp_path):
+    """M31: a stop during a checkpoint's rename leaves a complete step_N.tmp, which the next start renames and resumes
+    from: the ending line must name it, not say "no checkpoint was written" (or an older one)."""
+    from hymo.train import _resume_from
+    run = tmp_path / "run"
+    cfg = load_config("hymo_tiny", run_dir=str(run))
+    line = lambda: _resume_from(SimpleNamespace(run_dir=run), cfg, Namespace(resume=None, no_resume=False))
+    fake_ckpt(run / "checkpoints" / "step_000009.tmp", 9)
+    assert line() == f"the same command resumes from {run / 'checkpoints' / 'step_000009'}"
+    fake_ckpt(run / "checkpoints" / "step_000004", 4)
+    assert line() == f"the same command resumes from {run / 'checkpoints' / 'step_000009'}"
+
+
+def test_a_resume_that_raises_the_learning_rate_says_it_jumps():
+    """M33: `abs(a - b)` -> `a - b`: extending a finished (decayed) run to more steps jumps the learning rate back up,
+    the case the note's advice is about; it was said only for a jump down."""
+    from hymo.training.trainer import resume_changes
+    old = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "warmup_steps": 2, "decay_fraction": 0.2})
+    longer = load_config("hymo_tiny", **{**FAST, "max_steps": 40, "warmup_steps": 2, "decay_fraction": 0.2})
+    notes = resume_changes(json.loads(json.dumps(old.to_dict())), longer.model, longer.train, step=20)
+    assert any("learning rate after step 20 jumps from" in n and "to 1.000 of its peak" in n for n in notes), notes
+    notes = resume_changes(json.loads(json.dumps(longer.to_dict())), old.model, old.train, step=18)  # and down
+    assert any("jumps from 1.000" in n for n in notes), notes
+
+
+def test_a_resume_in_another_folder_is_not_a_changed_setting():
+    "M34: run_dir compared like a training setting: a run resumed under a renamed or given run_dir warns of it."
+    from hymo.training.trainer import resume_changes
+    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 20})
+    saved = json.loads(json.dumps(load_config("hymo_tiny", **{**FAST, "max_steps": 20, "run_dir": "runs/old"}).to_dict()))
+    assert resume_changes(saved, cfg.model, cfg.train, step=3) == []
+
+
+# ---------------------------------------------------------------- with a tiny run (seconds each)
+
+def test_a_finished_run_shorter_than_its_checkpoint_is_told_its_own_length(tmp_path):
+    """M12: the advice of the max_steps refusal for a finished run's checkpoint: its own max_steps (which re-exports it),
+    not one more step (which would train a step past the end of its decay)."""
+    make(tmp_path / "run", max_steps=4, warmup_steps=1).fit()
+    with pytest.raises(ConfigError, match=r"at step 4 of a run planned for 4: with max_steps=3 .*Give max_steps=4 or more"):
+        make(tmp_path / "run", max_steps=3, warmup_steps=1)
+
+
+def test_a_resharded_resume_continues_after_every_window_the_saved_loader_read(tmp_path):
+    """M15: on another number of ranks (rank0.pt not this rank's), the position comes from rank 0's saved loader, not
+    from meta.json's step x the last global batch (which reads again the windows of a change of global batch)."""
+    make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)
+    make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=4, ckpt_every=2).fit(2)  # 24 windows read
+    meta = tmp_path / "a" / "checkpoints" / "step_000004" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": 2}))  # as if written by 2 ranks
+    t = make(tmp_path / "a", max_steps=8, micro_batch_size=2, global_batch_size=4)
+    assert (t.step, t.train_loader.step) == (4, 24 // 2)
+
+
+def test_a_branch_keeps_its_metrics_over_several_fit_calls(tmp_path):
+    """M21: `foreign_start` not reset after the branch's first write: the next `fit` call (a notebook's) sets the
+    branch's own metrics aside as if they were the crashed run's."""
+    make(tmp_path / "a", max_steps=4, ckpt_every=2).fit(2)
+    make(tmp_path / "e", max_steps=6, seed=1).fit(num_steps=1)  # a run that crashed before its first checkpoint
+    e = make(tmp_path / "e", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6)
+    e.fit(num_steps=1); e.fit(num_steps=1)
+    assert read_steps(tmp_path / "e" / "metrics.jsonl") == [3, 4]
+    assert read_steps(tmp_path / "e" / "metrics.discarded.jsonl") == [1]
+
+
+def test_a_resume_sets_aside_the_metrics_of_the_steps_it_redoes(tmp_path):
+    "M22: lines after the checkpoint's step (a crash after step 3, checkpoint at 2) must go; step 3 is trained again."
+    make(tmp_path / "run", max_steps=6, ckpt_every=2).fit(3)
+    make(tmp_path / "run", max_steps=6, ckpt_every=2).fit(1)
+    assert read_steps(tmp_path / "run" / "metrics.jsonl") == [1, 2, 3]
+    assert read_steps(tmp_path / "run" / "metrics.discarded.jsonl") == [3]
+
+
+def test_a_stop_that_is_not_a_signal_exits_as_a_sigterm(tmp_path, monkeypatch, capsys):
+    """M30: a stop with no signal of its own (another rank's signal, `request_stop()`) exits 143, as a scheduler's
+    SIGTERM, not 130 (a Ctrl-C)."""
+    from hymo.train import main
+    from hymo.training.trainer import Trainer
+    real = Trainer.train_step
+    def step_then_stop(self):
+        m = real(self)
+        if self.step == 1: self.request_stop("a stop on another rank")
+        return m
+    monkeypatch.setattr(Trainer, "train_step", step_then_stop)
+    args = [f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "run_dir": tmp_path / "run"}.items()]
+    with pytest.raises(SystemExit) as e: main(args)
+    assert e.value.code == 128 + signal.SIGTERM and "stopped by a stop on another rank at step 1" in capsys.readouterr().out

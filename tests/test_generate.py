@@ -1,0 +1,289 @@
+"""Sampling, decoding and `python -m hymo.generate` on a finished tiny run: the cases mutation testing of
+hymo/models/model.py and hymo/generate.py found no other test catching (each fails on a plausible change)."""
+import math
+import os
+
+import pytest
+import torch
+
+from hymo.config import ConfigError, load_config
+from hymo.models.model import HyMo, build_hymo
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def dropless():
+    return load_config("hymo_tiny", moe_capacity_factor=None).model
+
+
+def _model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return build_hymo(cfg)
+
+
+def _unit_scale(m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return m.eval()
+
+
+# ---------------------------------------------------------------- hymo/models/model.py
+
+def test_top_k_larger_than_the_vocabulary_samples_from_all(dropless):
+    "top_k >= vocab_size means 'all' (as `--top-k 5000` on a 2048-token model): same draws as top_k=None, no topk error."
+    m = _model(dropless).eval()
+    prompt = torch.randint(0, dropless.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1); every = m.generate(prompt, 4, temperature=1.0)
+    torch.manual_seed(1); big_k = m.generate(prompt, 4, temperature=1.0, top_k=dropless.vocab_size + 100)
+    assert torch.equal(every, big_k)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0, None), (1.0, 1), (0.8, 3)])
+def test_the_tokenizers_last_id_can_be_drawn(dropless, temperature, top_k):
+    "`vocab=v` bans ids >= v only: id v - 1, the tokenizer's last token, stays drawable."
+    m, v = _model(dropless), dropless.vocab_size - 64
+    head = m.head
+    def last_wins(h):
+        logits = head(h).clone(); logits[..., v - 1] += 100; logits[..., v:] += 200
+        return logits
+    m.head = last_wins
+    prompt = torch.randint(0, v, (1, 4), generator=torch.Generator().manual_seed(0))
+    out = m.generate(prompt, 3, temperature, top_k, vocab=v)
+    assert (out[0, 4:] == v - 1).all(), out
+
+
+def test_a_decode_refused_for_room_leaves_the_state_usable():
+    "A call that does not fit the caches raises before any layer runs: GDN states are not advanced, decoding goes on."
+    cfg = load_config("hymo_tiny", n_layers=4, moe_capacity_factor=None).model
+    m = _unit_scale(_model(cfg))
+    seq = torch.randint(0, cfg.vocab_size, (1, 13), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = m(seq[:, :12])
+        state = m.decode_state(1, 12)
+        first = m.decode(seq[:, :5], state)
+        before = list(state)
+        with pytest.raises(ValueError, match="larger max_len"): m.decode(seq[:, 5:13], state)  # 5 + 8 > 12
+        assert all(a is b for a, b in zip(state, before)), "the refused call replaced GDN states"
+        rest = m.decode(seq[:, 5:12], state)
+    torch.testing.assert_close(torch.cat([first, rest], 1), full, atol=1e-4, rtol=0)
+
+
+def test_generate_keeps_eval_mode(dropless):
+    "A model in eval mode (as `load_run` returns it) is still in eval mode after generate: forward routes dropless after."
+    m = _model(dropless).eval()
+    m.generate(torch.tensor([[1, 2, 3]]), 2)
+    assert not m.training
+    m.train()
+    m.generate(torch.tensor([[1, 2, 3]]), 2)
+    assert m.training
+
+
+def test_a_packed_document_of_exactly_max_seq_len_is_accepted():
+    "The trainer cuts documents at seq_len, which may equal max_seq_len: a document of exactly L tokens is allowed."
+    cfg = load_config("hymo_tiny", max_seq_len=32, seq_len=32).model
+    m = _model(cfg).eval()
+    L = cfg.max_seq_len
+    x = torch.randint(0, cfg.vocab_size, (1, L + 8))
+    with torch.no_grad():
+        out = m(x, cu_seqlens=torch.tensor([0, L, L + 8]))
+        torch.testing.assert_close(out[:, :L], m(x[:, :L]), atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_proj_in_is_initialised_at_init_std():
+    "init_weights' table: MTP proj_in ~ N(0, init_std²), proj_out at the residual scale init_std / sqrt(2 n_layers)."
+    cfg = load_config("hymo_tiny", dim=256, mtp_inter_dim=512, n_layers=8).model
+    m = _model(cfg)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    for blk in m.mtp.heads:
+        assert abs(blk.proj_in.weight.std().item() / cfg.init_std - 1) < 0.1
+        assert abs(blk.proj_out.weight.std().item() / out_std - 1) < 0.1
+
+
+def test_the_smallest_temperatures_are_greedy(dropless):
+    "τ down to the smallest double (5e-324): logits / τ would be ±inf; shifted by the max first they are <= 0, as greedy."
+    m = _model(dropless).eval()
+    with torch.no_grad(): m.embed.weight.normal_(0, 0.05)
+    prompt = torch.randint(0, dropless.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+    greedy = m.generate(prompt, 4, temperature=0)
+    for tau in (1e-310, 5e-324):
+        assert torch.equal(m.generate(prompt, 4, temperature=tau), greedy)
+
+
+# ---------------------------------------------------------------- hymo/generate.py
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    "A finished hymo_tiny run of 2 steps (seq_len=32 < max_seq_len=256), its data prepared in a private cache."
+    cache = tmp_path_factory.mktemp("hymo_cache")
+    old = os.environ.get("HYMO_CACHE")
+    os.environ["HYMO_CACHE"] = str(cache)
+    try:
+        from hymo.train import main
+        d = tmp_path_factory.mktemp("gen") / "run"
+        main([f"{k}={v}" for k, v in dict(seq_len=32, micro_batch_size=4, global_batch_size=4, eval_every=0, ckpt_every=0,
+                                          sample_tokens=8, warmup_steps=1, log_every=1, max_steps=2, run_dir=d).items()])
+        yield d
+    finally:
+        if old is None: os.environ.pop("HYMO_CACHE", None)
+        else: os.environ["HYMO_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def loaded(run):
+    from hymo.generate import load_run
+    return load_run(run)
+
+
+def _copy_run(run, tmp_path):
+    import shutil
+    other = tmp_path / "copy"
+    shutil.copytree(run, other, ignore=shutil.ignore_patterns("checkpoints", ".lock"))
+    return other
+
+
+@pytest.mark.parametrize("kernel, chunk, want", [("triton", 64, "auto"), ("auto", 32, "torch"), ("auto", 64, "auto"),
+                                                 ("torch", 32, "torch"), ("naive", 64, "naive")])
+def test_run_config_gives_a_kernel_that_loads_anywhere(tmp_path, kernel, chunk, want):
+    "A GPU run (triton) loads on a CPU; a run whose chunks are not 64 keeps the PyTorch path (auto would pick Triton)."
+    from hymo.generate import run_config
+    (tmp_path / "config.yaml").write_text(str(load_config("hymo_tiny", gdn_kernel=kernel, gdn_chunk_size=chunk)))
+    m = run_config(tmp_path).model
+    assert (m.gdn_kernel, m.gdn_chunk_size) == (want, chunk)
+
+
+def test_load_run_returns_the_model_in_eval_mode(loaded):
+    model, _ = loaded
+    assert not model.training and not any(m.training for m in model.modules())
+
+
+def test_load_run_refuses_another_tokenizer(run, tmp_path):
+    "A tokenizer.json whose sha256 is not summary.json's; without summary.json, one larger than the vocabulary."
+    from tokenizers import Tokenizer
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    tok.add_tokens(["zzqx"])  # a valid tokenizer, not the run's
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="is not the tokenizer this run trained with"): load_run(other)
+    (other / "summary.json").unlink()
+    with pytest.raises(ConfigError, match="tokens, more than the model's vocab_size=2048"): load_run(other)
+
+
+def test_load_run_refuses_weights_with_missing_or_unexpected_tensors(run, tmp_path):
+    "strict=False loading: a tensor missing (it would stay at its random init) or one too many is an error, not silence."
+    from safetensors.torch import load_file, save_file
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    w = load_file(str(run / "model.safetensors"))
+    save_file({k: v for k, v in w.items() if k != "norm.weight"}, str(other / "model.safetensors"))
+    with pytest.raises(ConfigError, match="does not fit .*missing \\['norm.weight'\\]"): load_run(other)
+    save_file({**w, "extra.weight": torch.zeros(2)}, str(other / "model.safetensors"))
+    with pytest.raises(ConfigError, match="does not fit .*unexpected \\['extra.weight'\\]"): load_run(other)
+
+
+def test_an_end_of_text_typed_in_a_prompt_is_text(loaded):
+    "encode_special_tokens: '<|endoftext|>' in a prompt is not the EOT id; only the leading one is."
+    from hymo.generate import prompt_ids
+    from hymo.training.data import EOT
+    _, tok = loaded
+    ids = prompt_ids(tok, f"a{EOT}b")
+    assert ids[0] == tok.token_to_id(EOT) and tok.token_to_id(EOT) not in ids[1:]
+
+
+def test_trained_length_is_train_seq_len(run):
+    from hymo.generate import trained_length
+    assert trained_length(run) == 32  # not max_seq_len=256
+
+
+def _eot_on_third_draw(model, eot, count=None):
+    "Patch the head: EOT impossible on the first two draws, certain on the third, impossible after."
+    head, calls = model.head, []
+    def head_(h):
+        calls.append(1)
+        logits = head(h).clone(); logits[..., eot] += 1000 if len(calls) == 3 else -1000
+        return logits
+    model.head = head_
+    return calls
+
+
+def test_generate_text_stops_at_the_eot_token_and_cuts_there(run):
+    "stop=True ends the loop at EOT (no wasted forwards); stop=False runs on and cuts: the same text."
+    from hymo.generate import generate_text, load_run
+    from hymo.training.data import EOT
+    model, tok = load_run(run)
+    eot = tok.token_to_id(EOT)
+    calls = _eot_on_third_draw(model, eot)
+    stopped = generate_text(model, tok, "ROMEO:", 20, seed=0, stop=True)
+    assert len(calls) == 3, len(calls)  # three draws, then the loop ended
+    calls.clear()
+    ran_on = generate_text(model, tok, "ROMEO:", 20, seed=0, stop=False)
+    assert len(calls) == 20
+    assert ran_on == stopped and EOT not in stopped
+
+
+def test_generate_text_draws_only_ids_the_tokenizer_has(loaded):
+    "A model wider than its tokenizer (vocab padded up): generate_text passes vocab= so the extra rows are never drawn."
+    from hymo.generate import generate_text
+    _, tok = loaded
+    V = tok.get_vocab_size()
+    wide = _model(load_config("hymo_tiny", vocab_size=V + 64).model).eval()
+    head = wide.head
+    def boosted(h):  # the rows past V would win every draw
+        logits = head(h).clone(); logits[..., V:] += 100
+        return logits
+    wide.head = boosted
+    drawn, generate = [], wide.generate
+    wide.generate = lambda *a, **k: drawn.append(generate(*a, **k)) or drawn[-1]
+    generate_text(wide, tok, "ROMEO:", 5, seed=0, stop=False)
+    assert (drawn[0] < V).all(), drawn[0]
+
+
+def test_cli_top_k_0_samples_from_all(run, capsys):
+    "--top-k 0 means all tokens (the help says so): it generates, and draws what top_k=None draws."
+    from hymo.generate import generate_text, load_run, main
+    text = main([str(run), "--tokens", "4", "--top-k", "0", "--device", "cpu"])
+    model, tok = load_run(run)
+    assert text == generate_text(model, tok, "ROMEO:", 4, top_k=None, window=32)
+
+
+def test_cli_reads_no_more_than_the_trained_length(run, monkeypatch, capsys):
+    "A prompt longer than train.seq_len (32): every forward and decode call of the CLI reads at most 32 tokens."
+    from hymo.generate import main
+    sizes, forward, decode = [], HyMo.forward, HyMo.decode
+    monkeypatch.setattr(HyMo, "forward", lambda self, tokens, *a, **k: sizes.append(tokens.shape[1]) or forward(self, tokens, *a, **k))
+    monkeypatch.setattr(HyMo, "decode", lambda self, tokens, *a, **k: sizes.append(tokens.shape[1]) or decode(self, tokens, *a, **k))
+    main([str(run), "--prompt", "ROMEO: " * 30, "--tokens", "3", "--device", "cpu"])
+    assert sizes and max(sizes) <= 32, sizes
+    assert "it sees only the last 32" in capsys.readouterr().err
+
+
+def test_streamed_pieces_add_up_to_the_text_when_it_ends_inside_a_character(run):
+    "The last ids are the first bytes of '☃' (held back while streaming as U+FFFD): `finish` still sends them."
+    from hymo.generate import generate_text, load_run
+    model, tok = load_run(run)
+    want = tok.encode(" snow ☃").ids[:-1]
+    assert tok.decode(want).endswith("\ufffd")
+    head, calls = model.head, []
+    def forced(h):
+        logits = head(h).clone(); logits[..., want[len(calls)]] += 1000; calls.append(1)
+        return logits
+    model.head = forced
+    pieces = []
+    text = generate_text(model, tok, "ROMEO:", len(want), seed=0, stream=pieces.append)
+    assert text.endswith("\ufffd") and "".join(pieces) == text, (pieces, text)
+
+
+def test_cli_refuses_a_seed_torch_cannot_take(run, capsys):
+    "--seed 2**64 (past torch.manual_seed's range) is a one-line usage error, not a traceback from torch."
+    from hymo.generate import main
+    with pytest.raises(SystemExit) as e: main([str(run), "--seed", str(2 ** 64), "--device", "cpu"])
+    assert e.value.code == 2 and "--seed must be in 0..2**64-1" in capsys.readouterr().err
