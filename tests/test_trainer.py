@@ -1556,3 +1556,10 @@ def test_a_stop_that_is_not_a_signal_exits_as_a_sigterm(tmp_path, monkeypatch, c
     args = [f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "run_dir": tmp_path / "run"}.items()]
     with pytest.raises(SystemExit) as e: main(args)
     assert e.value.code == 128 + signal.SIGTERM and "stopped by a stop on another rank at step 1" in capsys.readouterr().out
+
+
+def test_a_stop_asked_for_before_fit_does_not_stop_it(tmp_path):
+    "M36: `stopped_by` not reset at the start of `fit`: after a stop, the next `fit()` in a notebook trains one step and stops."
+    t = make(tmp_path / "run", max_steps=6)
+    t.request_stop("a request")
+    assert [m["step"] for m in t.fit(num_steps=2)] == [1, 2] and t.stopped_by is None
