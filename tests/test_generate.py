@@ -7,33 +7,8 @@ import pytest
 import torch
 
 from hymo.config import ConfigError, load_config
-from hymo.models.model import HyMo, build_hymo
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def dropless():
-    return load_config("hymo_tiny", moe_capacity_factor=None).model
-
-
-def _model(cfg, seed=0):
-    torch.manual_seed(seed)
-    return build_hymo(cfg)
-
-
-def _unit_scale(m, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.ndim >= 2: p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    return m.eval()
+from hymo.models.model import HyMo
+from test_model import _model, _unit_scale, dropless, one_thread  # test_model's helpers and fixtures: one thread, dropless routing
 
 
 # ---------------------------------------------------------------- hymo/models/model.py
