@@ -34,6 +34,17 @@ CHILD = textwrap.dedent('''
     (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z, y, w, True)
     out["row_stride"] = dict(loss=abs(lt.item() - lr.item()) / abs(lr.item()), dz=((gt - gr).norm() / gr.norm()).item(),
                              stride=z.stride(0))
+    gen = torch.Generator().manual_seed(3)                                # class 0 as a target; targets and weights strided
+    z = torch.randn(6, 200, generator=gen) * 3
+    y = torch.randint(1, 200, (6,), generator=gen); y[2] = 0              # a real target of class 0
+    w = torch.full((6,), 0.2); w[4] = 0; y[4] = 0                         # an ignored row, clamped to 0 as linear_cross_entropy does
+    yy = torch.stack([y, torch.randint(0, 200, (6,), generator=gen)], 1)  # y = yy[:, 0], a view with stride 2
+    ww = torch.stack([w, torch.rand(6, generator=gen)], 1)
+    lr, gr = ce_chunk(z, y, w, True)
+    for name, (yi, wi) in dict(class_0=(y, w), strided_targets=(yy[:, 0], ww[:, 0])).items():
+        lt, gt = ce.triton_ce_chunk(z, yi, wi, True)
+        out[name] = dict(loss=abs(lt.item() - lr.item()) / lr.item(), dz=((gt - gr).norm() / gr.norm()).item())
+    z, y, w = wide[:, :300], torch.randint(0, 300, (5,), generator=gen), torch.full((5,), 0.2)
     lt, gt = ce.triton_ce_chunk(z, y, torch.zeros(5), True)               # every row ignored
     out["all_ignored"] = dict(loss=lt.item(), dz_max=gt.abs().max().item())
     z, y = torch.randn(3, 50, generator=gen), torch.tensor([55, 2, -1, 50])  # targets outside the vocabulary: NaN, not a neighbour
@@ -47,6 +58,9 @@ CHILD = textwrap.dedent('''
 def test_ce_kernel_matches_ce_chunk():
     res = run_child(CHILD, timeout=300)
     rs, ig, outside = res.pop("row_stride"), res.pop("all_ignored"), res.pop("outside")
+    for name in ("class_0", "strided_targets"):  # class 0 is a class like any other; strided y and w are read as such
+        r = res.pop(name)
+        assert r["loss"] < 1e-6 and r["dz"] < 1e-6, (name, r)
     assert res.pop("short_targets").startswith("y and w must be [3], one per row of z"), "targets shorter than the rows"
     assert math.isnan(outside[0]) and math.isfinite(outside[1]) and math.isnan(outside[2]) and math.isnan(outside[3]), outside  # 50 = V
     assert rs["stride"] == 313 and rs["loss"] < 1e-6 and rs["dz"] < 1e-6, rs  # reads with the row stride, writes dense

@@ -329,3 +329,43 @@ def test_decoding_takes_the_gathered_path_up_to_one_assignment_per_expert(monkey
     x = torch.randn(1, moe.n_routed // moe.top_k, moe.dim)
     torch.testing.assert_close(moe(x), dense_reference(moe, x), atol=1e-5, rtol=1e-4)
     assert calls == [1]
+
+
+def test_ema_rule_steers_by_the_average_not_this_steps_counts():
+    "The EMA says expert 0 is over-loaded and 2 under-loaded; this step's counts say the opposite: the EMA decides."
+    moe = make(moe_balance="ema")
+    moe.ema_counts.copy_(torch.tensor([150.0, 100.0, 50.0, 100.0]))
+    moe.expert_counts.copy_(torch.tensor([50, 100, 150, 100]))
+    moe.update_gate_bias()  # EMA: [148, 100, 52, 100], mean 100
+    torch.testing.assert_close(moe.gate_bias, torch.tensor([-1.0, 0.0, 1.0, 0.0]) * moe.bias_speed)
+
+
+def test_ema_rule_leaves_a_load_exactly_at_the_band_edge():
+    "A load exactly at (1 ± band) × mean is inside the band (decay 0: the EMA is this step's counts)."
+    moe = make(moe_balance="ema", moe_ema_decay=0.0, moe_dead_band=0.25)  # edges 75 and 125, exact in floats
+    moe.expert_counts.copy_(torch.tensor([75, 125, 100, 100]))
+    moe.update_gate_bias()
+    assert torch.equal(moe.gate_bias, torch.zeros(4))
+
+
+@pytest.mark.parametrize("shape", [(8, 0), (2, 3, 5, 0), (2, 3, 7)])  # 0: the model width
+def test_forward_refuses_what_is_not_b_t_d(shape):
+    moe = make()
+    with pytest.raises(ValueError, match=r"DeepSeekMoE expects \[B, T"):
+        moe(torch.randn(*(moe.dim if s == 0 else s for s in shape)))
+
+
+def test_capacity_ties_go_to_the_earlier_token():
+    "Identical scores: an over-full expert keeps its first C tokens (a stable sort), as chapter 30 says."
+    N, E, k, C = 64, 4, 2, 20  # CPU argsort is unstable from 64 elements on
+    idx, score = torch.tensor([[0, 1]]).repeat(N, 1), torch.full((N, k), 0.3)
+    _, counts, keep = sort_assignments(idx, score, E, C)
+    assert counts.tolist() == [N, N, 0, 0]
+    assert torch.equal(keep, torch.arange(N)[:, None].expand(N, k) < C)
+
+
+def test_an_unknown_impl_is_refused():
+    moe = make()
+    moe.impl = "gruoped"
+    with pytest.raises(ValueError, match="impl"):
+        moe(torch.randn(1, 4, moe.dim))

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from hymo.config import load_config
-from hymo.models.mtp import IGNORE_INDEX, MTPOutput, MultiTokenPrediction, linear_cross_entropy, lm_loss, lm_loss_fused
+from hymo.models.mtp import (IGNORE_INDEX, MTPOutput, MultiTokenPrediction, ce_chunk, linear_cross_entropy, lm_loss,
+                             lm_loss_fused)
 
 
 @pytest.fixture
@@ -256,3 +257,44 @@ def test_mtp_refuses_inputs_it_would_misread(cfg):
     torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk_rows=np.int64(3)), F.cross_entropy(h @ w.T, t))
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="chunk_rows=.* must be a positive int"): linear_cross_entropy(h, w, t, chunk_rows=bad)
+
+
+def test_linear_cross_entropy_is_stable_for_logits_in_the_hundreds():
+    "exp() of a logit in the hundreds overflows fp32: each chunk subtracts its rows' maximum (log-sum-exp)."
+    torch.manual_seed(0)
+    h, w = torch.randn(12, 16) * 40, torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (12,)); t[3] = IGNORE_INDEX
+    assert (h @ w.detach().T).abs().max() > 100
+    ref = F.cross_entropy(h @ w.T, t)
+    got = linear_cross_entropy(h, w, t, chunk_rows=5)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.autograd.grad(got, w)[0], torch.autograd.grad(ref, w)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_linear_cross_entropy_under_autocast_computes_what_bf16_inputs_do():
+    "Under bf16 autocast the products run in bf16 (not fp32): the same number as bf16 inputs without autocast, bit for bit."
+    torch.manual_seed(0)
+    h, w, t = torch.randn(64, 32), torch.randn(300, 32) * 0.3, torch.randint(0, 300, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, w, t, chunk_rows=16)
+    assert torch.equal(got, linear_cross_entropy(h.bfloat16(), w.bfloat16(), t, chunk_rows=16))
+    assert not torch.equal(got, linear_cross_entropy(h, w, t, chunk_rows=16))
+
+
+def test_ce_chunk_takes_the_softmax_of_bf16_logits_in_fp32():
+    "bf16 logits: the loss and softmax in fp32, only the returned gradient rounded to bf16."
+    torch.manual_seed(0)
+    z, y, w = (torch.randn(8, 5000) * 3).bfloat16(), torch.randint(0, 5000, (8,)), torch.full((8,), 1 / 8)
+    (l, g), (lr, gr) = ce_chunk(z, y, w, True), ce_chunk(z.float(), y, w, True)
+    assert l.dtype == torch.float32 and g.dtype == torch.bfloat16
+    torch.testing.assert_close(l, lr, rtol=1e-6, atol=1e-6)
+    assert torch.equal(g, gr.bfloat16())
+
+
+def test_lm_loss_of_bf16_logits_is_computed_in_fp32():
+    torch.manual_seed(0)
+    logits, t = (torch.randn(2, 6, 3000) * 3).bfloat16(), torch.randint(0, 3000, (2, 6))
+    total, _ = lm_loss(logits, t)
+    assert total.dtype == torch.float32
+    torch.testing.assert_close(total, F.cross_entropy(logits.float().flatten(0, 1), t.flatten()), rtol=1e-6, atol=1e-6)

@@ -172,6 +172,8 @@ class DeepSeekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor: # x: [B, T, d]
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"DeepSeekMoE expects [B, T, {self.dim}], got {list(x.shape)}: reshape the input to (batch, time, dim)")
+        if self.impl not in ("auto", "loop", "grouped"):  # a misspelt path would silently run the loop
+            raise ValueError(f"DeepSeekMoE.impl={self.impl!r}: choose 'auto', 'loop' or 'grouped'")
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each
