@@ -19,8 +19,8 @@ from typing import Optional
 import yaml
 
 # %% auto #0
-__all__ = ['TRITON_CHUNK', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError', 'check_triton_chunk', 'validate_model',
-           'validate_training', 'package_dir', 'Config', 'presets', 'load_config']
+__all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError', 'check_triton_chunk',
+           'validate_model', 'validate_training', 'package_dir', 'Config', 'presets', 'load_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -246,6 +246,8 @@ def validate_model(m: ModelConfig):
     return m
 
 
+DECAY_SHAPES = ("linear", "1-sqrt", "cosine")  # the WSD schedule's decays (chapter 50)
+
 def validate_training(t: TrainingConfig):
     "Raise `ConfigError` if `t` cannot drive a run."
     for name, tp in _field_types(TrainingConfig).items():
@@ -285,7 +287,7 @@ def validate_training(t: TrainingConfig):
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
                           f"= max_steps={t.max_steps} − {t.decay_steps} decay steps (decay_fraction={t.decay_fraction}): lower warmup_steps "
                           f"(e.g. warmup_steps={max(decay_start // 10, min(1, decay_start))}) or decay_fraction, or raise max_steps")
-    _choice("train.decay_shape", t.decay_shape, ("linear", "1-sqrt", "cosine"))
+    _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
     _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
     return t
 

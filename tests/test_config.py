@@ -361,3 +361,61 @@ def test_the_weight_decay_bound_it_names_holds_for_both_learning_rates():
         load_config("hymo_tiny", muon_lr=0.06, adamw_lr=0.001, weight_decay=17.0)
     bound = float(str(e.value).split("give weight_decay < ")[1].split()[0])
     assert bound <= 1 / 0.06 and load_config("hymo_tiny", muon_lr=0.06, adamw_lr=0.001, weight_decay=bound).train.weight_decay == bound
+
+
+def test_decay_fraction_that_rounds_to_zero_steps_still_decays_one_step():
+    c = load_config("hymo_tiny", max_steps=4, warmup_steps=1, decay_fraction=0.1).train  # 0.4 rounds to 0
+    assert c.decay_steps == 1
+    assert load_config("hymo_tiny", max_steps=4, warmup_steps=1, decay_fraction=0.0).train.decay_steps == 0
+
+
+@pytest.mark.parametrize("word", ["none", "None"])
+def test_the_word_none_turns_an_optional_setting_off(word):
+    c = load_config("hymo_tiny", moe_capacity_factor=word, data_dir=word)
+    assert c.model.moe_capacity_factor is None and c.train.data_dir is None
+
+
+def test_top_k_may_equal_the_number_of_routed_experts():
+    assert load_config("hymo_tiny", moe_top_k=4).model.moe_top_k == 4  # hymo_tiny has 4 routed experts
+
+
+def test_negative_nope_layer_index_is_refused():
+    with pytest.raises(ConfigError, match=r"nope_layers \[-1\] are not MLA blocks"):
+        load_config("hymo_tiny", nope_layers=[-1])  # is_mla(-1) is True: only the range check refuses it
+
+
+def test_schedule_bounds_are_inclusive_where_documented():
+    assert load_config("hymo_tiny", min_lr_ratio=1.0).train.min_lr_ratio == 1.0  # [0, 1]: a constant rate
+    assert load_config("hymo_tiny", decay_fraction=1.0, warmup_steps=0).train.decay_steps == 120  # all decay
+    with pytest.raises(ConfigError, match=r"train.min_lr_ratio=-0.1 must be in \[0, 1\]"):
+        load_config("hymo_tiny", min_lr_ratio=-0.1)
+
+
+def test_sequence_length_bounds():
+    assert load_config("hymo_tiny", seq_len=256).train.seq_len == 256  # == max_seq_len is fine
+    with pytest.raises(ConfigError, match=r"train.seq_len=2 leaves MTP head 2 no position"):
+        load_config("hymo_tiny", seq_len=2)  # mtp_depth=2
+
+
+def test_base_files_naming_each_other_are_refused(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="in a circle"):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+def test_other_field_checks():
+    with pytest.raises(ConfigError, match=r"adamw_betas=\(0.9, 0.95, 0.99\): give two numbers"):
+        load_config("hymo_tiny", adamw_betas=[0.9, 0.95, 0.99])
+    with pytest.raises(ConfigError, match=r"model.max_seq_len=0 must be positive"):
+        load_config("hymo_tiny", max_seq_len=0, seq_len=1, mtp_depth=0, mtp_loss_weights=[])
+    with pytest.raises(ConfigError, match=r"model.gdn_conv_size=0 must be positive"):
+        load_config("hymo_tiny", gdn_conv_size=0)
+    with pytest.raises(ConfigError, match=r"train.run_dir=' ' is empty"):
+        load_config("hymo_tiny", run_dir=" ")
+    with pytest.raises(ConfigError, match=r"model.mtp_loss_weights=\[0.3, -0.5\] must be 0 or more"):
+        load_config("hymo_tiny", mtp_loss_weights=[0.3, -0.5])
+    with pytest.raises(ConfigError, match=r"model.gdn_kernel='cuda': choose one of"):
+        load_config("hymo_tiny", gdn_kernel="cuda")
+    with pytest.raises(ConfigError, match=r"train.precision='fp16': choose one of"):
+        load_config("hymo_tiny", precision="fp16")

@@ -55,3 +55,15 @@ def test_swiglu_is_w2_of_silu_w1_times_w3():
     ref = (h * torch.sigmoid(h) * (x.double() @ w3.T)) @ w2.T
     torch.testing.assert_close(ffn(x).double(), ref, rtol=1e-5, atol=1e-6)
     assert sum(p.numel() for p in ffn.parameters()) == 3 * 16 * 40
+
+
+def test_rmsnorm_reset_parameters_sets_unit_gain_after_meta_init():
+    "Models are built on the meta device and initialised by reset_parameters: the gain must come back as exactly 1."
+    with torch.device("meta"):
+        norm = RMSNorm(8)
+    norm.to_empty(device="cpu")
+    with torch.no_grad(): norm.weight.fill_(3.0)  # whatever to_empty left behind
+    norm.reset_parameters()
+    assert torch.equal(norm.weight.detach(), torch.ones(8))
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -542,3 +542,69 @@ def test_same_shape_matrices_batched_equal_one_at_a_time():
         for o in opts: o.step()
     for p, q in zip(together, alone): torch.testing.assert_close(p.data, q.data, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(together[0].data, together[1].data)
+
+
+def test_build_optimizers_passes_every_hyperparameter_from_the_config():
+    "Values unlike each other and unlike the defaults, so a swapped or dropped argument shows."
+    cfg = load_config("hymo_tiny", muon_momentum=0.9, normuon_beta2=0.99, ns_steps=3, adamw_eps=1e-6,
+                      adamw_betas=[0.8, 0.97]).train
+    model = nn.Sequential(nn.Linear(4, 6, bias=True), nn.LayerNorm(6))
+    normuon, adamw = build_optimizers(model, cfg)
+    d = normuon.defaults
+    assert (d["momentum"], d["beta2"], d["ns_steps"]) == (0.9, 0.99, 3)
+    assert all(g["eps"] == 1e-6 and g["betas"] == (0.8, 0.97) for g in adamw.param_groups)
+
+
+def test_normuon_refuses_4d_parameters():
+    with pytest.raises(ValueError, match="2-D .* or stacked 3-D"):
+        NorMuon([nn.Parameter(torch.ones(2, 3, 4, 5))])
+
+
+def test_adamw_refuses_negative_eps():
+    with pytest.raises(ValueError, match="CautiousAdamW: need"):
+        CautiousAdamW([nn.Parameter(torch.ones(3))], eps=-1e-8)
+
+
+def test_newton_schulz_of_zero_is_zero():
+    "eps guards the Frobenius normalisation (it goes in the denominator), it is not added to the result."
+    assert torch.equal(newton_schulz(torch.zeros(6, 4)), torch.zeros(6, 4))
+
+
+def test_wsd_warmup_may_end_exactly_where_the_decay_starts():
+    c = load_config("hymo_tiny", max_steps=10, warmup_steps=7, decay_fraction=0.3, decay_shape="linear").train
+    assert [wsd_schedule(t, c) for t in range(7)] == pytest.approx([(t + 1) / 7 for t in range(7)])
+    assert wsd_schedule(7, c) == pytest.approx(0.75)  # S = 7: decay straight after warmup, no stable phase
+
+
+def test_wsd_names_the_valid_shapes():
+    c = dataclasses.replace(load_config("hymo_tiny").train, decay_shape="exp")  # not validated: built directly
+    for step in (0, c.max_steps - 1):  # refused from the first step, not only once the decay begins
+        with pytest.raises(ValueError, match="decay_shape='exp': choose one of 'linear', '1-sqrt', 'cosine'"):
+            wsd_schedule(step, c)
+
+
+def test_wsd_without_decay_stays_at_peak_past_max_steps():
+    c = load_config("hymo_tiny", decay_fraction=0.0, min_lr_ratio=0.1).train
+    assert [wsd_schedule(t, c) for t in (c.max_steps - 1, c.max_steps, c.max_steps + 5)] == [1.0, 1.0, 1.0]
+
+
+
+
+def test_any_vector_or_scalar_goes_to_adamw_without_decay():
+    "The rule is by shape, not only by name: a gain or scalar with an unforeseen name must not be decayed or refused."
+    assert param_group("layers.0.mixer.scale", torch.empty(16)) == "adamw_no_decay"
+    assert param_group("temperature", torch.empty(())) == "adamw_no_decay"
+
+
+@pytest.mark.parametrize("bad", [dict(ns_steps=2.5), dict(ns_steps=True), dict(momentum=None), dict(lr="0.02")])
+def test_normuon_refuses_values_of_the_wrong_type_with_its_message(bad):
+    "Not a TypeError from deep inside `step`: the constructor names every setting it needs."
+    with pytest.raises(ValueError, match="NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps"):
+        NorMuon([nn.Parameter(torch.randn(4, 4))], **bad)
+
+
+@pytest.mark.parametrize("betas", [0.9, (0.9,), None, (0.9, "0.95")])
+def test_adamw_refuses_betas_that_are_not_two_numbers(betas):
+    with pytest.raises(ValueError, match="CautiousAdamW: need lr, eps, weight_decay ≥ 0 and two betas"):
+        CautiousAdamW([nn.Parameter(torch.randn(3))], betas=betas)
+    assert CautiousAdamW([nn.Parameter(torch.randn(3))], betas=[0.9, 0.95]).defaults["betas"] == (0.9, 0.95)  # a YAML list

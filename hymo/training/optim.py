@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..config import TrainingConfig
+from ..config import DECAY_SHAPES, TrainingConfig
 
 # %% auto #0
 __all__ = ['NS_COEFFS', 'FUSED_MIN_NUMEL', 'ns_dtype', 'newton_schulz', 'muon_shape_scale', 'normuon_rownorm',
@@ -191,8 +191,11 @@ class NorMuon(torch.optim.Optimizer):
         g = self.param_groups[-1]
         lr, momentum, beta2, ns_steps, wd = (g[k] for k in ("lr", "momentum", "beta2", "ns_steps", "weight_decay"))
         bad = None
-        if not (lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and ns_steps >= 1 and wd >= 0):  # `not >=` refuses NaN
-            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, ns_steps ≥ 1, weight_decay ≥ 0; "
+        try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
+            ok = lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and wd >= 0 and type(ns_steps) is int and ns_steps >= 1
+        except TypeError: ok = False
+        if not ok:
+            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps ≥ 1, weight_decay ≥ 0; "
                    f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={wd}")
         elif (p := next((p for p in g["params"] if p.ndim not in (2, 3)), None)) is not None:
             bad = (f"NorMuon takes 2-D [m, n] or stacked 3-D [E, m, n] matrices; got shape {tuple(p.shape)}. "
@@ -279,14 +282,18 @@ class CautiousAdamW(torch.optim.Optimizer):
                  weight_decay: float = 0.0, # λ: decoupled decay, x ← x − ηλx
                  cautious: bool = True, # Decay only where the update and the parameter agree in sign
                 ):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, cautious=cautious))
+        betas = tuple(betas) if isinstance(betas, (list, tuple)) else betas  # a list from YAML; anything else is refused below
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, cautious=cautious))
 
     def add_param_group(self, param_group: dict):
         "As `Optimizer.add_param_group` (which `__init__` calls for each group), refusing a group's values AdamW cannot use."
         super().add_param_group(param_group)  # fills in the defaults
         g = self.param_groups[-1]
         lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-        if not (lr >= 0 and eps >= 0 and wd >= 0 and len(betas) == 2 and all(0 <= b < 1 for b in betas)):  # refuses NaN too
+        try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
+            ok = lr >= 0 and eps >= 0 and wd >= 0 and isinstance(betas, tuple) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
+        except TypeError: ok = False
+        if not ok:
             self.param_groups.pop()
             raise ValueError(f"CautiousAdamW: need lr, eps, weight_decay ≥ 0 and two betas in [0, 1); got lr={lr}, "
                              f"betas={betas}, eps={eps}, weight_decay={wd}")
@@ -366,6 +373,8 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
                  cfg: TrainingConfig, # Reads warmup_steps, max_steps, decay_fraction, decay_shape, min_lr_ratio
                 ) -> float:
     "Learning-rate multiplier at `step`: linear warmup, constant, then a decay to `min_lr_ratio` over the last `decay_fraction` of `max_steps`."
+    if cfg.decay_shape not in DECAY_SHAPES:  # refused at any step, not first at the decay's
+        raise ValueError(f"decay_shape={cfg.decay_shape!r}: choose one of {', '.join(map(repr, DECAY_SHAPES))}")
     W, N = cfg.warmup_steps, cfg.max_steps
     D = cfg.decay_steps
     S = N - D  # first step of the decay
@@ -375,8 +384,7 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
     if step < W: return (step + 1) / W
     if step < S or D == 0: return 1.0
     p = min(1.0, (step - S + 1) / (D + 1))  # step S - 1 is the last at 1, step N the first at r
-    shapes = {"linear": 1 - p, "1-sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}
-    if cfg.decay_shape not in shapes: raise ValueError(f"decay_shape={cfg.decay_shape!r}: choose one of {', '.join(map(repr, shapes))}")
+    shapes = {"linear": 1 - p, "1-sqrt": 1 - math.sqrt(p), "cosine": 0.5 * (1 + math.cos(math.pi * p))}  # DECAY_SHAPES
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shapes[cfg.decay_shape]
 
 
