@@ -68,8 +68,8 @@ def _check_cu_seqlens(cu_seqlens, B: int, T: int,
                      ) -> int:
     "Raise `ValueError` unless `cu_seqlens` packs documents into one row of T tokens; return their number N."
     if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: B must be 1, got B={B}; flatten the batch first")
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-        raise ValueError(f"cu_seqlens must be an integer tensor of document boundaries, e.g. torch.tensor([0, {T}]) for one document; "
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):  # uint8's diff() wraps
+        raise ValueError(f"cu_seqlens must be an int32 or int64 tensor of document boundaries, e.g. torch.tensor([0, {T}]) for one document; "
                          f"got {cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
     if read is None: read = cu_seqlens.device.type == "cpu"
     if cu_seqlens.ndim != 1 or len(cu_seqlens) < 1 or read and bool(  # one read of a GPU tensor, not three: each read waits
@@ -143,7 +143,7 @@ def naive_gated_delta_rule(
 # %% [markdown]
 # Inputs for the checks: sizes that are deliberately not powers of two, random gates. With the
 # default `g_scale` the decays are strong (the median $\alpha_t$ is about 0.75, so a chunk of 64
-# multiplies the incoming state by about $4\cdot10^{-13}$, and never by more than $10^{-7}$, which would
+# multiplies the incoming state by about $4\cdot10^{-13}$, and hardly ever by more than $10^{-7}$, which would
 # hide a mistake in how the state is carried between chunks); `g_scale=0.01` gives weak decays (a
 # chunk keeps 0.2 to 0.55 of its incoming state, 0.39 in the median), and the checks use both.
 

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 
 from hymo.config import load_config
 from hymo.models.gdn import (GatedDeltaNet, GatedDeltaNetBlock, causal_conv1d, chunk_gated_delta_rule_torch,
-                             naive_gated_delta_rule, reference_mixer)
+                             conv_silu_norm, naive_gated_delta_rule, reference_mixer)
 
 H, K, V = 3, 12, 20  # deliberately not powers of two
 
 
 def inputs(B=2, T=100, seed=0, g_zero=False, beta_value=None, g_mult=6):
-    "g_mult=6: strong decays (a chunk of 64 keeps ~4e-13 of its incoming state, at most ~1e-8); 0.2: weak ones (about 0.4)."
+    "g_mult=6: strong decays (a chunk of 64 keeps ~4e-13 of its incoming state, hardly ever more than ~1e-7); 0.2: weak ones (about 0.4)."
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)
     q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
@@ -142,7 +142,7 @@ def test_empty_sequences_and_documents(cu):
 
 def test_conv_refuses_bad_document_boundaries():
     x, w = torch.randn(1, 5, 7), torch.randn(7, 4)
-    for bad, msg in [(torch.tensor([0.0, 5.0]), "integer tensor"), ([0, 5], "integer tensor"), (torch.tensor([0, 3]), "from 0 to T=5"),
+    for bad, msg in [(torch.tensor([0.0, 5.0]), "int32 or int64 tensor"), ([0, 5], "int32 or int64 tensor"), (torch.tensor([0, 3]), "from 0 to T=5"),
                      (torch.tensor([0, 4, 2, 5]), "non-decreasing")]:
         with pytest.raises(ValueError, match=msg): causal_conv1d(x, w, cu_seqlens=bad)
     with pytest.raises(ValueError, match="B must be 1"): causal_conv1d(torch.randn(2, 5, 7), w, cu_seqlens=torch.tensor([0, 5]))
@@ -270,3 +270,72 @@ def test_mixer_equals_the_paper_written_out(cfg):
     for kernel in ("naive", "torch"):
         m.kernel = kernel
         torch.testing.assert_close(m(x), ref, atol=1e-4, rtol=1e-4)
+
+
+def _rule_inputs(B=1, T=10, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    q, k = F.normalize(r(B, T, H, K), dim=-1), F.normalize(r(B, T, H, K), dim=-1)
+    return q, k, r(B, T, H, V), -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+
+
+@pytest.mark.parametrize("rule", [naive_gated_delta_rule, chunk_gated_delta_rule_torch])
+@pytest.mark.parametrize("cu", [[1, 10], [0, 4, 3, 10], [0, 4, 9]], ids=["not_from_0", "step_back_by_1", "not_to_T"])
+def test_rules_refuse_bad_document_boundaries(rule, cu):
+    q, k, v, g, beta = _rule_inputs()
+    with pytest.raises(ValueError, match="non-decreasing"):
+        rule(q, k, v, g, beta, cu_seqlens=torch.tensor(cu))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        causal_conv1d(torch.randn(1, 10, 7), torch.randn(7, 4), cu_seqlens=torch.tensor(cu))
+
+
+@pytest.mark.parametrize("rule", [naive_gated_delta_rule, chunk_gated_delta_rule_torch])
+def test_rules_refuse_values_and_gates_with_the_wrong_head_count(rule):
+    q, k, v, g, beta = _rule_inputs(B=2)
+    with pytest.raises(ValueError, match="v must be"):
+        rule(q, k, v[:, :, :1], g, beta)  # one value head would broadcast over the 3 heads
+    with pytest.raises(ValueError, match="g must be"):
+        rule(q, k, v, g[..., :1], beta)
+
+
+def test_prelude_q_k_have_unit_norm_even_when_small():
+    "L2 norm of q and k per head: exact unit vectors for activations of any scale (eps only guards 0)."
+    torch.manual_seed(0)
+    qkv, w = 1e-3 * torch.randn(2, 9, 2 * H * K + H * V), torch.randn(2 * H * K + H * V, 4)
+    q, k, v, _ = conv_silu_norm(qkv, w, H, K)
+    torch.testing.assert_close(q.norm(dim=-1), torch.ones(2, 9, H))
+    torch.testing.assert_close(k.norm(dim=-1), torch.ones(2, 9, H))
+
+
+def test_output_norm_uses_the_configured_eps():
+    cfg = load_config("hymo_tiny").model
+    assert GatedDeltaNet(cfg).o_norm.eps == cfg.norm_eps
+
+
+@pytest.mark.parametrize("cu", [None, [0, 3, 10]], ids=["rows", "packed"])
+@pytest.mark.parametrize("rule", [naive_gated_delta_rule, chunk_gated_delta_rule_torch])
+def test_an_explicit_scale_is_used(rule, cu):
+    "o_t = S_t^T (scale q_t) and S does not depend on q: the output is linear in the scale."
+    q, k, v, g, beta = _rule_inputs()
+    cu = None if cu is None else torch.tensor(cu)
+    o_default, _ = rule(q, k, v, g, beta, cu_seqlens=cu)
+    o_scaled, _ = rule(q, k, v, g, beta, 0.37, cu_seqlens=cu)
+    torch.testing.assert_close(o_scaled, o_default * 0.37 * K ** 0.5, atol=1e-6, rtol=1e-5)
+
+
+def test_strong_gates_give_finite_gradients():
+    "g = -2 per token: e^{-gamma} would reach e^{128} in a chunk of 64; masking before exp keeps every factor in [0, 1]."
+    q, k, v, g, beta = _rule_inputs(B=1, T=64)
+    g = torch.full_like(g, -2.0).requires_grad_()
+    o, S = chunk_gated_delta_rule_torch(q, k, v, g, beta, output_final_state=True)
+    (o.sum() + S.sum()).backward()
+    assert o.isfinite().all() and g.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.bool, torch.float32])
+def test_rules_refuse_cu_seqlens_that_are_not_int32_or_int64(dtype):
+    "uint8's diff() wraps round: decreasing boundaries would pass the check and a rule return another number of tokens."
+    q, k, v, g, beta = _rule_inputs()
+    for rule in (naive_gated_delta_rule, chunk_gated_delta_rule_torch):
+        with pytest.raises(ValueError, match="cu_seqlens must be an int32 or int64 tensor"):
+            rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 6, 5, 10]).to(dtype))

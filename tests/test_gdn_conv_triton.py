@@ -110,7 +110,7 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(90, 4), 2, 16)
     with pytest.raises(ValueError, match="B must be 1"):
         triton_conv_silu_norm(torch.randn(2, 8, 96), torch.randn(96, 4), 2, 16, cu_seqlens=torch.tensor([0, 8]))
-    for cu, msg in [([0, 10, 80], "from 0 to T=90"), ([0, 50, 40, 90], "non-decreasing"), ([0.0, 90.0], "integer tensor")]:
+    for cu, msg in [([0, 10, 80], "from 0 to T=90"), ([0, 50, 40, 90], "non-decreasing"), ([0.0, 90.0], "int32 or int64 tensor")]:
         with pytest.raises(ValueError, match=msg):  # on the CPU the values are read (on a GPU the rule reads them)
             triton_conv_silu_norm(torch.randn(1, 90, 96), torch.randn(96, 4), 2, 16, cu_seqlens=torch.tensor(cu))
 
