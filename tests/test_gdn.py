@@ -339,3 +339,14 @@ def test_rules_refuse_cu_seqlens_that_are_not_int32_or_int64(dtype):
     for rule in (naive_gated_delta_rule, chunk_gated_delta_rule_torch):
         with pytest.raises(ValueError, match="cu_seqlens must be an int32 or int64 tensor"):
             rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 6, 5, 10]).to(dtype))
+
+
+def test_conv_packed_path_rounds_as_the_rows_path_does():
+    "bf16 inputs with an fp32 cache: one document packed gives the rows' output bit for bit (summed in fp32, cache in x's dtype)."
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 9, 7, generator=gen).bfloat16(), torch.randn(7, 4, generator=gen).bfloat16()
+    cache = torch.randn(1, 3, 7, generator=gen)  # fp32
+    y_rows, c_rows = causal_conv1d(x, w, cache=cache, output_final_state=True)
+    y_packed, c_packed = causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 9]), cache=cache, output_final_state=True)
+    assert y_packed.dtype == c_packed.dtype == torch.bfloat16
+    assert torch.equal(y_packed, y_rows) and torch.equal(c_packed, c_rows)

@@ -191,7 +191,7 @@ def causal_conv1d(
                                                                           # not a view that would keep all of xp alive)
     N, dev = _check_cu_seqlens(cu_seqlens, B, T, read=None), x.device  # a GPU's values: the rule reads them
     lens = cu_seqlens.diff()
-    cache = x.new_zeros(N, W - 1, C) if cache is None else cache
+    cache = x.new_zeros(N, W - 1, C) if cache is None else cache.to(x.dtype)  # as the rows' path: the cache in x's dtype
     if cache.shape != (N, W - 1, C): raise ValueError(f"the conv cache must be [{N}, {W - 1}, {C}]; got {tuple(cache.shape)}")
     buf = torch.cat([cache.reshape(N * (W - 1), C), x[0]])                  # (N(W-1) + T, C): caches, then tokens
     doc = torch.repeat_interleave(torch.arange(N, device=dev), lens)       # (T,) document of each token
@@ -201,7 +201,7 @@ def causal_conv1d(
 
     pos = torch.arange(T, device=dev) - cu_seqlens[doc]                    # (T,) position inside the document
     taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (T, W, C): x_t, x_{t-1}, ...
-    y = (taps * weight.flip(-1).T).sum(1).view(1, T, C)                    # (B, T, C)
+    y = (taps.float() * weight.flip(-1).T.float()).sum(1).to(x.dtype).view(1, T, C)  # (B, T, C), summed in fp32, rounded once
     new_cache = None
     if output_final_state:
         d = torch.arange(N, device=dev)[:, None]
