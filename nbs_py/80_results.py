@@ -5,7 +5,8 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step) by the scripts in `benchmarks/`,
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in round 31 on one H100
+# (its rows say so, and the chart marks them `[H100]`), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -44,8 +45,8 @@
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
 # number is in a row of the tables below, or in its note. Round 31 (also 2026-12-05) could get only
-# an H100 (its rows say so; the bar chart marks them `[H100]`): its numbers are in the round log,
-# not in the first column here, except the ratio, which compares two steps on one machine.
+# an H100: its numbers are in the round log, not in the "measured" column here, except the ratio,
+# which compares two steps on one machine.
 #
 # | target | measured | met |
 # |---|---|---|
@@ -75,7 +76,7 @@ preset = [r for r in steps if r["variant"] == "hybrid gdn=triton ac=False compil
           and not r["code"].startswith("experiment") and r["gpu"] == "NVIDIA H200"]  # the targets are for one H200
 best = max(preset, key=lambda r: r["mfu"] or 0)  # a GPU missing from the peak table has no MFU (None)
 print(f"best preset step: {best['mfu']:.1%} MFU, {best['step_s']:.3f} s, {best['peak_mem_gb']:.1f} GB ({best['code']})")
-print(f"newest: {preset[0]['mfu']:.1%} MFU, {preset[0]['step_s']:.3f} s ({preset[0]['code']})")
+print(f"newest on an H200: {preset[0]['mfu']:.1%} MFU, {preset[0]['step_s']:.3f} s ({preset[0]['code']})")
 print(f"peak memory of every preset row: {min(r['peak_mem_gb'] for r in preset):.1f}-{max(r['peak_mem_gb'] for r in preset):.1f} GB")
 assert round(100 * best["mfu"], 1) == 37.0 and max(r["peak_mem_gb"] for r in preset) < 80  # the table above
 

@@ -547,12 +547,15 @@ def test_same_shape_matrices_batched_equal_one_at_a_time():
 def test_build_optimizers_passes_every_hyperparameter_from_the_config():
     "Values unlike each other and unlike the defaults, so a swapped or dropped argument shows."
     cfg = load_config("hymo_tiny", muon_momentum=0.9, normuon_beta2=0.99, ns_steps=3, adamw_eps=1e-6,
-                      adamw_betas=[0.8, 0.97]).train
+                      adamw_betas=[0.8, 0.97], muon_lr=0.03, adamw_lr=0.002, weight_decay=0.07,
+                      cautious_weight_decay=False).train
     model = nn.Sequential(nn.Linear(4, 6, bias=True), nn.LayerNorm(6))
     normuon, adamw = build_optimizers(model, cfg)
     d = normuon.defaults
-    assert (d["momentum"], d["beta2"], d["ns_steps"]) == (0.9, 0.99, 3)
-    assert all(g["eps"] == 1e-6 and g["betas"] == (0.8, 0.97) for g in adamw.param_groups)
+    assert (d["lr"], d["momentum"], d["beta2"], d["ns_steps"], d["weight_decay"], d["cautious"]) == (0.03, 0.9, 0.99, 3, 0.07, False)
+    assert all(g["lr"] == 0.002 and g["eps"] == 1e-6 and g["betas"] == (0.8, 0.97) and g["cautious"] is False
+               for g in adamw.param_groups)
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.07, 0.0]  # matrices decay, vectors do not
 
 
 def test_normuon_refuses_4d_parameters():
@@ -608,3 +611,22 @@ def test_adamw_refuses_betas_that_are_not_two_numbers(betas):
     with pytest.raises(ValueError, match="CautiousAdamW: need lr, eps, weight_decay ≥ 0 and two betas"):
         CautiousAdamW([nn.Parameter(torch.randn(3))], betas=betas)
     assert CautiousAdamW([nn.Parameter(torch.randn(3))], betas=[0.9, 0.95]).defaults["betas"] == (0.9, 0.95)  # a YAML list
+
+
+def test_every_decay_shape_the_config_accepts_has_a_schedule():
+    "DECAY_SHAPES is what the config and the schedule check against: each name must also have a curve."
+    from hymo.config import DECAY_SHAPES
+    base = load_config("hymo_tiny", max_steps=10, warmup_steps=1, decay_fraction=0.5).train
+    for shape in DECAY_SHAPES:
+        c = dataclasses.replace(base, decay_shape=shape)
+        mults = [wsd_schedule(t, c) for t in range(10)]
+        assert mults[4] == 1.0 and all(b < a for a, b in zip(mults[4:], mults[5:])) and mults[-1] > c.min_lr_ratio
+
+
+def test_normuon_takes_numpy_ints_and_adamw_takes_betas_as_lists_in_groups():
+    import numpy as np
+    assert NorMuon([nn.Parameter(torch.randn(4, 4))], ns_steps=np.int64(3)).defaults["ns_steps"] == 3
+    opt = CautiousAdamW([dict(params=[nn.Parameter(torch.randn(3))], betas=[0.8, 0.9])])
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    opt.add_param_group(dict(params=[nn.Parameter(torch.randn(2))], betas=[0.7, 0.8]))
+    assert opt.param_groups[1]["betas"] == (0.7, 0.8)

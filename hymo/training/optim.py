@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from itertools import chain
 from typing import Iterable
 
@@ -192,7 +193,7 @@ class NorMuon(torch.optim.Optimizer):
         lr, momentum, beta2, ns_steps, wd = (g[k] for k in ("lr", "momentum", "beta2", "ns_steps", "weight_decay"))
         bad = None
         try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
-            ok = lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and wd >= 0 and type(ns_steps) is int and ns_steps >= 1
+            ok = lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and wd >= 0 and isinstance(ns_steps, numbers.Integral) and not isinstance(ns_steps, bool) and ns_steps >= 1
         except TypeError: ok = False
         if not ok:
             bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps ≥ 1, weight_decay ≥ 0; "
@@ -287,6 +288,7 @@ class CautiousAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict):
         "As `Optimizer.add_param_group` (which `__init__` calls for each group), refusing a group's values AdamW cannot use."
+        if isinstance(param_group.get("betas"), list): param_group = {**param_group, "betas": tuple(param_group["betas"])}  # YAML's
         super().add_param_group(param_group)  # fills in the defaults
         g = self.param_groups[-1]
         lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
