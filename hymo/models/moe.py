@@ -112,6 +112,8 @@ class SwiGLUExpert(SwiGLU):
 # %% ../../nbs/30_moe.ipynb #86f858ee
 class DeepSeekMoE(nn.Module):
     "Shared + top-k routed SwiGLU experts with an fp32 router and gate-bias load balancing; [B, T, d] -> [B, T, d]."
+    IMPLS = ("auto", "loop", "grouped")  # how the routed experts run (`impl`): see `_dispatch`
+
     def __init__(self, config: ModelConfig): # Uses dim, init_std and the moe_* fields
         super().__init__()
         c = config
@@ -120,7 +122,7 @@ class DeepSeekMoE(nn.Module):
         self.bias_speed, self.ema_decay, self.dead_band, self.init_std = c.moe_bias_speed, c.moe_ema_decay, c.moe_dead_band, c.init_std
         if self.top_k > self.n_routed:
             raise ValueError(f"moe_top_k={self.top_k} > moe_n_routed={self.n_routed}: lower moe_top_k")
-        self.impl = "auto"  # 'auto', 'loop' or 'grouped'
+        self.impl = "auto"  # one of IMPLS
         E, h, d = self.n_routed, self.inter_dim, self.dim
         self.gate = nn.Linear(d, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, h, d))  # gate projections of the routed experts
@@ -169,11 +171,17 @@ class DeepSeekMoE(nn.Module):
         cf = Fraction(self.capacity_factor).limit_denominator(10**6)
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
+    @property
+    def impl(self) -> str: return self._impl
+
+    @impl.setter
+    def impl(self, value: str):  # refused where it is set: a misspelt path would silently run the loop
+        if value not in self.IMPLS: raise ValueError(f"DeepSeekMoE.impl={value!r}: choose one of {', '.join(map(repr, self.IMPLS))}")
+        self._impl = value
+
     def forward(self, x: torch.Tensor) -> torch.Tensor: # x: [B, T, d]
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"DeepSeekMoE expects [B, T, {self.dim}], got {list(x.shape)}: reshape the input to (batch, time, dim)")
-        if self.impl not in ("auto", "loop", "grouped"):  # a misspelt path would silently run the loop
-            raise ValueError(f"DeepSeekMoE.impl={self.impl!r}: choose 'auto', 'loop' or 'grouped'")
         B, T, d = x.shape
         xf = x.reshape(B * T, d)  # (N, d)
         idx, weight, score = self.route(xf)  # (N, k) each

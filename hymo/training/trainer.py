@@ -304,7 +304,7 @@ RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints/step_...", "wandb/hymo_run_i
 def is_run_folder(d: Path) -> bool:
     "Whether folder `d` holds one of `RUN_MARKS` (any `...step_NNNNNN...` name in checkpoints/: set aside or unfinished too)."
     d = Path(d)
-    if any((d / n).exists() for n in (".lock", "metrics.jsonl", "wandb/hymo_run_id")): return True
+    if any((d / n).exists() for n in RUN_MARKS if not n.startswith("checkpoints/")): return True
     ours = re.compile(r"(?:(?:damaged|superseded|replaced)-)?" + CKPT_PREFIX + r"\d{6,}(?:-\d+)?(?:\.tmp)?")  # as this code names them
     return (d / "checkpoints").is_dir() and any(ours.fullmatch(c.name) for c in (d / "checkpoints").iterdir())
 
