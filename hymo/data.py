@@ -16,7 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, load_manifest, prepare
+from .training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, check_compatible, load_manifest, prepare
 
 # %% ../nbs/61_data_cli.ipynb #ff3f8f78
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
     pp.add_argument("--overwrite", action="store_true", help="replace a dataset in --out made from other inputs")
     pp.add_argument("--no-progress", action="store_true", help="no progress bars")
-    pi = sub.add_parser("info", help="print the manifest of a prepared dataset")
+    pi = sub.add_parser("info", help="print the manifest of a prepared dataset and check its shards and tokenizer")
     pi.add_argument("dir", metavar="DIR")
     return p
 
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                         if issubclass(w.category, DataWarning): print(f"warning: {w.message}", file=sys.stderr)
                         else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             m = load_manifest(out)
-            print(f"{out}: vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
+            n = len(m["inputs"])
+            print(f"{out}: {n} input file{'s' * (n > 1)}, vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))
             asked = None if args.tokenizer else args.vocab_size or DEFAULT_VOCAB_SIZE  # a given tokenizer has its own size
             if asked and m["vocab_size"] < asked:
@@ -82,7 +83,11 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                       "last line of the text, which stays in training (the cut moves to the next line break). Give the "
                       "text more lines or documents, or --val-fraction 0 to say so",
                       file=sys.stderr)
-        elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1), flush=True)
+        elif args.command == "info":
+            m = load_manifest(args.dir)
+            print(json.dumps(m, indent=1), flush=True)
+            check_compatible(args.dir, m["vocab_size"])  # what training checks: a damaged dataset is not reported fine
+            print(f"{args.dir}: intact (every shard and the tokenizer as the manifest says)", file=sys.stderr)
         else:
             parser.print_help(sys.stderr)
             return 2

@@ -39,6 +39,7 @@ import re
 import shutil
 import uuid
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -123,12 +124,20 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 # listing order); a file of any other type given by name is an error rather than silently skipped.
 # Hidden files and folders are skipped. So are `NOTES.TXT` and other suffixes not in lower case, with
 # a warning that names them (reading them now would change datasets prepared before from such a
-# folder); a folder with nothing else is an error that names them.
+# folder); a folder with nothing else is an error that names them. Files of other types in a folder
+# (`notes.rst`, `data.json`, `corpus.txt.gz`) are skipped with a warning that counts them by
+# suffix, so that a corpus half of which is compressed does not quietly become its other half.
 # Every file found is opened once before any work starts, so one that cannot be read (no
 # permission) is a one-line error at once, not a traceback halfway through.
 
 # %%
 #| export
+def _by_suffix(counts: Counter) -> str:
+    "'3 files of other types (.json 2, .rst 1)'"
+    n = sum(counts.values())
+    return f"{n} file{'s' * (n > 1)} of other types ({', '.join(f'{k} {v}' for k, v in counts.most_common())})"
+
+
 def find_files(inputs: Iterable, # Paths of files or folders
               ) -> list[tuple[Path, str]]:
     "The files to read, in order, as `(path, name)`: `name` is the path from the input given (a folder's name first)."
@@ -146,7 +155,11 @@ def find_files(inputs: Iterable, # Paths of files or folders
                           f"whose suffix is not lower case: rename {'them' if len(cased) > 1 else 'it'} to be read"
                 if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {skipped}")
                 warnings.warn(f"folder {p}: skipped {skipped}", DataWarning, stacklevel=2)
-            if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files")
+            other = Counter(f.suffix or "no suffix" for f in visible if f.suffix.lower() not in SUFFIXES)
+            if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files" + (
+                f" (only {_by_suffix(other)})" if other else ""))
+            if other: warnings.warn(f"folder {p}: skipped {_by_suffix(other)}: only {', '.join(SUFFIXES)} files are read "
+                                    "(decompress or convert the others to read them)", DataWarning, stacklevel=2)
             files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
@@ -518,6 +531,10 @@ def _left_behind(out: Path, kinds=("tmp", "old")) -> list[Path]:
     return [p for kind in kinds for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"))]
 
 
+_MANIFEST_KEYS = {"fingerprint": str, "tokenizer": str, "tokenizer_sha256": str, "vocab_size": int, "eot_id": int,
+                  "dtype": str, "inputs": list, "splits": dict}  # what the readers use, checked before they do
+
+
 def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
     d = Path(data_dir)
@@ -527,6 +544,12 @@ def load_manifest(data_dir: Path) -> dict:
         old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
         raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
                         f"stopped as it swapped the folders): rename it back (mv {old} {data_dir}), or prepare again")
+    if not d.exists():  # a misspelt path: not a place to prepare into before checking it
+        raise DataError(f"{data_dir} does not exist: check the path, or prepare a dataset there (`python -m hymo.data "
+                        f"prepare --input TEXT... --out {data_dir}`)")
+    if d.is_dir() and (d / "config.yaml").is_file() and not m.exists():  # a training run's folder, not its data
+        raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
+                        "dataset folder, data_dir in that config.yaml")
     if not m.exists():  # texts not prepared yet (a file, or a folder of them): prepare them into a folder of their own
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
         out = d.with_name(f"{d.with_suffix('').name if d.is_file() else d.name}_prepared")
@@ -541,10 +564,23 @@ def load_manifest(data_dir: Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it "
                         f"again (`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
-    if not isinstance(manifest.get("fingerprint"), str):
-        raise DataError(f"{m} is damaged (it has no fingerprint): prepare the dataset again (`python -m hymo.data "
-                        f"prepare ... --out {data_dir} --overwrite`)")
+    bad = [k for k, t in _MANIFEST_KEYS.items() if not isinstance(manifest.get(k), t)]
+    splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
+    bad += [f"splits.{name}" for name, v in splits.items() if not (isinstance(v, dict) and all(
+        isinstance(v.get(k), int) for k in ("tokens", "documents")) and isinstance(v.get("shards"), list) and all(
+        isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int) for s in v["shards"]))]
+    if bad:
+        raise DataError(f"{m} is damaged (missing or wrong: {', '.join(bad)}): prepare the dataset again "
+                        f"(`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
     return manifest
+
+
+_DATASET_FILE = re.compile(r"(manifest|tokenizer)\.json|(train|val)_\d{4,}\.npy")  # what `_write_dataset` writes
+
+
+def _not_written_by_prepare(out: Path) -> list[str]:
+    "Names in dataset folder `out` that no `prepare` writes (the user's notes, an input kept there)."
+    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir() if not (p.is_file() and _DATASET_FILE.fullmatch(p.name)))
 
 
 def _same_dataset(out: Path, fingerprint: str) -> bool:
@@ -696,7 +732,12 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         if not (same or overwrite):
             raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass --overwrite "
                             f"(overwrite=True in Python) to replace it, or choose another --out")
-        # the same inputs and options, damaged (a shard or the tokenizer missing or cut): prepared again
+        if foreign := _not_written_by_prepare(out):  # the whole folder is replaced: never delete someone's files
+            raise DataError(f"{out} also holds {len(foreign)} thing{'s' * (len(foreign) > 1)} prepare did not write "
+                            f"({', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}), which replacing the dataset would "
+                            "delete: move them out of it first (inputs too), or choose another --out")
+        if same: warnings.warn(f"{out} holds this dataset damaged (a shard or the tokenizer missing or cut): preparing "
+                               "it again", DataWarning, stacklevel=2)
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
     if left := _left_behind(out):
         warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by "

@@ -28,7 +28,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, load_manifest, prepare
+from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, check_compatible, load_manifest, prepare
 
 # %%
 import subprocess
@@ -42,7 +42,9 @@ from fastcore.test import test_eq
 # `DataError` into a one-line message on stderr and exit status 1, and prints the help when no
 # command is given. The user's mistakes are `DataError`s: a missing or unknown input, a file that
 # is not UTF-8, JSON or Parquet, an option out of range (checked before any input is read), an
-# `--out` that is a file, a folder of something else, or a dataset of other inputs.
+# `--out` that is a file, a folder of something else, or a dataset of other inputs. `info` prints the
+# manifest (on stdout, for `jq`) and then checks the dataset as training does: every shard and the
+# tokenizer as the manifest says, or the error and status 1.
 #
 # An `--out` the operating system refuses (`/sys/...`, a path through a file, a read-only or full
 # disk) is an `OSError`. `prepare` leaves it one, because the trainer reports its own cache folder
@@ -67,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
     pp.add_argument("--overwrite", action="store_true", help="replace a dataset in --out made from other inputs")
     pp.add_argument("--no-progress", action="store_true", help="no progress bars")
-    pi = sub.add_parser("info", help="print the manifest of a prepared dataset")
+    pi = sub.add_parser("info", help="print the manifest of a prepared dataset and check its shards and tokenizer")
     pi.add_argument("dir", metavar="DIR")
     return p
 
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                         if issubclass(w.category, DataWarning): print(f"warning: {w.message}", file=sys.stderr)
                         else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             m = load_manifest(out)
-            print(f"{out}: vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
+            n = len(m["inputs"])
+            print(f"{out}: {n} input file{'s' * (n > 1)}, vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))
             asked = None if args.tokenizer else args.vocab_size or DEFAULT_VOCAB_SIZE  # a given tokenizer has its own size
             if asked and m["vocab_size"] < asked:
@@ -115,7 +118,11 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                       "last line of the text, which stays in training (the cut moves to the next line break). Give the "
                       "text more lines or documents, or --val-fraction 0 to say so",
                       file=sys.stderr)
-        elif args.command == "info": print(json.dumps(load_manifest(args.dir), indent=1), flush=True)
+        elif args.command == "info":
+            m = load_manifest(args.dir)
+            print(json.dumps(m, indent=1), flush=True)
+            check_compatible(args.dir, m["vocab_size"])  # what training checks: a damaged dataset is not reported fine
+            print(f"{args.dir}: intact (every shard and the tokenizer as the manifest says)", file=sys.stderr)
         else:
             parser.print_help(sys.stderr)
             return 2

@@ -84,6 +84,11 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     run = Path(run_dir)
     if not run.is_dir(): raise ConfigError(f"{run} {'is a file' if run.exists() else 'does not exist'}: give a finished run's folder")
     missing = [f for f in RUN_FILES if not (run / f).exists()]
+    if missing and run.parent.name == "checkpoints" and (run.parent.parent / "config.yaml").is_file():  # a checkpoint of a run
+        whole = all((run.parent.parent / f).exists() for f in RUN_FILES)
+        raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {run.parent.parent}" if whole else
+                          f"generate loads a finished run, and {run.parent.parent} has not finished: resume it to the end "
+                          f"(python -m hymo.train --config {run.parent.parent / 'config.yaml'} run_dir={run.parent.parent})"))
     if missing:
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end)")

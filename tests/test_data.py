@@ -341,8 +341,15 @@ def test_cli(ds, text, tmp_path, capsys):
             "--shard-tokens", "1000", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert load_manifest(tmp_path / "cli") == load_manifest(ds)  # another process: the same dataset
-    assert main(["info", str(tmp_path / "cli")]) == 0 and json.loads(capsys.readouterr().out)["vocab_size"] == VOCAB
+    assert main(["info", str(tmp_path / "cli")]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["vocab_size"] == VOCAB and "intact" in got.err
     assert main(["info", str(tmp_path)]) == 1 and "not a prepared dataset" in capsys.readouterr().err
+    import shutil
+    shutil.copytree(tmp_path / "cli", tmp_path / "cli2"); (tmp_path / "cli2" / "train_0001.npy").unlink()
+    assert main(["info", str(tmp_path / "cli2")]) == 1  # damaged: the manifest printed, then what training would say
+    got = capsys.readouterr()
+    assert json.loads(got.out)["vocab_size"] == VOCAB and "train_0001.npy is missing" in got.err
     r = run("prepare", "--input", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x"))
     assert r.returncode == 1 and "does not exist" in r.stderr and "Traceback" not in r.stderr
     closed = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from hymo.data import main; "
@@ -478,17 +485,69 @@ def test_a_damaged_dataset_is_prepared_again_by_the_command_its_error_names(text
     want = {p.name: D.sha256_file(p) for p in out.iterdir()}
     (out / "val_0000.npy").unlink()
     with pytest.raises(DataError, match="is missing: prepare the dataset again"): check_compatible(out, VOCAB)
-    prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    with pytest.warns(D.DataWarning, match="preparing it again"): prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
     assert {p.name: D.sha256_file(p) for p in out.iterdir()} == want and check_compatible(out, VOCAB)
     (out / "manifest.json").write_text('{"format": "hymo-tok')  # cut short
     with pytest.raises(DataError, match="is damaged .*--overwrite"): prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
     prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, overwrite=True, progress=False)
     assert {p.name: D.sha256_file(p) for p in out.iterdir()} == want
     m = json.loads((out / "manifest.json").read_text()); del m["fingerprint"]; (out / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(DataError, match="it has no fingerprint"): load_manifest(out)
+    with pytest.raises(DataError, match=r"is damaged \(missing or wrong: fingerprint\)"): load_manifest(out)
     (out / "manifest.json").unlink(); (out / "manifest.json").mkdir()
     with pytest.raises(DataError, match="manifest.json is damaged"): load_manifest(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temporary folder left
+
+
+def test_a_manifest_missing_what_readers_use_is_damaged_and_replaced_with_overwrite(text, tmp_path):
+    "Valid JSON without `splits` (or a shard's entry without `tokens`) is a DataError, not a KeyError, in prepare too."
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    good = json.loads((out / "manifest.json").read_text())
+    for cut in ("splits", "vocab_size", "inputs"):
+        m = dict(good); del m[cut]; (out / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(DataError, match=f"missing or wrong: {cut}\\).*--overwrite"): load_manifest(out)
+        with pytest.raises(DataError, match=f"missing or wrong: {cut}"): prepare(text, out, vocab_size=VOCAB, progress=False)
+    m = json.loads(json.dumps(good)); del m["splits"]["val"]["shards"][0]["tokens"]; (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match="missing or wrong: splits.val\\)"): check_compatible(out, VOCAB)
+    prepare(text, out, vocab_size=VOCAB, overwrite=True, progress=False)
+    assert load_manifest(out) == good
+
+
+def test_replacing_a_dataset_never_deletes_files_prepare_did_not_write(text, tmp_path):
+    "Notes kept in the dataset folder, or an input stored there, stop a rebuild or an --overwrite; an intact one is left alone."
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    (out / "NOTES.md").write_text("mine\n")
+    assert prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False) == out  # intact: nothing replaced
+    (out / "val_0000.npy").unlink()  # damaged: rebuilt, but not over the notes
+    with pytest.raises(DataError, match=r"also holds 1 thing prepare did not write \(NOTES.md\).*move them out"):
+        prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    assert (out / "NOTES.md").read_text() == "mine\n" and not (out / "val_0000.npy").exists()
+    (out / "NOTES.md").unlink()
+    with pytest.warns(D.DataWarning, match="holds this dataset damaged .*: preparing it again"):
+        prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    assert check_compatible(out, VOCAB)
+    (out / "mine").mkdir(); (out / "mine" / "more.txt").write_text("Another speech.\n")  # an input stored in the dataset
+    with pytest.raises(DataError, match=r"prepare did not write \(mine/\)"):
+        prepare([text, out / "mine"], out, vocab_size=VOCAB, overwrite=True, progress=False)
+    assert (out / "mine" / "more.txt").read_text() == "Another speech.\n"
+
+
+def test_a_folder_s_files_of_other_types_are_counted_in_a_warning(tmp_path):
+    from hymo.training.data import find_files
+    d = tmp_path / "mix"; d.mkdir()
+    (d / "a.txt").write_text("one\n"); (d / "b.rst").write_text("two\n"); (d / "c.json").write_text("{}")
+    (d / "d.json").write_text("{}"); (d / "e.txt.gz").write_bytes(b"\x1f\x8b"); (d / "README").write_text("x")
+    with pytest.warns(D.DataWarning, match=r"skipped 5 files of other types \(\.json 2, .*\.gz 1.*no suffix 1.*\): only"):
+        assert [n for _, n in find_files(d)] == ["mix/a.txt"]
+    (d / "a.txt").unlink()
+    with pytest.raises(DataError, match=r"holds no .* files \(only 5 files of other types"): find_files(d)
+
+
+def test_load_manifest_says_what_the_path_is(tmp_path):
+    "A misspelt path does not exist (not 'prepare into it'); a run folder is not a folder of texts (its metrics.jsonl)."
+    with pytest.raises(DataError, match="does not exist: check the path"): load_manifest(tmp_path / "dsvv")
+    (tmp_path / "run").mkdir(); (tmp_path / "run" / "config.yaml").write_text("{}"); (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(DataError, match="holds a config.yaml \\(a run folder\\?\\): give the dataset folder"):
+        load_manifest(tmp_path / "run")
 
 
 def test_inputs_and_tokenizers_that_would_give_wrong_ids_are_refused(text, tmp_path):

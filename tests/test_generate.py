@@ -140,6 +140,18 @@ def test_load_run_returns_the_model_in_eval_mode(loaded):
     assert not model.training and not any(m.training for m in model.modules())
 
 
+def test_load_run_given_a_checkpoint_names_its_run(run, tmp_path):
+    "A checkpoint folder of a finished run points to the run; of an unfinished run, to resuming it (not 'has no config.yaml')."
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    (other / "checkpoints" / "step_000002").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=f"is one of a run's checkpoints: give the run folder, {other}$"):
+        load_run(other / "checkpoints" / "step_000002")
+    (other / "model.safetensors").unlink()  # not finished: no exported weights yet
+    with pytest.raises(ConfigError, match=f"{other} has not finished: resume it to the end .*run_dir={other}\\)$"):
+        load_run(other / "checkpoints" / "step_000002")
+
+
 def test_load_run_refuses_another_tokenizer(run, tmp_path):
     "A tokenizer.json whose sha256 is not summary.json's; without summary.json, one larger than the vocabulary."
     from tokenizers import Tokenizer

@@ -932,7 +932,7 @@ def test_cli_errors_say_what_to_do(tmp_path, args, expect):
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["data_dir=nowhere"], "not a prepared dataset"),
+    (["data_dir=nowhere"], "nowhere does not exist: check the path"),
     (["--resume", "nowhere"], "nowhere does not exist"),
     (["run_dir=afile"], "is a file"),
     (["seq_len=512"], "longer than model.max_seq_len=256"),
