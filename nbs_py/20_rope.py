@@ -116,6 +116,8 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
                sin: torch.Tensor, # Same shape as `cos`
               ) -> torch.Tensor: # [B, T, H, d], dtype of `x`
     "Rotate every adjacent pair `(x[2i], x[2i+1])` of `x` by the angle of its position; computed in fp32."
+    if x.dim() != 4:  # [B, T, d] would be read as [T, H, d]: rotated by the batch index
+        raise ValueError(f"apply_rope: x must be [B, T, H, d] (H = 1 for a key shared by all heads); got {tuple(x.shape)}")
     if x.shape[-1] != 2 * cos.shape[-1]:
         raise ValueError(f"apply_rope: x has {x.shape[-1]} dims but the tables rotate {2 * cos.shape[-1]}; "
                          "pass only the rotated slice of x, and tables made with dim = that slice's width")
@@ -254,13 +256,17 @@ torch.testing.assert_close(q_rot[0, 2].double(), q[0, 2].double() @ R2.T, atol=1
 
 # %%
 #| exports
-def check_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1], int
-                     T: int): # Length of the packed sequence
-    "Raise `ValueError` unless `cu_seqlens` is an integer 1-D tensor `0 = c_0 < c_1 < ... < c_N = T`."
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or len(cu_seqlens) < 2:
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor [0, ..., T] of document boundaries, got {cu_seqlens}")
-    if bool((cu_seqlens[0] != 0) | (cu_seqlens[-1] != T) | (cu_seqlens[1:] <= cu_seqlens[:-1]).any()):  # one read of the values
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T} (one entry per document boundary), got {cu_seqlens.tolist()}")
+def check_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1], int32 or int64
+                     T: int, # Length of the packed sequence
+                    ) -> list[int]: # The boundaries, read once (on the host)
+    "Raise `ValueError` unless `cu_seqlens` is an int32/int64 1-D tensor `0 = c_0 < c_1 < ... < c_N = T`; return its values."
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or len(cu_seqlens) < 2:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 or int64 tensor [0, ..., T] of document boundaries, got "
+                         f"{cu_seqlens.dtype} {cu_seqlens}")  # floats, bools and bytes (whose differences wrap) refused
+    b = cu_seqlens.tolist()  # one read of the values
+    if b[0] != 0 or b[-1] != T or any(e <= s for s, e in zip(b, b[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T} (one entry per document boundary), got {b}")
+    return b
 
 
 @torch.compiler.disable  # data-dependent checks: traced, they would break the graph and recompile for every new N
@@ -279,7 +285,7 @@ cu = torch.tensor([0, 3, 4, 8])
 test_eq(positions_from_cu_seqlens(cu, 8), torch.tensor([0, 1, 2, 0, 0, 1, 2, 3]))
 test_eq(positions_from_cu_seqlens(torch.tensor([0, 5]), 5), torch.arange(5))
 test_fail(lambda: positions_from_cu_seqlens(torch.tensor([0, 3, 7]), 8), contains="from 0 to T=8")
-test_fail(lambda: positions_from_cu_seqlens(torch.tensor([0.0, 8.0]), 8), contains="integer")
+test_fail(lambda: positions_from_cu_seqlens(torch.tensor([0.0, 8.0]), 8), contains="int32 or int64")
 
 # %% [markdown]
 # ## Interview questions

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from hymo.config import ModelConfig
 from hymo.models.layers import RMSNorm
 from hymo.models.moe import DeepSeekMoE
-from hymo.models.rope import apply_rope, positions_from_cu_seqlens, rope_cos_sin
+from hymo.models.rope import apply_rope, check_cu_seqlens, positions_from_cu_seqlens, rope_cos_sin
 
 # %%
 import matplotlib.pyplot as plt
@@ -148,6 +148,14 @@ def causal_sdpa(q, k, v, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _boundaries(q, k, v, cu_seqlens) -> list[int]:
+    "The checked boundaries of a packed row `q` [1, T, H, d], `k` and `v` [1, T, G, d], on the host."
+    if not (q.dim() == k.dim() == v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0] == 1 and q.shape[1] == k.shape[1] == v.shape[1]):
+        raise ValueError(f"packed documents are one row: q, k, v must be [1, T, heads, d] of one T; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    return check_cu_seqlens(cu_seqlens, q.shape[1])
+
+
 def attend_documents_loop(q: torch.Tensor, # [1, T, H, d_qk]
                           k: torch.Tensor, # [1, T, G, d_qk]
                           v: torch.Tensor, # [1, T, G, d_v]
@@ -155,7 +163,7 @@ def attend_documents_loop(q: torch.Tensor, # [1, T, H, d_qk]
                           scale: float, # Softmax scale
                          ) -> torch.Tensor: # [1, T, H, d_v]
     "The reference: causal SDPA on each document of a packed row in turn."
-    b = cu_seqlens.tolist()
+    b = _boundaries(q, k, v, cu_seqlens)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (1, heads, T, d)
     return torch.cat([causal_sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale) for s, e in zip(b[:-1], b[1:])], 2).transpose(1, 2)
 
@@ -192,8 +200,9 @@ def varlen_flash_attention(q: torch.Tensor, # [1, T, H, d]
                            scale: float, # Softmax scale
                           ) -> torch.Tensor: # [1, T, H, d]
     "`attend_documents_loop` in one flash launch (see `varlen_flash_ok` for what it needs)."
+    b = _boundaries(q, k, v, cu_seqlens)  # reads the GPU once
+    max_len = max(e - s for s, e in zip(b, b[1:]))  # the kernel's grid
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    max_len = int(cu.diff().max())  # the kernel's grid; reads the GPU once
     q, k, v = (t[0] if t.stride(-1) == 1 else t[0].contiguous() for t in (q, k, v))  # (T, heads, d)
     return VarlenFlash.apply(q, k, v, cu, max_len, scale)[None]
 

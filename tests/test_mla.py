@@ -73,6 +73,23 @@ def test_positions_restart_per_document():
         positions_from_cu_seqlens(torch.tensor([0, 3, 6]), 7)
     with pytest.raises(ValueError, match="from 0 to T=7"):
         positions_from_cu_seqlens(torch.tensor([0, 3, 3, 7]), 7)
+    with pytest.raises(ValueError, match="from 0 to T=7"):  # not from 0: the first tokens in no document
+        positions_from_cu_seqlens(torch.tensor([2, 4, 7]), 7)
+    for dtype in (torch.float32, torch.bool, torch.uint8):  # floats index nothing; bools and bytes' differences wrap
+        with pytest.raises(ValueError, match="int32 or int64"):
+            positions_from_cu_seqlens(torch.tensor([0, 4, 7]).to(dtype), 7)
+    assert positions_from_cu_seqlens(torch.tensor([0, 4, 7], dtype=torch.int32), 7).tolist() == [0, 1, 2, 3, 0, 1, 2]
+
+
+def test_rope_frequencies_follow_theta_at_large_positions():
+    "cos(m θ^(-2i/d)) against math at positions near 4096 and theta 5e5: the base is used, and positions stay exact in fp32."
+    d, theta, pos = 16, 5e5, torch.tensor([0, 257, 2049, 4095])
+    cos, sin = rope_cos_sin(pos, d, theta)
+    want = torch.tensor([[m * theta ** (-2 * i / d) for i in range(d // 2)] for m in pos.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(cos.double(), want.cos(), atol=2e-4, rtol=0)
+    torch.testing.assert_close(sin.double(), want.sin(), atol=2e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"must be \[B, T, H, d\]"):  # [B, T, d] with B == T: rotated by the batch index
+        apply_rope(torch.randn(5, 5, d), *rope_cos_sin(torch.arange(5), d))
 
 
 # --- MLA, full forward ------------------------------------------------------------------------------
@@ -152,6 +169,25 @@ def test_cu_seqlens_equals_separate_documents(v_dim):
     assert (y - m(x)).abs().max() > 1e-2
     with pytest.raises(ValueError, match="one row"):
         m(x_(2, 20), cu_seqlens=cu)
+    for bad in ([0, 4, 8], [2, 4, 20], [0, 8, 8, 20]):  # not reaching T (8 of 20 tokens out), not from 0, an empty document
+        with pytest.raises(ValueError, match="from 0 to T=20"):
+            m(x, cu_seqlens=torch.tensor(bad))
+
+
+@pytest.mark.parametrize("attend", ["attend_documents", "attend_documents_loop"])
+def test_the_document_attention_functions_check_their_inputs(attend):
+    "Exported on their own: boundaries not covering T, or several rows (of which one would be kept), are refused."
+    import hymo.models.mla as M
+    q, k, v = torch.randn(1, 10, 4, 8), torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
+    fn = getattr(M, attend)
+    y = fn(q, k, v, torch.tensor([0, 4, 10]), 0.1)
+    assert y.shape == (1, 10, 4, 8)
+    with pytest.raises(ValueError, match="from 0 to T=10"): fn(q, k, v, torch.tensor([0, 4, 7]), 0.1)
+    with pytest.raises(ValueError, match="one row"): fn(q.expand(2, -1, -1, -1), k, v, torch.tensor([0, 4, 10]), 0.1)
+    with pytest.raises(ValueError, match="one row"): fn(q, k[:, :9], v[:, :9], torch.tensor([0, 4, 10]), 0.1)
+    ref = torch.cat([M.causal_sdpa(*(t[:, s:e].transpose(1, 2) for t in (q, k, v)), scale=0.1).transpose(1, 2)
+                     for s, e in ((0, 4), (4, 10))], 1)
+    torch.testing.assert_close(y, ref)  # the scale given is the scale used
 
 
 def test_compiled_attention_is_not_recompiled_for_each_document_count():
@@ -270,6 +306,15 @@ def test_decode_into_a_cache_of_another_dtype():
         ref = blk32(x.float())
         got = torch.cat([blk32.forward_decode(x[:, :6].float(), cache), blk32.forward_decode(x[:, 6:].float(), cache)], 1)
         assert got.dtype == torch.float32 and ((got - ref).norm() / ref.norm()) < 0.02
+
+
+def test_a_cache_made_with_tokens_in_it_appends_after_them():
+    "MLACache(..., length=5): the device's count starts at 5, so new rows go to 5.. and positions continue from 5."
+    c, r = torch.zeros(1, 8, 3), torch.zeros(1, 8, 2)
+    cache = MLACache(c, r, length=5)
+    assert cache.positions(2).tolist() == [5, 6]
+    cache.append(torch.ones(1, 2, 3), torch.ones(1, 2, 2))
+    assert c[0, :, 0].tolist() == [0, 0, 0, 0, 0, 1, 1, 0] and cache.length == 7 and cache.pos.tolist() == [7]
 
 
 def test_cache_size_is_latent_plus_rope_key():
