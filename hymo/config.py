@@ -329,7 +329,8 @@ _SECTIONS = {"model": ModelConfig, "train": TrainingConfig}
 
 def _closest(key: str, valid) -> str:
     near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" Did you mean '{near[0]}'?" if near else ""
+    near = near or [v for v in valid if key in v.split("_")]  # `lr`: muon_lr, adamw_lr, ...
+    return f" Did you mean {' or '.join(repr(v) for v in near)}?" if near else ""
 
 
 def _section_of(key: str) -> tuple[str, str]:

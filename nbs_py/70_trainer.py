@@ -579,6 +579,11 @@ class Trainer:
             ours = (not self.d.is_main or not d.is_dir() or is_run_folder(d)
                     or not any(not f.name.startswith(".") for f in d.iterdir()))
         except OSError: ours = True
+        run = d.parent if d.name == "checkpoints" else d.parent.parent if d.parent.name == "checkpoints" else None
+        if not self._agree(ours) and run is not None and is_run_folder(run):
+            raise ConfigError(f"run_dir={d} is {'the checkpoints of' if d.name == 'checkpoints' else 'a checkpoint of'} the run "
+                              f"in {run}: give run_dir={run} to continue it, or --resume a checkpoint of it with a new "
+                              "run_dir=... to branch from it")
         if not self._agree(ours):
             raise ConfigError(f"run_dir={d} holds files but is not a HyMo run folder (it has none of {', '.join(RUN_MARKS)}): "
                               "a run writes config.yaml, metrics.jsonl, loss.png, summary.json and model.safetensors into "
@@ -1209,13 +1214,15 @@ def load(self: Trainer, ckpt: Path):
     if step > self.cfg.max_steps or step == self.cfg.max_steps < planned:  # nothing to train: finishing would export
         least = step if planned == step else step + 1                       # a model that never had its decay as final
         raise ConfigError(f"{ckpt} is at step {step} of a run planned for {planned}: with max_steps={self.cfg.max_steps} "
-                          f"there is nothing to train, and its weights never had their decay. Give max_steps={least} or "
+                          f"there is nothing to train{', and its weights never had their decay' if step < planned else ''}. "
+                          f"Give max_steps={least} or "
                           f"more, or --resume an earlier checkpoint (in {ckpt.parent}) to branch a shorter run from it")
+    # the weights' shapes first: a new vocab_size also means other data, and the shapes are what was changed
+    notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
                                            **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
-    notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
@@ -1379,7 +1386,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
-    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or (done or {}).get("step") == self.step):
+    lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
+            if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]
+    if lost and self.step >= self.cfg.max_steps:  # deleted or moved after the run: `finish` writes them again
+        self.log(f"{self.run_dir} finished at step {self.step}, but its {' and '.join(lost)} is missing: writing the final "
+                 "model again from the final checkpoint")
+    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or ((done or {}).get("step") == self.step and not lost)):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
         self.summary = done or {}  # what `finish` wrote (rank 0 reads it), so `main` returns the run's summary again
@@ -1416,11 +1428,28 @@ def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signa
 def _first_write(self: Trainer, start: int):
     "Rank 0's first change to the run folder in a `fit` call: metrics of steps it redoes set aside, its config.yaml."
     if not self.d.is_main: return
+    if (done := _json_dict(self.run_dir / "summary.json")) is not None: self._keep_finished(done.get("step"))
     if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
         trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
         self.foreign_start = False
     else: trim_metrics(self.run_dir, start, self.log)
     (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
+
+
+FINISHED_FILES = ("config.yaml", "model.safetensors", "tokenizer.json", "summary.json", "loss.png")  # what `finish` writes
+
+
+def _keep_finished(self: Trainer, step):
+    "Move a finished run's final model out of the way of the training that continues in its folder (never overwritten)."
+    base = self.run_dir / (f"finished-{CKPT_PREFIX}{step:06d}" if isinstance(step, int) else "finished")
+    dest, n = base, 2
+    while dest.exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1
+    dest.mkdir()
+    for f in FINISHED_FILES:
+        if (self.run_dir / f).exists(): os.replace(self.run_dir / f, dest / f)
+    to_disk(self.run_dir)
+    self.log(f"the run finished before at step {step}: its final model, config and summary are kept in {dest} "
+             f"(python -m hymo.generate {dest}); its checkpoints are pruned as any others (keep_last_k)")
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:
@@ -1491,6 +1520,7 @@ def _wandb(self: Trainer):
     return run
 
 Trainer.fit, Trainer._fit_steps, Trainer._first_write, Trainer.request_stop = fit, _fit_steps, _first_write, request_stop
+Trainer._keep_finished = _keep_finished
 
 
 # %% [markdown]
@@ -1500,7 +1530,13 @@ Trainer.fit, Trainer._fit_steps, Trainer._first_write, Trainer.request_stop = fi
 # the weights as one `safetensors` file (full tensors, gathered to rank 0) for inference.
 # `summary.json` is written last, so a run whose `finish` was cut short finishes again when resumed;
 # one that has it for its last step is left alone (`fit` says so and returns), since finishing again
-# would rewrite the final checkpoint with whatever settings the resuming command gave.
+# would rewrite the final checkpoint with whatever settings the resuming command gave; unless its
+# `model.safetensors` or `tokenizer.json` is gone, which `finish` then writes again from the final
+# checkpoint. A finished run trained further (a larger `max_steps`, or `--resume` of one of its
+# checkpoints) would overwrite that final model: its first new step moves what `finish` wrote into
+# `finished-step_NNNNNN/` (`FINISHED_FILES`), a folder `python -m hymo.generate` loads as it loads
+# the run's own. Its checkpoints are pruned as any others: the weights it finished with are kept,
+# its optimiser state only while `keep_last_k` keeps that checkpoint.
 
 # %%
 #| export

@@ -150,6 +150,19 @@ def design_defaults_note(config: str) -> str | None:
             f"add the line 'base: hymo_tiny'")
 
 
+def _in_its_run_folder(cfg, args):
+    "`--config RUN/config.yaml` without run_dir=...: continue the run in RUN, not a new one where its run_dir (null or relative) says."
+    from hymo.training.trainer import is_run_folder
+    if args.config in presets() or "run_dir" in {k.split(".")[-1] for k in parse_overrides(args.overrides)}: return cfg
+    home = Path(args.config).expanduser().resolve().parent
+    if Path(args.config).name != "config.yaml" or not is_run_folder(home): return cfg
+    if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home: return cfg
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {args.config} is a run folder's config: continuing that run, run_dir={home} (give run_dir=... "
+              "to start a new run from its settings)", flush=True)
+    return load_config(args.config, **parse_overrides(args.overrides), run_dir=str(home))
+
+
 def main(argv: list[str] | None = None) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
@@ -171,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--resume was given an empty path (an unset variable?): give a checkpoint folder, or leave out "
                      "--resume to continue from the run folder's newest checkpoint")
     resume = False if args.no_resume else (args.resume or True)
+    cfg = _in_its_run_folder(cfg, args)
     trainer = None
     try:
         try:

@@ -59,8 +59,10 @@ def test_unknown_key_names_the_closest():
     with pytest.raises(ConfigError, match=r"unknown key 'mla_n_head'\. Did you mean 'mla_n_heads'\?") as e:
         load_config("hymo_tiny", mla_n_head=4)
     assert "Valid keys:" in str(e.value) and "seq_len" in str(e.value)
-    with pytest.raises(ConfigError, match="Valid train keys"):
-        load_config("hymo_tiny", **{"train.lr": 1.0})
+    with pytest.raises(ConfigError, match=r"'train.lr'\. Did you mean 'muon_lr' or 'adamw_lr'.*\? Valid train keys"):
+        load_config("hymo_tiny", **{"train.lr": 1.0})  # no close spelling: the keys it is a word of
+    with pytest.raises(ConfigError, match=r"unknown key 'lr'\. Did you mean 'muon_lr' or 'adamw_lr'"):
+        load_config("hymo_tiny", lr=1.0)
     with pytest.raises(ConfigError, match="unknown section"):
         load_config("hymo_tiny", **{"optim.lr": 1.0})
 

@@ -140,6 +140,17 @@ def test_load_run_returns_the_model_in_eval_mode(loaded):
     assert not model.training and not any(m.training for m in model.modules())
 
 
+def test_load_run_of_a_finished_run_without_its_model_says_how_to_write_it_again(run, tmp_path):
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    (other / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=f"but the run finished .*--config {other / 'config.yaml'} writes the final model again"):
+        load_run(other)
+    (other / "summary.json").unlink()
+    with pytest.raises(ConfigError, match=f"resume it to the end, python -m hymo.train --config {other / 'config.yaml'}\\)"):
+        load_run(other)
+
+
 def test_load_run_given_a_checkpoint_names_its_run(run, tmp_path):
     "A checkpoint folder of a finished run points to the run; of an unfinished run, to resuming it (not 'has no config.yaml')."
     from hymo.generate import load_run

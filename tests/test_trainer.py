@@ -420,6 +420,55 @@ def test_a_finished_run_is_not_finished_again(tmp_path):
     assert [m["step"] for m in make(tmp_path / "run", max_steps=6).fit()] == [5, 6]
 
 
+def test_a_finished_run_trained_further_keeps_its_final_model(tmp_path):
+    """Raising max_steps of a finished run: its model.safetensors, config.yaml, summary.json and tokenizer move to
+    finished-step_000004/ at the first new step (generate loads them there); before, pruning and the new finish lost them."""
+    from safetensors.torch import load_file
+    from hymo.generate import load_run
+    run = tmp_path / "run"
+    make(run, max_steps=4, ckpt_every=1, keep_last_k=1).fit()
+    want = {n: (run / n).read_bytes() for n in ("model.safetensors", "config.yaml", "summary.json", "tokenizer.json")}
+    t = make(run, max_steps=6, ckpt_every=1, keep_last_k=1)
+    assert [m["step"] for m in t.fit(1)] == [5]
+    kept = run / "finished-step_000004"
+    assert {n: (kept / n).read_bytes() for n in want} == want and not (run / "model.safetensors").exists()
+    assert [c.name for c in (run / "checkpoints").iterdir()] == ["step_000005"]  # step 4's pruned: its weights are in kept
+    model, _ = load_run(kept)
+    saved = load_file(str(kept / "model.safetensors"))
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    t.fit()
+    assert json.loads((run / "summary.json").read_text())["step"] == 6 and (kept / "model.safetensors").read_bytes() == want["model.safetensors"]
+    assert "max_steps: 4" in (kept / "config.yaml").read_text() and "max_steps: 6" in (run / "config.yaml").read_text()
+
+
+def test_a_finished_run_whose_model_is_gone_writes_it_again(tmp_path):
+    "summary.json but no model.safetensors (deleted to save space, say): the same command exports it again, not 'finished'."
+    from safetensors.torch import load_file
+    run = tmp_path / "run"
+    make(run, max_steps=4).fit()
+    want = load_file(str(run / "model.safetensors"))
+    (run / "model.safetensors").unlink(); (run / "tokenizer.json").unlink()
+    t = make(run, max_steps=4)
+    assert t.fit() == [] and t.step == 4
+    got = load_file(str(run / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want) and (run / "tokenizer.json").exists()
+    assert [p.name for p in run.iterdir() if p.name.startswith("finished")] == []  # nothing trained: nothing set aside
+
+
+def test_resuming_with_another_vocab_size_names_it_not_the_data(tmp_path):
+    "A new vocab_size means other data too; the refusal names the changed setting (it blamed the data's fingerprint)."
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(2)
+    with pytest.raises(ConfigError, match=r"weights of other shapes \(vocab_size: 2048 -> 4096\)"):
+        make(tmp_path / "run", max_steps=4, ckpt_every=2, vocab_size=4096)
+
+
+def test_a_checkpoint_folder_given_as_run_dir_names_its_run(tmp_path):
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(2)
+    for d in (tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "step_000002"):
+        with pytest.raises(ConfigError, match=f"of the run in {tmp_path / 'run'}: give run_dir={tmp_path / 'run'} to continue"):
+            make(d, max_steps=4)
+
+
 def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_is_deleted(tmp_path, monkeypatch):
     """rank0.pt and meta.json are fsynced before the rename, and the folder holding the rename before an older
     checkpoint is deleted: a power cut at any instant leaves one whole checkpoint (before: no fsync at all)."""
@@ -929,6 +978,21 @@ def test_cli_help_lists_every_option(tmp_path):
 def test_cli_errors_say_what_to_do(tmp_path, args, expect):
     r = run_cli(*args, cwd=tmp_path)
     assert r.returncode == 2 and expect in r.stderr, r.stderr
+
+
+def test_cli_config_of_a_run_folder_continues_that_run(tmp_path):
+    """`--config RUN/config.yaml` alone, from another directory: the run in RUN continues (its run_dir was relative to
+    where it was launched, or null for a timestamped folder, and a new run started from step 0 elsewhere)."""
+    (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
+    over = [f"{k}={v}" for k, v in {**FAST, "max_steps": 2, "ckpt_every": 1, "warmup_steps": 1}.items()]
+    r = run_cli(*over, "run_dir=run", cwd=tmp_path / "a")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_cli("--config", str(tmp_path / "a" / "run" / "config.yaml"), "max_steps=3", cwd=tmp_path / "b")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"continuing that run, run_dir={tmp_path / 'a' / 'run'}" in r.stdout and os.listdir(tmp_path / "b") == []
+    assert [m["step"] for m in read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl") if "loss" in m] == [1, 2, 3]
+    r = run_cli("--config", str(tmp_path / "a" / "run" / "config.yaml"), "run_dir=new", "max_steps=1", "warmup_steps=0", cwd=tmp_path / "b")
+    assert r.returncode == 0 and os.listdir(tmp_path / "b") == ["new"], r.stderr[-2000:]  # run_dir given: a new run
 
 
 @pytest.mark.parametrize("args, expect", [
@@ -1508,7 +1572,8 @@ def test_a_finished_run_shorter_than_its_checkpoint_is_told_its_own_length(tmp_p
     """M12: the advice of the max_steps refusal for a finished run's checkpoint: its own max_steps (which re-exports it),
     not one more step (which would train a step past the end of its decay)."""
     make(tmp_path / "run", max_steps=4, warmup_steps=1).fit()
-    with pytest.raises(ConfigError, match=r"at step 4 of a run planned for 4: with max_steps=3 .*Give max_steps=4 or more"):
+    with pytest.raises(ConfigError, match=r"at step 4 of a run planned for 4: with max_steps=3 there is nothing to train\. "
+                                          r"Give max_steps=4 or more"):  # it had its decay: not said otherwise
         make(tmp_path / "run", max_steps=3, warmup_steps=1)
 
 
