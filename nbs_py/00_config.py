@@ -402,7 +402,7 @@ _SECTIONS = {"model": ModelConfig, "train": TrainingConfig}
 
 def _closest(key: str, valid) -> str:
     near = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    near = near or [v for v in valid if key in v.split("_")]  # `lr`: muon_lr, adamw_lr, ...
+    near = near or [v for v in valid if key in v.split("_")][:3]  # `lr`: muon_lr, adamw_lr, ...
     return f" Did you mean {' or '.join(repr(v) for v in near)}?" if near else ""
 
 

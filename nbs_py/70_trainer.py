@@ -580,11 +580,12 @@ class Trainer:
                     or not any(not f.name.startswith(".") for f in d.iterdir()))
         except OSError: ours = True
         run = d.parent if d.name == "checkpoints" else d.parent.parent if d.parent.name == "checkpoints" else None
-        if not self._agree(ours) and run is not None and is_run_folder(run):
+        ours = self._agree(ours)
+        if not ours and run is not None and is_run_folder(run):
             raise ConfigError(f"run_dir={d} is {'the checkpoints of' if d.name == 'checkpoints' else 'a checkpoint of'} the run "
                               f"in {run}: give run_dir={run} to continue it, or --resume a checkpoint of it with a new "
                               "run_dir=... to branch from it")
-        if not self._agree(ours):
+        if not ours:
             raise ConfigError(f"run_dir={d} holds files but is not a HyMo run folder (it has none of {', '.join(RUN_MARKS)}): "
                               "a run writes config.yaml, metrics.jsonl, loss.png, summary.json and model.safetensors into "
                               "its folder, over any files of those names; give a new or empty run_dir=...")
@@ -1389,7 +1390,8 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
             if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]
     if lost and self.step >= self.cfg.max_steps:  # deleted or moved after the run: `finish` writes them again
-        self.log(f"{self.run_dir} finished at step {self.step}, but its {' and '.join(lost)} is missing: writing the final "
+        self.log(f"{self.run_dir} finished at step {self.step}, but its {' and '.join(lost)} {'are' if len(lost) > 1 else 'is'} "
+                 "missing: writing the final "
                  "model again from the final checkpoint")
     if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or ((done or {}).get("step") == self.step and not lost)):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
@@ -1413,8 +1415,11 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
             if not self._agree(signals.received is None):  # ... but stops the run there: `finish` is left to the resume
                 self.request_stop(signals.received or "a stop on another rank")
     if self.stopped_by is None and self.step >= self.cfg.max_steps:
-        if self.step == start and self.foreign_start:  # a branch from a final checkpoint: no step, the folder is still
-            self._together(lambda: self._first_write(start), self.run_dir)  # another run's until now
+        if self.step == start:  # no step trained in this call: the folder is not yet this run's if it is a branch from a
+            # final checkpoint (another run's until now), or a rewind to one whose run finished later (its export is not this one)
+            stale = self.d.is_main and done is not None and done.get("step") != self.step
+            if not self._agree(not (self.foreign_start or stale)):
+                self._together(lambda: self._first_write(start), self.run_dir)
         self.finish()
     if logger: logger.finish()
     return out
@@ -1445,9 +1450,10 @@ def _keep_finished(self: Trainer, step):
     dest, n = base, 2
     while dest.exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1
     dest.mkdir()
-    for f in FINISHED_FILES:
-        if (self.run_dir / f).exists(): os.replace(self.run_dir / f, dest / f)
-    to_disk(self.run_dir)
+    for f in FINISHED_FILES:  # the weights and the mark of a finished run move; the rest stays for the run that goes on
+        if (self.run_dir / f).exists():
+            (os.replace if f in ("model.safetensors", "summary.json") else shutil.copyfile)(self.run_dir / f, dest / f)
+    to_disk(dest); to_disk(self.run_dir)
     self.log(f"the run finished before at step {step}: its final model, config and summary are kept in {dest} "
              f"(python -m hymo.generate {dest}); its checkpoints are pruned as any others (keep_last_k)")
 
@@ -1533,9 +1539,9 @@ Trainer._keep_finished = _keep_finished
 # would rewrite the final checkpoint with whatever settings the resuming command gave; unless its
 # `model.safetensors` or `tokenizer.json` is gone, which `finish` then writes again from the final
 # checkpoint. A finished run trained further (a larger `max_steps`, or `--resume` of one of its
-# checkpoints) would overwrite that final model: its first new step moves what `finish` wrote into
-# `finished-step_NNNNNN/` (`FINISHED_FILES`), a folder `python -m hymo.generate` loads as it loads
-# the run's own. Its checkpoints are pruned as any others: the weights it finished with are kept,
+# checkpoints) would overwrite that final model: its first new step (or, for a rewind that trains
+# no step, its finish) moves the weights and `summary.json` into `finished-step_NNNNNN/` and copies
+# the rest of `FINISHED_FILES` there, a folder `python -m hymo.generate` loads as it loads the run's own. Its checkpoints are pruned as any others: the weights it finished with are kept,
 # its optimiser state only while `keep_last_k` keeps that checkpoint.
 
 # %%

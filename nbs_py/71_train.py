@@ -155,7 +155,8 @@ def _in_its_run_folder(cfg, args):
     from hymo.training.trainer import is_run_folder
     if args.config in presets() or "run_dir" in {k.split(".")[-1] for k in parse_overrides(args.overrides)}: return cfg
     home = Path(args.config).expanduser().resolve().parent
-    if Path(args.config).name != "config.yaml" or not is_run_folder(home): return cfg
+    if Path(args.config).name != "config.yaml" or not is_run_folder(home) or args.no_resume: return cfg  # a new run from it
+    if args.resume and Path(args.resume).expanduser().resolve().parent != home / "checkpoints": return cfg  # a branch: new folder
     if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home: return cfg
     if os.environ.get("RANK", "0") == "0":
         print(f"note: {args.config} is a run folder's config: continuing that run, run_dir={home} (give run_dir=... "

@@ -89,13 +89,14 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
         raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {run.parent.parent}" if whole else
                           f"generate loads a finished run, and {run.parent.parent} has not finished: resume it to the end "
                           f"(python -m hymo.train --config {run.parent.parent / 'config.yaml'} run_dir={run.parent.parent})"))
-    if missing and (run / "summary.json").exists() and (run / "config.yaml").exists():  # finished, its files since deleted
+    from hymo.training.trainer import is_run_folder
+    if missing and (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
         raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): python -m hymo.train "
                           f"--config {run / 'config.yaml'} writes the final model again from its final checkpoint")
     if missing:
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
-                          + (f", python -m hymo.train --config {run / 'config.yaml'})" if (run / "config.yaml").exists() else ")"))
+                          + (f", python -m hymo.train --config {run / 'config.yaml'})" if is_run_folder(run) else ")"))
     cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
     try: state = load_file(str(run / "model.safetensors"), device=str(device))

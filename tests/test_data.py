@@ -521,7 +521,7 @@ def test_replacing_a_dataset_never_deletes_files_prepare_did_not_write(text, tmp
     with pytest.raises(DataError, match=r"also holds 1 thing prepare did not write \(NOTES.md\).*move them out"):
         prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
     assert (out / "NOTES.md").read_text() == "mine\n" and not (out / "val_0000.npy").exists()
-    (out / "NOTES.md").unlink()
+    (out / "NOTES.md").unlink(); (out / ".DS_Store").write_bytes(b"\0")  # hidden: nobody's work, as for run folders
     with pytest.warns(D.DataWarning, match="holds this dataset damaged .*: preparing it again"):
         prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
     assert check_compatible(out, VOCAB)
@@ -547,6 +547,9 @@ def test_load_manifest_says_what_the_path_is(tmp_path):
     with pytest.raises(DataError, match="does not exist: check the path"): load_manifest(tmp_path / "dsvv")
     (tmp_path / "run").mkdir(); (tmp_path / "run" / "config.yaml").write_text("{}"); (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(DataError, match="holds a config.yaml \\(a run folder\\?\\): give the dataset folder"):
+        load_manifest(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").unlink()  # texts with a config.yaml of their own: prepare them
+    with pytest.raises(DataError, match=f"--input {tmp_path / 'run'} --out {tmp_path / 'run_prepared'}"):
         load_manifest(tmp_path / "run")
 
 

@@ -149,6 +149,10 @@ def test_load_run_of_a_finished_run_without_its_model_says_how_to_write_it_again
     (other / "summary.json").unlink()
     with pytest.raises(ConfigError, match=f"resume it to the end, python -m hymo.train --config {other / 'config.yaml'}\\)"):
         load_run(other)
+    kept = tmp_path / "finished-step_000002"  # a finished run's model set aside: not a run folder to train in
+    kept.mkdir(); (kept / "config.yaml").write_text((run / "config.yaml").read_text()); (kept / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"has no model.safetensors, tokenizer.json: give the folder of a finished run .*to the end\)$"):
+        load_run(kept)
 
 
 def test_load_run_given_a_checkpoint_names_its_run(run, tmp_path):

@@ -441,6 +441,19 @@ def test_a_finished_run_trained_further_keeps_its_final_model(tmp_path):
     assert "max_steps: 4" in (kept / "config.yaml").read_text() and "max_steps: 6" in (run / "config.yaml").read_text()
 
 
+def test_a_rewind_that_trains_no_step_keeps_the_later_final_model(tmp_path):
+    """--resume step_000004 (planned for 4) of a run that went on to finish at 6: no step is trained, and the finish
+    would have replaced the step-6 model and summary (and kept steps 5 and 6 in metrics.jsonl)."""
+    run = tmp_path / "run"
+    make(run, max_steps=4, ckpt_every=1, keep_last_k=10).fit()
+    make(run, max_steps=6, ckpt_every=1, keep_last_k=10).fit()
+    six = (run / "model.safetensors").read_bytes()
+    make(run, resume=run / "checkpoints" / "step_000004", max_steps=4, ckpt_every=1, keep_last_k=10).fit()
+    assert (run / "finished-step_000006" / "model.safetensors").read_bytes() == six
+    assert json.loads((run / "summary.json").read_text())["step"] == 4
+    assert max(m["step"] for m in read_jsonl(run / "metrics.jsonl")) == 4
+
+
 def test_a_finished_run_whose_model_is_gone_writes_it_again(tmp_path):
     "summary.json but no model.safetensors (deleted to save space, say): the same command exports it again, not 'finished'."
     from safetensors.torch import load_file
@@ -982,17 +995,22 @@ def test_cli_errors_say_what_to_do(tmp_path, args, expect):
 
 def test_cli_config_of_a_run_folder_continues_that_run(tmp_path):
     """`--config RUN/config.yaml` alone, from another directory: the run in RUN continues (its run_dir was relative to
-    where it was launched, or null for a timestamped folder, and a new run started from step 0 elsewhere)."""
+    where it was launched, or null for a timestamped folder, and a new run started from step 0 elsewhere); with
+    --no-resume or run_dir=..., a new run starts from its settings."""
     (tmp_path / "a").mkdir(); (tmp_path / "b").mkdir()
     over = [f"{k}={v}" for k, v in {**FAST, "max_steps": 2, "ckpt_every": 1, "warmup_steps": 1}.items()]
     r = run_cli(*over, "run_dir=run", cwd=tmp_path / "a")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_cli("--config", str(tmp_path / "a" / "run" / "config.yaml"), "max_steps=3", cwd=tmp_path / "b")
+    config = str(tmp_path / "a" / "run" / "config.yaml")
+    r = run_cli("--config", config, "--no-resume", "max_steps=1", "warmup_steps=0", cwd=tmp_path / "b")
+    assert r.returncode == 0 and "continuing that run" not in r.stdout, r.stderr[-2000:]  # in b/run, as its run_dir says
+    assert os.listdir(tmp_path / "b") == ["run"] and read_jsonl(tmp_path / "b" / "run" / "metrics.jsonl")[0]["step"] == 1
+    r = run_cli("--config", config, "max_steps=3", cwd=tmp_path / "b")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert f"continuing that run, run_dir={tmp_path / 'a' / 'run'}" in r.stdout and os.listdir(tmp_path / "b") == []
+    assert f"continuing that run, run_dir={tmp_path / 'a' / 'run'}" in r.stdout and os.listdir(tmp_path / "b") == ["run"]
     assert [m["step"] for m in read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl") if "loss" in m] == [1, 2, 3]
-    r = run_cli("--config", str(tmp_path / "a" / "run" / "config.yaml"), "run_dir=new", "max_steps=1", "warmup_steps=0", cwd=tmp_path / "b")
-    assert r.returncode == 0 and os.listdir(tmp_path / "b") == ["new"], r.stderr[-2000:]  # run_dir given: a new run
+    r = run_cli("--config", config, "run_dir=new", "max_steps=1", "warmup_steps=0", cwd=tmp_path / "b")
+    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "b")) == ["new", "run"], r.stderr[-2000:]  # a new run
 
 
 @pytest.mark.parametrize("args, expect", [

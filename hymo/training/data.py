@@ -340,7 +340,7 @@ def load_manifest(data_dir: Path) -> dict:
     if not d.exists():  # a misspelt path: not a place to prepare into before checking it
         raise DataError(f"{data_dir} does not exist: check the path, or prepare a dataset there (`python -m hymo.data "
                         f"prepare --input TEXT... --out {data_dir}`)")
-    if d.is_dir() and (d / "config.yaml").is_file() and not m.exists():  # a training run's folder, not its data
+    if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file() and not m.exists():  # a run's folder
         raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
                         "dataset folder, data_dir in that config.yaml")
     if not m.exists():  # texts not prepared yet (a file, or a folder of them): prepare them into a folder of their own
@@ -357,7 +357,7 @@ def load_manifest(data_dir: Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it "
                         f"again (`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
-    bad = [k for k, t in _MANIFEST_KEYS.items() if not isinstance(manifest.get(k), t)]
+    bad = [k for k, t in _MANIFEST_KEYS.items() if not isinstance(manifest.get(k), t) or isinstance(manifest.get(k), bool)]
     splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
     bad += [f"splits.{name}" for name, v in splits.items() if not (isinstance(v, dict) and all(
         isinstance(v.get(k), int) for k in ("tokens", "documents")) and isinstance(v.get("shards"), list) and all(
@@ -373,7 +373,8 @@ _DATASET_FILE = re.compile(r"(manifest|tokenizer)\.json|(train|val)_\d{4,}\.npy"
 
 def _not_written_by_prepare(out: Path) -> list[str]:
     "Names in dataset folder `out` that no `prepare` writes (the user's notes, an input kept there)."
-    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir() if not (p.is_file() and _DATASET_FILE.fullmatch(p.name)))
+    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()  # hidden ones (.DS_Store) are nobody's work
+                  if not p.name.startswith(".") and not (p.is_file() and _DATASET_FILE.fullmatch(p.name)))
 
 
 def _same_dataset(out: Path, fingerprint: str) -> bool:
