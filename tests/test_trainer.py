@@ -421,8 +421,8 @@ def test_a_finished_run_is_not_finished_again(tmp_path):
 
 
 def test_a_finished_run_trained_further_keeps_its_final_model(tmp_path):
-    """Raising max_steps of a finished run: its model.safetensors, config.yaml, summary.json and tokenizer move to
-    finished-step_000004/ at the first new step (generate loads them there); before, pruning and the new finish lost them."""
+    """Raising max_steps of a finished run: its model.safetensors, config.yaml, summary.json and tokenizer are copied to
+    finished-step_000004/ at the first new step, once (generate loads them there); before, pruning and the new finish lost them."""
     from safetensors.torch import load_file
     from hymo.generate import load_run
     run = tmp_path / "run"
@@ -431,12 +431,14 @@ def test_a_finished_run_trained_further_keeps_its_final_model(tmp_path):
     t = make(run, max_steps=6, ckpt_every=1, keep_last_k=1)
     assert [m["step"] for m in t.fit(1)] == [5]
     kept = run / "finished-step_000004"
-    assert {n: (kept / n).read_bytes() for n in want} == want and not (run / "model.safetensors").exists()
+    assert {n: (kept / n).read_bytes() for n in want} == want  # the run's own stay until the new finish (config.yaml: the new one's)
+    assert all((run / n).read_bytes() == want[n] for n in ("model.safetensors", "summary.json", "tokenizer.json"))
     assert [c.name for c in (run / "checkpoints").iterdir()] == ["step_000005"]  # step 4's pruned: its weights are in kept
     model, _ = load_run(kept)
     saved = load_file(str(kept / "model.safetensors"))
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
-    t.fit()
+    t.fit()  # a second fit call: its first step does not copy again
+    assert [p.name for p in run.iterdir() if p.name.startswith("finished")] == ["finished-step_000004"]
     assert json.loads((run / "summary.json").read_text())["step"] == 6 and (kept / "model.safetensors").read_bytes() == want["model.safetensors"]
     assert "max_steps: 4" in (kept / "config.yaml").read_text() and "max_steps: 6" in (run / "config.yaml").read_text()
 

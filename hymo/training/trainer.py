@@ -1071,15 +1071,18 @@ FINISHED_FILES = ("config.yaml", "model.safetensors", "tokenizer.json", "summary
 
 
 def _keep_finished(self: Trainer, step):
-    "Move a finished run's final model out of the way of the training that continues in its folder (never overwritten)."
+    "Copy a finished run's final model and what describes it into `finished-step_N/`, once, before training in its folder goes on."
+    summary = (self.run_dir / "summary.json").read_bytes()
+    if any((d / "summary.json").is_file() and (d / "summary.json").read_bytes() == summary  # kept by an earlier call
+           for d in self.run_dir.glob("finished-*")): return
     base = self.run_dir / (f"finished-{CKPT_PREFIX}{step:06d}" if isinstance(step, int) else "finished")
     dest, n = base, 2
-    while dest.exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1
-    dest.mkdir()
-    for f in FINISHED_FILES:  # the weights and the mark of a finished run move; the rest stays for the run that goes on
-        if (self.run_dir / f).exists():
-            (os.replace if f in ("model.safetensors", "summary.json") else shutil.copyfile)(self.run_dir / f, dest / f)
-    to_disk(dest); to_disk(self.run_dir)
+    while (dest / "summary.json").exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1  # another finish of that step
+    dest.mkdir(exist_ok=True)  # one without summary.json is a copy cut short: done again
+    for f in FINISHED_FILES:  # summary.json last: a folder that has it is complete
+        if (self.run_dir / f).exists() and f != "summary.json": shutil.copyfile(self.run_dir / f, dest / f)
+    (dest / "summary.json").write_bytes(summary)
+    to_disk(dest)
     self.log(f"the run finished before at step {step}: its final model, config and summary are kept in {dest} "
              f"(python -m hymo.generate {dest}); its checkpoints are pruned as any others (keep_last_k)")
 
