@@ -45,17 +45,17 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     from tokenizers import Tokenizer
     run = Path(run_dir)
     if not run.is_dir(): raise ConfigError(f"{run} {'is a file' if run.exists() else 'does not exist'}: give a finished run's folder")
-    missing = [f for f in RUN_FILES if not (run / f).exists()]
-    if missing and run.parent.name == "checkpoints" and (run.parent.parent / "config.yaml").is_file():  # a checkpoint of a run
-        whole = all((run.parent.parent / f).exists() for f in RUN_FILES)
-        raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {run.parent.parent}" if whole else
-                          f"generate loads a finished run, and {run.parent.parent} has not finished: resume it to the end "
-                          f"(python -m hymo.train --config {run.parent.parent / 'config.yaml'} run_dir={run.parent.parent})"))
-    from hymo.training.trainer import is_run_folder
-    if missing and (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
-        raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): python -m hymo.train "
-                          f"--config {run / 'config.yaml'} writes the final model again from its final checkpoint")
-    if missing:
+    if missing := [f for f in RUN_FILES if not (run / f).exists()]:
+        from hymo.training.trainer import is_run_folder
+        home = run.parent.parent
+        if run.parent.name == "checkpoints" and (home / "config.yaml").is_file():  # a checkpoint of a run
+            whole = all((home / f).exists() for f in RUN_FILES)
+            raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {home}" if whole else
+                              f"generate loads a finished run, and {home} has not finished: resume it to the end "
+                              f"(python -m hymo.train --config {home / 'config.yaml'} run_dir={home})"))
+        if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
+            raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): python -m hymo.train "
+                              f"--config {run / 'config.yaml'} writes the final model again from its final checkpoint")
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
                           + (f", python -m hymo.train --config {run / 'config.yaml'})" if is_run_folder(run) else ")"))

@@ -1391,8 +1391,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
             if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]
     if lost and self.step >= self.cfg.max_steps:  # deleted or moved after the run: `finish` writes them again
         self.log(f"{self.run_dir} finished at step {self.step}, but its {' and '.join(lost)} {'are' if len(lost) > 1 else 'is'} "
-                 "missing: writing the final "
-                 "model again from the final checkpoint")
+                 "missing: writing the final model again from the final checkpoint")
     if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or ((done or {}).get("step") == self.step and not lost)):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")

@@ -340,10 +340,10 @@ def load_manifest(data_dir: Path) -> dict:
     if not d.exists():  # a misspelt path: not a place to prepare into before checking it
         raise DataError(f"{data_dir} does not exist: check the path, or prepare a dataset there (`python -m hymo.data "
                         f"prepare --input TEXT... --out {data_dir}`)")
-    if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file() and not m.exists():  # a run's folder
-        raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
-                        "dataset folder, data_dir in that config.yaml")
-    if not m.exists():  # texts not prepared yet (a file, or a folder of them): prepare them into a folder of their own
+    if not m.exists():  # a training run's folder; or texts not prepared yet, to prepare into a folder of their own
+        if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file():
+            raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
+                            "dataset folder, data_dir in that config.yaml")
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
         out = d.with_name(f"{d.with_suffix('').name if d.is_file() else d.name}_prepared")
         raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run `python -m hymo.data prepare "
