@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -147,7 +148,9 @@ def _check_type(name: str, value, tp):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
-    if tp is float and isinstance(value, int) and not isinstance(value, bool): return float(value)
+    if isinstance(value, bool): pass  # a bool is an int to Python, never a number here
+    elif tp is float and isinstance(value, numbers.Real): return float(value)  # 3, numpy's floats: a plain float (YAML writes it)
+    elif tp is int and isinstance(value, numbers.Integral): return int(value)  # numpy's int64 too
     if tp is float and isinstance(value, str) and _SCI.fullmatch(value):
         return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; it needs 1.0e-3
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -348,6 +351,9 @@ def _section_of(key: str) -> tuple[str, str]:
         return sec, name
     for sec, cls in _SECTIONS.items():
         if key in _field_types(cls): return sec, key
+    if key in _SECTIONS:  # load_config(..., model={"dim": 64}), or model=... on a command line
+        raise ConfigError(f"'{key}' is a section, not a key: set its keys one by one, as {key}.dim=... on a command line, "
+                          f"or load_config(..., **{{'{key}.dim': ...}})")
     valid = [n for cls in _SECTIONS.values() for n in _field_types(cls)]
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 

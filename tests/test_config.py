@@ -55,6 +55,26 @@ def test_int_accepted_for_float_and_list_for_tuple():
     assert isinstance(c.model.rope_theta, float) and c.model.mtp_loss_weights == (0.5, 0.25)
 
 
+def test_numpy_numbers_are_taken_as_plain_ones():
+    "A launcher's sweep often hands over numpy scalars: they are the numbers they hold, and the config still prints as YAML."
+    np = pytest.importorskip("numpy")
+    c = load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.5), adamw_lr=np.float64(1e-3), mtp_loss_weights=[np.float64(0.3), 0])
+    assert (type(c.model.dim), type(c.train.muon_lr), type(c.train.adamw_lr)) == (int, float, float)
+    assert c.model.dim == 64 and c.train.muon_lr == 0.5 and c.model.mtp_loss_weights == (0.3, 0.0)
+    assert "dim: 64" in str(c) and "muon_lr: 0.5" in str(c)
+    with pytest.raises(ConfigError, match="expected int, got float"): load_config("hymo_tiny", dim=np.float64(64.5))
+    with pytest.raises(ConfigError, match="expected int, got bool"): load_config("hymo_tiny", dim=True)
+    with pytest.raises(ConfigError, match="expected float, got bool"): load_config("hymo_tiny", muon_lr=False)
+
+
+def test_a_section_given_as_a_key_says_how_to_set_its_keys():
+    with pytest.raises(ConfigError, match=r"'model' is a section, not a key: set its keys one by one, as model.dim=\.\.\."):
+        load_config("hymo_tiny", model={"dim": 64})
+    from hymo.train import parse_overrides
+    with pytest.raises(ConfigError, match=r"'train' is a section"):
+        load_config("hymo_tiny", **parse_overrides(["train=5"]))
+
+
 def test_unknown_key_names_the_closest():
     with pytest.raises(ConfigError, match=r"unknown key 'mla_n_head'\. Did you mean 'mla_n_heads'\?") as e:
         load_config("hymo_tiny", mla_n_head=4)
@@ -244,6 +264,16 @@ def test_list_items_must_be_finite():
 def test_model_and_training_values_out_of_range_are_refused(over, expect):
     with pytest.raises(ConfigError, match=expect):
         load_config("hymo_tiny", **over)
+
+
+@pytest.mark.parametrize("name", ["vocab_size", "dim", "n_layers", "gdn_n_heads", "gdn_head_k_dim", "gdn_head_v_dim",
+    "gdn_conv_size", "gdn_chunk_size", "ffn_inter_dim", "mla_n_heads", "mla_n_kv_groups", "mla_kv_lora_rank",
+    "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_head_dim", "moe_n_routed", "moe_top_k", "moe_inter_dim",
+    "mtp_inter_dim", "max_seq_len", "norm_eps", "init_std", "rope_theta"])
+def test_every_size_and_scale_must_be_positive(name):
+    "0 or less would build a model that cannot work (an empty matrix, NaN from the first norm or RoPE table, no init)."
+    with pytest.raises(ConfigError, match=rf"model.{name}=(0|0\.0) must be positive"):
+        load_config("hymo_tiny", **{f"model.{name}": 0})
 
 
 def test_zero_stays_allowed_where_it_means_off():

@@ -319,6 +319,43 @@ def test_bad_input_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match=f"max_len={L + 1} must be in 1..max_seq_len={L}"): m.decode_state(1, L + 1)
 
 
+def test_bad_targets_are_a_clear_error(tiny):
+    "Targets are ids of the vocabulary or IGNORE_INDEX; -1 (a usual slip) or V would fail deep in the loss (a NaN on a GPU)."
+    from hymo.models.mtp import IGNORE_INDEX
+    m, V = _model(tiny), tiny.vocab_size
+    x = torch.randint(0, V, (2, 12))
+    for impl in ("fused", "logits"):
+        m.loss_impl = impl
+        for bad in (-1, V, -101):
+            with pytest.raises(ValueError, match=rf"targets must be ids in 0\.\.{V - 1} \(vocab_size={V}\), or IGNORE_INDEX=-100.*got \[{bad}\]"):
+                m(x, x.masked_fill(x == x[0, 3], bad))
+        with pytest.raises(ValueError, match="targets must be integer ids"): m(x, x.float())
+        with torch.no_grad():
+            assert torch.isfinite(m(x, x.masked_fill(torch.arange(12) % 3 == 0, IGNORE_INDEX))[0])
+    with pytest.raises(ValueError, match="loss_impl='chunked': choose 'fused' or 'logits'"): m.loss_impl = "chunked"
+    assert m.loss_impl == "logits"  # the refused value was not kept
+    m.loss_impl = "fused"
+
+
+def test_packed_boundaries_must_rise_strictly(tiny):
+    m = _model(tiny)
+    with pytest.raises(ValueError, match="must rise strictly from 0 to T=12"):
+        m(torch.zeros(1, 12, dtype=torch.long), cu_seqlens=torch.tensor([0, 5, 5, 12]))
+
+
+@torch.no_grad()
+def test_residual_stream_and_decode_caches_take_the_autocast_dtype(dropless):
+    "Under autocast the trunk returns the compute dtype (as under FSDP's bf16 parameters), and decode caches are made in it."
+    m = _model(dropless).eval()
+    x = torch.randint(0, dropless.vocab_size, (1, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m.hidden_states(x).dtype == torch.bfloat16
+        caches = [c for c in m.decode_state(1, 8) if c is not None]
+    assert caches and all(c.c_kv.dtype == torch.bfloat16 for c in caches)
+    assert m.hidden_states(x).dtype == torch.float32
+    assert all(c.c_kv.dtype == torch.float32 for c in m.decode_state(1, 8) if c is not None)
+
+
 def test_doc_keys_per_query_by_hand():
     "Σ L² / (2 Σ L), L/2 keys a query as for T/2: documents of 1 and 4 tokens give (1 + 16) / 10 = 1.7 (not the mean of L/2 per document)."
     from hymo.models.model import doc_keys_per_query

@@ -126,7 +126,7 @@ def test_gate_scores_are_fp32_under_bf16_input():
 def test_capacity_is_the_exact_ceiling():
     "C = ceil(c·N·k/E) in exact arithmetic: 1.1·400·2/8 is 110 (in floats 110.00000000000001, whose ceiling is 111)."
     from fractions import Fraction
-    for cf in (1.0, 1.1, 1.25, 1.5, 2.0, 1.3):
+    for cf in (1.0, 1.1, 1.25, 1.5, 2.0, 1.3, 1.05, 0.33, 1.125):  # 1.05, 0.33: denominators of 20 and 100
         moe = make(moe_capacity_factor=cf)
         for n in (1, 7, 64, 400, 4096, 16384):
             want = -(-Fraction(str(cf)) * n * moe.top_k // moe.n_routed)
@@ -175,6 +175,19 @@ def test_eval_does_not_accumulate():
     moe = make().eval()
     moe(torch.randn(1, 16, moe.dim))
     assert int(moe.expert_counts.sum()) == 0
+
+
+def test_training_counts_and_caps_even_a_single_token():
+    "A training batch as small as decoding's (N·k <= E) still counts its assignments and applies the capacity."
+    import hymo.models.moe as moe_mod
+    moe = make().train()
+    assert moe.top_k <= moe.n_routed and moe.capacity(1) == 1
+    moe(torch.randn(1, 1, moe.dim))
+    assert int(moe.expert_counts.sum()) == moe.top_k  # one token, top_k assignments counted for the bias update
+    moe2 = make(moe_capacity_factor=0.01).train()  # C = ceil(0.01 · 2 · k / E) = 1: of two tokens on one expert, one is dropped
+    x = torch.randn(1, 1, moe2.dim).expand(1, 2, moe2.dim).contiguous()  # the same token twice: the same experts
+    moe2(x)
+    assert int(moe2.dropped_tokens) == moe2.top_k, "training must apply the capacity, whatever the batch size"
 
 
 def test_ema_rule_direction_and_dead_band():

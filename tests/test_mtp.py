@@ -50,6 +50,9 @@ def test_loss_is_weighted_sum_and_trains_hidden(cfg):
     total, parts = lm_loss(main_logits, targets, outs)
     expect = parts["main"] + sum(w * parts[f"mtp_{k}"] for k, w in enumerate(cfg.mtp_loss_weights, 1))
     torch.testing.assert_close(total.detach(), expect)
+    assert not any(v.requires_grad for v in parts.values())  # the trainer sums parts over micro-batches: no graphs kept
+    _, fused_parts = lm_loss_fused(h, emb, targets, mtp(h, targets))
+    assert fused_parts.keys() == parts.keys() and not any(v.requires_grad for v in fused_parts.values())
     # only MTP: the last k positions get no gradient from head k; position T-1 gets none from any head
     mtp_only = sum(o.weight * torch.nn.functional.cross_entropy(o.logits.flatten(0, 1), o.targets.flatten()) for o in outs)
     g, = torch.autograd.grad(mtp_only, h, retain_graph=True)

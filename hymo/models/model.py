@@ -21,7 +21,7 @@ from .gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from .layers import RMSNorm
 from .mla import MLABlock, MLACache, MultiHeadLatentAttention
 from .moe import DeepSeekMoE
-from .mtp import MultiTokenPrediction, lm_loss, lm_loss_fused
+from .mtp import IGNORE_INDEX, MultiTokenPrediction, lm_loss, lm_loss_fused
 
 # %% auto #0
 __all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'doc_keys_per_query', 'state_breakdown']
@@ -38,6 +38,16 @@ class HyMo(nn.Module):
         self.mtp = MultiTokenPrediction(c)
         self.loss_impl = "fused"  # 'fused': `lm_loss_fused`, no [B, T, V] logits; 'logits': the reference `lm_loss`
         self.init_weights()
+
+    LOSS_IMPLS = ("fused", "logits")
+
+    @property
+    def loss_impl(self) -> str: return self._loss_impl
+
+    @loss_impl.setter
+    def loss_impl(self, value: str):  # refused where it is set, not after a whole forward
+        if value not in self.LOSS_IMPLS: raise ValueError(f"loss_impl={value!r}: choose 'fused' or 'logits'")
+        self._loss_impl = value
 
     def head(self, h: torch.Tensor) -> torch.Tensor:  # h [..., D] -> logits [..., V]
         "The output head, tied to the embedding: `h @ embed.weight.T`."
@@ -71,10 +81,8 @@ class HyMo(nn.Module):
         "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
         h = self.hidden_states(tokens, cu_seqlens)
         if targets is None: return self.head(h)
-        if targets.shape != tokens.shape:
-            raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
+        self._check_targets(targets, tokens)
         if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head, cu_seqlens))
-        if self.loss_impl != "fused": raise ValueError(f"loss_impl={self.loss_impl!r}: choose 'fused' or 'logits'")
         return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets, cu_seqlens=cu_seqlens))
 
     def _check_ids(self, tokens):
@@ -82,6 +90,19 @@ class HyMo(nn.Module):
         V = self.config.vocab_size
         if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < V):
             raise ValueError(f"token ids must be in 0..{V - 1} (vocab_size={V}); got {int(tokens.min())}..{int(tokens.max())}")
+
+    def _check_targets(self, targets, tokens):
+        "Raise `ValueError` for targets the loss cannot take (on a GPU the fused loss would return NaN for a bad id)."
+        if targets.shape != tokens.shape:
+            raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
+        V = self.config.vocab_size
+        if targets.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"targets must be integer ids (int64 or int32), got {targets.dtype}")
+        if targets.device.type == "cpu":  # on a GPU this would wait for it; the trainer's data is checked against vocab_size
+            bad = ~(((targets >= 0) & (targets < V)) | (targets == IGNORE_INDEX))
+            if bool(bad.any()):
+                raise ValueError(f"targets must be ids in 0..{V - 1} (vocab_size={V}), or IGNORE_INDEX={IGNORE_INDEX} for a "
+                                 f"position without a loss; got {targets[bad].unique().tolist()[:5]}")
 
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."
@@ -99,8 +120,9 @@ class HyMo(nn.Module):
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
         # Lengths on a GPU are not read back here (a wait for the GPU); the trainer's loader cuts documents at seq_len.
         if cu_seqlens.device.type == "cpu":
-            if cu_seqlens.ndim != 1 or len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() < 0).any()):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={tokens.shape[1]} (document boundaries of the row); got "
+            if cu_seqlens.ndim != 1 or len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() <= 0).any()):
+                raise ValueError(f"cu_seqlens must rise strictly from 0 to T={tokens.shape[1]} (document boundaries of the row, "
+                                 f"no empty document); got "
                                  f"{cu_seqlens.tolist()[:8]}{' ...' if len(cu_seqlens) > 8 else ''}")
             longest = int(cu_seqlens.diff().max())
             if longest > L:
