@@ -53,11 +53,19 @@ def _device(name: str) -> str:
     return name
 
 
+def check_args(p: argparse.ArgumentParser, args):
+    "Refuse sizes that would time nothing, or crash after the block is compiled."
+    for name in ("batch", "seq_len", "iters"):
+        if getattr(args, name) < 1: p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
 def main(args):
     if torch.device(args.device).type == "cuda":  # cuda:1 too
         need_gpu("time a small block there: block_step.py --device cpu --config hymo_tiny --batch 2 --seq-len 256 --iters 2")
     try: cfg = load_config(args.config).model
     except ConfigError as e: raise SystemExit(f"block_step.py: {e}") from None
+    if args.seq_len > cfg.max_seq_len:
+        raise SystemExit(f"block_step.py: --seq-len {args.seq_len} is longer than {args.config}'s max_seq_len={cfg.max_seq_len}")
     torch.manual_seed(0)
     block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)
     block = block.to(args.device)
@@ -80,4 +88,6 @@ if __name__ == "__main__":
     p.add_argument("--device", default="cuda", type=_device)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
-    main(p.parse_args())
+    args = p.parse_args()
+    check_args(p, args)
+    main(args)

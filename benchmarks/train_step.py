@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from hymo.config import load_config
+from hymo.config import ConfigError, load_config
 from hymo.training.data import doc_cu_seqlens
 from hymo.training.trainer import Trainer, peak_flops
 from need_gpu import need_gpu  # the script beside this one
@@ -332,6 +332,10 @@ def check_args(p: argparse.ArgumentParser, args):
         p.error(f"--compile-mode {args.compile_mode} needs --compile: without it nothing is compiled")
     if args.conv_launch and (args.gdn == "torch" or args.all_mla):
         p.error(f"--conv-launch sets the Triton prelude's tiles, which {'--all-mla' if args.all_mla else '--gdn torch'} does not run")
+    if args.conv_launch and not Path(args.conv_launch).is_file():
+        p.error(f"--conv-launch {args.conv_launch}: no such file (write one with gdn_conv_kernel.py --sweep --best-out)")
+    try: load_config("hymo_750m", seq_len=args.seq_len)  # a length the preset cannot train (past max_seq_len) fails here
+    except ConfigError as e: p.error(f"--seq-len {args.seq_len}: {e}")
     if args.compile and args.warmup == 0:
         p.error("--compile with --warmup 0 would time the compilation: give --warmup 1 or more")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would count the global batch at one GPU's peak, and write

@@ -51,7 +51,8 @@ assert_close(keys_orth @ S, vals, atol=1e-5, rtol=1e-5)       # every read S^T k
 # Two ways it breaks. First, **rewriting a key adds** instead of replacing: after $(k, v_1)$ then
 # $(k, v_2)$ the memory returns $v_1 + v_2$. Second, with **more keys than dimensions** (or just
 # non-orthogonal keys) the crosstalk grows: for random unit keys each term $k_i^\top k_j$ has variance
-# $1/K$, so the noise in a read grows like $\sqrt{(n-1)/K}$ and the memory is useless well before $n = K$.
+# $1/K$, so the noise in a read grows like $\sqrt{(n-1)/K}$: by $n \approx K$ it is as large as the value
+# read, and the memory returns mostly noise.
 
 # %%
 k1, v1, v2 = F.normalize(torch.randn(K), dim=0), torch.randn(V), torch.randn(V)

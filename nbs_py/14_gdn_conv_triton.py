@@ -360,6 +360,10 @@ conv_silu_norm_fwd.register_autograd(_conv_backward, setup_context=_conv_setup_c
 # decreasing) only on the CPU. On a GPU that read would wait for the GPU once more per layer, and in
 # the mixer the gated delta rule reads them right after (`_check_rule_inputs`) and refuses bad ones
 # before the prelude's output is used; a direct caller on a GPU must pass valid boundaries.
+#
+# The kernels index with 32-bit integers, so a `qkv` of $2^{31}$ elements or more is refused, and one
+# whose rows lie further apart than that (a slice of a larger buffer) is first copied into a dense
+# tensor. Empty inputs ($T = 0$ or $B = 0$) give empty outputs, as the PyTorch prelude does.
 
 # %%
 #| export
@@ -377,17 +381,21 @@ def triton_conv_silu_norm(
         raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V")
     if weight.ndim != 2 or weight.shape[0] != C:
         raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
+    if not qkv.dtype.is_floating_point:
+        raise TypeError(f"qkv must be a floating-point tensor (fp32, bf16 or fp16), got {qkv.dtype}")
     if cu_seqlens is not None:  # the values only where reading them is free: on a GPU the mixer's rule reads them next
         _check_cu_seqlens(cu_seqlens, B, T, read=None)
-    if B * T * max(C, qkv.stride(1)) >= 2 ** 31:
-        raise ValueError(f"qkv spans {B} x {T} x {max(C, qkv.stride(1))} elements, past the kernels' int32 offsets; "
-                         "split the batch or the sequence")
+    if B * T * C >= 2 ** 31:
+        raise ValueError(f"qkv holds {B} x {T} x {C} elements, past the kernels' int32 offsets; split the batch or the sequence")
     if qkv.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use conv_silu_norm")
-    if qkv.stride(-1) != 1: qkv = qkv.contiguous()
+    last = sum((n - 1) * st for n, st in zip(qkv.shape, qkv.stride())) if qkv.numel() else 0  # offset of its last element
+    if qkv.stride(-1) != 1 or last >= 2 ** 31:  # channels apart, or a slice of a buffer past int32 offsets: a dense copy
+        qkv = qkv.contiguous()
     q, k, v = conv_silu_norm_fwd(qkv, weight.float().contiguous(), H, K, _starts(cu_seqlens, T, qkv.device))
-    return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, -1)
+    V = (C - 2 * H * K) // H
+    return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)  # V given: a view of no elements cannot infer it
 
 
 # %% [markdown]

@@ -772,7 +772,7 @@ class DecodeGraph:
 # restore included) give the logits `decode` gives, token by token. On a GPU, `generate` captures
 # the graph after the prompt when at least eight tokens will go through it; the test suite checks
 # there that it draws what the eager steps draw (`tests/test_model.py`). On the H200 the 750M model
-# then decodes about 140–150 tokens/s in fp32 at batch 1, against 15–26 with eager steps (chapter 80).
+# then decodes about 140–150 tokens/s in fp32 at batch 1, against 15–18 with eager steps (chapter 80).
 
 # %%
 with torch.no_grad():

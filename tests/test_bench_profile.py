@@ -58,7 +58,9 @@ def test_a_profile_window_of_no_micro_batches_is_refused_before_anything_runs():
     (["--compile-mode", "reduce-overhead"], "needs --compile"),
     (["--gdn", "torch", "--conv-launch", "tiles.json"], "which --gdn torch does not run"),
     (["--all-mla", "--conv-launch", "tiles.json"], "which --all-mla does not run"),
-    (["--compile", "--warmup", "0"], "would time the compilation")])
+    (["--compile", "--warmup", "0"], "would time the compilation"),
+    (["--conv-launch", "no_such_tiles.json"], "--conv-launch no_such_tiles.json: no such file"),
+    (["--seq-len", "5000"], "--seq-len 5000: train.seq_len=5000 is longer than model.max_seq_len=4096")])
 def test_train_step_refuses_what_would_measure_something_else(argv, says, capsys):
     from train_step import build_parser, check_args
     p = build_parser()
@@ -164,3 +166,18 @@ def test_the_step_on_a_cpu_counts_packed_documents_and_labels_its_row(monkeypatc
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 1e12)
         assert (r["seq_len"], r["micro_batch"], r["accum"], r["warmup"], r["steps"]) == (64, 2, 2, 0, 1)
         assert "batch=2x64" in r["variant"]  # not the preset's 4 x 4096: never read as a preset row
+
+
+@pytest.mark.parametrize("argv, says", [(["--iters", "0"], "--iters must be at least 1, got 0"),
+                                        (["--batch", "0"], "--batch must be at least 1"),
+                                        (["--seq-len", "-4"], "--seq-len must be at least 1")])
+def test_block_step_refuses_sizes_that_time_nothing(argv, says):
+    "--iters 0 crashed with a ZeroDivisionError after compiling the block; --batch 0 timed an empty tensor."
+    import subprocess, sys
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "block_step.py"), "--device", "cpu", "--config", "hymo_tiny", *argv],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "block_step.py"), "--device", "cpu", "--config", "hymo_tiny",
+                        "--seq-len", "300"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "--seq-len 300 is longer than hymo_tiny's max_seq_len=256" in r.stderr, r.stderr[-1500:]

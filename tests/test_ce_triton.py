@@ -5,6 +5,8 @@ The kernel runs in a fresh process (`_interpret.run_child`), which prints the er
 import math
 import textwrap
 
+import pytest
+import torch
 from _interpret import run_child
 
 CHILD = textwrap.dedent('''
@@ -51,6 +53,13 @@ CHILD = textwrap.dedent('''
     out["outside"] = [ce.triton_ce_chunk(z[i % 3:i % 3 + 1], y[i:i + 1], torch.ones(1), False)[0].item() for i in range(4)]
     try: ce.triton_ce_chunk(z, y[:2], torch.ones(3), False); out["short_targets"] = "read past them"
     except ValueError as e: out["short_targets"] = str(e)  # the kernel would read a target past the tensor's end
+    z = torch.randn(3, 50, generator=gen)
+    try: ce.triton_ce_chunk(z, torch.tensor([1, 2, 3]), torch.ones(2), False); out["short_weights"] = "read past them"
+    except ValueError as e: out["short_weights"] = str(e)
+    lt, gt = ce.triton_ce_chunk(z[:0], torch.zeros(0, dtype=torch.long), torch.zeros(0), True)  # a chunk of no rows
+    out["no_rows"] = dict(loss=lt.item(), dz=list(gt.shape))
+    try: ce.triton_ce_chunk(torch.randn(3, 0), torch.zeros(3, dtype=torch.long), torch.ones(3), False); out["no_classes"] = "ran"
+    except ValueError as e: out["no_classes"] = str(e)
     print("RESULT", json.dumps(out))
 ''')
 
@@ -62,6 +71,9 @@ def test_ce_kernel_matches_ce_chunk():
         r = res.pop(name)
         assert r["loss"] < 1e-6 and r["dz"] < 1e-6, (name, r)
     assert res.pop("short_targets").startswith("y and w must be [3], one per row of z"), "targets shorter than the rows"
+    assert res.pop("short_weights").startswith("y and w must be [3], one per row of z"), "weights shorter than the rows"
+    assert res.pop("no_rows") == dict(loss=0.0, dz=[0, 50])
+    assert res.pop("no_classes").startswith("z has no classes")
     assert math.isnan(outside[0]) and math.isfinite(outside[1]) and math.isnan(outside[2]) and math.isnan(outside[3]), outside  # 50 = V
     assert rs["stride"] == 313 and rs["loss"] < 1e-6 and rs["dz"] < 1e-6, rs  # reads with the row stride, writes dense
     assert ig == dict(loss=0.0, dz_max=0.0), ig
@@ -70,3 +82,12 @@ def test_ce_kernel_matches_ce_chunk():
         assert r["dz"] < (1e-6 if name != "bf16" else 8e-3), (name, r)  # bf16: the gradient is rounded to bf16
         assert r["ignored_row"] == 0.0 and r["no_grad_is_none"] and r["no_grad_loss"] == 0.0, (name, r)
     assert res["bf16"]["dtype"] == "torch.bfloat16" and res["fp32"]["dtype"] == "torch.float32"
+
+
+def test_ce_kernel_refuses_what_it_would_misread():
+    from hymo.models.ce_triton import triton_ce_chunk
+    y, w = torch.zeros(4, dtype=torch.long), torch.ones(4)
+    with pytest.raises(ValueError, match="class stride 1"): triton_ce_chunk(torch.randn(50, 4).t(), y, w, False)
+    with pytest.raises(ValueError, match="class stride 1"): triton_ce_chunk(torch.randn(4, 5, 10), y, w, False)
+    with pytest.raises(TypeError, match="fp32 or bf16 logits, got torch.float16; use ce_chunk"):
+        triton_ce_chunk(torch.randn(4, 50).half(), y, w, False)

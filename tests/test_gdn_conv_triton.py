@@ -66,6 +66,33 @@ CHILD = textwrap.dedent('''
            "bf16": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3),
            "mixer": mixer(),
            "mixer_packed": mixer(cu=torch.tensor([0, 37, 100]), seed=1)}
+    def mixer_carried(seed=3):  # a second call continuing the first's state (conv and recurrent), as a prefill in parts does
+        torch.manual_seed(seed)
+        m = GatedDeltaNet(load_config("hymo_tiny").model)
+        x, ys = torch.randn(1, 100, m.config.dim), []
+        with torch.no_grad():
+            for kernel in ("torch", "triton"):
+                m.kernel = kernel
+                _, state = m(x[:, :60], output_final_state=True)
+                ys.append(m(x[:, 60:], initial_state=state))
+        return {"y": rel(ys[1], ys[0])}
+    res["mixer_carried"] = mixer_carried()
+
+    # the wrapper: qkv or weights in another layout, rows of a buffer past int32 offsets, T = 0 or B = 0
+    def against_reference(qkv, w, H=2, K=16):
+        with torch.no_grad():
+            got, want = triton_conv_silu_norm(qkv, w, H, K), conv_silu_norm(qkv.float(), w.float(), H, K)[:3]
+        return max((a.float() - b).abs().max().item() for a, b in zip(got, want))
+    gen, C = torch.Generator().manual_seed(9), 2 * 2 * 16 + 2 * 16
+    qkv, w = torch.randn(2, 20, C, generator=gen), torch.randn(C, 4, generator=gen)
+    res["layouts"] = dict(channels_outer=against_reference(qkv.transpose(1, 2).contiguous().transpose(1, 2), w),
+                          weight_transposed=against_reference(qkv, w.t().contiguous().t()))
+    S = 2 ** 30 + C  # fp16 rows 2**30 elements apart: the last at an offset past 2**31
+    base = torch.empty(2 * S + C, dtype=torch.float16)  # virtual memory: only three rows are written
+    far = base.as_strided((3, 1, C), (S, C, 1)); far.copy_(torch.randn(3, 1, C, generator=gen).half())
+    res["layouts"]["far_rows"] = against_reference(far, w)
+    res["empty"] = {f"{B}x{T}": [list(t.shape) for t in triton_conv_silu_norm(torch.randn(B, T, C), w, 2, 16)]
+                    for B, T in ((1, 0), (0, 5))}
     x, w = torch.randn(1, 20, 2 * 2 * 16 + 2 * 16, requires_grad=True), torch.randn(96, 4, requires_grad=True)
     res["opcheck"] = torch.library.opcheck(torch.ops.hymo.conv_silu_norm_fwd.default, (x, w, 2, 16, None))
     print("RESULT" + json.dumps(res))
@@ -95,11 +122,20 @@ def test_prelude_in_bf16_is_within_bf16_rounding(errors):
     _check(errors["bf16"], 1e-2)
 
 
-@pytest.mark.parametrize("name", ["mixer", "mixer_packed"])
+@pytest.mark.parametrize("name", ["mixer", "mixer_packed", "mixer_carried"])
 def test_mixer_on_the_triton_path_equals_the_pytorch_path(errors, name):
     "The whole mixer (stacked projections, fused prelude, Triton rule) against the PyTorch path: output and every gradient."
-    assert {"y", "dx", "q_proj.weight", "a_proj.weight", "q_conv1d.weight", "A_log", "dt_bias"} <= set(errors[name])
+    if name != "mixer_carried":  # (that one is an inference call, no gradients)
+        assert {"y", "dx", "q_proj.weight", "a_proj.weight", "q_conv1d.weight", "A_log", "dt_bias"} <= set(errors[name])
     _check(errors[name], 1e-4)
+
+
+def test_prelude_reads_any_layout_and_empty_inputs(errors):
+    """qkv with its channels outermost, transposed conv weights and rows of a buffer past int32 offsets (copied first)
+    give what the PyTorch prelude gives; T = 0 or B = 0 give empty outputs of the right shapes, as the PyTorch path does."""
+    for name, err in errors["layouts"].items():
+        assert err < (1e-2 if name == "far_rows" else 1e-5), (name, err)  # far_rows: fp16 rows against fp32
+    assert errors["empty"] == {"1x0": [[1, 0, 2, 16]] * 3, "0x5": [[0, 5, 2, 16]] * 3}, errors["empty"]
 
 
 def test_bad_inputs_are_refused_with_a_clear_message():
@@ -108,6 +144,17 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randn(1, 8, 101), torch.randn(101, 4), 2, 16)
     with pytest.raises(ValueError, match="weight must be"):
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(90, 4), 2, 16)
+    with pytest.raises(ValueError, match="and a whole V"):  # C == 2HK: no value channels
+        triton_conv_silu_norm(torch.randn(1, 8, 64), torch.randn(64, 4), 2, 16)
+    with pytest.raises(ValueError, match=r"weight must be \[96, W\]"):
+        triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96), 2, 16)
+    with pytest.raises(TypeError, match="qkv must be a floating-point tensor"):
+        triton_conv_silu_norm(torch.randint(0, 5, (1, 8, 96)), torch.randn(96, 4), 2, 16)
+    with pytest.raises(ValueError, match="past the kernels' int32 offsets"):  # no memory: every row is the same one
+        triton_conv_silu_norm(torch.zeros(1, 1, 96).expand(1, 2 ** 31 // 96 + 1, 96), torch.randn(96, 4), 2, 16)
+    from hymo.models.gdn_conv_triton import _tile_sizes
+    with pytest.raises(ValueError, match="must be a power of two"): _tile_sizes(4, 16, 3)
+    assert _tile_sizes(4, 16, 2) == (2, 16) and _tile_sizes(3, 20, None) == (4, 32)
     with pytest.raises(ValueError, match="B must be 1"):
         triton_conv_silu_norm(torch.randn(2, 8, 96), torch.randn(96, 4), 2, 16, cu_seqlens=torch.tensor([0, 8]))
     for cu, msg in [([0, 10, 80], "from 0 to T=90"), ([0, 50, 40, 90], "non-decreasing"), ([0.0, 90.0], "int32 or int64 tensor")]:

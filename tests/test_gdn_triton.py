@@ -127,6 +127,47 @@ CHILD = textwrap.dedent('''
     except RuntimeError as e:
         res["too_big"] = str(e)
     gt._bwd_local_kernel = plain
+
+    # the wrapper around the kernels: strided inputs, bf16 gates or state, bf16 values, scale 0, T = 0, saved prep
+    def plumbing(xs, h0, seed):
+        "Errors of o, ht and every gradient against the loop on the same values in fp32, and the dtypes the wrapper returned."
+        ref = run(naive_gated_delta_rule, [x.float() for x in xs], h0.float(), None, seed)
+        leaves = [x.detach().clone().requires_grad_() for x in (*xs, h0)]  # clone keeps a transposed layout
+        o, ht = triton_gated_delta_rule(*leaves[:5], None, leaves[5], True, None)
+        gen = torch.Generator().manual_seed(seed)
+        ((o.float() * torch.randn(o.shape, generator=gen)).sum() + (ht * torch.randn(ht.shape, generator=gen)).sum()).backward()
+        names = "o ht dq dk dv dg dbeta dh0".split()
+        out = [o, ht] + [x.grad for x in leaves]
+        return {"err": {n: [(a.float() - b).abs().max().item(), b.abs().max().item()] for n, a, b in zip(names, out, ref)},
+                "dtype": {n: str(a.dtype).replace("torch.", "") for n, a in zip(names, out)}}
+    xs, h0 = inputs(1, 40, 2, 16, 16, torch.float32, 13), torch.randn(1, 2, 16, 16)
+    t_major = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in xs[:3]]  # [B, T, H, 16] with T outside H: not contiguous
+    assert not any(x.is_contiguous() for x in t_major)
+    res["strided"] = plumbing(t_major + xs[3:], h0, 13)
+    res["bf16_gates"] = plumbing(xs[:3] + [x.bfloat16() for x in xs[3:]], h0, 13)
+    res["bf16_state"] = plumbing(xs, h0.bfloat16(), 13)
+    res["bf16_values"] = plumbing([x.bfloat16() for x in xs[:3]] + xs[3:], h0, 13)
+    with torch.no_grad():
+        res["scale_0"] = triton_gated_delta_rule(*xs, scale=0.0)[0].abs().max().item()
+        o0, S0 = triton_gated_delta_rule(*(x[:, :0] for x in xs), initial_state=h0, output_final_state=True)
+        o1, S1 = triton_gated_delta_rule(*(x[:, :0] for x in xs), output_final_state=True)
+        res["T_0"] = dict(o=list(o0.shape), carried=(S0 - h0).abs().max().item(), fresh=S1.abs().max().item(), fresh_shape=list(S1.shape))
+    calls, real_prep = [], gt._prepare
+    gt._prepare = lambda *a: calls.append(1) or real_prep(*a)
+    res["prep_calls"] = {}
+    for kp in (True, False):
+        calls.clear()
+        leaves = [x.clone().requires_grad_() for x in xs]
+        o, _ = triton_gated_delta_rule(*leaves, keep_prep=kp)
+        after_forward = len(calls)
+        o.sum().backward()
+        res["prep_calls"][str(kp)] = [after_forward, len(calls)]
+    gt._prepare = real_prep
+    q, k, v, g, beta, scale, h0p, _ = gt._prepare_inputs(*inputs(1, 70, 2, 16, 16, torch.float16, 7), None,
+                                                         torch.randn(1, 2, 16, 16), None)
+    res["opcheck_state"] = torch.library.opcheck(torch.ops.hymo.gdn_chunk_fwd.default,  # a state given without gradient
+                                                 (*(x.clone().requires_grad_() for x in (q, k, v, g, beta)),
+                                                  scale, h0p, True, None, False))
     print("RESULT" + json.dumps(res))
 ''')
 
@@ -187,6 +228,47 @@ def test_bad_inputs_are_refused_with_a_clear_message():
     B, T, H = 1, 2 ** 20, 40  # a 1M-token prefill: [B, T, H, 64] buffers past 2**31 elements
     with pytest.raises(ValueError, match="int32 offsets; split the batch or the sequence"):
         triton_gated_delta_rule(big(B, T, H, 32), big(B, T, H, 32), big(B, T, H, 32), big(B, T, H), big(B, T, H))
+
+
+def test_strided_values_and_bf16_gates_or_state_match_the_loop(errors):
+    """q, k, v with T outside H (heads of 16 need no padding, so only the wrapper's copy makes them row-major), bf16 gates
+    and a bf16 initial state: every gradient comes back in its input's dtype, within that dtype's rounding of the loop."""
+    _check(errors["strided"]["err"], 1e-4)
+    for name, tol, low in (("bf16_gates", 1e-2, {"dg", "dbeta"}), ("bf16_state", 1e-2, {"dh0"}), ("bf16_values", 3e-2, {"o", "dq", "dk", "dv"})):
+        r = errors[name]
+        _check(r["err"], tol)
+        assert {n for n, d in r["dtype"].items() if d == "bfloat16"} == low, (name, r["dtype"])
+    assert errors["bf16_state"]["dtype"]["ht"] == "float32"  # the final state is fp32 whatever the initial one
+
+
+def test_scale_zero_and_empty_sequences(errors):
+    "scale=0.0 is a scale (the output is zero), not 'use the default'; T = 0 returns no output and the state it was given."
+    assert errors["scale_0"] == 0.0
+    t0 = errors["T_0"]
+    assert t0["o"] == [1, 0, 2, 16] and t0["carried"] == 0.0 and t0["fresh"] == 0.0 and t0["fresh_shape"] == [1, 2, 16, 16]
+
+
+def test_keep_prep_saves_kernel_1_for_the_backward(errors):
+    "With keep_prep the backward reuses the forward's gates and A (kernel 1 runs once); without, it runs them again."
+    assert errors["prep_calls"] == {"True": [1, 1], "False": [1, 2]}, errors["prep_calls"]
+
+
+def test_operator_passes_opcheck_with_a_state_and_a_final_state(errors):
+    checks = errors["opcheck_state"]
+    assert checks and all(v == "SUCCESS" for v in checks.values()), checks
+
+
+def test_offsets_of_the_chunk_states_and_a_cpu_without_the_interpreter_are_refused():
+    import hymo.models.gdn_triton as gt
+    from hymo.models.gdn_triton import triton_gated_delta_rule
+    big = lambda *s: torch.zeros(1, 1, 1, *s[3:]).expand(*s) if len(s) == 4 else torch.zeros(1, 1, 1).expand(*s)  # no memory
+    B, T, H, D = 1, 2 ** 23, 1, 128  # [B, T, H, 128] fits int32; the chunk states, T/64 of [128, 128], reach 2**31
+    with pytest.raises(ValueError, match="the per-chunk states .* int32 offsets"):
+        triton_gated_delta_rule(big(B, T, H, D), big(B, T, H, D), big(B, T, H, D), big(B, T, H), big(B, T, H))
+    if gt.INTERPRET: pytest.skip("this process runs kernels in the interpreter")
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1"):
+        triton_gated_delta_rule(q, q, q, -torch.rand(1, 8, 2), torch.rand(1, 8, 2))
 
 
 def test_keeping_gates_and_A_changes_nothing(errors):

@@ -63,6 +63,7 @@ def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32)
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use ce_chunk")
     c, V = z.shape
+    if V == 0: raise ValueError(f"z has no classes ({tuple(z.shape)}): a vocabulary of at least one id is needed")
     if y.shape != (c,) or w.shape != (c,):  # the kernel reads one target and one weight per row, unchecked
         raise ValueError(f"y and w must be [{c}], one per row of z; got {tuple(y.shape)} and {tuple(w.shape)}")
     loss = torch.empty(c, dtype=torch.float32, device=z.device)
