@@ -270,7 +270,11 @@ if tl_row:
 #   **5.58× paired**, against round 31's 4.54× on another H100 with the same code. The ratio moves
 #   with the machine's host far more than the Triton step does. The one-GPU tests that need CUDA passed
 #   there (28, among them the packed-document attention through one varlen flash call against the
-#   per-document loop, whose boundaries are now read by `check_cu_seqlens`).
+#   per-document loop, whose boundaries are now read by `check_cu_seqlens`). Later the same day, on
+#   another H100, the code with the GDN prelude's new layout checks (a copy only for a `qkv` whose
+#   rows lie past int32 offsets, never the mixer's) took 6.889, 6.941 and 6.950 s (33.8 %; a call
+#   before it, 6.957 and 7.441 s, had one slow step), and the prelude's, the loss kernel's, MLA's and
+#   the model's CUDA tests passed (12, the compiled prelude among them).
 # * **Round 31: no H200 was lent; on an H100 80GB HBM3 (torch 2.11, Triton 3.6), session 44's final
 #   code (no change to the step since round 29).** The preset step took 6.785 s and, in a second
 #   call, 6.771 s (34.6 % MFU against the 989 TFLOP/s dense bf16 peak the H100 SXM shares with the

@@ -152,7 +152,10 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randint(0, 5, (1, 8, 96)), torch.randn(96, 4), 2, 16)
     with pytest.raises(ValueError, match="past the kernels' int32 offsets"):  # no memory: every row is the same one
         triton_conv_silu_norm(torch.zeros(1, 1, 96).expand(1, 2 ** 31 // 96 + 1, 96), torch.randn(96, 4), 2, 16)
-    from hymo.models.gdn_conv_triton import _tile_sizes
+    from hymo.models.gdn_conv_triton import INTERPRET, _tile_sizes
+    if not INTERPRET:  # (this process runs no kernel in the interpreter)
+        with pytest.raises(RuntimeError, match="Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 .* or use conv_silu_norm"):
+            triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96, 4), 2, 16)
     with pytest.raises(ValueError, match="must be a power of two"): _tile_sizes(4, 16, 3)
     assert _tile_sizes(4, 16, 2) == (2, 16) and _tile_sizes(3, 20, None) == (4, 32)
     with pytest.raises(ValueError, match="B must be 1"):

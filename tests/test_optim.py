@@ -39,6 +39,11 @@ def test_newton_schulz_keeps_singular_vectors():
     assert 0.65 < torch.diag(D)[:12].min() and torch.diag(D)[:12].max() < 1.25
 
 
+def test_newton_schulz_takes_five_steps_by_default():
+    G = torch.randn(24, 16)
+    assert torch.equal(newton_schulz(G), newton_schulz(G, steps=5)) and not torch.equal(newton_schulz(G), newton_schulz(G, steps=4))
+
+
 def test_newton_schulz_rejects_vectors():
     with pytest.raises(ValueError, match="needs a matrix"):
         newton_schulz(torch.randn(4))
@@ -106,13 +111,29 @@ def test_normuon_uses_its_own_momentum_beta2_and_ns_steps():
 def test_normuon_row_without_gradient_stays_finite():
     "A row that never gets a gradient has v = 0 for ever: its factor must not be 0 · ∞."
     torch.manual_seed(0)
-    p = nn.Parameter(torch.randn(8, 16))
-    opt = NorMuon([p], weight_decay=0.1)
+    W0 = torch.randn(8, 16)
+    p = nn.Parameter(W0.clone())
+    opt = NorMuon([p], lr=0.03, weight_decay=0.1)
     for _ in range(3):
         p.grad = torch.randn(8, 16)
         p.grad[2] = 0
         opt.step()
     assert torch.isfinite(p).all()
+    moved = (p.data - W0 * (1 - 0.03 * 0.1) ** 3).abs().amax(-1)  # beyond what the decay alone would do
+    assert (moved[torch.arange(8) != 2] > 1e-3).all(), "the rows with a gradient must be updated (the matrix has one)"
+    assert opt.state[p]["second_moment"][2].item() == 0 and (opt.state[p]["second_moment"][torch.arange(8) != 2] > 0).all()
+
+
+def test_normuon_second_moment_is_the_mean_square_of_each_row():
+    "After one step v = (1 - beta2) · mean over a row's n columns of O², O the orthogonalised look-ahead."
+    torch.manual_seed(0)
+    G = torch.randn(12, 20)
+    p = nn.Parameter(torch.randn(12, 20))
+    opt = NorMuon([p], lr=0.03, momentum=0.9, beta2=0.8, weight_decay=0.0)
+    p.grad = G.clone()
+    opt.step()
+    O = ns_from_scratch((1 - 0.9) * G + 0.9 * (1 - 0.9) * G, 5)  # Nesterov: the gradient, then the momentum after it
+    torch.testing.assert_close(opt.state[p]["second_moment"], (1 - 0.8) * (O * O).mean(1, keepdim=True), rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -179,6 +200,7 @@ def test_normuon_fused_update_equals_eager(cautious, monkeypatch):
     shapes = [(24, 10), (10, 24), (3, 20, 8)]  # tall, wide, stacked experts
     W0 = [0.1 * torch.randn(s) for s in shapes]
     grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    grads[1][0].zero_()  # a step without gradient for one matrix: no update, the decay (all its signs agree with U = 0)
     runs = []
     for fused in (True, False, None):  # None on a CPU: list-wide, as False
         ps = [nn.Parameter(w.clone()) for w in W0]
@@ -326,6 +348,9 @@ def test_cautious_adamw_equals_formula():
     ("layers.3.ffn.shared.w3.weight", (48, 16), "normuon"),
     ("layers.0.mixer.gate_proj.weight", (64, 16), "normuon"),
     ("mtp.heads.0.proj_in.weight", (32, 16), "normuon"),
+    ("embed_tokens.weight", (100, 16), "adamw"),  # any embedding, by the start of its name
+    ("layers.0.mixer.A_log", (4, 1), "adamw_no_decay"),  # GDN's decay parameters by name, whatever their shape
+    ("layers.0.mixer.dt_bias", (4, 1), "adamw_no_decay"),
 ])
 def test_param_group_rules(name, shape, group):
     assert param_group(name, torch.empty(shape)) == group
