@@ -57,15 +57,15 @@ def check_args(p: argparse.ArgumentParser, args):
     "Refuse sizes that would time nothing, or crash after the block is compiled."
     for name in ("batch", "seq_len", "iters"):
         if getattr(args, name) < 1: p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    try: L = load_config(args.config).model.max_seq_len
+    except ConfigError as e: p.error(str(e))
+    if args.seq_len > L: p.error(f"--seq-len {args.seq_len} is longer than {args.config}'s max_seq_len={L}")
 
 
 def main(args):
     if torch.device(args.device).type == "cuda":  # cuda:1 too
         need_gpu("time a small block there: block_step.py --device cpu --config hymo_tiny --batch 2 --seq-len 256 --iters 2")
-    try: cfg = load_config(args.config).model
-    except ConfigError as e: raise SystemExit(f"block_step.py: {e}") from None
-    if args.seq_len > cfg.max_seq_len:
-        raise SystemExit(f"block_step.py: --seq-len {args.seq_len} is longer than {args.config}'s max_seq_len={cfg.max_seq_len}")
+    cfg = load_config(args.config).model  # (checked in check_args)
     torch.manual_seed(0)
     block = GatedDeltaNetBlock(cfg) if args.block == "gdn" else MLABlock(cfg, layer_idx=cfg.mla_every - 1)
     block = block.to(args.device)

@@ -198,9 +198,12 @@ def _check_type(name: str, value, tp):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
+    if getattr(value, "dtype", None) is not None and getattr(value, "ndim", None) == 0:  # a numpy scalar (a sweep's values)
+        if value.dtype.kind == "b": value = bool(value)
+        elif value.dtype.kind in "iu": value = int(value)
+        elif value.dtype.kind == "f": value = float(str(value))  # float32's 0.02 stays 0.02, not 0.019999999552965164
     if isinstance(value, bool): pass  # a bool is an int to Python, never a number here
-    elif tp is float and isinstance(value, numbers.Real): return float(value)  # 3, numpy's floats: a plain float (YAML writes it)
-    elif tp is int and isinstance(value, numbers.Integral): return int(value)  # numpy's int64 too
+    elif tp is float and isinstance(value, numbers.Real): return float(value)  # 3 is 3.0
     if tp is float and isinstance(value, str) and _SCI.fullmatch(value):
         return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; it needs 1.0e-3
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -425,8 +428,9 @@ def _section_of(key: str) -> tuple[str, str]:
     for sec, cls in _SECTIONS.items():
         if key in _field_types(cls): return sec, key
     if key in _SECTIONS:  # load_config(..., model={"dim": 64}), or model=... on a command line
-        raise ConfigError(f"'{key}' is a section, not a key: set its keys one by one, as {key}.dim=... on a command line, "
-                          f"or load_config(..., **{{'{key}.dim': ...}})")
+        ex = next(iter(_field_types(_SECTIONS[key])))  # one of its keys, for the example
+        raise ConfigError(f"'{key}' is a section, not a key: set its keys one by one, as {key}.{ex}=... on a command line, "
+                          f"or load_config(..., **{{'{key}.{ex}': ...}})")
     valid = [n for cls in _SECTIONS.values() for n in _field_types(cls)]
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 

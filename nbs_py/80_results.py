@@ -5,8 +5,8 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 and 32 on one H100
-# (their rows say so, and the chart marks them `[H100]`), by the scripts in `benchmarks/`,
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 and 32 on H100s
+# (their rows say which, and the chart marks them `[H100]`), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -261,13 +261,13 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 31)
+# ## The round log: what each round changed and measured (rounds 6 to 32)
 # * **Round 32: no H200 was lent; on an H100 80GB HBM3, the code of session 45 plus the model's new
 #   target checks (no change to the step's kernels since round 29).** The preset step took 6.843 s
 #   and 6.824 s (34.3 % MFU, 76.6 k tokens/s, 50.6 GB), 1 % slower than round 31's H100; with
 #   `--timeline`, the host took 208 ms to issue a micro-batch and the GPU spanned 210 ms, never running
 #   dry. The PyTorch GDN path, timed just after it on the same machine, took 38.19 s (74.8 GB):
-#   **5.58× paired**, against round 31's 4.54× on another H100 with the same code. The ratio moves
+#   **5.58× paired**, against round 31's 4.54× on another H100 with the same step code. The ratio moves
 #   with the machine's host far more than the Triton step does. The one-GPU tests that need CUDA passed
 #   there (28, among them the packed-document attention through one varlen flash call against the
 #   per-document loop, whose boundaries are now read by `check_cu_seqlens`). Later the same day, on

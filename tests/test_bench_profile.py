@@ -180,4 +180,4 @@ def test_block_step_refuses_sizes_that_time_nothing(argv, says):
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "block_step.py"), "--device", "cpu", "--config", "hymo_tiny",
                         "--seq-len", "300"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "--seq-len 300 is longer than hymo_tiny's max_seq_len=256" in r.stderr, r.stderr[-1500:]
+    assert r.returncode == 2 and "--seq-len 300 is longer than hymo_tiny's max_seq_len=256" in r.stderr, r.stderr[-1500:]

@@ -58,21 +58,25 @@ def test_int_accepted_for_float_and_list_for_tuple():
 def test_numpy_numbers_are_taken_as_plain_ones():
     "A launcher's sweep often hands over numpy scalars: they are the numbers they hold, and the config still prints as YAML."
     np = pytest.importorskip("numpy")
-    c = load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.5), adamw_lr=np.float64(1e-3), mtp_loss_weights=[np.float64(0.3), 0])
-    assert (type(c.model.dim), type(c.train.muon_lr), type(c.train.adamw_lr)) == (int, float, float)
-    assert c.model.dim == 64 and c.train.muon_lr == 0.5 and c.model.mtp_loss_weights == (0.3, 0.0)
-    assert "dim: 64" in str(c) and "muon_lr: 0.5" in str(c)
+    c = load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.02), adamw_lr=np.float64(1e-3),
+                    mtp_loss_weights=[np.float64(0.3), 0], compile=np.True_, n_layers=np.uint8(4))
+    assert (type(c.model.dim), type(c.train.muon_lr), type(c.train.adamw_lr), type(c.train.compile)) == (int, float, float, bool)
+    assert c.model.dim == 64 and c.train.muon_lr == 0.02 and c.model.mtp_loss_weights == (0.3, 0.0) and c.model.n_layers == 4
+    assert "dim: 64" in str(c) and "muon_lr: 0.02\n" in str(c) and "compile: true" in str(c)
     with pytest.raises(ConfigError, match="expected int, got float"): load_config("hymo_tiny", dim=np.float64(64.5))
     with pytest.raises(ConfigError, match="expected int, got bool"): load_config("hymo_tiny", dim=True)
     with pytest.raises(ConfigError, match="expected float, got bool"): load_config("hymo_tiny", muon_lr=False)
+    with pytest.raises(ConfigError, match="expected bool, got int"): load_config("hymo_tiny", compile=np.int64(1))
 
 
 def test_a_section_given_as_a_key_says_how_to_set_its_keys():
-    with pytest.raises(ConfigError, match=r"'model' is a section, not a key: set its keys one by one, as model.dim=\.\.\."):
+    with pytest.raises(ConfigError, match=r"'model' is a section, not a key: set its keys one by one, as model.vocab_size=\.\.\."):
         load_config("hymo_tiny", model={"dim": 64})
     from hymo.train import parse_overrides
-    with pytest.raises(ConfigError, match=r"'train' is a section"):
+    with pytest.raises(ConfigError, match=r"'train' is a section, not a key: set its keys one by one, as train\.(\w+)=") as e:
         load_config("hymo_tiny", **parse_overrides(["train=5"]))
+    key = e.value.args[0].split("as train.")[1].split("=")[0]
+    assert load_config("hymo_tiny", **{f"train.{key}": getattr(load_config("hymo_tiny").train, key)})  # the example is a real key
 
 
 def test_unknown_key_names_the_closest():

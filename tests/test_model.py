@@ -339,7 +339,7 @@ def test_bad_targets_are_a_clear_error(tiny):
 
 def test_packed_boundaries_must_rise_strictly(tiny):
     m = _model(tiny)
-    with pytest.raises(ValueError, match="must rise strictly from 0 to T=12"):
+    with pytest.raises(ValueError, match=r"must rise strictly from 0 to T=12 \(document boundaries of the row, no empty document\)"):
         m(torch.zeros(1, 12, dtype=torch.long), cu_seqlens=torch.tensor([0, 5, 5, 12]))
 
 

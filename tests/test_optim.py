@@ -448,7 +448,7 @@ def test_wsd_lambda_drives_lambdalr():
 # ---------------------------------------------------------------- FSDP-2, two processes
 
 FSDP_SCRIPT = r'''
-import json, socket, sys, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
+import json, os, socket, sys, torch, torch.nn as nn, torch.distributed as dist, torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -519,10 +519,12 @@ def worker(rank, port, out):
     bad.grad = distribute_tensor(torch.randn(4, 6), net.up.weight.device_mesh, [Shard(1)])
     try: NorMuon([bad]).step(); refused = ""
     except NotImplementedError as e: refused = str(e)
-    if rank == 0: json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
-                                 sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5], refused=refused), open(out, "w"))
-    dist.barrier()  # leave together: a rank that tears gloo down while the other still writes can abort it
-    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
+                           sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5], refused=refused), f)
+    dist.barrier()  # leave together, results written
+    os._exit(0)  # no teardown: gloo's threads, destroyed with the process group or at exit, aborted a rank once under load
 
 if __name__ == "__main__":
     with socket.socket() as s:

@@ -79,9 +79,9 @@ class HyMo(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                ):
         "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
+        if targets is not None: self._check_targets(targets, tokens)  # before the trunk runs
         h = self.hidden_states(tokens, cu_seqlens)
         if targets is None: return self.head(h)
-        self._check_targets(targets, tokens)
         if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head, cu_seqlens))
         return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets, cu_seqlens=cu_seqlens))
 
