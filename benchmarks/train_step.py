@@ -202,6 +202,15 @@ def timeline(rows: list, s0, s1) -> dict:
                 before_first_ms=s0.elapsed_time(rows[0]["e0"]), after_last_ms=rows[-1]["e1"].elapsed_time(s1))
 
 
+def overrides(args) -> dict:
+    "The settings of hymo_750m this measurement changes."
+    over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
+                activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
+                warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
+    if args.all_mla: over["mla_every"] = 1
+    return over
+
+
 def run(args) -> dict:
     if args.conv_launch:
         import hymo.models.gdn_conv_triton as ct
@@ -217,10 +226,6 @@ def run(args) -> dict:
         key = hashlib.sha1(json.dumps(ct.LAUNCH, sort_keys=True).encode()).hexdigest()[:12]
         base = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"conv_launch_{key}")
-    over = dict(seq_len=args.seq_len, micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.accum,
-                activation_checkpointing=args.ac, compile=args.compile, gdn_kernel=args.gdn, max_steps=10_000,
-                warmup_steps=10, eval_every=0, ckpt_every=0, precision="bf16")
-    if args.all_mla: over["mla_every"] = 1
     if args.doc_masking:
         global DOC_LEN
         DOC_LEN = args.doc_masking
@@ -231,7 +236,7 @@ def run(args) -> dict:
         plain = torch.nn.Module.compile
         torch.nn.Module.compile = lambda self, *a, **kw: plain(self, *a, **kw) if isinstance(self, MTPBlock) else \
             plain(self, *a, **{"mode": args.compile_mode, **kw})
-    cfg = load_config("hymo_750m", **over)
+    cfg = load_config("hymo_750m", **overrides(args))
     if args.fsdp and not torch.distributed.is_initialized():  # the trainer then shards (one shard) instead of autocasting
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29517")
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
@@ -334,8 +339,8 @@ def check_args(p: argparse.ArgumentParser, args):
         p.error(f"--conv-launch sets the Triton prelude's tiles, which {'--all-mla' if args.all_mla else '--gdn torch'} does not run")
     if args.conv_launch and not Path(args.conv_launch).is_file():
         p.error(f"--conv-launch {args.conv_launch}: no such file (write one with gdn_conv_kernel.py --sweep --best-out)")
-    try: load_config("hymo_750m", seq_len=args.seq_len)  # a length the preset cannot train (past max_seq_len) fails here
-    except ConfigError as e: p.error(f"--seq-len {args.seq_len}: {e}")
+    try: load_config("hymo_750m", **overrides(args))  # e.g. a --seq-len past max_seq_len fails here, not after the GPU check
+    except ConfigError as e: p.error(f"these arguments make a config hymo_750m cannot run: {e}")
     if args.compile and args.warmup == 0:
         p.error("--compile with --warmup 0 would time the compilation: give --warmup 1 or more")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would count the global batch at one GPU's peak, and write

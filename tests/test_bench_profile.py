@@ -60,7 +60,8 @@ def test_a_profile_window_of_no_micro_batches_is_refused_before_anything_runs():
     (["--all-mla", "--conv-launch", "tiles.json"], "which --all-mla does not run"),
     (["--compile", "--warmup", "0"], "would time the compilation"),
     (["--conv-launch", "no_such_tiles.json"], "--conv-launch no_such_tiles.json: no such file"),
-    (["--seq-len", "5000"], "--seq-len 5000: train.seq_len=5000 is longer than model.max_seq_len=4096")])
+    (["--seq-len", "5000"], "cannot run: train.seq_len=5000 is longer than model.max_seq_len=4096"),
+    (["--seq-len", "2"], "use seq_len > mtp_depth=2")])
 def test_train_step_refuses_what_would_measure_something_else(argv, says, capsys):
     from train_step import build_parser, check_args
     p = build_parser()
