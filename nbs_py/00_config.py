@@ -651,6 +651,8 @@ test_eq(load_config("hymo_tiny", grad_clip=0, moe_bias_speed=0, mtp_loss_weights
 # One leniency: PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string. A float field
 # takes it as the number anyone writing it means; `max_steps=1e5` is still refused, as an int field,
 # with the whole number to write instead. The reverse slip, `run_dir=2024`, gets the quotes it needs.
+# NumPy's scalars (a sweep's `np.int64(64)`, `np.float32(0.02)`, `np.True_`) are the plain values
+# they print, so the config a run writes is plain YAML.
 
 # %%
 test_eq(load_config("hymo_tiny", muon_lr="1e-3", adamw_lr="3E-4").train.muon_lr, 1e-3)
@@ -659,6 +661,8 @@ test_fail(lambda: load_config("hymo_tiny", max_steps="1e5"), contains="expected 
 test_fail(lambda: load_config("hymo_tiny", run_dir=2024), contains="expected str, got int 2024; quote it: '2024'")
 test_fail(lambda: load_config("hymo_tiny", data_dir=""), contains="train.data_dir='' is empty: give a value, or null")  # data_dir="" in a launcher
 test_fail(lambda: load_config("hymo_tiny", model={"dim": 64}), contains="'model' is a section, not a key")
+import numpy as np
+test_eq(load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.02), wandb=np.False_).train.muon_lr, 0.02)
 
 # %% [markdown]
 # ## Interview questions
