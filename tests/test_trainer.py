@@ -284,6 +284,7 @@ def test_kill_and_resume_equals_straight_run(tmp_path):
     part2 = second.fit()
     assert losses(part1 + part2) == losses(straight)  # bit-identical on CPU
     assert [m["grad_norm"] for m in part1 + part2] == [m["grad_norm"] for m in straight]
+    assert [(h["step"], h["loss"]) for h in second.history] == [(m["step"], m["loss"]) for m in straight]  # loss.png's record too
 
 
 def test_resume_takes_the_new_optimiser_settings_and_keeps_the_moments(tmp_path):
@@ -609,8 +610,8 @@ def test_keeps_only_last_k_checkpoints(tmp_path):
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
-    t = make(tmp_path / "run", max_steps=6, max_bad_steps=2)
-    t.fit(num_steps=2)
+    t = make(tmp_path / "run", max_steps=6, max_bad_steps=2, moe_capacity_factor=0.5)  # half the mean load: drops every step
+    assert all(m["moe0/moe_drop_frac"] > 0 for m in t.fit(num_steps=2))
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     bias_before = [m.gate_bias.clone() for m in t.model.moe_layers()]
     real_forward = type(t.model).forward
@@ -629,10 +630,57 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     assert m["skipped"] and m["bad_steps"] == 1 and t.bad_steps == 1
     for n, p in t.model.named_parameters(): assert torch.equal(p, before[n]), n  # nothing moved
     for b0, moe in zip(bias_before, t.model.moe_layers()):
-        assert torch.equal(b0, moe.gate_bias) and moe.expert_counts.sum() == 0
+        assert torch.equal(b0, moe.gate_bias) and moe.expert_counts.sum() == 0 and moe.dropped_tokens == 0
     m = t.fit(num_steps=1)[0]  # the next step is normal again
     assert not m["skipped"] and all(torch.isfinite(p).all() for p in t.model.parameters())
     assert json.loads((t.run_dir / "metrics.jsonl").read_text().splitlines()[2])["skipped"] is True
+
+
+def test_accumulated_micro_batches_give_the_gradient_of_the_whole_batch(tmp_path):
+    "Two micro-batches of 4 windows and one of 8 read the same windows (dropless routing): the same loss and gradient norm."
+    runs = [make(tmp_path / f"mb{mb}", micro_batch_size=mb, global_batch_size=8, moe_capacity_factor=None).train_step()
+            for mb in (4, 8)]
+    assert runs[0]["loss"] == pytest.approx(runs[1]["loss"], rel=1e-5)
+    assert runs[0]["grad_norm"] == pytest.approx(runs[1]["grad_norm"], rel=1e-4), [r["grad_norm"] for r in runs]
+
+
+def test_the_optimisers_step_at_the_scheduled_learning_rate_and_the_log_says_which(tmp_path):
+    "Step s (0-based) runs at peak_lr · wsd_schedule(s), through warmup and decay; its metrics line logs that multiplier."
+    from hymo.training.optim import wsd_schedule
+    t = make(tmp_path / "run", max_steps=8, warmup_steps=3, decay_fraction=0.5)
+    seen = []
+    for opt in t.optimizers:
+        def step(*a, _plain=opt.step, _opt=opt, **kw):
+            seen.append([g["lr"] / g["peak_lr"] for g in _opt.param_groups])
+            return _plain(*a, **kw)
+        opt.step = step
+    for s in range(8):
+        seen.clear()
+        m = t.train_step()
+        want = wsd_schedule(s, t.cfg)
+        assert m["lr_mult"] == pytest.approx(want) and all(r == pytest.approx(want) for rs in seen for r in rs), (s, m["lr_mult"], seen)
+    assert len({round(wsd_schedule(s, t.cfg), 6) for s in range(8)}) >= 5  # warmup, plateau and decay all seen
+
+
+def test_a_good_step_updates_the_moe_bias_and_ends_a_run_of_bad_steps(tmp_path, monkeypatch):
+    "The gate bias moves after every good step (its counts then start again); bad, good, bad, good never reaches max_bad_steps=1."
+    t = make(tmp_path / "run", max_steps=8, max_bad_steps=1, ckpt_every=5)
+    m = t.train_step()
+    assert any(moe.gate_bias.abs().sum() > 0 for moe in t.model.moe_layers()) and "moe0/moe_load_max_mean" in m
+    assert all(moe.expert_counts.sum() == 0 and moe.dropped_tokens == 0 for moe in t.model.moe_layers())
+    real_forward, calls = type(t.model).forward, {"n": 0}
+
+    def nan_every_other(self, tokens, targets=None, cu_seqlens=None):
+        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+        calls["n"] += 1
+        if targets is not None and calls["n"] % 2 == 1:
+            return out[0] * float("nan"), out[1]
+        return out
+
+    monkeypatch.setattr(type(t.model), "forward", nan_every_other)
+    ms = t.fit(num_steps=6)  # bad, good, bad, good, bad, good: steps 2 to 7; step 5, good, is due a checkpoint
+    assert [m["skipped"] for m in ms] == [True, False] * 3 and t.bad_steps == 3
+    assert (t.run_dir / "checkpoints" / "step_000005").is_dir()
 
 
 def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, monkeypatch):
