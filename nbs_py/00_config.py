@@ -36,6 +36,7 @@ from typing import Optional
 import yaml
 
 # %%
+import numpy as np
 from fastcore.test import test_eq, test_fail
 
 # %% [markdown]
@@ -661,7 +662,6 @@ test_fail(lambda: load_config("hymo_tiny", max_steps="1e5"), contains="expected 
 test_fail(lambda: load_config("hymo_tiny", run_dir=2024), contains="expected str, got int 2024; quote it: '2024'")
 test_fail(lambda: load_config("hymo_tiny", data_dir=""), contains="train.data_dir='' is empty: give a value, or null")  # data_dir="" in a launcher
 test_fail(lambda: load_config("hymo_tiny", model={"dim": 64}), contains="'model' is a section, not a key")
-import numpy as np
 test_eq(load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.02), wandb=np.False_).train.muon_lr, 0.02)
 
 # %% [markdown]
