@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from fractions import Fraction
 
 import torch
@@ -32,6 +33,7 @@ from hymo.models.layers import SwiGLU
 
 # %%
 import time
+from contextlib import nullcontext
 
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
@@ -447,6 +449,7 @@ class DeepSeekMoE(nn.Module):
         if self.top_k > self.n_routed:
             raise ValueError(f"moe_top_k={self.top_k} > moe_n_routed={self.n_routed}: lower moe_top_k")
         self.impl = "auto"  # one of IMPLS
+        self.record_stats = True  # False: a training forward adds nothing to the counts (`stats_paused`)
         E, h, d = self.n_routed, self.inter_dim, self.dim
         self.gate = nn.Linear(d, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, h, d))  # gate projections of the routed experts
@@ -524,7 +527,7 @@ class DeepSeekMoE(nn.Module):
         N, d = xf.shape
         cap = self.capacity(N) if self.training else None  # inference is dropless, hence causal
         order, counts, keep = sort_assignments(idx, score, self.n_routed, cap)
-        if self.training:  # balancing statistics (eval batches must not steer the bias)
+        if self.training and self.record_stats:  # balancing statistics (eval batches must not steer the bias)
             self.expert_counts += counts
             self.dropped_tokens += (~keep).sum()
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -834,6 +837,44 @@ m2 = DeepSeekMoE(load_config("hymo_tiny", moe_balance="sign").model)
 m2.expert_counts.copy_(torch.tensor([300, 100, 0, 200]))  # mean 150
 m2.update_gate_bias()
 test_close(m2.gate_bias, torch.tensor([-1.0, 1.0, 1.0, -1.0]) * 0.001, eps=1e-9)
+
+
+# %% [markdown]
+# ### Counted once per forward
+#
+# The counts are added in the forward, so they are only right if every training forward is a new
+# batch. Activation checkpointing breaks that: it frees a block's activations after the forward and
+# runs the block's forward *again* during the backward to rebuild them, and that second forward would
+# add the same assignments a second time. The rules above would not notice (they compare experts
+# with each other), but the counts would no longer mean what they say. `stats_paused` switches the
+# counting off for the duration of a backward; the trainer runs every backward inside it.
+
+# %%
+#| export
+@contextmanager
+def stats_paused(moes: list[DeepSeekMoE]): # The layers to pause, e.g. `HyMo.moe_layers()` (listed once: a model has hundreds of modules)
+    "Within: the MoE layers `moes` add no balancing statistics. For a backward that re-runs their forward."
+    for m in moes: m.record_stats = False
+    try: yield
+    finally:
+        for m in moes: m.record_stats = True
+
+
+# %% [markdown]
+# Checkpointed, the MoE counts its batch twice; with the backward inside `stats_paused`, once:
+
+# %%
+moe.train()
+for paused in (False, True):
+    moe.expert_counts.zero_()
+    x = torch.randn(2, 32, cfg.dim, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+    with stats_paused([moe]) if paused else nullcontext(): y.sum().backward()
+    print(f"backward {'inside stats_paused' if paused else 'as it is'}: {moe.expert_counts.sum().item()} counted "
+          f"for {2 * 32 * cfg.moe_top_k} assignments")
+    test_eq(moe.expert_counts.sum().item(), (1 if paused else 2) * 2 * 32 * cfg.moe_top_k)
+    test_eq(moe.record_stats, True)  # switched back on at the end
+moe.expert_counts.zero_(); moe.dropped_tokens.zero_();
 
 # %% [markdown]
 # ## Meta-device build

@@ -239,7 +239,7 @@ class HyMo(nn.Module):
         if tokens.shape[0] != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
-        # Lengths on a GPU are not read back here (a wait for the GPU); the trainer's loader cuts documents at seq_len.
+        # Boundaries on a GPU are not read back here (a wait for the GPU): MLA's layers check them as they read them.
         if cu_seqlens.device.type == "cpu":
             if cu_seqlens.ndim != 1 or len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != tokens.shape[1] or bool((cu_seqlens.diff() <= 0).any()):
                 raise ValueError(f"cu_seqlens must rise strictly from 0 to T={tokens.shape[1]} (document boundaries of the row, "

@@ -82,8 +82,9 @@ test_close(O @ O.T, torch.eye(32), eps=1e-4)  # a wide O has orthonormal rows
 # on each singular value separately: $U \Sigma V^\top \mapsto U \varphi(\Sigma) V^\top$ with
 # $\varphi(\sigma) = a\sigma + b\sigma^3 + c\sigma^5$. The quintic coefficients
 # $(a, b, c) = (3.4445, -4.7750, 2.0315)$ are tuned for speed rather than exact convergence: the
-# slope $a \approx 3.4$ at zero inflates small singular values fast, at the price that the
-# fixed point is not 1 but a band around it. Five iterations in bf16 are enough.
+# slope $a \approx 3.4$ at zero inflates small singular values fast, at the price that 1 is not a
+# fixed point ($\varphi(1) \approx 0.70$): the iterates do not converge but stay in a band around 1,
+# $[0.68, 1.14]$ after five steps for any $\sigma_0 \ge 0.01$. Five iterations in bf16 are enough.
 #
 # When $m > n$ the iteration runs on $X^\top$ so that the Gram matrix $XX^\top$ is the smaller
 # $\min(m, n)^2$ one. A leading batch dimension (stacked experts `[E, m, n]`) is orthogonalised matrix
@@ -256,11 +257,12 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 # number, which the rescale removes. The state is $m$ floats per matrix, negligible next to the
 # momentum's $mn$.
 #
-# The rescale is HyMo's choice, not the paper's. Li et al. set the step's size directly, with
-# $\hat\eta = 0.2\,\eta\sqrt{mn}/\lVert\hat O\rVert_F$ (Moonshot's RMS matching, so that AdamW's
+# The rescale follows the authors' reference code and modded-nanogpt's NorMuon rather than the
+# paper's Algorithm 1. Li et al.'s algorithm sets the step's size directly, with
+# $\hat\eta = 0.2\,\eta\sqrt{mn}/\lVert\hat O\rVert_F$ in their Algorithm 1 (Moonshot's RMS matching, so that AdamW's
 # learning rates carry over) and plain momentum. HyMo keeps Muon's units instead: Nesterov
 # momentum, the shape factor $\sqrt{\max(1, m/n)}$ and a learning rate of 0.02 keep their meaning
-# from Muon (as in modded-nanogpt's NorMuon), and the row normalisation only redistributes the step.
+# from Muon, and the row normalisation only redistributes the step.
 #
 # Written as three passes over $O$ (divide, take both norms, rescale), this is mostly memory
 # traffic: at the 750M model's 1.2 billion NorMuon weights each fp32 pass is some 9 GB. One pass
@@ -299,7 +301,7 @@ def normuon_row_factor(O: torch.Tensor, # Orthogonalised update [..., m, n]
 
 # %% [markdown]
 # On a tall matrix whose gradient is much larger in a few rows, the orthogonalised update still
-# leaves row norms spread over a wide range; after a few NorMuon steps they are nearly equal, and the
+# leaves row norms uneven (the loud rows some 1.75 times the quiet ones); after a few NorMuon steps they are nearly equal, and the
 # total norm has not moved.
 
 # %%
@@ -457,8 +459,9 @@ torch.testing.assert_close(y, x - 0.1 * (o * f + 0.5 * torch.tensor([[1.0, 0.0, 
 # momentum, shrinking by $\beta$ each step, would still move the matrix a full step in its old
 # direction, for hundreds of steps. The matrices this happens to are routed experts that received
 # no token in a step (a dead expert, or one whose tokens were all dropped). Their momentum still
-# decays and their $v$ stays as it was; the decoupled decay still applies, as AdamW applies it to a
-# parameter without a gradient.
+# decays and their $v$ stays as it was; the decoupled decay still applies. (AdamW, given a zero
+# gradient, applies its decay too, but it also keeps stepping along its decaying first moment,
+# which is what this exception prevents; a parameter whose `.grad` is None is skipped by both.)
 #
 # First the plain loop on one matrix, written without any of the helpers:
 
@@ -850,7 +853,7 @@ torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 
 # %%
 #| export
-def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g. 'layers.3.moe.gate.weight'
+def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g. 'layers.3.ffn.gate.weight'
                 p: torch.Tensor, # The parameter (only its shape is used)
                ) -> str:
     "Which optimiser group a parameter belongs to: 'normuon', 'adamw' (with decay) or 'adamw_no_decay'."
@@ -865,8 +868,8 @@ def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g
 
 
 # %% [markdown]
-# The model is written in other chapters, so we demonstrate on a small stand-in that uses the
-# same parameter names: a GDN-style block (projections, three depthwise convolutions, `A_log`,
+# The rules are first shown on a small stand-in whose names follow the patterns the rules look at
+# (names with `norm`, `conv` or `embed` in them, a final `gate.weight`): a GDN-style block (projections, three depthwise convolutions, `A_log`,
 # `dt_bias`, an output norm, a SwiGLU FFN) and an MLA-style block with a MoE (router `gate`,
 # stacked experts, a shared expert), the final norm and a head tied to the embedding. Its forward
 # is a cheap imitation (not GDN, not MLA), just enough that every parameter gets a gradient.
@@ -943,7 +946,7 @@ class StandInBlock(nn.Module):
         super().__init__()
         self.norm1, self.mixer, self.norm2 = RMSNorm(d), mixer, RMSNorm(d)
         self.ffn_name = ffn_name
-        setattr(self, ffn_name, ffn)  # 'ffn' (dense SwiGLU) or 'moe'
+        setattr(self, ffn_name, ffn)  # 'ffn' (dense SwiGLU) or 'moe' (HyMo itself calls both `ffn`)
 
     def forward(self, x):
         x = x + self.mixer(self.norm1(x))
@@ -951,7 +954,7 @@ class StandInBlock(nn.Module):
 
 
 class StandIn(nn.Module):
-    "Two blocks (GDN + SwiGLU, MLA + MoE) with HyMo's parameter names; head tied to the embedding."
+    "Two blocks (GDN + SwiGLU, MLA + MoE) with names like HyMo's; head tied to the embedding."
     def __init__(self, V=256, d=64, H=4, K=16, E=4, h=96):
         super().__init__()
         self.embed = nn.Embedding(V, d)
@@ -996,13 +999,34 @@ test_eq(param_group("layers.1.moe.gate.bias", torch.zeros(4)), "adamw_no_decay")
 test_eq(param_group("mtp.heads.0.proj_in.weight", torch.zeros(8, 4)), "normuon")  # 'heads' is not the output 'head'
 test_fail(lambda: param_group("layers.0.odd", torch.zeros(2, 2, 2, 2)), contains="no rule")
 
+# %% [markdown]
+# HyMo's own names differ from the stand-in's (MLA's `q_a_layernorm` and `kv_a_proj_with_mqa`, the
+# MoE under `ffn` with its stacked `w1`, `w2`, `w3`, the MTP heads' `proj_in` and `proj_out`), and the
+# same rules sort them as intended. On `hymo_tiny` (chapter 41):
+
+# %%
+from hymo.models.model import HyMo
+
+# %%
+real = {name: group for name, _, group in param_table(HyMo(load_config("hymo_tiny").model))}
+print({g: sum(1 for v in real.values() if v == g) for g in ("normuon", "adamw", "adamw_no_decay")})
+for n, g in real.items():
+    leaf = n.split(".")[-2] if n.endswith(".weight") else n.split(".")[-1]
+    want = ("adamw_no_decay" if "norm" in n or leaf in ("A_log", "dt_bias") else
+            "adamw" if leaf in ("embed", "gate") or "conv" in leaf else "normuon")
+    test_eq((n, g), (n, want))
+test_eq([real[n] for n in ("layers.3.ffn.w1", "layers.3.ffn.gate.weight", "layers.3.attn.kv_a_layernorm.weight",
+                           "layers.3.attn.kv_a_proj_with_mqa.weight", "mtp.heads.0.proj_in.weight")],
+        ["normuon", "adamw", "adamw_no_decay", "normuon", "normuon"])
+
 
 # %% [markdown]
 # ## Building the two optimisers
 #
 # `build_optimizers` sorts the parameters with `param_group` and returns `(normuon, adamw)`. AdamW
 # has two param groups, `decay` and `no_decay`; every hyper-parameter comes from `TrainingConfig`.
-# The trainer steps both after each backward and sets both learning rates from the same schedule.
+# The trainer steps both once per optimiser step, after its accumulated micro-batches, and sets both
+# learning rates from the same schedule.
 
 # %%
 #| export
@@ -1178,7 +1202,8 @@ test_close(opt.param_groups[0]["lr"], 0.5 * wsd_schedule(255, tcfg))
 # the final budget: you can extend a run, resume it from any stable checkpoint without re-warming,
 # or branch short decays (10–20 % of the steps; the `1-sqrt` shape does well there, Hägele et al.
 # 2024) off several checkpoints to get a family of finished models, or a scaling-law sweep, from
-# one run. WSD was introduced by MiniCPM (Hu et al., 2024).
+# one run. WSD was named and popularised by MiniCPM (Hu et al., 2024); a constant rate with a final
+# cooldown had been used before, e.g. in Zhai et al.'s 2022 scaling of vision transformers.
 #
 # ## FSDP-2: orthogonalising sharded matrices
 #
@@ -1226,8 +1251,10 @@ for name, (m, n) in {"ffn.w1 2560×896": (2560, 896), "expert w1 2304×896": (23
 test_eq(ns_flops(4, 2, steps=1), 4 * 4 * 4 + 2 * 8)
 
 # %% [markdown]
-# At HyMo's size that is small next to a step's forward and backward, but it does not shrink as
-# ranks are added: the Newton–Schulz work is repeated $R$ times. The scalable alternative is
+# Over all of the 750M model's matrices that is some 25 TFLOP per step. On one GPU it is about 1 % of
+# the forward and backward (4.42 GFLOP per token × 524 288 tokens ≈ 2.3 PFLOP); on 8 GPUs each rank
+# does all 25 TFLOP against its 290 TFLOP share of the model's work, some 9 %, because it does not
+# shrink as ranks are added: the Newton–Schulz work is repeated $R$ times. The scalable alternative is
 # **owner-compute**: assign each matrix to one rank (round-robin, balanced by size); the owner
 # gathers only its matrices' updates, orthogonalises them, and sends each rank its shard back (a
 # gather and a scatter per matrix, or one all-to-all for all of them). Each rank then receives about

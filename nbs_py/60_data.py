@@ -127,6 +127,9 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 # folder); a folder with nothing else is an error that names them. Files of other types in a folder
 # (`notes.rst`, `data.json`, `corpus.txt.gz`) are skipped with a warning that counts them by
 # suffix, so that a corpus half of which is compressed does not quietly become its other half.
+# The search does not follow links to folders (a link can make a cycle), and a link to nothing has
+# nothing to read: both are skipped with a warning that names them, so a corpus whose books are
+# linked in from elsewhere does not quietly lose them (give a linked folder as an input of its own).
 # Every file found is opened once before any work starts, so one that cannot be read (no
 # permission) is a one-line error at once, not a traceback halfway through.
 
@@ -147,7 +150,14 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            visible = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            entries = [f for f in p.rglob("*") if not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            visible = [f for f in entries if f.is_file()]
+            links = sorted(f.relative_to(p).as_posix() for f in entries if f.is_symlink() and not f.is_file())  # not followed
+            if links:
+                unread = (f"{len(links)} link{'s' * (len(links) > 1)} to a folder or to nothing ({', '.join(links[:3])}"
+                          f"{', ...' * (len(links) > 3)}), not followed: give a linked folder as an input of its own")
+                if not any(f.suffix in SUFFIXES for f in visible): raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {unread}")
+                warnings.warn(f"folder {p}: skipped {unread}", DataWarning, stacklevel=2)
             found = sorted((f for f in visible if f.suffix in SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
             cased = sorted(f.relative_to(p).as_posix() for f in visible if f.suffix not in SUFFIXES and f.suffix.lower() in SUFFIXES)
             if cased:  # `A.TXT` is not read (reading it now would change the datasets already prepared from such folders)
@@ -160,7 +170,7 @@ def find_files(inputs: Iterable, # Paths of files or folders
                 f" (only {_by_suffix(other)})" if other else ""))
             if other: warnings.warn(f"folder {p}: skipped {_by_suffix(other)}: only {', '.join(SUFFIXES)} files are read "
                                     "(decompress or convert the others to read them)", DataWarning, stacklevel=2)
-            files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
+            files += [(f, f"{Path(os.path.abspath(p)).name}/{f.relative_to(p).as_posix()}") for f in found]  # '.' has a name too
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
     seen = {}
@@ -261,8 +271,8 @@ assert all(d.endswith("\n") and not d.endswith("\n\n") for d in shakespeare)
 # fraction $f$, the cut is the first line boundary at or after byte $c = \lfloor (1 - f) N \rfloor$.
 # A document that straddles $c$ is cut at that newline (its head ends the training split, its
 # tail opens the validation split); a document that does not contain a newline after $c$ stays
-# whole in training. Taking the *end* rather than random documents keeps the split free of
-# near-duplicates of training text (neighbouring speeches share characters and phrases), so the
+# whole in training. Taking the *end* rather than random documents keeps most near-duplicates of
+# training text out of the split (neighbouring speeches share characters and phrases), so the
 # validation loss measures generalisation to a later part of the play collection.
 
 # %%
@@ -380,15 +390,15 @@ assert 0 not in tok.encode("a <|endoftext|> b").ids
 # DIR/val_0000.npy  ...  the validation stream
 # ```
 #
-# Token ids are `uint16` when the vocabulary fits ($V \le 2^{16}$; the 750M model's 64 256 does),
-# else `uint32`: half the disk and page-cache traffic of `int32`. Shards are plain `.npy` files
+# Token ids are `uint16` when the vocabulary fits ($V \le 2^{16}$; the 750M model's 64 256 does):
+# half the disk and page-cache traffic of `int32`. A larger vocabulary takes `uint32`. Shards are plain `.npy` files
 # (the header carries the dtype and length) of `shard_tokens` tokens each, the last one shorter;
 # documents run across shard boundaries, because the loader reads the splits as one stream.
 #
 # **The fingerprint** is a sha256 of everything that determines the output: the format version,
 # every input file's name and content hash, and the options. Re-running `prepare` with the same
-# fingerprint returns at once without writing (so file times do not change), if the dataset is
-# intact (`check_compatible`: every shard and the tokenizer as the manifest records them); a
+# fingerprint returns once it has hashed the inputs, without writing (so file times do not change),
+# if the dataset is intact (`check_compatible`: every shard and the tokenizer as the manifest records them); a
 # damaged one (a shard deleted or cut short) is prepared again, which is what the trainer's error
 # for it asks. A different fingerprint in an existing dataset folder is refused unless
 # `overwrite=True`, and so is a manifest that cannot be read. Tokenizer
@@ -451,8 +461,9 @@ class _ShardWriter:
 
 
 # %% [markdown]
-# `prepare` reads the inputs twice (once to count bytes for the split, once to encode) and a third
-# time, up to `tokenizer_train_bytes`, to train the tokenizer, so memory stays bounded for large
+# `prepare` reads the inputs first to hash them (the fingerprint), then twice more (once to count
+# bytes for the split, once to encode), and once more, up to `tokenizer_train_bytes`, to train the
+# tokenizer, so memory stays bounded for large
 # corpora of many files. Documents are encoded in batches (`encode_batch` runs on all cores) under
 # a progress bar. Memory grows with the largest file, which is read whole (about three times its
 # size, split into documents), and with the largest document, which is encoded whole (about a
@@ -663,8 +674,29 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     return manifest
 
 
+# %% [markdown]
+# A tokenizer given with `tokenizer=` (`--tokenizer`) is checked before it is used. Its ids must be
+# $0 \dots V-1$ and it must know `<|endoftext|>`; truncation, padding and special tokens added around
+# each text are turned off, with a warning (each document already ends in `<|endoftext|>`). And it
+# must give back what it encodes: a tokenizer without byte fallback (and without an unknown token)
+# drops the characters it has no token for, so the model would never see them and nothing would
+# fail. `prepare` decodes the first megabyte of documents and warns with the first place where the
+# text does not come back as it was (a normaliser that lower-cases or folds accents warns too: it
+# may be what you want, and the warning says what it does). HyMo's own byte-level BPE gives back
+# every byte.
+
 # %%
 #| export
+def _lossy(tok, docs: Iterable[str]) -> str | None:
+    "Where `tok` first fails to give a document back as it was ('...' becomes '...'), or None if it gives back every one."
+    for d in docs:
+        back = tok.decode(tok.encode(d).ids, skip_special_tokens=False)
+        if back != d:
+            i = next((i for i, (a, b) in enumerate(zip(d, back)) if a != b), min(len(d), len(back)))  # first difference
+            return f"{d[max(0, i - 20):i + 20]!r} comes back as {back[max(0, i - 20):i + 20]!r}"
+    return None
+
+
 def _plain_tokenizer(tok, path: Path, text: str) -> str:
     """Turn off what a given tokenizer.json may do to every document beyond splitting it into tokens (truncation,
     padding, special tokens added around it), with a `DataWarning`; return the JSON the dataset keeps."""
@@ -718,6 +750,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
         tok.encode_special_tokens = True
         tokenizer_json = _plain_tokenizer(tok, tokenizer, tokenizer_json)
+        if (lost := _lossy(tok, _head(_all_docs(files, doc_split), 1 << 20))) is not None:
+            warnings.warn(f"tokenizer {tokenizer} does not give back the text it encodes: {lost}. What it drops or changes "
+                          "the model never sees; a tokenizer with byte fallback, or a byte-level BPE (leave out --tokenizer "
+                          "to train one), keeps every character", DataWarning, stacklevel=2)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
@@ -888,7 +924,7 @@ test_eq(load_manifest(work / "cache/data/tinyshakespeare-bpe2048")["fingerprint"
 # $B$ sequences each, and an optimiser step takes $A$ micro-batch steps (gradient accumulation), so
 # $G = A W B$ windows, the global batch. An epoch is a whole number of optimiser steps,
 # $\lfloor K / G \rfloor$, which is $S = A \lfloor K / G \rfloor$ micro-batch steps (the at most
-# $G - 1$ windows left over are different ones every epoch). Step $t$ belongs to epoch
+# $G - 1$ windows left over are a fresh random set every epoch). Step $t$ belongs to epoch
 # $e = \lfloor t / S \rfloor$, and rank $r$ reads, for $b = 0 \dots B - 1$,
 # $$k = \pi_e\big((t \bmod S)\, W B + r B + b\big).$$
 # Nothing but $(\text{seed}, t, r)$ enters: the ranks' windows are disjoint (distinct entries of
@@ -952,6 +988,7 @@ class TokenLoader:
         self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
         self.rank, self.world_size, self.seed, self.doc_masking, self.accum = rank, world_size, seed, doc_masking, accum
         if not 0 <= rank < world_size: raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
+        if seed < 0: raise DataError(f"seed={seed} must be >= 0 (it seeds numpy's generator)")
         if seq_len <= 0 or micro_batch_size <= 0 or accum <= 0:
             raise DataError("seq_len, micro_batch_size and accum must be positive")
         self.manifest = load_manifest(data_dir)
@@ -961,6 +998,9 @@ class TokenLoader:
         self.n_tokens = int(self.offsets[-1])
         self.n_windows = max(self.n_tokens - 1, 0) // seq_len  # K
         per_step = world_size * micro_batch_size * accum  # G
+        if self.n_tokens == 0:  # only a validation split can be empty: `prepare` refuses a corpus with no training text
+            raise DataError(f"the {split} split of {data_dir} holds no tokens (prepared with val_fraction=0): prepare the "
+                            "data again with a val_fraction above 0 (--val-fraction) to have one")
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
@@ -980,6 +1020,7 @@ class TokenLoader:
 
     def window_ids(self, step: int) -> np.ndarray:
         "The window indices $k$ this rank reads at `step`: `[B]`."
+        if step < 0: raise DataError(f"step={step} must be >= 0")
         if not self.steps_per_epoch:
             raise DataError(f"the {self.split} split has {self.n_windows} windows, fewer than one optimiser step's "
                             f"{self.world_size * self.micro_batch_size * self.accum}: it serves `eval_batches` only")

@@ -16,7 +16,7 @@
 # ```
 #
 # Then train on it with `python -m hymo.train data_dir=DIR`. Running `prepare` twice on the same
-# input is free: the second run finds the same fingerprint and writes nothing.
+# input is cheap: the second run hashes the inputs, finds the same fingerprint and writes nothing.
 
 # %%
 #| export
@@ -228,6 +228,8 @@ assert "afile is a file, not a folder: choose another --out" in err.getvalue()
 # ## Why pass a tokenizer with `--tokenizer` instead of training one per dataset?
 # Token ids only mean something relative to one tokenizer. To continue training a model on new
 # data, to compare runs on different corpora, or to evaluate on a held-out set, every dataset must
-# be encoded with the model's tokenizer; the manifest stores its sha256 so a mismatch is caught
-# before training.
+# be encoded with the model's tokenizer. The manifest records its sha256, and so does a finished
+# run's `summary.json`, so which tokenizer encoded what is never a guess: generation checks a run
+# folder's copy against it, and a resume refuses a dataset whose fingerprint (which includes the
+# tokenizer's hash) is not the one the run trained on.
 # :::

@@ -53,6 +53,7 @@ import torch.nn as nn
 
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
+from hymo.models.moe import stats_paused
 from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default, to_disk
 from hymo.training.optim import build_optimizers, wsd_schedule
 
@@ -142,7 +143,9 @@ def _create_new_run_dir(path: Path) -> Path:
 # The model code is single-device. `parallelize` applies everything else from outside, always in
 # the same order, because each step wraps the result of the one before:
 #
-# 1. **activation checkpointing** (by config): each block recomputes its activations in backward;
+# 1. **activation checkpointing** (by config): each block recomputes its activations in backward
+#    (the MoE layers' balancing counts must not see that second forward: `forward_backward` runs the
+#    backward inside `stats_paused`, chapter 30);
 # 2. **`torch.compile`** (by config): each block (and each MTP head) is compiled on its own, so
 #    the compiled regions are small and identical: two graphs for 32 blocks, one per block type.
 #    The Triton GDN kernel is a registered operator, so a GDN block is one graph. The `hymo_750m`
@@ -535,6 +538,7 @@ class Trainer:
 
         torch.manual_seed(train_cfg.seed)
         self.model = parallelize(build_hymo(model_cfg, device=self.d.device), train_cfg, self.d)
+        self.moes = self.model.moe_layers()  # in depth order: their gate biases are updated after every step
         self.optimizers = build_optimizers(self.model, train_cfg)
         for opt in self.optimizers:
             for g in opt.param_groups: g.setdefault("peak_lr", g["lr"])
@@ -950,7 +954,7 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # removes is $2 \cdot \text{accum} - 1$ all-gathers per block and step between GPUs, not measured
 # here (only one-GPU machines were lent). Most of what was left between the FSDP step and the
 # autocast step on one GPU was NorMuon's handling of sharded matrices (chapter 50): with that fixed,
-# 6.70 s against 6.67 s on one machine. The autocast path then gained `add_into` (below), which
+# 6.70 s against 6.67 s on one machine. The autocast path then gained `add_into` (above), which
 # FSDP has no use for: 6.649 s against 6.473 s on the round's last machine (round 11 in the
 # results chapter).
 # A batch goes to the GPU from pinned (page-locked) host memory, without blocking. A copy from
@@ -1017,7 +1021,8 @@ def forward_backward(self: Trainer, last: bool) -> tuple[dict, int, float]:
         flops += tokens.numel() * self.flops_per_key * (doc_keys_per_query(batch[2]) - self.cfg.seq_len / 2)
     with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
         with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-        (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
+        with stats_paused(self.moes):  # activation checkpointing's re-run forward must not count assignments again
+            (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
     if mats is not None: mats.collect()
     return {"total": loss.detach(), **parts}, tokens.numel(), flops
 
@@ -1045,11 +1050,11 @@ def train_step(self: Trainer) -> dict:
         for opt in self.optimizers:
             for g in opt.param_groups: g["lr"] = g["peak_lr"] * lr_mult
             opt.step()
-        for i, m in enumerate(self.model.moe_layers()):
+        for i, m in enumerate(self.moes):
             for k, v in (m.update_gate_bias() or {}).items(): moe[f"moe{i}/{k}"] = float(v)
         self.consecutive_bad = 0
     else:
-        for m in self.model.moe_layers():  # this step's routing counts must not steer the bias
+        for m in self.moes:  # this step's routing counts must not steer the bias
             m.expert_counts.zero_(); m.dropped_tokens.zero_()
         self.bad_steps += 1
         self.consecutive_bad += 1
@@ -1362,8 +1367,9 @@ class StopSignals:
 # %% [markdown]
 # `fit` is the loop around `train_step`: metrics, validation, checkpoints, stops. On a CPU it first
 # checks the size of a step: `hymo_750m` there would take about 6 hours a step at 100 GFLOP/s
-# ($4.4 \times 10^9$ FLOPs for each of 524 288 tokens) and some 20 GB for its weights, gradients and
-# optimiser states, so such a run begins with a line that says so rather than going quiet for hours
+# ($4.4 \times 10^9$ FLOPs for each of 524 288 tokens) and some 15 GB for its weights, gradients and
+# optimiser states (4 bytes each for the weights and gradients; NorMuon keeps one momentum, AdamW
+# two moments), so such a run begins with a line that says so rather than going quiet for hours
 # (or being killed for memory without a word).
 
 # %%
@@ -1372,12 +1378,14 @@ CPU_FLOPS = 1e11  # what a laptop CPU sustains in fp32 on these shapes, roughly:
 
 
 def _warn_if_slow_on_cpu(self: Trainer):
-    "A line before a CPU run whose steps would take more than ten minutes each (hymo_750m: hours, and some 20 GB)."
+    "A line before a CPU run whose steps would take more than ten minutes each (hymo_750m: hours, and some 15 GB)."
     step = self.flops_per_token * self.cfg.global_batch_size * self.cfg.seq_len
     if step / CPU_FLOPS < 600: return
-    state_gb = 16 * self.model.num_params() / 1e9  # fp32 weights and gradients, two optimiser moments
+    normuon, adamw = self.optimizers
+    n = lambda opt: sum(p.numel() for g in opt.param_groups for p in g["params"])
+    state_gb = (12 * n(normuon) + 16 * n(adamw)) / 1e9  # fp32 weights and gradients; NorMuon's momentum, AdamW's two moments
     self.log(f"warning: a step of this run is {step:.1e} FLOPs, about {step / CPU_FLOPS / 3600:.1f} h on a CPU at "
-             f"{CPU_FLOPS / 1e9:.0f} GFLOP/s, and its weights, gradients and optimiser states take some {state_gb:.0f} GB. "
+             f"{CPU_FLOPS / 1e9:.0f} GFLOP/s, and its weights, gradients and optimiser states take some {state_gb:.3g} GB. "
              "It is meant for GPUs (torchrun ... --config hymo_750m on CUDA); hymo_tiny trains on a CPU in minutes")
 
 

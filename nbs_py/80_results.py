@@ -261,7 +261,15 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 32)
+# ## The round log: what each round changed and measured (rounds 6 to 33)
+# * **Round 33: no H200 could be started; on an H100 80GB HBM3, the trainer now runs each backward
+#   inside `stats_paused` (chapter 30: activation checkpointing's second forward no longer adds the MoE
+#   counts again) over a list of the MoE layers made once.** The preset step took 6.785 and 6.803 s
+#   (34.5 % MFU, 77.1 k tokens/s, 50.6 GB), as round 32's H100; with `--timeline` the host took 207
+#   ms to issue a micro-batch and the GPU spanned 209 ms, never running dry. The CUDA tests of MLA
+#   (packed documents longer than `max_seq_len` now refused where MLA reads the boundaries), the
+#   model, the MoE and the trainer passed (29), among them the counts under activation checkpointing
+#   with compiled blocks.
 # * **Round 32: no H200 was lent; on an H100 80GB HBM3, the code of session 45 plus the model's new
 #   target checks (no change to the step's kernels since round 29).** The preset step took 6.843 s
 #   and 6.824 s (34.3 % MFU, 76.6 k tokens/s, 50.6 GB), 1 % slower than round 31's H100; with

@@ -727,3 +727,117 @@ def test_cli_options_and_notes(text, tmp_path, capsys):
     assert main(["prepare", "--input", str(tmp_path / "small.txt"), "--out", str(tmp_path / "s"), "--vocab-size", "2000",
                  "--val-fraction", "0", "--no-progress"]) == 0
     assert "note: the tokenizer learned" in capsys.readouterr().out
+
+
+def _bare_loader(n_windows, world_size, micro_batch_size, accum):
+    "A loader's epoch arithmetic without a dataset: only what `step_after` reads."
+    L = TokenLoader.__new__(TokenLoader)
+    L.n_windows, L.world_size, L.micro_batch_size, L.accum = n_windows, world_size, micro_batch_size, accum
+    L.steps_per_epoch = n_windows // (world_size * micro_batch_size * accum) * accum
+    return L
+
+
+def test_step_after_continues_after_the_windows_the_saved_run_read():
+    "In the saved run's epoch, after the windows it read there (rounded up), or at the next epoch's start: from every kind of save."
+    saved = lambda step, W=1, B=1, A=1: {"step": step, "world_size": W, "micro_batch_size": B, "accum": A}
+    assert _bare_loader(10, 1, 4, 1).step_after(saved(9)) == 2  # 9 of 10 windows read: this epoch of 2 steps is done
+    assert _bare_loader(10, 1, 4, 1).step_after(saved(5)) == 2  # 5 read: step 2 would read 8..11 of an epoch of 8
+    assert _bare_loader(10, 1, 1, 1).step_after(saved(12, A=4)) == 14  # epochs of 8 micro-steps then; 4 into the second
+    assert _bare_loader(10, 1, 1, 1).step_after({"optimizer_step": 3, "global_batch_size": 4}) == 14  # meta.json only
+    assert _bare_loader(1000, 1, 4, 1).step_after(saved(3, W=2, B=2)) == 3  # 12 windows read, 4 a step now
+    assert _bare_loader(1000, 2, 2, 1).step_after(saved(3, B=4)) == 3
+    assert _bare_loader(1000, 1, 1, 4).step_after(saved(5)) == 8  # up to a whole optimiser step of 4
+
+
+def test_the_loader_s_own_arguments_are_checked(ds):
+    with pytest.raises(DataError, match="must be positive"): TokenLoader(ds, seq_len=0)
+    with pytest.raises(DataError, match="choose one of"): TokenLoader(ds, "test")
+    with pytest.raises(DataError, match="seed=-1 must be >= 0"): TokenLoader(ds, seed=-1)
+    L = TokenLoader(ds, seq_len=16, micro_batch_size=2)
+    with pytest.raises(DataError, match="step=-1 must be >= 0"): L.window_ids(-1)
+    K = L.n_windows
+    assert TokenLoader(ds, seq_len=16, micro_batch_size=K).steps_per_epoch == 1  # one step's worth of windows is enough
+    V = TokenLoader(ds, "val", seq_len=16, micro_batch_size=1, eval_only=True).n_windows
+    only = TokenLoader(ds, "val", seq_len=16, micro_batch_size=V, eval_only=True)
+    assert only.eval_plan() == [(0, True)] and len(list(only.eval_batches(10**6))) == 1  # capped at the windows there are
+    with pytest.raises(DataError, match="serves `eval_batches` only"): next(TokenLoader(ds, "val", seq_len=16, micro_batch_size=V // 2 + 1, accum=2, eval_only=True))
+    assert L.check_same_data({"fingerprint": None, "seq_len": 16}, "x") is None  # a checkpoint from before fingerprints
+
+
+def test_an_empty_validation_split_says_how_to_have_one(text, tmp_path):
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, val_fraction=0, progress=False)
+    assert load_manifest(out)["splits"]["val"]["shards"] == []  # no empty shard file either
+    with pytest.raises(DataError, match=r"val split .* holds no tokens .*--val-fraction"): TokenLoader(out, "val", seq_len=16)
+
+
+def test_a_dataset_made_with_another_given_tokenizer_is_not_served_as_this_one(ds, text, tmp_path):
+    "The tokenizer's hash is in the fingerprint: the same inputs and options with another tokenizer of the same size are other data."
+    from tokenizers import Tokenizer
+    out = prepare(text, tmp_path / "ds", tokenizer=ds / "tokenizer.json", progress=False)
+    other = train_tokenizer(split_text(CORPUS.read_text()[-30_000:]), VOCAB)
+    other.save(str(tmp_path / "other.json"))
+    assert Tokenizer.from_file(str(tmp_path / "other.json")).get_vocab_size() == VOCAB
+    with pytest.raises(DataError, match="overwrite=True"):
+        prepare(text, tmp_path / "ds", tokenizer=tmp_path / "other.json", progress=False)
+
+
+def test_a_literal_end_of_text_in_a_document_is_text_with_a_given_tokenizer(ds, tmp_path):
+    (tmp_path / "t.txt").write_text("a <|endoftext|> b\n\nsecond\n" * 20)
+    out = prepare(tmp_path / "t.txt", tmp_path / "ds", tokenizer=ds / "tokenizer.json", val_fraction=0, progress=False)
+    assert (stream_of(out, "train") == 0).sum() == load_manifest(out)["splits"]["train"]["documents"]  # one per document
+    assert 0 not in load_tokenizer(out).encode("a <|endoftext|> b").ids  # the trainer's `sample` encodes with it
+
+
+def test_a_given_tokenizer_that_loses_text_is_said(tmp_path):
+    "Without byte fallback or an unknown token, characters it has no token for vanish: a warning shows where."
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    t = Tokenizer(models.BPE(vocab={EOT: 0, **{chr(97 + i): i + 1 for i in range(26)}}, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "letters.json"))
+    (tmp_path / "t.txt").write_text("Hello, World! 42\n\nsecond doc\n")
+    with pytest.warns(D.DataWarning, match=r"does not give back the text it encodes: 'Hello, World! 42\\n' comes back as 'e l l o"):
+        prepare(tmp_path / "t.txt", tmp_path / "ds", tokenizer=tmp_path / "letters.json", val_fraction=0, progress=False)
+
+
+def test_links_a_folder_search_does_not_follow_are_named(tmp_path):
+    from hymo.training.data import find_files
+    (tmp_path / "books").mkdir(); (tmp_path / "books" / "b.txt").write_text("A whole book.\n")
+    d = tmp_path / "in"; d.mkdir(); (d / "a.txt").write_text("A note.\n")
+    os.symlink(tmp_path / "books", d / "books"); os.symlink(tmp_path / "gone.txt", d / "dangling.txt")
+    with pytest.warns(D.DataWarning, match=r"skipped 2 links to a folder or to nothing \(books, dangling.txt\), not followed"):
+        assert [n for _, n in find_files(d)] == ["in/a.txt"]
+    (d / "a.txt").unlink()
+    with pytest.raises(DataError, match=r"holds no .* files, only 2 links"): find_files(d)
+    assert [n for _, n in find_files(d / "books")] == ["books/b.txt"]  # given on its own, it is read
+
+
+def test_what_a_folder_search_skips_and_names(tmp_path, monkeypatch):
+    from hymo.training.data import find_files
+    d = tmp_path / "corpus"; d.mkdir()
+    (d / "a.txt").write_text("x\n"); (d / ".ipynb_checkpoints").mkdir(); (d / ".ipynb_checkpoints" / "a.txt").write_text("x\n")
+    (d / "sub").mkdir()
+    assert [n for _, n in find_files(d)] == ["corpus/a.txt"]  # hidden folders are not read
+    with pytest.raises(DataError, match="given twice"): find_files([d / "a.txt", d / "sub" / ".." / "a.txt"])
+    monkeypatch.chdir(d)
+    assert [n for _, n in find_files(".")] == ["corpus/a.txt"]  # named as `--input ../corpus` would name it
+    assert split_text("  \n\nA\n\n \t") == ["A\n"]
+
+
+def test_small_helpers_of_prepare():
+    assert list(D._head(["ab", "cd", "ef"], 4)) == ["ab", "cd"]  # stops once max_bytes are reached
+    assert list(D._short_runs(["a" * 2500])) == ["a" * 1000 + " " + "a" * 1000 + " " + "a" * 500]
+    with pytest.raises(DataError, match="at least 257"): D._check_vocab_size(256)
+    D._check_vocab_size(257)
+
+
+def test_a_manifest_of_another_format_or_shape_is_refused(ds, tmp_path):
+    import shutil
+    bad = tmp_path / "ds"; shutil.copytree(ds, bad)
+    m = json.loads((ds / "manifest.json").read_text())
+    for broken, msg in (({**m, "format": "hymo-tokens-v2"}, "this version reads"), ({**m, "eot_id": True}, "eot_id"), ([1], "")):
+        (bad / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(DataError, match=msg): load_manifest(bad)
+    shutil.copytree(ds, tmp_path / "ds2")
+    first = load_manifest(ds)["splits"]["train"]["shards"][0]["file"]
+    np.save(tmp_path / "ds2" / first, np.load(ds / first).reshape(-1, 1))
+    with pytest.raises(DataError, match="damaged"): check_compatible(tmp_path / "ds2", VOCAB)

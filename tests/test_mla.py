@@ -1,4 +1,5 @@
 """RoPE and Multi-Head Latent Attention: relative positions, the DeepSeek formula, grouping, packing, NoPE, cached decoding."""
+import dataclasses
 import math
 
 import pytest
@@ -75,6 +76,9 @@ def test_positions_restart_per_document():
         positions_from_cu_seqlens(torch.tensor([0, 3, 3, 7]), 7)
     with pytest.raises(ValueError, match="from 0 to T=7"):  # not from 0: the first tokens in no document
         positions_from_cu_seqlens(torch.tensor([2, 4, 7]), 7)
+    assert positions_from_cu_seqlens(torch.tensor([0, 2, 3, 7]), 7, max_len=4).tolist() == [0, 1, 0, 0, 1, 2, 3]
+    with pytest.raises(ValueError, match="4 tokens > max_seq_len=3"):  # RoPE would go on past the positions trained
+        positions_from_cu_seqlens(torch.tensor([0, 2, 3, 7]), 7, max_len=3)
     for dtype in (torch.float32, torch.bool, torch.uint8):  # floats index nothing; bools and bytes' differences wrap
         with pytest.raises(ValueError, match="int32 or int64"):
             positions_from_cu_seqlens(torch.tensor([0, 4, 7]).to(dtype), 7)
@@ -172,6 +176,11 @@ def test_cu_seqlens_equals_separate_documents(v_dim):
     for bad in ([0, 4, 8], [2, 4, 20], [0, 8, 8, 20]):  # not reaching T (8 of 20 tokens out), not from 0, an empty document
         with pytest.raises(ValueError, match="from 0 to T=20"):
             m(x, cu_seqlens=torch.tensor(bad))
+    short = MultiHeadLatentAttention(dataclasses.replace(m.config, max_seq_len=12))
+    short.load_state_dict(m.state_dict())
+    torch.testing.assert_close(short(x, cu_seqlens=cu), y)  # the row is longer than max_seq_len, no document is
+    with pytest.raises(ValueError, match="13 tokens > max_seq_len=12"):  # checked where the boundaries are read, on any device
+        short(x, cu_seqlens=torch.tensor([0, 7, 20]))
 
 
 @pytest.mark.parametrize("attend", ["attend_documents", "attend_documents_loop", "varlen_flash_attention"])

@@ -229,16 +229,35 @@ def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_p
     assert got != pytest.approx(want[0], rel=1e-6)  # the windows differ: a pass of one would show
 
 
+def test_validation_leaves_out_a_ranks_repeated_turn(tmp_path):
+    "With more ranks than groups left, a rank's last turn repeats a group only to keep FSDP's gathers in step: it is not counted."
+    t = make(tmp_path / "run", max_steps=4, eval_batches=3)  # one process: its share is not all-reduced
+    t.val_loader.world_size = 2  # as rank 0 of 2: groups 0 and 2; rank 1: group 1, then group 0 again, not counted
+    B = t.val_loader.micro_batch_size
+    t.model.eval()
+    with torch.no_grad():
+        batches = [t.val_loader._batch(torch.arange(g * B, (g + 1) * B).numpy()) for g in range(3)]
+        loss = [float(t.model(b[0], targets=b[1])[1]["main"]) for b in batches]
+    assert t.evaluate() == pytest.approx((loss[0] + loss[2]) / 2, rel=1e-6)
+    t.val_loader.rank = 1
+    assert t.val_loader.eval_plan(3) == [(1, True), (0, False)]
+    assert loss[0] != pytest.approx(loss[1], rel=1e-5) and t.evaluate() == pytest.approx(loss[1], rel=1e-6)
+
+
 def test_a_cpu_run_whose_steps_take_hours_says_so_before_it_starts(tmp_path, monkeypatch, capsys):
-    "hymo_750m on a CPU is hours a step and ~20 GB: one warning line first. hymo_tiny's steps are quick: none."
+    "hymo_750m on a CPU is hours a step and ~15 GB: one warning line first. hymo_tiny's steps are quick: none."
     import hymo.training.trainer as tr
     cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 1, "warmup_steps": 0})
     tr.Trainer(cfg.model, cfg.train, run_dir=tmp_path / "a").fit()
     assert "meant for GPUs" not in capsys.readouterr().out
     monkeypatch.setattr(tr, "CPU_FLOPS", 1e3)  # as slow as hymo_750m's steps would be
-    tr.Trainer(cfg.model, cfg.train, run_dir=tmp_path / "b").fit()
+    t = tr.Trainer(cfg.model, cfg.train, run_dir=tmp_path / "b")
+    t.fit()
     out = capsys.readouterr().out
     assert "warning: a step of this run is" in out and "meant for GPUs" in out and out.index("warning") < out.index("step 1/1")
+    P = t.model.num_params() / 1e9  # 4 + 4 bytes of weight and gradient each; 4 more for NorMuon's momentum, 8 for AdamW's
+    gb = float(re.search(r"optimiser states take some ([\d.e+-]+) GB", out)[1])
+    assert 12 * P < gb < 15 * P  # most of the weights are NorMuon's
 
 
 def test_a_small_validation_split_still_reports_on_many_ranks(tmp_path):
@@ -681,6 +700,76 @@ def test_a_good_step_updates_the_moe_bias_and_ends_a_run_of_bad_steps(tmp_path, 
     ms = t.fit(num_steps=6)  # bad, good, bad, good, bad, good: steps 2 to 7; step 5, good, is due a checkpoint
     assert [m["skipped"] for m in ms] == [True, False] * 3 and t.bad_steps == 3
     assert (t.run_dir / "checkpoints" / "step_000005").is_dir()
+
+
+@pytest.mark.parametrize("ac,compiled", [(False, False), (True, False), (True, True)])
+def test_moe_counts_each_assignment_once_with_activation_checkpointing(tmp_path, ac, compiled):
+    "Activation checkpointing re-runs each block's forward in backward: that second forward must not count its assignments again."
+    from hymo.models.moe import DeepSeekMoE
+    from hymo.training.trainer import forward_backward
+    if compiled and not torch.cuda.is_available(): pytest.skip("compiled blocks: checked on a GPU (some 30 s to compile on a CPU)")
+    t = make(tmp_path / "run", activation_checkpointing=ac, compile=compiled)
+    t.model.train()
+    _, n_tokens, _ = forward_backward(t, last=True)
+    moes = [m for m in t.model.modules() if isinstance(m, DeepSeekMoE)]
+    assert moes and [m.expert_counts.sum().item() for m in moes] == [n_tokens * m.top_k for m in moes]
+    assert all(m.record_stats for m in moes)  # counting again for the next forward
+
+
+def test_each_checkpoint_is_written_once(tmp_path, monkeypatch):
+    "A step due a checkpoint that a stop also ends, and the last step (fit's final checkpoint, then finish), write one each."
+    from hymo.training.trainer import Trainer
+    written, real_save = [], Trainer.save
+
+    def counted(self):
+        written.append(self.step)
+        return real_save(self)
+
+    monkeypatch.setattr(Trainer, "save", counted)
+    t = make(tmp_path / "run", max_steps=4, ckpt_every=2)
+    real_step = Trainer.train_step
+
+    def stop_at_2(self):
+        m = real_step(self)
+        if self.step == 2: self.request_stop()
+        return m
+
+    monkeypatch.setattr(Trainer, "train_step", stop_at_2)
+    t.fit()
+    assert written == [2] and t.stopped_by is not None
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+    t.fit()  # steps 3 and 4, then the finish
+    assert written == [2, 4] and (t.run_dir / "summary.json").exists()
+
+
+def test_bad_step_counts_survive_a_resume(tmp_path, monkeypatch):
+    "A run whose last step was non-finite resumes with its bad_steps and its streak: the next bad step ends it at max_bad_steps=1."
+    from hymo.training.trainer import NonFiniteError, Trainer
+    t = make(tmp_path / "run", max_steps=3, max_bad_steps=1)
+    real_forward = type(t.model).forward
+
+    def nan_at(steps):
+        def forward(self, tokens, targets=None, cu_seqlens=None):
+            loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+            return (loss * float("nan"), parts) if targets is not None and t_now["step"] in steps else (loss, parts)
+        return forward
+
+    t_now = {"step": 0}
+    real_step = Trainer.train_step
+
+    def tracked(self):
+        t_now["step"] = self.step + 1  # the step this call trains
+        return real_step(self)
+
+    monkeypatch.setattr(Trainer, "train_step", tracked)
+    monkeypatch.setattr(type(t.model), "forward", nan_at({1, 3}))
+    t.fit()  # bad, good, bad: the final checkpoint is written at step 3, in a streak of one
+    assert (t.bad_steps, t.consecutive_bad) == (2, 1)
+    t2 = make(tmp_path / "run", max_steps=5, max_bad_steps=1)
+    assert (t2.step, t2.bad_steps, t2.consecutive_bad) == (3, 2, 1)
+    monkeypatch.setattr(type(t2.model), "forward", nan_at({4}))
+    with pytest.raises(NonFiniteError, match="2 consecutive steps"):
+        t2.fit()
 
 
 def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, monkeypatch):

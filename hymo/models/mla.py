@@ -191,7 +191,7 @@ class MultiHeadLatentAttention(nn.Module):
         if cu_seqlens is not None:
             if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: got batch {B}, reshape to [1, B*T, D]")
             if positions is not None: raise ValueError("pass cu_seqlens or positions, not both: cu_seqlens sets the positions")
-            positions = positions_from_cu_seqlens(cu_seqlens, T)
+            positions = positions_from_cu_seqlens(cu_seqlens, T, self.config.max_seq_len)  # reads the boundaries once
         elif positions is None: positions = torch.arange(T, device=x.device)
         rope = self.rope_tables(positions)
         q_nope, q_rope = self.queries(x, rope)  # (B, T, H, d_nope), (B, T, H, d_rope)

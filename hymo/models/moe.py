@@ -9,6 +9,7 @@ Docs: https://hymo-lm.github.io/hymo/moe.html.md"""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from fractions import Fraction
 
 import torch
@@ -21,7 +22,7 @@ from .layers import SwiGLU
 
 # %% auto #0
 __all__ = ['HAS_GROUPED_MM', 'experts_loop', 'experts_grouped', 'experts_gathered', 'sort_assignments', 'GatherRows',
-           'SwiGLUExpert', 'DeepSeekMoE']
+           'SwiGLUExpert', 'DeepSeekMoE', 'stats_paused']
 
 # %% ../../nbs/30_moe.ipynb #587a5909
 def experts_loop(xs: torch.Tensor, # [M, d] assignments sorted by expert
@@ -123,6 +124,7 @@ class DeepSeekMoE(nn.Module):
         if self.top_k > self.n_routed:
             raise ValueError(f"moe_top_k={self.top_k} > moe_n_routed={self.n_routed}: lower moe_top_k")
         self.impl = "auto"  # one of IMPLS
+        self.record_stats = True  # False: a training forward adds nothing to the counts (`stats_paused`)
         E, h, d = self.n_routed, self.inter_dim, self.dim
         self.gate = nn.Linear(d, E, bias=False)
         self.w1 = nn.Parameter(torch.empty(E, h, d))  # gate projections of the routed experts
@@ -200,7 +202,7 @@ class DeepSeekMoE(nn.Module):
         N, d = xf.shape
         cap = self.capacity(N) if self.training else None  # inference is dropless, hence causal
         order, counts, keep = sort_assignments(idx, score, self.n_routed, cap)
-        if self.training:  # balancing statistics (eval batches must not steer the bias)
+        if self.training and self.record_stats:  # balancing statistics (eval batches must not steer the bias)
             self.expert_counts += counts
             self.dropped_tokens += (~keep).sum()
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -233,3 +235,12 @@ class DeepSeekMoE(nn.Module):
         self.dropped_tokens.zero_()
         total = c.sum().clamp_min(1)
         return {"moe_load_max_mean": c.max() / (total / self.n_routed), "moe_drop_frac": dropped / total}
+
+# %% ../../nbs/30_moe.ipynb #3b6219bd
+@contextmanager
+def stats_paused(moes: list[DeepSeekMoE]): # The layers to pause, e.g. `HyMo.moe_layers()` (listed once: a model has hundreds of modules)
+    "Within: the MoE layers `moes` add no balancing statistics. For a backward that re-runs their forward."
+    for m in moes: m.record_stats = False
+    try: yield
+    finally:
+        for m in moes: m.record_stats = True

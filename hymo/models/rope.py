@@ -63,9 +63,13 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1], in
 @torch.compiler.disable  # data-dependent checks: traced, they would break the graph and recompile for every new N
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N + 1]: 0, L_0, L_0 + L_1, ..., T
                               T: int, # Length of the packed sequence
+                              max_len: int | None = None, # Longest document allowed (the model's max_seq_len); None: any
                              ) -> torch.Tensor: # [T] positions, restarting at 0 at each document
     "Per-token position inside its own document, for RoPE on packed sequences."
-    check_cu_seqlens(cu_seqlens, T)
+    b = check_cu_seqlens(cu_seqlens, T)
+    longest = max(e - s for s, e in zip(b, b[1:]))
+    if max_len is not None and longest > max_len:  # its last positions would be ones the model never trained on
+        raise ValueError(f"a packed document has {longest} tokens > max_seq_len={max_len}: split long documents or raise max_seq_len")
     t = torch.arange(T, device=cu_seqlens.device)
     doc = torch.searchsorted(cu_seqlens[1:], t, right=True)  # (T,) index of each token's document
     return t - cu_seqlens[doc]

@@ -75,7 +75,14 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            visible = [f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            entries = [f for f in p.rglob("*") if not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            visible = [f for f in entries if f.is_file()]
+            links = sorted(f.relative_to(p).as_posix() for f in entries if f.is_symlink() and not f.is_file())  # not followed
+            if links:
+                unread = (f"{len(links)} link{'s' * (len(links) > 1)} to a folder or to nothing ({', '.join(links[:3])}"
+                          f"{', ...' * (len(links) > 3)}), not followed: give a linked folder as an input of its own")
+                if not any(f.suffix in SUFFIXES for f in visible): raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {unread}")
+                warnings.warn(f"folder {p}: skipped {unread}", DataWarning, stacklevel=2)
             found = sorted((f for f in visible if f.suffix in SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
             cased = sorted(f.relative_to(p).as_posix() for f in visible if f.suffix not in SUFFIXES and f.suffix.lower() in SUFFIXES)
             if cased:  # `A.TXT` is not read (reading it now would change the datasets already prepared from such folders)
@@ -88,7 +95,7 @@ def find_files(inputs: Iterable, # Paths of files or folders
                 f" (only {_by_suffix(other)})" if other else ""))
             if other: warnings.warn(f"folder {p}: skipped {_by_suffix(other)}: only {', '.join(SUFFIXES)} files are read "
                                     "(decompress or convert the others to read them)", DataWarning, stacklevel=2)
-            files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
+            files += [(f, f"{Path(os.path.abspath(p)).name}/{f.relative_to(p).as_posix()}") for f in found]  # '.' has a name too
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
     seen = {}
@@ -454,6 +461,16 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     return manifest
 
 # %% ../../nbs/60_data.ipynb #33a82cea
+def _lossy(tok, docs: Iterable[str]) -> str | None:
+    "Where `tok` first fails to give a document back as it was ('...' becomes '...'), or None if it gives back every one."
+    for d in docs:
+        back = tok.decode(tok.encode(d).ids, skip_special_tokens=False)
+        if back != d:
+            i = next((i for i, (a, b) in enumerate(zip(d, back)) if a != b), min(len(d), len(back)))  # first difference
+            return f"{d[max(0, i - 20):i + 20]!r} comes back as {back[max(0, i - 20):i + 20]!r}"
+    return None
+
+
 def _plain_tokenizer(tok, path: Path, text: str) -> str:
     """Turn off what a given tokenizer.json may do to every document beyond splitting it into tokens (truncation,
     padding, special tokens added around it), with a `DataWarning`; return the JSON the dataset keeps."""
@@ -507,6 +524,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             raise DataError(f"vocab_size={vocab_size} but tokenizer {tokenizer} has {tok.get_vocab_size()} tokens: drop --vocab-size or use another tokenizer")
         tok.encode_special_tokens = True
         tokenizer_json = _plain_tokenizer(tok, tokenizer, tokenizer_json)
+        if (lost := _lossy(tok, _head(_all_docs(files, doc_split), 1 << 20))) is not None:
+            warnings.warn(f"tokenizer {tokenizer} does not give back the text it encodes: {lost}. What it drops or changes "
+                          "the model never sees; a tokenizer with byte fallback, or a byte-level BPE (leave out --tokenizer "
+                          "to train one), keeps every character", DataWarning, stacklevel=2)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
@@ -595,6 +616,7 @@ class TokenLoader:
         self.data_dir, self.split, self.seq_len, self.micro_batch_size = Path(data_dir), split, seq_len, micro_batch_size
         self.rank, self.world_size, self.seed, self.doc_masking, self.accum = rank, world_size, seed, doc_masking, accum
         if not 0 <= rank < world_size: raise DataError(f"rank={rank} must be in [0, world_size={world_size})")
+        if seed < 0: raise DataError(f"seed={seed} must be >= 0 (it seeds numpy's generator)")
         if seq_len <= 0 or micro_batch_size <= 0 or accum <= 0:
             raise DataError("seq_len, micro_batch_size and accum must be positive")
         self.manifest = load_manifest(data_dir)
@@ -604,6 +626,9 @@ class TokenLoader:
         self.n_tokens = int(self.offsets[-1])
         self.n_windows = max(self.n_tokens - 1, 0) // seq_len  # K
         per_step = world_size * micro_batch_size * accum  # G
+        if self.n_tokens == 0:  # only a validation split can be empty: `prepare` refuses a corpus with no training text
+            raise DataError(f"the {split} split of {data_dir} holds no tokens (prepared with val_fraction=0): prepare the "
+                            "data again with a val_fraction above 0 (--val-fraction) to have one")
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
@@ -623,6 +648,7 @@ class TokenLoader:
 
     def window_ids(self, step: int) -> np.ndarray:
         "The window indices $k$ this rank reads at `step`: `[B]`."
+        if step < 0: raise DataError(f"step={step} must be >= 0")
         if not self.steps_per_epoch:
             raise DataError(f"the {self.split} split has {self.n_windows} windows, fewer than one optimiser step's "
                             f"{self.world_size * self.micro_batch_size * self.accum}: it serves `eval_batches` only")

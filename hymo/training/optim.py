@@ -336,7 +336,7 @@ class CautiousAdamW(torch.optim.Optimizer):
         torch._foreach_addcdiv_(ps, ms, denom, value=-lr / (1 - b1**t))
 
 # %% ../../nbs/50_optim.ipynb #56abff2a
-def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g. 'layers.3.moe.gate.weight'
+def param_group(name: str, # Qualified name from `model.named_parameters()`, e.g. 'layers.3.ffn.gate.weight'
                 p: torch.Tensor, # The parameter (only its shape is used)
                ) -> str:
     "Which optimiser group a parameter belongs to: 'normuon', 'adamw' (with decay) or 'adamw_no_decay'."

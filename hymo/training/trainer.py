@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from ..config import Config, ConfigError, ModelConfig, TrainingConfig
 from ..models.model import HyMo, build_hymo, doc_keys_per_query
+from ..models.moe import stats_paused
 from .data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default, to_disk
 from .optim import build_optimizers, wsd_schedule
 
@@ -387,6 +388,7 @@ class Trainer:
 
         torch.manual_seed(train_cfg.seed)
         self.model = parallelize(build_hymo(model_cfg, device=self.d.device), train_cfg, self.d)
+        self.moes = self.model.moe_layers()  # in depth order: their gate biases are updated after every step
         self.optimizers = build_optimizers(self.model, train_cfg)
         for opt in self.optimizers:
             for g in opt.param_groups: g.setdefault("peak_lr", g["lr"])
@@ -740,7 +742,8 @@ def forward_backward(self: Trainer, last: bool) -> tuple[dict, int, float]:
         flops += tokens.numel() * self.flops_per_key * (doc_keys_per_query(batch[2]) - self.cfg.seq_len / 2)
     with mats.swapped() if mats is not None else nullcontext():  # the copies for forward and backward
         with self.autocast(): loss, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
-        (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
+        with stats_paused(self.moes):  # activation checkpointing's re-run forward must not count assignments again
+            (loss / self.accum).backward()  # outside autocast: its backward ops run in the forward's dtypes anyway
     if mats is not None: mats.collect()
     return {"total": loss.detach(), **parts}, tokens.numel(), flops
 
@@ -768,11 +771,11 @@ def train_step(self: Trainer) -> dict:
         for opt in self.optimizers:
             for g in opt.param_groups: g["lr"] = g["peak_lr"] * lr_mult
             opt.step()
-        for i, m in enumerate(self.model.moe_layers()):
+        for i, m in enumerate(self.moes):
             for k, v in (m.update_gate_bias() or {}).items(): moe[f"moe{i}/{k}"] = float(v)
         self.consecutive_bad = 0
     else:
-        for m in self.model.moe_layers():  # this step's routing counts must not steer the bias
+        for m in self.moes:  # this step's routing counts must not steer the bias
             m.expert_counts.zero_(); m.dropped_tokens.zero_()
         self.bad_steps += 1
         self.consecutive_bad += 1
@@ -998,12 +1001,14 @@ CPU_FLOPS = 1e11  # what a laptop CPU sustains in fp32 on these shapes, roughly:
 
 
 def _warn_if_slow_on_cpu(self: Trainer):
-    "A line before a CPU run whose steps would take more than ten minutes each (hymo_750m: hours, and some 20 GB)."
+    "A line before a CPU run whose steps would take more than ten minutes each (hymo_750m: hours, and some 15 GB)."
     step = self.flops_per_token * self.cfg.global_batch_size * self.cfg.seq_len
     if step / CPU_FLOPS < 600: return
-    state_gb = 16 * self.model.num_params() / 1e9  # fp32 weights and gradients, two optimiser moments
+    normuon, adamw = self.optimizers
+    n = lambda opt: sum(p.numel() for g in opt.param_groups for p in g["params"])
+    state_gb = (12 * n(normuon) + 16 * n(adamw)) / 1e9  # fp32 weights and gradients; NorMuon's momentum, AdamW's two moments
     self.log(f"warning: a step of this run is {step:.1e} FLOPs, about {step / CPU_FLOPS / 3600:.1f} h on a CPU at "
-             f"{CPU_FLOPS / 1e9:.0f} GFLOP/s, and its weights, gradients and optimiser states take some {state_gb:.0f} GB. "
+             f"{CPU_FLOPS / 1e9:.0f} GFLOP/s, and its weights, gradients and optimiser states take some {state_gb:.3g} GB. "
              "It is meant for GPUs (torchrun ... --config hymo_750m on CUDA); hymo_tiny trains on a CPU in minutes")
 
 
