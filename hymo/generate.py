@@ -85,6 +85,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
         raise ConfigError(f"{run / 'tokenizer.json'} has {tok.get_vocab_size()} tokens, more than the model's vocab_size="
                           f"{cfg.model.vocab_size}: it is not this run's tokenizer; {again}")
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
+    model.trained_len = trained_length(run)  # `generate`'s window, unless one is given: no position it never trained on
     return model.eval(), tok
 
 
@@ -109,7 +110,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   stop: bool = True, # End at the end-of-text token; False runs all `max_new_tokens` forwards (as every FSDP rank must) and cuts after
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                   cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
-                  window: int | None = None, # Most tokens one forward reads: the run's train.seq_len (`trained_length`); None: max_seq_len
+                  window: int | None = None, # Most tokens one forward reads; None: the run's train.seq_len (`load_run` sets `model.trained_len`), else max_seq_len
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot, ids = tok.token_to_id(EOT), prompt_ids(tok, prompt)
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
     a = p.parse_args(argv)
     if a.tokens < 0 or not a.temperature >= 0 or a.top_k < 0:  # `not >=` also refuses nan
-        p.error("--tokens, --temperature and --top-k must be numbers, not negative")
+        bad = next((f, v) for f, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)) if not v >= 0)
+        p.error(f"{bad[0]} must be a number >= 0, got {bad[1]}")
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
     if not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
     try: a.prompt.encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
@@ -213,8 +215,9 @@ def main(argv: list[str] | None = None) -> str:
     try:
         model, tok = load_run(a.run_dir, device)
         if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
-        n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)
-        if n > L: print(f"note: the prompt is {n} tokens, more than the {L} the model trained on (train.seq_len): it "
+        n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)  # n: with the end-of-text token that opens it
+        if n > L: print(f"note: the prompt is {len(tok.encode(a.prompt).ids)} tokens ({n} with the end-of-text token "
+                        f"before it), more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
     except (ConfigError, ValueError) as e:

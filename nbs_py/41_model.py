@@ -158,6 +158,7 @@ class HyMo(nn.Module):
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.mtp = MultiTokenPrediction(c)
         self.loss_impl = "fused"  # 'fused': `lm_loss_fused`, no [B, T, V] logits; 'logits': the reference `lm_loss`
+        self.trained_len: Optional[int] = None  # the longest sequence it trained on, when known (`load_run` sets it): `generate`'s window
         self.init_weights()
 
     LOSS_IMPLS = ("fused", "logits")
@@ -347,7 +348,7 @@ class HyMo(nn.Module):
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
                  cache: bool = True,  # Carry the GDN states and MLA caches (`decode`); False re-runs the whole forward per token
                  graph: bool = True,  # With `cache` on a GPU: replay each one-token step as a CUDA graph (`DecodeGraph`)
-                 window: Optional[int] = None,  # Most tokens one forward reads: the length the model trained on (train.seq_len); None: max_seq_len
+                 window: Optional[int] = None,  # Most tokens one forward reads: the length the model trained on (train.seq_len); None: `trained_len`, else max_seq_len
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `window`; from there (and without `cache`) every token re-runs the last `window` tokens."""
@@ -366,7 +367,8 @@ class HyMo(nn.Module):
         self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
-        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window or L)
+        window = window or self.trained_len or L
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window)
         finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
 
     def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
@@ -576,8 +578,9 @@ for n, d in enumerate(docs):
 # `generate` uses it by default. When the text grows past its `window` it falls back to re-running
 # the last `window` tokens for each new one, as `cache=False` always does. The window is the length
 # the model was trained on (`train.seq_len`; `python -m hymo.generate` and the trainer's samples pass
-# it), so the model never sees a position it was not trained on; without one it is `max_seq_len`,
-# the length the RoPE tables cover, which a run may train below (`hymo_tiny`: 256 against 128).
+# it, and a model loaded from a run folder knows it as `trained_len`), so the model never sees a
+# position it was not trained on; without one it is `max_seq_len`, the length the RoPE tables cover,
+# which a run may train below (`hymo_tiny`: 256 against 128).
 #
 # The check needs weights at unit scale: at `init_std = 0.02` every logit is near zero, and any
 # two functions would "agree". It uses eight blocks, so that two are MLA blocks and one of those

@@ -1,5 +1,6 @@
 """Sampling, decoding and `python -m hymo.generate` on a finished tiny run: the cases mutation testing of
 hymo/models/model.py and hymo/generate.py found no other test catching (each fails on a plausible change)."""
+import json
 import math
 import os
 
@@ -8,6 +9,7 @@ import torch
 
 from hymo.config import ConfigError, load_config
 from hymo.models.model import HyMo
+from hymo.training.data import EOT
 from test_model import _model, _unit_scale, dropless, one_thread  # test_model's helpers and fixtures: one thread, dropless routing
 
 
@@ -289,3 +291,89 @@ def test_cli_refuses_a_seed_torch_cannot_take(run, capsys):
     from hymo.generate import main
     with pytest.raises(SystemExit) as e: main([str(run), "--seed", str(2 ** 64), "--device", "cpu"])
     assert e.value.code == 2 and "--seed must be in 0..2**64-1" in capsys.readouterr().err
+
+
+def test_a_loaded_model_keeps_to_its_trained_length_as_the_command_line_does(run, capsys):
+    "`load_run` records train.seq_len on the model: the library's default window is the command line's, not max_seq_len."
+    from hymo.generate import generate_text, load_run, main, trained_length
+    model, tok = load_run(run)
+    assert model.trained_len == trained_length(run) < model.config.max_seq_len
+    cli = main([str(run), "--tokens", "60", "--device", "cpu"])
+    assert generate_text(model, tok, "ROMEO:", 60) == cli
+    model.trained_len = None  # as built, not loaded: max_seq_len, which past the trained length reads other text
+    assert generate_text(model, tok, "ROMEO:", 60) != cli
+
+
+def test_seed_changes_the_text_and_leaves_the_callers_rng_alone(loaded):
+    from hymo.generate import generate_text
+    model, tok = loaded
+    a, b = (generate_text(model, tok, "ROMEO:", 12, temperature=1.0, top_k=None, seed=s) for s in (0, 1))
+    assert a != b and a == generate_text(model, tok, "ROMEO:", 12, temperature=1.0, top_k=None, seed=0)
+    torch.manual_seed(123); want = torch.rand(3)
+    torch.manual_seed(123); generate_text(model, tok, "ROMEO:", 4, seed=7); got = torch.rand(3)
+    assert torch.equal(got, want)  # the caller's (the trainer's) random stream is not reseeded
+
+
+def test_a_stream_shows_nothing_after_the_end_of_text_when_generation_runs_on(run):
+    from hymo.generate import generate_text, load_run
+    model, tok = load_run(run)
+    _eot_on_third_draw(model, tok.token_to_id(EOT))
+    pieces = []
+    text = generate_text(model, tok, "ROMEO:", 12, seed=0, stop=False, stream=pieces.append)  # as every FSDP rank runs
+    assert "".join(pieces) == text
+
+
+def test_top_k_past_the_vocabulary_keeps_every_id_drawable(dropless, monkeypatch):
+    m = _model(dropless).eval()
+    seen, multinomial = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda p, n: seen.append(p[0]) or multinomial(p, n))
+    m.generate(torch.tensor([[1, 2, 3]]), 1, temperature=1.0, top_k=dropless.vocab_size + 100)
+    assert (seen[0] > 0).all()
+
+
+def test_on_token_sees_every_drawn_id_the_stop_token_included(dropless):
+    m = _model(dropless).eval()
+    head, calls = m.head, []
+
+    def end_after_two(h):
+        calls.append(1)
+        logits = head(h).clone(); logits[..., 0] += 100 if len(calls) > 2 else -100
+        return logits
+
+    m.head = end_after_two
+    got = []
+    out = m.generate(torch.tensor([[5, 6, 7, 8]]), 10, temperature=0.8, stop=0, on_token=got.append)
+    assert got == out[0, 4:].tolist() and got[-1] == 0 and len(got) < 10
+    with pytest.raises(ValueError, match="finite temperature >= 0"): m.generate(torch.tensor([[1]]), 2, temperature=float("inf"))
+
+
+def test_cli_seed_ends_and_flags_named(run, capsys):
+    from hymo.generate import main
+    assert main([str(run), "--seed", str(2 ** 64 - 1), "--tokens", "2", "--device", "cpu"]).startswith("ROMEO:")
+    for flag, value in (("--temperature", "-1"), ("--top-k", "-3"), ("--tokens", "-1"), ("--temperature", "nan")):
+        with pytest.raises(SystemExit) as e: main([str(run), flag, value, "--device", "cpu"])
+        assert e.value.code == 2 and f"{flag} must be a number >= 0, got {value}" in capsys.readouterr().err
+
+
+def test_cli_notes_only_a_prompt_longer_than_the_trained_length_and_counts_it_as_typed(run, loaded, capsys):
+    from hymo.generate import main, prompt_ids, trained_length
+    _, tok = loaded
+    L, prompt = trained_length(run), "ROMEO:"
+    while len(prompt_ids(tok, prompt)) < L: prompt += " a"
+    assert len(prompt_ids(tok, prompt)) == L
+    main([str(run), "--prompt", prompt, "--tokens", "1", "--device", "cpu"])
+    assert "note:" not in capsys.readouterr().err  # exactly the trained length: all of it is read
+    main([str(run), "--prompt", prompt + " a", "--tokens", "1", "--device", "cpu"])
+    n = len(tok.encode(prompt + " a").ids)
+    assert f"note: the prompt is {n} tokens ({n + 1} with the end-of-text token before it), more than the {L}" in capsys.readouterr().err
+
+
+def test_cli_prints_the_newer_checkpoint_note(run, tmp_path, capsys):
+    from hymo.generate import main, newer_checkpoint_note
+    other = _copy_run(run, tmp_path)
+    step = json.loads((other / "summary.json").read_text())["step"]
+    for s in (step - 1, step + 3): (other / "checkpoints" / f"step_{s:06d}").mkdir(parents=True, exist_ok=True)
+    main([str(other), "--tokens", "1", "--device", "cpu"])
+    assert f"is the model of step {step}, but the run has checkpoints up to step {step + 3}" in capsys.readouterr().err
+    (other / "checkpoints" / f"step_{step + 3:06d}").rmdir()
+    assert newer_checkpoint_note(other) is None

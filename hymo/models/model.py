@@ -37,6 +37,7 @@ class HyMo(nn.Module):
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.mtp = MultiTokenPrediction(c)
         self.loss_impl = "fused"  # 'fused': `lm_loss_fused`, no [B, T, V] logits; 'logits': the reference `lm_loss`
+        self.trained_len: Optional[int] = None  # the longest sequence it trained on, when known (`load_run` sets it): `generate`'s window
         self.init_weights()
 
     LOSS_IMPLS = ("fused", "logits")
@@ -226,7 +227,7 @@ class HyMo(nn.Module):
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
                  cache: bool = True,  # Carry the GDN states and MLA caches (`decode`); False re-runs the whole forward per token
                  graph: bool = True,  # With `cache` on a GPU: replay each one-token step as a CUDA graph (`DecodeGraph`)
-                 window: Optional[int] = None,  # Most tokens one forward reads: the length the model trained on (train.seq_len); None: max_seq_len
+                 window: Optional[int] = None,  # Most tokens one forward reads: the length the model trained on (train.seq_len); None: `trained_len`, else max_seq_len
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `window`; from there (and without `cache`) every token re-runs the last `window` tokens."""
@@ -245,7 +246,8 @@ class HyMo(nn.Module):
         self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
-        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window or L)
+        window = window or self.trained_len or L
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window)
         finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
 
     def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
