@@ -854,10 +854,11 @@ test_close(m2.gate_bias, torch.tensor([-1.0, 1.0, 1.0, -1.0]) * 0.001, eps=1e-9)
 @contextmanager
 def stats_paused(moes: list[DeepSeekMoE]): # The layers to pause, e.g. `HyMo.moe_layers()` (listed once: a model has hundreds of modules)
     "Within: the MoE layers `moes` add no balancing statistics. For a backward that re-runs their forward."
+    before = [m.record_stats for m in moes]  # restored as they were: a pause inside a pause, or one a caller set
     for m in moes: m.record_stats = False
     try: yield
     finally:
-        for m in moes: m.record_stats = True
+        for m, was in zip(moes, before): m.record_stats = was
 
 
 # %% [markdown]
@@ -874,6 +875,9 @@ for paused in (False, True):
           f"for {2 * 32 * cfg.moe_top_k} assignments")
     test_eq(moe.expert_counts.sum().item(), (1 if paused else 2) * 2 * 32 * cfg.moe_top_k)
     test_eq(moe.record_stats, True)  # switched back on at the end
+with stats_paused([moe]):
+    with stats_paused([moe]): pass
+    test_eq(moe.record_stats, False)  # an inner pause leaves the outer one paused
 moe.expert_counts.zero_(); moe.dropped_tokens.zero_();
 
 # %% [markdown]

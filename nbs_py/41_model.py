@@ -362,13 +362,13 @@ class HyMo(nn.Module):
         V, L = self.config.vocab_size, self.config.max_seq_len
         if vocab is not None and not (is_int(vocab) and 1 <= vocab <= V):
             raise ValueError(f"vocab={vocab!r} must be an int in 1..{V} (the model's vocab_size): the tokenizer's size")
+        name, window = ("window", window) if window is not None else ("trained_len", self.trained_len)  # None: max_seq_len
         if window is not None and not (is_int(window) and 1 <= window <= L):
-            raise ValueError(f"window={window!r} must be an int in 1..max_seq_len={L}: the length the model was trained on")
+            raise ValueError(f"{name}={window!r} must be an int in 1..max_seq_len={L}: the length the model was trained on")
         self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
-        window = window or self.trained_len or L
-        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window)
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window or L)
         finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
 
     def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:

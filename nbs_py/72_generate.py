@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None) -> str:
         model, tok = load_run(a.run_dir, device)
         if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
         n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)  # n: with the end-of-text token that opens it
-        if n > L: print(f"note: the prompt is {len(tok.encode(a.prompt).ids)} tokens ({n} with the end-of-text token "
-                        f"before it), more than the {L} the model trained on (train.seq_len): it "
+        if n > L: print(f"note: the prompt is {n} tokens with the end-of-text token that opens it ({len(tok.encode(a.prompt).ids)} "
+                        f"as typed), more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
     except (ConfigError, ValueError) as e:

@@ -539,7 +539,7 @@ def test_a_folder_s_files_of_other_types_are_counted_in_a_warning(tmp_path):
     with pytest.warns(D.DataWarning, match=r"skipped 5 files of other types \(\.json 2, .*\.gz 1.*no suffix 1.*\): only"):
         assert [n for _, n in find_files(d)] == ["mix/a.txt"]
     (d / "a.txt").unlink()
-    with pytest.raises(DataError, match=r"holds no .* files \(only 5 files of other types"): find_files(d)
+    with pytest.raises(DataError, match=r"holds no .* files, only 5 files of other types"): find_files(d)
 
 
 def test_load_manifest_says_what_the_path_is(tmp_path):
@@ -767,7 +767,12 @@ def test_the_loader_s_own_arguments_are_checked(ds):
 def test_an_empty_validation_split_says_how_to_have_one(text, tmp_path):
     out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, val_fraction=0, progress=False)
     assert load_manifest(out)["splits"]["val"]["shards"] == []  # no empty shard file either
-    with pytest.raises(DataError, match=r"val split .* holds no tokens .*--val-fraction"): TokenLoader(out, "val", seq_len=16)
+    with pytest.raises(DataError, match=r"val split .* holds no tokens \(prepared with val_fraction=0\): .* a val_fraction"):
+        TokenLoader(out, "val", seq_len=16)
+    (tmp_path / "one.txt").write_text("a single line that is long enough to hold the whole cut\n")
+    small = prepare(tmp_path / "one.txt", tmp_path / "small", vocab_size=VOCAB, val_fraction=1e-4, progress=False)
+    with pytest.raises(DataError, match=r"the cut at val_fraction=0.0001 fell inside the last line\): .* a larger val_fraction"):
+        TokenLoader(small, "val", seq_len=1)
 
 
 def test_a_dataset_made_with_another_given_tokenizer_is_not_served_as_this_one(ds, text, tmp_path):
@@ -804,22 +809,21 @@ def test_links_a_folder_search_does_not_follow_are_named(tmp_path):
     (tmp_path / "books").mkdir(); (tmp_path / "books" / "b.txt").write_text("A whole book.\n")
     d = tmp_path / "in"; d.mkdir(); (d / "a.txt").write_text("A note.\n")
     os.symlink(tmp_path / "books", d / "books"); os.symlink(tmp_path / "gone.txt", d / "dangling.txt")
-    with pytest.warns(D.DataWarning, match=r"skipped 2 links to a folder or to nothing \(books, dangling.txt\), not followed"):
+    (d / "sub").mkdir(); os.symlink(d / "sub", d / "again"); os.symlink(tmp_path / "gone.rst", d / "notes.rst")  # not named
+    with pytest.warns(D.DataWarning, match=r"skipped 2 links \(books, dangling.txt\) to a folder elsewhere or to a missing file"):
         assert [n for _, n in find_files(d)] == ["in/a.txt"]
-    (d / "a.txt").unlink()
-    with pytest.raises(DataError, match=r"holds no .* files, only 2 links"): find_files(d)
+    (d / "a.txt").unlink(); (d / "B.TXT").write_text("x\n")
+    with pytest.raises(DataError, match=r"holds no .* files, only 1 file \(B.TXT\) whose .*; and 2 links \(books"): find_files(d)
     assert [n for _, n in find_files(d / "books")] == ["books/b.txt"]  # given on its own, it is read
 
 
-def test_what_a_folder_search_skips_and_names(tmp_path, monkeypatch):
+def test_what_a_folder_search_skips_and_names(tmp_path):
     from hymo.training.data import find_files
     d = tmp_path / "corpus"; d.mkdir()
     (d / "a.txt").write_text("x\n"); (d / ".ipynb_checkpoints").mkdir(); (d / ".ipynb_checkpoints" / "a.txt").write_text("x\n")
     (d / "sub").mkdir()
     assert [n for _, n in find_files(d)] == ["corpus/a.txt"]  # hidden folders are not read
     with pytest.raises(DataError, match="given twice"): find_files([d / "a.txt", d / "sub" / ".." / "a.txt"])
-    monkeypatch.chdir(d)
-    assert [n for _, n in find_files(".")] == ["corpus/a.txt"]  # named as `--input ../corpus` would name it
     assert split_text("  \n\nA\n\n \t") == ["A\n"]
 
 

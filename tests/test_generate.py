@@ -302,6 +302,8 @@ def test_a_loaded_model_keeps_to_its_trained_length_as_the_command_line_does(run
     assert generate_text(model, tok, "ROMEO:", 60) == cli
     model.trained_len = None  # as built, not loaded: max_seq_len, which past the trained length reads other text
     assert generate_text(model, tok, "ROMEO:", 60) != cli
+    model.trained_len = 10 ** 6
+    with pytest.raises(ValueError, match=r"trained_len=1000000 must be an int in 1..max_seq_len=256"): generate_text(model, tok)
 
 
 def test_seed_changes_the_text_and_leaves_the_callers_rng_alone(loaded):
@@ -365,7 +367,7 @@ def test_cli_notes_only_a_prompt_longer_than_the_trained_length_and_counts_it_as
     assert "note:" not in capsys.readouterr().err  # exactly the trained length: all of it is read
     main([str(run), "--prompt", prompt + " a", "--tokens", "1", "--device", "cpu"])
     n = len(tok.encode(prompt + " a").ids)
-    assert f"note: the prompt is {n} tokens ({n + 1} with the end-of-text token before it), more than the {L}" in capsys.readouterr().err
+    assert f"note: the prompt is {n + 1} tokens with the end-of-text token that opens it ({n} as typed), more than the {L}" in capsys.readouterr().err
 
 
 def test_cli_prints_the_newer_checkpoint_note(run, tmp_path, capsys):

@@ -240,7 +240,8 @@ class DeepSeekMoE(nn.Module):
 @contextmanager
 def stats_paused(moes: list[DeepSeekMoE]): # The layers to pause, e.g. `HyMo.moe_layers()` (listed once: a model has hundreds of modules)
     "Within: the MoE layers `moes` add no balancing statistics. For a backward that re-runs their forward."
+    before = [m.record_stats for m in moes]  # restored as they were: a pause inside a pause, or one a caller set
     for m in moes: m.record_stats = False
     try: yield
     finally:
-        for m in moes: m.record_stats = True
+        for m, was in zip(moes, before): m.record_stats = was

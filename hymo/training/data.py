@@ -77,25 +77,27 @@ def find_files(inputs: Iterable, # Paths of files or folders
         if p.is_dir():
             entries = [f for f in p.rglob("*") if not any(part.startswith(".") for part in f.relative_to(p).parts)]
             visible = [f for f in entries if f.is_file()]
-            links = sorted(f.relative_to(p).as_posix() for f in entries if f.is_symlink() and not f.is_file())  # not followed
-            if links:
-                unread = (f"{len(links)} link{'s' * (len(links) > 1)} to a folder or to nothing ({', '.join(links[:3])}"
-                          f"{', ...' * (len(links) > 3)}), not followed: give a linked folder as an input of its own")
-                if not any(f.suffix in SUFFIXES for f in visible): raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {unread}")
-                warnings.warn(f"folder {p}: skipped {unread}", DataWarning, stacklevel=2)
             found = sorted((f for f in visible if f.suffix in SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
+            skipped = []  # what is not read, each with what to do about it
+            names = lambda what, fs: f"{len(fs)} {what}{'s' * (len(fs) > 1)} ({', '.join(fs[:3])}{', ...' * (len(fs) > 3)})"
             cased = sorted(f.relative_to(p).as_posix() for f in visible if f.suffix not in SUFFIXES and f.suffix.lower() in SUFFIXES)
             if cased:  # `A.TXT` is not read (reading it now would change the datasets already prepared from such folders)
-                skipped = f"{len(cased)} file{'s' * (len(cased) > 1)} ({', '.join(cased[:3])}{', ...' * (len(cased) > 3)}) " \
-                          f"whose suffix is not lower case: rename {'them' if len(cased) > 1 else 'it'} to be read"
-                if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files, only {skipped}")
-                warnings.warn(f"folder {p}: skipped {skipped}", DataWarning, stacklevel=2)
+                skipped.append(names("file", cased) + f" whose suffix is not lower case: rename "
+                               f"{'them' if len(cased) > 1 else 'it'} to be read")
+            inside = lambda f: f.resolve().is_relative_to(p.resolve())  # a link into the folder: its files are read anyway
+            links = sorted(f.relative_to(p).as_posix() for f in entries if f.is_symlink() and not f.is_file() and not inside(f)
+                           and (f.is_dir() or f.suffix.lower() in SUFFIXES))  # a folder, or a text file that is not there
+            if links:
+                skipped.append(names("link", links) + " to a folder elsewhere or to a missing file, not followed: "
+                               "give a linked folder as an input of its own")
             other = Counter(f.suffix or "no suffix" for f in visible if f.suffix.lower() not in SUFFIXES)
+            if other:
+                skipped.append(f"{_by_suffix(other)}: only {', '.join(SUFFIXES)} files are read (decompress or convert the "
+                               "others to read them)")
             if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files" + (
-                f" (only {_by_suffix(other)})" if other else ""))
-            if other: warnings.warn(f"folder {p}: skipped {_by_suffix(other)}: only {', '.join(SUFFIXES)} files are read "
-                                    "(decompress or convert the others to read them)", DataWarning, stacklevel=2)
-            files += [(f, f"{Path(os.path.abspath(p)).name}/{f.relative_to(p).as_posix()}") for f in found]  # '.' has a name too
+                f", only {'; and '.join(skipped)}" if skipped else ""))
+            for why in skipped: warnings.warn(f"folder {p}: skipped {why}", DataWarning, stacklevel=2)
+            files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
     seen = {}
@@ -462,12 +464,12 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
 
 # %% ../../nbs/60_data.ipynb #33a82cea
 def _lossy(tok, docs: Iterable[str]) -> str | None:
-    "Where `tok` first fails to give a document back as it was ('...' becomes '...'), or None if it gives back every one."
+    "Where `tok` first fails to give a document back as it was (`'...' comes back as '...'`), or None if it gives back every one."
     for d in docs:
         back = tok.decode(tok.encode(d).ids, skip_special_tokens=False)
         if back != d:
             i = next((i for i, (a, b) in enumerate(zip(d, back)) if a != b), min(len(d), len(back)))  # first difference
-            return f"{d[max(0, i - 20):i + 20]!r} comes back as {back[max(0, i - 20):i + 20]!r}"
+            return f"{ascii(d[max(0, i - 20):i + 20])} comes back as {ascii(back[max(0, i - 20):i + 20])}"  # ascii: 'e\\u0301' shows"
     return None
 
 
@@ -525,9 +527,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         tok.encode_special_tokens = True
         tokenizer_json = _plain_tokenizer(tok, tokenizer, tokenizer_json)
         if (lost := _lossy(tok, _head(_all_docs(files, doc_split), 1 << 20))) is not None:
-            warnings.warn(f"tokenizer {tokenizer} does not give back the text it encodes: {lost}. What it drops or changes "
-                          "the model never sees; a tokenizer with byte fallback, or a byte-level BPE (leave out --tokenizer "
-                          "to train one), keeps every character", DataWarning, stacklevel=2)
+            warnings.warn(f"tokenizer {tokenizer} does not give back the text it encodes: {lost}. It drops or changes "
+                          "characters (a normaliser, no token for them) or decodes them differently; what it drops, the model "
+                          "never sees. If that is not what you want, leave out --tokenizer to train a byte-level BPE, which "
+                          "gives back every byte", DataWarning, stacklevel=2)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
@@ -627,8 +630,10 @@ class TokenLoader:
         self.n_windows = max(self.n_tokens - 1, 0) // seq_len  # K
         per_step = world_size * micro_batch_size * accum  # G
         if self.n_tokens == 0:  # only a validation split can be empty: `prepare` refuses a corpus with no training text
-            raise DataError(f"the {split} split of {data_dir} holds no tokens (prepared with val_fraction=0): prepare the "
-                            "data again with a val_fraction above 0 (--val-fraction) to have one")
+            f = self.manifest.get("val_fraction")
+            why = "prepared with val_fraction=0" if not f else f"the cut at val_fraction={f} fell inside the last line"
+            raise DataError(f"the {split} split of {data_dir} holds no tokens ({why}): prepare the data again with a "
+                            f"{'' if not f else 'larger '}val_fraction (--val-fraction) to have one")
         if self.n_windows == 0:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
