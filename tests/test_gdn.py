@@ -194,9 +194,11 @@ def test_mixer_kernels_agree_and_state_carries(cfg):
     torch.testing.assert_close(torch.cat([y1, y2], 1), y, atol=1e-5, rtol=1e-5)
 
 
-def test_mixer_packed_documents_do_not_leak(cfg):
+@pytest.mark.parametrize("kernel", ["torch", "naive"])
+def test_mixer_packed_documents_do_not_leak(cfg, kernel):
     torch.manual_seed(0)
     mixer = GatedDeltaNet(cfg)
+    mixer.kernel = kernel
     docs = [torch.randn(1, n, cfg.dim) for n in (2, 66, 30)]
     cu = torch.tensor([0, 2, 68, 98])
     y = mixer(torch.cat(docs, 1), cu_seqlens=cu)
@@ -350,3 +352,55 @@ def test_conv_packed_path_rounds_as_the_rows_path_does():
     y_packed, c_packed = causal_conv1d(x, w, cu_seqlens=torch.tensor([0, 9]), cache=cache, output_final_state=True)
     assert y_packed.dtype == c_packed.dtype == torch.bfloat16
     assert torch.equal(y_packed, y_rows) and torch.equal(c_packed, c_rows)
+
+
+@pytest.mark.parametrize("rule", [naive_gated_delta_rule, chunk_gated_delta_rule_torch])
+def test_packed_documents_start_from_zero_without_an_initial_state(rule):
+    "cu_seqlens and no initial_state: every document (an empty one too) starts from S = 0, not from the one before."
+    gen = torch.Generator().manual_seed(0); r = lambda *s: torch.randn(*s, generator=gen)
+    T = 90
+    q, k = F.normalize(r(1, T, H, K), dim=-1), F.normalize(r(1, T, H, K), dim=-1)
+    args = (q, k, r(1, T, H, V), -0.05 * torch.rand(1, T, H, generator=gen), torch.rand(1, T, H, generator=gen))
+    cu = torch.tensor([0, 7, 7, 70, 90])
+    o, S = rule(*args, output_final_state=True, cu_seqlens=cu)
+    for n in range(4):
+        s, e = cu[n].item(), cu[n + 1].item()
+        o_n, S_n = naive_gated_delta_rule(*(x[:, s:e] for x in args), output_final_state=True)
+        torch.testing.assert_close(o[:, s:e], o_n, atol=1e-5, rtol=0)
+        torch.testing.assert_close(S[n:n + 1], S_n, atol=1e-5, rtol=0)
+
+
+def test_decay_init_spans_its_ranges():
+    "A ~ U[1, 16] and dt log-uniform in [1e-3, 0.1]: with 64 heads both ends are reached, not only the bounds kept."
+    torch.manual_seed(0)
+    m = GatedDeltaNet(load_config("hymo_tiny", gdn_n_heads=64).model)
+    A, dt = m.A_log.exp(), F.softplus(m.dt_bias)
+    assert A.min() < 3 and A.max() > 12
+    assert dt.min() < 2e-3 and dt.max() > 0.05
+
+
+def test_the_prelude_gives_unit_norm_queries_and_keys_from_tiny_activations():
+    torch.manual_seed(0)
+    qkv, w = 1e-5 * torch.randn(2, 9, 2 * H * K + H * V), torch.randn(2 * H * K + H * V, 4)
+    q, k, _, _ = conv_silu_norm(qkv, w, H, K)
+    torch.testing.assert_close(q.norm(dim=-1), torch.ones(2, 9, H))
+    torch.testing.assert_close(k.norm(dim=-1), torch.ones(2, 9, H))
+
+
+def test_mixer_gradients_equal_the_reference_mixer_s():
+    "The mixer and `reference_mixer` (the paper written out) agree in every parameter's gradient, not only in the output."
+    cfg = load_config("hymo_tiny", gdn_head_k_dim=12, gdn_head_v_dim=20, gdn_n_heads=3).model
+    torch.manual_seed(0)
+    m = GatedDeltaNet(cfg)
+    m.kernel = "torch"
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2: p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+        m.dt_bias.copy_(torch.randn_like(m.dt_bias))
+    x, gy = torch.randn(2, 70, cfg.dim), torch.randn(2, 70, cfg.dim)
+    grads = []
+    for f in (lambda: m(x), lambda: reference_mixer(m, x)):
+        m.zero_grad()
+        (f() * gy).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+    for n in grads[0]: torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-4, rtol=1e-3, msg=n)

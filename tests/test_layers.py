@@ -67,3 +67,15 @@ def test_rmsnorm_reset_parameters_sets_unit_gain_after_meta_init():
     assert torch.equal(norm.weight.detach(), torch.ones(8))
     x = torch.randn(2, 8)
     torch.testing.assert_close(norm(x), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_rmsnorm_gradient_against_the_written_out_formula():
+    "x·rsqrt(mean(x²) + eps)·w in fp64 by hand: a mean square left out of the graph (detached) would still match RMSNorm in fp64."
+    torch.manual_seed(1)
+    norm, x, g = RMSNorm(24), torch.randn(5, 24, requires_grad=True), torch.randn(5, 24)
+    with torch.no_grad(): norm.weight.copy_(torch.randn(24))
+    (norm(x) * g).sum().backward()
+    xd, wd = x.detach().double().requires_grad_(), norm.weight.detach().double().requires_grad_()
+    ((xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps) * wd) * g.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.weight.grad.double(), wd.grad, rtol=1e-5, atol=1e-6)
