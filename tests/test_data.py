@@ -723,6 +723,7 @@ def test_cli_options_and_notes(text, tmp_path, capsys):
     m, cap = load_manifest(tmp_path / "f"), capsys.readouterr()
     assert m["doc_split"] == "file" and m["splits"]["train"]["documents"] == 1
     assert "validation split is empty" not in cap.err  # asked for: --val-fraction 0
+    assert m["vocab_size"] == VOCAB and "note: the tokenizer learned" not in cap.out  # all it asked for: no note
     (tmp_path / "small.txt").write_text("to be or not to be\n\nthat is the question\n" * 3)
     assert main(["prepare", "--input", str(tmp_path / "small.txt"), "--out", str(tmp_path / "s"), "--vocab-size", "2000",
                  "--val-fraction", "0", "--no-progress"]) == 0
