@@ -52,7 +52,7 @@
 # |---|---|---|
 # | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 5.58× (round 32, paired, on an H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 13 rounds that timed both paths on one machine (rounds 25 and 30 did not time the PyTorch path) |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.81× (round 33, paired, on an H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 14 rounds that timed both paths on one machine (rounds 25 and 30 did not time the PyTorch path) |
 #
 # The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
 # the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
@@ -269,7 +269,8 @@ if tl_row:
 #   ms to issue a micro-batch and the GPU spanned 209 ms, never running dry. The CUDA tests of MLA
 #   (packed documents longer than `max_seq_len` now refused where MLA reads the boundaries), the
 #   model, the MoE and the trainer passed (29), among them the counts under activation checkpointing
-#   with compiled blocks.
+#   with compiled blocks. Later, on another H100, the step took 6.793 and 6.809 s (34.4 %) and the
+#   PyTorch GDN path just after it 32.73 s (74.8 GB): **4.81× paired**, where round 32's H100 gave 5.58×.
 # * **Round 32: no H200 was lent; on an H100 80GB HBM3, the code of session 45 plus the model's new
 #   target checks (no change to the step's kernels since round 29).** The preset step took 6.843 s
 #   and 6.824 s (34.3 % MFU, 76.6 k tokens/s, 50.6 GB), 1 % slower than round 31's H100; with
