@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hymo.config import ConfigError, load_config
+from test_data import _bare_loader  # a loader's epoch arithmetic without a dataset
 
 # Small and fast: the tiny model on short windows. Data comes from the bundled corpus, prepared once
 # per test session into a private cache.
@@ -1622,15 +1623,6 @@ def test_set_aside_never_renames_over_an_earlier_copy(tmp_path):
     said = []
     Trainer._set_aside(SimpleNamespace(d=Dist(), log=said.append), [ck / "step_000004"], "damaged", "x")
     assert not (ck / "step_000004").exists() and (ck / "damaged-step_000004-3" / "meta.json").exists(), said
-
-
-def _bare_loader(n_windows, world_size, micro_batch_size, accum):
-    "A TokenLoader with only what `step_after` reads (no data on disk)."
-    from hymo.training.data import TokenLoader
-    ld = object.__new__(TokenLoader)
-    ld.n_windows, ld.world_size, ld.micro_batch_size, ld.accum = n_windows, world_size, micro_batch_size, accum
-    ld.steps_per_epoch = n_windows // (world_size * micro_batch_size * accum) * accum
-    return ld
 
 
 def test_step_after_reads_no_window_twice_and_starts_on_an_optimiser_step():
