@@ -276,8 +276,7 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, # Document boundaries [N
                              ) -> torch.Tensor: # [T] positions, restarting at 0 at each document
     "Per-token position inside its own document, for RoPE on packed sequences."
     b = check_cu_seqlens(cu_seqlens, T)
-    longest = max(e - s for s, e in zip(b, b[1:]))
-    if max_len is not None and longest > max_len:  # its last positions would be ones the model never trained on
+    if max_len is not None and (longest := max(e - s for s, e in zip(b, b[1:]))) > max_len:  # positions never trained on
         raise ValueError(f"a packed document has {longest} tokens > max_seq_len={max_len}: split long documents or raise max_seq_len")
     t = torch.arange(T, device=cu_seqlens.device)
     doc = torch.searchsorted(cu_seqlens[1:], t, right=True)  # (T,) index of each token's document

@@ -244,9 +244,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
     a = p.parse_args(argv)
-    if a.tokens < 0 or not a.temperature >= 0 or a.top_k < 0:  # `not >=` also refuses nan
-        bad = next((f, v) for f, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)) if not v >= 0)
-        p.error(f"{bad[0]} must be a number >= 0, got {bad[1]}")
+    for flag, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)):
+        if not v >= 0: p.error(f"{flag} must be a number >= 0, got {v}")  # `not >=` also refuses nan
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
     if not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
     try: a.prompt.encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
@@ -266,7 +265,7 @@ def main(argv: list[str] | None = None) -> str:
     try:
         model, tok = load_run(a.run_dir, device)
         if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
-        n, L = len(prompt_ids(tok, a.prompt)), trained_length(a.run_dir)  # n: with the end-of-text token that opens it
+        n, L = len(prompt_ids(tok, a.prompt)), model.trained_len  # n: with the end-of-text token that opens it; L: `load_run`'s
         if n > L: print(f"note: the prompt is {n} tokens with the end-of-text token that opens it ({len(tok.encode(a.prompt).ids)} "
                         f"as typed), more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)
