@@ -59,7 +59,7 @@ class ModelConfig:
     n_layers: int = 32  # Number of blocks, GDN and MLA together
     mla_every: int = 4  # Every `mla_every`-th block is MLA + MoE, the others GDN + SwiGLU (4 gives 3:1; 0: GDN only)
     norm_eps: float = 1e-6  # Epsilon of every RMSNorm
-    max_seq_len: int = 4096  # Longest sequence the RoPE tables cover
+    max_seq_len: int = 4096  # Longest sequence (or packed document) the model accepts; RoPE positions stay below it
     init_std: float = 0.02  # Standard deviation of the embedding and hidden matrix initialisation
     # Gated DeltaNet blocks
     gdn_n_heads: int = 40  # GDN heads per block

@@ -157,13 +157,18 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # a tiny operation, dominated by per-step overhead, and the steps cannot run in parallel. The
 # parallel form's quadratic work runs as large matrix products, so at these lengths it is
 # typically as fast or faster despite doing more arithmetic (the timings are noisy on a shared CPU,
-# so they are printed, not tested; the slopes are the point). Neither is what we want for training: the *chunked* form (chapter
+# so they are printed, not tested; the slopes are the point). The parallel form's time slope comes out
+# below 2 because at the short lengths each call's fixed costs outweigh the arithmetic; between the
+# two longest lengths, where the $T^2$ work dominates, it comes nearer 2 (printed below, on a quiet
+# CPU). Neither is
+# what we want for training: the *chunked* form (chapter
 # 12) takes the best of both, matrix products within chunks of 64 tokens and the recurrence between
 # them.
 
 # %%
 slope = lambda ys: (math.log(ys[-1]) - math.log(ys[0])) / (math.log(Ts[-1]) - math.log(Ts[0]))
 print(f"time, slope on this CPU: parallel {slope(res['parallel']):.2f}, recurrent {slope(res['recurrent']):.2f}")
+print(f"parallel form from T={Ts[-2]} to {Ts[-1]}: slope {math.log2(res['parallel'][-1] / res['parallel'][-2]):.2f}")
 
 # %% [markdown]
 # ## Interview questions

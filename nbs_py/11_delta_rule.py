@@ -81,7 +81,8 @@ assert err_add[-1] > 1.5 and err_add[0] < err_add[-1]
 # $\hat v_t = S_{t-1}^\top k_t$, and write only the correction, scaled by a strength $\beta_t \in (0,1)$:
 # $$S_t = S_{t-1} + \beta_t\,k_t\,(v_t - S_{t-1}^\top k_t)^\top = (I - \beta_t k_t k_t^\top)\,S_{t-1} + \beta_t\,k_t v_t^\top .$$
 # This is the delta rule of Widrow and Hoff, used as a fast-weight memory by Schlag, Irie &
-# Schmidhuber (2021) and made trainable at scale as DeltaNet (Yang et al., 2024). With
+# Schmidhuber (2021), who named the model DeltaNet; Yang et al. (2024) made it trainable at scale by
+# parallelising it over the sequence in chunks (the WY / UT form of chapter 12). With
 # $\lVert k_t\rVert = 1$ and $\beta_t = 1$ the read for $k_t$ afterwards is exactly $v_t$: a rewrite
 # *replaces*.
 
@@ -103,8 +104,9 @@ assert_close(S.T @ k1, v2)                                     # the old value i
 # rate $\beta_t$ is
 # $$S - \beta_t\nabla_S\mathcal L_t = S - \beta_t k_t (S^\top k_t - v_t)^\top = (I - \beta_t k_t k_t^\top) S + \beta_t k_t v_t^\top,$$
 # the delta rule. (Linear attention's additive write is the same step on the loss
-# $-\langle S^\top k_t, v_t\rangle$, which rewards a large read in $v_t$'s direction but never penalises
-# a wrong one.) Autograd agrees:
+# $-\langle S^\top k_t, v_t\rangle$, whose gradient $-k_t v_t^\top$ does not depend on $S$: the write
+# ignores what is already stored, so a stale value under $k_t$ is never removed, and the loss has no
+# minimum.) Autograd agrees:
 
 # %%
 S0 = torch.randn(K, V, requires_grad=True)
@@ -115,10 +117,12 @@ with torch.no_grad():
     assert_close(S0 - beta_t * S0.grad, (torch.eye(K) - beta_t * torch.outer(k_t, k_t)) @ S0 + beta_t * torch.outer(k_t, v_t))
 
 # %% [markdown]
-# Being regression, repeated passes over a set of pairs converge to a least-squares fit: with $n \le K$
+# Being regression, repeated passes over a set of pairs solve it when it can be solved: with $n \le K$
 # independent keys the memory eventually stores every pair exactly, something no amount of
-# additive writing can do. (This cyclic version is Kaczmarz's method.) In a model each pair is seen
-# once, so the memory is one pass of this, favouring recent writes.
+# additive writing can do. (This cyclic version is Kaczmarz's method. With more pairs than key
+# dimensions and a fixed $\beta$ it does not settle on the least-squares fit: it ends in a cycle that
+# favours the pairs written last; reaching the least-squares fit needs a shrinking step.) In a model
+# each pair is seen once, so the memory is one pass of this, favouring recent writes.
 
 # %%
 keys, vals = F.normalize(torch.randn(12, K), dim=-1), torch.randn(12, V)
@@ -181,7 +185,7 @@ test_close(g_bf.float().mul(1000).exp().item(), 0.9999 ** 1000, eps=1e-3)  # dec
 # and $v_t$. That rules out exponential growth, $\lVert S_t\rVert \le \lVert S_{t-1}\rVert + \beta_t\lVert v_t\rVert$,
 # but it is not a bound by itself: keys that keep landing where the state reads nothing ($S^\top k_t = 0$,
 # possible whenever $V < K$) erase nothing, and the norm grows like $\sqrt t$ as with additive writes.
-# A decay $\alpha_t \le \bar\alpha < 1$ (gating, below) gives a true bound. For typical keys, as here,
+# A decay $\alpha_t \le \bar\alpha < 1$ (gating, above) gives a true bound. For typical keys, as here,
 # the delta rule's state settles on the scale of the values, while additive writes grow like $\sqrt t$:
 
 # %%
@@ -231,7 +235,7 @@ test_close(S_adv.norm().item(), 0.5 * math.sqrt(1000), eps=1e-3)
 #
 # The experiment: store 8 pairs under orthonormal keys, then overwrite 4 of them with new values,
 # and read all 8 back. Gated linear attention is tried with every constant decay; GDN uses $\beta = 1$
-# and no decay.
+# and no decay ($\alpha = 1$), so what is tested is the erase term alone: this is the plain delta rule.
 
 # %%
 keys, old, new = torch.linalg.qr(torch.randn(K, K))[0].T[:8], torch.randn(8, V), torch.randn(8, V)
@@ -256,9 +260,9 @@ err_gla = [read_error(run_gla(a.item()), keys, target) for a in alphas]
 err_gdn = read_error(run_gdn(), keys, target)
 plt.figure(figsize=(4.5, 2.8))
 plt.plot(alphas, err_gla, label="gated linear attention (Mamba-2 style)")
-plt.axhline(err_gdn, color="C1", label="gated delta rule, β = 1")
+plt.axhline(err_gdn, color="C1", label="delta rule (GDN with α = 1), β = 1")
 plt.xlabel("constant decay α"); plt.ylabel("relative read error"); plt.legend(fontsize=7); plt.tight_layout(); plt.show()
-print(f"best gated linear attention: {min(err_gla):.2f}; gated delta rule: {err_gdn:.1e}")
+print(f"best gated linear attention: {min(err_gla):.2f}; delta rule (GDN with α = 1): {err_gdn:.1e}")
 assert min(err_gla) > 0.3 and err_gdn < 1e-5
 
 # %% [markdown]

@@ -469,7 +469,8 @@ assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the tail ch
 #   memory while chunk $t$ is computed (software pipelining by hand).
 #
 # The same loop serves the backward, which needs the state entering every chunk: `SAVE_H` stores it,
-# `SAVE_O` switches the output off (a backward recomputes states, not outputs).
+# and `SAVE_O=False` skips the output (and the loads of $Q$ it needs): a backward recomputes states,
+# not outputs.
 
 # %%
 #| export
@@ -1004,7 +1005,7 @@ def triton_gated_delta_rule(
 # reference is the fp32 loop differentiated by autograd; the loss weights outputs and final state
 # with random tensors so that every gradient path is exercised. `rand_inputs`' decays are strong (a
 # chunk of 64 keeps about $10^{-13}$ of its incoming state), so a third case draws weak ones
-# (`g_mult=0.2`: a chunk keeps about 0.3) over three chunks: without it, a mistake in how the state
+# (`g_mult=0.2`: a chunk keeps about 0.4) over three chunks: without it, a mistake in how the state
 # or its gradient crosses a whole chunk would pass (doubling the carried state did).
 
 # %%
@@ -1145,7 +1146,8 @@ test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, 
 # must read $q, k, v$ and write $o$: $4 \cdot 4\,096 \cdot 40 \cdot 128 \cdot 2$ bytes $\approx 168$ MB,
 # about 40 µs at the 4.3 TB/s a device-to-device copy reaches on this card. Its arithmetic is about
 # 2 MFLOP per chunk and head, 20 GFLOP in all: 20 µs at the card's 989 TFLOP/s peak, some 50 µs at
-# the 40 % such small products reach. So no forward can beat about 0.05 ms; what keeps a real one above that is the sequential state pass: 160 programs,
+# the 40 % such small products reach. So no forward can beat about 0.05 ms; what keeps a real one above that is the solve for $A$
+# and, above all, the sequential state pass: 160 programs,
 # each walking 64 chunks one after another, a latency-bound loop on a 132-multiprocessor GPU.
 #
 # `benchmarks/gdn_kernel.py` times the three implementations with `triton.testing.do_bench`
@@ -1268,8 +1270,8 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # - The series $(I - L)(I + L^2)(I + L^4)(I + L^8)$ for the $16\times16$ diagonal blocks, six
 #   products each instead of 15 steps. In tf32 it is wrong by 0.13 of $A$'s largest entry when keys
 #   are nearly aligned (0.007 when they only share a direction), and, on the second version's
-#   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches about
-#   $\binom{14}{7}\,0.9^8 \approx 1500$, and such terms cancel into entries of size 1. In
+#   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches hundreds (bounded by
+#   $\binom{14}{7}\,0.9^8 \approx 1500$), and such terms cancel into entries of size 1. In
 #   `tf32x3` (or exact fp32 products) it is as accurate as $A$'s tf32 products need, but takes
 #   0.181 ms (0.228 ms in fp32): slower than substitution. On the whole $64\times64$ tile the
 #   series ($L^{64} = 0$) is wrong even with fp32 products (1.6 on nearly aligned keys, in Triton's
@@ -1292,15 +1294,16 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # Recomputing saves memory. Saved per layer, $A$ alone is $B\,T\,H\cdot64$ numbers, twice the size of $q$ at $K=32$,
 # and a 24-layer model would hold that for every GDN layer from forward to backward. Recomputing is
 # two cheap launches (kernel 1 again, and the state pass, which runs beside the $dS$ pass in the same
-# launch). The Function keeps only its inputs, and one forward + backward peaks at 287 MB, 1.74× the
-# bytes of its inputs and outputs (measured), against 3.1 GB for the PyTorch chunked path under autograd.
+# launch). The Function keeps only its inputs, and one forward + backward peaks at 287 MiB, 1.74× the
+# bytes of its inputs and outputs (measured), against 3.1 GiB for the PyTorch chunked path under autograd.
 # Keeping $A$ and the gates from the forward was measured too, on the H200: forward + backward
 # 1.44 → 1.24 ms per layer (a measurement not kept), but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
 # built to. So by default the backward recomputes them, and `keep_prep=True` keeps them. The model
 # asks for that: in the 750M model's compiled micro-batch the GDN rule kernels fell from 36.5 to
 # 30.0 ms with it, for 2 GB more at the peak (48.8 → 50.9 GB). Keeping the chunk states as well
-# took them to 28.4 ms, for 0.5 GB more (51.4 GB), and the preset's whole step from 6.933 to 6.84 s
-# (round 6, one H200; `train_step.json`).
+# took them to 28.4 ms, for 0.5 GB more (51.4 GB); with round 6's optimiser changes (foreach updates,
+# NorMuon's normalisation in one pass) the preset's whole step went from 6.933 to 6.84 s (one H200;
+# `train_step.json`), about 51 ms of it from the GDN kernels (1.6 ms × 32 micro-batches).
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -16,7 +16,7 @@
 # the compiled prelude takes 2.0 ms per layer, forward and backward, for about 0.6 GB of necessary
 # traffic (0.13 ms at the H200's bandwidth). Eager PyTorch takes 8.4 ms.
 #
-# None of this needs that much memory traffic. A program can hold a tile of $T$ rows × a few heads,
+# None of this needs that much memory traffic. A program can hold a tile of $B_T$ rows × a few heads,
 # read the $W - 1$ rows before it as well, and do the whole prelude in registers. The backward can
 # recompute the forward from the input rather than saving it. This chapter writes the kernels (one
 # forward, three backward) and checks them against `conv_silu_norm`, forward and gradients.
@@ -222,7 +222,8 @@ def _conv_dx_kernel(du, w, dx, starts, T, C, W: tl.constexpr, HAS_STARTS: tl.con
 # inductor sees the kernels and launches them from its own generated code. That matters for the
 # host, not for the GPU. On the hosts of two H200 machines, launching one of these kernels from
 # Python took 20.5 and 31.9 µs, and calling the forward operator 116 and 130 µs, against 8–9 µs
-# for an eager `torch.add` (`benchmarks/host_launch.py`, in "Speed on an H200"). The 750M model's
+# for an eager `torch.add` (`benchmarks/host_launch.py`, in "Speed on an H200"; measured while the
+# eager operator still wrapped each launch in `wrap_triton`, about 10 µs each, which it now skips). The 750M model's
 # forward was short of host time: most of the GPU's long waits came just before the first kernel of
 # a GDN block (`benchmarks/results/host_waits.json`). With inductor launching the prelude, the
 # GPU's waits of 10 µs or more fell from 4.9 to 1.0 ms per micro-batch, measured one after the
@@ -584,7 +585,8 @@ for name, us in host.items():
 # - **A launch from Python costs the host about as much as a small kernel costs the GPU.** On the
 #   H200 machine of `host_launch.json`, a Triton launch took 20.5 µs of host time (31.9 µs on
 #   another H200 machine), against 49 µs of GPU time for one forward launch at the 750M shape. The
-#   eager forward operator took 116 µs of host time for its three launches, and the same forward
+#   eager forward operator took 116 µs of host time for its three launches (with the `wrap_triton`
+#   wrapping it has since dropped), and the same forward
 #   compiled, where inductor launches the kernels, 68 µs including the compiled function's own
 #   guards. For comparison: an eager `torch.add` 8 µs, a large `torch.mm` 19 µs. A GDN block
 #   issues dozens of launches, so when the GPU work between them is short, the host sets the pace.
@@ -600,7 +602,9 @@ for name, us in host.items():
 # Because the compiler fused it badly, and because a kernel is the only way to make it fast eager.
 # The convolution reads each input four times at shifted rows, and the backward needs the output
 # gradient at four shifted rows too. Inductor inlined those reads and recomputed them, reaching
-# about 0.3 TB/s. The kernels here are 5.9× faster than eager PyTorch (forward and backward; 11.6× for the forward alone) and save memory. Compiled,
+# about 0.3 TB/s. The kernels here are 5.9× faster than eager PyTorch, forward and backward timed
+# through autograd (which also makes the gradient of the wider input; on the kernels' own 0.22 + 0.47 ms
+# it is about 12×), 11.6× for the forward alone, and save memory. Compiled,
 # the first version was a wash (29 ms of a micro-batch, where inductor's kernels took 27 ms); with
 # the three-kernel backward the prelude takes about 15 ms. The section above has the measurements.
 # :::

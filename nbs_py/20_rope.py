@@ -82,7 +82,9 @@ test_close(torch.linalg.norm(rope_matrix(5, d) @ q), torch.linalg.norm(q), eps=1
 # $$(x_{2i}\cos m\theta_i - x_{2i+1}\sin m\theta_i,\;\; x_{2i}\sin m\theta_i + x_{2i+1}\cos m\theta_i),$$
 # which needs only the tables $\cos m\theta_i$ and $\sin m\theta_i$, one row per position. HyMo
 # pairs *adjacent* dimensions $(2i, 2i+1)$, as DeepSeek-V3's reference code does (it views the pairs
-# as complex numbers); Llama's `rotate_half` pairs $i$ with $i + d/2$ instead. The two are the same
+# as complex numbers, and so does Meta's Llama code); GPT-NeoX's `rotate_half`, which Hugging Face
+# uses (its Llama port included, whose conversion permutes the query and key weights to match), pairs
+# $i$ with $i + d/2$ instead. The two are the same
 # up to a fixed permutation of the rotated dimensions, so they are equally good, but a checkpoint
 # must be read with the convention it was trained with.
 #
@@ -146,12 +148,12 @@ test_close(rope_inv_freq(32)[-1].item(), 10000 ** (-30 / 32), eps=1e-9)  # the s
 
 
 # %% [markdown]
-# Llama's `rotate_half` convention is the same rotation with the dimensions listed in another
+# The `rotate_half` convention is the same rotation with the dimensions listed in another
 # order: put the even dimensions first and the odd ones after, rotate pair $i$ as
 # $(x_i, x_{i + d/2})$, and undo the reordering.
 
 # %%
-def apply_rope_rotate_half(x, cos, sin):  # Llama's convention: pair i is (x[i], x[i + d/2])
+def apply_rope_rotate_half(x, cos, sin):  # GPT-NeoX / Hugging Face convention: pair i is (x[i], x[i + d/2])
     x1, x2 = x.chunk(2, -1)
     cos, sin = (torch.cat((t, t), -1)[..., None, :] for t in (cos, sin))  # (T, 1, d): the same angle on both halves
     return x * cos + torch.cat((-x2, x1), -1) * sin
@@ -177,7 +179,8 @@ assert (scores(0) - (q[0, :, 0] @ k[0, :, 0].T)).abs().max() > 0.1  # and the ro
 
 # %% [markdown]
 # The tolerance is looser than machine epsilon for a reason worth knowing: at position 1000 the
-# fastest pair has turned 1000 radians, and fp32 keeps that angle to about $10^{-4}$ radians.
+# angles reach 1000 radians, where neighbouring fp32 numbers are $6 \cdot 10^{-5}$ apart, and the
+# rounded $\theta_i$ and $m\theta_i$ put errors of up to about $2 \cdot 10^{-5}$ radians in the angles.
 # Angles grow with position, so very long contexts compute them in fp32 at least (never bf16).
 #
 # With $q = k = \mathbf{1}$ the score as a function of the distance $n - m$ is

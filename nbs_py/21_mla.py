@@ -37,6 +37,7 @@ from hymo.models.moe import DeepSeekMoE
 from hymo.models.rope import apply_rope, check_cu_seqlens, positions_from_cu_seqlens, rope_cos_sin
 
 # %%
+import copy
 import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 from hymo.config import load_config
@@ -523,6 +524,7 @@ print(f"kv_b_proj with G = H (DeepSeek): {kv_b_ds:,}, i.e. +{kv_b_ds - n_params[
 test_eq(n_params["kv_b_proj.weight"], 128 * 4 * (96 + 128))
 test_eq(kv_b_ds, 4 * n_params["kv_b_proj.weight"])
 
+
 # %% [markdown]
 # ## What the grouping costs and saves
 #
@@ -543,11 +545,41 @@ test_eq(kv_b_ds, 4 * n_params["kv_b_proj.weight"])
 # * **the cache**: identical. Only $c^{KV}$ and $k^R$ are cached, whatever $G$ is.
 # * **decoding**: identical per head. With absorption (below) every query head attends to the latent
 #   directly; grouping only means 4 distinct $W^{UK}$, $W^{UV}$ blocks instead of 16.
-# * **the price**: expressiveness. Four heads share each key and value, so within a group heads can
-#   only differ through their queries. It is a restriction of DeepSeek's MLA (tying, shown above):
-#   at equal width it can express only a subset of what DeepSeek's can. Whether it trains worse is
-#   an empirical question; the bet is that at 750M scale the saved memory is worth more than the
-#   lost freedom, and an ablation with `mla_n_kv_groups=16` measures it.
+# * **the price**: expressiveness, on the key side. Four heads share each content key, so their
+#   scores $q_h^\top W^{UK}_g c$ all read the latent through one 96-dimensional subspace
+#   ($W^{UK}_g$'s) instead of one each. Sharing the values costs nothing at HyMo's shapes: with
+#   $d_v = d_c$ (128), a head's slice of `o_proj` can absorb any per-head value map,
+#   $W^O_h \leftarrow W^O_h W^{UV}_h (W^{UV}_g)^{-1}$ (when $W^{UV}_g$ is invertible, as a random one
+#   is). It is a restriction of DeepSeek's MLA (tying, shown above): at equal width it can express
+#   only a subset of what DeepSeek's can. Whether it trains worse is an empirical question; the bet
+#   is that at 750M scale the saved memory is worth more than the lost freedom, and an ablation with
+#   `mla_n_kv_groups=16` measures it (in effect the keys' freedom: its extra value weights add
+#   nothing that `o_proj` could not).
+#
+# The value side, checked: give every head of the $G = H$ module its own value map while keeping the
+# grouped keys, and the grouped module with its `o_proj` rewritten reproduces it exactly (the
+# grouped module as it was does not):
+
+# %%
+def value_maps(m: MultiHeadLatentAttention) -> torch.Tensor:
+    "The value maps W^UV, a view of kv_b_proj's value rows: (G, d_v, d_c), one per group (per head when G = H)."
+    return m.kv_b_proj.weight.view(-1, m.d_nope + m.d_v, m.d_c)[:, m.d_nope:]
+
+
+with torch.no_grad():
+    ds_v = untie(mla, cfg_mha)                                  # keys tied per group, as in `mla` ...
+    value_maps(ds_v).normal_(0, cfg.mla_kv_lora_rank ** -0.5)   # ... and a value map of its own for every head
+    absorbed = copy.deepcopy(mla)
+    W_O = absorbed.o_proj.weight.view(cfg.dim, mla.n_heads, mla.d_v)  # (D, H, d_v): head h's slice of o_proj
+    to_group = torch.linalg.inv(value_maps(mla)).repeat_interleave(mla.n_rep, 0)  # (H, d_c, d_v): its group's (W^UV_g)^-1
+    W_O.copy_(torch.einsum("dhv,hvc,hcw->dhw", W_O, value_maps(ds_v), to_group))  # W^O_h W^UV_h (W^UV_g)^-1
+    y_ds, y_absorbed, y_grouped = ds_v(x), absorbed(x), mla(x)
+torch.testing.assert_close(y_absorbed, y_ds, atol=1e-4, rtol=1e-4)
+assert (y_grouped - y_ds).abs().max() > 0.1
+print(f"per-head values, d_v = d_c = {mla.d_c}: max |grouped with o_proj absorbed - per-head| = {(y_absorbed - y_ds).abs().max():.1e}")
+
+# %% [markdown]
+# The counts above, from the 750M shapes:
 
 # %%
 c = cfg750
@@ -601,7 +633,8 @@ plt.gcf().set_size_inches(6, 3); plt.tight_layout(); plt.show()
 #
 # `append` returns the whole buffers, not just the rows written so far: the causal mask already
 # hides every row past the query's position (the query at position $p$ sees rows $0..p$), and
-# unwritten rows are finite zeros, so they get exactly zero weight. The count of cached tokens is
+# the mask gives unwritten rows zero weight, and being finite zeros (not stale values or NaN) they
+# contribute exactly 0. The count of cached tokens is
 # kept twice: `length` on the host, for the overflow check, and `pos` on the cache's device, from
 # which the new tokens' positions (and their rows) are computed. So a decoding step has the same
 # shapes at every length and reads no number from the GPU, which is what capturing it as a CUDA
@@ -939,8 +972,9 @@ for name, a, b in zip(["o", "dq", "dk", "dv"], outs["varlen"], outs["loop"]):
 # DeepSeek's with those blocks tied. It saves 344 k parameters per block, three quarters of the
 # up-projection FLOPs, and three quarters of the key/value activations in training; the cache and
 # the decode cost are the same (the cache is the latent either way). At equal width it can express
-# only a subset of what DeepSeek's can; whether it trains worse is what the `mla_n_kv_groups=16`
-# ablation measures. It is a bet that memory matters more at this scale.
+# only a subset of what DeepSeek's can, and only on the key side: with $d_v = d_c$ the shared values
+# lose nothing, since each head's `o_proj` slice can absorb a per-head value map. Whether it trains
+# worse is what the `mla_n_kv_groups=16` ablation measures. It is a bet that memory matters more at this scale.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

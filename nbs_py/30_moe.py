@@ -393,7 +393,7 @@ assert abs(flip - 0.026) < 0.002 and abs(inputs_only - 0.0017) < 0.0008 and abs(
 # 2. **DeepSeek-V3's aux-loss-free rule.** A per-expert bias $b_i$ is added to the scores for
 #    selection only. After every step, with $\bar{c}$ the mean of this step's counts $c_i$:
 #    $$b_i \leftarrow b_i + \gamma\, \mathrm{sign}(\bar{c} - c_i).$$
-#    No EMA, no dead band (V3 used $\gamma = 0.001$). This is `moe_balance='sign'`.
+#    No EMA, no dead band (V3 used $\gamma = 0.001$ for its first 14.3 T tokens and 0 for the last 500 B). This is `moe_balance='sign'`.
 # 3. **HyMo's EMA variant** (`moe_balance='ema'`, the default). Smooth the counts over steps,
 #    $\hat{c} \leftarrow \delta \hat{c} + (1 - \delta) c$ with $\delta$ = `moe_ema_decay` = 0.98
 #    (a window of about 50 steps), and move only experts outside a dead band of $\pm\epsilon$ =

@@ -24,7 +24,8 @@
 # heads, so the heads run in parallel and one forward pass drafts every lookahead token), and it
 # keeps the extra losses' gradient in the trunk, which is what they are for. What it gives up:
 # head $k$ must predict $x_{t+1+k}$ without being told the tokens in between, so its task is harder
-# and its drafts are accepted less often than the chained predictions of DeepSeek-V3.
+# and its drafts should be accepted less often than the chained predictions of DeepSeek-V3 (HyMo does
+# not measure this: it does not draft).
 
 # %%
 #| export

@@ -93,7 +93,7 @@ test_eq(tiny.layer_types, ["gdn", "gdn", "gdn", "mla"])
 #
 # The design document also argues that the split gives "uniform" per-layer compute because every
 # layer runs two experts. That is wrong on both counts: GDN blocks run no experts, and an MLA
-# block's FFN (the shared expert plus two routed ones) costs about three times a GDN block's dense
+# block's FFN (the shared expert plus two routed ones) costs about 2.7 times a GDN block's dense
 # FFN. The numbers, from the 750M preset's shapes:
 
 # %%
@@ -579,7 +579,7 @@ for n, d in enumerate(docs):
 # the last `window` tokens for each new one, as `cache=False` always does. The window is the length
 # the model was trained on (`train.seq_len`; `python -m hymo.generate` and the trainer's samples pass
 # it, and a model loaded from a run folder knows it as `trained_len`), so the model never sees a
-# position it was not trained on; without one it is `max_seq_len`, the length the RoPE tables cover,
+# position it was not trained on; without one it is `max_seq_len`, the longest sequence the model accepts,
 # which a run may train below (`hymo_tiny`: 256 against 128).
 #
 # The check needs weights at unit scale: at `init_std = 0.02` every logit is near zero, and any
@@ -913,7 +913,7 @@ def param_breakdown(model: HyMo) -> dict[str, int]:
 #    FlashAttention-style kernel computes.) Packed documents attend less: a query sees only its own
 #    document, so documents of lengths $L_i$ give a mean of $\sum_i L_i^2 / (2 \sum_i L_i)$ keys, in the
 #    same convention ($L/2$ a query in a document of $L$ tokens; the exact count, $(L+1)/2$, differs
-#    by half a key, 0.05 % at $L = 1024$)
+#    by half a key, 0.1 % at $L = 1024$)
 #    (`keys=`; `doc_keys_per_query` reads it off `cu_seqlens`), and the trainer counts each
 #    micro-batch of packed documents so. Left at $T/2$, the count is that of the same tokens unmasked.
 # 4. **The chunked gated delta rule**, per head and chunk of $C$ tokens (chapter 12's
@@ -1156,7 +1156,7 @@ assert t_mem > 50 * t_flop
 # point (gathering tokens per expert, and an all-to-all under expert parallelism). Placing it on
 # the 8 attention blocks gives the model about 0.8 B parameters of expert capacity with 8 dispatch
 # points per forward; MoE on all 32 blocks would quadruple the expert storage. It is a choice for a
-# small model, not a law: Qwen3-Next puts an MoE in every layer, and Kimi Linear in nearly every one. The GDN blocks are
+# small model, not a law: Qwen3-Next puts an MoE in every layer, and Kimi Linear throughout the stack. The GDN blocks are
 # not "recurrence-only": each has a dense SwiGLU of width 2560.
 # :::
 #

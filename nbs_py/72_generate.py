@@ -26,7 +26,7 @@
 # token then costs one token's work: the GDN blocks carry their recurrent state and the MLA blocks
 # their latent cache (`HyMo.decode`, with the state of chapters 12 and 21). Once the text is longer
 # than the run's training length (`train.seq_len`, which `trained_length` reads from its
-# config.yaml; `hymo_tiny` trains on 128 tokens, though its RoPE tables cover `max_seq_len` = 256),
+# config.yaml; `hymo_tiny` trains on 128 tokens, though it accepts up to `max_seq_len` = 256),
 # each token re-runs the last `train.seq_len` tokens instead, so the model never sees a position it
 # was not trained on: its loss rises past that length, context or not. `load_run` records that
 # length on the model it returns (`model.trained_len`), so `generate_text` and `HyMo.generate` keep
