@@ -16,8 +16,8 @@
 #
 # The defaults are the design document's "750M" model. The name is the design's, not a count: the
 # built model stores 1.24 B parameters and uses 0.54 B per token (its 8 MoE layers hold 16 routed
-# experts each, a token visits 2); chapter 41 counts them. The `hymo_tiny` preset shrinks every
-# width so that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
+# experts each, a token visits 2); chapter 41 counts them. The `hymo_tiny` preset shrinks the
+# model's widths and depth (not its GDN head sizes or chunk) so that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
 
 # %%
 #| export
@@ -160,7 +160,7 @@ class TrainingConfig:
     # Systems
     precision: str = "auto"  # 'auto' (bf16 on CUDA, fp32 on CPU), 'bf16' or 'fp32'
     activation_checkpointing: bool = False  # Recompute each block's activations in backward
-    compile: bool = False  # torch.compile each block
+    compile: bool = True  # torch.compile each block (hymo_tiny turns it off: on a CPU the compile costs more than a short run saves)
     wandb: bool = False  # Log to Weights & Biases (offline unless you are logged in)
     wandb_project: str = "hymo"  # W&B project name
 
@@ -177,8 +177,9 @@ class TrainingConfig:
 # are caught: an unknown key (the message lists the valid keys and the closest one), a value of the
 # wrong type (it names the expected type), a value out of its range, and sizes that cannot work
 # together (it names both and why). The ranges matter because a bad number rarely fails where it
-# is written: a NaN slips past every `x < 0` check and a zero `norm_eps` turns the loss into NaN at
-# step 1, so the run ends blaming the learning rate.
+# is written: a NaN slips past every `x < 0` check, and a zero `norm_eps` divides by zero on the
+# first all-zero row (a zero-initialised layer's output, a padded position), whose NaN then spreads
+# through the run, which ends blaming the learning rate.
 
 # %%
 #| export
@@ -685,7 +686,8 @@ test_eq(load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.02), wan
 # ::: {.callout-tip collapse="true"}
 # ## How is the 3:1 layout encoded, and why not a list of layer types?
 # `mla_every = 4` makes blocks 3, 7, 11, … MLA blocks and the rest GDN. A single integer cannot
-# describe an inconsistent layout, and changing depth keeps the ratio. `layer_types` derives the
+# describe an inconsistent layout, and changing depth keeps the ratio (exactly when `n_layers` is a
+# multiple of `mla_every`). `layer_types` derives the
 # explicit list when you want to see it. The two ends are ablations: `mla_every = 1` is all MLA,
 # `mla_every = 0` all GDN. A model shallower than `mla_every` is refused rather than silently
 # built without MLA blocks.

@@ -60,7 +60,8 @@ torch.testing.assert_close(y, F.rms_norm(x, (8,), eps=1e-6))
 
 # %% [markdown]
 # On bf16 inputs, at the model's width and with a learned gain, the output is the fp64 result
-# rounded once: within half a unit in the last place (ulp) of bf16. The same formula evaluated in
+# rounded once: within about half a unit in the last place (ulp) of bf16 (the fp32 result is
+# rounded again to bf16, so it can exceed half an ulp by a hair). The same formula evaluated in
 # bf16 is several times further off:
 
 # %%

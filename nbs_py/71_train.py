@@ -12,7 +12,7 @@
 # python -m hymo.train max_steps=50 dim=96               # overrides: any config field, bare or as model./train.
 # python -m hymo.train --config hymo_750m data_dir=/data/shards   # the full run (use torchrun for several GPUs)
 # python -m hymo.train --config my_run.yaml run_dir=runs/a       # a YAML file (with base: hymo_tiny, it changes that preset)
-# python -m hymo.train run_dir=runs/a                    # again: resumes from runs/a's latest checkpoint
+# python -m hymo.train --config my_run.yaml run_dir=runs/a       # the same command again: resumes from runs/a's latest checkpoint
 # ```
 #
 # A YAML file without `base:` changes the design defaults, hymo_750m's; one that leaves values

@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 and 32 on H100s
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 33 on H100s
 # (their rows say which, and the chart marks them `[H100]`), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
@@ -26,8 +26,8 @@
 # python benchmarks/generate_speed.py --prompt 3840               # decoding with the state against re-running the context
 # ```
 #
-# (`OUT=/tmp/bench bash benchmarks/h200_train_step.sh main` runs the whole set, one process per
-# variant, in four parts: `main`, `variants`, `kernels`, `host`. It writes to a scratch folder: the
+# (`OUT=/tmp/bench bash benchmarks/h200_train_step.sh PART` runs the set, one process per
+# variant, in four parts, one call each: `main`, `variants`, `kernels`, `host`. It writes to a scratch folder: the
 # files here are the page's record, and a row worth keeping is copied over by hand, newest first,
 # with its `code` (`--code`, what was measured) and a `note`. On a machine without a GPU each script
 # says so in one line and names what a CPU can run instead, such as the tests that run the kernels
@@ -44,7 +44,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 and 32 (also 2026-12-05) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 33 (also 2026-12-05) could
 # get only an H100: their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -215,7 +215,7 @@ if tl_row:
 #   remove the launch latency (5–6 ms per micro-batch; 5.1 ms in round 19's profile). They failed
 #   here (in round 5): a later replay overwrote outputs that the backward still needed (first an MTP
 #   head's, then, with the heads left out, an MLA block's). Round 10 captured whole micro-batches
-#   instead (above): it works, and with the bf16 copies it gains nothing.
+#   instead (its entry in the round log, below): it works, and with the bf16 copies it gains nothing.
 # * **Round 29: the PyTorch path is host-bound, measured.** With `--timeline` (CUDA events, no
 #   profiler) on one machine, that path's host took 1 112 ms to issue a micro-batch and the GPU
 #   spanned 1 112 ms, running dry at 25 of the 31 boundaries between micro-batches (a step of
@@ -335,6 +335,11 @@ if tl_row:
 #   (102 passed; one CPU-only refusal test now forces the CPU). This machine's PyTorch path was
 #   faster than most (26.9 s against 29.3 s in round 16 and 34–35.5 s in rounds 15, 18 and 19), so the ratio fell below 5× with no
 #   change to either path: the host sets that path's speed.
+# * **Round 22: no change to the step; 6.477 s (36.2 %, 50.6 GB) on the round's one machine.** The
+#   round masked the MTP targets per document and added the trainer's stop signals and run-folder
+#   lock (chapters 40 and 70). With documents of about 1 024 tokens masked (8 micro-batches a
+#   step), the step took 2.108 s (26.2 % MFU, attention counted per document), 24 % over the
+#   unmasked 1.703 s measured next on the same machine; earlier rounds measured 1.93–2.16 s.
 # * **Round 20: no change to the step; 6.500 s (36.1 %, 50.6 GB) on the round's one machine.** The
 #   round fixed the trainer's resume and command line (chapters 70 and 71: damaged checkpoints,
 #   `--no-resume` on a folder with checkpoints, refusals that used to end in tracebacks) and
@@ -408,7 +413,7 @@ if tl_row:
 #     once. Neither can be told from drift, so the defaults stay.
 # * **Round 16: the preset step 6.343 s (37.0 % MFU, 82.7 k tokens/s, 50.6 GB) on the round's third
 #   machine, with round 14's code unchanged, and 6.414 and 6.524 s (36.6 and 35.9 %) on its other two;
-#   the PyTorch GDN path 4.3–4.6× slower on the third (below).** 6.343 s is the fastest step measured
+#   the PyTorch GDN path 4.3–4.6× slower on the third (the comparison above).** 6.343 s is the fastest step measured
 #   so far; the round's three machines, running the same code, span 2.9 %. Tried and not measured
 #   (`experiments.json`): inductor's **max-autotune** mode (its Triton matrix-multiply templates
 #   benchmarked against cuBLAS for every shape, and coordinate-descent tuning of its own kernels) had
@@ -424,7 +429,7 @@ if tl_row:
 #   round 15 found for attention.
 # * **Round 15: the preset step 6.365 s (36.8 % MFU, 82.4 k tokens/s, 50.6 GB) and 6.489 s (36.1 %)
 #   on the round's two machines, with round 14's code unchanged; the PyTorch GDN path 5.3–5.5× slower
-#   on the second (below).** 6.365 s is the fastest step measured so far, and it ran the code that
+#   on the second (the comparison above).** 6.365 s is the fastest step measured so far, and it ran the code that
 #   took 6.505 and 6.543 s on round 14's machines: the 2–3 % between machines is larger than any
 #   change of rounds 12–14. The round's fresh profile (above; the previous one was round 11's)
 #   confirms kernel 1's two rewrites inside the model: 0.150 ms per layer, against 0.249 ms in round
@@ -604,7 +609,7 @@ if tl_row:
 #   in each of 24 layers, and MLA's position check and longest document in each of 8.
 # * **Round 9: the PyTorch GDN path re-timed on the machine of the Triton path's steps.** 29.4 s
 #   per preset step (one timed step after one warm-up step), against 6.71–6.74 s for the Triton
-#   path: 4.4×. See the comparison below.
+#   path: 4.4×. See the comparison above.
 # * **Round 9: the garbage collector is not what the GPU waits on.** During a preset step Python
 #   ran 59–60 young-generation and 5–6 middle-generation collections, 11 ms in all, the longest
 #   0.57 ms. With the collector frozen and off the steps took 6.741, 6.748 and 6.731 s, against
@@ -689,7 +694,7 @@ if tl_row:
 #     took 2.3 ms more per micro-batch, and the step 6.94 s against 6.91 s
 #     (`benchmarks/results/experiments.json`). Reverted;
 #   - inductor's coordinate-descent tuning of its own kernels (`TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1`):
-#     those kernels took 28.6 ms per micro-batch against 29.7 ms in the profile above, measured on
+#     those kernels took 28.6 ms per micro-batch against 29.7 ms in round 7's profile (its row in the table), measured on
 #     another machine (`experiments.json`), at the cost of about two minutes more compilation per
 #     run. Not adopted.
 # * **Gains in round 6:** the optimiser step (chapter 50; `benchmarks/optim_step.py`): NorMuon
@@ -736,7 +741,7 @@ assert all(g["graph_speedup"] > 5 for g in gens) and fp32[3840]["speedup"] > 20 
 # autocast is slower than fp32 here: at batch 1 the step is still a few thousand kernels, the graph
 # records the weights' casts among them, and the saving in bytes is small. 147 tokens/s is 6.8 ms
 # a token, against the 0.45 ms that reading the 0.54 B active weights once in fp32 at the H200's
-# 4.8 TB/s would take (chapter 41 estimates this bound): the kernels are still many and small,
+# 4.8 TB/s would take (chapter 41's bound, there for bf16 weights on an H100's 3.35 TB/s: 0.32 ms): the kernels are still many and small,
 # and fusing them (`torch.compile` on the decoding step) is the next step, which this code does
 # not take. The tokens the state and the re-run draw part early: at initial weights the logits are
 # nearly equal, so rounding decides; the parity checks are `tests/test_model.py`'s, on unit-scale
@@ -807,7 +812,7 @@ assert all(max(r["o"], r["ht"]) <= 5e-3 and max(r.get(n, 0) for n in names[2:]) 
 
 # %% [markdown]
 # At $T \le 256$ every regime stays inside the targets, the weak one by little: $o$ and the state
-# within 4.8e-3 of the 5e-3 target, the gradients within 6.0e-3 (round 28's run; round 29's, below,
+# at most 4.8e-3 off (target 5e-3), the gradients at most 6.0e-3 (round 28's run; round 29's, below,
 # measured 6.1e-3 at $T$ = 256). Round 29 ran the longer sequences
 # ($T$ = 1 000 and 4 096, at the model's heads, `gdn_verify_decays_long_h200.json`):
 

@@ -30,6 +30,16 @@ def test_750m_is_the_design():
     assert 29e9 < t.max_steps * t.global_batch_size * t.seq_len < 31e9
 
 
+def test_the_dataclass_defaults_are_exactly_the_750m_preset():
+    "A YAML file without `base:` is documented (and announced by a note) to start from hymo_750m's values: all of them."
+    preset, design = load_config("hymo_750m"), Config()
+    for sec in ("model", "train"):
+        differ = {f.name: (getattr(getattr(design, sec), f.name), getattr(getattr(preset, sec), f.name))
+                  for f in dataclasses.fields(getattr(design, sec)) if getattr(getattr(design, sec), f.name) != getattr(getattr(preset, sec), f.name)}
+        assert not differ, f"{sec}: dataclass default vs hymo_750m: {differ}"
+    assert load_config("hymo_tiny").train.compile is False  # the laptop preset stays eager
+
+
 def test_field_names_are_unique_across_sections():
     m = {f.name for f in dataclasses.fields(ModelConfig)}
     t = {f.name for f in dataclasses.fields(TrainingConfig)}

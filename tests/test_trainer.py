@@ -494,7 +494,7 @@ def test_a_finished_run_whose_model_is_gone_writes_it_again(tmp_path):
 def test_resuming_with_another_vocab_size_names_it_not_the_data(tmp_path):
     "A new vocab_size means other data too; the refusal names the changed setting (it blamed the data's fingerprint)."
     make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(2)
-    with pytest.raises(ConfigError, match=r"weights of other shapes \(vocab_size: 2048 -> 4096\)"):
+    with pytest.raises(ConfigError, match=r"weights of other shapes \(vocab_size: 2048 -> 4096\).*--config RUN_DIR/config.yaml"):
         make(tmp_path / "run", max_steps=4, ckpt_every=2, vocab_size=4096)
 
 

@@ -253,7 +253,8 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
     if diff["model"] and _shapes(old_model) != _shapes(model_cfg):
         raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({diff['model']}): a resumed run "
-                          "keeps its architecture, so drop these overrides, or give a new run_dir=... to start afresh")
+                          "keeps its architecture, so give it the config it was started with (its config.yaml: --config RUN_DIR/config.yaml) "
+                          "without overrides of these, or give a new run_dir=... to start afresh")
     notes = [f"{sec} settings differ from the checkpoint's: {d}" for sec, d in diff.items() if d]
     try: a = wsd_schedule(step, old_train)
     except ValueError: a = None  # a run from before a decay_fraction > 0 meant at least one decay step: no longer valid
