@@ -8,6 +8,7 @@ Docs: https://hymo-lm.github.io/hymo/config.html.md"""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import numbers
@@ -21,7 +22,7 @@ import yaml
 
 # %% auto #0
 __all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError', 'check_triton_chunk',
-           'validate_model', 'validate_training', 'package_dir', 'Config', 'presets', 'load_config']
+           'validate_model', 'validate_training', 'package_dir', 'Config', 'presets', 'takes_text', 'load_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -163,8 +164,9 @@ def _check_type(name: str, value, tp):
 
 def _type_hint(name: str, value, tp) -> str:
     "The fix for the two usual slips: a number where text is meant, and a count written as a float."
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML reads run_dir=2024 as a number
-        return f"; quote it: '{value}' (from a shell: \"{name.split('.')[-1]}='{value}'\")"
+    if tp is str and isinstance(value, (int, float, datetime.date)):  # YAML reads run_dir: 2024 as a number, off as False
+        return (f"; quote it ({name.split('.')[-1]}: '...' in a YAML file): unquoted, YAML reads numbers, dates and "
+                f"yes/no/on/off as other types, and may change them (007 becomes 7)")
     if tp is str and value is None:  # moe_balance=None, meaning "off"
         return "; None and null are not text: give one of its values (off, where it can be, is the word none, lower case)"
     if tp is int and (isinstance(value, float) or isinstance(value, str) and _SCI.fullmatch(value)) and float(value).is_integer():
@@ -362,6 +364,14 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
+def takes_text(key: str) -> bool:
+    "Whether config key `key` (bare or `section.key`) holds text; False for an unknown key, which `load_config` names."
+    try: sec, name = _section_of(key)
+    except ConfigError: return False
+    tp = _field_types(_SECTIONS[sec])[name]
+    return tp is str or str in typing.get_args(tp)  # str, or Optional[str]
+
+
 class _KeyTwice(yaml.YAMLError): pass
 
 
@@ -384,7 +394,8 @@ class _UniqueKeys(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
-def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
+def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict, Path]:
+    "One config file, checked: (its name, its raw YAML, its path). A `base:` is found next to the file `named_by` it."
     p = Path(name_or_path).expanduser()
     if p.suffix not in (".yaml", ".yml"):
         preset = PRESET_DIR / f"{name_or_path}.yaml"
@@ -393,9 +404,14 @@ def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, di
             raise ConfigError(f"{name_or_path} is a {'folder' if p.is_dir() else 'file'} but not a .yaml file: give a preset "
                               f"({', '.join(presets())}) or a .yaml file{hint}")
         p = preset
-    elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
+    elif named_by is not None and not p.is_absolute(): p = named_by.parent / p  # a base: next to the file that names it
     if not p.exists():
-        raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
+        if named_by is not None:
+            raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a preset ({', '.join(presets())}) nor a file "
+                              f"at {p}: a base's path is taken from the folder of the file that names it")
+        hint = f" (a preset is named without .yaml: {p.stem})" if p.stem in presets() and p.parent == Path() else ""
+        raise ConfigError(f"no preset or YAML file '{name_or_path}'{hint}. Presets: {', '.join(presets())}; "
+                          f"or give a path to a .yaml file")
     try: text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError: raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML config file") from None
     except OSError as e: raise ConfigError(f"{p} cannot be read ({e.strerror}): give a YAML config file") from None
@@ -420,15 +436,15 @@ def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, di
     return str(raw.get("name") or p.stem), raw, p
 
 
-def _read_with_bases(name_or_path) -> tuple[str, list[dict]]:
-    "The config's name and its raw YAML, then its base's, and so on, the file itself first."
+def _read_with_bases(name_or_path) -> tuple[str, list[tuple[dict, Path]]]:
+    "The config's name and its (raw YAML, path), then its base's, and so on, the file itself first."
     name, raw, p = _read_preset(name_or_path)
-    chain, seen = [raw], [p.resolve()]
+    chain, seen = [(raw, p)], [p.resolve()]
     while raw.get("base") is not None:
-        _, raw, p = _read_preset(raw["base"], relative_to=p.parent)
+        _, raw, p = _read_preset(raw["base"], named_by=p)
         if p.resolve() in seen:
             raise ConfigError(f"the config files name each other as 'base:' in a circle: {' -> '.join(map(str, seen + [p]))}")
-        chain.append(raw); seen.append(p.resolve())
+        chain.append((raw, p)); seen.append(p.resolve())
     return name, chain
 
 # %% ../nbs/00_config.ipynb #f9df37c0
@@ -438,9 +454,11 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     "Read a preset or YAML file, apply `overrides`, validate, and return the `Config`."
     name, chain = _read_with_bases(name_or_path)
     values = {"model": {}, "train": {}}
-    for raw in reversed(chain):  # the deepest base first
+    for raw, path in reversed(chain):  # the deepest base first
         for sec in ("model", "train"):
-            for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+            for k, v in (raw.get(sec) or {}).items():
+                try: values[sec][_section_of(f"{sec}.{k}")[1]] = v
+                except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
     spelled = {}
     for k, v in overrides.items():
         sec, f = _section_of(k)

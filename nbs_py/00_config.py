@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import numbers
@@ -215,8 +216,9 @@ def _check_type(name: str, value, tp):
 
 def _type_hint(name: str, value, tp) -> str:
     "The fix for the two usual slips: a number where text is meant, and a count written as a float."
-    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):  # YAML reads run_dir=2024 as a number
-        return f"; quote it: '{value}' (from a shell: \"{name.split('.')[-1]}='{value}'\")"
+    if tp is str and isinstance(value, (int, float, datetime.date)):  # YAML reads run_dir: 2024 as a number, off as False
+        return (f"; quote it ({name.split('.')[-1]}: '...' in a YAML file): unquoted, YAML reads numbers, dates and "
+                f"yes/no/on/off as other types, and may change them (007 becomes 7)")
     if tp is str and value is None:  # moe_balance=None, meaning "off"
         return "; None and null are not text: give one of its values (off, where it can be, is the word none, lower case)"
     if tp is int and (isinstance(value, float) or isinstance(value, str) and _SCI.fullmatch(value)) and float(value).is_integer():
@@ -437,6 +439,14 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
+def takes_text(key: str) -> bool:
+    "Whether config key `key` (bare or `section.key`) holds text; False for an unknown key, which `load_config` names."
+    try: sec, name = _section_of(key)
+    except ConfigError: return False
+    tp = _field_types(_SECTIONS[sec])[name]
+    return tp is str or str in typing.get_args(tp)  # str, or Optional[str]
+
+
 class _KeyTwice(yaml.YAMLError): pass
 
 
@@ -459,7 +469,8 @@ class _UniqueKeys(yaml.SafeLoader):
         super().flatten_mapping(node)
 
 
-def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, dict, Path]:
+def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict, Path]:
+    "One config file, checked: (its name, its raw YAML, its path). A `base:` is found next to the file `named_by` it."
     p = Path(name_or_path).expanduser()
     if p.suffix not in (".yaml", ".yml"):
         preset = PRESET_DIR / f"{name_or_path}.yaml"
@@ -468,9 +479,14 @@ def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, di
             raise ConfigError(f"{name_or_path} is a {'folder' if p.is_dir() else 'file'} but not a .yaml file: give a preset "
                               f"({', '.join(presets())}) or a .yaml file{hint}")
         p = preset
-    elif relative_to is not None and not p.is_absolute(): p = relative_to / p  # a base: next to the file that names it
+    elif named_by is not None and not p.is_absolute(): p = named_by.parent / p  # a base: next to the file that names it
     if not p.exists():
-        raise ConfigError(f"no preset or YAML file '{name_or_path}'. Presets: {', '.join(presets())}; or give a path to a .yaml file")
+        if named_by is not None:
+            raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a preset ({', '.join(presets())}) nor a file "
+                              f"at {p}: a base's path is taken from the folder of the file that names it")
+        hint = f" (a preset is named without .yaml: {p.stem})" if p.stem in presets() and p.parent == Path() else ""
+        raise ConfigError(f"no preset or YAML file '{name_or_path}'{hint}. Presets: {', '.join(presets())}; "
+                          f"or give a path to a .yaml file")
     try: text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError: raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML config file") from None
     except OSError as e: raise ConfigError(f"{p} cannot be read ({e.strerror}): give a YAML config file") from None
@@ -495,15 +511,15 @@ def _read_preset(name_or_path, relative_to: Path | None = None) -> tuple[str, di
     return str(raw.get("name") or p.stem), raw, p
 
 
-def _read_with_bases(name_or_path) -> tuple[str, list[dict]]:
-    "The config's name and its raw YAML, then its base's, and so on, the file itself first."
+def _read_with_bases(name_or_path) -> tuple[str, list[tuple[dict, Path]]]:
+    "The config's name and its (raw YAML, path), then its base's, and so on, the file itself first."
     name, raw, p = _read_preset(name_or_path)
-    chain, seen = [raw], [p.resolve()]
+    chain, seen = [(raw, p)], [p.resolve()]
     while raw.get("base") is not None:
-        _, raw, p = _read_preset(raw["base"], relative_to=p.parent)
+        _, raw, p = _read_preset(raw["base"], named_by=p)
         if p.resolve() in seen:
             raise ConfigError(f"the config files name each other as 'base:' in a circle: {' -> '.join(map(str, seen + [p]))}")
-        chain.append(raw); seen.append(p.resolve())
+        chain.append((raw, p)); seen.append(p.resolve())
     return name, chain
 
 
@@ -515,9 +531,11 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     "Read a preset or YAML file, apply `overrides`, validate, and return the `Config`."
     name, chain = _read_with_bases(name_or_path)
     values = {"model": {}, "train": {}}
-    for raw in reversed(chain):  # the deepest base first
+    for raw, path in reversed(chain):  # the deepest base first
         for sec in ("model", "train"):
-            for k, v in (raw.get(sec) or {}).items(): values[sec][_section_of(f"{sec}.{k}")[1]] = v
+            for k, v in (raw.get(sec) or {}).items():
+                try: values[sec][_section_of(f"{sec}.{k}")[1]] = v
+                except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
     spelled = {}
     for k, v in overrides.items():
         sec, f = _section_of(k)
@@ -652,7 +670,9 @@ test_eq(load_config("hymo_tiny", grad_clip=0, moe_bias_speed=0, mtp_loss_weights
 # %% [markdown]
 # One leniency: PyYAML follows YAML 1.1, which reads `1e-3` (no dot) as a string. A float field
 # takes it as the number anyone writing it means; `max_steps=1e5` is still refused, as an int field,
-# with the whole number to write instead. The reverse slip, `run_dir=2024`, gets the quotes it needs.
+# with the whole number to write instead. The reverse slip, `run_dir: 2024` in a YAML file (or
+# `moe_balance: off`, which YAML reads as False), is told to quote it; on the command line a key that
+# holds text keeps what was typed (chapter 71).
 # NumPy's scalars (a sweep's `np.int64(64)`, `np.float32(0.02)`, `np.True_`) are the plain values
 # they print, so the config a run writes is plain YAML.
 
@@ -660,7 +680,7 @@ test_eq(load_config("hymo_tiny", grad_clip=0, moe_bias_speed=0, mtp_loss_weights
 test_eq(load_config("hymo_tiny", muon_lr="1e-3", adamw_lr="3E-4").train.muon_lr, 1e-3)
 test_fail(lambda: load_config("hymo_tiny", muon_lr="fast"), contains="expected float")
 test_fail(lambda: load_config("hymo_tiny", max_steps="1e5"), contains="expected int, got str '1e5'; write it as a whole number: 100000")
-test_fail(lambda: load_config("hymo_tiny", run_dir=2024), contains="expected str, got int 2024; quote it: '2024'")
+test_fail(lambda: load_config("hymo_tiny", run_dir=2024), contains="expected str, got int 2024; quote it (run_dir: '...' in a YAML file)")
 test_fail(lambda: load_config("hymo_tiny", data_dir=""), contains="train.data_dir='' is empty: give a value, or null")  # data_dir="" in a launcher
 test_fail(lambda: load_config("hymo_tiny", model={"dim": 64}), contains="'model' is a section, not a key")
 test_eq(load_config("hymo_tiny", dim=np.int64(64), muon_lr=np.float32(0.02), wandb=np.False_).train.muon_lr, 0.02)

@@ -25,7 +25,10 @@
 # `Trainer` (whose refusals, about the data, the run folder or a checkpoint, say so too) and calls
 # `fit`. Each of these mistakes ends in the usage line and one line that says what to do, exit
 # status 2, and no run folder. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
-# and `mtp_loss_weights=[0.5,0.2]` all work.
+# and `mtp_loss_weights=[0.5,0.2]` all work, except that a key holding text keeps what was typed:
+# YAML would read `run_dir=007` as 7, `run_dir=2024-12-05` as a date and `moe_balance=off` as
+# False. `--config` and `--resume` may be given once each (argparse would keep the last without a
+# word), and a bare preset name, `python -m hymo.train hymo_750m`, is pointed to `--config`.
 #
 # Once training has begun, the other ways a run ends are one line too, each with its exit status:
 #
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import os
 import signal
 import sys
@@ -54,7 +58,7 @@ from pathlib import Path
 
 import yaml
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, load_config, presets
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, load_config, presets, takes_text
 from hymo.training.data import DataError
 
 # %%
@@ -84,17 +88,31 @@ def parse_overrides(items: list[str]) -> dict:
     "`['dim=64', 'train.wandb=true']` → `{'dim': 64, 'train.wandb': True}` (values parsed as YAML)."
     out = {}
     for item in items:
+        if Path(item).stem in presets() or item.endswith((".yaml", ".yml")):  # `python -m hymo.train hymo_750m`
+            raise ConfigError(f"'{item}' is not an override: to train a preset or a YAML file, give --config {item}")
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
         k, v = item.split("=", 1)
         if k.strip() in out: raise ConfigError(f"'{k.strip()}' is given twice on the command line: give it once")
         if not v.strip():  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
             raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k.strip()}=null for the default")
-        try: out[k.strip()] = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
+        try: value = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "
                               f"e.g. '{k.strip()}=[0.3, 0.1]'") from None
+        if takes_text(k.strip()) and isinstance(value, (int, float, datetime.date)):  # bools too: moe_balance=off
+            value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date
+        out[k.strip()] = value
     return out
+
+
+
+class _Once(argparse.Action):
+    "An option that may be given once: argparse would keep the last of two without a word."
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_given_{self.dest}", False):
+            parser.error(f"{self.option_strings[0]} is given twice ({getattr(namespace, self.dest)}, then {values}): give it once")
+        setattr(namespace, f"_given_{self.dest}", True); setattr(namespace, self.dest, values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m hymo.train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train HyMo. With no arguments: hymo_tiny on the bundled Shakespeare corpus, on CPU in minutes.",
         epilog=f"presets: {', '.join(presets())}\n" + _options_help())
-    p.add_argument("--config", default="hymo_tiny", help="preset name or path to a YAML file (default: hymo_tiny); a file "
+    p.add_argument("--config", default="hymo_tiny", action=_Once, help="preset name or path to a YAML file (default: hymo_tiny); a file "
                    "changes the design defaults (hymo_750m's), or the preset it names as 'base:'")
     start = p.add_mutually_exclusive_group()  # --resume X --no-resume would silently drop X
-    start.add_argument("--resume", default=None, metavar="CHECKPOINT",
+    start.add_argument("--resume", default=None, metavar="CHECKPOINT", action=_Once,
                        help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
     start.add_argument("--no-resume", action="store_true",
                        help="start afresh, in a run_dir without checkpoints (one that holds them is refused)")
@@ -135,19 +153,21 @@ def _resume_from(trainer, cfg, args) -> str:
 
 
 def design_defaults_note(config: str) -> str | None:
-    "A note when `--config` is a YAML file without `base:` that leaves values unset: those are hymo_750m's, not hymo_tiny's."
-    from hymo.config import _read_with_bases
+    "A note when `--config` is a YAML file whose chain of `base:` files ends without a preset and leaves values unset: those are hymo_750m's, not hymo_tiny's."
+    from hymo.config import PRESET_DIR, _read_with_bases
     if config in presets(): return None
     _, chain = _read_with_bases(config)
-    if len(chain) > 1: return None  # its base sets the rest
+    root = chain[-1][1]  # the deepest file: a preset sets the rest
+    if root.resolve().parent == PRESET_DIR.resolve(): return None
     unset = [(sec, f.name) for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)) for f in dataclasses.fields(cls)
-             if f.name not in (chain[0].get(sec) or {})]
+             if not any(f.name in (raw.get(sec) or {}) for raw, _ in chain)]
     tiny, design = load_config("hymo_tiny"), Config()
     if all(getattr(getattr(tiny, s), n) == getattr(getattr(design, s), n) for s, n in unset):
         return None  # a printed config sets every value; a preset, or a copy of hymo_tiny, leaves only values they share
-    return (f"note: {config} has no 'base:', so the {len(unset)} values it does not set are the design defaults "
-            f"(hymo_750m's: seq_len={TrainingConfig.seq_len}, dim={ModelConfig.dim}, ...); to change hymo_tiny instead, "
-            f"add the line 'base: hymo_tiny'")
+    alone = len(chain) == 1
+    return (f"note: {config if alone else f'{config} rests on {root}, which'} has no 'base:', so the {len(unset)} values "
+            f"{'it does' if alone else 'they do'} not set are the design defaults (hymo_750m's: seq_len={TrainingConfig.seq_len}, "
+            f"dim={ModelConfig.dim}, ...); to change hymo_tiny instead, add the line 'base: hymo_tiny'{'' if alone else f' to {root}'}")
 
 
 def _in_its_run_folder(cfg, args):
@@ -255,6 +275,8 @@ test_fail(lambda: parse_overrides(["max_steps"]), contains="key=value")
 test_fail(lambda: parse_overrides(["data_dir="]), contains="no value (an unset shell variable?)")
 test_eq(parse_overrides(["data_dir=null"]), {"data_dir": None})
 test_fail(lambda: parse_overrides(["mtp_loss_weights=[0.3,"]), contains="not valid YAML")
+test_eq(parse_overrides(["run_dir=007", "wandb_project=2024-12-05", "seed=007"]), {"run_dir": "007", "wandb_project": "2024-12-05", "seed": 7})
+test_fail(lambda: parse_overrides(["hymo_750m"]), contains="give --config hymo_750m")
 
 # %%
 h = build_parser().format_help()

@@ -305,7 +305,7 @@ def test_a_key_in_the_wrong_section_says_where_it_lives():
 
 def test_type_errors_say_how_to_write_the_value():
     from hymo.train import parse_overrides
-    with pytest.raises(ConfigError, match=r"""train.run_dir: expected str, got int 2024; quote it: '2024' \(from a shell: "run_dir='2024'"\)"""):
+    with pytest.raises(ConfigError, match=r"train.run_dir: expected str, got int 2024; quote it \(run_dir: '...' in a YAML file\)"):
         load_config("hymo_tiny", run_dir=2024)
     assert load_config("hymo_tiny", **parse_overrides(["run_dir='2024'"])).train.run_dir == "2024"  # the hint works
     with pytest.raises(ConfigError, match=r"train.max_steps: expected int, got str '1e3'; write it as a whole number: 1000$"):
@@ -465,3 +465,89 @@ def test_other_field_checks():
         load_config("hymo_tiny", gdn_kernel="cuda")
     with pytest.raises(ConfigError, match=r"train.precision='fp16': choose one of"):
         load_config("hymo_tiny", precision="fp16")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(moe_top_k=5), "moe_top_k=5 > moe_n_routed=4"),  # one past the experts hymo_tiny has
+    (dict(nope_layers=[4]), "nope_layers [4] are not MLA blocks"),  # one past its last block
+    (dict(seq_len=257), "train.seq_len=257 is longer than model.max_seq_len=256"),
+    *[({k: 0}, f"train.{k}=0 must be positive") for k in ("max_steps", "keep_last_k", "ns_steps", "max_bad_steps")],
+    (dict(sample_tokens=-1), "train.sample_tokens=-1 must be 0 or more"),
+    (dict(data_dir=" "), "train.data_dir=' ' is empty"),
+    (dict(adamw_betas=[0.9]), "give two numbers, (beta1, beta2)"),
+    (dict(mtp_loss_weights=0.3), "model.mtp_loss_weights: expected a list of float, got float 0.3"),
+    (dict(gdn_kernel="triton", gdn_chunk_size=128), "gdn_chunk_size=128 but the Triton GDN kernels run chunks of 64 only"),
+    *[({k: v}, f"{k}={v!r}: choose one of") for k, v in (("gdn_kernel", "cuda"), ("moe_score_func", "Softmax"),
+                                                        ("moe_balance", "emma"), ("decay_shape", "exp"), ("precision", "fp16"))],
+])
+def test_each_check_refuses_the_first_value_past_its_limit(overrides, message):
+    with pytest.raises(ConfigError) as e: load_config("hymo_tiny", **overrides)
+    assert message in str(e.value)
+
+
+def test_the_values_at_each_limit_are_accepted():
+    "The other side of the boundaries above: the largest (or smallest) value each check lets through."
+    c = load_config("hymo_tiny", moe_top_k=4, nope_layers=[3], seq_len=256, sample_tokens=0, adamw_betas=[0, 0],
+                    muon_momentum=0.0, max_bad_steps=1)
+    assert (c.model.moe_top_k, c.model.nope_layers, c.train.seq_len, c.train.adamw_betas) == (4, (3,), 256, (0.0, 0.0))
+
+
+def test_a_yml_file_its_name_and_a_base_that_is_not_text(tmp_path):
+    (tmp_path / "mine.yml").write_text("base: hymo_tiny\nname: my-run\ntrain:\n  max_steps: 70\n")
+    c = load_config(str(tmp_path / "mine.yml"))
+    assert (c.name, c.train.max_steps, c.model.dim) == ("my-run", 70, load_config().model.dim)
+    assert load_config().name == "hymo_tiny"  # the default preset
+    (tmp_path / "five.yaml").write_text("base: 5\n")
+    with pytest.raises(ConfigError, match=r"five.yaml: 'base:' names one preset .* found 5"): load_config(str(tmp_path / "five.yaml"))
+
+
+def test_text_keys_on_the_command_line_keep_the_text_as_typed():
+    "YAML would read run_dir=007 as 7, 12:30 as 750, 0x10 as 16, a date as a date and off as False: a text key keeps what was typed."
+    from hymo.train import parse_overrides
+    c = load_config("hymo_tiny", **parse_overrides(["run_dir=007", "data_dir=2024-12-05", "wandb_project=0x10"]))
+    assert (c.train.run_dir, c.train.data_dir, c.train.wandb_project) == ("007", "2024-12-05", "0x10")
+    assert parse_overrides(["run_dir=12:30", "seed=0x10", "adamw_lr=1e-3"]) == {"run_dir": "12:30", "seed": 16, "adamw_lr": "1e-3"}
+    assert load_config("hymo_tiny", **parse_overrides(["adamw_lr=1e-3"])).train.adamw_lr == 0.001
+    with pytest.raises(ConfigError, match=r"moe_balance='off': choose one of 'ema', 'sign', 'none'"):
+        load_config("hymo_tiny", **parse_overrides(["moe_balance=off"]))
+    c = load_config("hymo_tiny", **parse_overrides(["run_dir=null", "moe_balance=none"]))
+    assert (c.train.run_dir, c.model.moe_balance) == (None, "none")
+
+
+@pytest.mark.parametrize("line, got", [("run_dir: 007", "int 7"), ("run_dir: 2024-12-05", "date"), ("wandb_project: off", "bool False")])
+def test_text_in_a_yaml_file_that_yaml_reads_as_another_type_is_told_to_quote_it(tmp_path, line, got):
+    (tmp_path / "t.yaml").write_text(f"base: hymo_tiny\ntrain:\n  {line}\n")
+    with pytest.raises(ConfigError) as e: load_config(str(tmp_path / "t.yaml"))
+    key = line.split(":")[0]
+    assert f"expected str, got {got}" in str(e.value) and f"quote it ({key}: '...' in a YAML file)" in str(e.value)
+
+
+def test_a_base_file_names_where_it_was_looked_for_and_a_bad_key_its_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "mybase.yaml").write_text("base: hymo_tiny\n")
+    (tmp_path / "sub" / "child.yaml").write_text("base: mybase.yaml\n")
+    with pytest.raises(ConfigError) as e: load_config(str(tmp_path / "sub" / "child.yaml"))
+    assert f"child.yaml names 'base: mybase.yaml', which is not a preset" in str(e.value)
+    assert f"nor a file at {tmp_path / 'sub' / 'mybase.yaml'}" in str(e.value)
+    (tmp_path / "sub" / "mybase.yaml").write_text("base: hymo_tiny\ntrain:\n  sedd: 1\n")
+    with pytest.raises(ConfigError, match=r"sub/mybase.yaml: unknown key 'train.sedd'. Did you mean 'seed'"):
+        load_config(str(tmp_path / "sub" / "child.yaml"))
+    with pytest.raises(ConfigError, match=r"'hymo_tiny.yaml' \(a preset is named without .yaml: hymo_tiny\)"):
+        load_config("hymo_tiny.yaml")
+
+
+def test_the_design_defaults_note_follows_the_bases_to_the_last_file(tmp_path):
+    "A chain of files ending in one without `base:` trains at hymo_750m's sizes too; one ending in a preset does not."
+    from hymo.train import design_defaults_note
+    (tmp_path / "root.yaml").write_text("train:\n  max_steps: 3\n")
+    (tmp_path / "child.yaml").write_text("base: root.yaml\nmodel:\n  dim: 64\n")
+    note = design_defaults_note(str(tmp_path / "child.yaml"))
+    assert re.search(r"child.yaml rests on .*root.yaml, which has no 'base:', so the 68 values they do not set are the "
+                     r"design defaults .*add the line 'base: hymo_tiny' to .*root.yaml$", note), note
+    (tmp_path / "root.yaml").write_text("base: hymo_tiny\ntrain:\n  max_steps: 3\n")
+    assert design_defaults_note(str(tmp_path / "child.yaml")) is None
+
+
+def test_a_near_miss_key_is_matched_even_when_it_is_a_part_of_the_name():
+    with pytest.raises(ConfigError, match=r"unknown key 'batch_size'. Did you mean 'micro_batch_size'\?"):
+        load_config("hymo_tiny", batch_size=8)

@@ -1117,6 +1117,28 @@ def test_cli_help_lists_every_option(tmp_path):
         lines = [l for l in r.stdout.splitlines() if any(l.startswith(f"  {f.name}=") for f in fields(cls))]
         starts = {re.match(r"  \S+=.*?\s{2,}\S", l).end() for l in lines}  # values may hold one space: "[0.3, 0.1]"
         assert len(lines) == len(fields(cls)) and len(starts) == 1, (sec, starts)
+    assert re.search(r"\n  dim=128 .*\[hymo_750m: 896\]\n", r.stdout) and re.search(r"\n  compile=false .*\[hymo_750m: true\]\n", r.stdout)
+    assert not re.search(r"\n  gdn_head_k_dim=32 .*\[hymo_750m", r.stdout)  # a value the presets share has no note
+
+
+def test_cli_prints_the_design_defaults_note_before_training(tmp_path, capsys):
+    "A base-less YAML file gets its note from `main` itself, before anything else can go wrong (here: the data)."
+    from hymo.train import main
+    (tmp_path / "mine.yaml").write_text(f"train:\n  data_dir: {tmp_path / 'nowhere'}\n")
+    with pytest.raises(SystemExit) as e: main(["--config", str(tmp_path / "mine.yaml")])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "mine.yaml has no 'base:', so the" in out and "nowhere does not exist" in err, (out, err)
+
+
+def test_an_os_error_that_is_not_the_disk_is_not_reported_as_one(tmp_path, monkeypatch):
+    "Only a full disk or a permission error becomes the one-line 'free space' ending; any other OSError is raised as it is."
+    import errno
+    from hymo.train import main
+    from hymo.training.trainer import Trainer
+    def fit(self): raise OSError(errno.EINVAL, "Invalid argument", "somewhere")
+    monkeypatch.setattr(Trainer, "fit", fit)
+    with pytest.raises(OSError) as e: main(_cli_args(tmp_path / "run"))
+    assert e.value.errno == errno.EINVAL
 
 
 @pytest.mark.parametrize("args, expect", [
@@ -1127,6 +1149,12 @@ def test_cli_help_lists_every_option(tmp_path):
     (["--config", "hymo_nano"], "Presets: hymo_750m, hymo_tiny"),
     (["max_steps"], "write key=value"),
     (["--resume", "runs/x/step_4", "--no-resume"], "not allowed with argument --resume"),
+    (["--confg=x"], "did you mean --config"),
+    (["hymo_750m"], "'hymo_750m' is not an override: to train a preset or a YAML file, give --config hymo_750m"),
+    (["--config", "hymo_tiny", "max_steps=3", "--conf", "hymo_750m"], "--config is given twice (hymo_tiny, then hymo_750m): give it once"),
+    (["--resume", "a", "--resume", "b"], "--resume is given twice (a, then b)"),
+    (["--config", "hymo_tiny.yaml"], "a preset is named without .yaml: hymo_tiny"),
+    (["data_dir="], "'data_dir=' has no value"),
 ])
 def test_cli_errors_say_what_to_do(tmp_path, args, expect):
     r = run_cli(*args, cwd=tmp_path)
@@ -1151,6 +1179,11 @@ def test_cli_config_of_a_run_folder_continues_that_run(tmp_path):
     assert [m["step"] for m in read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl") if "loss" in m] == [1, 2, 3]
     r = run_cli("--config", config, "run_dir=new", "max_steps=1", "warmup_steps=0", cwd=tmp_path / "b")
     assert r.returncode == 0 and sorted(os.listdir(tmp_path / "b")) == ["new", "run"], r.stderr[-2000:]  # a new run
+    ckpt = sorted((tmp_path / "a" / "run" / "checkpoints").glob("step_*"))[-1]  # one of its own checkpoints: still that run
+    r = run_cli("--config", config, "--resume", str(ckpt), "max_steps=4", cwd=tmp_path / "b")
+    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "b")) == ["new", "run"], r.stderr[-2000:]
+    assert f"run folder: {tmp_path / 'a' / 'run'}" in r.stdout  # (its config.yaml now names that folder itself)
+    assert [m["step"] for m in read_jsonl(tmp_path / "a" / "run" / "metrics.jsonl") if "loss" in m][-1] == 4
 
 
 @pytest.mark.parametrize("args, expect", [
