@@ -45,7 +45,7 @@ def parse_overrides(items: list[str]) -> dict:
     "`['dim=64', 'train.wandb=true']` → `{'dim': 64, 'train.wandb': True}` (values parsed as YAML)."
     out = {}
     for item in items:
-        if Path(item).stem in presets() or item.endswith((".yaml", ".yml")):  # `python -m hymo.train hymo_750m`
+        if "=" not in item and (Path(item).stem in presets() or item.endswith((".yaml", ".yml"))):  # `python -m hymo.train hymo_750m`
             raise ConfigError(f"'{item}' is not an override: to train a preset or a YAML file, give --config {item}")
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")

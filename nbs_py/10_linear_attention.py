@@ -159,8 +159,8 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # typically as fast or faster despite doing more arithmetic (the timings are noisy on a shared CPU,
 # so they are printed, not tested; the slopes are the point). The parallel form's time slope comes out
 # below 2 because at the short lengths each call's fixed costs outweigh the arithmetic; between the
-# two longest lengths, where the $T^2$ work dominates, it comes nearer 2 (printed below, on a quiet
-# CPU). Neither is
+# two longest lengths, where the $T^2$ work dominates, it reaches about 2, or more once the $T \times T$
+# matrix outgrows the CPU's caches (printed below). Neither is
 # what we want for training: the *chunked* form (chapter
 # 12) takes the best of both, matrix products within chunks of 64 tokens and the recurrence between
 # them.

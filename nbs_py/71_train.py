@@ -88,7 +88,7 @@ def parse_overrides(items: list[str]) -> dict:
     "`['dim=64', 'train.wandb=true']` → `{'dim': 64, 'train.wandb': True}` (values parsed as YAML)."
     out = {}
     for item in items:
-        if Path(item).stem in presets() or item.endswith((".yaml", ".yml")):  # `python -m hymo.train hymo_750m`
+        if "=" not in item and (Path(item).stem in presets() or item.endswith((".yaml", ".yml"))):  # `python -m hymo.train hymo_750m`
             raise ConfigError(f"'{item}' is not an override: to train a preset or a YAML file, give --config {item}")
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
@@ -277,6 +277,7 @@ test_eq(parse_overrides(["data_dir=null"]), {"data_dir": None})
 test_fail(lambda: parse_overrides(["mtp_loss_weights=[0.3,"]), contains="not valid YAML")
 test_eq(parse_overrides(["run_dir=007", "wandb_project=2024-12-05", "seed=007"]), {"run_dir": "007", "wandb_project": "2024-12-05", "seed": 7})
 test_fail(lambda: parse_overrides(["hymo_750m"]), contains="give --config hymo_750m")
+test_eq(parse_overrides(["run_dir=runs/hymo_tiny.yaml"]), {"run_dir": "runs/hymo_tiny.yaml"})  # a value may end so
 
 # %%
 h = build_parser().format_help()
