@@ -85,6 +85,31 @@ def test_positions_restart_per_document():
     assert positions_from_cu_seqlens(torch.tensor([0, 4, 7], dtype=torch.int32), 7).tolist() == [0, 1, 2, 3, 0, 1, 2]
 
 
+@pytest.mark.parametrize("bounds", [[0, 0, 7], [0, -1, 7], [0, 7, 7], [0, 5, 3, 7]])
+def test_boundaries_that_do_not_rise_are_refused_at_either_end(bounds):
+    "An empty or backward first (or last) document: [0, -1, 7] would give positions t + 1 and an attention slice 0:-1."
+    with pytest.raises(ValueError, match="rise strictly from 0 to T=7"):
+        positions_from_cu_seqlens(torch.tensor(bounds), 7)
+
+
+def test_the_longest_document_is_found_wherever_it_is():
+    for bounds, longest in (([0, 5, 7], 5), ([0, 1, 6, 7], 5), ([0, 2, 7], 5)):  # first, middle, last
+        with pytest.raises(ValueError, match=f"{longest} tokens > max_seq_len=4"):
+            positions_from_cu_seqlens(torch.tensor(bounds), 7, max_len=4)
+
+
+@pytest.mark.parametrize("cu", [torch.tensor([], dtype=torch.long), torch.tensor([0]), torch.tensor(0), torch.zeros(2, 2, dtype=torch.long)])
+def test_boundaries_of_the_wrong_shape_are_one_clear_error(cu):
+    from hymo.models.rope import check_cu_seqlens
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D int32 or int64 tensor \[0, \.\.\., T\]"):
+        check_cu_seqlens(cu, 7)
+
+
+def test_rope_refuses_an_odd_width():
+    from hymo.models.rope import rope_inv_freq
+    with pytest.raises(ValueError, match="dim=7 must be even"): rope_inv_freq(7)
+
+
 def test_rope_frequencies_follow_theta_at_large_positions():
     "cos(m θ^(-2i/d)) against math at positions near 4096 and theta 5e5: the base is used, and positions stay exact in fp32."
     d, theta, pos = 16, 5e5, torch.tensor([0, 257, 2049, 4095])
@@ -200,6 +225,16 @@ def test_the_document_attention_functions_check_their_inputs(attend):
     torch.testing.assert_close(y, ref)  # the scale given is the scale used
 
 
+def test_causal_sdpa_is_softmax_attention_written_out():
+    "Against the formula, not against itself: the scale given (not SDPA's default 1/sqrt(d)), causal, head h reads group h // 2."
+    from hymo.models.mla import causal_sdpa
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    k4, v4 = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)  # (B, H, T, d): groups [0, 0, 1, 1]
+    scores = 0.1 * q @ k4.transpose(-1, -2) + torch.full((6, 6), float("-inf")).triu(1)
+    torch.testing.assert_close(causal_sdpa(q, k, v, 0.1), scores.softmax(-1) @ v4)
+
+
 def test_compiled_attention_is_not_recompiled_for_each_document_count():
     """Under torch.compile the per-document attention of a packed row and its positions run outside the graph: traced,
     they were compiled again for every new number of documents (8 times, then dynamo gave up, on the 750M preset)."""
@@ -275,7 +310,7 @@ def test_bf16_cached_decoding_is_as_close_to_fp32_as_the_bf16_forward():
         sharp.forward_decode(xs[:, :P - E].bfloat16(), cache)
         y_dec = torch.cat([sharp.forward_decode(xs[:, t:t + 1].bfloat16(), cache) for t in range(P - E, P)], 1).float()
     rel = lambda y: ((y - ref).norm() / ref.norm()).item()
-    assert rel(y_dec) <= 1.15 * rel(y_fwd), (rel(y_dec), rel(y_fwd))
+    assert rel(y_dec) <= 1.03 * rel(y_fwd), (rel(y_dec), rel(y_fwd))  # 0.99 here; half the scores in bf16 gave 1.05
 
 
 @torch.no_grad()
@@ -371,6 +406,7 @@ def test_varlen_flash_equals_the_per_document_loop():
     cu = torch.tensor([0, 100, 101, 700, 1024])
     qkv = [torch.randn(1, 1024, h, 128, device="cuda", generator=g).bfloat16().requires_grad_() for h in (16, 4, 4)]
     assert varlen_flash_ok(*qkv) and not varlen_flash_ok(qkv[0], qkv[1].float(), qkv[2])
+    assert not varlen_flash_ok(qkv[0], qkv[1], qkv[2][..., :64])  # values narrower than the queries: flash needs them equal
     do = torch.randn(1, 1024, 16, 128, device="cuda", generator=g).bfloat16()
     res = []
     for f in (varlen_flash_attention, attend_documents_loop):
