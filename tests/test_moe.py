@@ -382,3 +382,43 @@ def test_an_unknown_impl_is_refused():
     with pytest.raises(ValueError, match="impl"):
         moe.impl = "gruoped"
     assert moe.impl == "auto" and moe(torch.randn(1, 4, moe.dim)).shape == (1, 4, moe.dim)
+
+
+def test_capacity_reads_a_factor_with_a_fine_denominator_exactly():
+    "1.001 · 1000 · 2 / 4 = 500.5: the ceiling is 501 (a factor rounded to a coarse fraction, 1, would give 500)."
+    assert make(moe_capacity_factor=1.001).capacity(1000) == 501
+
+
+@torch.no_grad()
+def test_a_chosen_impl_is_kept_when_decoding(monkeypatch):
+    "`impl='loop'` (or 'grouped') is the caller's choice: only 'auto' switches to the gathered path for one token."
+    import hymo.models.moe as moe_mod
+    moe = make().eval()
+    moe.impl = "loop"
+    monkeypatch.setattr(moe_mod, "experts_gathered", lambda *a: pytest.fail("the gathered path ran with impl='loop'"))
+    x = torch.randn(1, 1, moe.dim)
+    torch.testing.assert_close(moe(x), dense_reference(moe, x), atol=1e-5, rtol=1e-4)
+
+
+def test_stats_paused_restores_what_was_there_even_after_an_error():
+    from hymo.models.moe import stats_paused
+    a, b = make(), make()
+    b.record_stats = False  # a caller's own pause
+    with stats_paused([a, b]):
+        with stats_paused([a, b]): assert not a.record_stats and not b.record_stats
+        assert not a.record_stats  # the inner pause gives back the outer one's state, not True
+    assert a.record_stats and not b.record_stats
+    with pytest.raises(RuntimeError, match="boom"):
+        with stats_paused([a]): raise RuntimeError("boom")
+    assert a.record_stats  # counting resumes: the bias would stop steering otherwise
+
+
+def test_top_k_may_equal_the_number_of_experts():
+    moe = make(moe_top_k=4, moe_n_routed=4).train()
+    x = torch.randn(2, 8, moe.dim)
+    assert moe(x).shape == x.shape and int(moe.expert_counts.sum()) == 2 * 8 * 4
+
+
+def test_balancing_metrics_of_a_step_without_tokens_are_zero_not_nan():
+    metrics = make().update_gate_bias()
+    assert all(float(v) == 0.0 for v in metrics.values()), metrics

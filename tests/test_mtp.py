@@ -301,3 +301,36 @@ def test_lm_loss_of_bf16_logits_is_computed_in_fp32():
     total, _ = lm_loss(logits, t)
     assert total.dtype == torch.float32
     torch.testing.assert_close(total, F.cross_entropy(logits.float().flatten(0, 1), t.flatten()), rtol=1e-6, atol=1e-6)
+
+
+def test_a_loss_with_every_target_ignored_is_zero_with_zero_gradients():
+    logits = torch.randn(1, 6, 11, requires_grad=True)
+    loss = lm_loss(logits, torch.full((1, 6), IGNORE_INDEX), [])[0]
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_the_loss_takes_int32_targets():
+    logits, t = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    assert torch.equal(lm_loss(logits, t.int(), [])[0], lm_loss(logits, t, [])[0])
+
+
+def test_fused_loss_scales_the_weight_gradient_in_fp32_before_casting():
+    "The weight's gradient is accumulated in fp32; the incoming scale multiplies it there, and only then is it cast."
+    from types import SimpleNamespace
+    from hymo.models.mtp import _LinearCrossEntropy
+    dw, grad = torch.randn(20, 8), torch.tensor(0.3 / 32)
+    ctx = SimpleNamespace(saved_tensors=(None, dw), w_dtype=torch.bfloat16)
+    _, got, *_ = _LinearCrossEntropy.backward.__wrapped__(ctx, grad)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (dw * grad).bfloat16())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a 0-dim CUDA scale is where bf16 would round it")
+def test_fused_loss_scales_bf16_gradients_in_fp32_on_cuda():
+    torch.manual_seed(0)
+    h = torch.randn(16, 8, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    w = torch.randn(20, 8, dtype=torch.bfloat16, device="cuda")
+    t = torch.randint(0, 20, (16,), device="cuda")
+    g1, = torch.autograd.grad(linear_cross_entropy(h, w, t), h)
+    g2, = torch.autograd.grad(linear_cross_entropy(h, w, t) * (0.3 / 32), h)
+    torch.testing.assert_close(g2, (g1.float() * (0.3 / 32)).to(torch.bfloat16), rtol=0, atol=0)
