@@ -835,6 +835,7 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-5, (x["loss"], y["loss"])
         assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-4)  # the global norm over the shards (and the clip)
+        assert x["tokens"] == y["tokens"]  # the step's tokens over every rank, not one rank's share
     assert "val_loss" in a[-1] and abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= 1e-5  # one validation pass over both ranks
     # a checkpoint written by 2 processes resumes in 1, and one written by 1 process in 2 (DCP reshards; the loader
     # continues where the saved run's optimiser steps left off): their steps 6 and 7 are those of 1 process resuming its own
@@ -850,6 +851,53 @@ def test_two_processes_fsdp_equal_one_process(tmp_path):
         after = read_jsonl(tmp_path / other / "metrics.jsonl")[5:]
         assert [m["step"] for m in after] == [m["step"] for m in same] == [6, 7]
         for x, y in zip(same, after): assert abs(x["loss"] - y["loss"]) <= 1e-5, (other, x["loss"], y["loss"])
+
+
+def test_a_stop_on_one_rank_stops_both_and_only_rank_0_writes_the_run_files(tmp_path):
+    """Two CPU ranks. Rank 1 alone asks to stop after its second step: both stop there together (a rank deciding alone
+    would leave the other waiting in its next collective), exit 143 and save step 2. Evaluation after each step finds
+    every block sharded again (the step's keep-gathered setting is undone). Resumed to the end, rank 1 writes nothing
+    in the run folder but its own checkpoint shards: metrics, meta.json, the final model and summary are rank 0's."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import builtins, io, json, os, sys\nfrom pathlib import Path\nfrom torch.distributed.tensor import DTensor\n"
+        "from hymo.training import trainer\nfrom hymo.train import main\n"
+        "rank, calls, sharded, writes = int(os.environ['RANK']), [], [], []\n"
+        "plain_step, plain_eval, real_open = trainer.Trainer.train_step, trainer.Trainer.evaluate, io.open\n"
+        "def step(self):\n"
+        "    out = plain_step(self); calls.append(1)\n"
+        "    if rank == 1 and len(calls) == 2 and os.environ.get('PROBE_STOP'): self.request_stop('probe')\n"
+        "    return out\n"
+        "def evaluate(self):\n"
+        "    out = plain_eval(self)\n"
+        "    sharded.append(all(isinstance(p, DTensor) for b in self.model.layers for p in b.parameters()))\n"
+        "    return out\n"
+        "def spying(file, mode='r', *a, **k):\n"
+        "    if any(c in mode for c in 'wax+'): writes.append(str(Path(file).resolve()))\n"
+        "    return real_open(file, mode, *a, **k)\n"
+        "trainer.Trainer.train_step, trainer.Trainer.evaluate, builtins.open, io.open = step, evaluate, spying, spying\n"
+        "code = 0\n"
+        "try: main(sys.argv[1:])\n"
+        "except SystemExit as e: code = e.code; raise\n"
+        "finally: real_open(f\"probe_{rank}.json\", 'w').write(json.dumps({'sharded': sharded, 'writes': writes, 'code': code}))\n")
+    args = [str(script), "max_steps=4", "seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=1",
+            "eval_batches=2", "ckpt_every=0", "sample_tokens=0", "warmup_steps=1", "run_dir=two"]
+    env = {**os.environ, "WANDB_MODE": "offline", **CPU_RANKS}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    r = subprocess.run(cmd + args, cwd=tmp_path, env={**env, "PROBE_STOP": "1"}, capture_output=True, text=True, timeout=400)
+    assert r.returncode != 0 and "exitcode  : 143" in r.stderr, r.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl") if "loss" in m] == [1, 2]
+    assert {p.name for p in (tmp_path / "two" / "checkpoints" / "step_000002").iterdir()} >= {"rank0.pt", "rank1.pt"}
+    first = [json.loads((tmp_path / f"probe_{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rep["code"] for rep in first] == [143, 143]  # both ranks end as a signal's stop, together
+    r = subprocess.run(cmd + args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    second = [json.loads((tmp_path / f"probe_{rank}.json").read_text()) for rank in (0, 1)]
+    for rep in first + second: assert rep["sharded"] and all(rep["sharded"]), rep["sharded"]
+    run = str((tmp_path / "two").resolve())
+    mine = [w for w in second[1]["writes"] if w.startswith(run)]
+    assert mine and all(Path(w).name == "rank1.pt" or w.endswith(".distcp") for w in mine), mine
+    assert any(w.endswith("metrics.jsonl") for w in second[0]["writes"])  # rank 0's spy sees the run files
 
 
 def test_ranks_whose_clocks_differ_share_the_new_run_folder(tmp_path):
