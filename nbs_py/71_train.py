@@ -88,10 +88,10 @@ def parse_overrides(items: list[str]) -> dict:
     "`['dim=64', 'train.wandb=true']` → `{'dim': 64, 'train.wandb': True}` (values parsed as YAML)."
     out = {}
     for item in items:
-        if "=" not in item and (Path(item).stem in presets() or item.endswith((".yaml", ".yml"))):  # `python -m hymo.train hymo_750m`
-            raise ConfigError(f"'{item}' is not an override: to train a preset or a YAML file, give --config {item}")
         if "=" not in item or item.startswith("="):
-            raise ConfigError(f"'{item}' is not an override: write key=value, e.g. max_steps=100 (see --help)")
+            named = Path(item).stem in presets() or item.endswith((".yaml", ".yml"))  # `python -m hymo.train hymo_750m`
+            raise ConfigError(f"'{item}' is not an override: " + (f"to train a preset or a YAML file, give --config {item}" if named
+                              else "write key=value, e.g. max_steps=100 (see --help)"))
         k, v = item.split("=", 1)
         if k.strip() in out: raise ConfigError(f"'{k.strip()}' is given twice on the command line: give it once")
         if not v.strip():  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
