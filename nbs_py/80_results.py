@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 33 on H100s
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 34 on H100s
 # (their rows say which, and the chart marks them `[H100]`), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
@@ -44,7 +44,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 to 33 (also 2026-12-05) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 34 (also 2026-12-05) could
 # get only an H100: their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -261,7 +261,15 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 33)
+# ## The round log: what each round changed and measured (rounds 6 to 34)
+# * **Round 34: an H100 80GB HBM3 came for the H200 asked; no change to the step since round 33
+#   (commit b6765c4).** The preset step took 6.794 and 6.805 s (34.5 % MFU, 77.0 k
+#   tokens/s, 50.6 GB), as round 33's; with `--timeline` the host took 207 ms to issue a micro-batch
+#   and the GPU spanned 209 ms, never running dry. `benchmarks/gdn_verify.py --quick` kept every
+#   relative error under 6.1e-3 (bf16) and 2.4e-3 (fp32) for the outputs and all six gradients (30
+#   cases), and the CUDA tests of MLA, the model, the trainer, the MoE and MTP passed (38), two of
+#   them on a GPU for the first time: varlen flash refused for values narrower than the queries,
+#   and the fused loss scaling its bf16 gradients in fp32 on CUDA.
 # * **Round 33: no H200 could be started; on an H100 80GB HBM3, the trainer now runs each backward
 #   inside `stats_paused` (chapter 30: activation checkpointing's second forward no longer adds the MoE
 #   counts again) over a list of the MoE layers made once.** The preset step took 6.785 and 6.803 s
