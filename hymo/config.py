@@ -457,7 +457,9 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     for raw, path in reversed(chain):  # the deepest base first
         for sec in ("model", "train"):
             for k, v in (raw.get(sec) or {}).items():
-                try: values[sec][_section_of(f"{sec}.{k}")[1]] = v
+                try:  # a wrong key or type is reported with the file that holds it
+                    f = _section_of(f"{sec}.{k}")[1]
+                    values[sec][f] = _check_type(f"{sec}.{f}", v, _field_types(_SECTIONS[sec])[f])
                 except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
     spelled = {}
     for k, v in overrides.items():

@@ -551,3 +551,21 @@ def test_the_design_defaults_note_follows_the_bases_to_the_last_file(tmp_path):
 def test_a_near_miss_key_is_matched_even_when_it_is_a_part_of_the_name():
     with pytest.raises(ConfigError, match=r"unknown key 'batch_size'. Did you mean 'micro_batch_size'\?"):
         load_config("hymo_tiny", batch_size=8)
+
+
+def test_a_wrong_type_in_a_base_file_names_that_file(tmp_path):
+    "The type check of a value read from a file reports the file, as an unknown key's does; the child's value still wins."
+    (tmp_path / "mybase.yaml").write_text("base: hymo_tiny\nmodel:\n  dim: 'wide'\n")
+    (tmp_path / "child.yaml").write_text("base: mybase.yaml\n")
+    with pytest.raises(ConfigError) as e: load_config(str(tmp_path / "child.yaml"))
+    assert str(e.value).startswith(f"{tmp_path / 'mybase.yaml'}: model.dim: expected int, got str 'wide'")
+    (tmp_path / "child.yaml").write_text("base: mybase.yaml\ntrain:\n  max_steps: 1.0e+3\n")
+    with pytest.raises(ConfigError) as e: load_config(str(tmp_path / "child.yaml"))  # the base's error is found first
+    assert str(e.value).startswith(f"{tmp_path / 'mybase.yaml'}:")
+    (tmp_path / "mybase.yaml").write_text("base: hymo_tiny\n")
+    with pytest.raises(ConfigError) as e: load_config(str(tmp_path / "child.yaml"))
+    assert str(e.value) == (f"{tmp_path / 'child.yaml'}: train.max_steps: expected int, got float 1000.0; "
+                            f"write it as a whole number: 1000")
+    (tmp_path / "child.yaml").write_text("base: mybase.yaml\ntrain:\n  max_steps: 1000\n  muon_lr: 1\n")
+    cfg = load_config(str(tmp_path / "child.yaml"))
+    assert cfg.train.max_steps == 1000 and cfg.train.muon_lr == 1.0 and type(cfg.train.muon_lr) is float
