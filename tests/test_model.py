@@ -343,6 +343,14 @@ def test_packed_boundaries_must_rise_strictly(tiny):
         m(torch.zeros(1, 12, dtype=torch.long), cu_seqlens=torch.tensor([0, 5, 5, 12]))
 
 
+def test_boundaries_on_another_device_than_the_tokens_are_refused(tiny):
+    "CPU boundaries with GPU tokens (a usual slip) would fail deep inside a layer; the meta device stands in for the GPU."
+    m = _model(tiny)
+    for tok_dev, cu_dev in (("meta", "cpu"), ("cpu", "meta")):
+        with pytest.raises(ValueError, match=rf"cu_seqlens is on {cu_dev} but tokens on {tok_dev}: give both on one device"):
+            m(torch.zeros(1, 12, dtype=torch.long, device=tok_dev), cu_seqlens=torch.tensor([0, 5, 12], device=cu_dev))
+
+
 @torch.no_grad()
 def test_residual_stream_and_decode_caches_take_the_autocast_dtype(dropless):
     "Under autocast the trunk returns the compute dtype (as under FSDP's bf16 parameters), and decode caches are made in it."
@@ -450,7 +458,7 @@ def test_bad_token_ids_and_decode_input_are_refused_in_one_line(dropless):
     state = m.decode_state(1, 8)
     with pytest.raises(ValueError, match="integer ids of shape"): m.decode(torch.zeros(3, dtype=torch.long), state)
     with pytest.raises(ValueError, match="at least one new token"): m.decode(torch.zeros(1, 0, dtype=torch.long), state)
-    with pytest.raises(ValueError, match="2 sequences, and the state holds 1"): m.decode(torch.zeros(2, 3, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="2 sequences, and the state has 4 layers holding 1 sequences"): m.decode(torch.zeros(2, 3, dtype=torch.long), state)
     with pytest.raises(ValueError, match=rf"vocab=0 must be an int in 1\.\.{V}"): m.generate(torch.tensor([[1, 2]]), 2, vocab=0)
     with pytest.raises(ValueError, match="window=1000000 must be an int in 1..max_seq_len=256"): m.generate(torch.tensor([[1, 2]]), 2, window=10**6)
     with pytest.raises(ValueError, match="got max_new_tokens=2.5"): m.generate(torch.tensor([[1, 2]]), 2.5)
@@ -548,3 +556,94 @@ def test_decode_graph_restores_the_state_when_building_fails_and_refuses_eager_s
         torch.testing.assert_close(step(seq[:, 8:9], state), full[:, 8:9], atol=1e-4, rtol=0)
         m.decode(seq[:, 9:10], state)
         with pytest.raises(ValueError, match="stepped by something else"): step(seq[:, 10:11], state)
+
+
+# From mutation testing of model.py: wiring that a wrong line would break without any other test noticing.
+
+def test_nope_layers_reach_the_mla_blocks():
+    "`nope_layers` names MLA blocks by their layer index; each block is built with its own index."
+    m = _model(load_config("hymo_tiny", n_layers=8, nope_layers=[3]).model)
+    assert [l.attn.use_rope for i, l in enumerate(m.layers) if m.config.is_mla(i)] == [False, True]
+
+
+@pytest.mark.parametrize("impl", ["fused", "logits"])
+def test_mtp_losses_train_the_trunk(impl):
+    "The trunk's gradient is the main loss's plus w_k times MTP head k's: the MTP losses reach the blocks, not only the heads."
+    x = torch.randint(0, 2048, (2, 33), generator=torch.Generator().manual_seed(0))
+    tok, tgt = x[:, :-1], x[:, 1:]
+    grads = {}
+    for w in ((0.0, 0.0), (1.0, 0.0)):
+        m = _model(load_config("hymo_tiny", moe_capacity_factor=None, mtp_loss_weights=list(w)).model).eval()
+        m.loss_impl = impl
+        m(tok, tgt)[0].backward()
+        grads[w] = m.layers[0].mixer.q_proj.weight.grad.clone()
+    from hymo.models.mtp import linear_cross_entropy
+    m = _model(load_config("hymo_tiny", moe_capacity_factor=None).model).eval()  # head 1's loss alone, by hand
+    o = m.mtp(m.hidden_states(tok), tgt)[0]
+    (g1,) = torch.autograd.grad(linear_cross_entropy(o.hidden, m.embed.weight, o.targets), m.layers[0].mixer.q_proj.weight)
+    assert g1.norm() > 0.01 * grads[(0.0, 0.0)].norm()
+    torch.testing.assert_close(grads[(1.0, 0.0)] - grads[(0.0, 0.0)], g1, atol=1e-6, rtol=1e-3)
+
+
+def test_the_tied_head_trains_the_embedding_in_both_loss_paths(dropless):
+    "Rows of ids that never appear in the input get a gradient only through the output head; both loss paths give the same."
+    x = torch.randint(0, 1000, (2, 17), generator=torch.Generator().manual_seed(1))
+    g = {}
+    for impl in ("fused", "logits"):
+        m = _model(dropless).eval()
+        m.loss_impl = impl
+        m(x[:, :-1], x[:, 1:])[0].backward()
+        g[impl] = m.embed.weight.grad
+    assert (g["fused"][1000:].abs().sum(1) > 0).all()
+    torch.testing.assert_close(g["fused"], g["logits"], atol=1e-7, rtol=1e-4)
+
+
+def test_flops_with_unequal_head_sizes():
+    "The presets have d_qk = d_v and K = V; a model where they differ must count each where it belongs."
+    c = load_config("hymo_tiny", mla_v_head_dim=48, gdn_head_v_dim=64).model
+    with torch.device("meta"): m = HyMo(c)
+    fb = flops_breakdown(m, 128)
+    d_qk = c.mla_qk_nope_dim + c.mla_qk_rope_dim
+    assert d_qk == 32 and c.gdn_head_k_dim == 32 and c.gdn_chunk_size == 64 and c.mla_n_heads == c.gdn_n_heads == 4
+    # 3 (forward + backward) x 1 MLA block x 2 (multiply-add) x 4 heads x (d_qk + d_v) x 64 keys per query (causal half of 128)
+    assert fb["MLA attention scores + values"] == 3 * 1 * 2 * 4 * (32 + 48) * 64
+    C, K, V = 64, 32, 64
+    assert fb["GDN chunked rule"] == pytest.approx(3 * 3 * 4 * (6 * C * K + 4 * C * V + 6 * K * V + C * C / 3))
+
+
+def test_param_breakdown_entry_by_entry(dropless):
+    "Each entry written out for hymo_tiny (their sum alone would let two entries swap)."
+    m = _model(dropless)
+    D, H, K, V, W = 128, 4, 32, 32, 4
+    assert param_breakdown(m) == {
+        "embedding (= tied head)": 2048 * D,
+        "GDN mixers": 3 * (2 * D * H * K + 2 * D * H * V + 2 * D * H + H * V * D + W * (2 * H * K + H * V) + 2 * H + V),
+        "GDN dense SwiGLU FFNs": 3 * 3 * D * 384,
+        "MLA attention": D * 64 + 64 + 64 * 4 * 32 + D * (32 + 16) + 32 + 32 * 2 * (16 + 32) + 4 * 32 * D,
+        "MoE routed experts": 4 * 3 * D * 192,
+        "MoE shared experts + routers": 3 * D * 192 + D * 4,
+        "block norms + final norm": 4 * 2 * D + D,
+        "MTP heads": 2 * (2 * D * 256 + 2 * D)}
+
+
+def test_more_input_errors_are_clear(dropless):
+    m = _model(dropless).eval()
+    with pytest.raises(ValueError, match="holds no sequence"): m(torch.zeros(0, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"the state has 5 layers holding 1 sequences \(the model has 4\)"):
+        m.decode(torch.zeros(1, 3, dtype=torch.long), m.decode_state(1, 8) + [None])
+    with pytest.raises(ValueError, match=r"the state has 3 layers \(the model has 4\)"):  # GDN layers only: none started
+        m.decode(torch.zeros(1, 3, dtype=torch.long), m.decode_state(1, 8)[:3])
+    with pytest.raises(ValueError, match="max_len=0"): m.decode_state(1, 0)
+
+
+@torch.no_grad()
+def test_decode_runs_the_blocks_in_the_autocast_dtype(dropless):
+    "Under autocast the residual stream entering each block is bf16 in decode as in the forward (fp32 drifts 3.5x further)."
+    m = _model(dropless).eval()
+    seen = []
+    hooks = [l.norm1.register_forward_pre_hook(lambda mod, a: seen.append(a[0].dtype)) for l in m.layers]
+    x = torch.randint(0, 2048, (1, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x); st = m.decode_state(1, 8); m.decode(x, st); m.decode(x[:, :1], st)
+    for h in hooks: h.remove()
+    assert seen == [torch.bfloat16] * (3 * len(m.layers))

@@ -118,6 +118,9 @@ class HyMo(nn.Module):
             return
         if tokens.shape[0] != 1:
             raise ValueError(f"cu_seqlens packs documents into one row: tokens must be [1, T], got {tuple(tokens.shape)}")
+        if cu_seqlens.device != tokens.device:  # else a device mismatch deep in a layer (RoPE's positions, a kernel's read)
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but tokens on {tokens.device}: give both on one device "
+                             f"(cu_seqlens.to(tokens.device))")
         # Packed, positions restart at every document: the row may be longer than max_seq_len, a document may not.
         # Boundaries on a GPU are not read back here (a wait for the GPU): MLA's layers check them as they read them.
         if cu_seqlens.device.type == "cpu":
@@ -205,7 +208,8 @@ class HyMo(nn.Module):
         if tokens.shape[1] == 0: raise ValueError("decode needs at least one new token: tokens is [B, 0]")
         held = {c.c_kv.shape[0] if isinstance(c, MLACache) else c.recurrent.shape[0] for c in state if c is not None}
         if len(state) != self.config.n_layers or held - {tokens.shape[0]}:
-            raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state holds {'/'.join(map(str, sorted(held)))} in {len(state)} layers "
+            holding = f" holding {'/'.join(map(str, sorted(held)))} sequences" if held else ""  # a fresh GDN state holds none yet
+            raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state has {len(state)} layers{holding} "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
         for c in state:  # before any layer moves: a refused call must leave the state as it was
             if isinstance(c, MLACache): c.check_room(tokens.shape[1])
