@@ -19,7 +19,7 @@ from fastcore.test import test_eq, test_close
 from torch.testing import assert_close
 
 # %%
-torch.manual_seed(0)
+torch.manual_seed(0);
 
 
 # %% [markdown]

@@ -51,7 +51,7 @@ from fastcore.test import test_eq, test_fail, test_close
 from torch.testing import assert_close
 
 # %%
-torch.manual_seed(0)
+torch.manual_seed(0);
 
 
 # %% [markdown]

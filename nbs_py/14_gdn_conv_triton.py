@@ -58,7 +58,7 @@ from hymo.models.gdn import conv_silu_norm
 
 # %%
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-torch.manual_seed(0)
+torch.manual_seed(0);
 
 
 # %% [markdown]

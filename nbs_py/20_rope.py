@@ -30,7 +30,7 @@ import matplotlib.pyplot as plt
 from fastcore.test import test_eq, test_close, test_fail
 
 # %%
-torch.manual_seed(0)  # the checks below draw random vectors
+torch.manual_seed(0);  # the checks below draw random vectors
 
 
 # %% [markdown]

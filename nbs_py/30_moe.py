@@ -1,8 +1,7 @@
 # %% [markdown]
 # # DeepSeekMoE
 #
-# > Shared and routed SwiGLU experts, top-k routing in fp32, grouped dispatch, capacity with counted
-# > drops, and load balancing without an auxiliary loss (a gate bias steered by expert load).
+# > Shared and routed SwiGLU experts, top-k routing in fp32, grouped dispatch, capacity with counted drops, and load balancing without an auxiliary loss (a gate bias steered by expert load).
 
 # %%
 #| default_exp models.moe

@@ -49,7 +49,7 @@ from hymo.config import load_config
 
 # %%
 torch.set_num_threads(1)  # the tiny model's tensors are small: on a shared 2-core machine more threads only add contention
-torch.manual_seed(0)
+torch.manual_seed(0);
 
 # %% [markdown]
 # ## The stack

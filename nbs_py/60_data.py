@@ -1,8 +1,7 @@
 # %% [markdown]
 # # Data
 #
-# > Text in, token shards out, and a loader that hands every rank its own windows in an order that
-# > survives a restart.
+# > Text in, token shards out, and a loader that hands every rank its own windows in an order that survives a restart.
 
 # %%
 #| default_exp training.data

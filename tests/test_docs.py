@@ -353,9 +353,29 @@ def test_reveal_js_that_npm_cannot_fetch_is_one_line(tmp_path, monkeypatch):
     site = _load_site_module(monkeypatch)
     monkeypatch.setattr(site, "CACHE", tmp_path)
     monkeypatch.setattr(site, "REVEAL", tmp_path / "npm" / "node_modules" / "reveal.js")
+    monkeypatch.setattr(site, "MATH_FONT", tmp_path / "npm" / "node_modules" / "font.woff2")
     monkeypatch.setattr(sh, "which", lambda name: "/bin/false")  # an npm that fails, as offline
-    with pytest.raises(SystemExit) as e: site.ensure_reveal()
-    assert "npm could not fetch reveal.js" in str(e.value) and str(tmp_path / "npm") in str(e.value)
+    with pytest.raises(SystemExit) as e: site.ensure_npm()
+    assert "npm could not fetch reveal.js@5 and @fontsource/stix-two-math@5" in str(e.value) and str(tmp_path / "npm") in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["mla.html", "slides/02_mla.html"])
+def test_maths_is_drawn_with_a_math_font(built, server, browser, name):
+    """A display sum is a large operator (about 1.6 times the text) and the math font loaded from the site; with the
+    text font (no MATH table) the browser draws it at text size (0.94) and underbraces as ticks."""
+    ctx, page = new_page(browser, log := {"errors": [], "failed": [], "outside": []})
+    page.goto(server + name, wait_until="load")
+    got = page.evaluate("""async () => {
+      await document.fonts.ready;
+      const sums = [...document.querySelectorAll('math[display="block"] :is(munder, munderover) > mo:first-child')]
+        .filter(m => m.textContent.trim() === '\\u2211')
+        .map(m => m.getBoundingClientRect().height / parseFloat(getComputedStyle(m).fontSize));
+      const fonts = [...document.fonts].filter(f => f.family.replace(/"/g, '') === 'STIX Two Math').map(f => f.status);
+      return {sums, fonts};
+    }""")
+    ctx.close()
+    assert got["fonts"] == ["loaded"] and not log["failed"], (got, log)
+    if name == "mla.html": assert got["sums"] and min(got["sums"]) > 1.3, got
 
 
 def test_offline_sidebar_parts_are_quartos(monkeypatch):
@@ -374,3 +394,23 @@ def test_offline_sidebar_parts_are_quartos(monkeypatch):
     assert offline == quarto
     tens = {int(p.name[0]) for p in (ROOT / "nbs").glob("[0-9][0-9]_*.ipynb")}
     assert tens <= {d for ds in quarto.values() for d in ds}, "a chapter that no sidebar section lists"
+
+
+def test_title_cells_are_a_title_and_a_one_line_description():
+    "nbdev (and Quarto) keep only the first `>` line as the page's description and drop the rest of the title cell."
+    bad = {}
+    for nb in sorted((ROOT / "nbs").glob("*.ipynb")):
+        first = "".join(next(c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "markdown")["source"])
+        lines = [l for l in first.strip().splitlines() if l.strip()]
+        if len(lines) != 2 or not lines[0].startswith("# ") or not lines[1].startswith("> "): bad[nb.name] = lines[1:]
+    assert not bad, f"title cells that are not '# Title' and one '> description' line: {bad}"
+
+
+def test_no_cell_shows_a_bare_object_repr():
+    "A cell ending in `torch.manual_seed(0)` shows `<torch._C.Generator at 0x...>`: end it with `;` or assign the result."
+    bad = [f"{nb.name} cell {i}: {''.join(o['data']['text/plain'])[:60]}"
+           for nb in sorted((ROOT / "nbs").glob("*.ipynb"))
+           for i, c in enumerate(json.loads(nb.read_text())["cells"]) for o in c.get("outputs", [])
+           if o["output_type"] == "execute_result" and "text/plain" in o["data"]
+           and re.fullmatch(r"<[\w.]+( object)?( at 0x[0-9a-f]+)?>", "".join(o["data"]["text/plain"]).strip())]
+    assert not bad, bad

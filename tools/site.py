@@ -5,7 +5,9 @@
 
 It is the offline twin of the Quarto site (`nbdev-docs` with `nbs/_quarto.yml`, decks with the top-level
 `_quarto.yml`), built with the pandoc of `pypandoc-binary` and reveal.js from npm, so no Quarto and no
-network at view time: maths is MathML, images are embedded, reveal.js is copied into `_site/slides/`.
+network at view time: maths is MathML, drawn with the STIX Two Math font (from npm, copied into
+`_site/fonts/`: without a math font a browser draws sums and braces at text size), images are embedded,
+reveal.js is copied into `_site/slides/`.
 
 What it does with a notebook, the way nbdev + Quarto do:
 - the first markdown cell's `# Title` and `> description` become the page title and subtitle;
@@ -42,6 +44,8 @@ NBS, SLIDES, OUT, CACHE = ROOT / "nbs", ROOT / "slides", ROOT / "_site", ROOT / 
 CSS = Path(__file__).with_name("site.css")
 REVEAL = CACHE / "npm" / "node_modules" / "reveal.js"
 REVEAL_VERSION = "5"
+MATH_FONT = CACHE / "npm" / "node_modules" / "@fontsource" / "stix-two-math" / "files" / "stix-two-math-latin-400-normal.woff2"
+MATH_FONT_VERSION = "5"  # @fontsource/stix-two-math: the whole font (its MATH table, 4 605 glyphs) despite "latin" in the name
 SITE_TITLE = "HyMo"
 # Sidebar parts: a chapter numbered NN belongs to the last part whose first number is <= NN.
 PARTS = [(0, "Foundations"), (10, "Linear attention"), (20, "Attention"), (30, "Sparsity"),
@@ -413,29 +417,40 @@ def build_chapters(tmp: Path, slides: list[Page]) -> list[Page]:
     with ThreadPoolExecutor(4) as ex:
         for line in ex.map(render, range(len(pages))): print(line)
     shutil.copy(CSS, OUT / "site.css")
+    copy_math_font()
     return pages
+
+
+def copy_math_font():
+    "The math font next to the pages (`site.css` and `slides/slides.css` load it from `fonts/`)."
+    (OUT / "fonts").mkdir(parents=True, exist_ok=True)
+    ensure_npm()
+    shutil.copy(MATH_FONT, OUT / "fonts" / "stix-two-math.woff2")
 
 
 # ---------------------------------------------------------------- slides (reveal.js)
 
-def ensure_reveal() -> Path:
-    "reveal.js from npm into .cache/npm (once), so the decks need no network when viewed."
-    if not (REVEAL / "dist" / "reveal.js").exists():
-        npm = shutil.which("npm")
-        if not npm: sys.exit("npm is needed to fetch reveal.js for the slides: install Node.js/npm (apt-get install npm)")
-        print(f"  npm install reveal.js@{REVEAL_VERSION} into .cache/npm")
+def ensure_npm() -> Path:
+    "reveal.js and the math font from npm into .cache/npm (once), so the site needs no network when viewed."
+    have = lambda: (REVEAL / "dist" / "reveal.js").exists() and MATH_FONT.exists()
+    if not have():
+        wanted = [f"reveal.js@{REVEAL_VERSION}", f"@fontsource/stix-two-math@{MATH_FONT_VERSION}"]  # in one call: --no-save
+        npm = shutil.which("npm")  # would remove a package that an earlier call installed and this one does not name
+        if not npm: sys.exit(f"npm is needed to fetch {' and '.join(wanted)} for the docs: install Node.js/npm (apt-get install npm)")
+        print(f"  npm install {' '.join(wanted)} into .cache/npm")
         (CACHE / "npm").mkdir(parents=True, exist_ok=True)
-        got = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE / "npm"),
-                              f"reveal.js@{REVEAL_VERSION}"], stdout=subprocess.DEVNULL)
-        if got.returncode != 0 or not (REVEAL / "dist" / "reveal.js").exists():  # npm said why, above
-            sys.exit(f"npm could not fetch reveal.js@{REVEAL_VERSION} for the slides (offline?): build once with the "
-                     f"npm registry reachable; it is kept in {CACHE / 'npm'} after that")
+        got = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(CACHE / "npm"), *wanted],
+                             stdout=subprocess.DEVNULL)
+        if got.returncode != 0 or not have():  # npm said why, above
+            sys.exit(f"npm could not fetch {' and '.join(wanted)} for the docs (offline?): build once with the "
+                     f"npm registry reachable; they are kept in {CACHE / 'npm'} after that")
     return REVEAL
 
 
 def build_slides(tmp: Path, slides: list[Page], pages: list[Page]):
     if not slides: return
-    reveal = ensure_reveal()
+    reveal = ensure_npm()
+    copy_math_font()
     dest = OUT / "slides" / "reveal.js"
     for sub in ("dist", "plugin"): shutil.copytree(reveal / sub, dest / sub, dirs_exist_ok=True)
     head = tmp / "slides-head.html"
@@ -458,7 +473,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     pandoc_path()  # before anything is deleted: a missing pandoc or npm stops here with what to install
     slides = decks()
-    if slides: ensure_reveal()
+    ensure_npm()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         (tmp / "callouts.lua").write_text(CALLOUTS_LUA)

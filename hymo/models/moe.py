@@ -1,5 +1,4 @@
-"""Shared and routed SwiGLU experts, top-k routing in fp32, grouped dispatch, capacity with counted
-drops, and load balancing without an auxiliary loss (a gate bias steered by expert load).
+"""Shared and routed SwiGLU experts, top-k routing in fp32, grouped dispatch, capacity with counted drops, and load balancing without an auxiliary loss (a gate bias steered by expert load).
 
 Docs: https://hymo-lm.github.io/hymo/moe.html.md"""
 

@@ -1,5 +1,4 @@
-"""Text in, token shards out, and a loader that hands every rank its own windows in an order that
-survives a restart.
+"""Text in, token shards out, and a loader that hands every rank its own windows in an order that survives a restart.
 
 Docs: https://hymo-lm.github.io/hymo/data.html.md"""
 
