@@ -1,12 +1,12 @@
 # %% [markdown]
-# # Results on one H200
+# # Results on one GPU
 #
-# > What the 750M training step and the GDN kernel measure on one GPU, with the date, the versions and the formulas.
+# > What the 750M training step and the GDN kernel measure on one H200 (and, in later rounds, on H100s), with the date, the versions and the formulas.
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
 # 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 34 on H100s
-# (their rows say which, and the chart marks them `[H100]`), by the scripts in `benchmarks/`,
+# (their rows say which, the bar chart marks them `[H100]`, and the chart of rounds colours them), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
 #
@@ -116,17 +116,31 @@ def when(code):
     if not m: return " (experiment)" if code.startswith("experiment") else ""
     return f" ({'experiment, ' if m.group(1) else ''}round {m.group(2)})"
 
-names = []
-for r in steps:  # one bar per row: a repeated measurement gets a prime
-    n = label(r) + when(r["code"]) + ("" if r["gpu"] == "NVIDIA H200" else f" [{r['gpu'].replace('NVIDIA ', '')[:4]}]")
-    while n in names: n += "'"
-    names.append(n)
-fig, ax = plt.subplots(1, 2, figsize=(10, 1 + 0.3 * len(steps)))
-ax[0].barh(names, [100 * (r["mfu"] or 0) for r in steps], color="tab:blue")
+def gpu_tag(r): return "" if r["gpu"] == "NVIDIA H200" else f" [{r['gpu'].replace('NVIDIA ', '')[:4]}]"
+
+newest = {}  # one bar per variant and GPU: its newest row (the table above has them all)
+for r in steps: newest.setdefault((r["variant"], r["gpu"]), r)
+bars = list(newest.values())
+names = [label(r) + when(r["code"]) + gpu_tag(r) for r in bars]
+fig, ax = plt.subplots(1, 2, figsize=(10, 1 + 0.3 * len(bars)))
+ax[0].barh(names, [100 * (r["mfu"] or 0) for r in bars], color="tab:blue")
 ax[0].axvline(40, ls="--", c="k", lw=1); ax[0].set_xlabel("MFU, % (target 40)"); ax[0].invert_yaxis()
-ax[1].barh(names, [r["peak_mem_gb"] for r in steps], color="tab:orange")
+ax[1].barh(names, [r["peak_mem_gb"] for r in bars], color="tab:orange")
 ax[1].axvline(80, ls="--", c="k", lw=1); ax[1].set_xlabel("peak memory, GB (target 80)"); ax[1].invert_yaxis()
 ax[1].set_yticklabels([])
+fig.tight_layout(); plt.show()
+
+# %% [markdown]
+# The preset's step (compiled, 32 micro-batches) round by round, every row measured of it:
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3))
+for gpu, colour in (("NVIDIA H200", "tab:blue"), ("NVIDIA H100 80GB HBM3", "tab:orange")):
+    pts = [(int(m.group(1)), 100 * r["mfu"]) for r in steps
+           if r["variant"] == preset[0]["variant"] and r["gpu"] == gpu and r["mfu"] and not r["code"].startswith("experiment")
+           and (m := re.match(r"round (\d+)", r["code"]))]
+    ax.scatter(*zip(*pts), s=14, c=colour, label=gpu.replace("NVIDIA ", ""))
+ax.axhline(40, ls="--", c="k", lw=1); ax.set_xlabel("round"); ax.set_ylabel("MFU, %"); ax.legend(loc="lower right")
 fig.tight_layout(); plt.show()
 
 # %% [markdown]

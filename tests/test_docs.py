@@ -61,6 +61,7 @@ def site():
     before = {p.name for p in (ROOT / "nbs").glob("*.ipynb")}
     res = subprocess.run([sys.executable, "tools/site.py"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, f"python tools/site.py failed:\n{res.stdout}\n{res.stderr}"
+    assert "pandoc:" not in res.stderr, f"pandoc warned (math or markup it could not convert):\n{res.stderr}"
     built = json.loads((SITE / "pages.json").read_text())
     assert before <= {Path(c["src"]).name for c in built["chapters"]}, "a notebook has no page"
     return SITE
