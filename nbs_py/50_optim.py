@@ -744,11 +744,12 @@ class CautiousAdamW(torch.optim.Optimizer):
         g = self.param_groups[-1]
         lr, betas, eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
         try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
-            ok = lr >= 0 and eps >= 0 and wd >= 0 and isinstance(betas, tuple) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
+            ok = lr >= 0 and eps > 0 and wd >= 0 and isinstance(betas, tuple) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
         except TypeError: ok = False
         if not ok:
             self.param_groups.pop()
-            raise ValueError(f"CautiousAdamW: need lr, eps, weight_decay ≥ 0 and two betas in [0, 1); got lr={lr}, "
+            raise ValueError(f"CautiousAdamW: need lr, weight_decay ≥ 0, eps > 0 (at 0 a coordinate without gradient on "
+                             f"its first step becomes 0/0, NaN) and two betas in [0, 1); got lr={lr}, "
                              f"betas={betas}, eps={eps}, weight_decay={wd}")
 
     @torch.no_grad()

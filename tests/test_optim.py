@@ -517,12 +517,14 @@ def worker(rank, port, out):
     # a layout NorMuon cannot stack (sharded along the last dimension) gets a message, not a wrong update
     bad = nn.Parameter(distribute_tensor(torch.randn(4, 6), net.up.weight.device_mesh, [Shard(1)]))
     bad.grad = distribute_tensor(torch.randn(4, 6), net.up.weight.device_mesh, [Shard(1)])
-    try: NorMuon([bad]).step(); refused = ""
+    refusing = NorMuon([bad])
+    try: refusing.step(); refused = ""
     except NotImplementedError as e: refused = str(e)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(dict(diffs=diffs, layout=layout, n_state=len(opt.state), local_rows=local_rows, dcp_ok=dcp_ok,
-                           sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5], refused=refused), f)
+                           sd_keys=sorted(sd["state"]), gathers=GATHERS[:len(GATHERS) // 5], refused=refused,
+                           refused_state=len(refusing.state)), f)
     dist.barrier()  # leave together, results written
     os._exit(0)  # no teardown: gloo's threads, destroyed with the process group or at exit, aborted a rank once under load
 
@@ -548,6 +550,7 @@ def test_normuon_on_fsdp2_shards_matches_one_process(tmp_path):
     assert res["layout"] and res["n_state"] == 6  # momentum and second moment stay sharded like the parameters
     assert res["dcp_ok"] and res["sd_keys"] == ["down.weight", "experts", "gate.weight", "row", "up.weight", "wide.weight"]
     assert "by rows" in res["refused"], res["refused"]
+    assert res["refused_state"] == 0  # refused before any state was made: the optimiser is as it was
     # one step gathers each shape group once, updates and row statistics: wide and gate share one stack
     # (row statistics: the second moment and whether the row has a gradient, side by side)
     assert sorted(map(tuple, res["gathers"])) == sorted([(1, 9, 6), (1, 9, 2), (1, 3, 5, 9), (1, 3, 5, 2), (2, 11, 5), (2, 11, 2),
@@ -635,7 +638,7 @@ def test_normuon_refuses_values_of_the_wrong_type_with_its_message(bad):
 
 @pytest.mark.parametrize("betas", [0.9, (0.9,), None, (0.9, "0.95")])
 def test_adamw_refuses_betas_that_are_not_two_numbers(betas):
-    with pytest.raises(ValueError, match="CautiousAdamW: need lr, eps, weight_decay ≥ 0 and two betas"):
+    with pytest.raises(ValueError, match=r"CautiousAdamW: need lr, weight_decay ≥ 0, eps > 0 .* and two betas"):
         CautiousAdamW([nn.Parameter(torch.randn(3))], betas=betas)
     assert CautiousAdamW([nn.Parameter(torch.randn(3))], betas=[0.9, 0.95]).defaults["betas"] == (0.9, 0.95)  # a YAML list
 
@@ -657,3 +660,133 @@ def test_normuon_takes_numpy_ints_and_adamw_takes_betas_as_lists_in_groups():
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
     opt.add_param_group(dict(params=[nn.Parameter(torch.randn(2))], betas=[0.7, 0.8]))
     assert opt.param_groups[1]["betas"] == (0.7, 0.8)
+
+
+# From mutation testing of optim.py: behaviour no earlier test pinned.
+
+def test_build_optimizers_gives_normuon_nesterov():
+    normuon, _ = build_optimizers(nn.Sequential(nn.Linear(4, 6, bias=False)), load_config("hymo_tiny").train)
+    assert normuon.param_groups[0]["nesterov"] is True
+
+
+def test_normuon_rows_without_gradient_move_when_the_matrix_has_one():
+    torch.manual_seed(0)
+    W0, grads = 0.1 * torch.randn(24, 16), [torch.randn(24, 16) for _ in range(4)]
+    grads[2][:5] = 0; grads[3][:5] = 0  # rows 0-4 lose their gradient; their momentum still moves them
+    p = nn.Parameter(W0.clone())
+    opt = NorMuon([p], lr=0.03, weight_decay=0.1)
+    for g in grads:
+        p.grad = g.clone(); opt.step()
+    torch.testing.assert_close(p.data, normuon_from_scratch(W0, grads, lr=0.03))
+
+
+def test_normuon_gradient_rows_summing_to_zero_are_gradients():
+    torch.manual_seed(0)
+    W0 = 0.1 * torch.randn(6, 4)
+    g = torch.tensor([[1.0, -1.0, 2.0, -2.0]]).repeat(6, 1) * torch.arange(1.0, 7.0)[:, None]  # every row sums to 0 exactly
+    p = nn.Parameter(W0.clone())
+    p.grad = g.clone(); NorMuon([p], lr=0.03, weight_decay=0.1).step()
+    torch.testing.assert_close(p.data, normuon_from_scratch(W0, [g], lr=0.03))
+
+
+@pytest.mark.parametrize("shape", [(8, 6), (3, 8, 6)])
+def test_normuon_matrix_without_gradient_on_its_first_step_only_decays(shape):
+    torch.manual_seed(0)
+    W0, g = torch.randn(shape), torch.randn(shape)
+    g[0] = 0 if len(shape) == 3 else g[0]
+    if len(shape) == 2: g.zero_()
+    p = nn.Parameter(W0.clone()); p.grad = g
+    NorMuon([p], lr=0.02, weight_decay=0.1).step()
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.data[0], W0[0] * (1 - 0.02 * 0.1))
+
+
+def test_normuon_step_skips_parameters_without_grad():
+    p, q = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5, 3))
+    q0 = q.detach().clone()
+    p.grad = torch.randn(6, 4)
+    opt = NorMuon([p, q], weight_decay=0.1)
+    opt.step()
+    assert torch.equal(q.data, q0) and q not in opt.state
+
+
+@pytest.mark.parametrize("cls, shape", [(NorMuon, (4, 3)), (CautiousAdamW, (3,))])
+def test_step_runs_the_closure_with_grad_and_returns_its_loss(cls, shape):
+    p = nn.Parameter(torch.randn(shape))
+    opt = cls([p])
+    def closure():
+        opt.zero_grad(); loss = (p ** 2).sum(); loss.backward(); return loss
+    loss = opt.step(closure)
+    assert loss is not None and loss.requires_grad
+
+
+def test_normuon_rownorm_is_the_three_pass_form():
+    torch.manual_seed(0)
+    O, v = torch.randn(2, 12, 20), torch.rand(2, 12, 1)
+    U, v1 = optim.normuon_rownorm(O, v, 0.9, gain=1.5)
+    v_ref = 0.9 * v + 0.1 * (O * O).mean(-1, keepdim=True)
+    Oh = O / v_ref.sqrt()
+    U_ref = Oh * O.norm(dim=(-2, -1), keepdim=True) / Oh.norm(dim=(-2, -1), keepdim=True) * 1.5
+    torch.testing.assert_close(v1, v_ref); torch.testing.assert_close(U, U_ref)
+
+
+@pytest.mark.parametrize("shape", [(40, 16), (16, 40)])
+def test_newton_schulz_gram_matrix_is_on_the_short_side(shape, monkeypatch):
+    seen, bmm = [], torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: seen.append(tuple(a.shape[-2:]) + tuple(b.shape[-1:])) or bmm(a, b, **kw))
+    newton_schulz(torch.randn(shape))
+    assert seen and all(s == (16, 40, 16) for s in seen), seen  # A = X Xᵀ is 16×16
+
+
+def test_newton_schulz_dtype():
+    G = torch.randn(8, 5)
+    assert newton_schulz(G, dtype=torch.float64).dtype == torch.float64 and newton_schulz(G.double()).dtype == torch.float32
+    assert optim.ns_dtype(torch.empty(0, device="meta")) is torch.float32 and optim.ns_dtype(type("Cuda", (), {"is_cuda": True})()) is torch.bfloat16
+
+
+def test_normuon_normalises_rows_of_a_wide_matrix():  # rf_clamp_big: v ~ 3e-6 at step 1
+    torch.manual_seed(0)
+    W0, grads = 0.01 * torch.randn(16, 16384), [torch.randn(16, 16384) * torch.rand(16, 1) for _ in range(2)]
+    p = nn.Parameter(W0.clone()); opt = NorMuon([p], lr=0.03, weight_decay=0.1)
+    for g in grads: p.grad = g.clone(); opt.step()
+    torch.testing.assert_close(p.data, normuon_from_scratch(W0, grads, lr=0.03))
+
+
+@pytest.mark.parametrize("cls, kw", [(NorMuon, dict(momentum=-0.1)), (NorMuon, dict(beta2=-0.1)),
+                                     (CautiousAdamW, dict(weight_decay=-0.1)), (CautiousAdamW, dict(lr=-1e-3)),
+                                     (CautiousAdamW, dict(betas=(-0.1, 0.9)))])
+def test_negative_settings_are_refused(cls, kw):
+    with pytest.raises(ValueError, match="need"):
+        cls([nn.Parameter(torch.randn(3, 3))], **kw)
+
+
+def test_adamw_refuses_eps_zero_as_the_config_does():
+    "At eps=0 a coordinate whose gradient is 0 on the first step gets 0/0: NaN in the weights for good."
+    with pytest.raises(ValueError, match=r"eps > 0 \(at 0 a coordinate without gradient"):
+        CautiousAdamW([nn.Parameter(torch.randn(3))], eps=0.0)
+
+
+def test_zero_settings_are_accepted_and_a_refused_adamw_group_is_not_kept():
+    w, b = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
+    NorMuon([w], lr=0.0, momentum=0.0, beta2=0.0, weight_decay=0.0)
+    opt = CautiousAdamW([b], lr=0.0, betas=(0.0, 0.0), weight_decay=0.0)
+    with pytest.raises(ValueError): opt.add_param_group({"params": [nn.Parameter(torch.randn(2))], "lr": -1.0})
+    assert len(opt.param_groups) == 1
+
+
+def test_documented_defaults():
+    d = NorMuon([nn.Parameter(torch.randn(3, 3))]).defaults
+    assert {k: d[k] for k in ("lr", "momentum", "nesterov", "beta2", "ns_steps", "weight_decay", "cautious")} == \
+        dict(lr=0.02, momentum=0.95, nesterov=True, beta2=0.95, ns_steps=5, weight_decay=0.0, cautious=True)
+    d = CautiousAdamW([nn.Parameter(torch.randn(3))]).defaults
+    assert {k: d[k] for k in ("lr", "betas", "eps", "weight_decay", "cautious")} == \
+        dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, cautious=True)
+
+
+def test_param_table_lists_only_trainable_parameters():
+    assert "frozen" not in [n for n, _, _ in param_table(TinyNamed())]
+
+
+def test_build_optimizers_names_a_model_without_matrices():
+    with pytest.raises(ValueError, match="no parameter goes to NorMuon"):
+        build_optimizers(nn.LayerNorm(4), load_config("hymo_tiny").train)
