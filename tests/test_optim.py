@@ -790,3 +790,20 @@ def test_param_table_lists_only_trainable_parameters():
 def test_build_optimizers_names_a_model_without_matrices():
     with pytest.raises(ValueError, match="no parameter goes to NorMuon"):
         build_optimizers(nn.LayerNorm(4), load_config("hymo_tiny").train)
+
+
+def test_normuon_compiles_the_update_where_it_should(monkeypatch):
+    "fused=True always, False never, None on a GPU for FUSED_MIN_NUMEL entries or more (the compiled kernel is recorded, not run)."
+    calls = []
+    monkeypatch.setattr(optim, "normuon_apply_fused", lambda: (lambda x, *args: calls.append(tuple(x.shape))))
+    def step(shape, fused, device):
+        p = nn.Parameter(torch.zeros(shape, device=device))
+        p.grad = torch.randn(shape, device=device)
+        NorMuon([p], fused=fused).step()
+    step((8, 6), True, "cpu"); step((8, 6), None, "cpu"); step((8, 6), False, "cpu")
+    assert calls == [(8, 6)]
+    if torch.cuda.is_available():
+        calls.clear()
+        assert optim.FUSED_MIN_NUMEL == 2048 * 2048
+        step((2048, 2048), None, "cuda"); step((2048, 2047), None, "cuda"); step((2048, 2048), False, "cuda")
+        assert calls == [(2048, 2048)]
