@@ -95,3 +95,24 @@ def test_ce_kernel_refuses_what_it_would_misread():
     if not ce.INTERPRET:  # (this process runs no kernel in the interpreter)
         with pytest.raises(RuntimeError, match="Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 .* or use ce_chunk"):
             triton_ce_chunk(torch.randn(4, 50), y, w, False)
+
+
+# From mutation testing of the wrapper.
+FAR_ROWS_CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import hymo.models.ce_triton as ce
+    from hymo.models.mtp import ce_chunk
+    V, S = 64, 2 ** 30 + 64                                   # row stride S: row 2 starts past 2**31
+    base = torch.empty(2 * S + V, dtype=torch.bfloat16)       # 4 GiB of virtual memory; three rows written
+    z = base.as_strided((3, V), (S, 1)); z.copy_(torch.randn(3, V, generator=torch.Generator().manual_seed(0)).bfloat16())
+    y, w = torch.tensor([1, 5, 63]), torch.full((3,), 1 / 3)
+    (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z.float().contiguous(), y, w, True)
+    print("RESULT" + json.dumps(dict(loss=abs(lt.item() - lr.item()), dz=(gt.float() - gr).abs().max().item())))
+''')
+
+
+def test_ce_rows_past_int32_offsets():
+    r = run_child(FAR_ROWS_CHILD)
+    assert r["loss"] < 1e-5 and r["dz"] < 1e-2, r

@@ -191,3 +191,40 @@ def test_compiled_prelude_matches_eager_on_gpu(packed):
     for name, a, b in zip("q k v dx dw".split(), *outs):  # the same kernels; only dw's final sum is inductor's
         tol = dict(rtol=1e-5, atol=1e-6) if name == "dw" else dict(rtol=0, atol=0)
         torch.testing.assert_close(b, a, **tol, msg=lambda m: f"{name}: compiled differs from eager: {m}")
+
+
+# From mutation testing of the wrapper.
+ZERO_ROWS_CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from hymo.models.gdn import conv_silu_norm
+    from hymo.models.gdn_conv_triton import triton_conv_silu_norm
+    gen = torch.Generator().manual_seed(0)
+    H, K, V, T = 2, 16, 16, 12
+    C = 2 * H * K + H * V
+    x0 = torch.randn(1, T, C, generator=gen)
+    x0[:, :4] = 0                      # zero rows (padding): silu(0) = 0, F.normalize gives 0, not 0/0
+    x0[:, 8:] *= 1e-8                  # tiny rows: |silu(u)| < eps, where F.normalize divides by eps
+    w0 = torch.randn(C, 4, generator=gen)
+    cots = [torch.randn(1, T, H, d, generator=gen) for d in (K, K, V)]
+    outs = []
+    for fn in (conv_silu_norm, triton_conv_silu_norm):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ys = fn(x, w, H, K)[:3]
+        sum((y * c).sum() for y, c in zip(ys, cots)).backward()
+        outs.append([*ys, x.grad, w.grad])
+    res = {"err": {n: ((a - b).norm() / b.norm()).item() if b.norm() > 0 else (a - b).abs().max().item()
+                   for n, a, b in zip("q k v dx dw".split(), outs[1], outs[0])},
+           "finite": all(bool(t.isfinite().all()) for t in outs[1])}
+    with torch.no_grad():
+        res["dtypes"] = [str(t.dtype) for t in triton_conv_silu_norm(x0[:, :4].bfloat16(), w0, H, K)]
+    print("RESULT" + json.dumps(res))
+''')
+
+
+def test_prelude_zero_and_tiny_rows_and_output_dtype():
+    r = run_child(ZERO_ROWS_CHILD)
+    assert r["finite"], r
+    assert all(e < 1e-5 for e in r["err"].values()), r["err"]
+    assert r["dtypes"] == ["torch.bfloat16"] * 3, r["dtypes"]

@@ -306,3 +306,84 @@ def test_kernel_1_compiles_for_the_h200_without_spilling(tmp_path):
 def test_a_kernel_too_big_for_the_gpu_says_what_to_do(errors):
     msg = errors["too_big"]
     assert "does not fit this GPU" in msg and "K=16" in msg and "bf16" in msg and "gdn_kernel='torch'" in msg, msg
+
+
+# From mutation testing of the wrappers: chunk tables, grid and int32 bounds of packed rows, no_grad decoding,
+# the final state's dtype, the fake shapes of packed rows, heads narrower than tl.dot's 16.
+
+
+def _big(*s):  # no memory: every element is the same one (the checks refuse before any launch)
+    return torch.zeros(1, 1, 1, *s[3:]).expand(*s) if len(s) == 4 else torch.zeros(1, 1, 1).expand(*s)
+
+
+def test_packed_rows_are_bounded_by_their_documents():
+    "With cu_seqlens the grids' second axis is documents x heads, and each document may add a part-chunk of states."
+    from hymo.models.gdn_triton import triton_gated_delta_rule
+    T, H = 4096, 16  # 4096 one-token documents x 16 heads = 65 536 programs
+    with pytest.raises(ValueError, match="4096 sequences x 16 heads"):
+        triton_gated_delta_rule(_big(1, T, H, 16), _big(1, T, H, 16), _big(1, T, H, 16), _big(1, T, H), _big(1, T, H),
+                                cu_seqlens=torch.arange(T + 1))
+    T, D = 2 ** 23 - 64, 128  # 131 071 chunks of [128, 128] states fit int32; two documents' part-chunks do not
+    with pytest.raises(ValueError, match="per-chunk states"):
+        triton_gated_delta_rule(_big(1, T, 1, D), _big(1, T, 1, D), _big(1, T, 1, D), _big(1, T, 1), _big(1, T, 1),
+                                cu_seqlens=torch.tensor([0, 1, T]))
+
+
+def test_chunk_tables_of_documents_that_fill_whole_chunks():
+    "(document, chunk) per slot: a 64-token document is one chunk; spare slots point at the last document."
+    from hymo.models.gdn_triton import _chunk_tables
+    idx, off, nc = _chunk_tables(torch.tensor([0, 64, 128, 130]), 1, 130)
+    assert off.tolist() == [0, 1, 2, 3] and nc == 4
+    assert idx.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]]
+
+
+def test_fused_recurrent_refuses_a_state_that_wants_gradients_but_runs_under_no_grad():
+    from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule
+    q = torch.randn(1, 1, 1, 16)
+    g, beta, h0 = -torch.rand(1, 1, 1), torch.rand(1, 1, 1), torch.randn(1, 1, 16, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        fused_recurrent_gated_delta_rule(q, q, q, g, beta, initial_state=h0)
+
+
+GAPS_CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, torch.nn.functional as F
+    import hymo.models.gdn_triton as gt
+    res = {}
+    gen = torch.Generator().manual_seed(0)
+    q = F.normalize(torch.randn(1, 3, 1, 16, generator=gen), dim=-1)
+    with torch.no_grad():  # decoding with leaves that require grad, under no_grad, as the message advises
+        o, _ = gt.fused_recurrent_gated_delta_rule(q.requires_grad_(), q, q, -torch.rand(1, 3, 1), torch.rand(1, 3, 1))
+    res["no_grad_decode"] = list(o.shape)
+    # fp16 inputs: the final state stays fp32
+    x = torch.randn(1, 20, 1, 16, generator=gen).half()
+    _, ht = gt.triton_gated_delta_rule(x, x, x, -torch.rand(1, 20, 1), torch.rand(1, 20, 1), output_final_state=True)
+    res["ht_fp16"] = str(ht.dtype)
+    x = torch.zeros(1, 0, 2, 16)  # T = 0: the final state is fp32 whatever the initial state's dtype, as for T > 0
+    _, S = gt.triton_gated_delta_rule(x, x, x, torch.zeros(1, 0, 2), torch.zeros(1, 0, 2),
+                                      initial_state=torch.randn(1, 2, 16, 16).bfloat16(), output_final_state=True)
+    res["ht_T0_bf16_state"] = str(S.dtype)
+    h0 = torch.randn(1, 2, 16, 16)  # T = 0 with an fp32 state that needs no padding: still a new tensor, not the caller's
+    _, S = gt.triton_gated_delta_rule(x, x, x, torch.zeros(1, 0, 2), torch.zeros(1, 0, 2), initial_state=h0,
+                                      output_final_state=True)
+    res["ht_T0_is_new"] = S.data_ptr() != h0.data_ptr() and torch.equal(S, h0)
+    # the operator's fake shapes on a packed row with saved prep (N != B, chunk slots from the documents)
+    cu = torch.tensor([0, 10, 20]).int()
+    args = gt._prepare_inputs(*(torch.randn(1, 20, 1, 16, generator=gen) for _ in range(3)), -torch.rand(1, 20, 1),
+                              torch.rand(1, 20, 1), None, torch.randn(2, 1, 16, 16), cu)
+    res["opcheck_packed"] = torch.library.opcheck(torch.ops.hymo.gdn_chunk_fwd.default,
+        (*args[:6], args[6], True, args[7], True), test_utils=("test_schema", "test_faketensor"))
+    x8 = torch.randn(1, 4, 1, 8)  # heads narrower than tl.dot's 16 are padded to 16 (the interpreter would not notice 8)
+    res["padded_8"] = [t.shape[-1] for t in gt._prepare_inputs(x8, x8, x8, -torch.rand(1, 4, 1), torch.rand(1, 4, 1),
+                                                               None, torch.randn(1, 1, 8, 8), None)[:3]]
+    print("RESULT" + json.dumps(res))
+''')
+
+
+def test_decode_under_no_grad_final_state_dtype_and_packed_fake_shapes():
+    r = run_child(GAPS_CHILD)
+    assert r["no_grad_decode"] == [1, 3, 1, 16]
+    assert r["ht_fp16"] == r["ht_T0_bf16_state"] == "torch.float32" and r["ht_T0_is_new"]
+    assert all(v == "SUCCESS" for v in r["opcheck_packed"].values()), r["opcheck_packed"]
+    assert r["padded_8"] == [16, 16, 16], r["padded_8"]

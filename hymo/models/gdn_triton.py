@@ -634,7 +634,7 @@ def triton_gated_delta_rule(
     args = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     if T == 0:  # nothing to launch
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
-        S = args[6].float() if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)
+        S = args[6].to(torch.float32, copy=True) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)  # a new tensor, as for T > 0
         return v.new_zeros(B, 0, H, V), (S[:, :, :K, :V] if output_final_state else None)
     o, ht, *_ = gdn_chunk_fwd(*args[:7], output_final_state, args[7], keep_prep)
     return o[..., :V].to(v.dtype), (ht[:, :, :K, :V] if output_final_state else None)
