@@ -415,3 +415,33 @@ def test_no_cell_shows_a_bare_object_repr():
            if o["output_type"] == "execute_result" and "text/plain" in o["data"]
            and re.fullmatch(r"<[\w.]+( object)?( at 0x[0-9a-f]+)?>", "".join(o["data"]["text/plain"]).strip())]
     assert not bad, bad
+
+
+def test_hidden_cells_are_not_rendered(tmp_path, monkeypatch):
+    "Each way a notebook hides a cell, its source or its output, against what must stay visible (no chapter uses them all)."
+    site = _load_site_module(monkeypatch)
+    code = lambda src, out=None: {"cell_type": "code", "source": src, "metadata": {}, "execution_count": 1,
+                                  "outputs": [{"output_type": "stream", "name": "stdout", "text": out}] if out else []}
+    cells = [{"cell_type": "markdown", "source": "# T\n\n> d", "metadata": {}},
+             code("#| hide\nSECRET_HIDE = 1", "SECRET_HIDE_OUT"), code("#| exporti\ndef _secret_exporti(): pass"),
+             code("#| include: false\nSECRET_INCLUDE = 1", "SECRET_INCLUDE_OUT"),
+             code("#| echo: false\nSECRET_ECHO = 1", "VISIBLE_OUT"), code("#| output: false\nVISIBLE_CODE = 1", "SECRET_OUT"),
+             code("#| export\ndef shown(x):\n    'Doc.'\n    SECRET_BODY = 1")]
+    p = tmp_path / "99_t.ipynb"
+    p.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    md = site.notebook_md(site.Page(p, "t.html", "T"), {}, {})
+    assert "secret" not in md.lower(), md
+    assert "VISIBLE_OUT" in md and "VISIBLE_CODE" in md and "{#shown" in md
+
+
+def test_quarto_sidebar_and_navbar_list_home_and_every_deck():
+    "The real site's sidebar (written by hand in nbs/_quarto.yml) names every deck in slides/ by its title."
+    import yaml
+    web = yaml.safe_load((ROOT / "nbs" / "_quarto.yml").read_text())["website"]
+    items = web["sidebar"]["contents"]
+    assert items[0] == "index.ipynb"
+    decks = next(i for i in items if isinstance(i, dict) and i.get("section") == "Workshop slides")["contents"]
+    want = [{"text": yaml.safe_load(re.match(r"---\n(.*?)\n---", p.read_text(), re.S)[1])["title"], "href": f"slides/{p.stem}.html"}
+            for p in sorted((ROOT / "slides").glob("*.qmd"))]
+    assert decks == want
+    assert {"index.ipynb", want[0]["href"]} <= {i["href"] for i in web["navbar"]["left"]}
