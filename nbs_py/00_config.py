@@ -530,20 +530,23 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
                ) -> Config:
     "Read a preset or YAML file, apply `overrides`, validate, and return the `Config`."
     name, chain = _read_with_bases(name_or_path)
-    values = {"model": {}, "train": {}}
+    values, source = {"model": {}, "train": {}}, {}  # source: (section, field) -> the file that set it last
     for raw, path in reversed(chain):  # the deepest base first
         for sec in ("model", "train"):
             for k, v in (raw.get(sec) or {}).items():
-                try:  # a wrong key or type is reported with the file that holds it
-                    f = _section_of(f"{sec}.{k}")[1]
-                    values[sec][f] = _check_type(f"{sec}.{f}", v, _field_types(_SECTIONS[sec])[f])
-                except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
+                try: f = _section_of(f"{sec}.{k}")[1]
+                except ConfigError as e: raise ConfigError(f"{path}: {e}") from None  # reported with its file
+                values[sec][f], source[sec, f] = v, path
     spelled = {}
     for k, v in overrides.items():
         sec, f = _section_of(k)
         if spelled.setdefault((sec, f), k) != k:
             raise ConfigError(f"'{spelled[sec, f]}' and '{k}' both set {sec}.{f}: give it once")
         values[sec][f] = v
+        source.pop((sec, f), None)  # the command line's value replaces the file's, a wrong one included
+    for (sec, f), path in source.items():  # a wrong type in the value a file gave and nothing replaced: name the file
+        try: values[sec][f] = _check_type(f"{sec}.{f}", values[sec][f], _field_types(_SECTIONS[sec])[f])
+        except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
     cfg = Config(model=validate_model(ModelConfig(**values["model"])),
                  train=validate_training(TrainingConfig(**values["train"])), name=name)
     if cfg.train.seq_len > cfg.model.max_seq_len:
@@ -617,8 +620,9 @@ test_eq(c.model.layer_types.count("mla"), 2)
 # %% [markdown]
 # ### What a mistake looks like
 #
-# Each of these raises a `ConfigError` whose message says what to change; a key or value that
-# came from a YAML file (or from one of its `base:` files) is reported with that file's path.
+# Each of these raises a `ConfigError` whose message says what to change; an unknown key, or a
+# value of the wrong type, that came from a YAML file (or from one of its `base:` files) is reported
+# with that file's path.
 
 # %%
 def error_of(f):

@@ -329,7 +329,7 @@ class HyMo(nn.Module):
         if tokens.shape[1] == 0: raise ValueError("decode needs at least one new token: tokens is [B, 0]")
         held = {c.c_kv.shape[0] if isinstance(c, MLACache) else c.recurrent.shape[0] for c in state if c is not None}
         if len(state) != self.config.n_layers or held - {tokens.shape[0]}:
-            holding = f" holding {'/'.join(map(str, sorted(held)))} sequences" if held else ""  # a fresh GDN state holds none yet
+            holding = f" made for batches of {'/'.join(map(str, sorted(held)))}" if held else ""  # a fresh GDN state holds none yet
             raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state has {len(state)} layers{holding} "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
         for c in state:  # before any layer moves: a refused call must leave the state as it was
@@ -914,9 +914,10 @@ def param_breakdown(model: HyMo) -> dict[str, int]:
 #    $d_{qk} = d_\text{nope} + d_\text{rope}$ dimensions and sums as many values of $d_v$; over a
 #    causal window the mean is about $T/2$ keys, so per token and MLA block the forward costs
 #    $2 H (d_{qk} + d_v) \cdot T/2 = H (d_{qk} + d_v)\, T$.
-#    (PaLM's and Megatron-LM's formulas count the full $T$, twice this, which for `hymo_750m` at
-#    $T = 4096$ adds 9.1 % to the total and as much to every MFU; we count the causal half, which is
-#    what a FlashAttention-style kernel computes.) Packed documents attend less: a query sees only its own
+#    (PaLM's formula counts the full $T$, twice this, which for `hymo_750m` at $T = 4096$ adds
+#    9.1 % to the total and as much to every MFU; so did the Megatron-LM paper's of 2021. We count
+#    the causal half, as Megatron-LM's code now does, which is what a FlashAttention-style kernel
+#    computes.) Packed documents attend less: a query sees only its own
 #    document, so documents of lengths $L_i$ give a mean of $\sum_i L_i^2 / (2 \sum_i L_i)$ keys, in the
 #    same convention ($L/2$ a query in a document of $L$ tokens; the exact count, $(L+1)/2$, differs
 #    by half a key, 0.1 % at $L = 1024$)
@@ -1039,7 +1040,7 @@ for name, m in models.items():
     for k, v in sb.items(): print(f"    {k:42s}{v/2**20:12.3f} MiB")
 
 # %% [markdown]
-# Counted over the whole $T \times T$ square, as PaLM's and Megatron-LM's formulas do (`keys=T`),
+# Counted over the whole $T \times T$ square, as PaLM's formula does (`keys=T`),
 # `hymo_750m`'s count is 9.1 % larger, and an MFU computed with it as much higher. The results
 # chapter keeps the causal half:
 

@@ -21,7 +21,7 @@
 # | Sparsity | DeepSeek-style MoE and aux-loss-free load balancing |
 # | The model | multi-token prediction; the hybrid model and its accounting; the loss's softmax pass as a Triton kernel |
 # | Training | optimisers (NorMuon, AdamW, cautious weight decay, WSD); data and its `prepare` command; the trainer; `python -m hymo.train`; generating text from a run |
-# | Results | the `hymo_750m` preset's training step (1.24 B parameters stored, 0.54 B active) on one H200: throughput, MFU, memory, and what was tried |
+# | Results | the `hymo_750m` preset's training step (1.24 B parameters stored, 0.54 B active) on one H200 (and, in later rounds, H100s): throughput, MFU, memory, and what was tried |
 #
 # Every chapter ends with interview questions whose answers are folded: try before you open them.
 # (The results page is a lab notebook, not a chapter, and has none.)

@@ -105,7 +105,8 @@ FAR_ROWS_CHILD = textwrap.dedent('''
     import hymo.models.ce_triton as ce
     from hymo.models.mtp import ce_chunk
     V, S = 64, 2 ** 30 + 64                                   # row stride S: row 2 starts past 2**31
-    base = torch.empty(2 * S + V, dtype=torch.bfloat16)       # 4 GiB of virtual memory; three rows written
+    try: base = torch.empty(2 * S + V, dtype=torch.bfloat16)  # 4 GiB of virtual memory (about 0.3 GB touched)
+    except RuntimeError as e: print("RESULT" + json.dumps(dict(skip=str(e)[:200]))); raise SystemExit
     z = base.as_strided((3, V), (S, 1)); z.copy_(torch.randn(3, V, generator=torch.Generator().manual_seed(0)).bfloat16())
     y, w = torch.tensor([1, 5, 63]), torch.full((3,), 1 / 3)
     (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z.float().contiguous(), y, w, True)
@@ -115,4 +116,5 @@ FAR_ROWS_CHILD = textwrap.dedent('''
 
 def test_ce_rows_past_int32_offsets():
     r = run_child(FAR_ROWS_CHILD)
+    if "skip" in r: pytest.skip(f"a 4 GiB virtual buffer cannot be had here: {r['skip']}")
     assert r["loss"] < 1e-5 and r["dz"] < 1e-2, r

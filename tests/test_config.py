@@ -554,7 +554,7 @@ def test_a_near_miss_key_is_matched_even_when_it_is_a_part_of_the_name():
 
 
 def test_a_wrong_type_in_a_base_file_names_that_file(tmp_path):
-    "The type check of a value read from a file reports the file, as an unknown key's does; the child's value still wins."
+    "A wrong type in the value a file gave, and nothing replaced, is reported with that file, as an unknown key is."
     (tmp_path / "mybase.yaml").write_text("base: hymo_tiny\nmodel:\n  dim: 'wide'\n")
     (tmp_path / "child.yaml").write_text("base: mybase.yaml\n")
     with pytest.raises(ConfigError) as e: load_config(str(tmp_path / "child.yaml"))
@@ -569,3 +569,8 @@ def test_a_wrong_type_in_a_base_file_names_that_file(tmp_path):
     (tmp_path / "child.yaml").write_text("base: mybase.yaml\ntrain:\n  max_steps: 1000\n  muon_lr: 1\n")
     cfg = load_config(str(tmp_path / "child.yaml"))
     assert cfg.train.max_steps == 1000 and cfg.train.muon_lr == 1.0 and type(cfg.train.muon_lr) is float
+    # a wrong value that a later file or the command line replaces is no error, as before
+    (tmp_path / "mybase.yaml").write_text("base: hymo_tiny\nmodel:\n  dim: 'wide'\n")
+    (tmp_path / "child.yaml").write_text("base: mybase.yaml\nmodel:\n  dim: 64\n")
+    assert load_config(str(tmp_path / "child.yaml")).model.dim == 64
+    assert load_config(str(tmp_path / "mybase.yaml"), dim=96).model.dim == 96

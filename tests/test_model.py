@@ -458,7 +458,7 @@ def test_bad_token_ids_and_decode_input_are_refused_in_one_line(dropless):
     state = m.decode_state(1, 8)
     with pytest.raises(ValueError, match="integer ids of shape"): m.decode(torch.zeros(3, dtype=torch.long), state)
     with pytest.raises(ValueError, match="at least one new token"): m.decode(torch.zeros(1, 0, dtype=torch.long), state)
-    with pytest.raises(ValueError, match="2 sequences, and the state has 4 layers holding 1 sequences"): m.decode(torch.zeros(2, 3, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="2 sequences, and the state has 4 layers made for batches of 1"): m.decode(torch.zeros(2, 3, dtype=torch.long), state)
     with pytest.raises(ValueError, match=rf"vocab=0 must be an int in 1\.\.{V}"): m.generate(torch.tensor([[1, 2]]), 2, vocab=0)
     with pytest.raises(ValueError, match="window=1000000 must be an int in 1..max_seq_len=256"): m.generate(torch.tensor([[1, 2]]), 2, window=10**6)
     with pytest.raises(ValueError, match="got max_new_tokens=2.5"): m.generate(torch.tensor([[1, 2]]), 2.5)
@@ -629,7 +629,7 @@ def test_param_breakdown_entry_by_entry(dropless):
 def test_more_input_errors_are_clear(dropless):
     m = _model(dropless).eval()
     with pytest.raises(ValueError, match="holds no sequence"): m(torch.zeros(0, 8, dtype=torch.long))
-    with pytest.raises(ValueError, match=r"the state has 5 layers holding 1 sequences \(the model has 4\)"):
+    with pytest.raises(ValueError, match=r"the state has 5 layers made for batches of 1 \(the model has 4\)"):
         m.decode(torch.zeros(1, 3, dtype=torch.long), m.decode_state(1, 8) + [None])
     with pytest.raises(ValueError, match=r"the state has 3 layers \(the model has 4\)"):  # GDN layers only: none started
         m.decode(torch.zeros(1, 3, dtype=torch.long), m.decode_state(1, 8)[:3])

@@ -45,7 +45,7 @@ CSS = Path(__file__).with_name("site.css")
 REVEAL = CACHE / "npm" / "node_modules" / "reveal.js"
 REVEAL_VERSION = "5"
 MATH_FONT = CACHE / "npm" / "node_modules" / "@fontsource" / "stix-two-math" / "files" / "stix-two-math-latin-400-normal.woff2"
-MATH_FONT_VERSION = "5"  # @fontsource/stix-two-math: the whole font (its MATH table, 4 605 glyphs) despite "latin" in the name
+MATH_FONT_VERSION = "5"  # @fontsource/stix-two-math: the whole font (its MATH table, 4 605 characters) despite "latin" in the name
 SITE_TITLE = "HyMo"
 # Sidebar parts: a chapter numbered NN belongs to the last part whose first number is <= NN.
 PARTS = [(0, "Foundations"), (10, "Linear attention"), (20, "Attention"), (30, "Sparsity"),
@@ -454,7 +454,9 @@ def build_slides(tmp: Path, slides: list[Page], pages: list[Page]):
     dest = OUT / "slides" / "reveal.js"
     for sub in ("dist", "plugin"): shutil.copytree(reveal / sub, dest / sub, dirs_exist_ok=True)
     head = tmp / "slides-head.html"
-    head.write_text('<link rel="icon" href="data:,">\n<link rel="stylesheet" href="slides.css">\n')
+    head.write_text('<link rel="icon" href="data:,">\n<link rel="stylesheet" href="slides.css">\n'  # the font here, not in
+                    '<style>@font-face { font-family: "STIX Two Math"; src: url("../fonts/stix-two-math.woff2") format("woff2"); }\n'
+                    '.reveal math { font-family: "STIX Two Math", math; }</style>\n')  # slides.css, which Quarto's decks share
     shutil.copy(Path(__file__).with_name("slides.css"), OUT / "slides" / "slides.css")
     for d in slides:
         text = fix_links(d.src.read_text(), {p.src.name: "../" + p.html for p in pages})

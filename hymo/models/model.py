@@ -208,7 +208,7 @@ class HyMo(nn.Module):
         if tokens.shape[1] == 0: raise ValueError("decode needs at least one new token: tokens is [B, 0]")
         held = {c.c_kv.shape[0] if isinstance(c, MLACache) else c.recurrent.shape[0] for c in state if c is not None}
         if len(state) != self.config.n_layers or held - {tokens.shape[0]}:
-            holding = f" holding {'/'.join(map(str, sorted(held)))} sequences" if held else ""  # a fresh GDN state holds none yet
+            holding = f" made for batches of {'/'.join(map(str, sorted(held)))}" if held else ""  # a fresh GDN state holds none yet
             raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state has {len(state)} layers{holding} "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
         for c in state:  # before any layer moves: a refused call must leave the state as it was
