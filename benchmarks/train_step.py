@@ -21,7 +21,11 @@ AdamW, MoE bias update) on synthetic tokens, so what is measured is what trainin
 MFU = tokens/s x FLOPs per token / the GPU's dense bf16 peak (989e12 for an H100/H200; the trainer's table).
 FLOPs per token are HyMo.flops_per_token(seq_len), except with --doc-masking: the trainer's own count for
 the timed steps, whose attention is counted within each document (`doc_keys_per_query`).
-Peak memory is the process's, warm-up and compilation included: what a training run must fit.
+step_s is the median of the timed steps (the upper one of an even count), each after `--warmup` untimed steps
+(at least 1: the first step compiles the Triton kernels and NorMuon's update, and with --compile the blocks); a
+timed step that skipped its optimiser step (a non-finite loss or gradient) stops the run, since it is no training step.
+Peak memory is the allocator's peak of allocated memory (peak_mem_gb, GB = 1e9 bytes), warm-up and compilation
+included: a lower bound of what a training run must fit; peak_reserved_gb adds what the allocator held unused.
 The rows of benchmarks/results/ are the results page's record, newest first, each labelled by --code;
 run into a scratch file and copy over the rows worth keeping.
 """
@@ -254,6 +258,9 @@ def run(args) -> dict:
                 mb_rows.clear(); s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True); s0.record()
             t0 = time.perf_counter()
             m = t.train_step()
+            if m.get("skipped"):
+                raise SystemExit("a timed step skipped its optimiser step (a non-finite loss or gradient): its time is not "
+                                 "a training step's, so no row is written; find out why before timing (python -m hymo.train)")
             if mb_rows is not None: s1.record()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -267,9 +274,10 @@ def run(args) -> dict:
     if peak is None: print(f"no MFU: {torch.cuda.get_device_name()} has no dense bf16 peak in the trainer's PEAK_BF16_FLOPS table")
     res = dict(code=args.code or _unlabelled(), conv_launch=_conv_launch(), variant=variant(args),
                seq_len=args.seq_len, micro_batch=args.micro_batch, accum=args.accum, warmup=args.warmup, steps=args.steps,
-               step_s=step, step_times_s=[round(x, 4) for x in times], tokens_per_s=tok_s, flops_per_token=fpt,
+               step_s=step, step_stat="median", step_times_s=[round(x, 4) for x in times], tokens_per_s=tok_s, flops_per_token=fpt,
                mfu=tok_s * fpt / peak if peak else None,
-               peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, loss=m["loss"],
+               peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9, peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9,
+               loss=m["loss"],
                params_stored=t.model.num_params(), params_active=t.model.num_params(active=True),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__, table_peak=peak,
                date=time.strftime("%Y-%m-%d"), mfu_formula=f"tokens/s * flops_per_token / {peak:.3g}" if peak else None,
@@ -341,8 +349,8 @@ def check_args(p: argparse.ArgumentParser, args):
         p.error(f"--conv-launch {args.conv_launch}: no such file (write one with gdn_conv_kernel.py --sweep --best-out)")
     try: load_config("hymo_750m", **overrides(args))  # e.g. a --seq-len past max_seq_len fails here, not after the GPU check
     except ConfigError as e: p.error(f"these arguments make a config hymo_750m cannot run: {e}")
-    if args.compile and args.warmup == 0:
-        p.error("--compile with --warmup 0 would time the compilation: give --warmup 1 or more")
+    if args.warmup == 0:  # the first step compiles the Triton kernels and NorMuon's update (and, with --compile, the blocks)
+        p.error("--warmup 0 would time the compilation of the first step: give --warmup 1 or more")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would count the global batch at one GPU's peak, and write
         p.error("this measures one GPU: run it with python, not torchrun (--fsdp runs FSDP-2 on a group of one)")
     if args.out:  # a bad --out fails now, not after minutes of measuring

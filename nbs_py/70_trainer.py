@@ -215,8 +215,8 @@ def resolve_precision(cfg: TrainingConfig, device: torch.device) -> torch.dtype:
 
 # %%
 #| export
-PEAK_BF16_FLOPS = {  # the first name found in the GPU's name wins: the PCIe and NVL H100s before the SXM
-    "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+PEAK_BF16_FLOPS = {  # the first name found in the GPU's name wins: the PCIe and NVL cards before the SXM ones
+    "H200 NVL": 835e12, "H200": 989e12, "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
     "A10G": 125e12, "4090": 165e12}
 
 

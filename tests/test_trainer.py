@@ -1729,6 +1729,7 @@ def test_peak_of_finds_the_gpu_by_a_part_of_its_name():
     from hymo.training.trainer import peak_of
     assert peak_of("NVIDIA H100 80GB HBM3") == 989e12 and peak_of("NVIDIA H100 PCIe") == 756e12
     assert peak_of("NVIDIA A100-SXM4-80GB") == 312e12 and peak_of("AMD Instinct MI300X") is None
+    assert peak_of("NVIDIA H200") == 989e12 and peak_of("NVIDIA H200 NVL") == 835e12  # the NVL's lower peak, not the SXM's
 
 
 def test_the_lock_of_a_folder_made_again_is_taken_again(tmp_path):
