@@ -417,14 +417,12 @@ def build_chapters(tmp: Path, slides: list[Page]) -> list[Page]:
     with ThreadPoolExecutor(4) as ex:
         for line in ex.map(render, range(len(pages))): print(line)
     shutil.copy(CSS, OUT / "site.css")
-    copy_math_font()
     return pages
 
 
 def copy_math_font():
-    "The math font next to the pages (`site.css` and `slides/slides.css` load it from `fonts/`)."
+    "The math font next to the pages (`site.css` and the decks' `<head>` load it from `_site/fonts/`)."
     (OUT / "fonts").mkdir(parents=True, exist_ok=True)
-    ensure_npm()
     shutil.copy(MATH_FONT, OUT / "fonts" / "stix-two-math.woff2")
 
 
@@ -450,13 +448,13 @@ def ensure_npm() -> Path:
 def build_slides(tmp: Path, slides: list[Page], pages: list[Page]):
     if not slides: return
     reveal = ensure_npm()
-    copy_math_font()
     dest = OUT / "slides" / "reveal.js"
     for sub in ("dist", "plugin"): shutil.copytree(reveal / sub, dest / sub, dirs_exist_ok=True)
     head = tmp / "slides-head.html"
-    head.write_text('<link rel="icon" href="data:,">\n<link rel="stylesheet" href="slides.css">\n'  # the font here, not in
+    # the math font is named here rather than in slides.css, which Quarto's decks share and which have no _site/fonts/
+    head.write_text('<link rel="icon" href="data:,">\n<link rel="stylesheet" href="slides.css">\n'
                     '<style>@font-face { font-family: "STIX Two Math"; src: url("../fonts/stix-two-math.woff2") format("woff2"); }\n'
-                    '.reveal math { font-family: "STIX Two Math", math; }</style>\n')  # slides.css, which Quarto's decks share
+                    '.reveal math { font-family: "STIX Two Math", math; }</style>\n')
     shutil.copy(Path(__file__).with_name("slides.css"), OUT / "slides" / "slides.css")
     for d in slides:
         text = fix_links(d.src.read_text(), {p.src.name: "../" + p.html for p in pages})
@@ -483,11 +481,13 @@ def main(argv=None):
         if args.slides:
             (OUT / "slides").mkdir(parents=True, exist_ok=True)
             build_slides(tmp, slides, chapters())
+            copy_math_font()
         else:
             if OUT.exists(): shutil.rmtree(OUT)
             (OUT / "slides").mkdir(parents=True)
             pages = build_chapters(tmp, slides)
             build_slides(tmp, slides, pages)
+            copy_math_font()
             manifest = {k: [{"src": str(p.src.relative_to(ROOT)), "html": p.html, "title": p.title} for p in v]
                         for k, v in (("chapters", pages), ("decks", slides))}
             (OUT / "pages.json").write_text(json.dumps(manifest, indent=1))  # what was built, for the tests
