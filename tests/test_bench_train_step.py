@@ -90,6 +90,7 @@ def test_breakdown_is_ms_per_micro_batch_of_cuda_kernels_only():
 def test_synthetic_targets_are_the_next_tokens_and_documents_have_the_mean_length(monkeypatch):
     t = ts.SyntheticTrainer.__new__(ts.SyntheticTrainer)
     t.mcfg, t.cfg = SimpleNamespace(vocab_size=100), SimpleNamespace(seq_len=4096, micro_batch_size=4)
+    monkeypatch.setattr(ts, "DOC_LEN", 0)  # as a process starts (a test's `run --doc-masking` may have set it)
     t.setup_data()
     tok, tgt = next(t.train_loader)
     assert tok.shape == tgt.shape == (4, 4096) and torch.equal(tok[:, 1:], tgt[:, :-1]) and int(tok.min()) >= 1
