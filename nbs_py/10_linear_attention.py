@@ -126,6 +126,7 @@ assert_close(o_cum, o_par, atol=1e-5, rtol=1e-5)                           # cau
 # from the shapes.
 
 # %%
+#| fig-alt: "Two log-log plots against the sequence length T, for the parallel and the recurrent forms of linear attention: time in ms, and the largest intermediate in KiB, which grows as T squared for the parallel form and stays constant for the recurrent one."
 def best_time(f, *args, reps=3):
     "Best wall time of `reps` calls after one untimed call (the first call of an op pays one-off costs), in seconds."
     f(*args)

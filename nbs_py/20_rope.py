@@ -189,6 +189,7 @@ assert (scores(0) - (q[0, :, 0] @ k[0, :, 0].T)).abs().max() > 0.1  # and the ro
 # slow ones keep distant tokens distinguishable.
 
 # %%
+#| fig-alt: "The RoPE score divided by d, for q = k = 1, against the distance between tokens on a symlog axis, for d = 32 and d = 128: it oscillates and decays with distance."
 dist = torch.arange(0, 4096)
 for d_ in (32, 128):
     cos_, _ = rope_cos_sin(dist, d_)

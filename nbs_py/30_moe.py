@@ -751,6 +751,7 @@ torch.set_num_threads(threads)
 print(f"simulated in {time.time() - t0:.1f} s")
 
 # %%
+#| fig-alt: "Three panels for the four balancing rules none, aux, sign and ema: the max over mean expert load by step on a log scale, the percentage of dropped assignments by step, and each expert's load over the mean in the last 50 steps."
 fig, ax = plt.subplots(1, 3, figsize=(12, 3))
 for rule, hist in runs.items():
     ax[0].plot([r for _, r, _ in hist], label=rule)

@@ -1072,6 +1072,7 @@ print(f"750M, T = {T}: {model_750m.flops_per_token(T)/1e9:.3f} GFLOPs per token 
 # terms grow with the window:
 
 # %%
+#| fig-alt: "Left: GFLOPs per training token against the window T for the block matrices, the MLA attention and the GDN chunked rule, on log scales. Right: the decode state in MiB per sequence against T for HyMo, for 32 MLA blocks and for 32 MHA blocks."
 Ts = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 fig, ax = plt.subplots(1, 2, figsize=(9, 3.2))
 for k in ("matrices (blocks)", "MLA attention scores + values", "GDN chunked rule"):

@@ -143,6 +143,7 @@ def newton_schulz(G: torch.Tensor, # Update [..., m, n]; leading dimensions are 
 # optimiser iterates in fp32, `ns_dtype`).
 
 # %%
+#| fig-alt: "Left: the quintic Newton-Schulz map applied one to five times, against sigma over the Frobenius norm. Right: the singular values of a 128 by 512 gradient, before (divided by the largest) and after newton_schulz, which gathers them near 1."
 def phi(s, k=1):
     "The scalar quintic applied k times (float64)."
     a, b, c = NS_COEFFS
@@ -1066,6 +1067,7 @@ test_eq((normuon.defaults["lr"], adamw.defaults["lr"], adamw.param_groups[1]["we
 from hymo.config import package_dir
 
 # %%
+#| fig-alt: "Loss by step of a stand-in model trained with NorMuon plus AdamW and with AdamW only."
 data = torch.tensor(list((package_dir() / "assets" / "tinyshakespeare.txt").read_bytes()[:200_000]))
 
 def train_standin(use_normuon, steps=60, B=8, T=64, seed=0):
@@ -1154,6 +1156,7 @@ def wsd_lambda(cfg: TrainingConfig, # The run's training config
 import dataclasses
 
 # %%
+#| fig-alt: "Left: hymo_tiny's WSD learning-rate multiplier over 300 steps with the linear, 1-sqrt and cosine decay shapes. Right: a stable 1000-step run with 100-step decays branched off at steps 300, 600 and 900."
 tcfg = dataclasses.replace(load_config("hymo_tiny").train, max_steps=300, warmup_steps=30)
 steps = range(tcfg.max_steps + 1)
 fig, ax = plt.subplots(1, 2, figsize=(9, 2.8))

@@ -859,6 +859,7 @@ test_fail(lambda: prepare(CORPUS, ds, vocab_size=1024, progress=False), contains
 # window of 128 tokens holds several of them.
 
 # %%
+#| fig-alt: "Histogram of the bundled Shakespeare's document lengths in tokens per speech: most speeches are short."
 starts = np.flatnonzero(stream == manifest["eot_id"])
 lengths = np.diff(np.concatenate([[-1], starts]))  # tokens per document, EOT included
 fig, ax = plt.subplots(figsize=(5, 2.5))

@@ -110,6 +110,7 @@ for gpu in dict.fromkeys(r["gpu"] for r in steps):
 
 
 # %%
+#| fig-alt: "Horizontal bars, one per benchmark variant and GPU: MFU in percent against the 40 percent target (dashed), and peak memory in GB against the 80 GB target (dashed)."
 def when(code):
     "A bar's suffix: the round whose code the row measured (rounds are numbered from the first GPU round, 2)."
     m = re.match(r"(experiment.*?)?round (\d+)", code)
@@ -134,6 +135,7 @@ fig.tight_layout(); plt.show()
 # The preset's step (compiled, 32 micro-batches) round by round, every row measured of it:
 
 # %%
+#| fig-alt: "MFU in percent of the preset's training step, round by round, one colour per GPU, with the 40 percent target dashed."
 fig, ax = plt.subplots(figsize=(8, 3))
 rounds = [(r["gpu"], int(m.group(1)), 100 * r["mfu"]) for r in steps  # every GPU with rows, yours included
           if r["variant"] == preset[0]["variant"] and r["mfu"] and (m := re.match(r"round (\d+)", r["code"]))]

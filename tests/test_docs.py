@@ -38,7 +38,7 @@ PAGE_FACTS = """() => {
     text: clone.innerText,
     allText: document.body.innerText,
     description: document.querySelector('p.description')?.innerText ?? '',
-    images: [...document.querySelectorAll('main img, article img, body img')].map(i => [i.alt.slice(0, 40), i.naturalWidth]),
+    images: [...document.querySelectorAll('main img, article img, body img')].map(i => [i.alt, i.naturalWidth]),
     maths: document.querySelectorAll('math').length,
     mathScrollsY: [...document.querySelectorAll('math[display="block"]')].filter(m => m.scrollHeight > m.clientHeight + 1).length,
     closedQA: document.querySelectorAll('details.callout:not([open])').length,
@@ -147,14 +147,15 @@ def _load_site_module(monkeypatch):
 
 def test_pages_hold_every_visible_code_cell_output_and_image(visits, built, monkeypatch):
     """Each chapter's page shows the first line of every code cell the reader should see (not hidden, not exported, not
-    echo: false) and of its printed output, and exactly the notebook's images, each loaded."""
+    echo: false) and of its printed output, and exactly the notebook's images, each loaded and described by its cell's
+    `fig-alt` (the text a screen reader says and a broken image shows; Quarto reads the same option)."""
     site = _load_site_module(monkeypatch)
     chapters, _ = built
     missing = {}
     for ch in chapters:
         facts = visits[ch.html]
         text = " ".join(facts["allText"].split())
-        want, images = [], 0
+        want, alts = [], []
         for c in json.loads(ch.src.read_text())["cells"]:
             if c["cell_type"] != "code": continue
             d, code = site.directives("".join(c["source"]))
@@ -165,11 +166,12 @@ def test_pages_hold_every_visible_code_cell_output_and_image(visits, built, monk
             for o in c.get("outputs", []):
                 printed = [l for l in site.ANSI.sub("", "".join(o.get("text", ""))).splitlines() if l.strip()]
                 if o.get("output_type") == "stream" and printed: want.append(printed[0])
-                images += any(m in o.get("data", {}) for m in ("image/png", "image/jpeg"))
+                if any(m in o.get("data", {}) for m in ("image/png", "image/jpeg")):
+                    alts.append(d.get("fig-alt", "").strip("\"'") or f"(no fig-alt in the cell {lines[:1]})")
         lost = [w for w in want if " ".join(w.split()) not in text]
         if lost: missing[ch.html] = lost[:3] + ([f"... {len(lost)} in all"] if len(lost) > 3 else [])
-        if len(facts["images"]) != images or not all(w > 0 for _, w in facts["images"]):
-            missing[ch.html + " images"] = [f"{images} in the notebook", facts["images"]]
+        if [a for a, _ in facts["images"]] != alts or not all(w > 0 for _, w in facts["images"]):
+            missing[ch.html + " images"] = [f"the notebook's: {alts}", facts["images"]]
         if "`" in facts["description"]: missing[ch.html + " subtitle"] = [facts["description"]]  # `code` is rendered
     assert not missing, json.dumps(missing, indent=1)
 

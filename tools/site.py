@@ -185,8 +185,8 @@ def fence(text: str, attrs: str) -> str:
 ANSI = re.compile(r"\x1B(?:[@-Z\\-_]|\[[0-?]*[ -/]*[@-~])")
 
 
-def output_md(o: dict) -> str:
-    "One cell output as Pandoc markdown (raw HTML for rich outputs)."
+def output_md(o: dict, alt: str = "") -> str:
+    "One cell output as Pandoc markdown (raw HTML for rich outputs); `alt` describes an image (the cell's `fig-alt`)."
     kind = o.get("output_type")
     if kind == "stream":
         text = ANSI.sub("", "".join(o.get("text", ""))).rstrip("\n")
@@ -196,7 +196,7 @@ def output_md(o: dict) -> str:
     data = {k: "".join(v) if isinstance(v, list) else v for k, v in o.get("data", {}).items()}
     for mime in ("image/png", "image/jpeg"):
         if mime in data:
-            alt = html.escape(data.get("text/plain", "output").strip(), quote=True)
+            alt = html.escape(alt or "figure", quote=True)  # never the plot's repr, `<Figure size 640x480 ...>`
             img = f'<img class="output-img" alt="{alt}" src="data:{mime};base64,{data[mime].strip()}">'
             return fence(img, "{=html}")
     if "image/svg+xml" in data: return fence(data["image/svg+xml"], "{=html}")
@@ -308,7 +308,8 @@ def notebook_md(page: Page, symbols: dict, nb_pages: dict) -> str:
                          f'<summary>{html.escape(summary)}</summary>\n\n{block}\n\n</details>')
             parts.append(block)
         if d.get("output") != "false":
-            parts += [md for md in map(output_md, c.get("outputs", [])) if md.strip()]
+            alt = d.get("fig-alt", "").strip("\"'")
+            parts += [md for md in (output_md(o, alt) for o in c.get("outputs", [])) if md.strip()]
     return "\n\n".join(parts) + "\n"
 
 
