@@ -313,6 +313,55 @@ def test_internal_links_resolve(visits, server):
     assert any(u.endswith(".html") and "slides/" in u for u in checked), "the site does not link the decks"
 
 
+def search_index(site: Path) -> list[dict]:
+    s = (site / "search-index.js").read_text()
+    assert s.startswith("window.HYMO_SEARCH = ") and s.rstrip().endswith(";"), s[:80]
+    return json.loads(s[len("window.HYMO_SEARCH = "):].rstrip().rstrip(";"))
+
+
+def test_search_index_covers_every_chapter_and_its_anchors_exist(site, visits, built, monkeypatch):
+    """Every chapter is in the search index, cut at its headings and API docs; every entry's anchor is an element of
+    its page; every page has the search box and links to the repository."""
+    index, repo = search_index(site), _load_site_module(monkeypatch).REPO_URL
+    assert {e["href"].split("#")[0] for e in index} == {ch.html for ch in built[0]}
+    for e in index:
+        page, _, anchor = e["href"].partition("#")
+        assert not anchor or anchor in visits[page]["ids"], e["href"]
+        assert "<" not in e["section"] and "<math" not in e["text"], e  # plain text, maths left out
+    names = {e["section"]: e["href"] for e in index}
+    assert names["build_hymo"] == "model.html#build_hymo" and names["RMSNorm"] == "layers.html#RMSNorm"
+    assert "def build_hymo(config: ModelConfig" in next(e["text"] for e in index if e["section"] == "build_hymo")
+    for ch in built[0]:
+        assert "search" in visits[ch.html]["ids"] and repo in visits[ch.html]["hrefs"], ch.html
+
+
+def test_search_lists_the_sections_holding_every_word_and_opens_the_first(site, server, browser):
+    index = search_index(site)
+    log = {"errors": [], "failed": [], "outside": []}
+    ctx, page = new_page(browser, log)
+    page.goto(server + "rope.html")
+    page.keyboard.press("/")  # focuses the box
+    assert page.evaluate("document.activeElement.id") == "search"
+    results = lambda: page.eval_on_selector_all("#search-results a", "as => as.map(a => a.getAttribute('href'))")
+    for query in ("forget before error", "cautious weight decay", "doc_masking"):
+        page.fill("#search", query)
+        words = query.lower().split()
+        holding = [e["href"] for e in index
+                   if all(w in (e["page"] + " " + e["section"] + " " + e["text"]).lower() for w in words)]
+        got = results()
+        assert got and set(got) <= set(holding) and len(got) == min(12, len(holding)), (query, got, holding)
+    page.fill("#search", "build_hymo")
+    assert results()[0] == "model.html#build_hymo"  # a heading that is the query comes first
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/model.html#build_hymo")
+    page.fill("#search", "qqzzxq nonsense")
+    assert page.inner_text("#search-results") == "No results" and results() == []
+    page.keyboard.press("Escape")
+    assert page.is_hidden("#search-results")
+    assert not log["errors"] and not log["failed"] and not log["outside"], log
+    ctx.close()
+
+
 def test_decks_have_slides_maths_and_fragment_answers(built, server, browser):
     for deck in built[1]:
         log = {"errors": [], "failed": [], "outside": []}

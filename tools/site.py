@@ -20,7 +20,9 @@ What it does with a notebook, the way nbdev + Quarto do:
   outputs; every `#|` line is stripped;
 - outputs: text, HTML, markdown, LaTeX, PNG/JPEG (embedded) and SVG.
 The sidebar lists every chapter (glob of `nbs/*.ipynb`, in file order, grouped by the tens of the
-chapter number) and every deck, on every page; each chapter has previous/next links.
+chapter number) and every deck, on every page; each chapter has previous/next links. The top bar
+searches every section of every chapter, as Quarto's does (`search.js` over `search-index.js`, a
+script rather than JSON so that it loads from `file://` too), and links to the repository.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 import textwrap
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,8 @@ REVEAL_VERSION = "5"
 MATH_FONT = CACHE / "npm" / "node_modules" / "@fontsource" / "stix-two-math" / "files" / "stix-two-math-latin-400-normal.woff2"
 MATH_FONT_VERSION = "5"  # @fontsource/stix-two-math: the whole font (its MATH table, 4 605 characters) despite "latin" in the name
 SITE_TITLE = "HyMo"
+REPO_URL = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"]
+SEARCH_JS = Path(__file__).with_name("search.js")
 # Sidebar parts: a chapter numbered NN belongs to the last part whose first number is <= NN.
 PARTS = [(0, "Foundations"), (10, "Linear attention"), (20, "Attention"), (30, "Sparsity"),
          (40, "The model"), (50, "Training"), (80, "Results")]
@@ -332,6 +337,30 @@ def md_to_html(md: str, tmp: Path) -> tuple[str, str, str]:
     return css.strip(), toc.strip(), body
 
 
+# a `##`/`###` heading with its anchor: on the heading, or (API docs) on the <section> just before it
+HEADING = re.compile(r'(?:<section id="(?P<sec>[^"]+)"[^>]*>\s*)?<h(?P<n>[23])(?: id="(?P<id>[^"]+)")?[^>]*>(?P<title>.*?)</h(?P=n)>', re.S)
+
+
+def plain(fragment: str) -> str:
+    "The text of an HTML fragment, maths dropped (MathML's tokens read as noise), whitespace collapsed."
+    fragment = re.sub(r"<math\b.*?</math>", " ", fragment, flags=re.S)
+    fragment = re.sub(r"</?(span|code|a|em|strong|sub|sup)\b[^>]*>", "", fragment)  # inline: no word break
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
+
+
+def search_entries(page: Page, body: str) -> list[dict]:
+    """One search entry per section of a page: its `##`/`###` heading (none for the text before the first)
+    with the anchor, and the section's text, code included (so `chunk_gated_delta_rule` finds its docs)."""
+    cuts = [(0, "", "")] + [(m.start(), m["sec"] or m["id"] or "", plain(m["title"])) for m in HEADING.finditer(body)]
+    out = []
+    for (start, anchor, heading), nxt in zip(cuts, cuts[1:] + [(len(body), "", "")]):
+        text = plain(HEADING.sub(" ", body[start:nxt[0]], count=1) if heading else body[start:nxt[0]])
+        if text or heading:
+            out.append({"page": page.title.replace("`", ""), "section": heading,
+                        "href": page.html + (f"#{anchor}" if anchor else ""), "text": text})
+    return out
+
+
 def inline(text: str) -> str:
     "A title as HTML: escaped, with `code` spans."
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
@@ -374,9 +403,14 @@ def layout(page: Page, body: str, toc: str, hl_css: str, side: str, pager_html: 
 <link rel="icon" href="data:,">
 <link rel="stylesheet" href="site.css">
 <style>{hl_css}</style>
+<script src="search-index.js" defer></script>
+<script src="search.js" defer></script>
 </head>
 <body>
-<header class="topbar"><a class="brand" href="index.html">{SITE_TITLE}</a></header>
+<header class="topbar"><a class="brand" href="index.html">{SITE_TITLE}</a>
+<form class="search" role="search" onsubmit="return false"><input type="search" id="search" placeholder="Search  /"
+ aria-label="Search the chapters" autocomplete="off"><ol id="search-results" aria-label="Search results" hidden></ol></form>
+<a class="repo" href="{REPO_URL}">Repository</a></header>
 <div class="layout">
 {side}
 <main>
@@ -414,9 +448,12 @@ def build_chapters(tmp: Path, slides: list[Page]) -> list[Page]:
         try: hl, toc, body = md_to_html(md, tmp)
         except RuntimeError as e: raise RuntimeError(f"{p.src.name}: {e}") from None
         (OUT / p.html).write_text(layout(p, body, toc, hl, sidebar(pages, slides, p.html, ""), pager(pages, i)))
-        return f"  {p.src.relative_to(ROOT)} -> _site/{p.html}"
+        return f"  {p.src.relative_to(ROOT)} -> _site/{p.html}", search_entries(p, body)
+    index = []
     with ThreadPoolExecutor(4) as ex:
-        for line in ex.map(render, range(len(pages))): print(line)
+        for line, entries in ex.map(render, range(len(pages))): print(line); index += entries
+    (OUT / "search-index.js").write_text("window.HYMO_SEARCH = " + json.dumps(index, ensure_ascii=False) + ";\n")
+    shutil.copy(SEARCH_JS, OUT / "search.js")
     shutil.copy(CSS, OUT / "site.css")
     return pages
 
