@@ -16,6 +16,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from .train import _Once
 from .training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, check_compatible, load_manifest, prepare
 
 # %% ../nbs/61_data_cli.ipynb #ff3f8f78
@@ -23,15 +24,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hymo.data", description="Prepare and inspect HyMo token datasets.")
     sub = p.add_subparsers(dest="command")
     pp = sub.add_parser("prepare", help="tokenize text into train/val token shards with a manifest")
-    pp.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    pp.add_argument("--input", nargs="+", required=True, metavar="PATH", action="extend",  # `--input a --input b`: both
                     help="text files (.txt, .md), folders of them (recursive), .jsonl ('text' field) or .parquet ('text' column)")
-    pp.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
-    pp.add_argument("--vocab-size", type=int, default=None, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE})")
-    pp.add_argument("--tokenizer", default=None, metavar="PATH", help="use this tokenizer.json instead of training one")
-    pp.add_argument("--doc-split", choices=("blank", "file"), default="blank",
+    pp.add_argument("--out", required=True, metavar="DIR", action=_Once, help="dataset folder to create")
+    pp.add_argument("--vocab-size", type=int, default=None, action=_Once, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE})")
+    pp.add_argument("--tokenizer", default=None, metavar="PATH", action=_Once, help="use this tokenizer.json instead of training one")
+    pp.add_argument("--doc-split", choices=("blank", "file"), default="blank", action=_Once,
                     help="plain text: blank lines end a document (default), or one document per file")
-    pp.add_argument("--val-fraction", type=float, default=0.1, help="fraction of the bytes, at the end, kept for validation")
-    pp.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
+    pp.add_argument("--val-fraction", type=float, default=0.1, action=_Once, help="fraction of the bytes, at the end, kept for validation")
+    pp.add_argument("--shard-tokens", type=int, default=2**27, action=_Once, help="tokens per shard file")
     pp.add_argument("--overwrite", action="store_true", help="replace a dataset in --out made from other inputs")
     pp.add_argument("--no-progress", action="store_true", help="no progress bars")
     pi = sub.add_parser("info", help="print the manifest of a prepared dataset and check its shards and tokenizer")

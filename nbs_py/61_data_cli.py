@@ -28,6 +28,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from hymo.train import _Once
 from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, check_compatible, load_manifest, prepare
 
 # %%
@@ -42,7 +43,11 @@ from fastcore.test import test_eq
 # `DataError` into a one-line message on stderr and exit status 1, and prints the help when no
 # command is given. The user's mistakes are `DataError`s: a missing or unknown input, a file that
 # is not UTF-8, JSON or Parquet, an option out of range (checked before any input is read), an
-# `--out` that is a file, a folder of something else, or a dataset of other inputs. `info` prints the
+# `--out` that is a file, a folder of something else, a dataset of other inputs, the current folder
+# or a mount point (a dataset is installed by renaming a new folder into place, which neither survives).
+# `--input` may be given several times and collects every path; any other option given twice is
+# refused, as `python -m hymo.train` refuses a second `--config` (argparse would keep the last without
+# a word). `info` prints the
 # manifest (on stdout, for `jq`) and then checks the dataset as training does: every shard and the
 # tokenizer as the manifest says, or the error and status 1.
 #
@@ -58,15 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hymo.data", description="Prepare and inspect HyMo token datasets.")
     sub = p.add_subparsers(dest="command")
     pp = sub.add_parser("prepare", help="tokenize text into train/val token shards with a manifest")
-    pp.add_argument("--input", nargs="+", required=True, metavar="PATH",
+    pp.add_argument("--input", nargs="+", required=True, metavar="PATH", action="extend",  # `--input a --input b`: both
                     help="text files (.txt, .md), folders of them (recursive), .jsonl ('text' field) or .parquet ('text' column)")
-    pp.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
-    pp.add_argument("--vocab-size", type=int, default=None, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE})")
-    pp.add_argument("--tokenizer", default=None, metavar="PATH", help="use this tokenizer.json instead of training one")
-    pp.add_argument("--doc-split", choices=("blank", "file"), default="blank",
+    pp.add_argument("--out", required=True, metavar="DIR", action=_Once, help="dataset folder to create")
+    pp.add_argument("--vocab-size", type=int, default=None, action=_Once, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE})")
+    pp.add_argument("--tokenizer", default=None, metavar="PATH", action=_Once, help="use this tokenizer.json instead of training one")
+    pp.add_argument("--doc-split", choices=("blank", "file"), default="blank", action=_Once,
                     help="plain text: blank lines end a document (default), or one document per file")
-    pp.add_argument("--val-fraction", type=float, default=0.1, help="fraction of the bytes, at the end, kept for validation")
-    pp.add_argument("--shard-tokens", type=int, default=2**27, help="tokens per shard file")
+    pp.add_argument("--val-fraction", type=float, default=0.1, action=_Once, help="fraction of the bytes, at the end, kept for validation")
+    pp.add_argument("--shard-tokens", type=int, default=2**27, action=_Once, help="tokens per shard file")
     pp.add_argument("--overwrite", action="store_true", help="replace a dataset in --out made from other inputs")
     pp.add_argument("--no-progress", action="store_true", help="no progress bars")
     pi = sub.add_parser("info", help="print the manifest of a prepared dataset and check its shards and tokenizer")

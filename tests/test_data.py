@@ -425,11 +425,69 @@ def test_out_that_cannot_be_written(text, tmp_path, monkeypatch, capsys):
         main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"])
 
 
-def test_out_may_be_the_current_folder(text, tmp_path, monkeypatch):
-    (tmp_path / "here").mkdir()
-    monkeypatch.chdir(tmp_path / "here")
-    assert prepare(text, ".", vocab_size=VOCAB, progress=False) == tmp_path / "here"
-    assert load_manifest(tmp_path / "here")["vocab_size"] == VOCAB
+def test_out_may_not_be_the_current_folder_or_hold_it(text, tmp_path, monkeypatch):
+    "Installing renames a new folder into place: the shell would be left in the deleted one. Refused before any work."
+    (tmp_path / "here" / "deeper").mkdir(parents=True)
+    for cwd, out in ((tmp_path / "here", "."), (tmp_path / "here" / "deeper", ".."), (tmp_path / "here", str(tmp_path / "here"))):
+        monkeypatch.chdir(cwd)
+        with pytest.raises(DataError, match=r"is the current folder.*Give another folder"): prepare(text, out, vocab_size=VOCAB, progress=False)
+        assert (tmp_path / "here" / "deeper").is_dir() and os.path.samefile(os.getcwd(), cwd)
+    monkeypatch.chdir(tmp_path / "here" / "deeper")
+    assert prepare(text, "../ds", vocab_size=VOCAB, progress=False) == tmp_path / "here" / "ds"  # beside it: fine
+    assert load_manifest(tmp_path / "here" / "ds")["vocab_size"] == VOCAB
+
+
+def test_out_through_a_link_replaces_the_folder_it_names_and_a_mount_point_is_refused(text, tmp_path, monkeypatch):
+    real = tmp_path / "disk" / "ds"; real.mkdir(parents=True)
+    link = tmp_path / "ds"; link.symlink_to(real)
+    assert prepare(text, link, vocab_size=VOCAB, progress=False) == real
+    prepare(text, link, vocab_size=VOCAB + 10, overwrite=True, progress=False)  # the swap happens beside `real`
+    assert link.is_symlink() and link.resolve() == real and load_manifest(link)["vocab_size"] == VOCAB + 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "ds"]
+    assert [p.name for p in real.parent.iterdir()] == ["ds"]  # no temporary or old folder left on either side
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == os.fspath(tmp_path / "vol"))
+    with pytest.raises(DataError, match=r"is a mount point.*--out .*vol/data"):
+        prepare(text, tmp_path / "vol", vocab_size=VOCAB, progress=False)
+
+
+def test_an_option_given_twice_is_refused_and_inputs_are_collected(text, tmp_path, capsys):
+    from hymo.data import main
+    other = tmp_path / "other.txt"; other.write_text("Another speech.\n\nAnd one more.\n")
+    assert main(["prepare", "--input", str(text), "--input", str(other), "--out", str(tmp_path / "ds"),
+                 "--vocab-size", str(VOCAB), "--no-progress"]) == 0
+    assert load_manifest(tmp_path / "ds")["inputs"] == ["play.txt", "other.txt"]
+    for twice in (["--out", "a", "--out", "b"], ["--out", "a", "--vocab-size", "300", "--vocab-size", "400"],
+                  ["--out", "a", "--doc-split", "file", "--doc-split", "blank"], ["--out", "a", "--val-fraction", ".1", "--val-fraction", ".2"]):
+        with pytest.raises(SystemExit) as e: main(["prepare", "--input", str(text), *twice])
+        assert e.value.code == 2 and f"{twice[-2]} is given twice" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_not_a_dataset_folder_named_dot_or_a_manifest(tmp_path, monkeypatch, ds):
+    (tmp_path / "texts").mkdir(); (tmp_path / "texts" / "a.txt").write_text("A speech.\n")
+    monkeypatch.chdir(tmp_path / "texts")
+    with pytest.raises(DataError, match=r"\. is not a prepared dataset .*--input \. --out .*texts_prepared"): load_manifest(".")
+    with pytest.raises(DataError, match=r"/ is not a prepared dataset"): load_manifest("/")
+    with pytest.raises(DataError, match=f"give its folder, data_dir={ds}$"): load_manifest(ds / "manifest.json")
+    with pytest.raises(DataError, match=r"vocab_size=200: .*at least 257"): check_compatible(ds, 200)
+    with pytest.raises(DataError, match=r"vocab_size=299: .*with --vocab-size 299$"): check_compatible(ds, 299)
+
+
+def test_a_short_write_of_a_shard_on_a_full_disk_is_said_to_be_one(text, tmp_path, monkeypatch, capsys):
+    "numpy reports a short write without an errno ('N requested and M written'): on a full disk it is ENOSPC, --out's error."
+    import shutil
+    from hymo.data import main
+    def short(f, a): raise OSError(f"{a.nbytes} requested and 4096 written")
+    monkeypatch.setattr(D.np, "save", short)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(D.shutil, "disk_usage", lambda p: usage._replace(free=100))
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
+    assert "No space left on device" in (err := capsys.readouterr().err) and "free space or choose another --out" in err, err
+    monkeypatch.setattr(D.shutil, "disk_usage", lambda p: usage._replace(free=10**12))  # space left: some other failure
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "Input/output error (" in err and "requested and 4096 written" in err and "free space" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary folder left
 
 
 def test_input_or_tokenizer_that_cannot_be_opened(text, tmp_path, monkeypatch, capsys):
@@ -521,7 +579,7 @@ def test_replacing_a_dataset_never_deletes_files_prepare_did_not_write(text, tmp
     with pytest.raises(DataError, match=r"also holds 1 thing prepare did not write \(NOTES.md\).*move them out"):
         prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
     assert (out / "NOTES.md").read_text() == "mine\n" and not (out / "val_0000.npy").exists()
-    (out / "NOTES.md").unlink(); (out / ".DS_Store").write_bytes(b"\0")  # hidden: nobody's work, as for run folders
+    (out / "NOTES.md").unlink(); (out / ".DS_Store").write_bytes(b"\0")  # Finder's: nobody's work, as in run folders
     with pytest.warns(D.DataWarning, match="holds this dataset damaged .*: preparing it again"):
         prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
     assert check_compatible(out, VOCAB)
@@ -529,6 +587,11 @@ def test_replacing_a_dataset_never_deletes_files_prepare_did_not_write(text, tmp
     with pytest.raises(DataError, match=r"prepare did not write \(mine/\)"):
         prepare([text, out / "mine"], out, vocab_size=VOCAB, overwrite=True, progress=False)
     assert (out / "mine" / "more.txt").read_text() == "Another speech.\n"
+    (out / "mine" / "more.txt").unlink(); (out / "mine").rmdir()
+    (out / ".git").mkdir(); (out / ".git" / "HEAD").write_text("ref\n"); (out / ".gitignore").write_text("*.npy\n")
+    with pytest.raises(DataError, match=r"also holds 2 things prepare did not write \(\.git/, \.gitignore\)"):
+        prepare(text, out, vocab_size=VOCAB + 1, overwrite=True, progress=False)  # hidden, but someone's work
+    assert (out / ".git" / "HEAD").read_text() == "ref\n" and (out / ".gitignore").exists()
 
 
 def test_a_folder_s_files_of_other_types_are_counted_in_a_warning(tmp_path):
@@ -823,8 +886,16 @@ def test_what_a_folder_search_skips_and_names(tmp_path):
     d = tmp_path / "corpus"; d.mkdir()
     (d / "a.txt").write_text("x\n"); (d / ".ipynb_checkpoints").mkdir(); (d / ".ipynb_checkpoints" / "a.txt").write_text("x\n")
     (d / "sub").mkdir()
-    assert [n for _, n in find_files(d)] == ["corpus/a.txt"]  # hidden folders are not read
+    with pytest.warns(D.DataWarning, match=r"skipped 1 hidden file \(\.ipynb_checkpoints/a\.txt\) .*as inputs of its own"):
+        assert [n for _, n in find_files(d)] == ["corpus/a.txt"]  # hidden folders are not read, but named
+    (d / ".git").mkdir(); (d / ".git" / "HEAD").write_text("x"); (d / ".ipynb_checkpoints" / "a.txt").unlink()
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a hidden folder without text files: nothing to say
+        assert [n for _, n in find_files(d)] == ["corpus/a.txt"]
     with pytest.raises(DataError, match="given twice"): find_files([d / "a.txt", d / "sub" / ".." / "a.txt"])
+    (d / "a.txt").unlink(); (d / ".draft.md").write_text("x\n")
+    with pytest.raises(DataError, match=r"holds no .* files, only 1 hidden file \(\.draft\.md\)"): find_files(d)
     assert split_text("  \n\nA\n\n \t") == ["A\n"]
 
 

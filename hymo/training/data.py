@@ -74,7 +74,9 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            entries = [f for f in p.rglob("*") if not any(part.startswith(".") for part in f.relative_to(p).parts)]
+            every = list(p.rglob("*"))
+            hidden = lambda f: any(part.startswith(".") for part in f.relative_to(p).parts)  # .git, .ipynb_checkpoints
+            entries = [f for f in every if not hidden(f)]
             visible = [f for f in entries if f.is_file()]
             found = sorted((f for f in visible if f.suffix in SUFFIXES), key=lambda f: f.relative_to(p).as_posix())
             skipped = []  # what is not read, each with what to do about it
@@ -89,6 +91,10 @@ def find_files(inputs: Iterable, # Paths of files or folders
             if links:
                 skipped.append(names("link", links) + " to a folder elsewhere or to a missing file, not followed: "
                                "give a linked folder as an input of its own")
+            unseen = sorted(f.relative_to(p).as_posix() for f in every if hidden(f) and f.suffix.lower() in SUFFIXES and f.is_file())
+            if unseen:  # only text files are named: a .git folder's objects are nobody's corpus
+                skipped.append(names("hidden file", unseen) + " (a name, or a folder's, starting with '.'): give "
+                               f"{'them' if len(unseen) > 1 else 'it'} as inputs of {'their' if len(unseen) > 1 else 'its'} own to read {'them' if len(unseen) > 1 else 'it'}")
             other = Counter(f.suffix or "no suffix" for f in visible if f.suffix.lower() not in SUFFIXES)
             if other:
                 skipped.append(f"{_by_suffix(other)}: only {', '.join(SUFFIXES)} files are read (decompress or convert the "
@@ -267,7 +273,14 @@ class _ShardWriter:
     def _flush(self, n: int):
         arr = np.concatenate(self.buf) if self.buf else np.zeros(0, self.dtype)
         name = f"{self.split}_{len(self.shards):04d}.npy"
-        with open(self.folder / name, "wb") as f: np.save(f, arr[:n]); to_disk(f)
+        with open(self.folder / name, "wb") as f:
+            try: np.save(f, arr[:n])
+            except OSError as e:  # numpy's short write says "N requested and M written", without an errno
+                if e.errno is not None: raise
+                full = shutil.disk_usage(self.folder).free < arr[:n].nbytes
+                code = errno.ENOSPC if full else errno.EIO
+                raise OSError(code, f"{os.strerror(code)} ({e})", str(self.folder / name)) from None
+            to_disk(f)
         self.shards.append({"file": name, "tokens": int(n)})
         self.buf, self.n_buf = ([arr[n:]] if len(arr) > n else []), len(arr) - n
 
@@ -352,8 +365,12 @@ def load_manifest(data_dir: Path) -> dict:
         if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file():
             raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
                             "dataset folder, data_dir in that config.yaml")
+        if d.name == "manifest.json":
+            raise DataError(f"{data_dir} is not a prepared dataset: give its folder, data_dir={d.parent}")
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
-        out = d.with_name(f"{d.with_suffix('').name if d.is_file() else d.name}_prepared")
+        named = d if d.name else Path(os.path.abspath(d))  # `.` has no name to derive the suggested --out from
+        out = named.with_name(f"{named.with_suffix('').name if named.is_file() else named.name}_prepared") if named.name \
+            else Path("prepared")
         raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run `python -m hymo.data prepare "
                         + (f"--input {data_dir} --out {out}`, then give data_dir={out}" if texts else
                            f"--input TEXT... --out {data_dir}`"))
@@ -381,8 +398,8 @@ _DATASET_FILE = re.compile(r"(manifest|tokenizer)\.json|(train|val)_\d{4,}\.npy"
 
 def _not_written_by_prepare(out: Path) -> list[str]:
     "Names in dataset folder `out` that no `prepare` writes (the user's notes, an input kept there)."
-    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()  # hidden ones (.DS_Store) are nobody's work
-                  if not p.name.startswith(".") and not (p.is_file() and _DATASET_FILE.fullmatch(p.name)))
+    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()  # Finder's .DS_Store is nobody's work; .git is
+                  if p.name != ".DS_Store" and not (p.is_file() and _DATASET_FILE.fullmatch(p.name)))
 
 
 def _same_dataset(out: Path, fingerprint: str) -> bool:
@@ -457,8 +474,9 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
     if manifest["vocab_size"] > vocab_size:
         raise DataError(f"{data_dir} was tokenized with {manifest['vocab_size']} tokens but the model has vocab_size="
-                        f"{vocab_size}: set model.vocab_size >= {manifest['vocab_size']}, or prepare the data "
-                        f"with --vocab-size {vocab_size}")
+                        f"{vocab_size}: set model.vocab_size >= {manifest['vocab_size']}, or prepare the data " +
+                        (f"with --vocab-size {vocab_size}" if vocab_size >= 257 else "with a model vocab_size of at least "
+                         f"257 (a byte-level tokenizer has the 256 bytes and {EOT}), and --vocab-size to match"))
     return manifest
 
 # %% ../../nbs/60_data.ipynb #33a82cea
@@ -498,8 +516,18 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             progress: bool = True, # Show progress bars
            ) -> Path:
     "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return `out`, absolute."
-    out = Path(os.path.abspath(Path(out).expanduser()))  # absolute: `--out .` has a name for its temporary sibling
+    out = Path(os.path.abspath(Path(out).expanduser()))  # absolute: `--out ..` has a name for its temporary sibling
+    if out.is_symlink(): out = out.resolve()  # a link to where the dataset goes: replace the folder it names, not the link
     # the options first: a bad one fails at once, not after reading every input
+    try: here = Path.cwd().resolve()
+    except OSError: here = None  # the current folder was deleted
+    if here is not None and here.is_relative_to(out.resolve()):  # the dataset is swapped in by renaming a new folder
+        raise DataError(f"--out {out} is the current folder{' or holds it' * (here != out.resolve())}: installing the dataset "
+                        "replaces that folder with a new one, and your shell would be left in the deleted one. Give "
+                        "another folder (e.g. --out data/mine), or run from outside it")
+    if os.path.ismount(out):
+        raise DataError(f"--out {out} is a mount point, which cannot be replaced by a new folder: give a folder inside it "
+                        f"(e.g. --out {out / 'data'})")
     if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
     if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
