@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> str:
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
+    except BrokenPipeError:  # `... | head`: the reader has what it wanted and closed the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        return "".join(shown)
     except KeyboardInterrupt:
         if shown: print(flush=True)
         drawn = len(shown) > (1 if shown and a.prompt else 0)  # the first piece is the prompt itself

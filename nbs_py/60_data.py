@@ -655,7 +655,19 @@ _SAME_COMMAND = "(the same `python -m hymo.data prepare` command)"  # what rebui
 
 def load_tokenizer(data_dir: Path):
     "The `tokenizers.Tokenizer` of a prepared dataset: `.encode(text).ids` and `.decode(ids)`."
+    return tokenizer_from_json(read_tokenizer(data_dir))
+
+
+def tokenizer_from_json(text: str):
+    "A `tokenizers.Tokenizer` from the text of a dataset's tokenizer.json, encoding `<|endoftext|>` in text as plain text."
     from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(text)
+    tok.encode_special_tokens = True
+    return tok
+
+
+def read_tokenizer(data_dir: Path) -> str:
+    "The text of a prepared dataset's tokenizer.json, checked against the manifest's sha256."
     manifest = load_manifest(data_dir)
     path = Path(data_dir) / manifest["tokenizer"]
     try: text = path.read_text(encoding="utf-8") if path.is_file() else ""
@@ -663,9 +675,7 @@ def load_tokenizer(data_dir: Path):
     if text is None or hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["tokenizer_sha256"]:
         raise DataError(f"{path} is missing or is not the tokenizer the shards were encoded with (sha256 differs "
                         f"from the manifest): prepare the dataset again {_SAME_COMMAND}")
-    tok = Tokenizer.from_str(text)
-    tok.encode_special_tokens = True
-    return tok
+    return text
 
 
 def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]:

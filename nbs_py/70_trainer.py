@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import itertools
 import json
 import logging
@@ -54,7 +55,7 @@ import torch.nn as nn
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
-from hymo.training.data import DataError, TokenLoader, check_compatible, load_manifest, load_tokenizer, prepare_default, to_disk
+from hymo.training.data import DataError, TokenLoader, check_compatible, prepare_default, read_tokenizer, to_disk, tokenizer_from_json
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -515,6 +516,8 @@ class Trainer:
                  resume: str | Path | bool = True, # A checkpoint folder, True (latest in the run folder, if any) or False
                  name: str = "hymo", # Preset name, used in the default run folder
                  quiet: bool = False): # No progress bar or prints (tests)
+        if train_cfg.data_dir:  # absolute in config.yaml and the checkpoints: `--config RUN/config.yaml` works from any folder
+            train_cfg = dataclasses.replace(train_cfg, data_dir=os.path.abspath(os.path.expanduser(train_cfg.data_dir)))
         self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
         self.d = setup_distributed()
         self.auto_dir = not (run_dir or train_cfg.run_dir)  # a new timestamped folder, whose name may still move on
@@ -608,9 +611,12 @@ class Trainer:
                               "finish or stop it, or give another run_dir=...")
 
     def setup_data(self):
-        "Set `data_dir`, `train_loader` and `val_loader` (None without a validation split; a benchmark on synthetic tokens overrides this)."
+        """Set `data_dir`, `tokenizer_json`, `train_loader` and `val_loader` (None without a validation split; a benchmark
+        on synthetic tokens overrides this). The tokenizer is read now and kept: the finished run's copy is the one it
+        trained with, even if the dataset is prepared again, moved or deleted meanwhile (the shards stay open)."""
         self.data_dir = Path(self.cfg.data_dir).expanduser() if self.cfg.data_dir else self._prepare_default()
         check_compatible(self.data_dir, self.mcfg.vocab_size)
+        self.tokenizer_json = read_tokenizer(self.data_dir)
         mk = lambda split, accum: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                               rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
                                               doc_masking=self.cfg.doc_masking, accum=accum, eval_only=split == "val")
@@ -1318,6 +1324,15 @@ Trainer.save, Trainer.load = save, load
 # says how to resume: the same command, with `run_dir=` added if the run
 # made a new timestamped folder, and without `--resume` or `--no-resume` (which would go back to
 # an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint.
+#
+# Two more ways a run loses its terminal are handled the same way, with a checkpoint of the step in flight: a
+# hang-up (SIGHUP: the SSH session or the terminal window closed; a run started under `nohup` ignores it, and
+# keeps ignoring it), and a reader of its output going away (`python -m hymo.train | head`, a `tee` that died). Python
+# ignores SIGPIPE and raises `BrokenPipeError` at the next print instead, which would end the run with a
+# traceback and lose every step since the last checkpoint; while `fit` runs, stdout and stderr are wrapped so
+# that the first failed write (EPIPE, or EIO from a hung-up terminal) turns that stream off and asks for a stop,
+# as SIGPIPE (exit status 141), with a line on the other stream if it still has a reader.
+#
 # Under `torchrun`, Ctrl-C reaches torchrun too, which passes it to every rank (each then stops as
 # above, together) and reports the signal itself: it ends with a `SignalException` traceback and
 # exit status 1, after the ranks have written their checkpoint. That is, if it waits for them:
@@ -1342,15 +1357,46 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
     return " | ".join(parts)
 
 
+class _Guarded:
+    "A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes nowhere and calls `lost()`, once."
+    def __init__(self, stream, lost: Callable):
+        self.stream, self.lost, self.gone = stream, lost, False
+
+    def _do(self, fn, *a):
+        if self.gone: return None
+        try: return fn(*a)
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.EIO): raise
+            self.gone = True
+            try: os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what is still buffered, and Python's
+            except (OSError, ValueError): pass                                         # exit, flush into nothing
+            self.lost()
+
+    def write(self, s: str) -> int:
+        n = self._do(self.stream.write, s)
+        return len(s) if n is None else n
+
+    def flush(self): self._do(self.stream.flush)
+    def __getattr__(self, name): return getattr(self.stream, name)
+
+
+_SIGPIPE, _SIGHUP = getattr(signal, "SIGPIPE", signal.SIGTERM), getattr(signal, "SIGHUP", None)  # POSIX: not on Windows
+
+
 class StopSignals:
-    "While active (in the main thread), SIGINT and SIGTERM call `on_signal(signal)` instead of stopping; a second SIGINT raises `KeyboardInterrupt`."
+    """While active (in the main thread), SIGINT, SIGTERM and SIGHUP call `on_signal(signal)` instead of stopping, and so
+    does stdout or stderr losing its reader (as SIGPIPE); a second SIGINT raises `KeyboardInterrupt`."""
     def __init__(self, on_signal: Callable, # Called with the `signal.Signals` received
                  announce: bool = True): # Print a line when a signal arrives (rank 0)
-        self.on_signal, self.announce, self.received, self.old = on_signal, announce, None, {}
+        self.on_signal, self.announce, self.received, self.old, self.streams = on_signal, announce, None, {}, None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-            self.old = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+            wanted = [signal.SIGINT, signal.SIGTERM]
+            if _SIGHUP is not None and signal.getsignal(_SIGHUP) is not signal.SIG_IGN: wanted.append(_SIGHUP)  # not under nohup
+            self.old = {s: signal.signal(s, self._note) for s in wanted}
+        self.streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Guarded(sys.stdout, lambda: self._lost("stdout")), _Guarded(sys.stderr, lambda: self._lost("stderr"))
         return self
 
     def _note(self, signum, frame):
@@ -1358,11 +1404,20 @@ class StopSignals:
         self.received = signal.Signals(signum)
         self.on_signal(self.received)
         if self.announce:
-            print(f"\n{self.received.name}: stopping after this step with a checkpoint "
-                  "(Ctrl-C again stops at once, without one)", file=sys.stderr, flush=True)
+            print(f"\n{self.received.name}: stopping after this step with a checkpoint" +
+                  " (Ctrl-C again stops at once, without one)" * (signum == signal.SIGINT), file=sys.stderr, flush=True)
+
+    def _lost(self, which: str):
+        if self.received is None:
+            self.received = _SIGPIPE
+            self.on_signal(_SIGPIPE)
+        if self.announce:
+            print(f"\n{which} was closed (its reader exited, or the terminal hung up): stopping after this step with a "
+                  "checkpoint; the same command resumes", file=sys.stderr if which == "stdout" else sys.stdout, flush=True)
 
     def __exit__(self, *exc):
         for s, handler in self.old.items(): signal.signal(s, handler)
+        if self.streams is not None: sys.stdout, sys.stderr = self.streams
 
 
 # %% [markdown]
@@ -1573,9 +1628,8 @@ def finish(self: Trainer) -> dict:
         if not self.d.is_main: return
         write_safetensors(full, self.run_dir / "model.safetensors")
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
-            manifest = load_manifest(self.data_dir)
-            shutil.copyfile(Path(self.data_dir) / manifest["tokenizer"], self.run_dir / "tokenizer.json")
-            summary["tokenizer_sha256"] = manifest["tokenizer_sha256"]  # generate checks the copy it reads against it
+            with open(self.run_dir / "tokenizer.json", "w", encoding="utf-8", newline="") as f: f.write(self.tokenizer_json)
+            summary["tokenizer_sha256"] = hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()  # generate checks it
         plot_losses(self.history, self.run_dir / "loss.png")
         (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
         summary["sample"] = sample
@@ -1608,7 +1662,7 @@ def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = N
     "Generate text from `prompt` with the current weights (seeded, so it is reproducible)."
     from hymo.generate import generate_text  # chapter 72: the same seeded sampling from a finished run's folder
     with self.autocast():  # every rank draws the same tokens
-        return generate_text(self.model, load_tokenizer(self.data_dir), prompt, max_new_tokens or self.cfg.sample_tokens,
+        return generate_text(self.model, tokenizer_from_json(self.tokenizer_json), prompt, max_new_tokens or self.cfg.sample_tokens,
                              temperature=temperature, top_k=50, seed=self.cfg.seed,
                              stop=not self.d.distributed,  # FSDP: every rank runs every forward (all-gathers), then cuts
                              window=self.cfg.seq_len,  # as `python -m hymo.generate` reads the finished run

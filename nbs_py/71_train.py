@@ -175,7 +175,12 @@ def _in_its_run_folder(cfg, args):
     from hymo.training.trainer import is_run_folder
     if args.config in presets() or "run_dir" in {k.split(".")[-1] for k in parse_overrides(args.overrides)}: return cfg
     home = Path(args.config).expanduser().resolve().parent
-    if Path(args.config).name != "config.yaml" or not is_run_folder(home) or args.no_resume: return cfg  # a new run from it
+    if Path(args.config).name != "config.yaml" or not is_run_folder(home) or args.no_resume:  # a new run from it ...
+        named = cfg.train.run_dir  # ... unless it names a run folder (a run's config.yaml copied to start an experiment)
+        if named and not args.no_resume and is_run_folder(Path(named).expanduser()) and os.environ.get("RANK", "0") == "0":
+            print(f"note: {args.config} sets run_dir={named}, an existing run's folder: continuing that run (give "
+                  "run_dir=... to start a new run from these settings)", flush=True)
+        return cfg
     if args.resume and Path(args.resume).expanduser().resolve().parent != home / "checkpoints": return cfg  # a branch: new folder
     if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home: return cfg
     if os.environ.get("RANK", "0") == "0":
@@ -223,13 +228,18 @@ def main(argv: list[str] | None = None) -> dict:
         if e.errno not in DISK_ERRORS: raise
         parser.exit(1, f"error: {e.filename or 'the run folder'}: {e.strerror}. Free space or fix the permissions "
                        f"(or give another run_dir=...); {_resume_from(trainer, cfg, args)}\n")
-    stop = trainer.stopped_by  # SIGINT or SIGTERM: fit wrote a checkpoint of the step it finished
-    if stop is None: trainer.log(f"done. run folder: {trainer.run_dir.resolve()}")
+    stop = trainer.stopped_by  # a signal, or output without a reader (SIGPIPE): fit wrote a checkpoint of the step it finished
+    say = trainer.log
+    if stop is not None and stop == getattr(signal, "SIGPIPE", None):  # stdout may be the stream that lost its reader
+        def say(line):
+            try: trainer.d.is_main and print(line, file=sys.stderr, flush=True)
+            except OSError: pass  # stderr too: the checkpoint is written all the same
+    if stop is None: say(f"done. run folder: {trainer.run_dir.resolve()}")
     elif trainer.step < cfg.train.max_steps:
-        trainer.log(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
+        say(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
     else:  # the last step is trained and saved; its validation, model.safetensors and summary.json are not written yet
-        trainer.log(f"stopped by {getattr(stop, 'name', stop)} after the last step ({trainer.step}), before the final model "
-                    f"was written; {_resume_from(trainer, cfg, args)} and writes it")
+        say(f"stopped by {getattr(stop, 'name', stop)} after the last step ({trainer.step}), before the final model "
+            f"was written; {_resume_from(trainer, cfg, args)} and writes it")
     summary = getattr(trainer, "summary", {})
     if trainer.d.joined:  # every rank finished: leave the group we joined, together (NCCL warns of a leak otherwise)
         import gc

@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -213,7 +214,9 @@ class _Stream:
 # command reads the folder's exported model, which `finish` writes at the end of a run; a finished
 # run that was resumed to more steps and stopped before its end still holds the old model beside
 # newer checkpoints, and one being resumed now holds it until it finishes; the command says so on
-# stderr rather than pass the old model off as the run's latest.
+# stderr rather than pass the old model off as the run's latest. The text is printed as it is drawn;
+# a reader that stops reading (`python -m hymo.generate RUN | head -c 200`) ends the generation quietly,
+# with status 0, as `python -m hymo.data info DIR | head` does.
 
 # %%
 #| export
@@ -272,6 +275,9 @@ def main(argv: list[str] | None = None) -> str:
         text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
+    except BrokenPipeError:  # `... | head`: the reader has what it wanted and closed the pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        return "".join(shown)
     except KeyboardInterrupt:
         if shown: print(flush=True)
         drawn = len(shown) > (1 if shown and a.prompt else 0)  # the first piece is the prompt itself

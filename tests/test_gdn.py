@@ -397,3 +397,25 @@ def test_mixer_gradients_equal_the_reference_mixer_s():
         (f() * gy).sum().backward()
         grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
     for n in grads[0]: torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_conv_refuses_a_rows_cache_of_the_wrong_length():
+    "A [B, W, C] cache (one input too many) would shift every tap by one token, silently."
+    B, T, C, W = 2, 5, 6, 4
+    x, w = torch.randn(B, T, C), torch.randn(C, W)
+    for bad in (torch.zeros(B, W, C), torch.zeros(B, W - 2, C)):
+        with pytest.raises(ValueError, match="conv cache"):
+            causal_conv1d(x, w, cache=bad)
+
+
+def test_a_multi_token_step_with_a_state_runs_the_chunked_rule(monkeypatch):
+    "Only a one-token decode step under no_grad runs the recurrence; a chunk of a long text keeps the chunked rule."
+    import hymo.models.gdn as gdn_mod
+    c = load_config("hymo_tiny", gdn_kernel="torch").model
+    torch.manual_seed(0)
+    m = GatedDeltaNet(c).eval()
+    x = torch.randn(1, 6, c.dim)
+    with torch.no_grad():
+        _, st = m(x[:, :3], output_final_state=True)
+        monkeypatch.setattr(gdn_mod, "naive_gated_delta_rule", lambda *a: pytest.fail("recurrence ran for T > 1"))
+        m(x[:, 3:], initial_state=st)

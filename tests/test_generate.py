@@ -3,6 +3,8 @@ hymo/models/model.py and hymo/generate.py found no other test catching (each fai
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -379,3 +381,11 @@ def test_cli_prints_the_newer_checkpoint_note(run, tmp_path, capsys):
     assert f"is the model of step {step}, but the run has checkpoints up to step {step + 3}" in capsys.readouterr().err
     (other / "checkpoints" / f"step_{step + 3:06d}").rmdir()
     assert newer_checkpoint_note(other) is None
+
+
+def test_a_reader_that_closes_the_pipe_ends_generation_quietly(run):
+    "`python -m hymo.generate RUN | head -c 20`: no BrokenPipeError traceback, status 0, as `hymo.data info | head`."
+    closed = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from hymo.generate import main; "
+              f"main([{str(run)!r}, '--tokens', '8', '--device', 'cpu'])")  # the reader gone before the first piece
+    r = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]

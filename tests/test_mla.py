@@ -462,3 +462,10 @@ def test_positions_with_document_boundaries_are_refused():
         m(x_(1, 20), cu_seqlens=torch.tensor([0, 7, 20]), positions=torch.arange(20))
     with pytest.raises(ValueError, match="one position per token"):
         apply_rope(torch.randn(1, 4, 1, 8), *rope_cos_sin(torch.tensor([0]), 8))
+
+
+def test_rope_default_base_is_10000():
+    from hymo.models.rope import rope_inv_freq
+    torch.testing.assert_close(rope_inv_freq(8), 10000.0 ** (-torch.arange(0, 8, 2) / 8))
+    cos, _ = rope_cos_sin(torch.arange(3), 8)
+    torch.testing.assert_close(cos, rope_cos_sin(torch.arange(3), 8, 10000.0)[0])

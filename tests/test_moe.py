@@ -422,3 +422,25 @@ def test_top_k_may_equal_the_number_of_experts():
 def test_balancing_metrics_of_a_step_without_tokens_are_zero_not_nan():
     metrics = make().update_gate_bias()
     assert all(float(v) == 0.0 for v in metrics.values()), metrics
+
+
+def test_eval_past_one_assignment_per_expert_takes_the_sorted_path(monkeypatch):
+    "Past N·k == E an eval forward sorts (the gathered path copies k expert matrices per token: [N, k, h, d] of weights)."
+    import hymo.models.moe as moe_mod
+    moe = make().eval()
+    monkeypatch.setattr(moe_mod, "experts_gathered", lambda *a: pytest.fail("gathered path ran for N·k > E"))
+    x = torch.randn(1, moe.n_routed // moe.top_k + 1, moe.dim)  # one token past the boundary
+    assert moe(x).shape == x.shape
+
+
+def test_top_k_above_the_number_of_experts_is_refused_at_construction():
+    import dataclasses
+    c = load_config("hymo_tiny").model
+    with pytest.raises(ValueError, match="moe_top_k"):
+        DeepSeekMoE(dataclasses.replace(c, moe_top_k=c.moe_n_routed + 1))  # replace skips load_config's checks
+
+
+def test_shared_experts_are_one_swiglu_of_n_shared_times_the_expert_width():
+    moe = make(moe_n_shared=2)
+    assert moe.shared.w1.weight.shape == (2 * moe.inter_dim, moe.dim)
+    assert moe.shared.w2.weight.shape == (moe.dim, 2 * moe.inter_dim)

@@ -334,3 +334,38 @@ def test_fused_loss_scales_bf16_gradients_in_fp32_on_cuda():
     g1, = torch.autograd.grad(linear_cross_entropy(h, w, t), h)
     g2, = torch.autograd.grad(linear_cross_entropy(h, w, t) * (0.3 / 32), h)
     torch.testing.assert_close(g2, (g1.float() * (0.3 / 32)).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_more_loss_weights_than_heads_is_refused():
+    import dataclasses
+    c = load_config("hymo_tiny").model
+    with pytest.raises(ValueError, match="mtp_loss_weights"):
+        MultiTokenPrediction(dataclasses.replace(c, mtp_depth=1))  # two weights, one head
+
+
+def test_mtp_block_with_a_head_projects_its_output_not_its_input():
+    from hymo.models.mtp import MTPBlock
+    torch.manual_seed(0)
+    blk, emb = MTPBlock(16, 32), torch.randn(50, 16)
+    h = torch.randn(2, 5, 16)
+    torch.testing.assert_close(blk(h, lambda z: z @ emb.T), blk(h) @ emb.T)
+
+
+def test_mtp_heads_use_the_configured_norm_eps():
+    mtp = MultiTokenPrediction(load_config("hymo_tiny", norm_eps=1e-3).model)
+    assert all(n.eps == 1e-3 for blk in mtp.heads for n in (blk.norm, blk.out_norm))
+
+
+def test_default_chunk_keeps_one_chunk_of_fp32_logits_near_1gb(monkeypatch):
+    "chunk_rows=None: 2**28 // V rows a chunk (V the vocabulary), whatever the hidden width D."
+    import hymo.models.mtp as mtp_mod
+    seen, real = [], mtp_mod._LinearCrossEntropy
+    class Spy(real):
+        @staticmethod
+        def forward(ctx, h, w, t, chunk, g):  # record the chunk the caller picked, then run the real one
+            seen.append(chunk)
+            return real.forward(ctx, h, w, t, chunk, g)
+    monkeypatch.setattr(mtp_mod, "_LinearCrossEntropy", Spy)
+    V, D = 2 ** 12, 8
+    linear_cross_entropy(torch.randn(4, D), torch.randn(V, D), torch.randint(0, V, (4,)))
+    assert seen == [2 ** 28 // V]

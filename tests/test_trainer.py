@@ -203,7 +203,7 @@ def test_a_second_ctrl_c_stops_at_once():
     import signal, time
     from hymo.training.trainer import StopSignals
     before = signal.getsignal(signal.SIGINT)
-    for first in (signal.SIGINT, signal.SIGTERM):
+    for first in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         got = []
         with StopSignals(got.append, announce=False):
             os.kill(os.getpid(), first); time.sleep(0.05)
@@ -212,6 +212,38 @@ def test_a_second_ctrl_c_stops_at_once():
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)
     assert signal.getsignal(signal.SIGINT) is before
+    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # under nohup: a hang-up stays ignored
+    try:
+        with StopSignals(got.append, announce=False): assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally: signal.signal(signal.SIGHUP, hup)
+
+
+def test_output_that_loses_its_reader_asks_for_a_stop_once_and_then_goes_nowhere(monkeypatch):
+    """`python -m hymo.train | head` (EPIPE) or a hung-up terminal (EIO): the first failed write turns that stream off
+    and asks for a stop as SIGPIPE, with a line on the other stream; any other write error is raised."""
+    import errno, io, signal
+    from hymo.training.trainer import StopSignals
+    def failing(code):
+        class Stream(io.StringIO):
+            def write(self, s): raise OSError(code, os.strerror(code))
+        return Stream()
+    for code in (errno.EPIPE, errno.EIO):
+        out, err, got = failing(code), io.StringIO(), []
+        monkeypatch.setattr(sys, "stdout", out); monkeypatch.setattr(sys, "stderr", err)
+        with StopSignals(got.append) as s:
+            print("step 1"); print("step 2", flush=True)
+            assert got == [signal.SIGPIPE] and s.received == signal.SIGPIPE
+        assert sys.stdout is out and sys.stderr is err  # put back
+        assert err.getvalue().count("stdout was closed") == 1 and "stopping after this step with a checkpoint" in err.getvalue()
+    got = []
+    monkeypatch.setattr(sys, "stdout", io.StringIO()); monkeypatch.setattr(sys, "stderr", failing(errno.EPIPE))
+    with StopSignals(got.append):
+        os.kill(os.getpid(), signal.SIGTERM)  # a signal first: it stays the reason
+        import time; time.sleep(0.05)
+        print("x", file=sys.stderr)
+    assert got == [signal.SIGTERM] and "stderr was closed" in sys.stdout.getvalue()
+    monkeypatch.setattr(sys, "stdout", failing(errno.ENOSPC))
+    with StopSignals(got.append), pytest.raises(OSError, match="No space"): print("x")  # a full disk is not a lost reader
 
 
 def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_path):
@@ -938,9 +970,9 @@ def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_pat
     assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resumes(tmp_path, sig):
-    """Ctrl-C or a scheduler's SIGTERM mid-run: the step in flight finishes, its checkpoint is written, the
+    """Ctrl-C, a scheduler's SIGTERM or a hang-up mid-run: the step in flight finishes, its checkpoint is written, the
     exit code is 128 + the signal's number and there is no traceback; the same command then carries on."""
     import signal, time
     args = ["run_dir=run", "max_steps=100000", "seq_len=32", "micro_batch_size=4", "global_batch_size=4",
@@ -962,6 +994,62 @@ def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resume
     r = run_cli(*[a if not a.startswith("max_steps") else f"max_steps={step + 2}" for a in args], cwd=tmp_path)
     assert r.returncode == 0 and f"resumed from" in r.stdout and f"at step {step}" in r.stdout, r.stderr[-2000:]
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, step + 3))
+
+
+def test_a_closed_stdout_checkpoints_the_finished_step(tmp_path):
+    """`python -m hymo.train | head`: once the reader has gone, the next line printed stops the run after that step with
+    a checkpoint (before, a BrokenPipeError traceback lost every step since the last one); status 141, as SIGPIPE."""
+    import signal, time
+    args = ["run_dir=run", "max_steps=100000", "seq_len=32", "micro_batch_size=4", "global_batch_size=4",
+            "eval_every=0", "ckpt_every=0", "warmup_steps=1", "log_every=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, "-m", "hymo.train", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = [proc.stdout.readline() for _ in range(3)]  # `head -3`
+    proc.stdout.close()
+    err = proc.stderr.read(); proc.wait(timeout=300)
+    assert proc.returncode == 128 + signal.SIGPIPE, (lines, err[-3000:])
+    assert "Traceback" not in err and "stdout was closed" in err, err[-3000:]
+    step = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
+    assert f"stopped by SIGPIPE at step {step}; the same command resumes from run/checkpoints/step_{step:06d}" in err, err[-2000:]
+    assert [c.name for c in (tmp_path / "run" / "checkpoints").iterdir()] == [f"step_{step:06d}"]
+
+
+def test_a_finished_run_keeps_the_tokenizer_it_trained_with(tmp_path, monkeypatch):
+    """The tokenizer is read when the run starts: a dataset prepared again (another tokenizer), moved or deleted during
+    the run does not change the finished run's tokenizer.json (it did: it was copied at the end), nor stop the export."""
+    import hashlib, shutil
+    from hymo.training.data import CORPUS, load_manifest, prepare
+    text = tmp_path / "play.txt"; text.write_text(CORPUS.read_text()[:30_000])
+    ds = prepare(text, tmp_path / "ds", vocab_size=300, progress=False)
+    sha = load_manifest(ds)["tokenizer_sha256"]
+    t = make(tmp_path / "run", data_dir=str(ds), max_steps=2, warmup_steps=1)
+    prepare(text, ds, vocab_size=280, overwrite=True, progress=False)  # meanwhile: another tokenizer in data_dir
+    assert load_manifest(ds)["tokenizer_sha256"] != sha
+    t.fit()
+    assert hashlib.sha256((tmp_path / "run" / "tokenizer.json").read_bytes()).hexdigest() == sha
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["tokenizer_sha256"] == sha
+    t = make(tmp_path / "run2", data_dir=str(ds), max_steps=2, warmup_steps=1)
+    shutil.move(ds, tmp_path / "moved")  # or deleted: the shards are open, the tokenizer read
+    t.fit()
+    assert (tmp_path / "run2" / "model.safetensors").exists() and json.loads((tmp_path / "run2" / "summary.json").read_text())["sample"]
+    monkeypatch.chdir(tmp_path)  # a relative data_dir is kept absolute: `--config RUN/config.yaml` works from anywhere
+    t = make(tmp_path / "run3", data_dir="moved", max_steps=2, warmup_steps=1)
+    assert t.cfg.data_dir == str(tmp_path / "moved")
+    t.fit()
+    assert load_config(tmp_path / "run3" / "config.yaml").train.data_dir == str(tmp_path / "moved")
+
+
+def test_a_copied_config_that_names_a_run_folder_says_it_continues_that_run(tmp_path, capsys):
+    from hymo.train import main
+    main(_cli_args(tmp_path / "run1", max_steps=2, warmup_steps=1))
+    (tmp_path / "exp.yaml").write_text((tmp_path / "run1" / "config.yaml").read_text())
+    capsys.readouterr()
+    main(["--config", str(tmp_path / "exp.yaml"), "max_steps=3"])
+    assert f"note: {tmp_path / 'exp.yaml'} sets run_dir={tmp_path / 'run1'}, an existing run's folder: continuing that run" \
+        in capsys.readouterr().out
+    main(["--config", str(tmp_path / "exp.yaml"), "max_steps=4", f"run_dir={tmp_path / 'run2'}"])
+    assert "an existing run's folder" not in capsys.readouterr().out and (tmp_path / "run2" / "summary.json").exists()
 
 
 def test_the_ending_line_names_the_command_that_resumes(tmp_path):
