@@ -179,7 +179,8 @@ def find_files(inputs: Iterable, # Paths of files or folders
             if not found: raise DataError(f"folder {p} holds no {', '.join(SUFFIXES)} files" + (
                 f", only {'; and '.join(skipped)}" if skipped else ""))
             for why in skipped: warnings.warn(f"folder {p}: skipped {why}", DataWarning, stacklevel=2)
-            files += [(f, f"{p.name}/{f.relative_to(p).as_posix()}") for f in found]
+            label = Path(os.path.abspath(p)).name  # `--input .` is named as the folder it is, as `--input ../here` would be
+            files += [(f, f"{label}/{f.relative_to(p).as_posix()}") for f in found]
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
     seen = {}
@@ -573,7 +574,14 @@ def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
     d = Path(data_dir)
     m = d / "manifest.json"
-    old = [] if d.exists() else [p for p in _left_behind(d, ("old",)) if (p / "manifest.json").is_file()]
+    try: real = Path(os.path.realpath(d))
+    except OSError: raise DataError(f"the current folder was deleted: cd to an existing one, or give {data_dir} as an "
+                                    "absolute path") from None
+    try: here = Path.cwd().resolve()
+    except OSError: here = None
+    where = "data/mine" if here is not None and here.is_relative_to(real) else data_dir  # `prepare` refuses the current folder
+    # through a link, `prepare` swaps the folder the link names, beside that folder
+    old = [] if d.exists() else [p for b in {d, real} for p in _left_behind(b, ("old",)) if (p / "manifest.json").is_file()]
     if old:  # stopped between `_install`'s two renames: the dataset is there, under another name
         old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
         raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
@@ -585,15 +593,15 @@ def load_manifest(data_dir: Path) -> dict:
         if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file():
             raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
                             "dataset folder, data_dir in that config.yaml")
-        if d.name == "manifest.json":
-            raise DataError(f"{data_dir} is not a prepared dataset: give its folder, data_dir={d.parent}")
+        if d.is_file() and (d.name == "manifest.json" or (d.parent / "manifest.json").is_file()):
+            raise DataError(f"{data_dir} is a file of a prepared dataset: give its folder, data_dir={d.parent}")
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
-        named = d if d.name else Path(os.path.abspath(d))  # `.` has no name to derive the suggested --out from
+        named = Path(os.path.abspath(d)) if d.name in ("", "..") else d  # `.` and `..` name no folder to suggest an --out from
         out = named.with_name(f"{named.with_suffix('').name if named.is_file() else named.name}_prepared") if named.name \
             else Path("prepared")
         raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run `python -m hymo.data prepare "
                         + (f"--input {data_dir} --out {out}`, then give data_dir={out}" if texts else
-                           f"--input TEXT... --out {data_dir}`"))
+                           f"--input TEXT... --out {where}`" + (f", then give data_dir={where}" if where != data_dir else "")))
     try: manifest = json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
         raise DataError(f"{m} is damaged ({e}): prepare the dataset again (`python -m hymo.data prepare ... "
@@ -749,6 +757,15 @@ def _plain_tokenizer(tok, path: Path, text: str) -> str:
     return tok.to_str()
 
 
+def _real_out(out) -> Path:
+    "`--out` as the absolute path of the folder to replace: through a link, the folder it names (`DataError` for a loop)."
+    out = Path(os.path.abspath(Path(out).expanduser()))  # absolute: `--out ..` has a name for its temporary sibling
+    if not out.is_symlink(): return out
+    try: return out.resolve(strict=False)
+    except (RuntimeError, OSError): raise DataError(f"--out {out} is a link that leads to itself (a loop): remove it, "
+                                                     "or give another --out") from None
+
+
 def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .parquet (a 'text' column)
             out, # Dataset folder to create
             vocab_size: Optional[int] = None, # BPE vocabulary to train (default 2048); with `tokenizer`, must match it if given
@@ -761,15 +778,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             progress: bool = True, # Show progress bars
            ) -> Path:
     "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return `out`, absolute."
-    out = Path(os.path.abspath(Path(out).expanduser()))  # absolute: `--out ..` has a name for its temporary sibling
-    if out.is_symlink(): out = out.resolve()  # a link to where the dataset goes: replace the folder it names, not the link
+    try: out = _real_out(out)
+    except FileNotFoundError: raise DataError(f"the current folder was deleted: cd to an existing one, or give --out as an "
+                                              "absolute path") from None
     # the options first: a bad one fails at once, not after reading every input
-    try: here = Path.cwd().resolve()
-    except OSError: here = None  # the current folder was deleted
-    if here is not None and here.is_relative_to(out.resolve()):  # the dataset is swapped in by renaming a new folder
-        raise DataError(f"--out {out} is the current folder{' or holds it' * (here != out.resolve())}: installing the dataset "
-                        "replaces that folder with a new one, and your shell would be left in the deleted one. Give "
-                        "another folder (e.g. --out data/mine), or run from outside it")
     if os.path.ismount(out):
         raise DataError(f"--out {out} is a mount point, which cannot be replaced by a new folder: give a folder inside it "
                         f"(e.g. --out {out / 'data'})")
@@ -824,6 +836,12 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
                             "delete: move them out of it first (inputs too), or choose another --out")
         if same: warnings.warn(f"{out} holds this dataset damaged (a shard or the tokenizer missing or cut): preparing "
                                "it again", DataWarning, stacklevel=2)
+    try: here = Path.cwd().resolve()
+    except OSError: here = None  # the current folder was deleted: nothing to pull away
+    if here is not None and here.is_relative_to(out.resolve()):  # the dataset is swapped in by renaming a new folder
+        raise DataError(f"--out {out} is the current folder{' or holds it' * (here != out.resolve())}: installing the dataset "
+                        "replaces that folder with a new one, and your shell would be left in the deleted one. Give "
+                        "another folder (e.g. --out data/mine), or run from outside it")
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
     if left := _left_behind(out):
         warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by "

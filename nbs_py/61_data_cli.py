@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 from hymo.train import _Once
-from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, check_compatible, load_manifest, prepare
+from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, _real_out, check_compatible, load_manifest, prepare
 
 # %%
 import subprocess
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--input", nargs="+", required=True, metavar="PATH", action="extend",  # `--input a --input b`: both
                     help="text files (.txt, .md), folders of them (recursive), .jsonl ('text' field) or .parquet ('text' column)")
     pp.add_argument("--out", required=True, metavar="DIR", action=_Once, help="dataset folder to create")
-    pp.add_argument("--vocab-size", type=int, default=None, action=_Once, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE})")
+    pp.add_argument("--vocab-size", type=int, default=None, action=_Once, help=f"BPE vocabulary to train, at least 257: the 256 bytes and <|endoftext|> (default {DEFAULT_VOCAB_SIZE}); the tokenizer learns from the first 1 GiB of the training text (inputs in the order given, a folder's files by path)")
     pp.add_argument("--tokenizer", default=None, metavar="PATH", action=_Once, help="use this tokenizer.json instead of training one")
     pp.add_argument("--doc-split", choices=("blank", "file"), default="blank", action=_Once,
                     help="plain text: blank lines end a document (default), or one document per file")
@@ -81,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _out_error(e: OSError, out: Path) -> str | None:
     "The one-line message for an OS refusal to make or write `out`, or None if `e` is about another file."
-    out, full = Path(os.path.abspath(out.expanduser())), e.errno in (errno.ENOSPC, errno.EDQUOT)
+    try: out = _real_out(out)  # through a link: the folder it names, where `prepare` writes
+    except (DataError, OSError): return None
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
     if e.filename is None:  # a write that ran out of space names no file; other errors without one may be reads
         if not full: return None
     else:

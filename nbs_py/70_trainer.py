@@ -374,6 +374,8 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
                    step: int, # The checkpoint's step
                   ) -> list[str]:
     "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
+    if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
+        saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
     skip = {"run_dir"}  # where the run lives is not how it trains (a default run_dir is named only when resuming)
     diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
@@ -1331,7 +1333,9 @@ Trainer.save, Trainer.load = save, load
 # ignores SIGPIPE and raises `BrokenPipeError` at the next print instead, which would end the run with a
 # traceback and lose every step since the last checkpoint; while `fit` runs, stdout and stderr are wrapped so
 # that the first failed write (EPIPE, or EIO from a hung-up terminal) turns that stream off and asks for a stop,
-# as SIGPIPE (exit status 141), with a line on the other stream if it still has a reader.
+# as SIGPIPE (exit status 141), with a line on the other stream if it still has a reader. `python -m hymo.train`
+# guards its output from the start to the end the same way (`guarded_output`), so a reader gone before training
+# begins stops the run after its first step, and one gone during the final export only silences the rest.
 #
 # Under `torchrun`, Ctrl-C reaches torchrun too, which passes it to every rank (each then stops as
 # above, together) and reports the signal itself: it ends with a `SignalException` traceback and
@@ -1358,9 +1362,10 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
 
 
 class _Guarded:
-    "A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes nowhere and calls `lost()`, once."
-    def __init__(self, stream, lost: Callable):
-        self.stream, self.lost, self.gone = stream, lost, False
+    """A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes
+    nowhere and calls `on_lost(name)`, once."""
+    def __init__(self, stream, name: str):
+        self.stream, self.name, self.gone, self.on_lost = stream, name, False, None
 
     def _do(self, fn, *a):
         if self.gone: return None
@@ -1368,16 +1373,33 @@ class _Guarded:
         except OSError as e:
             if e.errno not in (errno.EPIPE, errno.EIO): raise
             self.gone = True
-            try: os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what is still buffered, and Python's
-            except (OSError, ValueError): pass                                         # exit, flush into nothing
-            self.lost()
+            try:  # what is still buffered, and Python's exit, flush into nothing
+                null = os.open(os.devnull, os.O_WRONLY)
+                try: os.dup2(null, self.stream.fileno())
+                finally: os.close(null)
+            except (OSError, ValueError): pass  # a stream without a file descriptor (a notebook's, pytest's)
+            if self.on_lost: self.on_lost(self.name)
 
     def write(self, s: str) -> int:
         n = self._do(self.stream.write, s)
         return len(s) if n is None else n
 
+    def writelines(self, lines):
+        for line in lines: self.write(line)
+
     def flush(self): self._do(self.stream.flush)
     def __getattr__(self, name): return getattr(self.stream, name)
+
+
+@contextmanager
+def guarded_output():
+    """While active, `sys.stdout` and `sys.stderr` are `_Guarded` (nested uses share them): a reader that goes away
+    turns its stream off instead of raising `BrokenPipeError` wherever the next line is printed."""
+    old = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, _Guarded): sys.stdout = _Guarded(sys.stdout, "stdout")
+    if not isinstance(sys.stderr, _Guarded): sys.stderr = _Guarded(sys.stderr, "stderr")
+    try: yield sys.stdout, sys.stderr
+    finally: sys.stdout, sys.stderr = old
 
 
 _SIGPIPE, _SIGHUP = getattr(signal, "SIGPIPE", signal.SIGTERM), getattr(signal, "SIGHUP", None)  # POSIX: not on Windows
@@ -1388,15 +1410,19 @@ class StopSignals:
     does stdout or stderr losing its reader (as SIGPIPE); a second SIGINT raises `KeyboardInterrupt`."""
     def __init__(self, on_signal: Callable, # Called with the `signal.Signals` received
                  announce: bool = True): # Print a line when a signal arrives (rank 0)
-        self.on_signal, self.announce, self.received, self.old, self.streams = on_signal, announce, None, {}, None
+        self.on_signal, self.announce, self.received, self.old, self.hooks = on_signal, announce, None, {}, []
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             wanted = [signal.SIGINT, signal.SIGTERM]
             if _SIGHUP is not None and signal.getsignal(_SIGHUP) is not signal.SIG_IGN: wanted.append(_SIGHUP)  # not under nohup
             self.old = {s: signal.signal(s, self._note) for s in wanted}
-        self.streams = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Guarded(sys.stdout, lambda: self._lost("stdout")), _Guarded(sys.stderr, lambda: self._lost("stderr"))
+        self.output = guarded_output()
+        streams = self.output.__enter__()
+        self.hooks = [(s, s.on_lost) for s in streams]
+        for s in streams: s.on_lost = self._lost
+        for s in streams:
+            if s.gone: self._lost(s.name)  # lost before this began (a data preparation's lines): stop after the first step
         return self
 
     def _note(self, signum, frame):
@@ -1417,7 +1443,8 @@ class StopSignals:
 
     def __exit__(self, *exc):
         for s, handler in self.old.items(): signal.signal(s, handler)
-        if self.streams is not None: sys.stdout, sys.stderr = self.streams
+        for s, hook in self.hooks: s.on_lost = hook
+        if self.hooks: self.output.__exit__(*exc)
 
 
 # %% [markdown]
@@ -1463,12 +1490,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         return []
     logger = _wandb(self)
     metrics_file = self.run_dir / "metrics.jsonl"
-    bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
     if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
-    with bar, StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:  # an error's line
-        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)                     # goes below the bar
+    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals, \
+         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True) as bar:
+        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)  # the bar writes to the guarded stderr
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")

@@ -204,8 +204,15 @@ def main(argv: list[str] | None = None) -> dict:
     except ConfigError as e:
         parser.error(str(e))
     if (note := design_defaults_note(args.config)) and os.environ.get("RANK", "0") == "0": print(note, flush=True)
-    try: from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer  # torch: seconds, the usual Ctrl-C moment
+    try: from hymo.training.trainer import guarded_output  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
+    with guarded_output():  # a reader that goes away (`| head`) turns its stream off: no traceback, nothing lost
+        return _train(parser, args, cfg)
+
+
+def _train(parser, args, cfg) -> dict:
+    "`main` from the `Trainer` on: train, say how it ended, return the summary (or exit with the stop's status)."
+    from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer
     if args.resume is not None and not args.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset: not a fresh start
         parser.error("--resume was given an empty path (an unset variable?): give a checkpoint folder, or leave out "
                      "--resume to continue from the run folder's newest checkpoint")
@@ -230,10 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
                        f"(or give another run_dir=...); {_resume_from(trainer, cfg, args)}\n")
     stop = trainer.stopped_by  # a signal, or output without a reader (SIGPIPE): fit wrote a checkpoint of the step it finished
     say = trainer.log
-    if stop is not None and stop == getattr(signal, "SIGPIPE", None):  # stdout may be the stream that lost its reader
-        def say(line):
-            try: trainer.d.is_main and print(line, file=sys.stderr, flush=True)
-            except OSError: pass  # stderr too: the checkpoint is written all the same
+    if getattr(sys.stdout, "gone", False):  # stdout lost its reader (`| head`): say it where it can still be read
+        say = lambda line: trainer.d.is_main and print(line, file=sys.stderr, flush=True)
     if stop is None: say(f"done. run folder: {trainer.run_dir.resolve()}")
     elif trainer.step < cfg.train.max_steps:
         say(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")

@@ -428,13 +428,21 @@ def test_out_that_cannot_be_written(text, tmp_path, monkeypatch, capsys):
 def test_out_may_not_be_the_current_folder_or_hold_it(text, tmp_path, monkeypatch):
     "Installing renames a new folder into place: the shell would be left in the deleted one. Refused before any work."
     (tmp_path / "here" / "deeper").mkdir(parents=True)
-    for cwd, out in ((tmp_path / "here", "."), (tmp_path / "here" / "deeper", ".."), (tmp_path / "here", str(tmp_path / "here"))):
+    for cwd, out in ((tmp_path / "here" / "deeper", "."), (tmp_path / "here" / "deeper", str(tmp_path / "here" / "deeper"))):
         monkeypatch.chdir(cwd)
         with pytest.raises(DataError, match=r"is the current folder.*Give another folder"): prepare(text, out, vocab_size=VOCAB, progress=False)
-        assert (tmp_path / "here" / "deeper").is_dir() and os.path.samefile(os.getcwd(), cwd)
+        assert os.path.samefile(os.getcwd(), cwd)
+    with pytest.raises(DataError, match=r"exists and is not a HyMo dataset"): prepare(text, "..", vocab_size=VOCAB, progress=False)
+    assert (tmp_path / "here" / "deeper").is_dir()
     monkeypatch.chdir(tmp_path / "here" / "deeper")
     assert prepare(text, "../ds", vocab_size=VOCAB, progress=False) == tmp_path / "here" / "ds"  # beside it: fine
     assert load_manifest(tmp_path / "here" / "ds")["vocab_size"] == VOCAB
+    monkeypatch.chdir(tmp_path / "here" / "ds")  # inside an intact dataset, the same command replaces nothing: allowed
+    assert prepare(text, ".", vocab_size=VOCAB, progress=False) == tmp_path / "here" / "ds"
+    with pytest.raises(DataError, match="is the current folder"): prepare(text, ".", vocab_size=VOCAB + 1, overwrite=True, progress=False)
+    (tmp_path / "gone").mkdir(); monkeypatch.chdir(tmp_path / "gone"); (tmp_path / "gone").rmdir()
+    with pytest.raises(DataError, match="current folder was deleted.*absolute"): prepare(text, "ds", vocab_size=VOCAB, progress=False)
+    with pytest.raises(DataError, match="current folder was deleted"): load_manifest("ds")
 
 
 def test_out_through_a_link_replaces_the_folder_it_names_and_a_mount_point_is_refused(text, tmp_path, monkeypatch):
@@ -444,7 +452,12 @@ def test_out_through_a_link_replaces_the_folder_it_names_and_a_mount_point_is_re
     prepare(text, link, vocab_size=VOCAB + 10, overwrite=True, progress=False)  # the swap happens beside `real`
     assert link.is_symlink() and link.resolve() == real and load_manifest(link)["vocab_size"] == VOCAB + 10
     assert sorted(p.name for p in tmp_path.iterdir()) == ["disk", "ds"]
+    old = real.parent / ".ds.old-1234"; real.rename(old)  # stopped between the swap's renames: the link names nothing
+    with pytest.raises(DataError, match=r"does not exist, but .*\.ds\.old-1234 holds the dataset"): load_manifest(link)
+    old.rename(real)
     assert [p.name for p in real.parent.iterdir()] == ["ds"]  # no temporary or old folder left on either side
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(DataError, match="a link that leads to itself"): prepare(text, tmp_path / "loop", vocab_size=VOCAB, progress=False)
     monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == os.fspath(tmp_path / "vol"))
     with pytest.raises(DataError, match=r"is a mount point.*--out .*vol/data"):
         prepare(text, tmp_path / "vol", vocab_size=VOCAB, progress=False)
@@ -469,6 +482,11 @@ def test_not_a_dataset_folder_named_dot_or_a_manifest(tmp_path, monkeypatch, ds)
     with pytest.raises(DataError, match=r"\. is not a prepared dataset .*--input \. --out .*texts_prepared"): load_manifest(".")
     with pytest.raises(DataError, match=r"/ is not a prepared dataset"): load_manifest("/")
     with pytest.raises(DataError, match=f"give its folder, data_dir={ds}$"): load_manifest(ds / "manifest.json")
+    with pytest.raises(DataError, match=f"give its folder, data_dir={ds}$"): load_manifest(ds / "tokenizer.json")
+    monkeypatch.chdir(tmp_path / "texts")
+    with pytest.raises(DataError, match=f"--input \\.\\. --out {tmp_path}_prepared`"): load_manifest("..")
+    (tmp_path / "empty").mkdir(); monkeypatch.chdir(tmp_path / "empty")  # `prepare --out .` is refused: suggest a folder
+    with pytest.raises(DataError, match=r"--input TEXT\.\.\. --out data/mine`, then give data_dir=data/mine"): load_manifest(".")
     with pytest.raises(DataError, match=r"vocab_size=200: .*at least 257"): check_compatible(ds, 200)
     with pytest.raises(DataError, match=r"vocab_size=299: .*with --vocab-size 299$"): check_compatible(ds, 299)
 
@@ -483,6 +501,10 @@ def test_a_short_write_of_a_shard_on_a_full_disk_is_said_to_be_one(text, tmp_pat
     monkeypatch.setattr(D.shutil, "disk_usage", lambda p: usage._replace(free=100))
     assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
     assert "No space left on device" in (err := capsys.readouterr().err) and "free space or choose another --out" in err, err
+    (tmp_path / "real").mkdir(); (tmp_path / "link").symlink_to(tmp_path / "real")  # written beside the folder it names
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "link"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
+    assert "No space left on device" in (err := capsys.readouterr().err) and "choose another --out" in err, err
+    (tmp_path / "link").unlink(); (tmp_path / "real").rmdir()
     monkeypatch.setattr(D.shutil, "disk_usage", lambda p: usage._replace(free=10**12))  # space left: some other failure
     assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
     err = capsys.readouterr().err
@@ -917,3 +939,13 @@ def test_a_manifest_of_another_format_or_shape_is_refused(ds, tmp_path):
     first = load_manifest(ds)["splits"]["train"]["shards"][0]["file"]
     np.save(tmp_path / "ds2" / first, np.load(ds / first).reshape(-1, 1))
     with pytest.raises(DataError, match="damaged"): check_compatible(tmp_path / "ds2", VOCAB)
+
+
+def test_a_folder_given_as_dot_is_named_as_itself(text, tmp_path, monkeypatch):
+    "`--input .` inside `texts/` and `--input texts` beside it read the same files under the same names: the same dataset."
+    from hymo.training.data import find_files
+    (tmp_path / "texts").mkdir(); (tmp_path / "texts" / "a.txt").write_text("A speech.\n")
+    monkeypatch.chdir(tmp_path / "texts")
+    assert [n for _, n in find_files(".")] == ["texts/a.txt"]
+    monkeypatch.chdir(tmp_path)
+    assert [n for _, n in find_files("texts")] == [n for _, n in find_files("texts/../texts")] == ["texts/a.txt"]

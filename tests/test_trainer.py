@@ -244,6 +244,27 @@ def test_output_that_loses_its_reader_asks_for_a_stop_once_and_then_goes_nowhere
     assert got == [signal.SIGTERM] and "stderr was closed" in sys.stdout.getvalue()
     monkeypatch.setattr(sys, "stdout", failing(errno.ENOSPC))
     with StopSignals(got.append), pytest.raises(OSError, match="No space"): print("x")  # a full disk is not a lost reader
+    from hymo.training.trainer import guarded_output
+    monkeypatch.setattr(sys, "stdout", failing(errno.EPIPE)); monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with guarded_output() as (out, _):  # as `python -m hymo.train` runs: lost before `fit` (a data preparation's lines)
+        sys.stdout.writelines(["a\n", "b\n"]); assert out.gone
+        got = []
+        with StopSignals(got.append): assert got == [signal.SIGPIPE]  # ... stops after the first step
+        assert out.on_lost is None  # the hook is put back
+    assert not isinstance(sys.stdout, type(out))
+
+
+def test_a_relative_data_dir_of_an_older_checkpoint_is_not_a_changed_setting(tmp_path, monkeypatch):
+    "Runs before data_dir was kept absolute stored it as given: resumed from the same folder, it is the same setting."
+    from hymo.config import Config
+    from hymo.training.trainer import resume_changes
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("hymo_tiny", data_dir="data/sh")
+    saved = json.loads(json.dumps(Config(cfg.model, cfg.train).to_dict()))
+    now = load_config("hymo_tiny", data_dir=str(tmp_path / "data" / "sh"))
+    assert not [n for n in resume_changes(saved, now.model, now.train, 0) if "data_dir" in n]
+    other = load_config("hymo_tiny", data_dir=str(tmp_path / "data" / "other"))
+    assert [n for n in resume_changes(saved, other.model, other.train, 0) if "data_dir" in n]
 
 
 def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_path):
@@ -996,23 +1017,39 @@ def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resume
     assert [m["step"] for m in read_jsonl(metrics)] == list(range(1, step + 3))
 
 
-def test_a_closed_stdout_checkpoints_the_finished_step(tmp_path):
-    """`python -m hymo.train | head`: once the reader has gone, the next line printed stops the run after that step with
-    a checkpoint (before, a BrokenPipeError traceback lost every step since the last one); status 141, as SIGPIPE."""
+@pytest.mark.parametrize("both", [False, True])
+def test_a_closed_output_checkpoints_the_finished_step(tmp_path, both):
+    """`python -m hymo.train | head` (or `2>&1 | head`, where the progress bar meets the closed pipe too): once the
+    reader has gone, the next write stops the run after that step with a checkpoint (before, a BrokenPipeError
+    traceback lost every step since the last one); status 141, as SIGPIPE."""
     import signal, time
     args = ["run_dir=run", "max_steps=100000", "seq_len=32", "micro_batch_size=4", "global_batch_size=4",
             "eval_every=0", "ckpt_every=0", "warmup_steps=1", "log_every=1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     proc = subprocess.Popen([sys.executable, "-m", "hymo.train", *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if both else subprocess.PIPE)
     lines = [proc.stdout.readline() for _ in range(3)]  # `head -3`
     proc.stdout.close()
-    err = proc.stderr.read(); proc.wait(timeout=300)
+    err = "" if both else proc.stderr.read()
+    proc.wait(timeout=300)
     assert proc.returncode == 128 + signal.SIGPIPE, (lines, err[-3000:])
-    assert "Traceback" not in err and "stdout was closed" in err, err[-3000:]
     step = read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1]["step"]
-    assert f"stopped by SIGPIPE at step {step}; the same command resumes from run/checkpoints/step_{step:06d}" in err, err[-2000:]
     assert [c.name for c in (tmp_path / "run" / "checkpoints").iterdir()] == [f"step_{step:06d}"]
+    if not both:
+        assert "Traceback" not in err and "stdout was closed" in err, err[-3000:]
+        assert f"stopped by SIGPIPE at step {step}; the same command resumes from run/checkpoints/step_{step:06d}" in err, err[-2000:]
+
+
+def test_output_without_a_reader_from_the_start_stops_after_the_first_step(tmp_path):
+    "stdout closed before anything is printed (the data preparation's lines, `run folder:`): no traceback, one step, a checkpoint."
+    import signal
+    code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from hymo.train import main; "
+            f"main({_cli_args(tmp_path / 'run', max_steps=50, warmup_steps=1, ckpt_every=0)!r})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "WANDB_MODE": "offline"})
+    assert r.returncode == 128 + signal.SIGPIPE and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "stdout was closed" in r.stderr and "stopped by SIGPIPE at step 1" in r.stderr, r.stderr[-2000:]
+    assert [c.name for c in (tmp_path / "run" / "checkpoints").iterdir()] == ["step_000001"]
 
 
 def test_a_finished_run_keeps_the_tokenizer_it_trained_with(tmp_path, monkeypatch):

@@ -45,8 +45,8 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'RUN_MARKS', 'CPU_FL
            'reraise_interrupt', 'resume_changes', 'trim_metrics', 'split_micro_batches', 'is_run_folder',
            'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
            'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
-           'metric_line', 'StopSignals', 'fit', 'request_stop', 'json_line', 'finish', 'write_safetensors', 'sample',
-           'plot_losses']
+           'metric_line', 'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'finish',
+           'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -247,6 +247,8 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
                    step: int, # The checkpoint's step
                   ) -> list[str]:
     "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
+    if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
+        saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
     skip = {"run_dir"}  # where the run lives is not how it trains (a default run_dir is named only when resuming)
     diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
@@ -982,9 +984,10 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
 
 
 class _Guarded:
-    "A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes nowhere and calls `lost()`, once."
-    def __init__(self, stream, lost: Callable):
-        self.stream, self.lost, self.gone = stream, lost, False
+    """A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes
+    nowhere and calls `on_lost(name)`, once."""
+    def __init__(self, stream, name: str):
+        self.stream, self.name, self.gone, self.on_lost = stream, name, False, None
 
     def _do(self, fn, *a):
         if self.gone: return None
@@ -992,16 +995,33 @@ class _Guarded:
         except OSError as e:
             if e.errno not in (errno.EPIPE, errno.EIO): raise
             self.gone = True
-            try: os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what is still buffered, and Python's
-            except (OSError, ValueError): pass                                         # exit, flush into nothing
-            self.lost()
+            try:  # what is still buffered, and Python's exit, flush into nothing
+                null = os.open(os.devnull, os.O_WRONLY)
+                try: os.dup2(null, self.stream.fileno())
+                finally: os.close(null)
+            except (OSError, ValueError): pass  # a stream without a file descriptor (a notebook's, pytest's)
+            if self.on_lost: self.on_lost(self.name)
 
     def write(self, s: str) -> int:
         n = self._do(self.stream.write, s)
         return len(s) if n is None else n
 
+    def writelines(self, lines):
+        for line in lines: self.write(line)
+
     def flush(self): self._do(self.stream.flush)
     def __getattr__(self, name): return getattr(self.stream, name)
+
+
+@contextmanager
+def guarded_output():
+    """While active, `sys.stdout` and `sys.stderr` are `_Guarded` (nested uses share them): a reader that goes away
+    turns its stream off instead of raising `BrokenPipeError` wherever the next line is printed."""
+    old = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, _Guarded): sys.stdout = _Guarded(sys.stdout, "stdout")
+    if not isinstance(sys.stderr, _Guarded): sys.stderr = _Guarded(sys.stderr, "stderr")
+    try: yield sys.stdout, sys.stderr
+    finally: sys.stdout, sys.stderr = old
 
 
 _SIGPIPE, _SIGHUP = getattr(signal, "SIGPIPE", signal.SIGTERM), getattr(signal, "SIGHUP", None)  # POSIX: not on Windows
@@ -1012,15 +1032,19 @@ class StopSignals:
     does stdout or stderr losing its reader (as SIGPIPE); a second SIGINT raises `KeyboardInterrupt`."""
     def __init__(self, on_signal: Callable, # Called with the `signal.Signals` received
                  announce: bool = True): # Print a line when a signal arrives (rank 0)
-        self.on_signal, self.announce, self.received, self.old, self.streams = on_signal, announce, None, {}, None
+        self.on_signal, self.announce, self.received, self.old, self.hooks = on_signal, announce, None, {}, []
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
             wanted = [signal.SIGINT, signal.SIGTERM]
             if _SIGHUP is not None and signal.getsignal(_SIGHUP) is not signal.SIG_IGN: wanted.append(_SIGHUP)  # not under nohup
             self.old = {s: signal.signal(s, self._note) for s in wanted}
-        self.streams = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Guarded(sys.stdout, lambda: self._lost("stdout")), _Guarded(sys.stderr, lambda: self._lost("stderr"))
+        self.output = guarded_output()
+        streams = self.output.__enter__()
+        self.hooks = [(s, s.on_lost) for s in streams]
+        for s in streams: s.on_lost = self._lost
+        for s in streams:
+            if s.gone: self._lost(s.name)  # lost before this began (a data preparation's lines): stop after the first step
         return self
 
     def _note(self, signum, frame):
@@ -1041,7 +1065,8 @@ class StopSignals:
 
     def __exit__(self, *exc):
         for s, handler in self.old.items(): signal.signal(s, handler)
-        if self.streams is not None: sys.stdout, sys.stderr = self.streams
+        for s, hook in self.hooks: s.on_lost = hook
+        if self.hooks: self.output.__exit__(*exc)
 
 # %% ../../nbs/70_trainer.ipynb #c8405460
 CPU_FLOPS = 1e11  # what a laptop CPU sustains in fp32 on these shapes, roughly: only for the warning below
@@ -1077,12 +1102,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         return []
     logger = _wandb(self)
     metrics_file = self.run_dir / "metrics.jsonl"
-    bar = tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True)
     peak = peak_flops(self.d.device)
     if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
-    with bar, StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals:  # an error's line
-        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)                     # goes below the bar
+    with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals, \
+         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True) as bar:
+        out = self._fit_steps(end, start, logger, bar, peak, metrics_file)  # the bar writes to the guarded stderr
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")
