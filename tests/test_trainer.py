@@ -203,17 +203,18 @@ def test_a_second_ctrl_c_stops_at_once():
     import signal, time
     from hymo.training.trainer import StopSignals
     before = signal.getsignal(signal.SIGINT)
-    for first in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        got = []
-        with StopSignals(got.append, announce=False):
-            os.kill(os.getpid(), first); time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)  # a repeated SIGTERM is absorbed
-            assert got == [first, signal.SIGTERM]
-            with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)
-    assert signal.getsignal(signal.SIGINT) is before
-    hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # under nohup: a hang-up stays ignored
+    hup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal (a test run under nohup inherits SIG_IGN)
     try:
+        for first in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            got = []
+            with StopSignals(got.append, announce=False):
+                os.kill(os.getpid(), first); time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)  # a repeated SIGTERM is absorbed
+                assert got == [first, signal.SIGTERM]
+                with pytest.raises(KeyboardInterrupt):
+                    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # under nohup: a hang-up stays ignored
         with StopSignals(got.append, announce=False): assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally: signal.signal(signal.SIGHUP, hup)
 
@@ -1000,7 +1001,8 @@ def test_a_stop_signal_checkpoints_the_finished_step_and_the_same_command_resume
             "eval_every=0", "ckpt_every=0", "warmup_steps=1", "sample_tokens=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
     proc = subprocess.Popen([sys.executable, "-m", "hymo.train", *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # a hang-up's default, as in a terminal
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))  # (not nohup's SIG_IGN)
     metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()
