@@ -570,23 +570,26 @@ _MANIFEST_KEYS = {"fingerprint": str, "tokenizer": str, "tokenizer_sha256": str,
                   "dtype": str, "inputs": list, "splits": dict}  # what the readers use, checked before they do
 
 
+def _holds_cwd(path) -> bool:
+    "Whether `path` is the current folder or one holding it (never, once the current folder was deleted)."
+    try: return Path.cwd().resolve().is_relative_to(Path(os.path.realpath(path)))
+    except OSError: return False
+
+
 def load_manifest(data_dir: Path) -> dict:
     "The manifest of a prepared dataset folder, or a `DataError` saying how to make one."
     d = Path(data_dir)
     m = d / "manifest.json"
-    try: real = Path(os.path.realpath(d))
-    except OSError: raise DataError(f"the current folder was deleted: cd to an existing one, or give {data_dir} as an "
-                                    "absolute path") from None
-    try: here = Path.cwd().resolve()
-    except OSError: here = None
-    where = "data/mine" if here is not None and here.is_relative_to(real) else data_dir  # `prepare` refuses the current folder
-    # through a link, `prepare` swaps the folder the link names, beside that folder
-    old = [] if d.exists() else [p for b in {d, real} for p in _left_behind(b, ("old",)) if (p / "manifest.json").is_file()]
-    if old:  # stopped between `_install`'s two renames: the dataset is there, under another name
-        old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
-        raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
-                        f"stopped as it swapped the folders): rename it back (mv {old} {data_dir}), or prepare again")
-    if not d.exists():  # a misspelt path: not a place to prepare into before checking it
+    if not d.exists():
+        try: real = Path(os.path.realpath(d))  # through a link, `prepare` swaps the folder the link names, beside it
+        except OSError: raise DataError(f"the current folder was deleted: cd to an existing one, or give {data_dir} as "
+                                        "an absolute path") from None
+        old = [p for b in {d, real} for p in _left_behind(b, ("old",)) if (p / "manifest.json").is_file()]
+        if old:  # stopped between `_install`'s two renames: the dataset is there, under another name
+            old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
+            raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
+                            f"stopped as it swapped the folders): rename it back (mv {old} {data_dir}), or prepare again")
+        # a misspelt path: not a place to prepare into before checking it
         raise DataError(f"{data_dir} does not exist: check the path, or prepare a dataset there (`python -m hymo.data "
                         f"prepare --input TEXT... --out {data_dir}`)")
     if not m.exists():  # a training run's folder; or texts not prepared yet, to prepare into a folder of their own
@@ -596,6 +599,7 @@ def load_manifest(data_dir: Path) -> dict:
         if d.is_file() and (d.name == "manifest.json" or (d.parent / "manifest.json").is_file()):
             raise DataError(f"{data_dir} is a file of a prepared dataset: give its folder, data_dir={d.parent}")
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
+        where = "data/mine" if _holds_cwd(d) else data_dir  # `prepare` refuses to replace the current folder
         named = Path(os.path.abspath(d)) if d.name in ("", "..") else d  # `.` and `..` name no folder to suggest an --out from
         out = named.with_name(f"{named.with_suffix('').name if named.is_file() else named.name}_prepared") if named.name \
             else Path("prepared")
@@ -836,10 +840,8 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
                             "delete: move them out of it first (inputs too), or choose another --out")
         if same: warnings.warn(f"{out} holds this dataset damaged (a shard or the tokenizer missing or cut): preparing "
                                "it again", DataWarning, stacklevel=2)
-    try: here = Path.cwd().resolve()
-    except OSError: here = None  # the current folder was deleted: nothing to pull away
-    if here is not None and here.is_relative_to(out.resolve()):  # the dataset is swapped in by renaming a new folder
-        raise DataError(f"--out {out} is the current folder{' or holds it' * (here != out.resolve())}: installing the dataset "
+    if _holds_cwd(out):  # the dataset is swapped in by renaming a new folder
+        raise DataError(f"--out {out} is the current folder (or holds it): installing the dataset "
                         "replaces that folder with a new one, and your shell would be left in the deleted one. Give "
                         "another folder (e.g. --out data/mine), or run from outside it")
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
