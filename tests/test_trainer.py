@@ -40,6 +40,14 @@ def make(run_dir, resume=True, **over):
     return Trainer(cfg.model, cfg.train, run_dir=run_dir, resume=resume, quiet=True)
 
 
+def main_loss(t, batch) -> float:
+    "The model's main loss on one loader batch as the trainer computes it: on its device, under its autocast (bf16 on a GPU)."
+    from hymo.training.trainer import _to_device
+    tokens, targets, cu = _to_device(t, batch)
+    with torch.no_grad(), t.autocast():
+        return float(t.model(tokens, targets=targets, cu_seqlens=cu)[1]["main"])
+
+
 def losses(metrics):
     return [m["loss"] for m in metrics]
 
@@ -95,7 +103,7 @@ def test_wandb_logs_offline_and_a_resumed_run_continues_its_wandb_run_when_onlin
     """wandb=true without a login logs offline into run_dir/wandb, each part of a run (a resume starts one) in a group
     named after the run folder. Online, a resume used to open a new wandb run each time (resume="allow" without an id);
     now it continues the first one, and a run that starts afresh gets its own."""
-    import wandb
+    wandb = pytest.importorskip("wandb", reason="wandb, a dependency of hymo, is not installed here")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     calls, real = [], wandb.init
@@ -277,8 +285,7 @@ def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_p
     got = t.evaluate()
     assert t.model.training and all(torch.equal(a, b) for a, b in zip(before, moe()))
     t.model.eval()
-    with torch.no_grad():
-        want = [float(t.model(x, targets=y)[1]["main"]) for x, y in t.val_loader.eval_batches(3)]
+    want = [main_loss(t, b) for b in t.val_loader.eval_batches(3)]
     t.model.train()
     assert len(want) == 3 and got == pytest.approx(sum(want) / 3, rel=1e-6)
     assert got != pytest.approx(want[0], rel=1e-6)  # the windows differ: a pass of one would show
@@ -290,9 +297,7 @@ def test_validation_leaves_out_a_ranks_repeated_turn(tmp_path):
     t.val_loader.world_size = 2  # as rank 0 of 2: groups 0 and 2; rank 1: group 1, then group 0 again, not counted
     B = t.val_loader.micro_batch_size
     t.model.eval()
-    with torch.no_grad():
-        batches = [t.val_loader._batch(torch.arange(g * B, (g + 1) * B).numpy()) for g in range(3)]
-        loss = [float(t.model(b[0], targets=b[1])[1]["main"]) for b in batches]
+    loss = [main_loss(t, t.val_loader._batch(torch.arange(g * B, (g + 1) * B).numpy())) for g in range(3)]
     assert t.evaluate() == pytest.approx((loss[0] + loss[2]) / 2, rel=1e-6)
     t.val_loader.rank = 1
     assert t.val_loader.eval_plan(3) == [(1, True), (0, False)]
@@ -302,6 +307,7 @@ def test_validation_leaves_out_a_ranks_repeated_turn(tmp_path):
 def test_a_cpu_run_whose_steps_take_hours_says_so_before_it_starts(tmp_path, monkeypatch, capsys):
     "hymo_750m on a CPU is hours a step and ~15 GB: one warning line first. hymo_tiny's steps are quick: none."
     import hymo.training.trainer as tr
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run, on a machine with a GPU too
     cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 1, "warmup_steps": 0})
     tr.Trainer(cfg.model, cfg.train, run_dir=tmp_path / "a").fit()
     assert "meant for GPUs" not in capsys.readouterr().out
