@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 34 on H100s
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 35 on H100s (to 2026-12-06)
 # (their rows say which, the bar chart marks them `[H100]`, and the chart of rounds colours them), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
@@ -33,8 +33,8 @@
 # says so in one line and names what a CPU can run instead, such as the tests that run the kernels
 # through Triton's interpreter.)
 #
-# **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the H200's dense bf16
-# peak). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
+# **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the dense bf16 peak
+# of the H200, and of the H100 SXM). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
 # $T = 4096$ (3 × forward, a multiply-add is two FLOPs, attention over the causal half, the GDN
 # recurrence and the MTP heads' vocabulary projections included; see the model chapter). PaLM's
 # formula counts attention over the whole $T \times T$ square, 9.1 % more at this shape: by it,
@@ -47,7 +47,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 to 34 (also 2026-12-05) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 35 (2026-12-05 and 06) could
 # get only an H100: their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -55,7 +55,7 @@
 # |---|---|---|
 # | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.81× (round 33, paired, on an H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 14 rounds that timed both paths on one machine (rounds 25 and 30 did not time the PyTorch path) |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.81× (round 33, paired, on an H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 14 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path) |
 #
 # The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
 # the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
@@ -455,7 +455,7 @@ if tl_row:
 #   round 15 found for attention.
 # * **Round 15: the preset step 6.365 s (36.8 % MFU, 82.4 k tokens/s, 50.6 GB) and 6.489 s (36.1 %)
 #   on the round's two machines, with round 14's code unchanged; the PyTorch GDN path 5.3–5.5× slower
-#   on the second (the comparison above).** 6.365 s is the fastest step measured so far, and it ran the code that
+#   on the second (the comparison above).** 6.365 s was the fastest step measured until round 16's, and it ran the code that
 #   took 6.505 and 6.543 s on round 14's machines: the 2–3 % between machines is larger than any
 #   change of rounds 12–14. The round's fresh profile (above; the previous one was round 11's)
 #   confirms kernel 1's two rewrites inside the model: 0.150 ms per layer, against 0.249 ms in round
