@@ -1534,6 +1534,39 @@ def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where
     assert (tmp_path / "two" / "model.safetensors").exists()
 
 
+def test_a_rank_killed_while_writing_its_checkpoint_file_leaves_no_complete_looking_checkpoint(tmp_path):
+    """rank 0's meta.json marks a checkpoint folder complete, so it is written only once every rank's file is in.
+    Before, rank 0 wrote it right after its own file: a rank killed half-way through its rankN.pt left a folder that
+    the next start took for a complete one cut short at its rename, named it a checkpoint and failed to read it."""
+    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
+            "warmup_steps=1", "run_dir=two", "max_steps=6"]
+    script = tmp_path / "killed_at_step_4.py"
+    script.write_text(
+        "import io, os, sys, time, torch\nfrom hymo.train import main\n"
+        "open(f'pid{os.environ[\"RANK\"]}', 'w').write(str(os.getpid()))\n"
+        "if os.environ['RANK'] == '1':  # half of rank1.pt at the second checkpoint, then the whole job is killed\n"
+        "    real = torch.save\n"
+        "    def half(obj, f, *a, **k):\n"
+        "        if str(getattr(f, 'name', '')).endswith('step_000004.tmp/rank1.pt'):\n"
+        "            b = io.BytesIO(); real(obj, b, *a, **k); f.write(b.getvalue()[:len(b.getvalue()) // 2]); f.flush()\n"
+        "            time.sleep(3)  # time enough for rank 0 to write whatever it writes alone\n"
+        "            for pid in (os.getppid(), int(open('pid0').read()), os.getpid()): os.kill(pid, 9)  # a job's kill -9\n"
+        "        return real(obj, f, *a, **k)\n"
+        "    torch.save = half\n"
+        "main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+                        *args], cwd=tmp_path, env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9 and (tmp_path / "two" / "checkpoints" / "step_000004.tmp" / "rank1.pt").exists()
+    assert not (tmp_path / "two" / "checkpoints" / "step_000004.tmp" / "meta.json").exists()
+    again = torchrun("-m", "hymo.train", *args, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step_000004.tmp, a checkpoint whose writing was cut short" in again.stdout and "was complete" not in again.stdout
+    assert "resumed from two/checkpoints/step_000002" in again.stdout
+    assert not list((tmp_path / "two" / "checkpoints").glob("damaged-*"))
+    assert [m["step"] for m in read_jsonl(tmp_path / "two" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
 def test_resuming_another_folders_checkpoint_into_a_run_is_refused(tmp_path):
     """--resume with a checkpoint of folder A into folder B that holds a run of its own would mix the two runs (and
     prune B's newer checkpoints as soon as A's lineage saved): refused, with B untouched. An empty B continues A."""

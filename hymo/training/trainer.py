@@ -852,10 +852,12 @@ def save(self: Trainer) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
 
-    def own_files():  # every rank's; through a file: a full disk is an OSError, as elsewhere
+    def own_file():  # every rank's; through a file: a full disk is an OSError, as elsewhere
         with open(tmp / f"rank{self.d.rank}.pt", "wb") as f:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
             to_disk(f)
+
+    def meta_file():  # last, once every rank's file is in: a folder with meta.json is complete (`Trainer._whole`)
         if self.d.is_main:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
@@ -880,7 +882,8 @@ def save(self: Trainer) -> Path:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
         with _single_process_quiet():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # a failure raises on every rank
-        self._together(own_files, tmp)
+        self._together(own_file, tmp)  # on every rank (an all-reduce when distributed) before ...
+        self._together(meta_file, tmp)  # ... rank 0 marks the folder complete: a kill in between leaves it partial
     except BaseException as e:  # DCP wraps what it meets (a full disk, a Ctrl-C): raise that, as itself
         reraise_interrupt(e)  # a kill would leave the .tmp folder too; the next start removes it
         if self.d.is_main: shutil.rmtree(tmp, ignore_errors=True)  # it would only hold on to space (that may be short)
