@@ -264,7 +264,10 @@ test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVID
 # read again) and falls back to the one before. Under `torchrun` the ranks agree on that verdict (one
 # all-reduce) before the collective load, so a file only one rank cannot read moves them all back
 # together. A checkpoint whose weights have other shapes than the model asked for is refused
-# outright: every checkpoint of the run would say the same.
+# outright: every checkpoint of the run would say the same. So is one that meets an error of the
+# reading rather than of what is read (`READ_FAULTS`: a permission, a failing mount, too many open
+# files): the run stops in one line on every rank and the checkpoint stays as it is, since the cause
+# may pass. Before, such a checkpoint was renamed `damaged-` for good and its steps trained again.
 
 # %%
 #| export
@@ -325,6 +328,9 @@ def wrapped(e: BaseException, kind) -> BaseException | None:
 
 
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)  # a run folder that cannot be written: one line
+# errors of the reading, not of what was read: a checkpoint that meets one is not damaged for all we know
+READ_FAULTS = (errno.EACCES, errno.EPERM, errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ESTALE,
+               errno.ETIMEDOUT, errno.ENOTCONN, errno.EAGAIN, errno.EINTR)
 
 
 def reraise_interrupt(e: BaseException):
@@ -333,10 +339,23 @@ def reraise_interrupt(e: BaseException):
     if stop is not None: raise stop.with_traceback(None) from None
 
 
-def _unreadable(e: BaseException) -> bool:
-    "True for errors that mean damaged or missing files, not a setting that does not fit nor a lack of memory."
+def _read_fault(e: BaseException | None) -> OSError | None:
+    "The `READ_FAULTS` error in `e` or what it wraps (permissions, a failing mount, too many open files), if any."
+    x = None if e is None else wrapped(e, OSError)
+    return x if x is not None and x.errno in READ_FAULTS else None
+
+
+def _unreadable(e: BaseException, ckpt: Path) -> bool:
+    """True for errors that mean damaged or missing files of checkpoint `ckpt`, not a setting that does not fit nor a
+    lack of memory. One that says nothing of the files (`_read_fault`) stops the run, the checkpoint left as it is."""
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
     reraise_interrupt(e)  # Ctrl-C while a checkpoint loads is not damage: it stops the run
+    fault = _read_fault(e)
+    if fault is not None:
+        what = f"{fault.filename}: {fault.strerror}" if fault.filename else fault.strerror
+        raise ConfigError(f"{ckpt} cannot be read now ({what}). That says nothing of its contents, so it is left as "
+                          "it is: fix the cause (permissions, the mount, too many open files) and run the same command "
+                          "again; were its files lost, rename the folder to resume from the checkpoint before") from None
     if isinstance(e, torch.OutOfMemoryError): return False  # a RuntimeError, but not the files' fault
     return isinstance(e, (OSError, EOFError, KeyError, RuntimeError, json.JSONDecodeError, pickle.UnpicklingError,
                           CheckpointException))
@@ -716,7 +735,7 @@ class Trainer:
         for ckpt in reversed(done):  # every rank takes the same branch: `load` agrees on damage before DCP's collectives
             try: self.load(ckpt); break
             except BaseException as e:
-                if not _unreadable(e): raise  # the run's settings, or memory: every checkpoint would fail alike
+                if not _unreadable(e, ckpt): raise  # the run's settings, or memory: every checkpoint would fail alike
                 damaged.append(ckpt)
                 self.log(f"warning: checkpoint {ckpt} cannot be read ({_reason(e)}); trying the one before")
         if damaged and len(damaged) == len(done):
@@ -733,7 +752,7 @@ class Trainer:
                               f"to continue from {p.name}")
         try: self.load(p)
         except BaseException as e:
-            if not _unreadable(e): raise
+            if not _unreadable(e, p): raise
             raise ConfigError(f"{p} cannot be read ({_reason(e)}): give another checkpoint, or leave out --resume "
                               "to use the newest readable one") from None
         self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
@@ -1225,9 +1244,14 @@ def load(self: Trainer, ckpt: Path):
         same_ranks = meta["world_size"] == self.d.world_size  # else DCP reshards and the loader position is recomputed
         extra = torch.load(mine, weights_only=False) if same_ranks else None  # missing: damaged, as a cut one is
         if not (ckpt / ".metadata").exists(): raise FileNotFoundError(f"{ckpt / '.metadata'} is missing")
-    except Exception as e:
-        if not _unreadable(e): raise
-        error = e
+    except Exception as e: error = e
+    fault = _read_fault(error)
+    if self.d.distributed:  # one rank's read fault stops every rank (below, in `_unreadable`), before any agrees on damage
+        code = torch.tensor([fault.errno if fault is not None else 0], device=self.d.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MAX)
+        if fault is None and int(code): fault = OSError(int(code), f"{os.strerror(int(code))} (on another rank)")
+    if fault is not None: raise fault
+    if error is not None and not _unreadable(error, ckpt): raise error
     if not self._agree(error is None):
         raise error or CheckpointUnreadable(f"another rank cannot read its files in {ckpt}")
     step, planned = meta["step"], (meta.get("config") or {}).get("train", {}).get("max_steps", meta["step"])
@@ -1826,7 +1850,8 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   schedule says how far the rate jumps. The optimisers' moments come from the checkpoint, their
 #   settings (peak learning rates, weight decay, betas) from this run's config: lowering `muon_lr`
 #   after a divergence takes effect.
-# * A checkpoint that cannot be read is set aside as `damaged-step_...` and the one before is used.
+# * A checkpoint that cannot be read is set aside as `damaged-step_...` and the one before is used;
+#   one that cannot be read for now (a permission, a failing mount) stops the run and stays.
 #   Resuming an older checkpoint of the same folder (`--resume run/checkpoints/step_...`, to redo a
 #   decay, say) sets the newer ones aside as `superseded-step_...`: left in place they would outrank
 #   the new run's checkpoints, which pruning would delete and a later plain resume would skip.

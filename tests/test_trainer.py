@@ -472,6 +472,57 @@ def test_a_damaged_checkpoint_metadata_is_one_warning_line_without_dcps_tracebac
     assert t.step == 2 and "Traceback" not in err and "metadata is not found" not in err, err
 
 
+@pytest.mark.parametrize("fault", ["rank file", "shard"])
+def test_a_checkpoint_that_cannot_be_read_for_now_is_not_set_aside_as_damaged(tmp_path, monkeypatch, fault):
+    """A permission error, a failing mount or too many open files says nothing of a checkpoint's contents: the run
+    stops with one line and the checkpoint stays. Before, it was renamed damaged-... for good and the run went back a
+    checkpoint. DCP wraps the shard's error (in a CheckpointException); the rank's own file raises it as it is."""
+    import errno
+    import torch.distributed.checkpoint as dcp
+    from hymo.config import ConfigError
+    make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1).fit(4)
+    ckpts = tmp_path / "run" / "checkpoints"
+    real_load, real_dcp = torch.load, dcp.load
+    def no_access(f, *a, **k):
+        if str(f).endswith("step_000004/rank0.pt"): raise PermissionError(errno.EACCES, "Permission denied", str(f))
+        return real_load(f, *a, **k)
+    def open_files(state, checkpoint_id, **k):  # as DCP reports a reader's error: wrapped
+        if checkpoint_id.endswith("step_000004"):
+            from torch.distributed.checkpoint.api import CheckpointException
+            raise CheckpointException("load", {0: (OSError(errno.EMFILE, "Too many open files"), None)})
+        return real_dcp(state, checkpoint_id=checkpoint_id, **k)
+    if fault == "rank file": monkeypatch.setattr(torch, "load", no_access)
+    else: monkeypatch.setattr(dcp, "load", open_files)
+    reason = "Permission denied" if fault == "rank file" else "Too many open files"
+    with pytest.raises(ConfigError, match=f"step_000004 cannot be read now .*{reason}.*left as it is"):
+        make(tmp_path / "run", max_steps=8, warmup_steps=1)
+    assert [p.name for p in sorted(ckpts.iterdir())] == ["step_000002", "step_000004"]
+    monkeypatch.undo()  # the fault passes: the run resumes where it was
+    assert make(tmp_path / "run", max_steps=8, warmup_steps=1).step == 4
+
+
+def test_a_checkpoint_one_rank_cannot_read_for_now_stops_every_rank_with_one_line(tmp_path):
+    "rank 1 meets a permission error on its own file: both ranks stop (none waits in a collective), the checkpoint stays."
+    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
+            "warmup_steps=1", "run_dir=two", "max_steps=4"]
+    assert torchrun("-m", "hymo.train", *args, cwd=tmp_path, timeout=300).returncode == 0
+    script = tmp_path / "rank1_no_access.py"
+    script.write_text(
+        "import errno, os, sys, torch\nfrom hymo.train import main\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    real = torch.load\n"
+        "    def no_access(f, *a, **k):\n"
+        "        if str(f).endswith('rank1.pt'): raise PermissionError(errno.EACCES, 'Permission denied', str(f))\n"
+        "        return real(f, *a, **k)\n"
+        "    torch.load = no_access\n"
+        "main(sys.argv[1:])\n")
+    r = torchrun(str(script), *args[:-1], "max_steps=6", cwd=tmp_path, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "hymo/training/trainer.py" not in out and "distributed_c10d" not in out, out[-3000:]
+    assert "step_000004 cannot be read now" in out and "Permission denied (on another rank)" in out, out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
 def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):
     """A backup copy step_000002.bak used to crash every resume (int('000002.bak')); a checkpoint missing its meta.json
     was skipped silently and later overwritten instead of being kept as damaged."""
