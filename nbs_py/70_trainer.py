@@ -456,7 +456,9 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
 # a folder holds an exclusive lock on its `.lock` file for as long as it lives (`flock`: the
 # operating system drops it when the process ends, however it ends, so a crash leaves no stale
 # lock). A second process is refused with the first one's pid and host; another `Trainer` in the
-# same process (a notebook re-running a cell) shares the lock.
+# same process (a notebook re-running a cell) shares the lock. Of two such `Trainer`s, the one whose
+# step is behind the folder's newest checkpoint is refused at `fit`: the other has trained on there,
+# and it would write over those steps.
 #
 # A run also refuses a folder that holds files but nothing of a run (`run_dir=.` in a project, or
 # a folder with a `config.yaml` of your own): it would write its `config.yaml`, `summary.json` and
@@ -1506,6 +1508,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
+    newest = list_checkpoints(self.run_dir) if self.d.is_main else []  # the lock is the process's: two Trainers share it
+    ahead = checkpoint_step(newest[-1]) if newest and checkpoint_step(newest[-1]) > self.step else None
+    if not self._agree(ahead is None):
+        raise ConfigError(f"{self.run_dir} holds a checkpoint of step {ahead or '(see rank 0)'}, past this Trainer's step "
+                          f"{self.step}: another Trainer in this process has trained on in that folder. Make a new Trainer "
+                          "to continue from its newest checkpoint (this one would write over those steps)")
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
     lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
             if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]

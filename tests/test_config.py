@@ -575,3 +575,48 @@ def test_a_wrong_type_in_a_base_file_names_that_file(tmp_path):
     (tmp_path / "child.yaml").write_text("base: mybase.yaml\nmodel:\n  dim: 64\n")
     assert load_config(str(tmp_path / "child.yaml")).model.dim == 64
     assert load_config(str(tmp_path / "mybase.yaml"), dim=96).model.dim == 96
+
+
+# Found by mutation testing (each fails on a mutant of hymo/config.py that the tests above let pass)
+def test_e_notation_with_a_capital_E_is_a_float(tmp_path):
+    "YAML 1.1 (PyYAML) reads 1E-3 as text, like 1e-3; both must reach the float field as 0.001."
+    assert load_config("hymo_tiny", adamw_lr="1E-3").train.adamw_lr == 0.001
+    p = tmp_path / "cap.yaml"
+    p.write_text("base: hymo_tiny\ntrain:\n  muon_lr: 2E-2\n")
+    assert load_config(str(p)).train.muon_lr == 0.02
+
+
+def test_an_empty_wandb_project_does_not_suggest_null():
+    "wandb_project is plain str (null is refused), so its message must not offer 'null for the default' as data_dir's does."
+    with pytest.raises(ConfigError) as e: load_config("hymo_tiny", wandb_project=" ")
+    assert str(e.value) == "train.wandb_project=' ' is empty: give a value"
+    with pytest.raises(ConfigError, match="or null for the default"): load_config("hymo_tiny", data_dir=" ")
+
+
+def test_warmup_suggestion_is_at_least_one_step_when_the_stable_phase_is_short():
+    "With the decay starting at step 5, decay_start // 10 is 0; the suggestion keeps one warmup step."
+    with pytest.raises(ConfigError, match=r"e\.g\. warmup_steps=1\)"):
+        load_config("hymo_tiny", max_steps=10, decay_fraction=0.5, warmup_steps=6)
+
+
+def test_a_wrong_override_is_not_blamed_on_the_preset_that_also_sets_the_key():
+    "hymo_tiny.yaml sets max_steps; a bad max_steps from the command line is the command line's error, not the file's."
+    with pytest.raises(ConfigError) as e: load_config("hymo_tiny", max_steps="ten")
+    assert str(e.value).startswith("train.max_steps: expected int, got str 'ten'")
+    assert "hymo_tiny.yaml" not in str(e.value)
+
+
+def test_to_dict_holds_lists_not_tuples():
+    "to_dict is 'plain' and YAML-ready: tuples become lists, so it equals the YAML a run folder's config.yaml reads back."
+    d = load_config("hymo_tiny", nope_layers=[3]).to_dict()
+    assert type(d["model"]["mtp_loss_weights"]) is list and type(d["model"]["nope_layers"]) is list
+    assert type(d["train"]["adamw_betas"]) is list
+    assert d["model"]["mtp_loss_weights"] == [0.3, 0.1]
+
+
+def test_a_train_key_at_the_top_level_of_a_file_is_refused(tmp_path):
+    "A key written without its section (seed: 1 at column 0) is not silently dropped."
+    p = tmp_path / "flat.yaml"
+    p.write_text("base: hymo_tiny\nseed: 1\n")
+    with pytest.raises(ConfigError, match=r"has the sections .*found \['base', 'seed'\]"):
+        load_config(str(p))

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import hymo.training.optim as optim
-from hymo.config import load_config
+from hymo.config import TrainingConfig, load_config
 from hymo.training.optim import (CautiousAdamW, NorMuon, build_optimizers, newton_schulz, param_group, param_table,
                                  weight_decay_term, wsd_lambda, wsd_schedule)
 
@@ -807,3 +807,11 @@ def test_normuon_compiles_the_update_where_it_should(monkeypatch):
         assert optim.FUSED_MIN_NUMEL == 2048 * 2048
         step((2048, 2048), None, "cuda"); step((2048, 2047), None, "cuda"); step((2048, 2048), False, "cuda")
         assert calls == [(2048, 2048)]
+
+
+def test_wsd_refuses_warmup_one_step_past_the_decay_start():
+    "decay starts at step 5 (10 steps, half decay): warmup_steps=5 is the limit, 6 is refused (even unvalidated)."
+    cfg = TrainingConfig(max_steps=10, decay_fraction=0.5, warmup_steps=5, decay_shape="linear")
+    assert wsd_schedule(4, cfg) == 1.0
+    with pytest.raises(ValueError, match="warmup_steps=6 runs into the decay"):
+        wsd_schedule(0, dataclasses.replace(cfg, warmup_steps=6))

@@ -523,6 +523,21 @@ def test_a_checkpoint_one_rank_cannot_read_for_now_stops_every_rank_with_one_lin
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
+def test_a_trainer_whose_run_folder_another_trainer_moved_on_is_refused(tmp_path):
+    """Two Trainers of one folder in one process (a notebook's cell run twice): the lock is this process's, so both may
+    train; the one behind would write over the other's checkpoints and metrics. Either one behind the folder is refused."""
+    from hymo.config import ConfigError
+    t1 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)
+    t1.fit(2)
+    t2 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)  # resumes at step 2
+    t2.fit(2)
+    with pytest.raises(ConfigError, match=r"checkpoint of step 4, past this Trainer's step 2.*new Trainer"): t1.fit(2)
+    t2.fit(2)  # the one at the folder's newest checkpoint goes on
+    assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    t3 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)  # at step 6
+    assert t3.step == 6 and len(t3.fit()) == 2
+
+
 def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):
     """A backup copy step_000002.bak used to crash every resume (int('000002.bak')); a checkpoint missing its meta.json
     was skipped silently and later overwritten instead of being kept as damaged."""

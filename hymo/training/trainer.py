@@ -1113,6 +1113,12 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
+    newest = list_checkpoints(self.run_dir) if self.d.is_main else []  # the lock is the process's: two Trainers share it
+    ahead = checkpoint_step(newest[-1]) if newest and checkpoint_step(newest[-1]) > self.step else None
+    if not self._agree(ahead is None):
+        raise ConfigError(f"{self.run_dir} holds a checkpoint of step {ahead or '(see rank 0)'}, past this Trainer's step "
+                          f"{self.step}: another Trainer in this process has trained on in that folder. Make a new Trainer "
+                          "to continue from its newest checkpoint (this one would write over those steps)")
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
     lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
             if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]
