@@ -552,6 +552,8 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
 # the two, `DIR` is missing, and reading it says where the old dataset is and how to rename it
 # back. If two processes prepare the same data at once (say every rank of a `torchrun`), the
 # second to finish finds a dataset with the same fingerprint already in place and drops its own copy.
+# With three, one may move another's copy aside to put its own in just as the third renames: the third
+# finds no dataset where its rename was refused, and tries the rename again rather than failing.
 #
 # What the swap needs of `DIR` is checked before any work: a link named as `--out` is followed (the folder it
 # names is replaced, on its own file system, and the link keeps pointing at it); a mount point cannot be renamed,
@@ -646,16 +648,18 @@ def _install(tmp: Path, out: Path, fingerprint: str):
     "Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there."
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     old = None
-    if out.exists():
+    try:
         if any(out.iterdir()):
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(out, old)
         else: out.rmdir()
+    except FileNotFoundError: old = None  # none there, or another process just moved it aside to install its own
     to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
-    try: os.replace(tmp, out)
-    except OSError:  # another process installed `out` between our check and our rename
-        if not _same_dataset(out, fingerprint): raise
-        shutil.rmtree(tmp)
+    for tries_left in (2, 1, 0):  # another process may install `out` between our check and our rename ...
+        try: os.replace(tmp, out); break
+        except OSError:
+            if _same_dataset(out, fingerprint): shutil.rmtree(tmp); break
+            if tries_left == 0 or out.exists(): raise  # ... and a third move it aside again before we look: try again
     to_disk(out.parent)  # the rename itself, before the old dataset goes: a power cut leaves one of the two whole
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 

@@ -11,7 +11,8 @@ import torch
 
 import hymo.training.data as D
 from hymo.training.data import (CORPUS, EOT, DataError, TokenLoader, check_compatible, doc_cu_seqlens, load_manifest,
-                                load_tokenizer, prepare, prepare_default, split_text, token_dtype, train_tokenizer)
+                                load_tokenizer, prepare, prepare_default, split_text, split_train_val, token_dtype,
+                                train_tokenizer)
 
 VOCAB = 300
 
@@ -364,6 +365,28 @@ def test_concurrent_prepares_agree(text, tmp_path):
         outs = list(ex.map(lambda _: prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False), range(3)))
     assert outs == [tmp_path / "ds"] * 3 and sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     check_compatible(tmp_path / "ds", VOCAB)
+
+
+def test_an_install_whose_rename_meets_another_installs_swap_retries(text, tmp_path, monkeypatch):
+    """Three prepares of one dataset at once: B's rename onto `out` fails (C has just installed its copy there), and
+    before B looks, D moves C's copy aside to put its own in. B then saw no dataset and raised ENOTEMPTY; now it tries
+    the rename again."""
+    import shutil
+    from pathlib import Path
+    src = prepare(text, tmp_path / "src", vocab_size=VOCAB, progress=False)
+    out, tmp = tmp_path / "ds", tmp_path / ".ds.tmp-B"
+    shutil.copytree(src, tmp)
+    real, fp, raced = os.replace, load_manifest(src)["fingerprint"], []
+    def swap(a, b):
+        if Path(a) == tmp and not raced:
+            raced.append(1)
+            shutil.copytree(src, out)  # C installs
+            try: return real(a, b)  # ENOTEMPTY
+            finally: real(out, tmp_path / ".ds.old-D")  # D moves C's copy aside
+        return real(a, b)
+    monkeypatch.setattr(D.os, "replace", swap)
+    D._install(tmp, out, fp)
+    assert raced and not tmp.exists() and load_manifest(out)["fingerprint"] == fp
 
 
 def test_unreadable_inputs_are_data_errors(tmp_path):
@@ -949,3 +972,51 @@ def test_a_folder_given_as_dot_is_named_as_itself(text, tmp_path, monkeypatch):
     assert [n for _, n in find_files(".")] == ["texts/a.txt"]
     monkeypatch.chdir(tmp_path)
     assert [n for _, n in find_files("texts")] == [n for _, n in find_files("texts/../texts")] == ["texts/a.txt"]
+
+
+# Found by mutation testing hymo/training/data.py
+def test_the_validation_cut_counts_bytes_of_non_ascii_text(tmp_path):
+    """val_fraction is a fraction of UTF-8 bytes: Cyrillic (2 bytes a letter) must get the same ~10% validation as
+    English, not none (position counted in characters) nor half (total counted in characters)."""
+    assert list(split_train_val(["ééé\n", "ééé\n"], 14, 0.5)) == [("train", "ééé\n"), ("val", "ééé\n")]
+    line = "Быть или не быть, вот в чём вопрос.\n"
+    src = tmp_path / "ru.txt"
+    src.write_text("".join(f"{i}: {line}\n" for i in range(400)), encoding="utf-8")
+    m = load_manifest(prepare(src, tmp_path / "ds", vocab_size=300, val_fraction=0.1, progress=False))
+    train, val = m["splits"]["train"]["bytes"], m["splits"]["val"]["bytes"]
+    cut = int(0.9 * (train + val))
+    assert cut <= train < cut + len(f"399: {line}".encode("utf-8"))  # the first line boundary at or after the cut
+
+
+def test_document_masking_uses_the_dataset_s_end_of_text_id(tmp_path):
+    "A given tokenizer may put <|endoftext|> at an id other than 0: cu_seqlens must start documents at that id."
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    docs = [f"doc {i} " + "word " * (i % 7 + 1) + "\n" for i in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", EOT], show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    eot = tok.token_to_id(EOT)
+    assert eot != 0
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    ds = prepare(tmp_path / "d.jsonl", tmp_path / "ds", tokenizer=tmp_path / "tok.json", val_fraction=0.0, progress=False)
+    T, B = 16, 2
+    x, _, cu = TokenLoader(ds, seq_len=T, micro_batch_size=B, doc_masking=True).batch(0)
+    flat = x.reshape(-1)
+    starts = sorted({r * T for r in range(B)} | set(torch.nonzero(flat == eot).squeeze(1).tolist()))
+    assert (flat == eot).any() and cu.tolist() == starts + [B * T]
+
+
+def test_a_window_longer_than_the_shards_before_the_last_reads_the_stream(tmp_path):
+    "Window 0 of a split whose first shard is shorter than seq_len + 1: tokens 0..T of the stream, not of the last shard."
+    src = tmp_path / "a.txt"
+    src.write_text("".join(f"Speech {i}: to be or not to be, that is the question.\n\n" for i in range(60)))
+    n = load_manifest(prepare(src, tmp_path / "one", vocab_size=300, val_fraction=0.0, progress=False))["splits"]["train"]["tokens"]
+    S = n - n // 3  # two shards: S tokens, then n // 3
+    ds = prepare(src, tmp_path / "two", vocab_size=300, val_fraction=0.0, shard_tokens=S, progress=False)
+    m = load_manifest(ds)
+    assert [s["tokens"] for s in m["splits"]["train"]["shards"]] == [S, n - S]
+    stream = np.concatenate([np.load(ds / s["file"]) for s in m["splits"]["train"]["shards"]])
+    x, y = next(iter(TokenLoader(ds, seq_len=S, micro_batch_size=1, eval_only=True).eval_batches(1)))  # window 0
+    assert np.array_equal(x[0].numpy(), stream[:S]) and np.array_equal(y[0].numpy(), stream[1:S + 1])
