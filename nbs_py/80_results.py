@@ -279,7 +279,18 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 34)
+# ## The round log: what each round changed and measured (rounds 6 to 35)
+# * **Round 35 (2026-12-06): an H100 80GB HBM3 for the step, an H200 for the tests; no change to the
+#   step since round 33 (commit 68ac275).** The preset step took 6.766 and 6.771 s (the slower of
+#   the two is the row's: 34.6 % MFU, 77.4 k tokens/s, 50.6 GB allocated, 52.8 GB reserved); with
+#   `--timeline` the host took 206 ms to issue a micro-batch and the GPU spanned 208 ms, never
+#   running dry. The whole test suite ran under torch 2.11 and Triton 3.6 for the first time. On the
+#   H100 (cut at 330 s) it found five tests that assumed a CPU or PyYAML 6.0.3, not faults of the
+#   package; once they were fixed, on an H200 (commit fa82180), 835 passed and none failed, in 237 s
+#   on 15 workers, among them the fused NorMuon update on CUDA and the two-rank FSDP tests (on the
+#   CPU, gloo). The 38 skipped are mostly the kernels through Triton 3.6's interpreter, which NumPy
+#   2.5 breaks there (`gdn_verify.py` checks them on the GPU instead); the rest need what that
+#   machine lacks (wandb) or a machine without a GPU.
 # * **Round 34: an H100 80GB HBM3 came for the H200 asked; no change to the step since round 33
 #   (commit b6765c4).** The preset step took 6.794 and 6.805 s (34.5 % MFU, 77.0 k
 #   tokens/s, 50.6 GB), as round 33's; with `--timeline` the host took 207 ms to issue a micro-batch
