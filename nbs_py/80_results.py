@@ -48,7 +48,7 @@
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
 # number is in a row of the tables below, or in its note. Rounds 31 to 35 (2026-12-05 and 06) could
-# get only an H100: their numbers are in the round log, not in the "measured" column here, except
+# get only an H100 for the step (round 35 ran the tests on an H200): their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
 # | target | measured | met |

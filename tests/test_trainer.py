@@ -472,7 +472,7 @@ def test_a_damaged_checkpoint_metadata_is_one_warning_line_without_dcps_tracebac
     assert t.step == 2 and "Traceback" not in err and "metadata is not found" not in err, err
 
 
-@pytest.mark.parametrize("fault", ["rank file", "shard"])
+@pytest.mark.parametrize("fault", ["rank file", "shard", "disk"])
 def test_a_checkpoint_that_cannot_be_read_for_now_is_not_set_aside_as_damaged(tmp_path, monkeypatch, fault):
     """A permission error, a failing mount or too many open files says nothing of a checkpoint's contents: the run
     stops with one line and the checkpoint stays. Before, it was renamed damaged-... for good and the run went back a
@@ -484,17 +484,21 @@ def test_a_checkpoint_that_cannot_be_read_for_now_is_not_set_aside_as_damaged(tm
     ckpts = tmp_path / "run" / "checkpoints"
     real_load, real_dcp = torch.load, dcp.load
     def no_access(f, *a, **k):
-        if str(f).endswith("step_000004/rank0.pt"): raise PermissionError(errno.EACCES, "Permission denied", str(f))
+        if str(f).endswith("step_000004/rank0.pt"):
+            if fault == "disk": raise OSError(errno.EIO, "Input/output error", str(f))
+            raise PermissionError(errno.EACCES, "Permission denied", str(f))
         return real_load(f, *a, **k)
     def open_files(state, checkpoint_id, **k):  # as DCP reports a reader's error: wrapped
         if checkpoint_id.endswith("step_000004"):
             from torch.distributed.checkpoint.api import CheckpointException
             raise CheckpointException("load", {0: (OSError(errno.EMFILE, "Too many open files"), None)})
         return real_dcp(state, checkpoint_id=checkpoint_id, **k)
-    if fault == "rank file": monkeypatch.setattr(torch, "load", no_access)
-    else: monkeypatch.setattr(dcp, "load", open_files)
-    reason = "Permission denied" if fault == "rank file" else "Too many open files"
-    with pytest.raises(ConfigError, match=f"step_000004 cannot be read now .*{reason}.*left as it is"):
+    if fault == "shard": monkeypatch.setattr(dcp, "load", open_files)
+    else: monkeypatch.setattr(torch, "load", no_access)
+    reason = {"rank file": "Permission denied.*permissions", "shard": "Too many open files.*too many open files",
+              "disk": "Input/output error.*the disk or its mount may be failing"}[fault]
+    with pytest.raises(ConfigError, match=f"step_000004 cannot be read now .*{reason}.*set it aside: "
+                                          f"mv {ckpts / 'step_000004'} {ckpts / 'damaged-step_000004'}$"):
         make(tmp_path / "run", max_steps=8, warmup_steps=1)
     assert [p.name for p in sorted(ckpts.iterdir())] == ["step_000002", "step_000004"]
     monkeypatch.undo()  # the fault passes: the run resumes where it was
@@ -523,19 +527,24 @@ def test_a_checkpoint_one_rank_cannot_read_for_now_stops_every_rank_with_one_lin
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
 
 
-def test_a_trainer_whose_run_folder_another_trainer_moved_on_is_refused(tmp_path):
-    """Two Trainers of one folder in one process (a notebook's cell run twice): the lock is this process's, so both may
-    train; the one behind would write over the other's checkpoints and metrics. Either one behind the folder is refused."""
+def test_a_trainer_whose_run_folder_a_newer_trainer_took_over_is_refused(tmp_path):
+    """Two Trainers of one folder in one process (a notebook's cell run twice): the lock is this process's, so both
+    could train, and the older would write over the newer's checkpoints and metrics. Only the one made last trains."""
     from hymo.config import ConfigError
     t1 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)
     t1.fit(2)
     t2 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)  # resumes at step 2
-    t2.fit(2)
-    with pytest.raises(ConfigError, match=r"checkpoint of step 4, past this Trainer's step 2.*new Trainer"): t1.fit(2)
-    t2.fit(2)  # the one at the folder's newest checkpoint goes on
+    with pytest.raises(ConfigError, match=r"a newer Trainer in this process took over .*at step 2"): t1.fit(2)
+    t2.fit(4)
     assert [m["step"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
-    t3 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)  # at step 6
-    assert t3.step == 6 and len(t3.fit()) == 2
+    # a rewind: t4 goes back to step 4 and sets step 6 aside; t3, at step 6, is the stale one now
+    t3 = make(tmp_path / "run", max_steps=8, ckpt_every=2, warmup_steps=1)
+    t4 = make(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoints" / "step_000004"), max_steps=8, ckpt_every=2,
+              warmup_steps=1)
+    with pytest.raises(ConfigError, match="a newer Trainer"): t3.fit(2)
+    assert t4.step == 4 and len(t4.fit(2)) == 2
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000006", "superseded-step_000006"]
 
 
 def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,9 +224,12 @@ def _unreadable(e: BaseException, ckpt: Path) -> bool:
     fault = _read_fault(e)
     if fault is not None:
         what = f"{fault.filename}: {fault.strerror}" if fault.filename else fault.strerror
-        raise ConfigError(f"{ckpt} cannot be read now ({what}). That says nothing of its contents, so it is left as "
-                          "it is: fix the cause (permissions, the mount, too many open files) and run the same command "
-                          "again; were its files lost, rename the folder to resume from the checkpoint before") from None
+        cause = ("the disk or its mount may be failing" if fault.errno == errno.EIO else
+                 "permissions, the mount, too many open files")
+        aside = Path(ckpt).with_name(f"damaged-{Path(ckpt).name}")
+        raise ConfigError(f"{ckpt} cannot be read now ({what}). That need not be damage in its files, so it is left as "
+                          f"it is: fix the cause ({cause}) and run the same command again; to resume from the checkpoint "
+                          f"before instead, set it aside: mv {ckpt} {aside}") from None
     if isinstance(e, torch.OutOfMemoryError): return False  # a RuntimeError, but not the files' fault
     return isinstance(e, (OSError, EOFError, KeyError, RuntimeError, json.JSONDecodeError, pickle.UnpicklingError,
                           CheckpointException))
@@ -320,6 +324,7 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
 
 # %% ../../nbs/70_trainer.ipynb #68855c69
 _HELD_LOCKS: dict[Path, object] = {}  # run folder -> its open .lock file, for the life of this process
+_FOLDER_USERS: dict[Path, weakref.ref] = {}  # run folder -> the Trainer of this process made in it last
 RUN_MARKS = (".lock", "metrics.jsonl", "checkpoints/step_...", "wandb/hymo_run_id")  # what only a HyMo run writes
 
 
@@ -433,6 +438,7 @@ class Trainer:
         self._create_run_dir()  # only now: a mistake leaves no empty run folder
         self._lock_run_dir()  # a new folder: now that it exists
         self._remove_partial_checkpoints()
+        _FOLDER_USERS[self.run_dir.resolve()] = weakref.ref(self)  # the folder's Trainer in this process now (see `fit`)
 
     def _create_run_dir(self):
         "Create the run folder (rank 0); a new timestamped one that another run took first moves on to the next name."
@@ -1113,12 +1119,11 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     from tqdm.auto import tqdm
     end = self.cfg.max_steps if num_steps is None else min(self.cfg.max_steps, self.step + num_steps)
     self.stopped_by = None  # a stop asked for before fit, or one that ended the last call, does not stop this one
-    newest = list_checkpoints(self.run_dir) if self.d.is_main else []  # the lock is the process's: two Trainers share it
-    ahead = checkpoint_step(newest[-1]) if newest and checkpoint_step(newest[-1]) > self.step else None
-    if not self._agree(ahead is None):
-        raise ConfigError(f"{self.run_dir} holds a checkpoint of step {ahead or '(see rank 0)'}, past this Trainer's step "
-                          f"{self.step}: another Trainer in this process has trained on in that folder. Make a new Trainer "
-                          "to continue from its newest checkpoint (this one would write over those steps)")
+    user = _FOLDER_USERS.get(self.run_dir.resolve())  # the lock is the process's: two Trainers of a folder share it
+    if user is not None and user() is not self:  # every rank alike: each process made its Trainers in the same order
+        raise ConfigError(f"a newer Trainer in this process took over {self.run_dir} (it resumed there after this one "
+                          f"was made, at step {self.step}): train with that one, or make a new Trainer to continue from "
+                          "the folder's newest checkpoint. This one would write over what the other did there")
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
     lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
             if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]
