@@ -393,6 +393,7 @@ def test_resume_with_a_smaller_micro_batch_reads_the_same_windows(tmp_path):
     straight.fit(2)
     loader = straight.train_loader
     want = sorted(int(k) for p in range(loader.step, loader.step + straight.accum) for k in loader.window_ids(p))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # the straight run goes on there: a folder trains one Trainer at a time
     halved = make(tmp_path / "a", max_steps=6, micro_batch_size=2, global_batch_size=8, **dropless)
     assert halved.step == 2 and halved.accum == 4
     assert any("micro-batches of 4, now 4 of 2" in w for w in halved.resume_warnings), halved.resume_warnings
@@ -400,6 +401,7 @@ def test_resume_with_a_smaller_micro_batch_reads_the_same_windows(tmp_path):
     got = sorted(int(k) for p in range(loader.step, loader.step + halved.accum) for k in loader.window_ids(p))
     assert got == want
     m = halved.fit(1)[0]
+    straight = make(tmp_path / "b", max_steps=6, micro_batch_size=4, global_batch_size=8, **dropless)
     assert abs(m["loss"] - straight.fit(1)[0]["loss"]) < 1e-4
 
 
@@ -2100,3 +2102,170 @@ def test_a_stop_asked_for_before_fit_does_not_stop_it(tmp_path):
     t = make(tmp_path / "run", max_steps=6)
     t.request_stop("a request")
     assert [m["step"] for m in t.fit(num_steps=2)] == [1, 2] and t.stopped_by is None
+
+
+# Found by mutation testing trainer.py and train.py: each docstring names the mutant (an id of that pass) it fails on
+def test_a_model_setting_of_the_same_shapes_is_a_warning_not_a_refusal():
+    "rc3 (refuse any model change) and rc4 (model changes not warned): moe_capacity_factor=None after an OOM, say."
+    from hymo.training.trainer import resume_changes
+    old = load_config("hymo_tiny", **{**FAST, "max_steps": 20})
+    new = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "moe_capacity_factor": None})
+    notes = resume_changes(json.loads(json.dumps(old.to_dict())), new.model, new.train, step=3)
+    assert any(n.startswith("model settings differ") and "moe_capacity_factor" in n and "-> None" in n for n in notes), notes
+
+
+def test_a_small_jump_of_the_learning_rate_is_said_too():
+    "rc8 (`> 1e-9` -> `> 0.5`): a longer decay at a resume moves the rate mid-decay from 0.553 to 0.423 of the peak."
+    from hymo.training.trainer import resume_changes
+    old = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "decay_fraction": 0.2})
+    new = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "decay_fraction": 0.25})
+    notes = resume_changes(json.loads(json.dumps(old.to_dict())), new.model, new.train, step=16)
+    assert any("jumps from 0.553 to 0.423" in n for n in notes), notes
+
+
+def test_checkpoints_past_six_digits_are_ordered_by_step(tmp_path):
+    "lc3 (sorted by name) and cs1 (last 6 digits): step_1000000 is newer than step_999999, not older."
+    from hymo.training.trainer import checkpoint_step, list_checkpoints
+    ck = tmp_path / "checkpoints"
+    for s in (100, 999999, 1000000): fake_ckpt(ck / f"step_{s:06d}", s)
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [100, 999999, 1000000]
+
+
+def test_a_file_named_like_a_checkpoint_is_not_one(tmp_path):
+    "lc2 (no is_dir): a stray file step_000010 was listed as the newest checkpoint."
+    from hymo.training.trainer import list_checkpoints
+    fake_ckpt(tmp_path / "checkpoints" / "step_000004", 4)
+    (tmp_path / "checkpoints" / "step_000010").write_text("not a folder")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004"]
+
+
+def test_a_tmp_missing_a_rank_file_or_metadata_is_not_a_cut_short_rename(tmp_path):
+    "cr2 (no _whole), wh1 (only rank 0's file checked), wh2 (no .metadata check): an incomplete .tmp must not be renamed."
+    from hymo.training.trainer import cut_short_renames
+    tmp = fake_ckpt(tmp_path / "checkpoints" / "step_000006.tmp", 6, world_size=2)
+    assert cut_short_renames(tmp_path) == [tmp]
+    (tmp / "rank1.pt").unlink()
+    assert cut_short_renames(tmp_path) == []
+    (tmp / "rank1.pt").write_bytes(b""); (tmp / ".metadata").unlink()
+    assert cut_short_renames(tmp_path) == []
+
+
+def test_a_run_folder_with_only_its_wandb_id_is_a_run_folder(tmp_path):
+    "ir1 (only metrics.jsonl counted): a wandb run that crashed before its first step is still a HyMo run folder."
+    from hymo.training.trainer import is_run_folder
+    (tmp_path / "a" / "wandb").mkdir(parents=True); (tmp_path / "a" / "wandb" / "hymo_run_id").write_text("x")
+    (tmp_path / "b").mkdir(); (tmp_path / "b" / ".lock").write_text("")
+    assert is_run_folder(tmp_path / "a") and is_run_folder(tmp_path / "b")
+
+
+def test_a_complete_tmp_of_the_newest_step_is_removed_not_kept_as_newer(tmp_path):
+    "rp1 (`>` -> `>=`): a re-save of the newest step killed before its rename is only space; it was kept with a false warning."
+    from hymo.training.trainer import Dist, Trainer
+    fake_ckpt(tmp_path / "checkpoints" / "step_000004", 4)
+    tmp = fake_ckpt(tmp_path / "checkpoints" / "step_000004.tmp", 4)
+    said = []
+    Trainer._remove_partial_checkpoints(SimpleNamespace(d=Dist(), run_dir=tmp_path, _whole=Trainer._whole, log=said.append))
+    assert not tmp.exists() and not any("newer than every checkpoint" in s for s in said), said
+
+
+def test_a_resharded_resume_without_a_readable_rank0_file_continues_from_meta(tmp_path):
+    "sl2 (no meta.json fallback): another number of ranks and no rank0.pt restarted the data at window 0."
+    make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)  # 16 windows read
+    ck = tmp_path / "a" / "checkpoints" / "step_000002"
+    (ck / "meta.json").write_text(json.dumps({**json.loads((ck / "meta.json").read_text()), "world_size": 2}))
+    (ck / "rank0.pt").unlink()
+    t = make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8)
+    assert (t.step, t.train_loader.step) == (2, 16 // 4)
+
+
+def test_an_unchanged_accumulation_resumes_without_a_warning(tmp_path):
+    "sl4 (the saved accum overridden by 1): a plain resume with 2 micro-batches a step warned of a changed split."
+    make(tmp_path / "a", max_steps=6, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)
+    t = make(tmp_path / "a", max_steps=6, micro_batch_size=4, global_batch_size=8, ckpt_every=2)
+    assert t.step == 2 and t.resume_warnings == []
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped(tmp_path):
+    "bs3 (only the losses checked): an inf gradient (an overflow in backward) was applied, and every weight became NaN."
+    t = make(tmp_path / "run", max_steps=4)
+    p = next(t.model.parameters())
+    before = p.detach().clone()
+    h = p.register_hook(lambda g: torch.full_like(g, float("inf")))
+    m = t.train_step()
+    h.remove()
+    assert m["skipped"] and t.bad_steps == 1 and torch.equal(p, before)
+
+
+def test_the_nonfinite_error_names_the_newest_checkpoint(tmp_path, monkeypatch):
+    "bs5 (last[0]): with several checkpoints kept, the message sent the user to the oldest, not the last good one."
+    from hymo.training.trainer import NonFiniteError
+    t = make(tmp_path / "run", max_steps=10, max_bad_steps=1, ckpt_every=2, keep_last_k=3)
+    t.fit(num_steps=4)
+    real = type(t.model).forward
+    monkeypatch.setattr(type(t.model), "forward", lambda self, tokens, targets=None, cu_seqlens=None: (
+        lambda o: (o[0] * float("nan"), o[1]))(real(self, tokens, targets=targets, cu_seqlens=cu_seqlens)))
+    with pytest.raises(NonFiniteError, match="The last good checkpoint is .*step_000004;"):
+        t.fit()
+
+
+def test_a_stop_during_a_non_finite_streak_writes_no_checkpoint(tmp_path, monkeypatch):
+    "bs9 (the streak check dropped from fit's stop save): a stop right after a skipped step checkpointed mid-streak."
+    from hymo.training.trainer import Trainer, list_checkpoints
+    t = make(tmp_path / "run", max_steps=6, max_bad_steps=3)
+    real_forward, real_step = type(t.model).forward, Trainer.train_step
+    def nan_forward(self, tokens, targets=None, cu_seqlens=None):
+        loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+        return (loss * float("nan"), parts) if t.step == 1 else (loss, parts)
+    def step_then_stop(self):
+        m = real_step(self)
+        if self.step == 2: self.request_stop()
+        return m
+    monkeypatch.setattr(type(t.model), "forward", nan_forward)
+    monkeypatch.setattr(Trainer, "train_step", step_then_stop)
+    ms = t.fit()
+    assert [m["skipped"] for m in ms] == [False, True] and list_checkpoints(t.run_dir) == []
+
+
+def test_a_lowered_keep_last_k_prunes_down_to_k(tmp_path):
+    "kk3 (at most one old checkpoint pruned per save): lowering keep_last_k at a resume to free space kept the others."
+    from hymo.training.trainer import list_checkpoints
+    make(tmp_path / "run", max_steps=8, ckpt_every=1, keep_last_k=5).fit(4)
+    t = make(tmp_path / "run", max_steps=8, ckpt_every=1, keep_last_k=1)
+    t.fit(1)
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000005"]
+
+
+def test_discarded_metrics_accumulate_one_json_object_a_line(tmp_path):
+    "tm5 (discarded file opened 'w'): a second resume lost the first one's lines; tm3: a cut-short line glued to the next."
+    from hymo.training.trainer import trim_metrics
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1}\n{"step": 2}\n{"step": 3')  # a crash in the middle of step 3's line
+    trim_metrics(tmp_path, 1, log=lambda m: None)
+    f.write_text(f.read_text() + '{"step": 2}\n')
+    trim_metrics(tmp_path, 1, log=lambda m: None)
+    assert (tmp_path / "metrics.discarded.jsonl").read_text().splitlines() == ['{"step": 2}', '{"step": 3', '{"step": 2}']
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_not_restarted(tmp_path):
+    "re1 (the all-damaged refusal disabled): the run silently started again at step 0 in its own folder."
+    make(tmp_path / "run", max_steps=6, ckpt_every=2, keep_last_k=3).fit(4)
+    for c in ("step_000002", "step_000004"): (tmp_path / "run" / "checkpoints" / c / ".metadata").unlink()
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* can be read \(step_000004, step_000002"):
+        make(tmp_path / "run", max_steps=6)
+
+
+def test_a_rewind_sets_aside_the_checkpoint_one_step_later(tmp_path):
+    "re2 (`> step` -> `> step + 1`): with ckpt_every=1 the next step's checkpoint of the old lineage stayed a checkpoint."
+    from hymo.training.trainer import list_checkpoints
+    make(tmp_path / "run", max_steps=8, ckpt_every=1, keep_last_k=5).fit(3)
+    ck = tmp_path / "run" / "checkpoints"
+    t = make(tmp_path / "run", resume=ck / "step_000002", max_steps=8, ckpt_every=1, keep_last_k=5)
+    assert t.step == 2 and [p.name for p in list_checkpoints(t.run_dir)] == ["step_000001", "step_000002"]
+    assert (ck / "superseded-step_000003").is_dir()
+
+
+def test_override_values_of_only_spaces_or_padded_text(tmp_path):
+    "po2 (`not v`): 'data_dir= ' became None (the bundled corpus) without a word; po4: run_dir= 007 kept the space."
+    from hymo.train import parse_overrides
+    with pytest.raises(ConfigError, match="has no value"): parse_overrides(["data_dir= "])
+    assert parse_overrides(["run_dir= 007"]) == {"run_dir": "007"}
