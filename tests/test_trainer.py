@@ -57,6 +57,8 @@ def read_jsonl(path):
 
 
 CPU_RANKS = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU, GPU or not
+TWO_RANK_RUN = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
+                "warmup_steps=1"]  # a quick run for two ranks (each micro-batch 2 of the 4 windows), a checkpoint every 2 steps
 
 
 def torchrun(*args, cwd, timeout=400):
@@ -509,8 +511,7 @@ def test_a_checkpoint_that_cannot_be_read_for_now_is_not_set_aside_as_damaged(tm
 
 def test_a_checkpoint_one_rank_cannot_read_for_now_stops_every_rank_with_one_line(tmp_path):
     "rank 1 meets a permission error on its own file: both ranks stop (none waits in a collective), the checkpoint stays."
-    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
-            "warmup_steps=1", "run_dir=two", "max_steps=4"]
+    args = [*TWO_RANK_RUN, "run_dir=two", "max_steps=4"]
     assert torchrun("-m", "hymo.train", *args, cwd=tmp_path, timeout=300).returncode == 0
     script = tmp_path / "rank1_no_access.py"
     script.write_text(
@@ -1048,8 +1049,7 @@ def test_ranks_whose_clocks_differ_share_the_new_run_folder(tmp_path):
         "    real = time.strftime\n"
         "    time.strftime = lambda f, t=None: real(f, time.localtime((t or time.time()) + 86400) if t is None else t)\n"
         "main(sys.argv[1:])\n")
-    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
-            "warmup_steps=1", "max_steps=2"]
+    args = [*TWO_RANK_RUN, "max_steps=2"]
     r = torchrun(str(script), *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = list((tmp_path / "runs").iterdir())
@@ -1063,8 +1063,7 @@ def test_ranks_whose_clocks_differ_share_the_new_run_folder(tmp_path):
 
 def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_path):
     """Damage that only rank 1 sees (its own rank1.pt) sends both ranks back to the previous checkpoint, with no hang."""
-    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
-            "warmup_steps=1", "run_dir=two"]
+    args = [*TWO_RANK_RUN, "run_dir=two"]
     first = torchrun("-m", "hymo.train", *args, "max_steps=4", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     (tmp_path / "two" / "checkpoints" / "step_000004" / "rank1.pt").write_bytes(b"cut short")
@@ -1559,8 +1558,7 @@ def test_a_dataset_one_rank_cannot_read_stops_every_rank_with_one_line(tmp_path)
 def test_a_disk_error_on_one_rank_stops_every_rank_with_one_line(tmp_path, where):
     """A full disk (or a refused rename) on one rank while a checkpoint is written: every rank stops promptly with
     the one-line error, none waits at a barrier; the previous checkpoint stays, and the same command resumes from it."""
-    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
-            "warmup_steps=1", "run_dir=two", "max_steps=6"]
+    args = [*TWO_RANK_RUN, "run_dir=two", "max_steps=6"]
     script = tmp_path / "fail_at_step_4.py"
     script.write_text(
         "import errno, os, sys\nfrom hymo.training import trainer\nfrom hymo.train import main\n"
@@ -1615,8 +1613,7 @@ def test_a_rank_killed_while_writing_its_checkpoint_file_leaves_no_complete_look
     """rank 0's meta.json marks a checkpoint folder complete, so it is written only once every rank's file is in.
     Before, rank 0 wrote it right after its own file: a rank killed half-way through its rankN.pt left a folder that
     the next start took for a complete one cut short at its rename, named it a checkpoint and failed to read it."""
-    args = ["seq_len=32", "micro_batch_size=2", "global_batch_size=4", "eval_every=0", "ckpt_every=2", "sample_tokens=4",
-            "warmup_steps=1", "run_dir=two", "max_steps=6"]
+    args = [*TWO_RANK_RUN, "run_dir=two", "max_steps=6"]
     script = tmp_path / "killed_at_step_4.py"
     script.write_text(
         "import io, os, sys, time, torch\nfrom hymo.train import main\n"
