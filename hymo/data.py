@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 
 from .train import _Once
-from .training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, _real_out, check_compatible, load_manifest, prepare
+from .training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, _real_out, check_compatible, load_manifest, prepare, to_devnull
 
 # %% ../nbs/61_data_cli.ipynb #ff3f8f78
 def _parser() -> argparse.ArgumentParser:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                                "the same command prepares it again" if args.command == "prepare" else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # `... info DIR | head`: the reader has what it wanted and closed the pipe
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        to_devnull(sys.stdout)
         return 0
     except OSError as e:
         msg = _out_error(e, Path(args.out)) if args.command == "prepare" else None

@@ -11,7 +11,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -20,7 +19,7 @@ import torch
 
 from .config import TRITON_CHUNK, ConfigError, load_config
 from .models.model import HyMo, build_hymo
-from .training.data import EOT
+from .training.data import EOT, to_devnull
 
 # %% auto #0
 __all__ = ['RUN_FILES', 'run_config', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'newer_checkpoint_note',
@@ -223,7 +222,7 @@ def main(argv: list[str] | None = None) -> str:
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except BrokenPipeError:  # `... | head`: the reader has what it wanted and closed the pipe
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        to_devnull(sys.stdout)
         return "".join(shown)
     except KeyboardInterrupt:
         if shown: print(flush=True)

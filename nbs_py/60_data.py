@@ -441,6 +441,13 @@ def to_disk(f):
     else: f.flush(); os.fsync(f.fileno())
 
 
+def to_devnull(stream):
+    "Point `stream`'s file descriptor at /dev/null: once its reader has gone (`| head`), what is still buffered, and Python's exit, flush into nothing."
+    null = os.open(os.devnull, os.O_WRONLY)
+    try: os.dup2(null, stream.fileno())
+    finally: os.close(null)
+
+
 def _write_synced(path: Path, data: str | bytes):
     "Write `path` and flush it to the disk: a dataset is renamed into place only once all of it is there."
     with open(path, "wb") as f: f.write(data.encode("utf-8") if isinstance(data, str) else data); to_disk(f)

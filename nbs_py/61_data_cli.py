@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 
 from hymo.train import _Once
-from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, _real_out, check_compatible, load_manifest, prepare
+from hymo.training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, _real_out, check_compatible, load_manifest, prepare, to_devnull
 
 # %%
 import subprocess
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                                "the same command prepares it again" if args.command == "prepare" else ""), file=sys.stderr)
         return 130
     except BrokenPipeError:  # `... info DIR | head`: the reader has what it wanted and closed the pipe
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        to_devnull(sys.stdout)
         return 0
     except OSError as e:
         msg = _out_error(e, Path(args.out)) if args.command == "prepare" else None

@@ -56,7 +56,7 @@ import torch.nn as nn
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
-from hymo.training.data import DataError, TokenLoader, check_compatible, prepare_default, read_tokenizer, to_disk, tokenizer_from_json
+from hymo.training.data import DataError, TokenLoader, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -1254,12 +1254,9 @@ def load(self: Trainer, ckpt: Path):
         extra = torch.load(mine, weights_only=False) if same_ranks else None  # missing: damaged, as a cut one is
         if not (ckpt / ".metadata").exists(): raise FileNotFoundError(f"{ckpt / '.metadata'} is missing")
     except Exception as e: error = e
-    fault = _read_fault(error)
-    if self.d.distributed:  # one rank's read fault stops every rank (below, in `_unreadable`), before any agrees on damage
-        code = torch.tensor([fault.errno if fault is not None else 0], device=self.d.device)
-        dist.all_reduce(code, op=dist.ReduceOp.MAX)
-        if fault is None and int(code): fault = OSError(int(code), f"{os.strerror(int(code))} (on another rank)")
-    if fault is not None: raise fault
+    def no_read_fault():  # one rank's stops every rank (`_together`; then `_unreadable` says so), before any agrees on damage
+        if (fault := _read_fault(error)) is not None: raise fault
+    self._together(no_read_fault, ckpt)
     if error is not None and not _unreadable(error, ckpt): raise error
     if not self._agree(error is None):
         raise error or CheckpointUnreadable(f"another rank cannot read its files in {ckpt}")
@@ -1411,10 +1408,7 @@ class _Guarded:
         except OSError as e:
             if e.errno not in (errno.EPIPE, errno.EIO): raise
             self.gone = True
-            try:  # what is still buffered, and Python's exit, flush into nothing
-                null = os.open(os.devnull, os.O_WRONLY)
-                try: os.dup2(null, self.stream.fileno())
-                finally: os.close(null)
+            try: to_devnull(self.stream)
             except (OSError, ValueError): pass  # a stream without a file descriptor (a notebook's, pytest's)
             if self.on_lost: self.on_lost(self.name)
 

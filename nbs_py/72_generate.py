@@ -40,7 +40,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -49,7 +48,7 @@ import torch
 
 from hymo.config import TRITON_CHUNK, ConfigError, load_config
 from hymo.models.model import HyMo, build_hymo
-from hymo.training.data import EOT
+from hymo.training.data import EOT, to_devnull
 
 # %%
 import contextlib
@@ -276,7 +275,7 @@ def main(argv: list[str] | None = None) -> str:
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except BrokenPipeError:  # `... | head`: the reader has what it wanted and closed the pipe
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that Python's exit does not flush into it
+        to_devnull(sys.stdout)
         return "".join(shown)
     except KeyboardInterrupt:
         if shown: print(flush=True)

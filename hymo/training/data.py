@@ -28,8 +28,8 @@ from ..config import package_dir
 # %% auto #0
 __all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'LONG_RUN', 'DataError', 'DataWarning', 'split_text',
            'find_files', 'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype',
-           'to_disk', 'load_manifest', 'load_tokenizer', 'tokenizer_from_json', 'read_tokenizer', 'check_compatible',
-           'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens', 'TokenLoader']
+           'to_disk', 'to_devnull', 'load_manifest', 'load_tokenizer', 'tokenizer_from_json', 'read_tokenizer',
+           'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens', 'TokenLoader']
 
 # %% ../../nbs/60_data.ipynb #68bc71f4
 EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
@@ -252,6 +252,13 @@ def to_disk(f):
             if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.ENOSYS, errno.EBADF): raise
         finally: os.close(fd)
     else: f.flush(); os.fsync(f.fileno())
+
+
+def to_devnull(stream):
+    "Point `stream`'s file descriptor at /dev/null: once its reader has gone (`| head`), what is still buffered, and Python's exit, flush into nothing."
+    null = os.open(os.devnull, os.O_WRONLY)
+    try: os.dup2(null, stream.fileno())
+    finally: os.close(null)
 
 
 def _write_synced(path: Path, data: str | bytes):
