@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 35 on H100s (to 2026-12-06)
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 36 on H100s (to 2026-12-06)
 # (their rows say which, the bar chart marks them `[H100]`, and the chart of rounds colours them), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
@@ -47,7 +47,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 to 35 (2026-12-05 and 06) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 36 (2026-12-05 and 06) could
 # get only an H100 for the step (round 35 ran the tests on an H200): their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -55,7 +55,7 @@
 # |---|---|---|
 # | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.81× (round 33, paired, on an H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 14 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path) |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.60× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 15 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path) |
 #
 # The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
 # the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
@@ -279,7 +279,17 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 35)
+# ## The round log: what each round changed and measured (rounds 6 to 36)
+# * **Round 36 (2026-12-06): an H100 80GB HBM3 again; no change to the step since round 33 (commit
+#   b2d23ae).** One machine, three calls. The preset step took 6.706 and 6.718 s (the row's: 34.9 %
+#   MFU, 78.0 k tokens/s, 50.6 GB allocated, 52.8 GB reserved); with `--timeline` the host took
+#   204 ms to issue a micro-batch and the GPU spanned 206 ms, never running dry. The PyTorch GDN
+#   path just after it took 30.89 s (74.8 GB), and the Triton step once more 6.708 s: **4.60×
+#   paired**. `benchmarks/gdn_verify.py --quick` under Triton 3.6
+#   (`gdn_verify_quick_h100_round36.json`): against the fp32 loop, every output and state within
+#   4.8e-3 and every gradient within 6.2e-3 in bf16 (2.4e-3 in fp32), for the three decay regimes,
+#   the packed rows and the fused recurrent kernel (30 cases); every run deterministic and finite, and
+#   the path that keeps the forward's gates, $A$ and states equal to the recomputing path bit for bit.
 # * **Round 35 (2026-12-06): an H100 80GB HBM3 for the step, an H200 for the tests; no change to the
 #   step since round 33 (commit 68ac275).** The preset step took 6.766 and 6.771 s (the slower of
 #   the two is the row's: 34.6 % MFU, 77.4 k tokens/s, 50.6 GB allocated, 52.8 GB reserved); with
