@@ -55,13 +55,23 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k.strip()}=null for the default")
         try: value = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
-            raise ConfigError(f"'{item}': the value is not valid YAML; quote lists for the shell, "
-                              f"e.g. '{k.strip()}=[0.3, 0.1]'") from None
+            raise ConfigError(f"'{item}': the value is not valid YAML; quote it for the shell, e.g. "
+                              f"'{k.strip()}={_written(k.strip())}'") from None
         if takes_text(k.strip()) and isinstance(value, (int, float, datetime.date)):  # bools too: moe_balance=off
             value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date
         out[k.strip()] = value
     return out
 
+
+
+def _written(key: str) -> str:
+    "The default of the setting `key` names, as an override writes it (a list in brackets), for an example."
+    name = key.split(".")[-1]
+    for cls in (ModelConfig, TrainingConfig):
+        for f in dataclasses.fields(cls):
+            if f.name == name and f.default not in (dataclasses.MISSING, None):
+                return f"[{', '.join(map(str, f.default))}]" if isinstance(f.default, tuple) else str(f.default)
+    return "..."
 
 
 class _Once(argparse.Action):
@@ -72,9 +82,10 @@ class _Once(argparse.Action):
         setattr(namespace, f"_given_{self.dest}", True); setattr(namespace, self.dest, values)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m hymo.train", # The command, as usage lines name it (`hymo-train` for the console script)
+                ) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m hymo.train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,  # --resum is no --resume
         description="Train HyMo. With no arguments: hymo_tiny on the bundled Shakespeare corpus, on CPU in minutes.",
         epilog=f"presets: {', '.join(presets())}\n" + _options_help())
     p.add_argument("--config", default="hymo_tiny", action=_Once, help="preset name or path to a YAML file (default: hymo_tiny); a file "
@@ -137,20 +148,24 @@ def _in_its_run_folder(cfg, args):
     return load_config(args.config, **parse_overrides(args.overrides), run_dir=str(home))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, # The arguments; None: the command line's
+         prog: str = "python -m hymo.train", # The command, for usage and error lines
+        ) -> dict:
     "Parse `argv`, train, and return the run's summary."
     import difflib
-    parser = build_parser()
+    parser = build_parser(prog)
     if "LOCAL_RANK" in os.environ: parser.print_usage = lambda file=None: None  # torchrun: one line a rank, not the usage too
     args, unknown = parser.parse_known_intermixed_args(argv)  # key=value before and after the options alike
     for u in unknown:
         near = difflib.get_close_matches(u.split("=")[0], ["--config", "--resume", "--no-resume", "--help"], n=1)
-        parser.error(f"unknown option {u}" + (f"; did you mean {near[0]}?" if near else "") +
+        parser.error(f"unknown option {u}" + (f"; did you mean {near[0]}?" if near else ".") +
                      " Config values are written key=value without dashes, e.g. max_steps=100.")
     try:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
-    except ConfigError as e:
-        parser.error(str(e))
+    except ConfigError as e:  # a file without 'base:' may fail on a design default it never set: the note says why
+        try: note = design_defaults_note(args.config)
+        except ConfigError: note = None  # the file itself cannot be read: the error says so
+        parser.error(str(e) + (f"\n{note}" if note else ""))
     if (note := design_defaults_note(args.config)) and os.environ.get("RANK", "0") == "0": print(note, flush=True)
     try: from hymo.training.trainer import guarded_output  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
@@ -208,7 +223,7 @@ def _train(parser, args, cfg) -> dict:
 # %% ../nbs/71_train.ipynb #0468dcd5
 def cli() -> None:
     "The `hymo-train` console script: `main`, whose summary is not returned, so that a finished run exits with status 0."
-    main()
+    main(prog="hymo-train")
 
 
 def _in_ipython() -> bool:

@@ -199,7 +199,8 @@ def _check_type(name: str, value, tp):
         return _check_type(name, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}")
+            raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}"
+                              + (f"; write it as a list: [{value}]" if isinstance(value, (int, float, str)) and not isinstance(value, bool) else ""))
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
     if getattr(value, "dtype", None) is not None and getattr(value, "ndim", None) == 0:  # a numpy scalar (a sweep's values)
         if value.dtype.kind == "b": value = bool(value)

@@ -610,8 +610,9 @@ def load_manifest(data_dir: Path) -> dict:
         texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
         where = "data/mine" if _holds_cwd(d) else data_dir  # `prepare` refuses to replace the current folder
         named = Path(os.path.abspath(d)) if d.name in ("", "..") else d  # `.` and `..` name no folder to suggest an --out from
-        out = named.with_name(f"{named.with_suffix('').name if named.is_file() else named.name}_prepared") if named.name \
-            else Path("prepared")
+        stem = f"{named.with_suffix('').name if named.is_file() else named.name}_prepared" if named.name else "prepared"
+        inside = Path(os.path.abspath(named)).is_relative_to(package_dir().resolve())  # the bundled corpus: not into the package
+        out = Path("data") / stem if inside else named.with_name(stem) if named.name else Path(stem)
         raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run `python -m hymo.data prepare "
                         + (f"--input {data_dir} --out {out}`, then give data_dir={out}" if texts else
                            f"--input TEXT... --out {where}`" + (f", then give data_dir={where}" if where != data_dir else "")))

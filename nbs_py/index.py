@@ -51,6 +51,16 @@
 # python -m hymo.generate runs/hymo_tiny-...   # continue a prompt with a finished run's model
 # ```
 #
+# ## Workshop slides
+#
+# Four reveal.js decks teach the material, each covering a few chapters, with interview
+# questions whose answers appear on the next click:
+#
+# - [From linear attention to Gated DeltaNet](slides/01_linear_attention_gdn.html): part 1, the 24 recurrent blocks
+# - [Multi-Head Latent Attention](slides/02_mla.html): part 2, the 8 attention blocks and their cache
+# - [Mixture of experts and multi-token prediction](slides/03_moe_mtp.html): part 3, sparse feed-forwards and extra targets
+# - [Training HyMo](slides/04_training.html): part 4, the hybrid stack, NorMuon, the schedule and FSDP-2
+#
 # ## A first look
 #
 # The configuration is plain data. The architecture is the list of block kinds:

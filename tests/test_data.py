@@ -1020,3 +1020,9 @@ def test_a_window_longer_than_the_shards_before_the_last_reads_the_stream(tmp_pa
     stream = np.concatenate([np.load(ds / s["file"]) for s in m["splits"]["train"]["shards"]])
     x, y = next(iter(TokenLoader(ds, seq_len=S, micro_batch_size=1, eval_only=True).eval_batches(1)))  # window 0
     assert np.array_equal(x[0].numpy(), stream[:S]) and np.array_equal(y[0].numpy(), stream[1:S + 1])
+
+
+def test_texts_inside_the_package_are_prepared_outside_it():
+    "data_dir=.../hymo/assets/tinyshakespeare.txt: the suggested --out is not next to it, inside the installed package."
+    with pytest.raises(DataError, match=f"--input {CORPUS} --out data/tinyshakespeare_prepared`, then give data_dir=data/tinyshakespeare_prepared"):
+        load_manifest(CORPUS)

@@ -496,3 +496,17 @@ def test_quarto_sidebar_and_navbar_list_home_and_every_deck():
             for p in sorted((ROOT / "slides").glob("*.qmd"))]
     assert decks == want
     assert {"index.ipynb", want[0]["href"]} <= {i["href"] for i in web["navbar"]["left"]}
+    home = "".join("".join(c["source"]) for c in json.loads((ROOT / "nbs" / "index.ipynb").read_text())["cells"])
+    assert [(m[1], m[2]) for m in re.finditer(r"\[([^]]+)\]\((slides/[^)]+)\)", home)] == [(d["text"], d["href"]) for d in want]
+
+
+def test_nb_run_finds_a_chapter_by_the_start_of_its_name(monkeypatch):
+    "`python tools/nb.py run 12` runs 12_gated_deltanet; a name that fits none, or several, lists the chapters it could mean."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hymo_nb_tool", ROOT / "tools" / "nb.py")
+    nb = importlib.util.module_from_spec(spec); spec.loader.exec_module(nb)
+    assert [nb.chapter(n).name for n in ("12", "00_config", "21_mla.ipynb")] == ["12_gated_deltanet.ipynb", "00_config.ipynb", "21_mla.ipynb"]
+    with pytest.raises(SystemExit, match="^1 names more than one notebook in nbs/; give one of: 10_linear_attention 11_delta_rule "):
+        nb.chapter("1")
+    with pytest.raises(SystemExit, match="^12_gdn names no notebook in nbs/; give one of: 00_config 01_layers"):
+        nb.chapter("12_gdn")

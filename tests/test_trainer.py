@@ -462,8 +462,11 @@ def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(t
     prepare(src, data, vocab_size=300, overwrite=True, progress=False)
     meta = tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json"  # as if written by 2 ranks: rank0.pt unused
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": 2}))
-    with pytest.raises(DataError, match="is not the one .*step_000002 trained on .*prepared again"):
+    with pytest.raises(DataError, match="is not the one .*step_000002 trained on .*prepared again") as e:
         make(tmp_path / "run", **over)
+    assert "It trained with" not in str(e.value)  # the same data_dir: nothing more to say
+    with pytest.raises(DataError, match=f"It trained with data_dir={data}: add that to the command"):
+        make(tmp_path / "run", **{**over, "data_dir": str(prepare(src, tmp_path / "other", vocab_size=300, progress=False))})
 
 
 def test_a_damaged_checkpoint_metadata_is_one_warning_line_without_dcps_tracebacks(tmp_path, capfd):
@@ -641,6 +644,30 @@ def test_a_checkpoint_folder_given_as_run_dir_names_its_run(tmp_path):
     for d in (tmp_path / "run" / "checkpoints", tmp_path / "run" / "checkpoints" / "step_000002"):
         with pytest.raises(ConfigError, match=f"of the run in {tmp_path / 'run'}: give run_dir={tmp_path / 'run'} to continue"):
             make(d, max_steps=4)
+
+
+def test_resume_given_a_folder_of_checkpoints_names_one_of_them(tmp_path):
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(2)
+    newest = tmp_path / "run" / "checkpoints" / "step_000002"
+    for given, what in ((tmp_path / "run", "a run"), (tmp_path / "run" / "checkpoints", "the checkpoints")):
+        with pytest.raises(ConfigError, match=f"{given} is {what} folder, not a checkpoint: give one of its checkpoints, e.g. {newest}"):
+            make(tmp_path / "new", resume=str(given), max_steps=4)
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ConfigError, match="half is not a complete checkpoint .no meta.json.: --resume takes a checkpoint folder"):
+        make(tmp_path / "new", resume=str(tmp_path / "half"), max_steps=4)
+
+
+def test_the_history_and_loss_curve_show_the_main_loss_beside_validation(tmp_path, monkeypatch):
+    "Validation is the main loss alone: the curve (and the history it is drawn from) has the main training loss too."
+    import matplotlib.axes
+    from hymo.training.trainer import plot_losses
+    t = make(tmp_path / "run", max_steps=3)
+    metrics = t.fit()
+    assert [h["loss/main"] for h in t.history] == [m["loss/main"] for m in metrics] and "val_loss" in t.history[-1]
+    labels, plot = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **k: (labels.append(k.get("label")), plot(self, *a, **k))[1])
+    plot_losses([{"step": 0, "loss": 9.0}] + t.history, tmp_path / "loss.png")  # a step saved before the history kept it
+    assert labels == ["train (main + MTP)", "train (main)", "validation (main)"] and (tmp_path / "loss.png").stat().st_size > 0
 
 
 def test_a_checkpoint_is_on_the_disk_before_the_one_it_replaces_is_deleted(tmp_path, monkeypatch):
@@ -1387,6 +1414,22 @@ def test_cli_prints_the_design_defaults_note_before_training(tmp_path, capsys):
     assert e.value.code == 2 and "mine.yaml has no 'base:', so the" in out and "nowhere does not exist" in err, (out, err)
 
 
+def test_a_base_less_yaml_file_that_fails_on_a_design_default_says_why_in_its_error(tmp_path, capsys):
+    "The note is part of the error: a file meant to change hymo_tiny fails on hymo_750m's warmup_steps, which it never set."
+    from hymo.train import main
+    (tmp_path / "c.yaml").write_text("model:\n  dim: 64\n")
+    with pytest.raises(SystemExit) as e: main(["--config", str(tmp_path / "c.yaml"), "max_steps=100"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "lower warmup_steps" in err and "c.yaml has no 'base:'" in err and "'base: hymo_tiny'" in err, err
+
+
+def test_the_console_script_names_itself_in_its_usage(monkeypatch, capsys):
+    from hymo.train import cli
+    monkeypatch.setattr(sys, "argv", ["hymo-train", "--help"])
+    with pytest.raises(SystemExit) as e: cli()
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: hymo-train ")
+
+
 def test_an_os_error_that_is_not_the_disk_is_not_reported_as_one(tmp_path, monkeypatch):
     "Only a full disk or a permission error becomes the one-line 'free space' ending; any other OSError is raised as it is."
     import errno
@@ -1408,7 +1451,11 @@ def test_an_os_error_that_is_not_the_disk_is_not_reported_as_one(tmp_path, monke
     (["--resume", "runs/x/step_4", "--no-resume"], "not allowed with argument --resume"),
     (["--confg=x"], "did you mean --config"),
     (["hymo_750m"], "'hymo_750m' is not an override: to train a preset or a YAML file, give --config hymo_750m"),
-    (["--config", "hymo_tiny", "max_steps=3", "--conf", "hymo_750m"], "--config is given twice (hymo_tiny, then hymo_750m): give it once"),
+    (["--config", "hymo_tiny", "max_steps=3", "--config", "hymo_750m"], "--config is given twice (hymo_tiny, then hymo_750m): give it once"),
+    (["--resum", "x"], "unknown option --resum; did you mean --resume?"),  # no abbreviations: --resum is not taken for --resume
+    (["--bogus"], "unknown option --bogus. Config values are written key=value"),
+    (["adamw_betas=[0.9,"], "quote it for the shell, e.g. 'adamw_betas=[0.9, 0.95]'"),  # the setting's own default, as the example
+    (["mtp_loss_weights=0.3"], "expected a list of float, got float 0.3; write it as a list: [0.3]"),
     (["--resume", "a", "--resume", "b"], "--resume is given twice (a, then b)"),
     (["--config", "hymo_tiny.yaml"], "a preset is named without .yaml: hymo_tiny"),
     (["data_dir="], "'data_dir=' has no value"),
@@ -1445,7 +1492,7 @@ def test_cli_config_of_a_run_folder_continues_that_run(tmp_path):
 
 @pytest.mark.parametrize("args, expect", [
     (["data_dir=nowhere"], "nowhere does not exist: check the path"),
-    (["--resume", "nowhere"], "nowhere does not exist"),
+    (["--resume", "nowhere"], "nowhere does not exist: --resume takes a checkpoint folder, RUN/checkpoints/step_NNNNNN"),
     (["run_dir=afile"], "is a file"),
     (["seq_len=512"], "longer than model.max_seq_len=256"),
     (["seq_len=2"], "use seq_len > mtp_depth=2"),

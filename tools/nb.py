@@ -1,7 +1,7 @@
 """Notebook chores in one place: keep `nbs/*.ipynb`, `nbs_py/*.py` and `hymo/` in step.
 
     python tools/nb.py sync              # nbs_py/*.py <-> nbs/*.ipynb (jupytext), then nbdev-export
-    python tools/nb.py run 12_gdn ...    # execute chapters (outputs saved in the .ipynb), clean, sync, export
+    python tools/nb.py run 12_gated_deltanet 13 ...   # execute chapters, by name or number (outputs saved in the .ipynb), clean, sync, export
     python tools/nb.py run all           # execute every chapter
     python tools/nb.py check             # exit 1 if sync or export would change a tracked file (CI)
 
@@ -59,11 +59,21 @@ def _skip(cell) -> bool:
     return any(l.split()[:1] in (["slow"], ["gpu"]) or l.replace(" ", "") == "eval:false" for l in lines)
 
 
+def chapter(name: str) -> Path:
+    "The notebook of nbs/ that `name` gives: its file name, with or without `.ipynb`, or the start of one (`12`, `12_gated`)."
+    stem, nbs = name.removesuffix(".ipynb"), sorted(NBS.glob("*.ipynb"))
+    hits = [p for p in nbs if p.stem == stem] or [p for p in nbs if p.stem.startswith(stem)]
+    if len(hits) != 1:
+        sys.exit(f"{name} names {'no notebook' if not hits else 'more than one notebook'} in nbs/; give one of: "
+                 + " ".join(p.stem for p in (hits or nbs)))
+    return hits[0]
+
+
 def run(names):
     from fastcore.nbio import read_nb, write_nb
     from execnb.shell import CaptureShell
+    paths = sorted(NBS.glob("*.ipynb")) if names == ["all"] else [chapter(n) for n in names]  # a misspelt one before any work
     sync()
-    paths = sorted(NBS.glob("*.ipynb")) if names == ["all"] else [NBS / (n if n.endswith(".ipynb") else n + ".ipynb") for n in names]
     for p in paths:
         print(f"running {p.name}", flush=True)
         os.chdir(NBS)

@@ -425,11 +425,6 @@ def layout(page: Page, body: str, toc: str, hl_css: str, side: str, pager_html: 
 """
 
 
-def slides_list_md(slides: list[Page]) -> str:
-    items = "\n".join(f"- [{d.title}]({d.html})" + (f": {d.desc}" if d.desc else "") for d in slides)
-    return f"\n\n## Workshop slides\n\nOne reveal.js deck per part, with interview questions whose answers appear on the next click.\n\n{items}\n"
-
-
 def build_chapters(tmp: Path, slides: list[Page]) -> list[Page]:
     pages = chapters()
     nb_pages = {p.src.name: p.html for p in pages} | {d.src.name: d.html for d in slides}
@@ -444,7 +439,6 @@ def build_chapters(tmp: Path, slides: list[Page]) -> list[Page]:
     def render(i):
         p = pages[i]
         md = notebook_md(p, symbols, nb_pages)
-        if p.html == "index.html" and slides: md += slides_list_md(slides)
         try: hl, toc, body = md_to_html(md, tmp)
         except RuntimeError as e: raise RuntimeError(f"{p.src.name}: {e}") from None
         (OUT / p.html).write_text(layout(p, body, toc, hl, sidebar(pages, slides, p.html, ""), pager(pages, i)))

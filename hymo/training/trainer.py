@@ -574,11 +574,14 @@ class Trainer:
                          f"(to begin from {p.name} once more, change a setting or set aside the checkpoints after it)")
                 resume = True
         if resume is not True:
-            if not (p / "meta.json").exists():
-                own = list_checkpoints(p)  # a run folder given for one of its checkpoints
-                what = (f"is a run folder, not a checkpoint: give one of its checkpoints, e.g. {own[-1]}" if own else
-                        "is not a complete checkpoint (no meta.json)" if p.is_dir() else
-                        "is a file, not a checkpoint folder" if p.exists() else "does not exist")
+            if not (p / "meta.json").exists():  # a run folder, or its checkpoints/, given for one of its checkpoints
+                inside = list_checkpoints(p) or (list_checkpoints(p.parent) if p.name == "checkpoints" else [])
+                what = (f"is {'a run' if list_checkpoints(p) else 'the checkpoints'} folder, not a checkpoint: give one of "
+                        f"its checkpoints, e.g. {inside[-1]}" if inside else
+                        ("is not a complete checkpoint (no meta.json)" if p.is_dir() else
+                         "is a file, not a checkpoint folder" if p.exists() else "does not exist")
+                        + ": --resume takes a checkpoint folder, RUN/checkpoints/step_NNNNNN (leave it out to continue "
+                          "run_dir's newest)")
                 raise ConfigError(f"{p} {what}" + (f"; the checkpoints in {self.run_dir}: {[c.name for c in done]}" if done else ""))
             if p.name.endswith(".tmp"):
                 raise ConfigError(f"{p} is a checkpoint whose writing was cut short: give a complete one, or leave out "
@@ -946,8 +949,14 @@ def load(self: Trainer, ckpt: Path):
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
-        self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
-                                           **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
+        try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
+                                                **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
+        except DataError as e:  # most often the data_dir= of the run left out: name it
+            then = old.get("data_dir", "")  # None: the bundled corpus
+            if then != "" and then != (os.path.abspath(os.path.expanduser(self.cfg.data_dir)) if self.cfg.data_dir else None):
+                raise DataError(f"{e}. It trained with " + (f"data_dir={then}: add that to the command" if then else
+                                "the bundled corpus: leave out data_dir=")) from None
+            raise
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
@@ -1205,7 +1214,7 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         m["mfu"] = flops / (dt * peak) if peak else None
         due = (self.cfg.eval_every and self.step % self.cfg.eval_every == 0) or self.step == self.cfg.max_steps
         if due and self.val_loader is not None: m["val_loss"] = self.evaluate()  # the last step's is the final one too
-        self.history.append({k: m[k] for k in ("step", "loss", "val_loss") if k in m})
+        self.history.append({k: m[k] for k in ("step", "loss", "loss/main", "val_loss") if k in m})
         out.append(m)
 
         def step_files():  # rank 0's; a full disk here stops every rank (`_together`)
@@ -1216,7 +1225,8 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
         self._together(step_files, metrics_file)
         if logger: logger.log(m, step=self.step)
         bar.update(1)
-        bar.set_postfix_str(f"loss {m['loss']:.3f} tok/s {m['tokens_per_s']:.0f}" +
+        bar.set_postfix_str(f"loss {m['loss']:.3f}" + (f" (main {m['loss/main']:.3f})" if "loss/main" in m else "") +
+                            f" tok/s {m['tokens_per_s']:.0f}" +
                             (f" mfu {m['mfu']:.1%}" if m["mfu"] is not None else "") +
                             (f" val {m['val_loss']:.3f}" if "val_loss" in m else ""))
         if self.step % self.cfg.log_every == 0 or self.step in (start + 1, end) or "val_loss" in m:
@@ -1325,7 +1335,9 @@ def plot_losses(history: list[dict], path: Path):
     import matplotlib; matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train (main + MTP)", lw=1)
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train (main + MTP)", lw=1, alpha=0.5)
+    main = [h for h in history if "loss/main" in h]  # (a run resumed from before 2026-12-06 lacks its earlier steps')
+    if main: ax.plot([h["step"] for h in main], [h["loss/main"] for h in main], label="train (main)", lw=1)
     val = [h for h in history if h.get("val_loss") is not None]
     if val: ax.plot([h["step"] for h in val], [h["val_loss"] for h in val], "o-", label="validation (main)")
     ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.legend(); ax.grid(alpha=0.3)
