@@ -359,9 +359,23 @@ def test_residual_stream_and_decode_caches_take_the_autocast_dtype(dropless):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert m.hidden_states(x).dtype == torch.bfloat16
         caches = [c for c in m.decode_state(1, 8) if c is not None]
-    assert caches and all(c.c_kv.dtype == torch.bfloat16 for c in caches)
+    assert caches and all(c.c_kv.dtype == c.k_rope.dtype == torch.bfloat16 for c in caches)  # the rope keys too
     assert m.hidden_states(x).dtype == torch.float32
-    assert all(c.c_kv.dtype == torch.float32 for c in m.decode_state(1, 8) if c is not None)
+    assert all(c.c_kv.dtype == c.k_rope.dtype == torch.float32 for c in m.decode_state(1, 8) if c is not None)
+
+
+def test_every_norm_uses_the_configured_eps():
+    "MLA's latent and block norms, the GDN blocks', the MTP heads' and the final norm: none keeps RMSNorm's default."
+    from hymo.models.layers import RMSNorm
+    m = HyMo(load_config("hymo_tiny", norm_eps=1e-3).model)
+    norms = {name: n for name, n in m.named_modules() if isinstance(n, RMSNorm)}
+    assert {"norm", "q_a_layernorm", "kv_a_layernorm", "norm1", "norm2"} <= {name.split(".")[-1] for name in norms}
+    assert {n.eps for n in norms.values()} == {1e-3}
+
+
+def test_the_default_loss_never_builds_the_whole_logits():
+    "The fused loss is the default (the [B, T, V] logits of 'logits' are for checking it)."
+    assert HyMo(load_config("hymo_tiny").model).loss_impl == "fused"
 
 
 def test_doc_keys_per_query_by_hand():
