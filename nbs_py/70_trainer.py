@@ -1279,8 +1279,8 @@ def load(self: Trainer, ckpt: Path):
         except DataError as e:  # most often the data_dir= of the run left out: name it
             then = old.get("data_dir", "")  # None: the bundled corpus
             if then != "" and then != (os.path.abspath(os.path.expanduser(self.cfg.data_dir)) if self.cfg.data_dir else None):
-                raise DataError(f"{e}. It trained with " + (f"data_dir={then}: add that to the command" if then else
-                                "the bundled corpus: leave out data_dir=")) from None
+                raise DataError(f"{e}. It trained with " + (f"data_dir={then}: give that to resume it" if then else
+                                "the bundled corpus: leave out data_dir= to resume it")) from None
             raise
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}

@@ -465,8 +465,11 @@ def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(t
     with pytest.raises(DataError, match="is not the one .*step_000002 trained on .*prepared again") as e:
         make(tmp_path / "run", **over)
     assert "It trained with" not in str(e.value)  # the same data_dir: nothing more to say
-    with pytest.raises(DataError, match=f"It trained with data_dir={data}: add that to the command"):
+    with pytest.raises(DataError, match=f"It trained with data_dir={data}: give that to resume it"):
         make(tmp_path / "run", **{**over, "data_dir": str(prepare(src, tmp_path / "other", vocab_size=300, progress=False))})
+    make(tmp_path / "bundled", max_steps=4, ckpt_every=2, warmup_steps=1).fit(2)  # the bundled corpus, then other data
+    with pytest.raises(DataError, match="It trained with the bundled corpus: leave out data_dir= to resume it"):
+        make(tmp_path / "bundled", max_steps=4, ckpt_every=2, warmup_steps=1, data_dir=str(tmp_path / "other"))
 
 
 def test_a_damaged_checkpoint_metadata_is_one_warning_line_without_dcps_tracebacks(tmp_path, capfd):
