@@ -1026,3 +1026,61 @@ def test_texts_inside_the_package_are_prepared_outside_it():
     "data_dir=.../hymo/assets/tinyshakespeare.txt: the suggested --out is not next to it, inside the installed package."
     with pytest.raises(DataError, match=f"--input {CORPUS} --out data/tinyshakespeare_prepared`, then give data_dir=data/tinyshakespeare_prepared"):
         load_manifest(CORPUS)
+
+
+# ---------------------------------------------------------------- from mutation testing hymo/data.py and hymo/training/data.py
+
+def test_cli_overwrite_is_what_lets_prepare_replace_a_dataset(text, tmp_path, capsys):
+    from hymo.data import main
+    (tmp_path / "b.txt").write_text(text.read_text()[:20_000])
+    args = ["--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--val-fraction", "0", "--no-progress"]
+    assert main(["prepare", "--input", str(text), *args]) == 0
+    assert main(["prepare", "--input", str(tmp_path / "b.txt"), *args]) == 1  # other inputs, no --overwrite: kept
+    assert load_manifest(tmp_path / "ds")["inputs"] == [text.name] and "--overwrite" in capsys.readouterr().err
+    assert main(["prepare", "--input", str(tmp_path / "b.txt"), *args, "--overwrite"]) == 0
+    assert load_manifest(tmp_path / "ds")["inputs"] == ["b.txt"]
+
+
+def test_cli_tokenizer_and_val_fraction_reach_prepare(ds, text, tmp_path, capsys):
+    "--tokenizer: that tokenizer, its own size (no --vocab-size, no 'learned N of 2048' note); --val-fraction 0: no val tokens."
+    from hymo.data import main
+    tok = tmp_path / "tok.json"
+    tok.write_text((ds / "tokenizer.json").read_text())
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "t"), "--tokenizer", str(tok),
+                 "--val-fraction", "0", "--no-progress"]) == 0
+    m, out = load_manifest(tmp_path / "t"), capsys.readouterr().out
+    assert m["vocab_size"] == VOCAB and m["tokenizer_sha256"] == load_manifest(ds)["tokenizer_sha256"] and "note:" not in out
+    assert m["val_fraction"] == 0 and m["splits"].get("val", {"tokens": 0})["tokens"] == 0
+
+
+@pytest.mark.parametrize("args", [["prepare", "--out", "x"], ["prepare", "--input", "a.txt", "--out", "x", "--doc-split", "lines"]])
+def test_cli_usage_errors_exit_2(args, capsys):
+    "No --input, or a --doc-split it does not know: a usage line and status 2, not a traceback from prepare."
+    from hymo.data import main
+    with pytest.raises(SystemExit) as e: main(args)
+    assert e.value.code == 2 and "usage: python -m hymo.data prepare" in capsys.readouterr().err
+
+
+def test_the_order_of_the_inputs_is_part_of_the_dataset(text, tmp_path):
+    "The documents follow the inputs' order: the same files in another order are another dataset, not the one prepared."
+    (tmp_path / "b.txt").write_text("Another speech, short.\n\nAnd one more.\n" * 50)
+    prepare([text, tmp_path / "b.txt"], tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    with pytest.raises(DataError, match="prepared from other inputs or options"):
+        prepare([tmp_path / "b.txt", text], tmp_path / "ds", vocab_size=VOCAB, progress=False)
+
+
+def test_a_vocab_size_other_than_the_given_tokenizers_is_refused(ds, text, tmp_path):
+    with pytest.raises(DataError, match=f"vocab_size=280 but tokenizer .* has {VOCAB} tokens"):
+        prepare(text, tmp_path / "o", tokenizer=ds / "tokenizer.json", vocab_size=280, progress=False)
+
+
+def test_jsonl_blank_lines_and_markdown_files_are_read(ds, tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n\n   \n{"text": "two"}\n\n')
+    (tmp_path / "b.md").write_text("# Title\n\nA paragraph.\n")
+    out = prepare([tmp_path / "a.jsonl", tmp_path / "b.md"], tmp_path / "o", tokenizer=ds / "tokenizer.json",
+                  val_fraction=0, progress=False)
+    assert load_manifest(out)["splits"]["train"]["documents"] == 2 + 2
+
+
+def test_documents_keep_their_trailing_spaces():
+    assert split_text("a  \n\nb\t") == ["a  \n", "b\t\n"]

@@ -389,3 +389,61 @@ def test_a_reader_that_closes_the_pipe_ends_generation_quietly(run):
               f"main([{str(run)!r}, '--tokens', '8', '--device', 'cpu'])")  # the reader gone before the first piece
     r = subprocess.run([sys.executable, "-c", closed], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- from mutation testing hymo/generate.py (second pass)
+
+def test_cli_seed_and_top_k_reach_the_sampler(run, capsys):
+    "--seed 5 draws other text than --seed 0; --top-k 1 at temperature 1 is the greedy text (top_k reaches `generate`)."
+    from hymo.generate import main
+    cli = lambda *a: main([str(run), "--tokens", "12", "--device", "cpu", *a])
+    assert cli("--temperature", "1", "--top-k", "0", "--seed", "5") != cli("--temperature", "1", "--top-k", "0", "--seed", "0")
+    assert cli("--temperature", "1", "--top-k", "1", "--seed", "3") == cli("--temperature", "0")
+
+
+def test_top_k_1_is_greedy_and_the_prompts_whitespace_is_kept(loaded):
+    from hymo.generate import generate_text
+    model, tok = loaded
+    assert generate_text(model, tok, "ROMEO:", 12, temperature=1.0, top_k=1, seed=3) == generate_text(model, tok, "ROMEO:", 12, temperature=0)
+    assert generate_text(model, tok, "  ROMEO:\n", 0) == "  ROMEO:\n"
+
+
+def test_the_first_streamed_piece_is_the_whole_prompt(loaded):
+    "A prompt of many tokens is shown at once, before any drawn token (a Ctrl-C keeps it on the screen)."
+    from hymo.generate import generate_text
+    model, tok = loaded
+    prompt = "ROMEO: But soft, what light through yonder window breaks?"
+    assert len(tok.encode(prompt).ids) > 4
+    pieces = []
+    generate_text(model, tok, prompt, 3, stream=pieces.append)
+    assert pieces[0] == prompt
+
+
+@pytest.mark.parametrize("summary", ["[1, 2]", "null", "{cut"])
+def test_a_damaged_summary_does_not_stop_a_run_from_loading(run, tmp_path, summary):
+    from hymo.generate import load_run, newer_checkpoint_note
+    other = _copy_run(run, tmp_path)
+    (other / "summary.json").write_text(summary)
+    model, tok = load_run(other)
+    assert model.training is False and newer_checkpoint_note(other) is None
+
+
+def test_a_summary_without_a_step_gives_no_newer_checkpoint_note(run, tmp_path):
+    from hymo.generate import newer_checkpoint_note
+    other = _copy_run(run, tmp_path)
+    (other / "summary.json").write_text('{"step": null}')
+    (other / "checkpoints" / "step_000009").mkdir(parents=True)
+    assert newer_checkpoint_note(other) is None
+
+
+def test_load_run_given_a_file_says_so(run):
+    from hymo.generate import load_run
+    with pytest.raises(ConfigError, match="config.yaml is a file: give a finished run's folder"): load_run(run / "config.yaml")
+
+
+def test_cli_device_cuda_without_a_gpu_says_there_is_none(run, monkeypatch, capsys):
+    from hymo.generate import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(SystemExit) as e: main([str(run), "--device", "cuda"])
+    assert e.value.code == 2 and "--device cuda, but this machine has no CUDA GPU" in capsys.readouterr().err
