@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1084,3 +1085,19 @@ def test_jsonl_blank_lines_and_markdown_files_are_read(ds, tmp_path):
 
 def test_documents_keep_their_trailing_spaces():
     assert split_text("a  \n\nb\t") == ["a  \n", "b\t\n"]
+
+
+def test_a_prepare_stopped_between_its_two_renames_keeps_the_old_dataset(text, tmp_path, monkeypatch):
+    "--overwrite moves the old dataset aside before the new one takes its name: stopped in between, both stay, and the message says how to go back."
+    (tmp_path / "b.txt").write_text(text.read_text()[:20_000])
+    ds = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    sync = D.to_disk
+    def stop_at_the_new_folder(f):
+        if isinstance(f, Path) and f.name.startswith(".ds.tmp-"): raise KeyboardInterrupt
+        return sync(f)
+    monkeypatch.setattr(D, "to_disk", stop_at_the_new_folder)
+    with pytest.raises(KeyboardInterrupt): prepare(tmp_path / "b.txt", ds, vocab_size=VOCAB, overwrite=True, progress=False)
+    monkeypatch.setattr(D, "to_disk", sync)
+    old = [p for p in tmp_path.iterdir() if p.name.startswith(".ds.old-")]
+    assert len(old) == 1 and json.loads((old[0] / "manifest.json").read_text())["inputs"] == [text.name]
+    with pytest.raises(DataError, match=f"rename it back \\(mv {old[0]} {ds}\\)"): load_manifest(ds)
