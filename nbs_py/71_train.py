@@ -67,20 +67,24 @@ from fastcore.test import test_eq, test_fail
 
 # %%
 #| export
+def _yaml_value(v) -> str:
+    "A value as `key=value` and `--help` write it: [0.3, 0.1], true, null."
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def _options_help() -> str:
     "Every config field with the default preset's value (and hymo_750m's where it differs) and its docment, for `--help`."
     from fastcore.docments import docments
-    show = lambda v: yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
     tiny, big = load_config("hymo_tiny").to_dict(), load_config("hymo_750m").to_dict()
     lines = []
     for sec, cls in (("model", ModelConfig), ("train", TrainingConfig)):
         docs = docments(cls)
         lines.append(f"\n{sec} options (key=value, or {sec}.key=value), with hymo_tiny's values (the default preset):")
-        pairs = [f"{f.name}={show(tiny[sec][f.name])}" for f in dataclasses.fields(cls)]
+        pairs = [f"{f.name}={_yaml_value(tiny[sec][f.name])}" for f in dataclasses.fields(cls)]
         width = max(map(len, pairs))  # one column for the descriptions
         for f, pair in zip(dataclasses.fields(cls), pairs):
             a, b = tiny[sec][f.name], big[sec][f.name]
-            lines.append(f"  {pair:<{width}}  {docs.get(f.name) or ''}" + (f" [hymo_750m: {show(b)}]" if a != b else ""))
+            lines.append(f"  {pair:<{width}}  {docs.get(f.name) or ''}" + (f" [hymo_750m: {_yaml_value(b)}]" if a != b else ""))
     return "\n".join(lines)
 
 
@@ -108,13 +112,10 @@ def parse_overrides(items: list[str]) -> dict:
 
 
 def _written(key: str) -> str:
-    "The default of the setting `key` names, as an override writes it (a list in brackets), for an example."
-    name = key.split(".")[-1]
-    for cls in (ModelConfig, TrainingConfig):
-        for f in dataclasses.fields(cls):
-            if f.name == name and f.default not in (dataclasses.MISSING, None):
-                return f"[{', '.join(map(str, f.default))}]" if isinstance(f.default, tuple) else str(f.default)
-    return "..."
+    "The default preset's value of the setting `key` names, as an override writes it, for an example ('...' if none)."
+    name, sections = key.split(".")[-1], load_config("hymo_tiny").to_dict()
+    value = next((s[name] for s in (sections["model"], sections["train"]) if name in s), None)
+    return "..." if value is None else _yaml_value(value)
 
 
 class _Once(argparse.Action):
@@ -212,13 +213,13 @@ def main(argv: list[str] | None = None, # The arguments; None: the command line'
         near = difflib.get_close_matches(u.split("=")[0], ["--config", "--resume", "--no-resume", "--help"], n=1)
         parser.error(f"unknown option {u}" + (f"; did you mean {near[0]}?" if near else ".") +
                      " Config values are written key=value without dashes, e.g. max_steps=100.")
+    try: note = design_defaults_note(args.config)
+    except ConfigError: note = None  # the file itself cannot be read: load_config says so
     try:
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:  # a file without 'base:' may fail on a design default it never set: the note says why
-        try: note = design_defaults_note(args.config)
-        except ConfigError: note = None  # the file itself cannot be read: the error says so
         parser.error(str(e) + (f"\n{note}" if note else ""))
-    if (note := design_defaults_note(args.config)) and os.environ.get("RANK", "0") == "0": print(note, flush=True)
+    if note and os.environ.get("RANK", "0") == "0": print(note, flush=True)
     try: from hymo.training.trainer import guarded_output  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
     with guarded_output():  # a reader that goes away (`| head`) turns its stream off: no traceback, nothing lost

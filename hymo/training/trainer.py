@@ -575,8 +575,9 @@ class Trainer:
                 resume = True
         if resume is not True:
             if not (p / "meta.json").exists():  # a run folder, or its checkpoints/, given for one of its checkpoints
-                inside = list_checkpoints(p) or (list_checkpoints(p.parent) if p.name == "checkpoints" else [])
-                what = (f"is {'a run' if list_checkpoints(p) else 'the checkpoints'} folder, not a checkpoint: give one of "
+                own = list_checkpoints(p)
+                inside = own or (list_checkpoints(p.parent) if p.name == "checkpoints" else [])
+                what = (f"is {'a run' if own else 'the checkpoints'} folder, not a checkpoint: give one of "
                         f"its checkpoints, e.g. {inside[-1]}" if inside else
                         ("is not a complete checkpoint (no meta.json)" if p.is_dir() else
                          "is a file, not a checkpoint folder" if p.exists() else "does not exist")
@@ -952,11 +953,9 @@ def load(self: Trainer, ckpt: Path):
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
                                                 **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
         except DataError as e:  # most often the data_dir= of the run left out: name it
-            then = old.get("data_dir", "")  # None: the bundled corpus
-            if then != "" and then != (os.path.abspath(os.path.expanduser(self.cfg.data_dir)) if self.cfg.data_dir else None):
-                raise DataError(f"{e}. It trained with " + (f"data_dir={then}: give that to resume it" if then else
-                                "the bundled corpus: leave out data_dir= to resume it")) from None
-            raise
+            if "data_dir" not in old or old["data_dir"] == self.cfg.data_dir: raise  # (both absolute; None: the bundled corpus)
+            raise DataError(f"{e}. It trained with " + (f"data_dir={old['data_dir']}: give that to resume it" if old["data_dir"]
+                            else "the bundled corpus: leave out data_dir= to resume it")) from None
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet():
