@@ -162,7 +162,7 @@ class TrainingConfig:
     precision: str = "auto"  # 'auto' (bf16 on CUDA, fp32 on CPU), 'bf16' or 'fp32'
     activation_checkpointing: bool = False  # Recompute each block's activations in backward
     compile: bool = True  # torch.compile each block (hymo_tiny turns it off: on a CPU the compile costs more than a short run saves)
-    wandb: bool = False  # Log to Weights & Biases (offline unless you are logged in)
+    wandb: bool = False  # Log to Weights & Biases (offline unless you are logged in; WANDB_MODE decides where set)
     wandb_project: str = "hymo"  # W&B project name
 
     @property

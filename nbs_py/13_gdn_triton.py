@@ -1296,7 +1296,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # and a 24-layer model would hold that for every GDN layer from forward to backward. Recomputing is
 # two cheap launches (kernel 1 again, and the state pass, which runs beside the $dS$ pass in the same
 # launch). The Function keeps only its inputs, and one forward + backward peaks at 287 MiB, 1.74× the
-# bytes of its inputs and outputs (measured), against 3.1 GiB for the PyTorch chunked path under autograd.
+# bytes of its inputs and outputs (measured), against 3.0 GiB (3093 MiB) for the PyTorch chunked path under autograd.
 # Keeping $A$ and the gates from the forward was measured too, on the H200: forward + backward
 # 1.44 → 1.24 ms per layer (a measurement not kept), but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
 # built to. So by default the backward recomputes them, and `keep_prep=True` keeps them. The model

@@ -526,7 +526,8 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 # With hidden state $h_t$ at position $t$ (having seen $x_0..x_t$), the main head predicts
 # $x_{t+1}$ and head $k$ predicts $x_{t+1+k}$. Given a window of inputs $x_{0..T-1}$ and targets
 # $x_{1..T}$, head $k$'s target exists only for $t \le T-1-k$, so its loss uses positions
-# $0..T-1-k$: `logits_k`, computed from `h[:, :T-k]`, against `targets[:, k:]`.
+# $0..T-1-k$: `logits_k`, computed from `h[:, :T-k]`, against `targets[:, k:]`. (Counted as a
+# window of $T$ tokens in all, inputs and targets together, the last position is $T-2-k$.)
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -101,18 +101,22 @@ def test_default_command_end_to_end(tmp_path):
     if not torch.cuda.is_available(): assert g.stdout.strip() == summary["sample"].strip(), (g.stdout, summary["sample"])
 
 
-def test_wandb_logs_offline_and_a_resumed_run_continues_its_wandb_run_when_online(tmp_path, monkeypatch):
+def test_wandb_logs_offline_and_a_resumed_run_continues_its_wandb_run_when_online(tmp_path, monkeypatch, capfd):
     """wandb=true without a login logs offline into run_dir/wandb, each part of a run (a resume starts one) in a group
     named after the run folder. Online, a resume used to open a new wandb run each time (resume="allow" without an id);
     now it continues the first one, and a run that starts afresh gets its own."""
     wandb = pytest.importorskip("wandb", reason="wandb, a dependency of hymo, is not installed here")
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc of `wandb login`: not logged in
+    monkeypatch.delenv("NETRC", raising=False)
     calls, real = [], wandb.init
     monkeypatch.setattr(wandb, "init", lambda **k: calls.append(k) or real(**k))
+    capfd.readouterr()
     make(tmp_path / "a", max_steps=4, ckpt_every=2, warmup_steps=1, wandb=True).fit(2)
     make(tmp_path / "a", max_steps=4, warmup_steps=1, wandb=True).fit()  # resumes at step 2
-    assert [(c["group"], c["id"]) for c in calls] == [("a", None), ("a", None)]  # offline: two runs, one group
+    assert [(c["group"], c["id"], c["mode"]) for c in calls] == [("a", None, "offline"), ("a", None, "offline")]  # two runs, one group
+    assert "deprecated" not in "".join(capfd.readouterr())  # wandb 0.31 warns of the login check through wandb.api
     parts = sorted((tmp_path / "a" / "wandb").glob("offline-run-*"))
     assert parts and all((p / f"run-{p.name.rsplit('-', 1)[1]}.wandb").stat().st_size > 0 for p in parts)  # logged
 
@@ -128,6 +132,25 @@ def test_wandb_logs_offline_and_a_resumed_run_continues_its_wandb_run_when_onlin
     make(tmp_path / "c", max_steps=4, warmup_steps=1, wandb=True).fit(1)
     assert [(c["group"], c["id"], c["mode"]) for c in calls] == [("b", None, "online"), ("b", "first0id", "online"),
                                                                   ("c", None, "online")]
+
+
+def test_wandb_mode_follows_wandb_mode_and_else_a_saved_login(monkeypatch):
+    """WANDB_MODE, where set, is the mode wandb.init gets (it overrides the environment's: a passed mode="offline" logged
+    with WANDB_MODE=disabled); else a key in WANDB_API_KEY or saved by `wandb login` means online, asked without a prompt."""
+    wandb = pytest.importorskip("wandb", reason="wandb, a dependency of hymo, is not installed here")
+    from hymo.training.trainer import wandb_mode
+    asked = []
+    monkeypatch.setattr(wandb, "login", lambda **k: asked.append(k) or saved)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for mode in ("disabled", "offline", "Online "):
+        monkeypatch.setenv("WANDB_MODE", mode)
+        assert wandb_mode() == mode.strip().lower()
+    monkeypatch.delenv("WANDB_MODE")
+    for saved, want in ((True, "online"), (False, "offline")):
+        assert wandb_mode() == want
+    assert all(k.get("prompt") is False and k.get("verify") is False for k in asked) and len(asked) == 2
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    assert wandb_mode() == "online" and len(asked) == 2
 
 
 def test_loss_falls(tmp_path):
@@ -554,6 +577,61 @@ def test_a_trainer_whose_run_folder_a_newer_trainer_took_over_is_refused(tmp_pat
     assert t4.step == 4 and len(t4.fit(2)) == 2
     ckpts = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000006", "superseded-step_000006"]
+
+
+def flip_a_byte(path: Path):
+    "Damage that keeps a file's size and every file in place: one bit of its middle byte flipped."
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_records_the_size_and_crc_of_every_file_it_holds(tmp_path):
+    import zlib
+    make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1).fit(2)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    files = json.loads((ckpt / "meta.json").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in ckpt.iterdir() if p.name != "meta.json")
+    assert {".metadata", "rank0.pt", "__0_0.distcp"} <= set(files)
+    for name, saved in files.items():
+        data = (ckpt / name).read_bytes()
+        assert saved == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, name
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", "rank0.pt", ".metadata"])
+def test_a_checkpoint_whose_bytes_changed_since_the_save_is_damaged_not_loaded(tmp_path, name):
+    """DCP loads a shard with a flipped bit into other weights without a word (and a rank file can unpickle so too):
+    the CRC-32 the save recorded finds it, a given --resume says so, and a plain resume sets it aside for the one before."""
+    make(tmp_path / "run", max_steps=6, ckpt_every=2, warmup_steps=1).fit(4)
+    ckpts = tmp_path / "run" / "checkpoints"
+    flip_a_byte(ckpts / "step_000004" / name)
+    with pytest.raises(ConfigError, match=f"{re.escape(name)} has changed since it was saved"):
+        make(tmp_path / "run", max_steps=6, warmup_steps=1, resume=str(ckpts / "step_000004"))
+    t = make(tmp_path / "run", max_steps=6, warmup_steps=1)
+    assert t.step == 2 and (ckpts / "damaged-step_000004").exists()
+
+
+def test_a_checkpoint_file_of_another_size_or_missing_is_named(tmp_path):
+    make(tmp_path / "run", max_steps=6, ckpt_every=2, warmup_steps=1).fit(4)
+    ckpts = tmp_path / "run" / "checkpoints"
+    shard = ckpts / "step_000004" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "ab") as f: f.write(b"\0")
+    with pytest.raises(ConfigError, match=f"holds {size + 1} bytes, not the {size} it was saved with"):
+        make(tmp_path / "run", max_steps=6, warmup_steps=1, resume=str(ckpts / "step_000004"))
+    shard.unlink()
+    with pytest.raises(ConfigError, match="__0_0.distcp is missing"):
+        make(tmp_path / "run", max_steps=6, warmup_steps=1, resume=str(ckpts / "step_000004"))
+
+
+def test_a_checkpoint_saved_without_the_file_sums_still_loads(tmp_path):
+    """Checkpoints written before HyMo recorded each file's CRC-32 have no 'files' in meta.json: they load unchecked."""
+    make(tmp_path / "run", max_steps=6, ckpt_every=2, warmup_steps=1).fit(4)
+    meta_path = tmp_path / "run" / "checkpoints" / "step_000004" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["files"]
+    meta_path.write_text(json.dumps(meta))
+    assert make(tmp_path / "run", max_steps=6, warmup_steps=1).step == 4
 
 
 def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):
@@ -1091,12 +1169,22 @@ def test_ranks_whose_clocks_differ_share_the_new_run_folder(tmp_path):
     assert [m["step"] for m in read_jsonl(runs[0] / "metrics.jsonl")] == [1, 2, 3]
 
 
-def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_path):
-    """Damage that only rank 1 sees (its own rank1.pt) sends both ranks back to the previous checkpoint, with no hang."""
+@pytest.mark.parametrize("damage", ["cut", "flipped"])
+def test_two_ranks_fall_back_together_when_only_one_cannot_read_its_file(tmp_path, damage):
+    """Damage that only rank 1 sees (its own rank1.pt cut short, or a bit of its DCP shard flipped, which only rank 1
+    checks) sends both ranks back to the previous checkpoint, with no hang. One process resuming the same folder checks
+    rank 1's files itself."""
     args = [*TWO_RANK_RUN, "run_dir=two"]
     first = torchrun("-m", "hymo.train", *args, "max_steps=4", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
-    (tmp_path / "two" / "checkpoints" / "step_000004" / "rank1.pt").write_bytes(b"cut short")
+    step4 = tmp_path / "two" / "checkpoints" / "step_000004"
+    if damage == "cut": (step4 / "rank1.pt").write_bytes(b"cut short")
+    else:
+        flip_a_byte(step4 / "__1_0.distcp")
+        shutil.copytree(tmp_path / "two", tmp_path / "alone")
+        alone = run_cli(*TWO_RANK_RUN, "run_dir=alone", "max_steps=6", cwd=tmp_path, env_extra=CPU_RANKS)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        assert "__1_0.distcp has changed since it was saved" in alone.stdout and "at step 2" in alone.stdout, alone.stdout
     again = torchrun("-m", "hymo.train", *args, "max_steps=6", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "another rank cannot read" in again.stdout and "resumed from two/checkpoints/step_000002" in again.stdout

@@ -24,6 +24,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +43,12 @@ from .optim import build_optimizers, wsd_schedule
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'READ_FAULTS', 'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'Dist',
            'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision', 'peak_flops', 'peak_of',
-           'list_checkpoints', 'cut_short_renames', 'checkpoint_step', 'CheckpointUnreadable', 'wrapped',
-           'reraise_interrupt', 'resume_changes', 'trim_metrics', 'split_micro_batches', 'is_run_folder',
-           'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
-           'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load',
-           'metric_line', 'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'finish',
-           'write_safetensors', 'sample', 'plot_losses']
+           'list_checkpoints', 'cut_short_renames', 'checkpoint_step', 'CheckpointUnreadable', 'file_crc', 'file_rank',
+           'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics', 'split_micro_batches',
+           'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices',
+           'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save',
+           'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode',
+           'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -182,6 +183,41 @@ def checkpoint_step(ckpt: Path) -> int:
 
 class CheckpointUnreadable(OSError):
     "A checkpoint's files are missing or damaged on some rank."
+
+
+def file_crc(path: Path) -> dict:
+    "The size and CRC-32 of file `path`, read in 16 MiB pieces: what a checkpoint records of each of its files."
+    crc, size, piece = 0, 0, bytearray(1 << 24)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(piece):
+            crc, size = zlib.crc32(memoryview(piece)[:n], crc), size + n
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def file_rank(name: str) -> int | None:
+    "The rank that wrote a checkpoint's file: DCP's shards `__R_N.distcp`, HyMo's `rankR.pt`; None for the others (`.metadata`)."
+    m = re.fullmatch(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt", name)
+    return None if m is None else int(m[1] or m[2])
+
+
+def check_files(ckpt: Path, # A checkpoint folder
+                meta: dict, # Its meta.json, whose `files` the save wrote: each file's size and CRC-32
+                rank: int, world_size: int): # This process's rank and the number of ranks now
+    """Raise `CheckpointUnreadable` if a file of `ckpt` this rank checks is missing, or its size or CRC-32 differs from the
+    save's. Rank R checks the files rank R wrote (modulo `world_size`, when the number of ranks changed), rank 0 the others.
+    A checkpoint without `files` (written before HyMo recorded them) is not checked."""
+    files = meta.get("files", {})
+    if not isinstance(files, dict): raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged: its 'files' is not a table")
+    for name, saved in sorted(files.items()):
+        if (file_rank(name) or 0) % world_size != rank: continue
+        path = ckpt / name
+        if not path.is_file(): raise CheckpointUnreadable(f"{path} is missing")
+        now, want = file_crc(path), (saved if isinstance(saved, dict) else {})
+        if now["size"] != want.get("size"):
+            raise CheckpointUnreadable(f"{path} holds {now['size']} bytes, not the {want.get('size')} it was saved with")
+        if now["crc32"] != want.get("crc32"):
+            raise CheckpointUnreadable(f"{path} has changed since it was saved (CRC-32 {now['crc32']}, saved as "
+                                       f"{want.get('crc32')}): its bytes were damaged on the disk or in a copy")
 
 
 def wrapped(e: BaseException, kind) -> BaseException | None:
@@ -883,12 +919,19 @@ def save(self: Trainer) -> Path:
             torch.save({"rng": _rng_state(), "loader": self.train_loader.state_dict()}, f)
             to_disk(f)
 
+    sums = {}
+    def own_sums():  # every rank reads back the files it wrote, while the page cache holds them
+        sums.update({p.name: file_crc(p) for p in sorted(tmp.iterdir()) if file_rank(p.name) == self.d.rank})
+
     def meta_file():  # last, once every rank's file is in: a folder with meta.json is complete (`Trainer._whole`)
         if self.d.is_main:
+            files = {name: s for rank in every for name, s in rank.items()}
+            files.update({p.name: file_crc(p) for p in sorted(tmp.iterdir())  # DCP's .metadata, and any file it
+                          if p.name not in files and p.name != "meta.json" and p.is_file()})  # names otherwise
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "data_fingerprint": getattr(self.train_loader, "manifest", {}).get("fingerprint"),
-                    "config": Config(self.mcfg, self.cfg).to_dict()}
+                    "config": Config(self.mcfg, self.cfg).to_dict(), "files": files}
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
     def publish():  # complete on every rank: the rename makes it a checkpoint
@@ -909,6 +952,9 @@ def save(self: Trainer) -> Path:
         with _single_process_quiet():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))  # a failure raises on every rank
         self._together(own_file, tmp)  # on every rank (an all-reduce when distributed) before ...
+        self._together(own_sums, tmp)
+        every = [sums]
+        if self.d.distributed: every = [None] * self.d.world_size; dist.all_gather_object(every, sums)
         self._together(meta_file, tmp)  # ... rank 0 marks the folder complete: a kill in between leaves it partial
     except BaseException as e:  # DCP wraps what it meets (a full disk, a Ctrl-C): raise that, as itself
         reraise_interrupt(e)  # a kill would leave the .tmp folder too; the next start removes it
@@ -928,6 +974,7 @@ def load(self: Trainer, ckpt: Path):
     ckpt, error = Path(ckpt), None
     try:  # this rank's own files first; all ranks then agree on them before DCP's collective load
         meta = json.loads((ckpt / "meta.json").read_text())
+        check_files(ckpt, meta, self.d.rank, self.d.world_size)  # before anything reads them
         mine = ckpt / f"rank{self.d.rank}.pt"
         same_ranks = meta["world_size"] == self.d.world_size  # else DCP reshards and the loader position is recomputed
         extra = torch.load(mine, weights_only=False) if same_ranks else None  # missing: damaged, as a cut one is
@@ -1247,6 +1294,18 @@ def json_line(m: dict) -> str:
     return json.dumps(_no_nan(m))
 
 
+def wandb_mode() -> str:
+    """The mode a run's wandb logs in: `WANDB_MODE` where you set it (`offline`, `disabled`, ...), else online if wandb has
+    an API key (`WANDB_API_KEY`, or the one `wandb login` saved), else offline. Asked without a prompt and without the
+    network; `wandb.api`, the older way to ask, is deprecated."""
+    if mode := os.environ.get("WANDB_MODE", "").strip().lower(): return mode
+    if os.environ.get("WANDB_API_KEY"): return "online"
+    import wandb
+    try: logged_in = wandb.login(prompt=False, verify=False)
+    except TypeError: logged_in = getattr(wandb.api, "api_key", None)  # a wandb whose login has no prompt=
+    return "online" if logged_in else "offline"
+
+
 def _wandb(self: Trainer):
     """Rank 0's wandb run when enabled: online if you are logged in, else offline (sync later with `wandb sync`).
     Online, a resumed run continues the wandb run it began (its id is in run_dir/wandb/hymo_run_id); every part of a
@@ -1257,10 +1316,11 @@ def _wandb(self: Trainer):
         nonlocal run
         if not self.d.is_main: return
         import wandb
-        online = bool(os.environ.get("WANDB_API_KEY")) or bool(getattr(wandb.api, "api_key", None))
+        mode = wandb_mode()
+        online = mode == "online"
         id_file = self.run_dir / "wandb" / "hymo_run_id"
         reuse = online and self.step > 0 and id_file.exists() and not self.foreign_start  # step 0 or a branch: a new run
-        run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode="online" if online else "offline",
+        run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode=mode,
                          config=Config(self.mcfg, self.cfg).to_dict(), group=self.run_dir.name,
                          id=(id_file.read_text().strip() or None) if reuse else None, resume="allow")
         id_file.parent.mkdir(parents=True, exist_ok=True)
