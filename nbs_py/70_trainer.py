@@ -278,7 +278,7 @@ test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVID
 # (`__R_N.distcp`, `rankR.pt`) while the page cache still holds them, and rank 0 adds DCP's
 # `.metadata`. A resume checks them before it reads anything else (`check_files`), each file on
 # one rank, the one of the same number where the number of ranks is unchanged, and a file that
-# differs is damage like a missing one. CRC-32 runs at some 4 GB/s on one core (measured below), so
+# differs is damage like a missing one. CRC-32 reads 3 to 4 GB/s on one core (measured below), so
 # the 750M preset's 10 GB of weights and moments cost a save on one GPU about 3 s, once every
 # `ckpt_every` steps (1000: hours), and less per rank on more. A
 # checkpoint written before HyMo recorded the sums has no list and loads unchecked.

@@ -624,13 +624,18 @@ def test_a_checkpoint_file_of_another_size_or_missing_is_named(tmp_path):
         make(tmp_path / "run", max_steps=6, warmup_steps=1, resume=str(ckpts / "step_000004"))
 
 
+def without_file_sums(ckpt: Path, **meta):
+    "Make `ckpt` a checkpoint of a HyMo from before the saves recorded each file's size and CRC-32 (and set `meta`)."
+    path = ckpt / "meta.json"
+    old = json.loads(path.read_text())
+    del old["files"]
+    path.write_text(json.dumps({**old, **meta}))
+
+
 def test_a_checkpoint_saved_without_the_file_sums_still_loads(tmp_path):
     """Checkpoints written before HyMo recorded each file's CRC-32 have no 'files' in meta.json: they load unchecked."""
     make(tmp_path / "run", max_steps=6, ckpt_every=2, warmup_steps=1).fit(4)
-    meta_path = tmp_path / "run" / "checkpoints" / "step_000004" / "meta.json"
-    meta = json.loads(meta_path.read_text())
-    del meta["files"]
-    meta_path.write_text(json.dumps(meta))
+    without_file_sums(tmp_path / "run" / "checkpoints" / "step_000004")
     assert make(tmp_path / "run", max_steps=6, warmup_steps=1).step == 4
 
 
@@ -1447,6 +1452,7 @@ def test_a_checkpoint_from_before_the_loader_saved_its_accumulation_resumes(tmp_
     first.fit(num_steps=2)
     extra = tmp_path / "run" / "checkpoints" / "step_000002" / "rank0.pt"
     state = torch.load(extra, weights_only=False); del state["loader"]["accum"]; torch.save(state, extra)
+    without_file_sums(extra.parent)  # nor had it recorded its files' sums
     again = make(tmp_path / "run", max_steps=4, ckpt_every=2)
     assert again.step == 2 and again.train_loader.step == 2 and not again.resume_warnings
 
@@ -2307,7 +2313,7 @@ def test_a_resharded_resume_without_a_readable_rank0_file_continues_from_meta(tm
     "sl2 (no meta.json fallback): another number of ranks and no rank0.pt restarted the data at window 0."
     make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)  # 16 windows read
     ck = tmp_path / "a" / "checkpoints" / "step_000002"
-    (ck / "meta.json").write_text(json.dumps({**json.loads((ck / "meta.json").read_text()), "world_size": 2}))
+    without_file_sums(ck, world_size=2)  # a checkpoint that records its files has rank0.pt missing as damage
     (ck / "rank0.pt").unlink()
     t = make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8)
     assert (t.step, t.train_loader.step) == (2, 16 // 4)
