@@ -6,6 +6,7 @@ from outside 127.0.0.1, maths rendered as MathML, Q&A callouts closed until clic
 (and their #anchors) resolving, the sidebar listing every chapter in order, and the decks working.
 Screenshots of the home page, a chapter and a slide go to `artifacts/screenshots/` for review.
 """
+import html
 import json
 import os
 import re
@@ -147,7 +148,8 @@ def _load_site_module(monkeypatch):
 
 def test_pages_hold_every_visible_code_cell_output_and_image(visits, built, monkeypatch):
     """Each chapter's page shows the first line of every code cell the reader should see (not hidden, not exported, not
-    echo: false) and of its printed output, and exactly the notebook's images, each loaded and described by its cell's
+    echo: false), of its printed output and of the first row of each markdown table it outputs (rendered: no `|---|`
+    left), in the notebook's order, and exactly the notebook's images, each loaded and described by its cell's
     `fig-alt` (the text a screen reader says and a broken image shows; Quarto reads the same option)."""
     site = _load_site_module(monkeypatch)
     chapters, _ = built
@@ -155,7 +157,7 @@ def test_pages_hold_every_visible_code_cell_output_and_image(visits, built, monk
     for ch in chapters:
         facts = visits[ch.html]
         text = " ".join(facts["allText"].split())
-        want, alts = [], []
+        want, alts, cells = [], [], []
         for c in json.loads(ch.src.read_text())["cells"]:
             if c["cell_type"] != "code": continue
             d, code = site.directives("".join(c["source"]))
@@ -166,10 +168,23 @@ def test_pages_hold_every_visible_code_cell_output_and_image(visits, built, monk
             for o in c.get("outputs", []):
                 printed = [l for l in site.ANSI.sub("", "".join(o.get("text", ""))).splitlines() if l.strip()]
                 if o.get("output_type") == "stream" and printed: want.append(printed[0])
+                rows = [l for l in "".join(o.get("data", {}).get("text/markdown", "")).splitlines() if l.startswith("|")]
+                if len(rows) > 2: cells.append(rows[2].strip("|").split("|")[0].replace("`", "").replace("*", "").strip())
                 if any(m in o.get("data", {}) for m in ("image/png", "image/jpeg")):
                     alts.append(d.get("fig-alt", "").strip("\"'") or f"(no fig-alt in the cell {lines[:1]})")
         lost = [w for w in want if " ".join(w.split()) not in text]
         if lost: missing[ch.html] = lost[:3] + ([f"... {len(lost)} in all"] if len(lost) > 3 else [])
+        at, order = 0, []
+        for w in want:
+            w = " ".join(w.split())
+            if w not in text: continue
+            found = text.find(w, at)
+            if found < 0: order.append(w)  # on the page, but only before what came earlier in the notebook
+            else: at = found
+        if order: missing[ch.html + " order"] = order[:3]
+        page = (SITE / ch.html).read_text()
+        tables = [c for c in cells if not re.search(r"<td[^>]*>(?:\s|<[^>]+>)*" + re.escape(html.escape(c, quote=False)), page)]
+        if tables: missing[ch.html + " tables"] = tables  # a markdown output's table rendered as one (not shown raw)
         if [a for a, _ in facts["images"]] != alts or not all(w > 0 for _, w in facts["images"]):
             missing[ch.html + " images"] = [f"the notebook's: {alts}", facts["images"]]
         if "`" in facts["description"]: missing[ch.html + " subtitle"] = [facts["description"]]  # `code` is rendered
@@ -182,6 +197,27 @@ def test_names_link_to_this_pages_definition_or_to_the_only_one(monkeypatch):
     md = "Call `main` or `RMSNorm`."
     assert site.link_names(md, symbols, "train.html") == "Call [`main`](#main) or [`RMSNorm`](layers.html#RMSNorm)."
     assert site.link_names(md, symbols, "results.html") == "Call `main` or [`RMSNorm`](layers.html#RMSNorm)."
+    symbols["train_step"], symbols["Trainer"] = [("trainer.html", "train_step")], [("trainer.html", "Trainer")]
+    for kept in ("`train_step.py` wrote `train_step.json`", "## Why does `RMSNorm` come first?", "```\n`RMSNorm`\n```"):
+        assert site.link_names(kept, symbols, "results.html") == kept  # files, headings (callout questions), code
+    assert (site.link_names("`Trainer.train_step()` and `RMSNorm.weight`", symbols, "results.html")
+            == "[`Trainer.train_step()`](trainer.html#Trainer) and [`RMSNorm.weight`](layers.html#RMSNorm)")
+
+
+def test_built_pages_link_names_to_their_docs_but_not_files_nor_questions(site, built):
+    """Every chapter's backticked names of exported objects are links to their docs (an attribute to its class's),
+    file names are not (`train_step.py` led to `Trainer.train_step`), nor is a callout's question (a click on it would
+    leave the page instead of opening the answer); the description in the page's head has no backticks."""
+    pages = {ch.html: (site / ch.html).read_text() for ch in built[0]}
+    code_links = [(p, m) for p, text in pages.items() for m in re.findall(r'<a href="([^"]*)"><code>([^<]*)</code></a>', text)]
+    assert len(code_links) >= 100, len(code_links)
+    assert ("trainer.html", ("data.html#TokenLoader", "TokenLoader.step_after")) in code_links
+    files = [(p, m) for p, m in code_links if re.search(r"\.(py|json|yaml|ipynb)$", m[1])]
+    assert not files, files
+    for p, text in pages.items():
+        assert not re.search(r"<summary>(?:(?!</summary>).)*<a ", text, re.S), p
+        desc = re.search(r'<meta name="description" content="([^"]*)"', text)
+        assert desc is None or "`" not in desc[1], (p, desc[1])
 
 
 def test_no_notebook_cell_mixes_imports_with_code():
@@ -328,6 +364,9 @@ def test_search_index_covers_every_chapter_and_its_anchors_exist(site, visits, b
         page, _, anchor = e["href"].partition("#")
         assert not anchor or anchor in visits[page]["ids"], e["href"]
         assert "<" not in e["section"] and "<math" not in e["text"], e  # plain text, maths left out
+        assert not re.search(r"&(?:[a-z]+|#x?[0-9a-f]+);", e["text"] + e["section"]), e  # entities unescaped
+        assert not re.search(r"\\(?:eta|lambda|frac|sum|mathbf|top|alpha|beta)\b", e["text"]), e  # nor MathML's TeX
+    assert all(any(e["href"] == ch.html and e["section"] == "" for e in index) for ch in built[0])  # each page's intro
     names = {e["section"]: e["href"] for e in index}
     assert names["build_hymo"] == "model.html#build_hymo" and names["RMSNorm"] == "layers.html#RMSNorm"
     assert "def build_hymo(config: ModelConfig" in next(e["text"] for e in index if e["section"] == "build_hymo")
@@ -441,6 +480,7 @@ def test_offline_sidebar_parts_are_quartos(monkeypatch):
         if not isinstance(item, dict) or "section" not in item: continue
         globs = [c["auto"] for c in item["contents"] if isinstance(c, dict) and "auto" in c]
         if globs: quarto[item["section"]] = sorted(int(re.fullmatch(r"(\d)\*\.ipynb", g)[1]) for g in globs)
+    assert all(n % 10 == 0 for n, _ in site.PARTS), site.PARTS  # a part begins at a chapter's tens, as a glob does
     firsts = [n for n, _ in site.PARTS] + [site.PARTS[-1][0] + 10]  # the last part: its own tens (a 9x chapter is in no section)
     offline = {name: list(range(firsts[i] // 10, firsts[i + 1] // 10)) for i, (_, name) in enumerate(site.PARTS)}
     assert offline == quarto

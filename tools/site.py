@@ -248,11 +248,18 @@ def api_doc(code: str, name: str) -> str:
     return f"::: {{.doc}}\n### {name} {{#{name} .doc-name}}\n\n{fence(sig, '{.python}')}{doc}\n:::"
 
 
+FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "yml", "ipynb", "qmd", "md", "txt", "toml", "pt", "safetensors", "png",
+                 "csv", "sh", "log", "distcp", "html", "js", "css", "parquet", "bin"}  # `train_step.py` is a file, not an attribute
+
+
 def link_names(md: str, symbols: dict[str, list], here: str) -> str:
     """Link backticked names of exported objects (`RMSNorm`, `ModelConfig.layer_types`) to their docs: the definition on
-    this page if there is one, else the only one (a name several chapters define, like `main`, is left unlinked)."""
+    this page if there is one, else the only one (a name several chapters define, like `main`, is left unlinked).
+    Headings are left alone (a link in a callout's question would leave the page instead of opening the answer), and
+    so are file names (`train_step.py`)."""
     def sub(m):
         whole, name = m.group(0), m.group(1)
+        if name.partition(".")[2] in FILE_SUFFIXES: return whole
         targets = symbols.get(name.split(".")[0], [])
         target = next((t for t in targets if t[0] == here), targets[0] if len(targets) == 1 else None)
         if not target: return whole
@@ -399,7 +406,7 @@ def layout(page: Page, body: str, toc: str, hl_css: str, side: str, pager_html: 
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{html.escape(title.replace("`", ""))}</title>
-<meta name="description" content="{html.escape(page.desc, quote=True)}">
+<meta name="description" content="{html.escape(page.desc.replace("`", ""), quote=True)}">
 <link rel="icon" href="data:,">
 <link rel="stylesheet" href="site.css">
 <style>{hl_css}</style>
