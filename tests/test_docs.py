@@ -517,12 +517,32 @@ def test_hidden_cells_are_not_rendered(tmp_path, monkeypatch):
              code("#| hide\nSECRET_HIDE = 1", "SECRET_HIDE_OUT"), code("#| exporti\ndef _secret_exporti(): pass"),
              code("#| include: false\nSECRET_INCLUDE = 1", "SECRET_INCLUDE_OUT"),
              code("#| echo: false\nSECRET_ECHO = 1", "VISIBLE_OUT"), code("#| output: false\nVISIBLE_CODE = 1", "SECRET_OUT"),
+             code("#| echo: False\nSECRET_ECHO_YAML = 1", "VISIBLE_OUT2"), code("#| output: False\nVISIBLE_CODE2 = 1", "SECRET_OUT2"),
              code("#| export\ndef shown(x):\n    'Doc.'\n    SECRET_BODY = 1")]
     p = tmp_path / "99_t.ipynb"
     p.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
     md = site.notebook_md(site.Page(p, "t.html", "T"), {}, {})
     assert "secret" not in md.lower(), md
     assert "VISIBLE_OUT" in md and "VISIBLE_CODE" in md and "{#shown" in md
+    assert "VISIBLE_OUT2" in md and "VISIBLE_CODE2" in md
+
+
+def test_callouts_keep_their_body_open_closed_or_plain(tmp_path, monkeypatch):
+    """Quarto's three callout forms: collapse="true" a closed <details>, "false" an open one, none a plain box; each keeps
+    its body and its title (a heading that opens it, its title= attribute, else its kind)."""
+    site = _load_site_module(monkeypatch)
+    md = "\n\n".join([
+        '::: {.callout-tip collapse="true"}\n## Q1?\nBODY_ONE\n:::',
+        '::: {.callout-note collapse="false" title="T2"}\nBODY_TWO\n:::',
+        '::: {.callout-warning}\nBODY_THREE\n:::'])
+    (tmp_path / "callouts.lua").write_text(site.CALLOUTS_LUA)  # as main writes them for a build
+    (tmp_path / "page.tpl").write_text(site.PAGE_TEMPLATE)
+    body = site.md_to_html(md, tmp_path)[2]
+    box = r'\s*<div class="callout-body">\s*<p>BODY_{}</p>'
+    assert re.search(r'<details class="callout callout-tip">\s*<summary>\s*Q1\?\s*</summary>' + box.format("ONE"), body), body
+    assert re.search(r'<details class="callout callout-note" open>\s*<summary>\s*T2\s*</summary>' + box.format("TWO"), body), body
+    assert re.search(r'<div class="callout callout-warning">\s*<div class="callout-title">\s*Warning\s*</div>'
+                     + box.format("THREE"), body), body
 
 
 def test_quarto_sidebar_and_navbar_list_home_and_every_deck():

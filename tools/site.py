@@ -173,7 +173,8 @@ def directives(src: str) -> tuple[dict, str]:
             body = s[2:].strip()
             if not body: continue
             k, _, v = body.partition(":") if re.match(r"[\w-]+\s*:", body) else body.partition(" ")
-            d[k.strip()] = v.strip()
+            v = v.strip()
+            d[k.strip()] = v.lower() if v.lower() in ("true", "false") else v  # YAML's booleans: `echo: False` too
         elif not re.search(r"#\|\s*hide_line\s*$", line):
             keep.append(line)
     code = "\n".join(keep)
