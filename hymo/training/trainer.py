@@ -611,9 +611,9 @@ class Trainer:
                 resume = True
         if resume is not True:
             if not (p / "meta.json").exists():  # a run folder, or its checkpoints/, given for one of its checkpoints
-                own = list_checkpoints(p)
-                inside = own or (list_checkpoints(p.parent) if p.name == "checkpoints" else [])
-                what = (f"is {'a run' if own else 'the checkpoints'} folder, not a checkpoint: give one of "
+                listed = list_checkpoints(p)
+                inside = listed or (list_checkpoints(p.parent) if p.name == "checkpoints" else [])
+                what = (f"is {'a run' if listed else 'the checkpoints'} folder, not a checkpoint: give one of "
                         f"its checkpoints, e.g. {inside[-1]}" if inside else
                         ("is not a complete checkpoint (no meta.json)" if p.is_dir() else
                          "is a file, not a checkpoint folder" if p.exists() else "does not exist")
