@@ -347,18 +347,19 @@ def check_files(ckpt: Path, # A checkpoint folder
                 rank: int, world_size: int): # This process's rank and the number of ranks now
     """Raise `CheckpointUnreadable` if a file of `ckpt` this rank checks is missing, or its size or CRC-32 differs from the
     save's. Rank R checks the files rank R wrote (modulo `world_size`, when the number of ranks changed), rank 0 the others.
-    A checkpoint without `files` (written before HyMo recorded them) is not checked."""
+    A checkpoint without `files` (written before HyMo recorded them) is not checked. Sizes come first: a file cut short
+    (a copy that stopped, a full disk) is named without reading gigabytes of the others."""
     files = meta.get("files", {})
     if not isinstance(files, dict): raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged: its 'files' is not a table")
-    for name, saved in sorted(files.items()):
-        if (file_rank(name) or 0) % world_size != rank: continue
-        path = ckpt / name
+    mine = [(ckpt / name, saved if isinstance(saved, dict) else {}) for name, saved in sorted(files.items())
+            if (file_rank(name) or 0) % world_size == rank]
+    for path, want in mine:
         if not path.is_file(): raise CheckpointUnreadable(f"{path} is missing")
-        now, want = file_crc(path), (saved if isinstance(saved, dict) else {})
-        if now["size"] != want.get("size"):
-            raise CheckpointUnreadable(f"{path} holds {now['size']} bytes, not the {want.get('size')} it was saved with")
-        if now["crc32"] != want.get("crc32"):
-            raise CheckpointUnreadable(f"{path} has changed since it was saved (CRC-32 {now['crc32']}, saved as "
+        if (size := path.stat().st_size) != want.get("size"):
+            raise CheckpointUnreadable(f"{path} holds {size} bytes, not the {want.get('size')} it was saved with")
+    for path, want in mine:
+        if (crc := file_crc(path)["crc32"]) != want.get("crc32"):
+            raise CheckpointUnreadable(f"{path} has changed since it was saved (CRC-32 {crc}, saved as "
                                        f"{want.get('crc32')}): its bytes were damaged on the disk or in a copy")
 
 
@@ -1409,6 +1410,9 @@ with tempfile.TemporaryDirectory() as d, _single_process_quiet():
     test_fail(lambda: check_files(Path(d), {"files": sums}, rank=0, world_size=1), contains="__0_0.distcp has changed")
     check_files(Path(d), {"files": {k: v for k, v in sums.items() if k != "__0_0.distcp"}}, rank=0, world_size=1)
     check_files(Path(d), {"files": sums}, rank=1, world_size=2)  # rank 0's shard is not rank 1's to check
+    meta_file = Path(d) / ".metadata"  # checked before the shard by name; a size is found before any bytes are read
+    meta_file.write_bytes(meta_file.read_bytes()[::-1]); shard.write_bytes(shard.read_bytes()[:-1])
+    test_fail(lambda: check_files(Path(d), {"files": sums}, rank=0, world_size=1), contains="__0_0.distcp holds")
 test_eq([file_rank(n) for n in ("__3_0.distcp", "rank12.pt", ".metadata", "meta.json")], [3, 12, None, None])
 
 # %%

@@ -205,18 +205,19 @@ def check_files(ckpt: Path, # A checkpoint folder
                 rank: int, world_size: int): # This process's rank and the number of ranks now
     """Raise `CheckpointUnreadable` if a file of `ckpt` this rank checks is missing, or its size or CRC-32 differs from the
     save's. Rank R checks the files rank R wrote (modulo `world_size`, when the number of ranks changed), rank 0 the others.
-    A checkpoint without `files` (written before HyMo recorded them) is not checked."""
+    A checkpoint without `files` (written before HyMo recorded them) is not checked. Sizes come first: a file cut short
+    (a copy that stopped, a full disk) is named without reading gigabytes of the others."""
     files = meta.get("files", {})
     if not isinstance(files, dict): raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged: its 'files' is not a table")
-    for name, saved in sorted(files.items()):
-        if (file_rank(name) or 0) % world_size != rank: continue
-        path = ckpt / name
+    mine = [(ckpt / name, saved if isinstance(saved, dict) else {}) for name, saved in sorted(files.items())
+            if (file_rank(name) or 0) % world_size == rank]
+    for path, want in mine:
         if not path.is_file(): raise CheckpointUnreadable(f"{path} is missing")
-        now, want = file_crc(path), (saved if isinstance(saved, dict) else {})
-        if now["size"] != want.get("size"):
-            raise CheckpointUnreadable(f"{path} holds {now['size']} bytes, not the {want.get('size')} it was saved with")
-        if now["crc32"] != want.get("crc32"):
-            raise CheckpointUnreadable(f"{path} has changed since it was saved (CRC-32 {now['crc32']}, saved as "
+        if (size := path.stat().st_size) != want.get("size"):
+            raise CheckpointUnreadable(f"{path} holds {size} bytes, not the {want.get('size')} it was saved with")
+    for path, want in mine:
+        if (crc := file_crc(path)["crc32"]) != want.get("crc32"):
+            raise CheckpointUnreadable(f"{path} has changed since it was saved (CRC-32 {crc}, saved as "
                                        f"{want.get('crc32')}): its bytes were damaged on the disk or in a copy")
 
 
