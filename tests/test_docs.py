@@ -204,6 +204,21 @@ def test_names_link_to_this_pages_definition_or_to_the_only_one(monkeypatch):
             == "[`Trainer.train_step()`](trainer.html#Trainer) and [`RMSNorm.weight`](layers.html#RMSNorm)")
 
 
+def test_code_is_left_as_written_inside_any_fence_and_inline(monkeypatch):
+    """A ```` fence can show a ``` block (a notebook teaching markdown): the inner fences do not end it, so nothing in it
+    is linked; a link to a notebook or deck goes to its page by the file's name, but not when it is shown as code."""
+    site = _load_site_module(monkeypatch)
+    symbols = {"RMSNorm": [("layers.html", "RMSNorm")]}
+    md = "````md\n```python\n```\n`RMSNorm`\n~~~\n````\n`RMSNorm`"
+    assert site.in_fences(md) == [True] * 6 + [False]
+    assert site.link_names(md, symbols, "x.html").split("\n")[3:] == ["`RMSNorm`", "~~~", "````", "[`RMSNorm`](layers.html#RMSNorm)"]
+    pages = {"20_rope.ipynb": "rope.html", "02_mla.qmd": "slides/02_mla.html"}
+    assert (site.fix_links("See [RoPE](./20_rope.ipynb#why), [deck](../slides/02_mla.qmd), [x](other.ipynb).", pages)
+            == "See [RoPE](rope.html#why), [deck](slides/02_mla.html), [x](other.ipynb).")
+    for kept in ("Write `[RoPE](20_rope.ipynb)` in markdown.", "```\n[RoPE](20_rope.ipynb)\n```"):
+        assert site.fix_links(kept, pages) == kept
+
+
 def test_built_pages_link_names_to_their_docs_but_not_files_nor_questions(site, built):
     """Every chapter's backticked names of exported objects are links to their docs (an attribute to its class's),
     file names are not (`train_step.py` led to `Trainer.train_step`), nor is a callout's question (a click on it would

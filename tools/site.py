@@ -253,6 +253,31 @@ FILE_SUFFIXES = {"py", "json", "jsonl", "yaml", "yml", "ipynb", "qmd", "md", "tx
                  "csv", "sh", "log", "distcp", "html", "js", "css", "parquet", "bin"}  # `train_step.py` is a file, not an attribute
 
 
+FENCE = re.compile(r"\s*(`{3,}|~{3,})(.*)")
+
+
+def in_fences(md: str) -> list[bool]:
+    """For each line of `md`, whether it belongs to a fenced code block (its fences included). As in CommonMark, a block
+    ends only at a fence of its own character, at least as long, with nothing after it: a ```` fence can show a ``` one."""
+    flags, opened = [], None
+    for line in md.split("\n"):
+        m = FENCE.match(line)
+        if opened is None:
+            if m and not (m[1][0] == "`" and "`" in m[2]): opened = m[1]  # ``` with a backtick after is inline code
+            flags.append(opened is not None)
+        else:
+            flags.append(True)
+            if m and m[1][0] == opened[0] and len(m[1]) >= len(opened) and not m[2].strip(): opened = None
+    return flags
+
+
+def outside_code(md: str, pattern: str, sub) -> str:
+    "`re.sub(pattern, sub, ...)` on the prose of `md` only: not in fenced code blocks, nor in inline code spans."
+    spans = re.compile(r"(`+)(?:(?!\1).)+?\1|" + pattern)
+    return "\n".join(line if code else spans.sub(lambda m: m[0] if m[1] else sub(m), line)
+                     for line, code in zip(md.split("\n"), in_fences(md)))
+
+
 def link_names(md: str, symbols: dict[str, list], here: str) -> str:
     """Link backticked names of exported objects (`RMSNorm`, `ModelConfig.layer_types`) to their docs: the definition on
     this page if there is one, else the only one (a name several chapters define, like `main`, is left unlinked).
@@ -266,20 +291,18 @@ def link_names(md: str, symbols: dict[str, list], here: str) -> str:
         if not target: return whole
         page, anchor = target
         return f"[{whole}]({'' if page == here else page}#{anchor})"
-    out, in_fence = [], False
-    for line in md.split("\n"):
-        if re.match(r"\s*(```|~~~)", line): in_fence = not in_fence
-        if in_fence or line.lstrip().startswith("#"): out.append(line); continue
-        out.append(re.sub(r"(?<![\[`])`([A-Za-z_]\w*(?:\.\w+)?)(?:\(\))?`(?![\]`])", sub, line))
-    return "\n".join(out)
+    return "\n".join(line if code or line.lstrip().startswith("#") else
+                     re.sub(r"(?<![\[`])`([A-Za-z_]\w*(?:\.\w+)?)(?:\(\))?`(?![\]`])", sub, line)
+                     for line, code in zip(md.split("\n"), in_fences(md)))
 
 
 def fix_links(md: str, nb_pages: dict[str, str]) -> str:
-    "Links to other notebooks or decks point at their pages."
+    """Links to other notebooks or decks point at their pages, by the file's name (`20_rope.ipynb`,
+    `../slides/02_mla.qmd`); a link shown as code is left as written."""
     def sub(m):
-        name, frag = m.group(1), m.group(2) or ""
-        return f"]({nb_pages.get(name, name)}{frag})"
-    return re.sub(r"\]\((?:\./)?([\w./-]+\.(?:ipynb|qmd))(#[^)\s]*)?\)", sub, md)
+        name, frag = m[2], m[3] or ""
+        return f"]({nb_pages.get(Path(name).name, name)}{frag})"
+    return outside_code(md, r"\]\(([\w./-]+\.(?:ipynb|qmd))(#[^)\s]*)?\)", sub)
 
 
 def attachments(md: str, cell: dict) -> str:
