@@ -61,3 +61,19 @@ def test_generate_speed_runs_on_a_cpu(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_speed.py"), "--device", "cpu", "--prompt", "250",
                         "--tokens", "12"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "at most max_seq_len=256" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_ckpt_save_times_the_trainers_save_and_resume_check(tmp_path, monkeypatch):
+    """benchmarks/ckpt_save.py on hymo_tiny: each save's CRC-32 time is a part of it, and the resume's check reads every
+    file of the checkpoint but meta.json, which holds the sums (the wrapped `file_crc` is what the trainer calls)."""
+    import json
+    monkeypatch.setenv("HYMO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ckpt_save
+    row = ckpt_save.main(["--repeat", "2", "--run-dir", str(tmp_path), "--out", str(tmp_path / "row.json")])
+    assert json.loads((tmp_path / "row.json").read_text()) == row
+    assert len(row["save_s"]) == 2 and all(0 < c < s for s, c in zip(row["save_s"], row["save_crc_s"]))
+    ckpt = max((tmp_path / "run" / "checkpoints").iterdir())
+    files = json.loads((ckpt / "meta.json").read_text())["files"]
+    assert row["files"] == len(files) + 1 and row["load_checked_bytes"] == sum(s["size"] for s in files.values())
+    assert row["load_checked_bytes"] == row["checkpoint_bytes"] - (ckpt / "meta.json").stat().st_size
