@@ -278,10 +278,12 @@ test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVID
 # (`__R_N.distcp`, `rankR.pt`) while the page cache still holds them, and rank 0 adds DCP's
 # `.metadata`. A resume checks them before it reads anything else (`check_files`), each file on
 # one rank, the one of the same number where the number of ranks is unchanged, and a file that
-# differs is damage like a missing one. CRC-32 reads 3 to 4 GB/s on one core (measured below), so
-# the 750M preset's 10 GB of weights and moments cost a save on one GPU about 3 s, once every
-# `ckpt_every` steps (1000: hours), and less per rank on more. A
-# checkpoint written before HyMo recorded the sums has no list and loads unchecked.
+# differs is damage like a missing one. CRC-32 reads 3 to 4 GB/s on one core (measured below). On
+# one H100 machine the 750M preset's checkpoint, 10.1 GB of weights and moments, took 17 to 22 s
+# to save, of which the sums 3.8 to 4.4 s, and 10.3 s to load, of which the check 3.9 s
+# (`benchmarks/ckpt_save.py`, in `benchmarks/results/ckpt_save.json`): once every `ckpt_every`
+# steps (1000: about two hours of steps), and less per rank on more ranks. A checkpoint written
+# before HyMo recorded the sums has no list and loads unchecked.
 
 # %%
 #| export
