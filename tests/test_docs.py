@@ -416,6 +416,37 @@ def test_search_lists_the_sections_holding_every_word_and_opens_the_first(site, 
     ctx.close()
 
 
+def test_search_results_by_keyboard_with_snippets_and_closed_by_a_click_outside(server, browser):
+    """The arrow keys walk the results and back to the box, each result shows the text around a word typed, a click
+    elsewhere closes the list, and "/" typed in the box is a character, not a jump to it."""
+    log = {"errors": [], "failed": [], "outside": []}
+    ctx, page = new_page(browser, log)
+    page.goto(server + "optim.html")
+    page.fill("#search", "newton schulz")
+    links = page.eval_on_selector_all("#search-results a", "as => as.map(a => a.getAttribute('href'))")
+    assert len(links) >= 3, links
+    focused = lambda: page.evaluate("document.activeElement.getAttribute('href') ?? document.activeElement.id")
+    page.keyboard.press("ArrowDown")
+    assert focused() == links[0]
+    page.keyboard.press("ArrowDown"); page.keyboard.press("ArrowDown")
+    assert focused() == links[2]
+    page.keyboard.press("ArrowUp")
+    assert focused() == links[1]
+    page.keyboard.press("ArrowUp"); page.keyboard.press("ArrowUp")
+    assert focused() == "search"
+    hits = page.eval_on_selector_all("#search-results a", "as => as.map(a => [a.querySelector('.hit-head').textContent, "
+                                                          "a.querySelector('.hit-text').textContent])")
+    for head, text in hits:  # the words found in the text, else in the heading (the text then starts the section)
+        assert (re.search(r"newton|schulz", text, re.I) or re.search(r"newton|schulz", head, re.I)) and len(text) <= 164, (head, text)
+    assert sum(bool(re.search(r"newton|schulz", text, re.I)) for _, text in hits) >= 2, hits
+    page.mouse.click(900, 700)  # the page's text, away from the search box
+    assert page.is_hidden("#search-results") and page.input_value("#search") == "newton schulz"
+    page.focus("#search"); page.fill("#search", ""); page.keyboard.type("a/b")
+    assert page.input_value("#search") == "a/b"
+    assert not log["errors"] and not log["failed"] and not log["outside"], log
+    ctx.close()
+
+
 def test_decks_have_slides_maths_and_fragment_answers(built, server, browser):
     for deck in built[1]:
         log = {"errors": [], "failed": [], "outside": []}
