@@ -6,6 +6,7 @@ from outside 127.0.0.1, maths rendered as MathML, Q&A callouts closed until clic
 (and their #anchors) resolving, the sidebar listing every chapter in order, and the decks working.
 Screenshots of the home page, a chapter and a slide go to `artifacts/screenshots/` for review.
 """
+import ast
 import html
 import json
 import os
@@ -289,6 +290,45 @@ def test_sidebar_lists_every_chapter_in_order_with_prev_next(visits, built):
         assert v["sidebar"] == want, ch.html
         assert v["prev"] == (chapters[i - 1].html if i else None), ch.html
         assert v["next"] == (chapters[i + 1].html if i + 1 < len(chapters) else None), ch.html
+
+
+def test_every_exported_name_has_its_signature_docments_and_docstring(site, built, monkeypatch):
+    """Each public function and class a chapter exports has a section on its page (its anchor) that shows the signature
+    with the comment after each argument (or a dataclass's fields with theirs) and the docstring, as nbdev shows them;
+    the sidebar marks the page itself as the current one, and only it."""
+    tools = _load_site_module(monkeypatch)
+    def text(fragment):
+        plain = html.unescape(re.sub(r"<[^>]+>", "", fragment))
+        return re.sub(r"\s+", " ", plain.replace("\u2019", "'").replace("\u2018", "'").replace("\u201c", '"').replace("\u201d", '"')
+                      .replace("\u2026", "..."))  # pandoc's typography
+    checked = 0
+    for ch in built[0]:
+        page = (site / ch.html).read_text()
+        current = re.findall(r'<a href="([^"]*)" aria-current="page"', page)
+        assert current == [ch.html], (ch.html, current)
+        for c in json.loads(ch.src.read_text())["cells"]:
+            d, code = tools.directives("".join(c["source"]))
+            if c["cell_type"] != "code" or not ({"export", "exports"} & d.keys()): continue
+            tree = ast.parse(code)
+            for node in tree.body:
+                if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) or node.name.startswith("_"): continue
+                m = re.search(rf'<section id="{node.name}" class="doc-name doc">(.*?)</section>', page, re.S)
+                assert m, (ch.html, node.name)
+                shown = text(m[1])
+                doc = ast.get_docstring(node)
+                if doc: assert re.sub(r"\s+", " ", doc.strip())[:60].replace("`", "") in shown, (ch.html, node.name, shown[:300])
+                if doc and "\n" not in doc.strip():  # italic by its class: `*...*` broke at an `_F` and showed the stars
+                    summary = re.search(r'<div class="doc-summary">(.*?)</div>', m[1], re.S)
+                    assert summary and text(summary[1]).count("*") == doc.count("*"), (ch.html, node.name)
+                lines = code.split("\n")
+                header = lambda n: lines[n.lineno - 1:n.body[0].lineno - 1]  # def/class lines, with their comments
+                fields = [lines[n.lineno - 1] for n in node.body if isinstance(n, ast.AnnAssign)]  # a dataclass's
+                init = [header(n) for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+                for line in header(node) + (fields or (init[0] if init else [])):
+                    comment = line.partition("  # ")[2] or line.partition(" # ")[2]
+                    if comment: assert re.sub(r"\s+", " ", comment.strip()) in shown, (ch.html, node.name, comment)
+                checked += 1
+    assert checked >= 100, checked
 
 
 def test_maths_renders_as_mathml(visits, built):

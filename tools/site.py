@@ -245,7 +245,8 @@ def api_doc(code: str, name: str) -> str:
         elif init is not None:
             sig += "\n" + textwrap.indent(header(init), "    ")
     doc = ast.get_docstring(node) or ""
-    doc = f"\n\n*{doc.strip()}*" if doc and "\n" not in doc.strip() else (f"\n\n{doc.strip()}" if doc else "")
+    one_line = doc and "\n" not in doc.strip()  # in italics, as nbdev shows it, by a class: `*...*` would end at an `_F`
+    doc = f"\n\n::: {{.doc-summary}}\n{doc.strip()}\n:::" if one_line else (f"\n\n{doc.strip()}" if doc else "")
     return f"::: {{.doc}}\n### {name} {{#{name} .doc-name}}\n\n{fence(sig, '{.python}')}{doc}\n:::"
 
 
