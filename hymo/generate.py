@@ -22,8 +22,8 @@ from .models.model import HyMo, build_hymo
 from .training.data import EOT, to_devnull
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'run_config', 'load_run', 'trained_length', 'prompt_ids', 'generate_text', 'newer_checkpoint_note',
-           'main']
+__all__ = ['RUN_FILES', 'run_config', 'load_run', 'write_again', 'trained_length', 'prompt_ids', 'generate_text',
+           'newer_checkpoint_note', 'main']
 
 # %% ../nbs/72_generate.ipynb #aff7e580
 RUN_FILES = ("config.yaml", "model.safetensors", "tokenizer.json")
@@ -46,26 +46,33 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     run = Path(run_dir)
     if not run.is_dir(): raise ConfigError(f"{run} {'is a file' if run.exists() else 'does not exist'}: give a finished run's folder")
     if missing := [f for f in RUN_FILES if not (run / f).exists()]:
-        from hymo.training.trainer import is_run_folder
+        from hymo.training.trainer import is_run_folder, run_dir_holder
         home = run.parent.parent
         if run.parent.name == "checkpoints" and (home / "config.yaml").is_file():  # a checkpoint of a run
             whole = all((home / f).exists() for f in RUN_FILES)
             raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {home}" if whole else
                               f"generate loads a finished run, and {home} has not finished: resume it to the end "
                               f"(python -m hymo.train --config {home / 'config.yaml'} run_dir={home})"))
+        if who := run_dir_holder(run):  # training there now: it writes them when it finishes
+            raise ConfigError(f"{run} has no {', '.join(missing)} yet: a run is training there now ({who}); it writes "
+                              "them when it finishes, and generate loads them then")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
-            raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): python -m hymo.train "
-                              f"--config {run / 'config.yaml'} writes the final model again from its final checkpoint")
+            raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): {write_again(run)}")
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
                           + (f", python -m hymo.train --config {run / 'config.yaml'})" if is_run_folder(run) else ")"))
+    from hymo.training.trainer import _json_dict, file_crc
     cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
-    try: state = load_file(str(run / "model.safetensors"), device=str(device))
+    summary = _json_dict(run / "summary.json") or {}  # runs from before it held the sums: no check
+    weights = run / "model.safetensors"
+    if isinstance(saved := summary.get("model_file"), dict) and (now := file_crc(weights)) != saved:
+        raise ConfigError(f"{weights} has changed since the run wrote it ({now['size']} bytes, CRC-32 {now['crc32']}; "
+                          f"summary.json: {saved.get('size')} bytes, {saved.get('crc32')}): its bytes were damaged on the "
+                          f"disk or in a copy. Copy it again, or delete it: {write_again(run)}")
+    try: state = load_file(str(weights), device=str(device))
     except Exception as e:  # safetensors' own error for a cut or damaged file
-        raise ConfigError(f"{run / 'model.safetensors'} cannot be read ({e}): copy it again, or export it anew from the "
-                          f"final checkpoint: delete {run / 'summary.json'}, then python -m hymo.train --config "
-                          f"{run / 'config.yaml'} run_dir={run}") from None
+        raise ConfigError(f"{weights} cannot be read ({e}): copy it again, or delete it: {write_again(run)}") from None
     try: wrong = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: {str(e).strip().splitlines()[-1].strip()}") from None
@@ -76,8 +83,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     try: tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     except Exception as e:  # tokenizers' own error for a cut or damaged file
         raise ConfigError(f"{run / 'tokenizer.json'} cannot be read ({e}): {again}") from None
-    try: want = json.loads((run / "summary.json").read_text()).get("tokenizer_sha256")  # runs before it was recorded: None
-    except (OSError, ValueError, AttributeError): want = None
+    want = summary.get("tokenizer_sha256")  # runs before it was recorded: None
     if want and hashlib.sha256((run / "tokenizer.json").read_text(encoding="utf-8").encode("utf-8")).hexdigest() != want:
         raise ConfigError(f"{run / 'tokenizer.json'} is not the tokenizer this run trained with (its sha256 differs from "
                           f"summary.json's): {again}, from the dataset whose manifest.json has that tokenizer_sha256")
@@ -87,6 +93,16 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
     model.trained_len = trained_length(run)  # `generate`'s window, unless one is given: no position it never trained on
     return model.eval(), tok
+
+
+def write_again(run: Path) -> str:
+    "How a finished run's deleted model.safetensors (or tokenizer.json) is written again: from its final checkpoint, if one is left."
+    from hymo.training.trainer import list_checkpoints
+    if list_checkpoints(run):
+        return (f"python -m hymo.train --config {run / 'config.yaml'} run_dir={run} writes the missing files again from "
+                "the final checkpoint")
+    return (f"{run} has no checkpoint left to write them from, so copy them back from a copy of the run folder, or train "
+            "the run again in a new run_dir=...")
 
 
 def trained_length(run_dir: str | Path) -> int:

@@ -297,7 +297,9 @@ def validate_model(m: ModelConfig):
     if m.moe_top_k > m.moe_n_routed:
         raise ConfigError(f"moe_top_k={m.moe_top_k} > moe_n_routed={m.moe_n_routed}: a token cannot pick more experts than exist")
     if len(m.mtp_loss_weights) != m.mtp_depth:
-        raise ConfigError(f"mtp_loss_weights has {len(m.mtp_loss_weights)} entries but mtp_depth={m.mtp_depth}: give one weight per MTP head")
+        fit = (list(m.mtp_loss_weights) + [0.1] * m.mtp_depth)[:m.mtp_depth]  # mtp_depth=0: []
+        raise ConfigError(f"mtp_loss_weights has {len(m.mtp_loss_weights)} entries but mtp_depth={m.mtp_depth}: give one "
+                          f"weight per MTP head, e.g. model.mtp_loss_weights=[{','.join(map(str, fit))}]")
     if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
         raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} must be positive, or None for dropless routing")
     bad = [i for i in m.nope_layers if not (0 <= i < m.n_layers and m.is_mla(i))]

@@ -299,6 +299,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=checkpoint_step)
 
 
+def on_line_of(ckpt: Path, history: list[dict]) -> bool:
+    """Whether checkpoint `ckpt` lies on the line of steps that `history` (another checkpoint's) records: its own history
+    begins that one, step for step. One whose meta.json cannot be read counts as on it (resuming finds it damaged)."""
+    h = (_json_dict(ckpt / "meta.json") or {}).get("history")
+    return not isinstance(h, list) or json.dumps(history[:len(h)]) == json.dumps(h)
+
+
 def _json_dict(path: Path) -> dict | None:
     "The JSON object in `path` (a checkpoint's meta.json, a run's summary.json), or None if there is none to read."
     try: d = json.loads(path.read_text())
@@ -469,27 +476,59 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
         notes.append(f"validation reads up to {new_w} windows (eval_batches × micro_batch_size), not {old_w}: val_loss after step "
                      f"{step} is measured on other text than before; keep the product at {old_w} to compare it{keep}")
     if a is not None and abs(a - b) > 1e-9:
-        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
-                     "to extend a finished run without the jump, resume a checkpoint from before its decay if one is "
-                     "still kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)")
+        extend = ("; to extend a finished run without the jump, resume a checkpoint from before its decay if one is still "
+                  "kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)"
+                  if train_cfg.max_steps > old_train.max_steps else "")
+        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved)"
+                     + extend)
     return notes
 
 
-def trim_metrics(run_dir: Path, step: int, log=print, why: str = "steps this run redoes"):
-    "Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`."
-    f = Path(run_dir) / "metrics.jsonl"
-    if not f.exists(): return
+def _lines(path: Path) -> list[str]:
+    "A JSON-lines file's lines, each ending in a newline; damaged bytes kept as they were (`surrogateescape`)."
+    if not path.exists(): return []
+    return [l if l.endswith("\n") else l + "\n"
+            for l in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines(keepends=True)]
+
+
+def _write_lines(path: Path, lines: list[str]):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, path)
+
+
+def _step_loss(line: str) -> tuple[int, float | None] | None:
+    "A metrics line's step and loss (None for a skipped step's NaN or inf), or None if the line is not one (cut short by a crash)."
+    try: m = json.loads(line); step, loss = m["step"], m.get("loss")
+    except (ValueError, KeyError, TypeError): return None
+    finite = isinstance(loss, (int, float)) and math.isfinite(loss)
+    return (step, loss if finite else None) if isinstance(step, int) else None
+
+
+def trim_metrics(run_dir: Path, # The run folder, whose metrics.jsonl is trimmed
+                 step: int, # The step the run resumes from: the lines of later steps go
+                 log=print, why: str = "steps this run redoes",
+                 history: list[dict] | None = None): # The resumed checkpoint's, after a rewind: whose lines stay
+    """Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`.
+    Given the `history` of a checkpoint resumed by a rewind, the lines of its steps must also hold its losses: another
+    branch's (trained after an earlier rewind) move too, and its own lines set aside then come back, in step order."""
+    f, d = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "metrics.discarded.jsonl"
+    ours = {h["step"]: _step_loss(json.dumps(h))[1] for h in history or [] if "step" in h}
+    on_line = lambda sl: sl is not None and sl[0] <= step and ours.get(sl[0], sl[1]) == sl[1]
     keep, drop = [], []
-    text = f.read_text(encoding="utf-8", errors="surrogateescape")  # damaged bytes go to the discarded lines as they were
-    for line in text.splitlines(keepends=True):
-        try: ok = json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError): ok = False  # a line cut short by the crash
-        (keep if ok else drop).append(line if line.endswith("\n") else line + "\n")
-    if not drop: return
-    with open(f.with_name("metrics.discarded.jsonl"), "a", encoding="utf-8", errors="surrogateescape") as d: d.writelines(drop)
-    tmp = f.with_name("metrics.jsonl.tmp")
-    tmp.write_text("".join(keep), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, f)
-    log(f"metrics.jsonl: {len(drop)} lines {f'after step {step} ' if step >= 0 else ''}({why}) moved to metrics.discarded.jsonl")
+    for line in _lines(f): (keep if on_line(_step_loss(line)) else drop).append(line)
+    have, back, stay = {_step_loss(l)[0] for l in keep}, [], []
+    for line in _lines(d) if history else []:  # lines of the resumed line of steps, set aside by the rewind from it
+        sl = _step_loss(line)
+        if on_line(sl) and sl[0] in ours and sl[0] not in have: have.add(sl[0]); back.append(line)
+        else: stay.append(line)
+    if not drop and not back: return
+    if drop:  # in this order a crash part-way loses no line (at worst one is in both files)
+        with open(d, "a", encoding="utf-8", errors="surrogateescape") as out: out.writelines(drop)
+    _write_lines(f, sorted(keep + back, key=lambda l: _step_loss(l)[0]))
+    if back: _write_lines(d, stay + drop)
+    if drop: log(f"metrics.jsonl: {len(drop)} lines {f'after step {step} ' if step >= 0 and not history else ''}"
+                 f"({why}) moved to metrics.discarded.jsonl")
+    if back: log(f"metrics.jsonl: {len(back)} lines of the resumed checkpoint's steps back from metrics.discarded.jsonl")
 
 
 def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
@@ -635,6 +674,7 @@ class Trainer:
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
         self.foreign_start = False  # continuing another folder's checkpoint: what this folder logged before is another run's
+        self.rewound = False  # resuming an older checkpoint of this folder, or one it set aside: another line of steps
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
@@ -645,7 +685,19 @@ class Trainer:
         self._create_run_dir()  # only now: a mistake leaves no empty run folder
         self._lock_run_dir()  # a new folder: now that it exists
         self._remove_partial_checkpoints()
+        self._note_kept_folders()
         _FOLDER_USERS[self.run_dir.resolve()] = weakref.ref(self)  # the folder's Trainer in this process now (see `fit`)
+
+    def _note_kept_folders(self):
+        "Say what the folders set aside (`damaged-`, `superseded-`) and the finished copies hold: pruning never deletes them."
+        if not self.d.is_main: return
+        kept = sorted([p for p in (self.run_dir / "checkpoints").glob("*-step_*") if p.is_dir()] +
+                      [p for p in self.run_dir.glob("finished-step_*") if p.is_dir()], key=lambda p: p.name)
+        if not kept: return
+        size = sum(f.stat().st_size for p in kept for f in p.rglob("*") if f.is_file())
+        self.log(f"note: {self.run_dir} keeps {len(kept)} folder{'s' * (len(kept) > 1)} that keep_last_k never prunes "
+                 f"({f'{size / 1e9:.1f} GB' if size >= 1e9 else f'{size / 1e6:.1f} MB'}: "
+                 f"{', '.join(p.name for p in kept[:4])}{', ...' if len(kept) > 4 else ''}); delete those you no longer need")
 
     def _create_run_dir(self):
         "Create the run folder (rank 0); a new timestamped one that another run took first moves on to the next name."
@@ -703,11 +755,14 @@ class Trainer:
                                               doc_masking=self.cfg.doc_masking, accum=accum, eval_only=split == "val")
         self.train_loader = mk("train", self.accum)  # epochs of whole optimiser steps: the same data on any world size
         has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
-        self.val_loader = None
-        if not has_val: self.log(f"{self.data_dir} has no validation split: no validation loss is reported")
+        self.val_loader, self.no_val_why = None, None
+        if not has_val:
+            self.no_val_why = f"{self.data_dir} has no validation split"
+            self.log(f"{self.no_val_why}: no validation loss is reported")
         else:
             try: self.val_loader = mk("val", 1)
             except DataError as e:  # too small for one micro-batch: train anyway, and say so
+                self.no_val_why = f"the validation split of {self.data_dir} is too small for one micro-batch"
                 self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
 
     def _prepare_default(self) -> Path:
@@ -821,9 +876,12 @@ class Trainer:
                               "to use the newest readable one") from None
         self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
         self.foreign_start = not own  # a folder without checkpoints may hold the metrics and wandb id of a run that crashed early
-        newer = [c for c in done if checkpoint_step(c) > self.step] if own else []  # an older checkpoint of this folder
-        if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
-                                  "they would outrank its new checkpoints")
+        self.rewound = own  # metrics.jsonl keeps only this checkpoint's line of steps (`trim_metrics`)
+        # a rewind sets aside the checkpoints not on `p`'s line: the newer ones, and an earlier rewind's branch when `p`
+        # is a checkpoint that rewind set aside (a damaged checkpoint later would fall back onto that other branch)
+        other = [c for c in done if checkpoint_step(c) > self.step or not on_line_of(c, self.history)] if own else []
+        if other: self._set_aside(other, "superseded", f"the run now continues from {p.name}, and it is not on that "
+                                  "line of steps: left as a checkpoint it would outrank the new ones, or be resumed from")
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
@@ -1313,7 +1371,9 @@ def load(self: Trainer, ckpt: Path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     ckpt, error = Path(ckpt), None
     try:  # this rank's own files first; all ranks then agree on them before DCP's collective load
-        meta = json.loads((ckpt / "meta.json").read_text())
+        try: meta = json.loads((ckpt / "meta.json").read_text())
+        except ValueError as e: raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged ({e})") from None
+        if not isinstance(meta, dict): raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged (not a JSON object)")
         check_files(ckpt, meta, self.d.rank, self.d.world_size)  # before anything reads them
         mine = ckpt / f"rank{self.d.rank}.pt"
         same_ranks = meta["world_size"] == self.d.world_size  # else DCP reshards and the loader position is recomputed
@@ -1433,13 +1493,13 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 #
 # `fit` runs until `max_steps` (or `num_steps` more steps, which is how a test stops a run
 # half-way). It logs a JSON line per step to `metrics.jsonl` (a skipped step's NaN loss as `null`:
-# JSON has no NaN, and tools such as `jq` refuse it), shows a progress bar, evaluates
+# JSON has no NaN, and tools such as `jq` refuse it), shows a progress bar on a terminal, evaluates
 # every `eval_every` steps and at `max_steps` (so the final validation loss is in `metrics.jsonl`
 # and the loss curve too, not only in `summary.json`), checkpoints every `ckpt_every` steps and at the end, then writes the
 # loss curve, a generated sample and `model.safetensors`. Every `log_every` steps, on the first
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
-# (`metric_line`), which stays in the scroll-back and in a job's log file, where a progress bar
-# only keeps its last state.
+# (`metric_line`), which stays in the scroll-back and in a job's log file. The bar is drawn only
+# when stderr is a terminal (`_a_terminal`): in a log file each redraw would be one more line.
 #
 # With `wandb=true` the same metrics go to Weights & Biases: online when you are logged in, else
 # offline into `run_dir/wandb` (`wandb sync run_dir/wandb/offline-run-*` uploads it later).
@@ -1502,6 +1562,14 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
     if m.get("mfu") is not None: parts.append(f"mfu {m['mfu']:.1%}")
     if m.get("skipped"): parts.append("skipped: non-finite loss or gradient")
     return " | ".join(parts)
+
+
+def _a_terminal(stream) -> bool:
+    """Whether `stream` is a terminal. Only there is the progress bar drawn: in a log file (a scheduler's, `nohup`'s) it
+    would add a redrawn line every step, about 200 bytes each, 11 MB over the 750M preset's 57 220 steps; the metric lines
+    come every `log_every` steps all the same."""
+    try: return stream.isatty()
+    except (AttributeError, ValueError): return False  # no isatty, or a closed stream
 
 
 class _Guarded:
@@ -1639,7 +1707,8 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
     with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals, \
-         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True) as bar:
+         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main or not _a_terminal(sys.stderr),
+              dynamic_ncols=True) as bar:
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)  # the bar writes to the guarded stderr
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
@@ -1672,6 +1741,9 @@ def _first_write(self: Trainer, start: int):
     if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
         trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
         self.foreign_start = False
+    elif self.rewound:
+        trim_metrics(self.run_dir, start, self.log, "later steps, or another branch's", history=self.history)
+        self.rewound = False
     else: trim_metrics(self.run_dir, start, self.log)
     (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
 
@@ -1796,7 +1868,8 @@ Trainer._keep_finished = _keep_finished
 # `python -m hymo.generate` loads as it loads the run's own. The run folder keeps its files until
 # the new finish replaces them (`generate` notes that they are older than its checkpoints). Its
 # checkpoints are pruned as any others: the weights it finished with are kept, its optimiser state
-# only while `keep_last_k` keeps that checkpoint.
+# only while `keep_last_k` keeps that checkpoint. `summary.json` also records the size and CRC-32
+# of `model.safetensors` (`model_file`), which `generate` checks (chapter 72).
 
 # %%
 #| export
@@ -1813,6 +1886,7 @@ def finish(self: Trainer) -> dict:
     def artefacts():  # the main rank's; a failure stops every rank (`_together`), and the resume finishes again
         if not self.d.is_main: return
         write_safetensors(full, self.run_dir / "model.safetensors")
+        summary["model_file"] = file_crc(self.run_dir / "model.safetensors")  # its size and CRC-32: generate checks them
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
             with open(self.run_dir / "tokenizer.json", "w", encoding="utf-8", newline="") as f: f.write(self.tokenizer_json)
             summary["tokenizer_sha256"] = hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()  # generate checks it
@@ -1823,7 +1897,8 @@ def finish(self: Trainer) -> dict:
 
     self._together(artefacts, self.run_dir)
     if self.d.is_main:
-        self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else "no validation split")
+        self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else
+                  f"no validation loss: {self.no_val_why}")
                  + f"\n--- sample ---\n{sample}\n--------------")
     self.summary = summary
     return summary
@@ -1989,7 +2064,16 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   decay, say) sets the newer ones aside as `superseded-step_...`: left in place they would outrank
 #   the new run's checkpoints, which pruning would delete and a later plain resume would skip.
 #   `metrics.jsonl` loses the lines of steps the resumed run will redo: they move to
-#   `metrics.discarded.jsonl`.
+#   `metrics.discarded.jsonl`. One of those set aside can be resumed in turn
+#   (`--resume run/checkpoints/superseded-step_...`, to go back to the first line of steps): then
+#   the branch it leaves is set aside as well, older checkpoints included, since a damaged
+#   checkpoint later would otherwise fall back onto it. A checkpoint is on the resumed one's line
+#   when its `history` (each step's losses, in `meta.json`) begins the resumed one's
+#   (`on_line_of`), and `metrics.jsonl` keeps only the lines that agree with that history: the
+#   other branch's move out, and the resumed line's come back from `metrics.discarded.jsonl`.
+#   Pruning never deletes a folder set aside, nor a finished run's copy (`finished-step_...`, below):
+#   a run that starts among them says how many there are and what they hold (at 750M, 10 GB a
+#   checkpoint), so that you delete those you no longer need.
 # * A `step_....tmp` folder, a checkpoint whose writing a kill cut short, is removed when a run
 #   starts in the folder (never read; at 750M it holds gigabytes), unless it is complete and newer
 #   than every checkpoint: then only its rename was cut short, so it is renamed and resumed from

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -249,8 +250,11 @@ def _train(parser, args, cfg) -> dict:
                                             else "before training began\n"))
     except OSError as e:  # the trainer unwraps DCP's CheckpointException around the disk errors it reports
         if e.errno not in DISK_ERRORS: raise
-        parser.exit(1, f"error: {e.filename or 'the run folder'}: {e.strerror}. Free space or fix the permissions "
-                       f"(or give another run_dir=...); {_resume_from(trainer, cfg, args)}\n")
+        fix = {errno.ENOSPC: "Free space", errno.EDQUOT: "Free space (the disk quota is full)",
+               errno.EROFS: "The file system is read-only: make it writable"}.get(e.errno, "Fix the permissions")
+        then = _resume_from(trainer, cfg, args)
+        then = f"once it is fixed, {then}" if then.startswith("the same command") else then
+        parser.exit(1, f"error: {e.filename or 'the run folder'}: {e.strerror}. {fix} (or give another run_dir=...); {then}\n")
     stop = trainer.stopped_by  # a signal, or output without a reader (SIGPIPE): fit wrote a checkpoint of the step it finished
     say = trainer.log
     if getattr(sys.stdout, "gone", False):  # stdout lost its reader (`| head`): say it where it can still be read

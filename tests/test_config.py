@@ -620,3 +620,11 @@ def test_a_train_key_at_the_top_level_of_a_file_is_refused(tmp_path):
     p.write_text("base: hymo_tiny\nseed: 1\n")
     with pytest.raises(ConfigError, match=r"has the sections .*found \['base', 'seed'\]"):
         load_config(str(p))
+
+
+@pytest.mark.parametrize("depth, example", [(0, "[]"), (1, "[0.3]"), (3, "[0.3,0.1,0.1]")])
+def test_a_changed_mtp_depth_says_which_weights_to_give(depth, example):
+    "mtp_depth=0 alone was refused without the override that fits; the example given is one that loads."
+    with pytest.raises(ConfigError, match=re.escape(f"e.g. model.mtp_loss_weights={example}")):
+        load_config("hymo_tiny", mtp_depth=depth)
+    assert load_config("hymo_tiny", mtp_depth=depth, mtp_loss_weights=yaml.safe_load(example)).model.mtp_depth == depth

@@ -145,10 +145,21 @@ def test_load_run_returns_the_model_in_eval_mode(loaded):
 
 
 def test_load_run_of_a_finished_run_without_its_model_says_how_to_write_it_again(run, tmp_path):
+    """The command it gives writes the model again from the final checkpoint; without checkpoints it says there is nothing
+    to write it from (the train command would refuse the folder)."""
+    import shutil
     from hymo.generate import load_run
+    from hymo.train import main
     other = _copy_run(run, tmp_path)
+    shutil.copytree(run / "checkpoints", other / "checkpoints")
     (other / "model.safetensors").unlink()
-    with pytest.raises(ConfigError, match=f"but the run finished .*--config {other / 'config.yaml'} writes the final model again"):
+    with pytest.raises(ConfigError, match=f"but the run finished .*--config {other / 'config.yaml'} run_dir={other} writes the "
+                                          "missing files again from the final checkpoint") as e:
+        load_run(other)
+    main(e.value.args[0].split("python -m hymo.train ")[1].split(" writes")[0].split())  # the command, as given
+    load_run(other)
+    shutil.rmtree(other / "checkpoints"); (other / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="has no checkpoint left to write them from, so copy them back"):
         load_run(other)
     (other / "summary.json").unlink()
     with pytest.raises(ConfigError, match=f"resume it to the end, python -m hymo.train --config {other / 'config.yaml'}\\)"):
@@ -157,6 +168,37 @@ def test_load_run_of_a_finished_run_without_its_model_says_how_to_write_it_again
     kept.mkdir(); (kept / "config.yaml").write_text((run / "config.yaml").read_text()); (kept / "summary.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"has no model.safetensors, tokenizer.json: give the folder of a finished run .*to the end\)$"):
         load_run(kept)
+
+
+def test_load_run_finds_a_changed_byte_in_the_model(run, tmp_path):
+    "summary.json holds model.safetensors' size and CRC-32: a flipped bit, which loads without an error, is refused."
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    w = other / "model.safetensors"
+    data = bytearray(w.read_bytes()); data[-6] ^= 0x40; w.write_bytes(bytes(data))  # inside the last tensor's numbers
+    with pytest.raises(ConfigError, match="model.safetensors has changed since the run wrote it .*Copy it again, or delete it"):
+        load_run(other)
+    summary = json.loads((other / "summary.json").read_text())
+    assert set(summary.pop("model_file")) == {"size", "crc32"}
+    (other / "summary.json").write_text(json.dumps(summary))  # a run from before the sums: loads unchecked, as it did
+    load_run(other)
+
+
+def test_load_run_of_a_folder_a_run_trains_in_says_so(run, tmp_path):
+    "No model.safetensors yet because a process trains there now (it holds .lock): the error says that, not 'resume it'."
+    import subprocess, sys
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    (other / "model.safetensors").unlink(); (other / "summary.json").unlink()
+    hold = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "f.write('pid 4242 on box\\n'); f.flush(); print('locked', flush=True); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", hold, str(other / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=r"no model.safetensors yet: a run is training there now \(pid 4242 on box\)"):
+            load_run(other)
+    finally: p.kill(); p.wait()
+    with pytest.raises(ConfigError, match="resume it to the end"): load_run(other)  # the lock is gone with the process
 
 
 def test_load_run_given_a_checkpoint_names_its_run(run, tmp_path):
@@ -189,6 +231,8 @@ def test_load_run_refuses_weights_with_missing_or_unexpected_tensors(run, tmp_pa
     from safetensors.torch import load_file, save_file
     from hymo.generate import load_run
     other = _copy_run(run, tmp_path)
+    summary = json.loads((other / "summary.json").read_text()); del summary["model_file"]  # else its sum refuses first
+    (other / "summary.json").write_text(json.dumps(summary))
     w = load_file(str(run / "model.safetensors"))
     save_file({k: v for k, v in w.items() if k != "norm.weight"}, str(other / "model.safetensors"))
     with pytest.raises(ConfigError, match="does not fit .*missing \\['norm.weight'\\]"): load_run(other)

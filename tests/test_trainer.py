@@ -169,6 +169,15 @@ def test_prints_a_metric_line_every_log_every_steps(tmp_path, capsys):
     assert "val " in lines[-1]  # the last step validates: the final validation loss, also in summary.json
 
 
+def test_no_progress_bar_is_drawn_into_a_file(tmp_path, capsys):
+    "stderr not a terminal (a scheduler's log, pytest's capture): the metric lines only, no redrawn bar per step."
+    from hymo.training.trainer import Trainer
+    cfg = load_config("hymo_tiny", **{**FAST, "log_every": 3, "max_steps": 4})
+    Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run", quiet=False).fit()
+    out, err = capsys.readouterr()
+    assert "step 3/4" in out and "\r" not in err and "it/s" not in err and "s/it" not in err, err
+
+
 def test_the_final_validation_loss_is_in_the_metrics_without_eval_every(tmp_path):
     "eval_every=0: no validation during the run, one at the end, written with the last step (metrics.jsonl, loss curve)."
     t = make(tmp_path / "run", max_steps=3, warmup_steps=1, eval_every=0)
@@ -849,6 +858,105 @@ def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
     assert same.step == 8  # the same command again: a requeue, continues
     lower = make(tmp_path / "run", resume=ckpts / "step_000006", max_steps=12, ckpt_every=2, keep_last_k=2, muon_lr=0.01)
     assert lower.step == 6 and (ckpts / "superseded-step_000008").exists()  # honoured; the newer one kept aside
+
+
+def test_resuming_a_set_aside_checkpoint_leaves_the_branch_it_ends_and_its_metrics(tmp_path):
+    """Run A trains steps 1-6; a rewind to step 2 with another learning rate trains branch B (steps 3-4); then A's
+    superseded step 6 is resumed. B's step 4 is not on A's line of steps: left a checkpoint, a damaged newer one would
+    fall back onto it, so it is set aside too; and metrics.jsonl holds A's steps again (B's step 4 set aside)."""
+    from hymo.training.trainer import list_checkpoints
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    lines = lambda name: [json.loads(l) for l in (run / name).read_text().splitlines()]
+    make(run, max_steps=6, ckpt_every=2, keep_last_k=5).fit()
+    a = {m["step"]: m["loss"] for m in lines("metrics.jsonl")}
+    b = make(run, resume=ckpts / "step_000002", max_steps=12, ckpt_every=2, keep_last_k=5, muon_lr=0.005)
+    b.fit(num_steps=2)
+    b_loss = lines("metrics.jsonl")[-1]["loss"]
+    assert lines("metrics.jsonl")[-1]["step"] == 4 and b_loss != a[4]
+    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004"]
+    del b
+    c = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)
+    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002"]  # B's step 4 set aside
+    assert json.loads((ckpts / "superseded-step_000004-2" / "meta.json").read_text())["history"][-1]["loss"] == b_loss
+    c.fit(num_steps=2)
+    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000008"]
+    got = lines("metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(1, 9))
+    assert all(m["loss"] == a[m["step"]] for m in got if m["step"] <= 6)  # A's lines, back from the discarded ones
+    discarded = lines("metrics.discarded.jsonl")
+    assert [m["loss"] for m in discarded if m["step"] == 4] == [b_loss]  # B's, kept
+    assert sorted(m["step"] for m in discarded) == [3, 4]  # A's step 3 line (B's, its twin, stayed): no line is lost
+    # a rewind to an ordinary older checkpoint keeps its ancestors: step 2 stays a checkpoint
+    d = make(run, resume=ckpts / "step_000008", max_steps=12, ckpt_every=2, keep_last_k=5)
+    assert d.step == 8 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000008"]
+
+
+def test_a_start_notes_the_set_aside_folders_pruning_keeps(tmp_path, capsys):
+    "superseded-, damaged- and finished- folders are never deleted: a run that starts among them says what they hold."
+    from hymo.training.trainer import Trainer
+    run, over = tmp_path / "run", {**FAST, "max_steps": 6, "ckpt_every": 2, "keep_last_k": 5}
+    cfg = load_config("hymo_tiny", **over)
+    make(run, **over).fit(num_steps=4)
+    Trainer(cfg.model, cfg.train, run_dir=run)  # a plain resume: nothing set aside
+    assert "never prunes" not in capsys.readouterr().out
+    Trainer(cfg.model, cfg.train, run_dir=run, resume=run / "checkpoints" / "step_000002")
+    size = sum(f.stat().st_size for f in (run / "checkpoints" / "superseded-step_000004").rglob("*") if f.is_file())
+    assert f"1 folder that keep_last_k never prunes ({size / 1e6:.1f} MB: superseded-step_000004)" in capsys.readouterr().out
+
+
+def test_a_validation_split_too_small_is_named_at_the_end_too(tmp_path, capsys):
+    "A val split smaller than one micro-batch: the start warns, and the end says why there is no validation loss."
+    from hymo.config import load_config
+    from hymo.training.data import prepare
+    from hymo.training.trainer import Trainer
+    src = tmp_path / "a.txt"
+    src.write_text("".join(f"Speech {i}: to be or not to be, that is the question.\n\n" for i in range(400)))
+    data = prepare(src, tmp_path / "data", vocab_size=300, val_fraction=0.005, progress=False)
+    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 1, "warmup_steps": 0, "vocab_size": 300, "data_dir": str(data)})
+    t = Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run")
+    t.fit()
+    out = capsys.readouterr().out
+    assert "warning: no validation loss is reported" in out
+    assert f"no validation loss: the validation split of {data} is too small for one micro-batch" in out, out
+
+
+@pytest.mark.parametrize("code, fix", [("EROFS", "The file system is read-only: make it writable"), ("ENOSPC", "Free space"),
+                                       ("EDQUOT", "Free space (the disk quota is full)"), ("EACCES", "Fix the permissions")])
+def test_a_run_folder_that_cannot_be_written_says_what_to_fix(tmp_path, monkeypatch, capsys, code, fix):
+    "The one-line error fits the cause (a read-only file system is not fixed by freeing space), then how to resume."
+    import errno
+    from hymo.train import main
+    from hymo.training import trainer as tr
+    err = getattr(errno, code)
+    def fit(self): raise OSError(err, os.strerror(err), str(self.run_dir / "metrics.jsonl"))
+    monkeypatch.setattr(tr.Trainer, "fit", fit)
+    with pytest.raises(SystemExit) as e:
+        main([f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "run_dir": tmp_path / "run"}.items()])
+    out = capsys.readouterr().err
+    assert e.value.code == 1 and f"{os.strerror(err)}. {fix} (or give another run_dir=...); no checkpoint was written" in out, out
+    monkeypatch.undo()
+    b = make(tmp_path / "b", max_steps=4); b.fit(num_steps=2); b.save(); del b  # step_000002
+    monkeypatch.setattr(tr.Trainer, "fit", fit)
+    with pytest.raises(SystemExit):
+        main([f"{k}={v}" for k, v in {**FAST, "max_steps": 4, "run_dir": tmp_path / "b"}.items()])
+    out = capsys.readouterr().err
+    assert f"{fix} (or give another run_dir=...); once it is fixed, the same command resumes from {tmp_path / 'b' / 'checkpoints' / 'step_000002'}" in out, out
+
+
+def test_a_damaged_meta_json_is_named(tmp_path):
+    "meta.json cut short: the warning names the file, and the checkpoint before is used."
+    t = make(tmp_path / "run", max_steps=6, ckpt_every=2, keep_last_k=5)
+    t.fit(num_steps=4)
+    meta = tmp_path / "run" / "checkpoints" / "step_000004" / "meta.json"
+    meta.write_text(meta.read_text()[:100])
+    logs = []
+    from hymo.training import trainer as tr
+    real = tr.Trainer.log
+    tr.Trainer.log = lambda self, *a: logs.append(" ".join(map(str, a)))
+    try: again = make(tmp_path / "run", max_steps=6, ckpt_every=2, keep_last_k=5)
+    finally: tr.Trainer.log = real
+    assert again.step == 2
+    assert any(f"{meta} is damaged (" in l for l in logs), logs
 
 
 def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monkeypatch):
@@ -2169,8 +2277,10 @@ def test_a_resume_that_raises_the_learning_rate_says_it_jumps():
     longer = load_config("hymo_tiny", **{**FAST, "max_steps": 40, "warmup_steps": 2, "decay_fraction": 0.2})
     notes = resume_changes(json.loads(json.dumps(old.to_dict())), longer.model, longer.train, step=20)
     assert any("learning rate after step 20 jumps from" in n and "to 1.000 of its peak" in n for n in notes), notes
+    assert any("to extend a finished run without the jump" in n for n in notes), notes
     notes = resume_changes(json.loads(json.dumps(longer.to_dict())), old.model, old.train, step=18)  # and down
     assert any("jumps from 1.000" in n for n in notes), notes
+    assert not any("extend" in n for n in notes), notes  # a lowered max_steps extends nothing: no advice to
 
 
 def test_a_resume_in_another_folder_is_not_a_changed_setting():

@@ -43,12 +43,12 @@ from .optim import build_optimizers, wsd_schedule
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'READ_FAULTS', 'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'Dist',
            'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision', 'peak_flops', 'peak_of',
-           'list_checkpoints', 'cut_short_renames', 'checkpoint_step', 'CheckpointUnreadable', 'file_crc', 'file_rank',
-           'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics', 'split_micro_batches',
-           'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices',
-           'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save',
-           'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode',
-           'finish', 'write_safetensors', 'sample', 'plot_losses']
+           'list_checkpoints', 'on_line_of', 'cut_short_renames', 'checkpoint_step', 'CheckpointUnreadable', 'file_crc',
+           'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics',
+           'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer',
+           'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
+           'train_step', 'evaluate', 'save', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
+           'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -153,6 +153,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir(): return []
     done = [p for p in root.iterdir() if re.fullmatch(CKPT_PREFIX + r"\d{6,}", p.name) and p.is_dir()]
     return sorted(done, key=checkpoint_step)
+
+
+def on_line_of(ckpt: Path, history: list[dict]) -> bool:
+    """Whether checkpoint `ckpt` lies on the line of steps that `history` (another checkpoint's) records: its own history
+    begins that one, step for step. One whose meta.json cannot be read counts as on it (resuming finds it damaged)."""
+    h = (_json_dict(ckpt / "meta.json") or {}).get("history")
+    return not isinstance(h, list) or json.dumps(history[:len(h)]) == json.dumps(h)
 
 
 def _json_dict(path: Path) -> dict | None:
@@ -325,27 +332,59 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
         notes.append(f"validation reads up to {new_w} windows (eval_batches × micro_batch_size), not {old_w}: val_loss after step "
                      f"{step} is measured on other text than before; keep the product at {old_w} to compare it{keep}")
     if a is not None and abs(a - b) > 1e-9:
-        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved); "
-                     "to extend a finished run without the jump, resume a checkpoint from before its decay if one is "
-                     "still kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)")
+        extend = ("; to extend a finished run without the jump, resume a checkpoint from before its decay if one is still "
+                  "kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)"
+                  if train_cfg.max_steps > old_train.max_steps else "")
+        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved)"
+                     + extend)
     return notes
 
 
-def trim_metrics(run_dir: Path, step: int, log=print, why: str = "steps this run redoes"):
-    "Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`."
-    f = Path(run_dir) / "metrics.jsonl"
-    if not f.exists(): return
+def _lines(path: Path) -> list[str]:
+    "A JSON-lines file's lines, each ending in a newline; damaged bytes kept as they were (`surrogateescape`)."
+    if not path.exists(): return []
+    return [l if l.endswith("\n") else l + "\n"
+            for l in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines(keepends=True)]
+
+
+def _write_lines(path: Path, lines: list[str]):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, path)
+
+
+def _step_loss(line: str) -> tuple[int, float | None] | None:
+    "A metrics line's step and loss (None for a skipped step's NaN or inf), or None if the line is not one (cut short by a crash)."
+    try: m = json.loads(line); step, loss = m["step"], m.get("loss")
+    except (ValueError, KeyError, TypeError): return None
+    finite = isinstance(loss, (int, float)) and math.isfinite(loss)
+    return (step, loss if finite else None) if isinstance(step, int) else None
+
+
+def trim_metrics(run_dir: Path, # The run folder, whose metrics.jsonl is trimmed
+                 step: int, # The step the run resumes from: the lines of later steps go
+                 log=print, why: str = "steps this run redoes",
+                 history: list[dict] | None = None): # The resumed checkpoint's, after a rewind: whose lines stay
+    """Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`.
+    Given the `history` of a checkpoint resumed by a rewind, the lines of its steps must also hold its losses: another
+    branch's (trained after an earlier rewind) move too, and its own lines set aside then come back, in step order."""
+    f, d = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "metrics.discarded.jsonl"
+    ours = {h["step"]: _step_loss(json.dumps(h))[1] for h in history or [] if "step" in h}
+    on_line = lambda sl: sl is not None and sl[0] <= step and ours.get(sl[0], sl[1]) == sl[1]
     keep, drop = [], []
-    text = f.read_text(encoding="utf-8", errors="surrogateescape")  # damaged bytes go to the discarded lines as they were
-    for line in text.splitlines(keepends=True):
-        try: ok = json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError): ok = False  # a line cut short by the crash
-        (keep if ok else drop).append(line if line.endswith("\n") else line + "\n")
-    if not drop: return
-    with open(f.with_name("metrics.discarded.jsonl"), "a", encoding="utf-8", errors="surrogateescape") as d: d.writelines(drop)
-    tmp = f.with_name("metrics.jsonl.tmp")
-    tmp.write_text("".join(keep), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, f)
-    log(f"metrics.jsonl: {len(drop)} lines {f'after step {step} ' if step >= 0 else ''}({why}) moved to metrics.discarded.jsonl")
+    for line in _lines(f): (keep if on_line(_step_loss(line)) else drop).append(line)
+    have, back, stay = {_step_loss(l)[0] for l in keep}, [], []
+    for line in _lines(d) if history else []:  # lines of the resumed line of steps, set aside by the rewind from it
+        sl = _step_loss(line)
+        if on_line(sl) and sl[0] in ours and sl[0] not in have: have.add(sl[0]); back.append(line)
+        else: stay.append(line)
+    if not drop and not back: return
+    if drop:  # in this order a crash part-way loses no line (at worst one is in both files)
+        with open(d, "a", encoding="utf-8", errors="surrogateescape") as out: out.writelines(drop)
+    _write_lines(f, sorted(keep + back, key=lambda l: _step_loss(l)[0]))
+    if back: _write_lines(d, stay + drop)
+    if drop: log(f"metrics.jsonl: {len(drop)} lines {f'after step {step} ' if step >= 0 and not history else ''}"
+                 f"({why}) moved to metrics.discarded.jsonl")
+    if back: log(f"metrics.jsonl: {len(back)} lines of the resumed checkpoint's steps back from metrics.discarded.jsonl")
 
 
 def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
@@ -465,6 +504,7 @@ class Trainer:
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
         self.foreign_start = False  # continuing another folder's checkpoint: what this folder logged before is another run's
+        self.rewound = False  # resuming an older checkpoint of this folder, or one it set aside: another line of steps
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
@@ -475,7 +515,19 @@ class Trainer:
         self._create_run_dir()  # only now: a mistake leaves no empty run folder
         self._lock_run_dir()  # a new folder: now that it exists
         self._remove_partial_checkpoints()
+        self._note_kept_folders()
         _FOLDER_USERS[self.run_dir.resolve()] = weakref.ref(self)  # the folder's Trainer in this process now (see `fit`)
+
+    def _note_kept_folders(self):
+        "Say what the folders set aside (`damaged-`, `superseded-`) and the finished copies hold: pruning never deletes them."
+        if not self.d.is_main: return
+        kept = sorted([p for p in (self.run_dir / "checkpoints").glob("*-step_*") if p.is_dir()] +
+                      [p for p in self.run_dir.glob("finished-step_*") if p.is_dir()], key=lambda p: p.name)
+        if not kept: return
+        size = sum(f.stat().st_size for p in kept for f in p.rglob("*") if f.is_file())
+        self.log(f"note: {self.run_dir} keeps {len(kept)} folder{'s' * (len(kept) > 1)} that keep_last_k never prunes "
+                 f"({f'{size / 1e9:.1f} GB' if size >= 1e9 else f'{size / 1e6:.1f} MB'}: "
+                 f"{', '.join(p.name for p in kept[:4])}{', ...' if len(kept) > 4 else ''}); delete those you no longer need")
 
     def _create_run_dir(self):
         "Create the run folder (rank 0); a new timestamped one that another run took first moves on to the next name."
@@ -533,11 +585,14 @@ class Trainer:
                                               doc_masking=self.cfg.doc_masking, accum=accum, eval_only=split == "val")
         self.train_loader = mk("train", self.accum)  # epochs of whole optimiser steps: the same data on any world size
         has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
-        self.val_loader = None
-        if not has_val: self.log(f"{self.data_dir} has no validation split: no validation loss is reported")
+        self.val_loader, self.no_val_why = None, None
+        if not has_val:
+            self.no_val_why = f"{self.data_dir} has no validation split"
+            self.log(f"{self.no_val_why}: no validation loss is reported")
         else:
             try: self.val_loader = mk("val", 1)
             except DataError as e:  # too small for one micro-batch: train anyway, and say so
+                self.no_val_why = f"the validation split of {self.data_dir} is too small for one micro-batch"
                 self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
 
     def _prepare_default(self) -> Path:
@@ -651,9 +706,12 @@ class Trainer:
                               "to use the newest readable one") from None
         self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
         self.foreign_start = not own  # a folder without checkpoints may hold the metrics and wandb id of a run that crashed early
-        newer = [c for c in done if checkpoint_step(c) > self.step] if own else []  # an older checkpoint of this folder
-        if newer: self._set_aside(newer, "superseded", f"the run now continues from {p.name}; "
-                                  "they would outrank its new checkpoints")
+        self.rewound = own  # metrics.jsonl keeps only this checkpoint's line of steps (`trim_metrics`)
+        # a rewind sets aside the checkpoints not on `p`'s line: the newer ones, and an earlier rewind's branch when `p`
+        # is a checkpoint that rewind set aside (a damaged checkpoint later would fall back onto that other branch)
+        other = [c for c in done if checkpoint_step(c) > self.step or not on_line_of(c, self.history)] if own else []
+        if other: self._set_aside(other, "superseded", f"the run now continues from {p.name}, and it is not on that "
+                                  "line of steps: left as a checkpoint it would outrank the new ones, or be resumed from")
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
@@ -974,7 +1032,9 @@ def load(self: Trainer, ckpt: Path):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     ckpt, error = Path(ckpt), None
     try:  # this rank's own files first; all ranks then agree on them before DCP's collective load
-        meta = json.loads((ckpt / "meta.json").read_text())
+        try: meta = json.loads((ckpt / "meta.json").read_text())
+        except ValueError as e: raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged ({e})") from None
+        if not isinstance(meta, dict): raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged (not a JSON object)")
         check_files(ckpt, meta, self.d.rank, self.d.world_size)  # before anything reads them
         mine = ckpt / f"rank{self.d.rank}.pt"
         same_ranks = meta["world_size"] == self.d.world_size  # else DCP reshards and the loader position is recomputed
@@ -1064,6 +1124,14 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
     if m.get("mfu") is not None: parts.append(f"mfu {m['mfu']:.1%}")
     if m.get("skipped"): parts.append("skipped: non-finite loss or gradient")
     return " | ".join(parts)
+
+
+def _a_terminal(stream) -> bool:
+    """Whether `stream` is a terminal. Only there is the progress bar drawn: in a log file (a scheduler's, `nohup`'s) it
+    would add a redrawn line every step, about 200 bytes each, 11 MB over the 750M preset's 57 220 steps; the metric lines
+    come every `log_every` steps all the same."""
+    try: return stream.isatty()
+    except (AttributeError, ValueError): return False  # no isatty, or a closed stream
 
 
 class _Guarded:
@@ -1191,7 +1259,8 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
     with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals, \
-         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main, dynamic_ncols=True) as bar:
+         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main or not _a_terminal(sys.stderr),
+              dynamic_ncols=True) as bar:
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)  # the bar writes to the guarded stderr
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
@@ -1224,6 +1293,9 @@ def _first_write(self: Trainer, start: int):
     if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
         trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
         self.foreign_start = False
+    elif self.rewound:
+        trim_metrics(self.run_dir, start, self.log, "later steps, or another branch's", history=self.history)
+        self.rewound = False
     else: trim_metrics(self.run_dir, start, self.log)
     (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
 
@@ -1346,6 +1418,7 @@ def finish(self: Trainer) -> dict:
     def artefacts():  # the main rank's; a failure stops every rank (`_together`), and the resume finishes again
         if not self.d.is_main: return
         write_safetensors(full, self.run_dir / "model.safetensors")
+        summary["model_file"] = file_crc(self.run_dir / "model.safetensors")  # its size and CRC-32: generate checks them
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
             with open(self.run_dir / "tokenizer.json", "w", encoding="utf-8", newline="") as f: f.write(self.tokenizer_json)
             summary["tokenizer_sha256"] = hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()  # generate checks it
@@ -1356,7 +1429,8 @@ def finish(self: Trainer) -> dict:
 
     self._together(artefacts, self.run_dir)
     if self.d.is_main:
-        self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else "no validation split")
+        self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else
+                  f"no validation loss: {self.no_val_why}")
                  + f"\n--- sample ---\n{sample}\n--------------")
     self.summary = summary
     return summary
