@@ -53,7 +53,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="hymo_tiny", help="preset (default hymo_tiny)")
     ap.add_argument("--repeat", type=int, default=2, help="saves to time (default 2)")
-    ap.add_argument("--run-dir", help="run folder (default a temporary one, removed after)")
+    ap.add_argument("--run-dir", help="where to write, to time that disk (default a temporary folder, removed after; "
+                                      "where /tmp is in memory that times memory)")
     ap.add_argument("--out", help="JSON file to write the row to")
     args = ap.parse_args(argv)
     if args.repeat < 1: ap.error("--repeat must be at least 1")

@@ -61,12 +61,15 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
                           + (f", python -m hymo.train --config {run / 'config.yaml'})" if is_run_folder(run) else ")"))
-    from hymo.training.trainer import _json_dict, file_crc
+    from hymo.training.trainer import _json_dict, file_crc, run_dir_holder
     cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
     summary = _json_dict(run / "summary.json") or {}  # runs from before it held the sums: no check
     weights = run / "model.safetensors"
     if isinstance(saved := summary.get("model_file"), dict) and (now := file_crc(weights)) != saved:
+        if who := run_dir_holder(run):  # a finish between writing the model and its summary.json
+            raise ConfigError(f"{weights} is being written: a run is training in {run} now ({who}); try again once it "
+                              "has finished")
         raise ConfigError(f"{weights} has changed since the run wrote it ({now['size']} bytes, CRC-32 {now['crc32']}; "
                           f"summary.json: {saved.get('size')} bytes, {saved.get('crc32')}): its bytes were damaged on the "
                           f"disk or in a copy. Copy it again, or delete it: {write_again(run)}")

@@ -216,7 +216,7 @@ def test_code_is_left_as_written_inside_any_fence_and_inline(monkeypatch):
     pages = {"20_rope.ipynb": "rope.html", "02_mla.qmd": "slides/02_mla.html"}
     assert (site.fix_links("See [RoPE](./20_rope.ipynb#why), [deck](../slides/02_mla.qmd), [x](other.ipynb).", pages)
             == "See [RoPE](rope.html#why), [deck](slides/02_mla.html), [x](other.ipynb).")
-    for kept in ("Write `[RoPE](20_rope.ipynb)` in markdown.", "```\n[RoPE](20_rope.ipynb)\n```"):
+    for kept in ("Write `[RoPE](20_rope.ipynb)` in markdown.", "```\n[RoPE](20_rope.ipynb)\n```", "[old](../attic/20_rope.ipynb)"):
         assert site.fix_links(kept, pages) == kept
 
 

@@ -178,6 +178,15 @@ def test_no_progress_bar_is_drawn_into_a_file(tmp_path, capsys):
     assert "step 3/4" in out and "\r" not in err and "it/s" not in err and "s/it" not in err, err
 
 
+def test_a_notebook_keeps_its_progress_widget():
+    "tqdm.auto's bar in Jupyter is a widget (never written into a file): shown though stderr is not a terminal."
+    import tqdm.notebook
+    from tqdm import std
+    from hymo.training.trainer import _bar_shows
+    class InJupyter(tqdm.notebook.tqdm): pass  # what tqdm.auto gives inside an IPython kernel
+    assert _bar_shows(InJupyter) and not _bar_shows(std.tqdm)  # pytest's stderr is not a terminal
+
+
 def test_the_final_validation_loss_is_in_the_metrics_without_eval_every(tmp_path):
     "eval_every=0: no validation during the run, one at the end, written with the last step (metrics.jsonl, loss curve)."
     t = make(tmp_path / "run", max_steps=3, warmup_steps=1, eval_every=0)
@@ -876,19 +885,44 @@ def test_resuming_a_set_aside_checkpoint_leaves_the_branch_it_ends_and_its_metri
     assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004"]
     del b
     c = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)
-    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002"]  # B's step 4 set aside
+    # B's step 4 set aside; A's step 6 renamed back: a crash now, then a plain resume, continues from it (not step 2)
+    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006"]
     assert json.loads((ckpts / "superseded-step_000004-2" / "meta.json").read_text())["history"][-1]["loss"] == b_loss
+    del c
+    c = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)  # a requeued job
+    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006"]
     c.fit(num_steps=2)
-    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000008"]
+    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006", "step_000008"]
     got = lines("metrics.jsonl")
     assert [m["step"] for m in got] == list(range(1, 9))
     assert all(m["loss"] == a[m["step"]] for m in got if m["step"] <= 6)  # A's lines, back from the discarded ones
     discarded = lines("metrics.discarded.jsonl")
     assert [m["loss"] for m in discarded if m["step"] == 4] == [b_loss]  # B's, kept
     assert sorted(m["step"] for m in discarded) == [3, 4]  # A's step 3 line (B's, its twin, stayed): no line is lost
-    # a rewind to an ordinary older checkpoint keeps its ancestors: step 2 stays a checkpoint
-    d = make(run, resume=ckpts / "step_000008", max_steps=12, ckpt_every=2, keep_last_k=5)
-    assert d.step == 8 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000008"]
+    del c  # the same command again, after the new checkpoint: continues it, keeps the ancestor step 2
+    d = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)
+    assert d.step == 8 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006", "step_000008"]
+
+
+def test_going_back_to_a_finished_line_writes_its_final_model_again(tmp_path):
+    """A finished at step 6; a rewind to step 2 (B) finished at step 6 too. Resuming A's step 6 is not 'finished
+    already' (summary.json's history sum is B's): B's final files are kept in finished-step_000006/, A's written."""
+    from hymo.training.trainer import history_sum, list_checkpoints
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    make(run, max_steps=6, ckpt_every=2, keep_last_k=5).fit()
+    a = json.loads((run / "summary.json").read_text())
+    make(run, resume=ckpts / "step_000002", max_steps=6, ckpt_every=2, keep_last_k=5, muon_lr=0.005).fit()
+    b = json.loads((run / "summary.json").read_text())
+    assert b["step"] == 6 and b["history_crc32"] != a["history_crc32"]
+    c = make(run, resume=ckpts / "superseded-step_000006", max_steps=6, ckpt_every=2, keep_last_k=5)
+    assert history_sum(c.history) == a["history_crc32"]
+    c.fit()
+    now = json.loads((run / "summary.json").read_text())
+    assert now["history_crc32"] == a["history_crc32"] and now["model_file"] == a["model_file"]  # A's model, bit for bit
+    kept = [json.loads((d / "summary.json").read_text()) for d in sorted(run.glob("finished-step_000006*"))]
+    assert kept == [a, b]  # each line's finish kept when the other's replaced it
+    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006"]  # A's step 4 stays set aside
+    assert make(run, max_steps=6, ckpt_every=2, keep_last_k=5).fit() == []  # now finished: nothing to do
 
 
 def test_a_start_notes_the_set_aside_folders_pruning_keeps(tmp_path, capsys):
@@ -2020,9 +2054,13 @@ def test_generate_on_damaged_run_files_says_what_to_do_and_the_advice_works(tmp_
     with pytest.raises(ConfigError, match="tokenizer.json cannot be read .*copy it again"): load_run(run)
     (run / "tokenizer.json").write_bytes(good)
     (run / "model.safetensors").write_bytes(b"cut short")
-    with pytest.raises(ConfigError, match="model.safetensors cannot be read") as e: load_run(run)
-    assert f"delete {run / 'summary.json'}, then python -m hymo.train --config {run / 'config.yaml'} run_dir={run}" in str(e.value)
-    (run / "summary.json").unlink()  # the advice, followed: the final checkpoint is exported again
+    with pytest.raises(ConfigError, match=r"model.safetensors has changed since the run wrote it \(9 bytes") as e: load_run(run)
+    assert (f"Copy it again, or delete it: python -m hymo.train --config {run / 'config.yaml'} run_dir={run} writes the "
+            "missing files again from the final checkpoint") in str(e.value)
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "model_file"}))  # older run
+    with pytest.raises(ConfigError, match="model.safetensors cannot be read .*or delete it: python -m hymo.train"): load_run(run)
+    (run / "model.safetensors").unlink()  # the advice, followed: the final checkpoint is exported again
     main(["--config", str(run / "config.yaml"), f"run_dir={run}"])
     model, tok = load_run(run)
     assert json.loads((run / "summary.json").read_text())["step"] == 2 and tok.get_vocab_size() == 2048

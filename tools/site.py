@@ -298,11 +298,12 @@ def link_names(md: str, symbols: dict[str, list], here: str) -> str:
 
 
 def fix_links(md: str, nb_pages: dict[str, str]) -> str:
-    """Links to other notebooks or decks point at their pages, by the file's name (`20_rope.ipynb`,
-    `../slides/02_mla.qmd`); a link shown as code is left as written."""
+    """Links to other notebooks or decks point at their pages, by the file's name where it is in nbs/ or slides/
+    (`20_rope.ipynb`, `../slides/02_mla.qmd`); a link shown as code is left as written."""
     def sub(m):
         name, frag = m[2], m[3] or ""
-        return f"]({nb_pages.get(Path(name).name, name)}{frag})"
+        ours = Path(name).parent.name in ("", "nbs", "slides")  # not another folder's file of the same name
+        return f"]({nb_pages.get(Path(name).name, name) if ours else name}{frag})"
     return outside_code(md, r"\]\(([\w./-]+\.(?:ipynb|qmd))(#[^)\s]*)?\)", sub)
 
 

@@ -43,12 +43,12 @@ from .optim import build_optimizers, wsd_schedule
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'READ_FAULTS', 'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'Dist',
            'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision', 'peak_flops', 'peak_of',
-           'list_checkpoints', 'on_line_of', 'cut_short_renames', 'checkpoint_step', 'CheckpointUnreadable', 'file_crc',
-           'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'trim_metrics',
-           'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer',
-           'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
-           'train_step', 'evaluate', 'save', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
-           'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
+           'list_checkpoints', 'history_sum', 'on_line_of', 'cut_short_renames', 'checkpoint_step',
+           'CheckpointUnreadable', 'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt',
+           'resume_changes', 'trim_metrics', 'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder',
+           'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation',
+           'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'metric_line', 'guarded_output', 'StopSignals',
+           'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -153,6 +153,11 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir(): return []
     done = [p for p in root.iterdir() if re.fullmatch(CKPT_PREFIX + r"\d{6,}", p.name) and p.is_dir()]
     return sorted(done, key=checkpoint_step)
+
+
+def history_sum(history: list[dict]) -> str:
+    "CRC-32 of a run's `history` (each step's losses): which line of steps a finish (`summary.json`) belongs to."
+    return f"{zlib.crc32(json.dumps(history).encode()):08x}"
 
 
 def on_line_of(ckpt: Path, history: list[dict]) -> bool:
@@ -352,38 +357,46 @@ def _write_lines(path: Path, lines: list[str]):
     tmp.write_text("".join(lines), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, path)
 
 
-def _step_loss(line: str) -> tuple[int, float | None] | None:
-    "A metrics line's step and loss (None for a skipped step's NaN or inf), or None if the line is not one (cut short by a crash)."
-    try: m = json.loads(line); step, loss = m["step"], m.get("loss")
-    except (ValueError, KeyError, TypeError): return None
-    finite = isinstance(loss, (int, float)) and math.isfinite(loss)
-    return (step, loss if finite else None) if isinstance(step, int) else None
+def _metrics(line: str) -> dict | None:
+    "A metrics line as a dict with an integer `step`, or None if it is not one (a line cut short by a crash)."
+    try: m = json.loads(line)
+    except ValueError: return None
+    return m if isinstance(m, dict) and isinstance(m.get("step"), int) else None
+
+
+def _finite(x):
+    "`x`, or None for a NaN or infinite number: metrics.jsonl writes those as null, meta.json's history as NaN."
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def trim_metrics(run_dir: Path, # The run folder, whose metrics.jsonl is trimmed
                  step: int, # The step the run resumes from: the lines of later steps go
                  log=print, why: str = "steps this run redoes",
-                 history: list[dict] | None = None): # The resumed checkpoint's, after a rewind: whose lines stay
+                 history: list[dict] | None = None): # The resumed checkpoint's: the line of steps whose lines stay
     """Keep `metrics.jsonl`'s lines up to `step`; later ones (steps a crashed run will redo) move to `metrics.discarded.jsonl`.
-    Given the `history` of a checkpoint resumed by a rewind, the lines of its steps must also hold its losses: another
-    branch's (trained after an earlier rewind) move too, and its own lines set aside then come back, in step order."""
+    Given the `history` of the checkpoint resumed, the lines of its steps must also hold its losses: another branch's
+    (after a rewind) move too, and the line's own lines that a rewind set aside come back, in step order."""
     f, d = Path(run_dir) / "metrics.jsonl", Path(run_dir) / "metrics.discarded.jsonl"
-    ours = {h["step"]: _step_loss(json.dumps(h))[1] for h in history or [] if "step" in h}
-    on_line = lambda sl: sl is not None and sl[0] <= step and ours.get(sl[0], sl[1]) == sl[1]
+    ours = {h["step"]: h for h in history or [] if isinstance(h, dict) and "step" in h}
+    def on_line(m):  # the history's losses of that step (a step it lacks: kept); the first step after a branch point
+        h = ours.get(m["step"], {}) if m else {}  # has the same loss on both branches, so one line is as good as the other
+        return m is not None and m["step"] <= step and all(_finite(m.get(k)) == _finite(v) for k, v in h.items())
     keep, drop = [], []
-    for line in _lines(f): (keep if on_line(_step_loss(line)) else drop).append(line)
-    have, back, stay = {_step_loss(l)[0] for l in keep}, [], []
+    for line in _lines(f): (keep if on_line(_metrics(line)) else drop).append(line)
+    have, back, stay = {_metrics(l)["step"] for l in keep}, [], []
     for line in _lines(d) if history else []:  # lines of the resumed line of steps, set aside by the rewind from it
-        sl = _step_loss(line)
-        if on_line(sl) and sl[0] in ours and sl[0] not in have: have.add(sl[0]); back.append(line)
+        m = _metrics(line)
+        if on_line(m) and m["step"] in ours and m["step"] not in have: have.add(m["step"]); back.append(line)
         else: stay.append(line)
     if not drop and not back: return
     if drop:  # in this order a crash part-way loses no line (at worst one is in both files)
         with open(d, "a", encoding="utf-8", errors="surrogateescape") as out: out.writelines(drop)
-    _write_lines(f, sorted(keep + back, key=lambda l: _step_loss(l)[0]))
+    _write_lines(f, sorted(keep + back, key=lambda l: _metrics(l)["step"]))
     if back: _write_lines(d, stay + drop)
-    if drop: log(f"metrics.jsonl: {len(drop)} lines {f'after step {step} ' if step >= 0 and not history else ''}"
-                 f"({why}) moved to metrics.discarded.jsonl")
+    later = sum(1 for l in drop if (m := _metrics(l)) is None or m["step"] > step)  # a cut line: a crash's last
+    if later: log(f"metrics.jsonl: {later} lines {f'after step {step} ' if step >= 0 else ''}({why}) moved to metrics.discarded.jsonl")
+    if len(drop) > later: log(f"metrics.jsonl: {len(drop) - later} lines of another line of steps (a branch since set aside) "
+                              "moved to metrics.discarded.jsonl")
     if back: log(f"metrics.jsonl: {len(back)} lines of the resumed checkpoint's steps back from metrics.discarded.jsonl")
 
 
@@ -459,6 +472,8 @@ class NonFiniteError(RuntimeError):
 
 class Trainer:
     "Builds the model, optimisers and data for a `Config`, and trains with exact resume."
+    no_val_why: str | None = None  # why there is no validation loss, where there is none (`setup_data` says)
+
     def __init__(self, model_cfg: ModelConfig, # The architecture
                  train_cfg: TrainingConfig, # The run
                  run_dir: str | Path | None = None, # Run folder (default: train_cfg.run_dir, else runs/<name>-<time>)
@@ -504,7 +519,6 @@ class Trainer:
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
         self.foreign_start = False  # continuing another folder's checkpoint: what this folder logged before is another run's
-        self.rewound = False  # resuming an older checkpoint of this folder, or one it set aside: another line of steps
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
@@ -585,7 +599,7 @@ class Trainer:
                                               doc_masking=self.cfg.doc_masking, accum=accum, eval_only=split == "val")
         self.train_loader = mk("train", self.accum)  # epochs of whole optimiser steps: the same data on any world size
         has_val = sum(s["tokens"] for s in self.train_loader.manifest["splits"].get("val", {}).get("shards", [])) > 0
-        self.val_loader, self.no_val_why = None, None
+        self.val_loader = None
         if not has_val:
             self.no_val_why = f"{self.data_dir} has no validation split"
             self.log(f"{self.no_val_why}: no validation loss is reported")
@@ -598,11 +612,13 @@ class Trainer:
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
         from hymo.training.data import default_cache_dir
-        try: self._together(lambda: self.d.is_main and prepare_default(vocab_size=self.mcfg.vocab_size), default_cache_dir())
+        bar = not self.quiet and _a_terminal(sys.stderr)  # as the training bar: not into a log file
+        try: self._together(lambda: self.d.is_main and prepare_default(vocab_size=self.mcfg.vocab_size, progress=bar),
+                            default_cache_dir())
         except OSError as e:
             raise DataError(f"cannot write the data cache {e.filename or default_cache_dir()} ({e.strerror}): set "
                             "HYMO_CACHE=... to a folder you can write to") from None
-        return prepare_default(vocab_size=self.mcfg.vocab_size)
+        return prepare_default(vocab_size=self.mcfg.vocab_size, progress=False)  # prepared: found by its fingerprint
 
     @staticmethod
     def _whole(ckpt: Path) -> bool:
@@ -665,6 +681,11 @@ class Trainer:
                 self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint "
                          f"(to begin from {p.name} once more, change a setting or set aside the checkpoints after it)")
                 resume = True
+            elif ((put_back := re.fullmatch(r"(?:damaged|superseded)-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", p.name))
+                  and own and not p.exists() and (p.parent / put_back[1] / "meta.json").exists()):
+                self.log(f"{p.name} was renamed back to {put_back[1]} when a run resumed it: resuming the newest checkpoint, "
+                         "as the same command given again does")  # a requeued job, before the first new checkpoint
+                resume = True
         if resume is not True:
             if not (p / "meta.json").exists():  # a run folder, or its checkpoints/, given for one of its checkpoints
                 listed = list_checkpoints(p)
@@ -706,12 +727,24 @@ class Trainer:
                               "to use the newest readable one") from None
         self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
         self.foreign_start = not own  # a folder without checkpoints may hold the metrics and wandb id of a run that crashed early
-        self.rewound = own  # metrics.jsonl keeps only this checkpoint's line of steps (`trim_metrics`)
         # a rewind sets aside the checkpoints not on `p`'s line: the newer ones, and an earlier rewind's branch when `p`
         # is a checkpoint that rewind set aside (a damaged checkpoint later would fall back onto that other branch)
         other = [c for c in done if checkpoint_step(c) > self.step or not on_line_of(c, self.history)] if own else []
         if other: self._set_aside(other, "superseded", f"the run now continues from {p.name}, and it is not on that "
                                   "line of steps: left as a checkpoint it would outrank the new ones, or be resumed from")
+        plain = p.with_name(f"{CKPT_PREFIX}{self.step:06d}")
+        if own and p.name != plain.name: self._put_back(p, plain)
+
+    def _put_back(self, p: Path, plain: Path):
+        """Rename `p`, a checkpoint set aside before (`superseded-step_...`) that this run resumes, to its plain name once
+        every rank has read it: the newest checkpoint of the run's line again, which a plain resume after a crash uses."""
+        if self.d.distributed: dist.barrier()
+        if not self.d.is_main: return
+        if plain.exists(): return  # a checkpoint of this step on the same line (`on_line_of` kept it): p stays a copy
+        try: os.replace(p, plain)
+        except OSError as e:
+            self.log(f"warning: could not rename {p} back to {plain.name} ({e}); a plain resume would not find it")
+        else: self.log(f"renamed {p.name} back to {plain.name}: a checkpoint of the run's line again")
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
@@ -1134,6 +1167,11 @@ def _a_terminal(stream) -> bool:
     except (AttributeError, ValueError): return False  # no isatty, or a closed stream
 
 
+def _bar_shows(bar_cls) -> bool:
+    "Whether a progress bar of `bar_cls` (tqdm.auto's) is drawn where it belongs: a terminal, or a Jupyter widget."
+    return _a_terminal(sys.stderr) or any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__)
+
+
 class _Guarded:
     """A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes
     nowhere and calls `on_lost(name)`, once."""
@@ -1243,12 +1281,14 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
                           f"was made, at step {self.step}): train with that one, or make a new Trainer to continue from "
                           "the folder's newest checkpoint. This one would write over what the other did there")
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
+    line = history_sum(self.history)  # a summary of this step but another line of steps (a rewind) is not this run's
+    ours = done is not None and done.get("step") == self.step and done.get("history_crc32", line) == line
     lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
-            if self.d.is_main and (done or {}).get("step") == self.step and not (self.run_dir / n).exists()]
+            if self.d.is_main and ours and not (self.run_dir / n).exists()]
     if lost and self.step >= self.cfg.max_steps:  # deleted or moved after the run: `finish` writes them again
         self.log(f"{self.run_dir} finished at step {self.step}, but its {' and '.join(lost)} {'are' if len(lost) > 1 else 'is'} "
                  "missing: writing the final model again from the final checkpoint")
-    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or ((done or {}).get("step") == self.step and not lost)):
+    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or (ours and not lost)):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
         self.summary = done or {}  # what `finish` wrote (rank 0 reads it), so `main` returns the run's summary again
@@ -1259,7 +1299,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     if self.d.device.type == "cpu": _warn_if_slow_on_cpu(self)
     start = self.step
     with StopSignals(self.request_stop, announce=self.d.is_main and not self.quiet) as signals, \
-         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main or not _a_terminal(sys.stderr),
+         tqdm(total=end, initial=self.step, disable=self.quiet or not self.d.is_main or not _bar_shows(tqdm),
               dynamic_ncols=True) as bar:
         out = self._fit_steps(end, start, logger, bar, peak, metrics_file)  # the bar writes to the guarded stderr
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
@@ -1273,7 +1313,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     if self.stopped_by is None and self.step >= self.cfg.max_steps:
         if self.step == start:  # no step trained in this call: the folder is not yet this run's if it is a branch from a
             # final checkpoint (another run's until now), or a rewind to one whose run finished later (its export is not this one)
-            stale = self.d.is_main and done is not None and done.get("step") != self.step
+            stale = self.d.is_main and done is not None and not ours
             if not self._agree(not (self.foreign_start or stale)):
                 self._together(lambda: self._first_write(start), self.run_dir)
         self.finish()
@@ -1293,10 +1333,7 @@ def _first_write(self: Trainer, start: int):
     if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
         trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
         self.foreign_start = False
-    elif self.rewound:
-        trim_metrics(self.run_dir, start, self.log, "later steps, or another branch's", history=self.history)
-        self.rewound = False
-    else: trim_metrics(self.run_dir, start, self.log)
+    else: trim_metrics(self.run_dir, start, self.log, history=self.history)  # the lines of this line of steps
     (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
 
 
@@ -1411,7 +1448,7 @@ def finish(self: Trainer) -> dict:
     if self.saved_step != self.step: self.save()  # resumed at the end (the export failed, say): that checkpoint stays
     last = self.history[-1] if self.history else {}
     val = last["val_loss"] if last.get("step") == self.step and "val_loss" in last else self.evaluate()  # fit's, at the last step
-    summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps}
+    summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps, "history_crc32": history_sum(self.history)}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample()
 
@@ -1430,7 +1467,7 @@ def finish(self: Trainer) -> dict:
     self._together(artefacts, self.run_dir)
     if self.d.is_main:
         self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else
-                  f"no validation loss: {self.no_val_why}")
+                  f"no validation loss{': ' + self.no_val_why if self.no_val_why else ''}")
                  + f"\n--- sample ---\n{sample}\n--------------")
     self.summary = summary
     return summary
