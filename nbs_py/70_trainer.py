@@ -903,18 +903,24 @@ class Trainer:
         if other: self._set_aside(other, "superseded", f"the run now continues from {p.name}, and it is not on that "
                                   "line of steps: left as a checkpoint it would outrank the new ones, or be resumed from")
         plain = p.with_name(f"{CKPT_PREFIX}{self.step:06d}")
-        if own and p.name != plain.name: self._put_back(p, plain)
+        if own and p.name != plain.name:  # one set aside before: it, and its line's older ones set aside with it
+            kept = [(c, c.with_name(m[1])) for c in sorted(p.parent.iterdir()) if c != p and c.is_dir()
+                    and (m := re.fullmatch(r"superseded-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", c.name))
+                    and checkpoint_step(c.with_name(m[1])) < self.step
+                    and isinstance((_json_dict(c / "meta.json") or {}).get("history"), list) and on_line_of(c, self.history)]
+            self._put_back([*kept, (p, plain)])
 
-    def _put_back(self, p: Path, plain: Path):
-        """Rename `p`, a checkpoint set aside before (`superseded-step_...`) that this run resumes, to its plain name once
-        every rank has read it: the newest checkpoint of the run's line again, which a plain resume after a crash uses."""
+    def _put_back(self, pairs: list[tuple[Path, Path]]):
+        """Rename each set-aside checkpoint of the line a run resumes (`superseded-step_...`) to its plain name, once every
+        rank has read what it needs: checkpoints of the run again, which a plain resume after a crash falls back on."""
         if self.d.distributed: dist.barrier()
         if not self.d.is_main: return
-        if plain.exists(): return  # a checkpoint of this step on the same line (`on_line_of` kept it): p stays a copy
-        try: os.replace(p, plain)
-        except OSError as e:
-            self.log(f"warning: could not rename {p} back to {plain.name} ({e}); a plain resume would not find it")
-        else: self.log(f"renamed {p.name} back to {plain.name}: a checkpoint of the run's line again")
+        for c, plain in pairs:
+            if plain.exists(): continue  # a checkpoint of that step on the same line already: c stays a copy
+            try: os.replace(c, plain)
+            except OSError as e:
+                self.log(f"warning: could not rename {c} back to {plain.name} ({e}); a plain resume would not find it")
+            else: self.log(f"renamed {c.name} back to {plain.name}: a checkpoint of the run's line again")
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
@@ -2104,9 +2110,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   `metrics.discarded.jsonl`. One of those set aside can be resumed in turn
 #   (`--resume run/checkpoints/superseded-step_...`, to go back to the first line of steps): then
 #   the branch it leaves is set aside as well, older checkpoints included, since a damaged
-#   checkpoint later would otherwise fall back onto it, and the resumed one gets its plain name back
-#   (a crash before the next checkpoint resumes from it; the same command given again finds it
-#   under that name). A checkpoint is on the resumed one's line when its `history` (each step's
+#   checkpoint later would otherwise fall back onto it, and the resumed one gets its plain name back,
+#   as do the older checkpoints of its line that were set aside with it (a crash before the next
+#   checkpoint resumes from it; the same command given again finds it under that name). A checkpoint is on the resumed one's line when its `history` (each step's
 #   losses, in `meta.json`) begins the resumed one's (`on_line_of`). Every resume keeps in
 #   `metrics.jsonl` only the lines that agree with that history: another branch's move out, and
 #   the resumed line's come back from `metrics.discarded.jsonl` (the first step after a branch

@@ -885,14 +885,14 @@ def test_resuming_a_set_aside_checkpoint_leaves_the_branch_it_ends_and_its_metri
     assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004"]
     del b
     c = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)
-    # B's step 4 set aside; A's step 6 renamed back: a crash now, then a plain resume, continues from it (not step 2)
-    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006"]
+    # B's step 4 set aside; A's steps 4 and 6 renamed back: a crash now, then a plain resume, continues from step 6
+    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004", "step_000006"]
     assert json.loads((ckpts / "superseded-step_000004-2" / "meta.json").read_text())["history"][-1]["loss"] == b_loss
     del c
     c = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)  # a requeued job
-    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006"]
+    assert c.step == 6 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004", "step_000006"]
     c.fit(num_steps=2)
-    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006", "step_000008"]
+    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004", "step_000006", "step_000008"]
     got = lines("metrics.jsonl")
     assert [m["step"] for m in got] == list(range(1, 9))
     assert all(m["loss"] == a[m["step"]] for m in got if m["step"] <= 6)  # A's lines, back from the discarded ones
@@ -901,7 +901,8 @@ def test_resuming_a_set_aside_checkpoint_leaves_the_branch_it_ends_and_its_metri
     assert sorted(m["step"] for m in discarded) == [3, 4]  # A's step 3 line (B's, its twin, stayed): no line is lost
     del c  # the same command again, after the new checkpoint: continues it, keeps the ancestor step 2
     d = make(run, resume=ckpts / "superseded-step_000006", max_steps=12, ckpt_every=2, keep_last_k=5)
-    assert d.step == 8 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006", "step_000008"]
+    assert d.step == 8 and [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004", "step_000006", "step_000008"]
+    assert json.loads((ckpts / "step_000004" / "meta.json").read_text())["history"][-1]["loss"] == a[4]  # A's, not B's
 
 
 def test_going_back_to_a_finished_line_writes_its_final_model_again(tmp_path):
@@ -921,7 +922,7 @@ def test_going_back_to_a_finished_line_writes_its_final_model_again(tmp_path):
     assert now["history_crc32"] == a["history_crc32"] and now["model_file"] == a["model_file"]  # A's model, bit for bit
     kept = [json.loads((d / "summary.json").read_text()) for d in sorted(run.glob("finished-step_000006*"))]
     assert kept == [a, b]  # each line's finish kept when the other's replaced it
-    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000006"]  # A's step 4 stays set aside
+    assert [p.name for p in list_checkpoints(run)] == ["step_000002", "step_000004", "step_000006"]  # A's step 4 back too
     assert make(run, max_steps=6, ckpt_every=2, keep_last_k=5).fit() == []  # now finished: nothing to do
 
 

@@ -733,18 +733,24 @@ class Trainer:
         if other: self._set_aside(other, "superseded", f"the run now continues from {p.name}, and it is not on that "
                                   "line of steps: left as a checkpoint it would outrank the new ones, or be resumed from")
         plain = p.with_name(f"{CKPT_PREFIX}{self.step:06d}")
-        if own and p.name != plain.name: self._put_back(p, plain)
+        if own and p.name != plain.name:  # one set aside before: it, and its line's older ones set aside with it
+            kept = [(c, c.with_name(m[1])) for c in sorted(p.parent.iterdir()) if c != p and c.is_dir()
+                    and (m := re.fullmatch(r"superseded-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", c.name))
+                    and checkpoint_step(c.with_name(m[1])) < self.step
+                    and isinstance((_json_dict(c / "meta.json") or {}).get("history"), list) and on_line_of(c, self.history)]
+            self._put_back([*kept, (p, plain)])
 
-    def _put_back(self, p: Path, plain: Path):
-        """Rename `p`, a checkpoint set aside before (`superseded-step_...`) that this run resumes, to its plain name once
-        every rank has read it: the newest checkpoint of the run's line again, which a plain resume after a crash uses."""
+    def _put_back(self, pairs: list[tuple[Path, Path]]):
+        """Rename each set-aside checkpoint of the line a run resumes (`superseded-step_...`) to its plain name, once every
+        rank has read what it needs: checkpoints of the run again, which a plain resume after a crash falls back on."""
         if self.d.distributed: dist.barrier()
         if not self.d.is_main: return
-        if plain.exists(): return  # a checkpoint of this step on the same line (`on_line_of` kept it): p stays a copy
-        try: os.replace(p, plain)
-        except OSError as e:
-            self.log(f"warning: could not rename {p} back to {plain.name} ({e}); a plain resume would not find it")
-        else: self.log(f"renamed {p.name} back to {plain.name}: a checkpoint of the run's line again")
+        for c, plain in pairs:
+            if plain.exists(): continue  # a checkpoint of that step on the same line already: c stays a copy
+            try: os.replace(c, plain)
+            except OSError as e:
+                self.log(f"warning: could not rename {c} back to {plain.name} ({e}); a plain resume would not find it")
+            else: self.log(f"renamed {c.name} back to {plain.name}: a checkpoint of the run's line again")
 
     def _set_aside(self, ckpts: list[Path], why: str, then: str):
         "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
