@@ -158,7 +158,7 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # a tiny operation, dominated by per-step overhead, and the steps cannot run in parallel. The
 # parallel form's quadratic work runs as large matrix products, so at these lengths it is
 # typically as fast or faster despite doing more arithmetic (the timings are noisy on a shared CPU,
-# so they are printed, not tested; the slopes are the point). The parallel form's time slope comes out
+# so they are printed, not tested; the slopes are the point). The parallel form's time slope can come out
 # below 2 because at the short lengths each call's fixed costs outweigh the arithmetic; between the
 # two longest lengths, where the $T^2$ work dominates, it reaches about 2, or more once the $T \times T$
 # matrix outgrows the CPU's caches (printed below). Neither is

@@ -180,7 +180,8 @@ assert (scores(0) - (q[0, :, 0] @ k[0, :, 0].T)).abs().max() > 0.1  # and the ro
 # %% [markdown]
 # The tolerance is looser than machine epsilon for a reason worth knowing: at position 1000 the
 # angles reach 1000 radians, where neighbouring fp32 numbers are $6 \cdot 10^{-5}$ apart, and the
-# rounded $\theta_i$ and $m\theta_i$ put errors of up to about $2 \cdot 10^{-5}$ radians in the angles.
+# rounded $\theta_i$ and $m\theta_i$ put errors of a few $10^{-5}$ radians in the angles (up to $3.2 \cdot 10^{-5}$
+# against fp64 at positions 1000 to 1015).
 # Angles grow with position, so very long contexts compute them in fp32 at least (never bf16).
 #
 # With $q = k = \mathbf{1}$ the score as a function of the distance $n - m$ is

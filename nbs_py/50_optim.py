@@ -232,8 +232,8 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 
 
 # %% [markdown]
-# The residual-stream fan-in $n = 896$ gives an AdamW-equivalent rate of $3.3 \times 10^{-3}$, the
-# same as HyMo's `adamw_lr`: the two optimisers move their weights at about the same per-entry speed.
+# The residual-stream fan-in $n = 896$ gives an AdamW-equivalent rate of $3.3 \times 10^{-3}$, within
+# 10 % of HyMo's `adamw_lr` ($3 \times 10^{-3}$): the two optimisers move their weights at about the same per-entry speed.
 # (The wide down-projections, $n = 2560$, step about $1.7\times$ slower per entry, as $1/\sqrt{n}$ says
 # they should.)
 #

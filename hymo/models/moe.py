@@ -143,7 +143,7 @@ class DeepSeekMoE(nn.Module):
         | tensor | init |
         | --- | --- |
         | `gate.weight` | N(0, 0.006²): logits ≈ 0.006·√d ≈ 0.2 for unit-RMS input, near-uniform first routing |
-        | `w1`, `w2`, `w3`, shared expert | N(0, init_std²) |
+        | `w1`, `w2`, `w3`, shared expert | N(0, init_std²); in a `HyMo`, `init_weights` then redraws the `w2`s at the residual scale init_std/√(2 n_layers) (chapter 41) |
         | `gate_bias`, `ema_counts`, `expert_counts`, `dropped_tokens` | 0 |
         """
         nn.init.normal_(self.gate.weight, std=0.006)
