@@ -43,7 +43,7 @@ from .optim import build_optimizers, wsd_schedule
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'READ_FAULTS', 'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'Dist',
            'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision', 'peak_flops', 'peak_of',
-           'list_checkpoints', 'history_sum', 'on_line_of', 'cut_short_renames', 'checkpoint_step',
+           'list_checkpoints', 'history_sum', 'on_line_of', 'cut_short_renames', 'checkpoint_step', 'set_aside_as',
            'CheckpointUnreadable', 'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt',
            'resume_changes', 'trim_metrics', 'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder',
            'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation',
@@ -191,6 +191,12 @@ def cut_short_renames(run_dir: Path) -> list[Path]:
 def checkpoint_step(ckpt: Path) -> int:
     "The step a checkpoint folder `step_000123` holds."
     return int(ckpt.name[len(CKPT_PREFIX):])
+
+
+def set_aside_as(name: str) -> tuple[str, str] | None:
+    "For a checkpoint folder set aside as `{why}-step_N` (`-2`, ... where that name was taken): (why, `step_N`); else None."
+    m = re.fullmatch(r"(damaged|superseded|replaced)-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", name)
+    return (m[1], m[2]) if m else None
 
 
 class CheckpointUnreadable(OSError):
@@ -612,7 +618,7 @@ class Trainer:
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
         from hymo.training.data import default_cache_dir
-        bar = not self.quiet and _a_terminal(sys.stderr)  # as the training bar: not into a log file
+        bar = not self.quiet and _bar_shows()  # as the training bar: not into a log file
         try: self._together(lambda: self.d.is_main and prepare_default(vocab_size=self.mcfg.vocab_size, progress=bar),
                             default_cache_dir())
         except OSError as e:
@@ -681,9 +687,9 @@ class Trainer:
                 self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint "
                          f"(to begin from {p.name} once more, change a setting or set aside the checkpoints after it)")
                 resume = True
-            elif ((put_back := re.fullmatch(r"(?:damaged|superseded)-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", p.name))
-                  and own and not p.exists() and (p.parent / put_back[1] / "meta.json").exists()):
-                self.log(f"{p.name} was renamed back to {put_back[1]} when a run resumed it: resuming the newest checkpoint, "
+            elif ((aside := set_aside_as(p.name)) and aside[0] != "replaced" and own and not p.exists()
+                  and (p.parent / aside[1] / "meta.json").exists()):
+                self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming the newest checkpoint, "
                          "as the same command given again does")  # a requeued job, before the first new checkpoint
                 resume = True
         if resume is not True:
@@ -734,9 +740,8 @@ class Trainer:
                                   "line of steps: left as a checkpoint it would outrank the new ones, or be resumed from")
         plain = p.with_name(f"{CKPT_PREFIX}{self.step:06d}")
         if own and p.name != plain.name:  # one set aside before: it, and its line's older ones set aside with it
-            kept = [(c, c.with_name(m[1])) for c in sorted(p.parent.iterdir()) if c != p and c.is_dir()
-                    and (m := re.fullmatch(r"superseded-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", c.name))
-                    and checkpoint_step(c.with_name(m[1])) < self.step
+            kept = [(c, c.with_name(a[1])) for c in sorted(p.parent.iterdir()) if c != p and c.is_dir()
+                    and (a := set_aside_as(c.name)) and a[0] == "superseded" and checkpoint_step(c.with_name(a[1])) < self.step
                     and isinstance((_json_dict(c / "meta.json") or {}).get("history"), list) and on_line_of(c, self.history)]
             self._put_back([*kept, (p, plain)])
 
@@ -1173,8 +1178,9 @@ def _a_terminal(stream) -> bool:
     except (AttributeError, ValueError): return False  # no isatty, or a closed stream
 
 
-def _bar_shows(bar_cls) -> bool:
-    "Whether a progress bar of `bar_cls` (tqdm.auto's) is drawn where it belongs: a terminal, or a Jupyter widget."
+def _bar_shows(bar_cls=None) -> bool:
+    "Whether a progress bar of `bar_cls` (default tqdm.auto's) is drawn where it belongs: a terminal, or a Jupyter widget."
+    if bar_cls is None: from tqdm.auto import tqdm as bar_cls
     return _a_terminal(sys.stderr) or any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__)
 
 
