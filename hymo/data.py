@@ -9,15 +9,19 @@ __all__ = ['main']
 
 # %% ../nbs/61_data_cli.ipynb #35a8d381
 import argparse
+import contextlib
 import errno
 import json
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
 from .train import _Once
-from .training.data import DEFAULT_VOCAB_SIZE, DataError, DataWarning, _real_out, check_compatible, load_manifest, prepare, to_devnull
+from .training.data import (DEFAULT_VOCAB_SIZE, DataError, DataWarning, _a_terminal, _real_out, check_compatible,
+                                check_contents, load_manifest, prepare, to_devnull)
 
 # %% ../nbs/61_data_cli.ipynb #ff3f8f78
 def _parser() -> argparse.ArgumentParser:
@@ -31,12 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--tokenizer", default=None, metavar="PATH", action=_Once, help="use this tokenizer.json instead of training one")
     pp.add_argument("--doc-split", choices=("blank", "file"), default="blank", action=_Once,
                     help="plain text: blank lines end a document (default), or one document per file")
-    pp.add_argument("--val-fraction", type=float, default=0.1, action=_Once, help="fraction of the bytes, at the end, kept for validation")
-    pp.add_argument("--shard-tokens", type=int, default=2**27, action=_Once, help="tokens per shard file")
-    pp.add_argument("--overwrite", action="store_true", help="replace a dataset in --out made from other inputs")
-    pp.add_argument("--no-progress", action="store_true", help="no progress bars")
-    pi = sub.add_parser("info", help="print the manifest of a prepared dataset and check its shards and tokenizer")
-    pi.add_argument("dir", metavar="DIR")
+    pp.add_argument("--val-fraction", type=float, default=0.1, action=_Once, help="fraction of the bytes, at the end, kept "
+                    "for validation (default 0.1); the cut falls on a line break, so the document it falls in (with "
+                    "--doc-split file, a whole file) has its head in training and its tail in validation")
+    pp.add_argument("--shard-tokens", type=int, default=2**27, action=_Once, help="tokens per shard file (default 2**27)")
+    pp.add_argument("--overwrite", action="store_true", help="replace a dataset in --out made from other inputs or options")
+    pp.add_argument("--no-progress", action="store_true", help="no progress bars (none are drawn unless stderr is a terminal)")
+    pi = sub.add_parser("info", help="print the manifest of a prepared dataset and check every byte of it")
+    pi.add_argument("dir", metavar="DIR", help="a prepared dataset folder; the manifest goes to stdout, the check's "
+                    "result (intact, or the error and status 1) to stderr")
     return p
 
 
@@ -56,6 +63,33 @@ def _out_error(e: OSError, out: Path) -> str | None:
             f"{'free space or ' if full else ''}choose another --out")
 
 
+class _Stopped(KeyboardInterrupt):
+    "SIGTERM or SIGHUP (a scheduler's stop, a closed terminal), raised as Ctrl-C is, so that `prepare` cleans up."
+    def __init__(self, signum: int): super().__init__(); self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt():
+    "While active (in the main thread), SIGTERM and SIGHUP raise `_Stopped`; one ignored (`nohup`) stays ignored."
+    wanted = [s for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None
+              and threading.current_thread() is threading.main_thread() and signal.getsignal(s) is signal.SIG_DFL]
+    def stop(signum, frame): raise _Stopped(signum)
+    old = {s: signal.signal(s, stop) for s in wanted}
+    try: yield
+    finally:
+        for s, handler in old.items(): signal.signal(s, handler)
+
+
+def _stamp(out) -> tuple | None:
+    "Which manifest.json `out` holds (inode, time), or None: the same before and after `prepare`, nothing was written."
+    try: s = (_real_out(out) / "manifest.json").stat()
+    except (OSError, DataError): return None
+    return s.st_ino, s.st_mtime_ns
+
+
+def _n(k: int, word: str) -> str: return f"{k:,} {word}{'s' * (k != 1)}"
+
+
 def main(argv: list[str] | None = None, # Arguments without the program name; None reads sys.argv
         ) -> int:
     "Run the `python -m hymo.data` command line; return the exit status."
@@ -63,44 +97,53 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
-            with warnings.catch_warnings(record=True) as said:  # a DataWarning as one line, like the errors
+            before = _stamp(args.out)
+            with warnings.catch_warnings(record=True) as said, _stop_signals_interrupt():  # a DataWarning as one line
                 warnings.simplefilter("always", DataWarning)
                 try: out = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
                                    doc_split=args.doc_split, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                                   overwrite=args.overwrite, progress=not args.no_progress)
+                                   overwrite=args.overwrite, progress=not args.no_progress and _a_terminal(sys.stderr))
                 finally:  # others (from tokenizers, pyarrow) as Python shows them
                     for w in said:
                         if issubclass(w.category, DataWarning): print(f"warning: {w.message}", file=sys.stderr)
                         else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
             m = load_manifest(out)
-            n = len(m["inputs"])
-            print(f"{out}: {n} input file{'s' * (n > 1)}, vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
-                f"{s} {v['tokens']:,} tokens in {v['documents']:,} documents" for s, v in m["splits"].items()))
+            print(f"{out}: {_n(len(m['inputs']), 'input file')}, vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
+                f"{s} {_n(v['tokens'], 'token')} in {_n(v['documents'], 'document')}" for s, v in m["splits"].items()))
+            if before is not None and _stamp(out) == before:
+                print("note: nothing written: it already held this dataset (the same inputs and options), intact")
             asked = None if args.tokenizer else args.vocab_size or DEFAULT_VOCAB_SIZE  # a given tokenizer has its own size
             if asked and m["vocab_size"] < asked:
                 print(f"note: the tokenizer learned {m['vocab_size']} of the {asked} tokens asked for: the text has "
                       f"no more pairs worth merging. It trains any model whose vocab_size is {m['vocab_size']} or more "
                       f"(the unused rows of a larger one are never targets)")
             if args.val_fraction > 0 and m["splits"].get("val", {}).get("tokens", 0) == 0:
-                print(f"warning: the validation split is empty: the cut at {args.val_fraction:.0%} of the bytes fell in the "
-                      "last line of the text, which stays in training (the cut moves to the next line break). Give the "
-                      "text more lines or documents, or --val-fraction 0 to say so",
+                print(f"warning: the validation split is empty: the cut that keeps the last {args.val_fraction:g} of the "
+                      "bytes for it fell in the last line of the text, which stays in training (the cut moves to the next "
+                      "line break). Give the text more lines or documents, or --val-fraction 0 to say so",
                       file=sys.stderr)
         elif args.command == "info":
             m = load_manifest(args.dir)
             print(json.dumps(m, indent=1), flush=True)
             check_compatible(args.dir, m["vocab_size"])  # what training checks: a damaged dataset is not reported fine
-            print(f"{args.dir}: intact (every shard and the tokenizer as the manifest says)", file=sys.stderr)
+            if check_contents(args.dir):  # and what it does not: every byte of every shard
+                print(f"{args.dir}: intact (every shard's size and CRC-32, and the tokenizer's sha256, as the manifest "
+                      "says)", file=sys.stderr)
+            else:
+                print(f"{args.dir}: intact as far as its sizes and the tokenizer's sha256 tell (its manifest has no shard "
+                      "checksums, from an older HyMo: prepare it again with --overwrite to add them)", file=sys.stderr)
         else:
             parser.print_help(sys.stderr)
             return 2
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # prepare writes into a temporary folder and installs it whole at the end
-        print("interrupted" + (f"; {args.out} never holds part of a dataset (one is installed whole, at the end): "
-                               "the same command prepares it again" if args.command == "prepare" else ""), file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # prepare writes into a temporary folder and installs it whole at the end
+        sig = getattr(e, "signum", None)
+        print(("interrupted" if sig is None else f"stopped by {signal.Signals(sig).name}") + (
+              f"; {args.out} is as it was (a dataset is installed whole, at the end): the same command prepares it again"
+              if args.command == "prepare" else ""), file=sys.stderr)
+        return 130 if sig is None else 128 + sig
     except BrokenPipeError:  # `... info DIR | head`: the reader has what it wanted and closed the pipe
         to_devnull(sys.stdout)
         return 0

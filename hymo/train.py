@@ -190,9 +190,13 @@ def _train(parser, args, cfg) -> dict:
         except (ConfigError, DataError) as e:  # the data, the run folder or a checkpoint does not fit what was asked
             parser.error(str(e))
         trainer.log(f"run folder: {trainer.run_dir.resolve()}")
+        trainer.log(trainer.data_summary())
         trainer.fit()
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
+    except DataError as e:  # a shard damaged on disk, found as training reads it
+        then = _resume_from(trainer, cfg, args)
+        parser.exit(1, f"error: {e}; " + (f"then {then}\n" if then.startswith("the same") else f"{then}\n"))
     except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
         parser.exit(130, "interrupted " + (f"at step {trainer.step}; {_resume_from(trainer, cfg, args)}\n" if trainer is not None
                                             else "before training began\n"))

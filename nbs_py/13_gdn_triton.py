@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 #| export
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -153,7 +154,9 @@ assert_close(y, (x * s[:, None]) @ w, rtol=2e-3, atol=2e-3)              # tf32 
 # | $G$, $e^{G}$ | $\gamma$, $\Gamma = e^{\gamma}$ (a vector) | cumulative log-decay, and decay since the chunk's start |
 # | $U = A\,\mathrm{diag}(\beta) V - W S_0$ | $V_{new} = U - W S_0$ | the corrected values; chapter 12's $U$ is $T\,\mathrm{diag}(\beta) V$ alone |
 #
-# So "prep (gates, $A$)" in the benchmarks below is the inverse, chapter 12's $T$.
+# So "prep (gates, $A$)" in the benchmarks below is the inverse, chapter 12's $T$. Some letters do double duty, as
+# the kernels' arguments do: $K$ and $V$ are the key and value matrices of a chunk and also the head sizes, and
+# inside a kernel `T` becomes the length of the current document of a packed row.
 #
 # Two kinds of work follow. $A$ depends only on the chunk's own $K$, $\beta$, $g$, so all chunks of
 # all heads are solved at once (a grid of $T/64 \times B H$ programs). The rest carries $S$ from
@@ -374,9 +377,11 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
 # %% [markdown]
 # The host side computes the chunk tables of a packed row and launches the kernel on a grid of
 # (chunks, heads). The true number of chunks, $\sum_n \lceil L_n / 64 \rceil$, sits on the GPU, and
-# reading it would make the host wait for everything queued before it. The grid takes the bound
+# reading it would make the host wait for everything queued before it; under `torch.compile` the operator's fake
+# implementation (below) has only shapes to size its outputs from. The grid takes the bound
 # $\lfloor (T + 63N)/64 \rfloor$ instead, which the shapes give: a document adds at most one short
-# chunk. The spare slots name chunks past the last document's end, where every load and store is
+# chunk. (The public wrapper, `triton_gated_delta_rule`, does read `cu_seqlens` once per call, to check that the
+# boundaries are valid before any kernel indexes with them: one wait per call on a GPU, with packed documents only.) The spare slots name chunks past the last document's end, where every load and store is
 # masked. They still do their arithmetic: about $N/2$ programs per head, some 3 % more of this
 # kernel and of the local-gradient kernel at HyMo's documents of about 1 024 tokens. (An early
 # return would save it; it is not in yet, because it has not run on the GPU.) Checked against `torch.linalg.solve_triangular` on one chunk:
@@ -461,7 +466,7 @@ assert_close(gc[0, 64:, 1], g[0, 64:, 1].cumsum(0))                # the tail ch
 #   tensor cores at full rate and halves the shared memory the operands need), every product
 #   accumulates in fp32, and the gates and every exponent stay fp32. The state is carried in fp32,
 #   but the products that read it take it rounded to `DT`, and the backward stores each chunk's
-#   $S_0$ and $dS_C$ in `DT` (the local-gradient kernel rounds $U$ and $dU$ to it as well). These
+#   $S_0$ and $dS_C$ in `DT` ($U$, $P$ and, in the backward, $dU$ are rounded to it too where they enter a product). These
 #   roundings are why the bf16 error grows with how much of the state a chunk carries on: more with
 #   weak decays than with strong ones (the GPU parity below). With fp32 inputs the products are tf32.
 # - **Load the next chunk before computing this one.** A GPU issues a load and only waits where the
@@ -596,12 +601,12 @@ assert_close(o, o_ref, rtol=0, atol=atol_for(3e-3)); assert_close(ht, ht_ref, rt
 #
 # $$dU = P^\top dO + \bar K\, dS_C, \qquad dS_0 = \bar Q^\top dO + e^{G_C} dS_C - W^\top dU .$$
 #
-# The second line is a recurrence running from the last chunk to the first, and neither line needs
-# $S_0$. So the backward has three launches:
+# The second equation, for $dS_0$, is a recurrence running from the last chunk to the first, and neither needs
+# $S_0$. So the backward has three launches, the last two being kernels 3 and 4 in `_chunk_bwd`:
 #
 # 1. kernel 1 again (gates and $A$, recomputed rather than kept from the forward, unless the caller
 #    asks to keep them: `keep_prep`, below);
-# 2. one launch with two kinds of program: `i_d = 0` re-runs the state pass and stores $S_0$ of
+# 2. one launch (kernel 3) with two kinds of program: `i_d = 0` re-runs the state pass and stores $S_0$ of
 #    every chunk; `i_d = 1` walks the chunks backwards carrying $dS$ and stores $dS_C$ of every
 #    chunk, ending at the initial state's gradient. Neither waits for the other, and at HyMo's
 #    shape each is only 160 programs, so together they fill the GPU better than one after the other.
@@ -814,15 +819,20 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
-    try:
-        _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
-                                chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
-                                _hold_local(K, q.dtype), **LAUNCH["local"])
-    except triton.runtime.errors.OutOfResources as e:  # fp32 heads wider than 128 on an H200, narrower ones on smaller GPUs
-        raise RuntimeError(f"the GDN backward's local-gradient kernel does not fit this GPU for {q.dtype} heads of K={K}, "
-                           f"V={V} (padded): {e}. Train in bf16 or fp16, use narrower heads, or use "
-                           "chunk_gated_delta_rule_torch (gdn_kernel='torch')") from e
+    _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
+                            chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
+                            _hold_local(K, q.dtype), **LAUNCH["local"])
     return dq, dk, dv, dg, dbeta, dh0
+
+
+@contextmanager
+def _fits_gpu(what: str, q: torch.Tensor, v: torch.Tensor):
+    "Turn a launch that needs more shared memory or registers than this GPU has into an error that says what fits."
+    try: yield
+    except triton.runtime.errors.OutOfResources as e:  # heads wider than 128, fp32 ones from 128, or a smaller GPU
+        raise RuntimeError(f"the GDN {what} does not fit this GPU for {q.dtype} heads of K={q.shape[-1]}, V={v.shape[-1]} "
+                           f"(padded): {e}. Heads of 128 or less fit an H100 or H200 (HyMo's are 32); for wider ones use "
+                           "chunk_gated_delta_rule_torch (gdn_kernel='torch')") from e
 
 
 # %% [markdown]
@@ -841,7 +851,7 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
 # 21 MB per layer). It saves, per layer on an H200, a launch of kernel 1 (0.24 ms then, 0.151 ms since round 13) and half of the
 # state launch (0.30 → 0.19 ms), for 0.012 ms more in the forward, which now stores the states
 # (0.183 → 0.195 ms). The default is to recompute, which keeps this operator's peak within 2× its
-# inputs and outputs (measured below); the model's mixer keeps them (`GatedDeltaNet.keep_prep`),
+# inputs and outputs at HyMo's shape (1.74×, measured below; 2.12× with 16 heads of 128); the model's mixer keeps them (`GatedDeltaNet.keep_prep`),
 # where 105 MB is small beside the rest of a layer's activations. With packed documents the number
 # of chunks depends on the lengths, which the fake tensor cannot see, so `hs` has room for the most
 # chunks $N$ documents of $T$ tokens can have, $\lfloor (T + 63N)/64 \rfloor$ (`_max_chunks`).
@@ -863,8 +873,9 @@ def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     every chunk's S_0 with `keep_prep` (else empty); with `keep_prep` autograd keeps gc, A and hs."""
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
-    gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-    o, ht, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1], keep_prep)
+    with _fits_gpu("forward", q, v):
+        gc, A = _prepare(k, g, beta, cu_seqlens, tables)
+        o, ht, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1], keep_prep)
     return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32)), gc, A, (hs if hs is not None else q.new_empty(0))
 
 
@@ -885,8 +896,9 @@ def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   hs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
     "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc, A and hs from the forward, or None to recompute them."
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, initial_state, cu_seqlens, do.contiguous(),
-                                            None if dht is None else dht.contiguous(), need_dh0)
+    with _fits_gpu("backward", q, v):
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, initial_state, cu_seqlens,
+                                                do.contiguous(), None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 
@@ -951,7 +963,8 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     "Check and pad: `(q, k, v, g, beta, scale, initial_state, cu_seqlens)` ready for the kernels."
     N = _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # sequences: B, or the packed row's documents
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype} "
+                        "(for float64, use chunk_gated_delta_rule_torch)")
     (B, T, H, K), V = q.shape, v.shape[-1]
     Kp, Vp = _padded(K), _padded(V)
     if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)
@@ -1153,7 +1166,10 @@ test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, 
 # `benchmarks/gdn_kernel.py` times the three implementations with `triton.testing.do_bench`
 # (median) and `benchmarks/gdn_verify.py` measures parity on the GPU. The numbers below were measured
 # on one H200 and stored in `benchmarks/results/gdn_kernel.json`, which this notebook plots (so it
-# runs without a GPU). To measure again:
+# runs without a GPU). That run (2026-12-02) predates rounds 12–14, which made kernel 1 and the backward faster: its
+# Triton rows and launches are kept here as the record of that version, and the current kernels' times are round 19's
+# table further down (solve 0.150 ms, state pass + $o$ 0.195 ms, forward + backward 0.981 ms, against 1.445 ms
+# here). To measure again:
 
 # %%
 import subprocess, sys
@@ -1176,8 +1192,8 @@ print("Triton launches (ms):", ", ".join(f"{k} {v:.3f}" for k, v in r["triton_ke
 ks = bench["launches_keep_states"]["triton_kernels_ms"]  # a later run, once the forward could store the states
 print("keep_prep (the model's path): forward storing S_0 {:.3f} ms, dS pass alone {:.3f} ms (S and dS together {:.3f} ms)".format(
       ks["state pass + o, saving S_0"], ks["dS pass alone (S_0 kept)"], ks["S and dS passes"]))
-print(f"fwd+bwd peak memory {r['triton_fwd_bwd_peak_MB']:.0f} MB = {r['peak_over_io']:.2f} x inputs+outputs "
-      f"({r['inputs_outputs_MB']:.0f} MB); PyTorch chunked {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MB")
+print(f"fwd+bwd peak memory {r['triton_fwd_bwd_peak_MB']:.0f} MiB = {r['peak_over_io']:.2f} x inputs+outputs "
+      f"({r['inputs_outputs_MB']:.0f} MiB); PyTorch chunked {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MiB")
 assert r["triton_fwd_ms"] <= 0.6 and r["triton_fwd_bwd_ms"] <= 2.0 and r["peak_over_io"] <= 2.0  # the targets
 
 # %%
@@ -1271,12 +1287,13 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # - The series $(I - L)(I + L^2)(I + L^4)(I + L^8)$ for the $16\times16$ diagonal blocks, six
 #   products each instead of 15 steps. In tf32 it is wrong by 0.13 of $A$'s largest entry when keys
 #   are nearly aligned (0.007 when they only share a direction), and, on the second version's
-#   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches hundreds (bounded by
-#   $\binom{14}{7}\,0.9^8 \approx 1500$), and such terms cancel into entries of size 1. In
+#   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches hundreds (224 at most there; bounded by
+#   $\binom{14}{7}\,\ell^8$ for entries $|L_{ij}| \le \ell$, about 1 500 at $\ell = 0.9$ and 2 000 at the 0.937 those
+#   chunks reach), and such terms cancel into entries of size 1. In
 #   `tf32x3` (or exact fp32 products) it is as accurate as $A$'s tf32 products need, but takes
 #   0.181 ms (0.228 ms in fp32): slower than substitution. On the whole $64\times64$ tile the
-#   series ($L^{64} = 0$) is wrong even with fp32 products (1.6 on nearly aligned keys, in Triton's
-#   interpreter).
+#   series ($L^{64} = 0$) is wrong even with fp32 products (by more than 1 on nearly aligned keys, in Triton's
+#   interpreter: 1.6 in the run recorded, 6.0 in a later one, the size depending on the draw).
 #
 # The variants' times in `gdn_prep_solve.json` all come from one run on one H200 (round 13); the
 # times of the first two versions and of the first idea above come from earlier rounds.
@@ -1295,7 +1312,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # Recomputing saves memory. Saved per layer, $A$ alone is $B\,T\,H\cdot64$ numbers, twice the size of $q$ at $K=32$,
 # and a 24-layer model would hold that for every GDN layer from forward to backward. Recomputing is
 # two cheap launches (kernel 1 again, and the state pass, which runs beside the $dS$ pass in the same
-# launch). The Function keeps only its inputs, and one forward + backward peaks at 287 MiB, 1.74× the
+# launch). The operator then keeps only its inputs, and one forward + backward peaks at 287 MiB, 1.74× the
 # bytes of its inputs and outputs (measured), against 3.0 GiB (3093 MiB) for the PyTorch chunked path under autograd.
 # Keeping $A$ and the gates from the forward was measured too, on the H200: forward + backward
 # 1.44 → 1.24 ms per layer (a measurement not kept), but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
@@ -1310,7 +1327,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # ::: {.callout-tip collapse="true"}
 # ## Why does one program walk all the chunks of a head, rather than one program per chunk?
 # Because the state is a recurrence across chunks: chunk $t+1$ needs $S$ after chunk $t$. What can
-# be parallel is (the solve for $A$, the per-chunk gradients), and runs on a grid of chunks × heads.
+# run in parallel (the solve for $A$, the per-chunk gradients) does, on a grid of chunks × heads.
 # The carried part keeps $S$ (32×32 fp32 at HyMo's shape, 4 KB) in registers for all 64 chunks:
 # it never goes to memory between chunks, and the loads of the next chunk are issued before the
 # current one is computed. Splitting a head's state over two programs (16 value columns each) was
@@ -1371,14 +1388,17 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 #
 # Registers are not the only budget. The two products redone after the loop need their $K$-wide
 # operands in shared memory at the same time, and with fp32 inputs and heads of 128 that came to
-# 256 KiB per block, over the 227 KiB an H200 block may have: the kernel would not launch
+# 256 KiB per block under Triton 3.6, over the 227 KiB an H200 block may have: the kernel would not launch
 # (`gdn_verify.py` at $K = V = 128$ in fp32 found it, in round 9). So the kernel
 # keeps both orders, chosen by a compile-time flag (`HOLD`, set by `_hold_local`): fp32 inputs with
 # $K > 64$ hold $P$ and $KK^\top\odot\Gamma$ across the loop as before (192 KiB), everything else
-# recomputes them. `gdn_registers.py` reports each kernel's shared memory, and a test compiles the
-# fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag. fp32 heads
-# wider than 128 fit in neither order (352 KiB at $K = 256$, Triton 3.6, from a compile not kept); their backward needs
-# bf16 or fp16 inputs, or the PyTorch path, and says so when it cannot launch. A GPU with less shared memory than the H200 (an
+# recomputes them. (Triton 3.9 lays out shared memory more tightly: 224 KiB without `HOLD`, just under the limit,
+# and 160 KiB with it. The flag stays, for the older Triton the GPU machine runs.) `gdn_registers.py` reports each kernel's shared memory, and a test compiles the
+# fp32 wide case to check it fits; the bf16 kernel's PTX is the same as before the flag. Heads
+# wider than 128 do not fit: the fp32 local-gradient kernel needs 352 KiB at $K = 256$ in either order (Triton 3.6,
+# from a compile not kept), and compiled for the H200 under Triton 3.9 at $K = V = 256$ the fp32 forward asks for
+# 464 KiB and even the bf16 state launch for 232 KiB. Any launch that does not fit stops with an error that says so
+# and names the PyTorch path (`_fits_gpu`). A GPU with less shared memory than the H200 (an
 # A100 block may have 163 KiB) has a lower limit still.
 # :::
 #
@@ -1412,6 +1432,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # carried state and no gradient);
 # its time against the chunked kernels for a token or a few has not been measured, so no ratio is
 # given here. The Python reference loop, a much slower thing, takes about 0.67 s forward at
-# $T = 4096$ (extrapolated from $T = 256$) against 0.42 ms for the chunked kernels; that gap is
+# $T = 4096$ (extrapolated from $T = 256$) against about 0.35 ms for the chunked kernels (round 19's solve and state
+# pass); that gap is
 # mostly Python and launch overhead, not the algorithm.
 # :::

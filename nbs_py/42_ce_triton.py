@@ -65,7 +65,10 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 #
 # The lanes start at $m = -10^{38}$ rather than $-\infty$: when a row is shorter than a block
 # (the block is the next power of two, so $V = 50$ takes 64 lanes), the lanes past $V$ never see a
-# real logit, and starting them at $-\infty$ would give $e^{-\infty - (-\infty)}$ = NaN.
+# real logit, and starting them at $-\infty$ would give $e^{-\infty - (-\infty)}$ = NaN. The price is a limit on
+# the logits: a row whose logits are all below $-10^{38}$ (fp32's floor is $-3.4\cdot10^{38}$) would come out as
+# $-\infty$ rather than its true loss. A language model's logits are a bf16 product of a normalised hidden state and
+# the embedding, far inside that range.
 #
 # The targets are not checked on the host (that would make it wait for the GPU). The trainer
 # refuses data whose vocabulary does not fit the model before it starts, so a target outside
@@ -126,6 +129,8 @@ def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32)
         raise ValueError(f"z must be [rows, classes] with class stride 1, got shape {tuple(z.shape)} strides {z.stride()}")
     if z.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"triton_ce_chunk takes fp32 or bf16 logits, got {z.dtype}; use ce_chunk")
+    if y.dtype not in (torch.int32, torch.int64):  # a float target would be read as an address
+        raise TypeError(f"y must hold integer class ids (int64 or int32), got {y.dtype}")
     if z.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use ce_chunk")

@@ -57,7 +57,7 @@ import torch.nn as nn
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
-from hymo.training.data import DataError, TokenLoader, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
+from hymo.training.data import DataError, TokenLoader, _bar_shows, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -656,6 +656,7 @@ class Trainer:
                  resume: str | Path | bool = True, # A checkpoint folder, True (latest in the run folder, if any) or False
                  name: str = "hymo", # Preset name, used in the default run folder
                  quiet: bool = False): # No progress bar or prints (tests)
+        self.given_data_dir = train_cfg.data_dir  # as given: a relative one is named so in an error
         if train_cfg.data_dir:  # absolute in config.yaml and the checkpoints: `--config RUN/config.yaml` works from any folder
             train_cfg = dataclasses.replace(train_cfg, data_dir=os.path.abspath(os.path.expanduser(train_cfg.data_dir)))
         self.mcfg, self.cfg, self.quiet, self.name = model_cfg, train_cfg, quiet, name
@@ -768,7 +769,17 @@ class Trainer:
         on synthetic tokens overrides this). The tokenizer is read now and kept: the finished run's copy is the one it
         trained with, even if the dataset is prepared again, moved or deleted meanwhile (the shards stay open)."""
         self.data_dir = Path(self.cfg.data_dir).expanduser() if self.cfg.data_dir else self._prepare_default()
-        check_compatible(self.data_dir, self.mcfg.vocab_size)
+        given = getattr(self, "given_data_dir", None)
+        try: manifest = check_compatible(self.data_dir, self.mcfg.vocab_size)
+        except DataError as e:
+            if not given or os.path.isabs(os.path.expanduser(given)) or self.data_dir.exists(): raise
+            raise DataError(f"{e} (data_dir={given} is relative: it is found from the current folder, {os.getcwd()}, "
+                            "not from a config file's)") from None
+        V, v = self.mcfg.vocab_size, manifest["vocab_size"]
+        if 2 * v <= V:  # fits, but most rows of the embedding and the tied output head would never be a token
+            self.log(f"warning: {self.data_dir} was tokenized with {v:,} tokens and the model has vocab_size={V:,}: "
+                     f"{V - v:,} rows of the embedding (tied to the output head, whose softmax still covers them) are never "
+                     f"a token. Prepare the data with --vocab-size {V}, or set vocab_size={v}")
         self.tokenizer_json = read_tokenizer(self.data_dir)
         mk = lambda split, accum: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                               rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
@@ -784,6 +795,15 @@ class Trainer:
             except DataError as e:  # too small for one micro-batch: train anyway, and say so
                 self.no_val_why = f"the validation split of {self.data_dir} is too small for one micro-batch"
                 self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
+
+    def data_summary(self) -> str:
+        "One line on the data: its folder, each split's tokens, and how many epochs `max_steps` optimiser steps read."
+        L, T = self.train_loader, self.cfg.seq_len
+        val = self.val_loader.n_tokens if self.val_loader is not None else sum(
+            s["tokens"] for s in L.manifest["splits"].get("val", {}).get("shards", []))
+        epochs = self.cfg.max_steps * self.accum / L.steps_per_epoch  # an epoch: `steps_per_epoch` micro-batch steps
+        return (f"data: {self.data_dir} (train {L.n_tokens:,} tokens, {L.n_windows:,} windows of seq_len {T}; "
+                f"val {val:,} tokens): max_steps={self.cfg.max_steps:,} reads {epochs:.3g} epoch{'s' * (epochs != 1)}")
 
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
@@ -1608,20 +1628,6 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
     return " | ".join(parts)
 
 
-def _a_terminal(stream) -> bool:
-    """Whether `stream` is a terminal. Only there is the progress bar drawn: in a log file (a scheduler's, `nohup`'s) it
-    would add a redrawn line every step, about 200 bytes each, 11 MB over the 750M preset's 57 220 steps; the metric lines
-    come every `log_every` steps all the same."""
-    try: return stream.isatty()
-    except (AttributeError, ValueError): return False  # no isatty, or a closed stream
-
-
-def _bar_shows(bar_cls=None) -> bool:
-    "Whether a progress bar of `bar_cls` (default tqdm.auto's) is drawn where it belongs: a terminal, or a Jupyter widget."
-    if bar_cls is None: from tqdm.auto import tqdm as bar_cls
-    return _a_terminal(sys.stderr) or any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__)
-
-
 class _Guarded:
     """A text stream whose reader may go away (EPIPE: `| head` exited; EIO: the terminal hung up): it then writes
     nowhere and calls `on_lost(name)`, once."""
@@ -2074,7 +2080,11 @@ test_eq([m["loss"] for m in t3.fit()], [m["loss"] for m in metrics[3:]])
 #
 # A global batch that does not split over the ranks, a checkpoint path that is not a complete
 # checkpoint, and a dataset built for another vocabulary each stop with a message that says what
-# to do, before the run folder is made.
+# to do, before the run folder is made. A relative `data_dir` that is not there says it was looked for from the
+# current folder (not from the config file's). Data that fits but would leave at least half the embedding's rows
+# unused (a dataset prepared with the default 2 048 tokens under the 750M model's 64 256) is a warning, and the
+# command line prints one line on the data before the first step: its folder, each split's tokens, and how many
+# epochs `max_steps` reads (`data_summary`), so that 30 epochs over a small corpus is never a surprise.
 
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work / "run" / "nope", quiet=True),
@@ -2086,6 +2096,7 @@ test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "x", resume=work 
 bad = load_config("hymo_tiny", **small, vocab_size=1024, data_dir=str(trainer.data_dir))  # ids up to 2047 do not fit
 test_fail(lambda: Trainer(bad.model, bad.train, run_dir=work / "y", quiet=True), contains="vocab")
 assert not (work / "x").exists() and not (work / "y").exists()
+print(trainer.data_summary())
 test_eq(split_micro_batches(cfg.train, 2), 1)
 test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contains="e.g. global_batch_size=32 or micro_batch_size=8")
 

@@ -39,6 +39,7 @@
 # | a second Ctrl-C | 130 | the checkpoints written so far |
 # | too many non-finite steps in a row | 1 | the last good checkpoint, named in the message |
 # | no space, quota, a read-only or forbidden file | 1 | the checkpoints written so far (no partial one) |
+# | a damaged shard, found as it is read (an id beyond the vocabulary) | 1 | the checkpoints written so far |
 #
 # `torch.distributed.checkpoint` wraps any exception raised while it reads or writes, a Ctrl-C or a
 # full disk included, in its own `CheckpointException`; the trainer's `save` and resume look inside
@@ -242,9 +243,13 @@ def _train(parser, args, cfg) -> dict:
         except (ConfigError, DataError) as e:  # the data, the run folder or a checkpoint does not fit what was asked
             parser.error(str(e))
         trainer.log(f"run folder: {trainer.run_dir.resolve()}")
+        trainer.log(trainer.data_summary())
         trainer.fit()
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
+    except DataError as e:  # a shard damaged on disk, found as training reads it
+        then = _resume_from(trainer, cfg, args)
+        parser.exit(1, f"error: {e}; " + (f"then {then}\n" if then.startswith("the same") else f"{then}\n"))
     except KeyboardInterrupt:  # a second Ctrl-C in training, or one before it began
         parser.exit(130, "interrupted " + (f"at step {trainer.step}; {_resume_from(trainer, cfg, args)}\n" if trainer is not None
                                             else "before training began\n"))

@@ -91,6 +91,7 @@ def test_ce_kernel_refuses_what_it_would_misread():
     with pytest.raises(ValueError, match="class stride 1"): triton_ce_chunk(torch.randn(4, 5, 10), y, w, False)
     with pytest.raises(TypeError, match="fp32 or bf16 logits, got torch.float16; use ce_chunk"):
         triton_ce_chunk(torch.randn(4, 50).half(), y, w, False)
+    with pytest.raises(TypeError, match="y must hold integer class ids"): triton_ce_chunk(torch.randn(4, 50), y.float(), w, False)
     import hymo.models.ce_triton as ce
     if not ce.INTERPRET:  # (this process runs no kernel in the interpreter)
         with pytest.raises(RuntimeError, match="Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 .* or use ce_chunk"):

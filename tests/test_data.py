@@ -393,7 +393,7 @@ def test_an_install_whose_rename_meets_another_installs_swap_retries(text, tmp_p
 def test_unreadable_inputs_are_data_errors(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text: convert it"): prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
+    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \(line 1, byte 13: .*\): convert it"): prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
     (tmp_path / "notes.parquet").write_text("not a parquet file\n")
     with pytest.raises(DataError, match=r"notes.parquet cannot be read as Parquet \(.*magic bytes"): prepare(tmp_path / "notes.parquet", tmp_path / "o")
     pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(500)]}), tmp_path / "good.parquet")
@@ -505,8 +505,8 @@ def test_not_a_dataset_folder_named_dot_or_a_manifest(tmp_path, monkeypatch, ds)
     monkeypatch.chdir(tmp_path / "texts")
     with pytest.raises(DataError, match=r"\. is not a prepared dataset .*--input \. --out .*texts_prepared"): load_manifest(".")
     with pytest.raises(DataError, match=r"/ is not a prepared dataset"): load_manifest("/")
-    with pytest.raises(DataError, match=f"give its folder, data_dir={ds}$"): load_manifest(ds / "manifest.json")
-    with pytest.raises(DataError, match=f"give its folder, data_dir={ds}$"): load_manifest(ds / "tokenizer.json")
+    with pytest.raises(DataError, match=f"give its folder, {ds}$"): load_manifest(ds / "manifest.json")
+    with pytest.raises(DataError, match=f"give its folder, {ds}$"): load_manifest(ds / "tokenizer.json")
     monkeypatch.chdir(tmp_path / "texts")
     with pytest.raises(DataError, match=f"--input \\.\\. --out {tmp_path}_prepared`"): load_manifest("..")
     (tmp_path / "empty").mkdir(); monkeypatch.chdir(tmp_path / "empty")  # `prepare --out .` is refused: suggest a folder
@@ -657,7 +657,9 @@ def test_load_manifest_says_what_the_path_is(tmp_path):
     (tmp_path / "run").mkdir(); (tmp_path / "run" / "config.yaml").write_text("{}"); (tmp_path / "run" / "metrics.jsonl").write_text("")
     with pytest.raises(DataError, match="holds a config.yaml \\(a run folder\\?\\): give the dataset folder"):
         load_manifest(tmp_path / "run")
-    (tmp_path / "run" / "metrics.jsonl").unlink()  # texts with a config.yaml of their own: prepare them
+    (tmp_path / "run" / "metrics.jsonl").unlink()
+    with pytest.raises(DataError, match="holds no text to prepare"): load_manifest(tmp_path / "run")
+    (tmp_path / "run" / "notes.md").write_text("words\n")  # texts with a config.yaml of their own: prepare them
     with pytest.raises(DataError, match=f"--input {tmp_path / 'run'} --out {tmp_path / 'run_prepared'}"):
         load_manifest(tmp_path / "run")
 
@@ -1101,3 +1103,162 @@ def test_a_prepare_stopped_between_its_two_renames_keeps_the_old_dataset(text, t
     old = [p for p in tmp_path.iterdir() if p.name.startswith(".ds.old-")]
     assert len(old) == 1 and json.loads((old[0] / "manifest.json").read_text())["inputs"] == [text.name]
     with pytest.raises(DataError, match=f"rename it back \\(mv {old[0]} {ds}\\)"): load_manifest(ds)
+
+
+# From a user walk of the data pipeline (damaged bytes, killed preparations, misleading advice).
+def _copy(ds, to):
+    import shutil
+    return Path(shutil.copytree(ds, to))
+
+
+def test_changed_bytes_in_a_shard_are_found_by_info_and_by_the_next_prepare(ds, text, tmp_path, capsys):
+    "A shard of the right size with other bytes: `info` used to say 'intact'; the same prepare used to keep it."
+    from hymo.data import main
+    from hymo.training.data import check_contents
+    d = _copy(ds, tmp_path / "d")
+    assert check_contents(d) is True
+    a = np.load(d / "train_0001.npy", mmap_mode="r+")
+    a[10:20] = (a[10:20] + 1) % VOCAB  # valid ids, wrong ones: no size or range check can see it
+    a.flush(); del a
+    with pytest.raises(DataError, match=r"shard .*train_0001\.npy is damaged \(its CRC-32"): check_contents(d)
+    assert main(["info", str(d)]) == 1 and "train_0001.npy is damaged" in capsys.readouterr().err
+    with pytest.warns(D.DataWarning, match="holds this dataset damaged"):
+        prepare(text, d, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    assert check_contents(d) is True
+    assert np.array_equal(np.load(d / "train_0001.npy"), np.load(ds / "train_0001.npy"))
+
+
+def test_a_manifest_without_checksums_still_reads_and_info_says_what_it_checked(ds, tmp_path, capsys):
+    from hymo.data import main
+    from hymo.training.data import check_contents
+    d = _copy(ds, tmp_path / "d")
+    m = json.loads((d / "manifest.json").read_text())
+    for v in m["splits"].values():
+        for s in v["shards"]: del s["crc32"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert check_contents(d) is False and TokenLoader(d, seq_len=16, micro_batch_size=2).n_tokens > 0
+    assert main(["info", str(d)]) == 0 and "no shard checksums" in capsys.readouterr().err
+    m["splits"]["train"]["shards"][0]["crc32"] = "x"
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match=r"damaged \(missing or wrong: splits\.train\)"): load_manifest(d)
+
+
+def test_the_loader_names_the_shard_of_an_id_beyond_the_tokenizer(ds, tmp_path):
+    "An id the tokenizer cannot have (a damaged shard) used to reach the model and fail there, hours into a run."
+    d = _copy(ds, tmp_path / "d")
+    L = TokenLoader(d, seq_len=16, micro_batch_size=4)
+    k = int(L.window_ids(0)[2])  # a window the first batch reads
+    at = k * 16 + 5  # its sixth token, in the stream
+    i = int(np.searchsorted(L.offsets, at, side="right")) - 1
+    a = np.load(d / f"train_{i:04d}.npy", mmap_mode="r+")
+    a[at - L.offsets[i]] = 65535
+    a.flush(); del a
+    L = TokenLoader(d, seq_len=16, micro_batch_size=4)
+    with pytest.raises(DataError, match=rf"shard .*train_{i:04d}\.npy holds id 65535 at token {at - L.offsets[i]:,}, "
+                                        rf"beyond the tokenizer's {VOCAB}.*hymo\.data info"):
+        L.batch(0)
+    L.batch(1)  # the others are fine
+
+
+def test_a_killed_prepare_on_this_machine_is_cleaned_up_and_others_are_left(text, tmp_path):
+    "kill -9 leaves `.out.tmp-HOST-PID-*`: a dead PID of this host is removed; a live one, another host's or an old name stays."
+    import subprocess
+    p = subprocess.Popen([sys.executable, "-c", "pass"]); p.wait()  # a PID that has ended
+    dead = tmp_path / f".ds.tmp-{D._HOST}-{p.pid}-0123abcd"
+    alive = tmp_path / f".ds.tmp-{D._HOST}-{os.getppid()}-0123abcd"
+    other = tmp_path / f".ds.tmp-elsewhere-{p.pid}-0123abcd"
+    for f in (dead, alive, other): (f / "sub").mkdir(parents=True)
+    with pytest.warns(D.DataWarning) as said:
+        prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    msgs = [str(w.message) for w in said]
+    assert any(m.startswith(f"removed {dead.name} from {tmp_path}") for m in msgs), msgs
+    assert any(alive.name in m and other.name in m and "stopped or still running" in m for m in msgs), msgs
+    assert not dead.exists() and alive.exists() and other.exists()
+    assert D._WORK.fullmatch(D._work_folder(tmp_path / "x-y.z").name)["out"] == "x-y.z"
+    assert D._stopped_here(D._work_folder(tmp_path / "x")) is False  # this process's own
+
+
+def test_sigterm_during_prepare_cleans_up_and_exits_as_killed(text, tmp_path, monkeypatch, capsys):
+    "A scheduler's SIGTERM used to kill `prepare` outright, leaving its work folder."
+    import signal, time
+    from hymo.data import main
+    def stopped(folder, *a, **k):
+        np.save(folder / "train_0000.npy", np.zeros(3, np.uint16))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+    monkeypatch.setattr(D, "_write_dataset", stopped)
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB),
+                 "--no-progress"]) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert err.startswith("stopped by SIGTERM; ") and "is as it was" in err, err
+    assert list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_refused_prepare_says_what_changed(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(CORPUS.read_text()[:8000]); b.write_text(CORPUS.read_text()[8000:12000])
+    out = prepare([a], tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    a.write_text(a.read_text() + "More.\n")
+    with pytest.raises(DataError, match=r"other inputs or options \(a\.txt changed; b\.txt added; vocab_size 300 -> 320; "
+                                        r"val_fraction 0\.1 -> 0\.2\): pass --overwrite"):
+        prepare([a, b], out, vocab_size=VOCAB + 20, val_fraction=0.2, progress=False)
+    with pytest.raises(DataError, match=r"\(b\.txt added; a\.txt not given\)"): prepare([b], out, vocab_size=VOCAB, progress=False)
+    assert D._what_changed(None, {"inputs": []}) == "" and D._what_changed({"inputs": 3}, {"inputs": []}) == ""
+
+
+def test_what_a_folder_without_a_manifest_is_said_to_be(ds, text, tmp_path):
+    "The advice used to be 'prepare --input THIS' for any non-empty folder, texts or not."
+    parent = tmp_path / "data"
+    _copy(ds, parent / "one"); _copy(ds, parent / "two")
+    with pytest.raises(DataError, match=rf"{parent} is not a prepared dataset but holds 2: give one of them, {parent / 'one'}"):
+        load_manifest(parent)
+    half = tmp_path / "half"; half.mkdir()
+    for f in ("train_0000.npy", "tokenizer.json"): (half / f).write_bytes((ds / f).read_bytes())
+    with pytest.raises(DataError, match=r"holds part of a prepared dataset \(tokenizer\.json, train_0000\.npy\) but no manifest"):
+        load_manifest(half)
+    work = tmp_path / f".ds.tmp-{D._HOST}-1-0123abcd"; work.mkdir(); (work / "x").write_text("")
+    with pytest.raises(DataError, match=rf"work folder of a prepare that did not finish .* installed as {tmp_path / 'ds'}"):
+        load_manifest(work)
+    other = tmp_path / "other"; other.mkdir(); (other / "notes.pdf").write_text("")
+    with pytest.raises(DataError, match=r"holds no text to prepare"): load_manifest(other)
+    with pytest.raises(DataError, match=r"is a file, not a prepared dataset"): load_manifest(other / "notes.pdf")
+    (other / "sub").mkdir(); (other / "sub" / "t.md").write_text("words\n")
+    with pytest.raises(DataError, match=rf"prepare --input {other} --out {tmp_path / 'other_prepared'}"): load_manifest(other)
+
+
+def test_a_bad_out_is_refused_before_any_input_is_read(text, tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "sha256_file", lambda p: pytest.fail("read an input before checking --out"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(DataError, match="is a file: give a new or empty folder"): prepare(text, tmp_path / "f", progress=False)
+    (tmp_path / "d").mkdir(); (tmp_path / "d" / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match="exists and is not a HyMo dataset"): prepare(text, tmp_path / "d", progress=False)
+
+
+def test_what_the_prepare_command_says(text, tmp_path, capsys):
+    "A second run says it wrote nothing; counts of one are singular; no bar is drawn into a file; a folder as --tokenizer."
+    from hymo.data import main
+    args = ["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB)]
+    assert main(args) == 0  # progress on, but stderr is not a terminal
+    out, err = capsys.readouterr()
+    assert "nothing written" not in out and "tokenizing" not in err and "\r" not in err, err
+    assert main(args) == 0 and "note: nothing written: it already held this dataset" in capsys.readouterr().out
+    one = tmp_path / "one.txt"; one.write_text("One document only.\n")
+    assert main(["prepare", "--input", str(one), "--out", str(tmp_path / "one"), "--val-fraction", "0", "--no-progress"]) == 0
+    assert "1 input file, " in (o := capsys.readouterr().out) and " in 1 document," in o + ",", o
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "t"), "--tokenizer", str(tmp_path / "ds")]) == 1
+    assert f"(--tokenizer {tmp_path / 'ds' / 'tokenizer.json'})" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes("line one\nline two\nca\u00f1a ".encode() + b"\xff\xfe more\n")
+    with pytest.raises(DataError, match=r"bad\.txt is not UTF-8 text \(line 3, byte 24: b'\\xff\\xfe m'\)"):
+        list(D.read_documents(bad))
+
+
+def test_a_link_in_a_folder_to_a_file_of_it_is_named(tmp_path):
+    d = tmp_path / "c"; d.mkdir()
+    (d / "a.txt").write_text("words\n")
+    (d / "latest.txt").symlink_to(d / "a.txt")
+    with pytest.raises(DataError, match=r"given twice \(as c/a\.txt and as c/latest\.txt; .*latest\.txt is a link to .*a\.txt\)"):
+        D.find_files([d])

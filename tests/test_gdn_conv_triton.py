@@ -148,8 +148,16 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randn(1, 8, 64), torch.randn(64, 4), 2, 16)
     with pytest.raises(ValueError, match=r"weight must be \[96, W\]"):
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96), 2, 16)
-    with pytest.raises(TypeError, match="qkv must be a floating-point tensor"):
+    with pytest.raises(TypeError, match="qkv must be fp32, bf16 or fp16, got torch.int64"):
         triton_conv_silu_norm(torch.randint(0, 5, (1, 8, 96)), torch.randn(96, 4), 2, 16)
+    with pytest.raises(TypeError, match="got torch.float64 \\(for float64, use conv_silu_norm\\)"):
+        triton_conv_silu_norm(torch.randn(1, 8, 96, dtype=torch.float64), torch.randn(96, 4), 2, 16)
+    with pytest.raises(ValueError, match=r"qkv must be \[B, T, C\], got shape \(8, 96\)"):
+        triton_conv_silu_norm(torch.randn(8, 96), torch.randn(96, 4), 2, 16)
+    with pytest.raises(ValueError, match="n_heads=0 and head_k_dim=16 must be at least 1"):
+        triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96, 4), 0, 16)
+    with pytest.raises(ValueError, match="a window W of at least 1"):
+        triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96, 0), 2, 16)
     with pytest.raises(ValueError, match="past the kernels' int32 offsets"):  # no memory: every row is the same one
         triton_conv_silu_norm(torch.zeros(1, 1, 96).expand(1, 2 ** 31 // 96 + 1, 96), torch.randn(96, 4), 2, 16)
     from hymo.models.gdn_conv_triton import INTERPRET, _tile_sizes

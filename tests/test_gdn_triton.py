@@ -120,13 +120,15 @@ CHILD = textwrap.dedent('''
         def __getitem__(self, grid):
             def launch(*a, **kw): raise te.OutOfResources(360448, 232448, "shared memory")
             return launch
-    plain, gt._bwd_local_kernel = gt._bwd_local_kernel, TooBig()
-    try:
-        run(triton_gated_delta_rule, inputs(1, 70, 1, 16, 16, torch.float32, 4), torch.randn(1, 1, 16, 16), None, 4)
-        res["too_big"] = "no error"
-    except RuntimeError as e:
-        res["too_big"] = str(e)
-    gt._bwd_local_kernel = plain
+    for name in ("_bwd_local_kernel", "_bwd_states_kernel", "_fwd_kernel", "_prep_kernel"):  # every launch, forward too
+        plain = getattr(gt, name)
+        setattr(gt, name, TooBig())
+        try:
+            run(triton_gated_delta_rule, inputs(1, 70, 1, 16, 16, torch.float32, 4), torch.randn(1, 1, 16, 16), None, 4)
+            res["too_big " + name] = "no error"
+        except RuntimeError as e:
+            res["too_big " + name] = str(e)
+        setattr(gt, name, plain)
 
     # the wrapper around the kernels: strided inputs, bf16 gates or state, bf16 values, scale 0, T = 0, saved prep
     def plumbing(xs, h0, seed):
@@ -220,6 +222,8 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_gated_delta_rule(q, k, v[:, :4], g, beta)
     with pytest.raises(TypeError, match="must share one dtype"):
         triton_gated_delta_rule(q, k, v.half(), g, beta)
+    with pytest.raises(TypeError, match="for float64, use chunk_gated_delta_rule_torch"):
+        triton_gated_delta_rule(q.double(), k.double(), v.double(), g, beta)
     with pytest.raises(RuntimeError, match="no backward"):
         fused_recurrent_gated_delta_rule(q.clone().requires_grad_(), k, v, g, beta)
     big = lambda *s: torch.zeros(1, 1, 1, *s[3:]).expand(*s) if len(s) == 4 else torch.zeros(1, 1, 1).expand(*s)  # no memory
@@ -303,9 +307,12 @@ def test_kernel_1_compiles_for_the_h200_without_spilling(tmp_path):
     assert all(r["shared_bytes"] <= 232448 for r in k.values()), {n: r["shared_bytes"] for n, r in k.items()}
 
 
-def test_a_kernel_too_big_for_the_gpu_says_what_to_do(errors):
-    msg = errors["too_big"]
-    assert "does not fit this GPU" in msg and "K=16" in msg and "bf16" in msg and "gdn_kernel='torch'" in msg, msg
+@pytest.mark.parametrize("kernel, part", [("_bwd_local_kernel", "backward"), ("_bwd_states_kernel", "backward"),
+                                          ("_fwd_kernel", "forward"), ("_prep_kernel", "forward")])
+def test_a_kernel_too_big_for_the_gpu_says_what_to_do(errors, kernel, part):
+    msg = errors["too_big " + kernel]
+    assert f"the GDN {part} does not fit this GPU for torch.float32 heads of K=16, V=16" in msg, msg
+    assert "Heads of 128 or less fit" in msg and "gdn_kernel='torch'" in msg, msg
 
 
 # From mutation testing of the wrappers: chunk tables, grid and int32 bounds of packed rows, no_grad decoding,

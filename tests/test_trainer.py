@@ -2559,3 +2559,54 @@ def test_override_values_of_only_spaces_or_padded_text(tmp_path):
     from hymo.train import parse_overrides
     with pytest.raises(ConfigError, match="has no value"): parse_overrides(["data_dir= "])
     assert parse_overrides(["run_dir= 007"]) == {"run_dir": "007"}
+
+
+def _small_dataset(tmp_path, vocab=300):
+    from hymo.training.data import CORPUS, prepare
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS.read_text()[:30_000])
+    return prepare(text, tmp_path / "ds", vocab_size=vocab, progress=False)
+
+
+def test_the_run_says_what_data_it_reads_and_a_vocabulary_far_larger_than_the_data(tmp_path, capsys):
+    "A model of 2048 rows on data of 300 tokens trained without a word; how many epochs max_steps reads was not said."
+    from hymo.train import main
+    ds = _small_dataset(tmp_path)
+    main(_cli_args(tmp_path / "run", data_dir=ds, max_steps=3, warmup_steps=1))
+    out = capsys.readouterr().out
+    assert f"warning: {ds} was tokenized with 300 tokens and the model has vocab_size=2,048: 1,748 rows" in out
+    assert "--vocab-size 2048, or set vocab_size=300" in out
+    from hymo.training.data import TokenLoader
+    L = TokenLoader(ds, seq_len=FAST["seq_len"], micro_batch_size=4)
+    line = next(l for l in out.splitlines() if l.startswith("data: "))
+    val = sum(s["tokens"] for s in L.manifest["splits"]["val"]["shards"])
+    assert line == (f"data: {ds} (train {L.n_tokens:,} tokens, {L.n_windows:,} windows of seq_len 32; val {val:,} tokens): "
+                    f"max_steps=3 reads {3 / L.steps_per_epoch:.3g} epochs"), line
+    main(_cli_args(tmp_path / "run2", data_dir=ds, max_steps=3, warmup_steps=1, vocab_size=512))
+    assert "warning:" not in capsys.readouterr().out  # 300 of 512: not far larger
+
+
+def test_a_relative_data_dir_that_is_not_there_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):
+    from hymo.train import main
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run", data_dir="../nowhere/ds"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"(data_dir=../nowhere/ds is relative: it is found from the current folder, {tmp_path}" in err
+
+
+def test_a_shard_damaged_under_a_run_ends_in_one_line_that_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    "An id beyond the tokenizer found as training reads it: one line, the checkpoint kept, no traceback."
+    import numpy as np
+    from hymo.train import main
+    from hymo.training import data as D
+    ds = _small_dataset(tmp_path)
+    real = D.TokenLoader._batch
+    def damaged(self, windows):
+        if self.split == "train" and self.step >= 3:  # the 4th micro-batch, after step 2's checkpoint
+            self.shards = [np.full_like(np.asarray(a), 60000) for a in self.shards]
+        return real(self, windows)
+    monkeypatch.setattr(D.TokenLoader, "_batch", damaged)
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run", data_dir=ds, vocab_size=300))
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "train_0000.npy holds id 60000 at token" in err and "Traceback" not in err, err
+    assert err.rstrip().endswith(f"then the same command resumes from {tmp_path / 'run' / 'checkpoints' / 'step_000002'}"), err

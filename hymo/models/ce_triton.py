@@ -59,6 +59,8 @@ def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32)
         raise ValueError(f"z must be [rows, classes] with class stride 1, got shape {tuple(z.shape)} strides {z.stride()}")
     if z.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"triton_ce_chunk takes fp32 or bf16 logits, got {z.dtype}; use ce_chunk")
+    if y.dtype not in (torch.int32, torch.int64):  # a float target would be read as an address
+        raise TypeError(f"y must hold integer class ids (int64 or int32), got {y.dtype}")
     if z.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use ce_chunk")

@@ -248,14 +248,17 @@ def triton_conv_silu_norm(
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
 ):
     "Short conv, SiLU, unit L2 norm per head of q and k, in Triton. Returns `(q [B, T, H, K], k, v [B, T, H, V])` in qkv's dtype."
+    if qkv.ndim != 3: raise ValueError(f"qkv must be [B, T, C], got shape {tuple(qkv.shape)}")
     B, T, C = qkv.shape
     H, K = n_heads, head_k_dim
+    if H < 1 or K < 1: raise ValueError(f"n_heads={H} and head_k_dim={K} must be at least 1")
     if (C - 2 * H * K) <= 0 or (C - 2 * H * K) % H:
         raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V")
-    if weight.ndim != 2 or weight.shape[0] != C:
-        raise ValueError(f"weight must be [{C}, W], got {tuple(weight.shape)}")
-    if not qkv.dtype.is_floating_point:
-        raise TypeError(f"qkv must be a floating-point tensor (fp32, bf16 or fp16), got {qkv.dtype}")
+    if weight.ndim != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [{C}, W] with a window W of at least 1, got {tuple(weight.shape)}")
+    if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"qkv must be fp32, bf16 or fp16, got {qkv.dtype}" + (" (for float64, use conv_silu_norm)"
+                        if qkv.dtype == torch.float64 else ""))
     if cu_seqlens is not None:  # the values only where reading them is free: on a GPU the mixer's rule reads them next
         _check_cu_seqlens(cu_seqlens, B, T, read=None)
     if B * T * C >= 2 ** 31:

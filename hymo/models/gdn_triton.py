@@ -7,6 +7,7 @@ Docs: https://hymo-lm.github.io/hymo/gdn_triton.html.md"""
 # %% ../../nbs/13_gdn_triton.ipynb #a0e3ce79
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -506,15 +507,20 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     grid = (triton.cdiv(T, BT), B * H) if cu_seqlens is None else (nc, H)
-    try:
-        _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
-                                chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
-                                _hold_local(K, q.dtype), **LAUNCH["local"])
-    except triton.runtime.errors.OutOfResources as e:  # fp32 heads wider than 128 on an H200, narrower ones on smaller GPUs
-        raise RuntimeError(f"the GDN backward's local-gradient kernel does not fit this GPU for {q.dtype} heads of K={K}, "
-                           f"V={V} (padded): {e}. Train in bf16 or fp16, use narrower heads, or use "
-                           "chunk_gated_delta_rule_torch (gdn_kernel='torch')") from e
+    _bwd_local_kernel[grid](q, k, v, gc, beta, A, hs, dh, do, dq, dk, dv, dg, dbeta, cu_seqlens, chunk_indices,
+                            chunk_offsets, scale, T, H, K, V, BT, _bv_local(K, V), cu_seqlens is not None,
+                            _hold_local(K, q.dtype), **LAUNCH["local"])
     return dq, dk, dv, dg, dbeta, dh0
+
+
+@contextmanager
+def _fits_gpu(what: str, q: torch.Tensor, v: torch.Tensor):
+    "Turn a launch that needs more shared memory or registers than this GPU has into an error that says what fits."
+    try: yield
+    except triton.runtime.errors.OutOfResources as e:  # heads wider than 128, fp32 ones from 128, or a smaller GPU
+        raise RuntimeError(f"the GDN {what} does not fit this GPU for {q.dtype} heads of K={q.shape[-1]}, V={v.shape[-1]} "
+                           f"(padded): {e}. Heads of 128 or less fit an H100 or H200 (HyMo's are 32); for wider ones use "
+                           "chunk_gated_delta_rule_torch (gdn_kernel='torch')") from e
 
 # %% ../../nbs/13_gdn_triton.ipynb #c99ec25d
 def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -529,8 +535,9 @@ def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     every chunk's S_0 with `keep_prep` (else empty); with `keep_prep` autograd keeps gc, A and hs."""
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
-    gc, A = _prepare(k, g, beta, cu_seqlens, tables)
-    o, ht, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1], keep_prep)
+    with _fits_gpu("forward", q, v):
+        gc, A = _prepare(k, g, beta, cu_seqlens, tables)
+        o, ht, hs = _chunk_fwd(q, k, v, gc, beta, A, scale, initial_state, output_final_state, cu_seqlens, tables[1], keep_prep)
     return o, (ht if ht is not None else q.new_empty(0, dtype=torch.float32)), gc, A, (hs if hs is not None else q.new_empty(0))
 
 
@@ -551,8 +558,9 @@ def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   hs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
     "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc, A and hs from the forward, or None to recompute them."
-    dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, initial_state, cu_seqlens, do.contiguous(),
-                                            None if dht is None else dht.contiguous(), need_dh0)
+    with _fits_gpu("backward", q, v):
+        dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, initial_state, cu_seqlens,
+                                                do.contiguous(), None if dht is None else dht.contiguous(), need_dh0)
     return dq, dk, dv, dg, dbeta, (dh0.to(initial_state.dtype) if dh0 is not None else q.new_empty(0, dtype=torch.float32))
 
 
@@ -595,7 +603,8 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     "Check and pad: `(q, k, v, g, beta, scale, initial_state, cu_seqlens)` ready for the kernels."
     N = _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # sequences: B, or the packed row's documents
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"q, k, v must share one dtype among float32, bfloat16, float16; got {q.dtype}, {k.dtype}, {v.dtype} "
+                        "(for float64, use chunk_gated_delta_rule_torch)")
     (B, T, H, K), V = q.shape, v.shape[-1]
     Kp, Vp = _padded(K), _padded(V)
     if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)

@@ -14,8 +14,11 @@ import json
 import os
 import re
 import shutil
+import socket
+import sys
 import uuid
 import warnings
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -29,7 +32,8 @@ from ..config import package_dir
 __all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'LONG_RUN', 'DataError', 'DataWarning', 'split_text',
            'find_files', 'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype',
            'to_disk', 'to_devnull', 'load_manifest', 'load_tokenizer', 'tokenizer_from_json', 'read_tokenizer',
-           'check_compatible', 'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens', 'TokenLoader']
+           'check_compatible', 'check_contents', 'prepare', 'default_cache_dir', 'prepare_default', 'doc_cu_seqlens',
+           'TokenLoader']
 
 # %% ../../nbs/60_data.ipynb #68bc71f4
 EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
@@ -109,10 +113,12 @@ def find_files(inputs: Iterable, # Paths of files or folders
     seen = {}
     for f, name in files:
         key = f.resolve()
-        if key in seen: raise DataError(f"input {f} is given twice (as {seen[key]} and as {name}): its documents would be "
-                                        "trained on twice, and could be in both splits; give each file once (to weight a file more "
-                                        "on purpose, give a copy of it under another name)")
-        seen[key] = name
+        if key in seen:
+            how = next((f"{p} is a link to {key}" for p in (seen[key][0], f) if p.is_symlink()), "")  # in a folder, say
+            raise DataError(f"input {f} is given twice (as {seen[key][1]} and as {name}{'; ' + how if how else ''}): its "
+                            "documents would be trained on twice, and could be in both splits; give each file once (to "
+                            "weight a file more on purpose, give a copy of it under another name)")
+        seen[key] = f, name
     for f, _ in files: _check_readable(f, "input")
     return files
 
@@ -124,7 +130,15 @@ def _check_readable(path: Path, what: str):
 
 # %% ../../nbs/60_data.ipynb #93213c93
 def _not_utf8(path: Path) -> DataError:
-    return DataError(f"{path} is not UTF-8 text: convert it (e.g. iconv -t utf-8)")
+    "The error for a file that is not UTF-8 text, with the line and byte where it stops being UTF-8."
+    where, at = "", 0
+    with open(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            try: line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                where = f" (line {i}, byte {at + e.start:,}: {line[e.start:e.start + 4]!r})"; break
+            at += len(line)
+    return DataError(f"{path} is not UTF-8 text{where}: convert it (e.g. iconv -t utf-8), or fix or drop that line")
 
 
 def _parquet_docs(path: Path) -> Iterator[str]:
@@ -261,6 +275,19 @@ def to_devnull(stream):
     finally: os.close(null)
 
 
+def _a_terminal(stream) -> bool:
+    """Whether `stream` is a terminal. Only there is a progress bar drawn: in a log file (a scheduler's, `nohup`'s) every
+    redraw is one more line (the training bar's would add 11 MB over the 750M preset's 57 220 steps)."""
+    try: return stream.isatty()
+    except (AttributeError, ValueError): return False  # no isatty, or a closed stream
+
+
+def _bar_shows(bar_cls=None) -> bool:
+    "Whether a progress bar of `bar_cls` (default tqdm.auto's) is drawn where it belongs: a terminal, or a Jupyter widget."
+    if bar_cls is None: from tqdm.auto import tqdm as bar_cls
+    return _a_terminal(sys.stderr) or any(c.__module__ == "tqdm.notebook" for c in bar_cls.__mro__)
+
+
 def _write_synced(path: Path, data: str | bytes):
     "Write `path` and flush it to the disk: a dataset is renamed into place only once all of it is there."
     with open(path, "wb") as f: f.write(data.encode("utf-8") if isinstance(data, str) else data); to_disk(f)
@@ -289,7 +316,7 @@ class _ShardWriter:
                 code = errno.ENOSPC if full else errno.EIO
                 raise OSError(code, f"{os.strerror(code)} ({e})", str(self.folder / name)) from None
             to_disk(f)
-        self.shards.append({"file": name, "tokens": int(n)})
+        self.shards.append({"file": name, "tokens": int(n), "crc32": zlib.crc32(arr[:n])})  # what `check_contents` compares
         self.buf, self.n_buf = ([arr[n:]] if len(arr) > n else []), len(arr) - n
 
     def close(self) -> dict:
@@ -297,11 +324,28 @@ class _ShardWriter:
         return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "shards": self.shards}
 
 # %% ../../nbs/60_data.ipynb #4c8953f3
-def _fingerprint(files, tokenizer_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes) -> str:
-    spec = {"format": FORMAT, "inputs": [[name, sha256_file(p)] for p, name in files], "tokenizer": tokenizer_sha,
+def _source(files, tokenizer_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes) -> dict:
+    "What determines a dataset: the format, every input's name and sha256, and the options (kept in the manifest)."
+    return {"format": FORMAT, "inputs": [[name, sha256_file(p)] for p, name in files], "tokenizer": tokenizer_sha,
             "vocab_size": None if tokenizer_sha else vocab_size, "doc_split": doc_split, "val_fraction": val_fraction,
             "shard_tokens": shard_tokens, "tokenizer_train_bytes": None if tokenizer_sha else tokenizer_train_bytes}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _fingerprint(source: dict) -> str:
+    "The sha256 that names a dataset's `source`: equal sources, equal datasets."
+    return hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
+
+
+def _what_changed(old, new: dict) -> str:
+    "What differs from a dataset's recorded source ('b.txt changed; val_fraction 0.1 -> 0.2'); '' if it has none."
+    try:
+        was, now = {n: h for n, h in old["inputs"]}, {n: h for n, h in new["inputs"]}
+        said = [f"{n} {'changed' if n in was else 'added'}" for n, h in now.items() if was.get(n) != h]
+        said += [f"{n} not given" for n in was if n not in now]
+        said += ["another tokenizer" if k == "tokenizer" else f"{k} {old.get(k)!r} -> {v!r}"
+                 for k, v in new.items() if k not in ("format", "inputs") and old.get(k) != v]
+    except (TypeError, KeyError, ValueError, AttributeError): return ""  # an older manifest, without a source
+    return "; ".join(said[:4] + [f"{len(said) - 4} more"] * (len(said) > 4))
 
 
 def _all_docs(files, doc_split) -> Iterator[str]:
@@ -324,7 +368,7 @@ def _batches(items: Iterable[tuple[str, str]], max_bytes: int = 1 << 22) -> Iter
     if batch: yield batch
 
 # %% ../../nbs/60_data.ipynb #6929225b
-def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: str, doc_split: str,
+def _write_dataset(folder: Path, files, tok, tokenizer_json: str, source: dict, doc_split: str,
                    val_fraction: float, shard_tokens: int, total_bytes: int, progress: bool) -> dict:
     "Encode every document into shards under `folder`; write tokenizer.json and, last, manifest.json."
     _write_synced(folder / "tokenizer.json", tokenizer_json)
@@ -339,7 +383,7 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
                 n = len(d.encode("utf-8"))
                 writers[split].add(np.concatenate([np.asarray(e.ids, dtype), eot]), n)
                 bar.update(n)
-    manifest = {"format": FORMAT, "fingerprint": fingerprint, "tokenizer": "tokenizer.json",
+    manifest = {"format": FORMAT, "fingerprint": _fingerprint(source), "source": source, "tokenizer": "tokenizer.json",
                 "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest(),
                 "vocab_size": vocab_size, "eot_id": eot_id, "eot_token": EOT, "dtype": dtype.name,
                 "doc_split": doc_split, "val_fraction": val_fraction, "inputs": [name for _, name in files],
@@ -351,6 +395,26 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, fingerprint: s
 def _left_behind(out: Path, kinds=("tmp", "old")) -> list[Path]:
     "Folders a stopped `prepare` of `out` left beside it: its work in progress (`.tmp-*`), the dataset it replaced (`.old-*`)."
     return [p for kind in kinds for p in sorted(out.parent.glob(f".{glob.escape(out.name)}.{kind}-*"))]
+
+
+_HOST = re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"  # no '-': the work folder's name splits on it
+_WORK = re.compile(r"\.(?P<out>.+)\.tmp-(?:(?P<host>[A-Za-z0-9._]+)-)?(?P<pid>\d+)-[0-9a-f]{8}")  # `_work_folder`'s names
+
+
+def _work_folder(out: Path) -> Path:
+    "A new name for `prepare`'s work in progress on `out`, beside it: `.NAME.tmp-<host>-<pid>-<random>`."
+    return out.with_name(f".{out.name}.tmp-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _stopped_here(work: Path) -> bool:
+    """Whether work folder `work` is a `prepare`'s whose process has ended on this machine (a `kill -9`, a power cut):
+    only then is it safe to delete. Another machine's (a shared disk), or a name without one (older), may be running."""
+    m = _WORK.fullmatch(work.name)
+    if not m or m["host"] != _HOST or int(m["pid"]) == os.getpid(): return False
+    try: os.kill(int(m["pid"]), 0)
+    except ProcessLookupError: return True
+    except OSError: return False  # alive (another user's: no permission to signal it), or cannot tell
+    return False
 
 
 _MANIFEST_KEYS = {"fingerprint": str, "tokenizer": str, "tokenizer_sha256": str, "vocab_size": int, "eot_id": int,
@@ -384,8 +448,24 @@ def load_manifest(data_dir: Path) -> dict:
             raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
                             "dataset folder, data_dir in that config.yaml")
         if d.is_file() and (d.name == "manifest.json" or (d.parent / "manifest.json").is_file()):
-            raise DataError(f"{data_dir} is a file of a prepared dataset: give its folder, data_dir={d.parent}")
-        texts = d.is_file() or (d.is_dir() and any(d.iterdir()))
+            raise DataError(f"{data_dir} is a file of a prepared dataset: give its folder, {d.parent}")
+        if d.is_dir() and (w := _WORK.fullmatch(d.name) or re.fullmatch(r"\.(?P<out>.+)\.tmp-.+", d.name)):
+            raise DataError(f"{data_dir} is the work folder of a prepare that did not finish (stopped, or still running); "
+                            f"a finished one is installed as {d.parent / w['out']}: give that, or delete {data_dir} "
+                            "if no prepare is running")
+        if d.is_dir() and (datasets := sorted(p.parent for p in d.glob("*/manifest.json"))):
+            raise DataError(f"{data_dir} is not a prepared dataset but holds {len(datasets)}: give one of them, "
+                            f"{', '.join(map(str, datasets[:3]))}{' ...' * (len(datasets) > 3)}")
+        if d.is_dir() and (parts := sorted(p.name for p in d.iterdir() if _DATASET_FILE.fullmatch(p.name))):
+            raise DataError(f"{data_dir} holds part of a prepared dataset ({', '.join(parts[:3])}{', ...' * (len(parts) > 3)}) "
+                            "but no manifest.json: copy the whole dataset folder, or prepare the texts again into a new folder")
+        if d.is_file() and d.suffix not in SUFFIXES:
+            raise DataError(f"{data_dir} is a file, not a prepared dataset: give a dataset folder (one with a manifest.json)")
+        texts = d.is_file() or (d.is_dir() and any(f.suffix in SUFFIXES and f.is_file() for f in d.rglob("*")))
+        if not texts and d.is_dir() and any(d.iterdir()):
+            raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json) and holds no text to prepare "
+                            f"({', '.join(SUFFIXES)} files): give a dataset folder, or prepare one (`python -m hymo.data "
+                            "prepare --input TEXT... --out DIR`)")
         where = "data/mine" if _holds_cwd(d) else data_dir  # `prepare` refuses to replace the current folder
         named = Path(os.path.abspath(d)) if d.name in ("", "..") else d  # `.` and `..` name no folder to suggest an --out from
         stem = f"{named.with_suffix('').name if named.is_file() else named.name}_prepared" if named.name else "prepared"
@@ -406,7 +486,8 @@ def load_manifest(data_dir: Path) -> dict:
     splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
     bad += [f"splits.{name}" for name, v in splits.items() if not (isinstance(v, dict) and all(
         isinstance(v.get(k), int) for k in ("tokens", "documents")) and isinstance(v.get("shards"), list) and all(
-        isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int) for s in v["shards"]))]
+        isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)
+        and isinstance(s.get("crc32", 0), int) for s in v["shards"]))]
     if bad:
         raise DataError(f"{m} is damaged (missing or wrong: {', '.join(bad)}): prepare the dataset again "
                         f"(`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
@@ -426,7 +507,8 @@ def _same_dataset(out: Path, fingerprint: str) -> bool:
     "Whether `out` holds the dataset `fingerprint` names, intact (every shard and the tokenizer as its manifest says)."
     try:
         m = load_manifest(out)
-        return m["fingerprint"] == fingerprint and check_compatible(out, m["vocab_size"]) is not None
+        return m["fingerprint"] == fingerprint and check_compatible(out, m["vocab_size"]) is not None and (
+            check_contents(out) is not None)  # every byte of every shard, where the manifest has their checksums
     except DataError: return False  # none there, or damaged: prepared again
 
 
@@ -511,6 +593,20 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
                          f"257 (a byte-level tokenizer has the 256 bytes and {EOT}), and --vocab-size to match"))
     return manifest
 
+
+def check_contents(data_dir: Path, # A prepared dataset folder
+                  ) -> bool:
+    """Read every shard and compare its CRC-32 with the manifest's: a `DataError` names the first that differs. True
+    when all match; False for a dataset prepared before manifests kept checksums (there is nothing to compare)."""
+    manifest = load_manifest(data_dir)
+    if not all("crc32" in s for v in manifest["splits"].values() for s in v["shards"]): return False
+    for split, v in manifest["splits"].items():
+        for s, a in zip(v["shards"], _open_shards(data_dir, manifest, split)):
+            if zlib.crc32(a) != s["crc32"]:
+                raise DataError(f"shard {Path(data_dir) / s['file']} is damaged (its CRC-32 is not the manifest's: bytes "
+                                f"changed on disk): prepare the dataset again {_SAME_COMMAND}")
+    return True
+
 # %% ../../nbs/60_data.ipynb #33a82cea
 def _lossy(tok, docs: Iterable[str]) -> str | None:
     "Where `tok` first fails to give a document back as it was (`'...' comes back as '...'`), or None if it gives back every one."
@@ -567,12 +663,17 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
     if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
+    if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
+    if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():
+        raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
     files = find_files(inputs)
     if tokenizer is not None:
         from tokenizers import Tokenizer
         tokenizer = Path(tokenizer)
         if not tokenizer.is_file():
-            raise DataError(f"tokenizer {tokenizer} {'is a folder' if tokenizer.is_dir() else 'does not exist'}: give a Hugging Face tokenizer.json")
+            inner = tokenizer / "tokenizer.json"  # a dataset's or a run's folder: the file in it
+            raise DataError(f"tokenizer {tokenizer} {'is a folder' if tokenizer.is_dir() else 'does not exist'}: give a Hugging "
+                            f"Face tokenizer.json" + (f" (--tokenizer {inner})" if inner.is_file() else ""))
         _check_readable(tokenizer, "tokenizer")
         try: tokenizer_json = tokenizer.read_text(encoding="utf-8")
         except UnicodeDecodeError: raise DataError(f"tokenizer {tokenizer} is not text (not UTF-8): give a Hugging Face tokenizer.json") from None
@@ -596,35 +697,40 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
                           "gives back every byte", DataWarning, stacklevel=2)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
-    fingerprint = _fingerprint(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
-    if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
-    if out.exists() and any(out.iterdir()):
-        if not (out / "manifest.json").exists():
-            raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
-        try: same = load_manifest(out)["fingerprint"] == fingerprint
+    source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
+    fingerprint = _fingerprint(source)
+    if out.exists() and any(out.iterdir()):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
+        try: there = load_manifest(out)
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
             if not overwrite: raise
-            same = False
+            there = {}
+        same = there.get("fingerprint") == fingerprint
         if same and _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
         if not (same or overwrite):
-            raise DataError(f"{out} holds a dataset prepared from other inputs or options: pass --overwrite "
-                            f"(overwrite=True in Python) to replace it, or choose another --out")
+            changed = _what_changed(there.get("source"), source)
+            raise DataError(f"{out} holds a dataset prepared from other inputs or options" + (f" ({changed})" if changed
+                            else "") + ": pass --overwrite (overwrite=True in Python) to replace it, or choose another --out")
         if foreign := _not_written_by_prepare(out):  # the whole folder is replaced: never delete someone's files
             raise DataError(f"{out} also holds {len(foreign)} thing{'s' * (len(foreign) > 1)} prepare did not write "
                             f"({', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}), which replacing the dataset would "
                             "delete: move them out of it first (inputs too), or choose another --out")
-        if same: warnings.warn(f"{out} holds this dataset damaged (a shard or the tokenizer missing or cut): preparing "
-                               "it again", DataWarning, stacklevel=2)
+        if same: warnings.warn(f"{out} holds this dataset damaged (a shard or the tokenizer missing, cut or changed): "
+                               "preparing it again", DataWarning, stacklevel=2)
     if _holds_cwd(out):  # the dataset is swapped in by renaming a new folder
         raise DataError(f"--out {out} is the current folder (or holds it): installing the dataset "
                         "replaces that folder with a new one, and your shell would be left in the deleted one. Give "
                         "another folder (e.g. --out data/mine), or run from outside it")
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
-    if left := _left_behind(out):
+    left = _left_behind(out)
+    if gone := [p for p in left if _stopped_here(p)]:  # its process ended without cleaning up (a kill -9, a power cut)
+        for p in gone: shutil.rmtree(p, ignore_errors=True)
+        warnings.warn(f"removed {', '.join(p.name for p in gone)} from {out.parent}: the work of a prepare of {out.name} "
+                      "on this machine whose process has ended", DataWarning, stacklevel=2)
+    if left := [p for p in left if p not in gone]:
         warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by "
                       f"another prepare of {out.name}, stopped or still running: delete {'them' if len(left) > 1 else 'it'} if no prepare "
                       f"of {out.name} is running", DataWarning, stacklevel=2)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = _work_folder(out)
     tmp.mkdir()
     try:
         total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
@@ -636,7 +742,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             train_docs = (d for s, d in split_train_val(_all_docs(files, doc_split), total_bytes, val_fraction) if s == "train")
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
             tokenizer_json = tok.to_str()
-        _write_dataset(tmp, files, tok, tokenizer_json, fingerprint, doc_split, val_fraction, shard_tokens, total_bytes, progress)
+        _write_dataset(tmp, files, tok, tokenizer_json, source, doc_split, val_fraction, shard_tokens, total_bytes, progress)
         _install(tmp, out, fingerprint)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -742,10 +848,22 @@ class TokenLoader:
     def _batch(self, windows: np.ndarray):
         import torch
         T = self.seq_len
-        xy = torch.from_numpy(np.stack([self._read(int(k) * T, T + 1) for k in windows]).astype(np.int64))  # (B, T+1)
+        ids = np.stack([self._read(int(k) * T, T + 1) for k in windows])  # (B, T+1)
+        if ids.size and int(ids.max()) >= self.manifest["vocab_size"]: self._damaged(windows, ids)
+        xy = torch.from_numpy(ids.astype(np.int64))
         tokens, targets = xy[:, :-1].contiguous(), xy[:, 1:].contiguous()  # (B, T) each
         if self.doc_masking: return tokens, targets, doc_cu_seqlens(tokens, self.eot_id)
         return tokens, targets
+
+    def _damaged(self, windows: np.ndarray, ids: np.ndarray):
+        "Raise the `DataError` for an id beyond the tokenizer's in `ids` (damaged bytes in a shard): where, and what to do."
+        b, t = np.argwhere(ids >= self.manifest["vocab_size"])[0]
+        at = int(windows[b]) * self.seq_len + int(t)  # in the split's stream
+        i = int(np.searchsorted(self.offsets, at, side="right")) - 1
+        shard = self.data_dir / self.manifest["splits"][self.split]["shards"][i]["file"]
+        raise DataError(f"shard {shard} holds id {ids[b, t]} at token {at - int(self.offsets[i]):,}, beyond the tokenizer's "
+                        f"{self.manifest['vocab_size']}: the dataset is damaged (`python -m hymo.data info {self.data_dir}` "
+                        f"checks every shard); prepare it again {_SAME_COMMAND}")
 
     def batch(self, step: int):
         "The micro-batch of `step` on this rank (a pure function of seed, step and rank)."
