@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import errno
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def _options_help() -> str:
         width = max(map(len, pairs))  # one column for the descriptions
         for f, pair in zip(dataclasses.fields(cls), pairs):
             a, b = tiny[sec][f.name], big[sec][f.name]
-            lines.append(f"  {pair:<{width}}  {docs.get(f.name) or ''}" + (f" [hymo_750m: {_yaml_value(b)}]" if a != b else ""))
+            doc = re.sub(r"\bNone\b", "null", docs.get(f.name) or "")  # as the values are written (YAML)
+            lines.append(f"  {pair:<{width}}  {doc}" + (f" [hymo_750m: {_yaml_value(b)}]" if a != b else ""))
     return "\n".join(lines)
 
 

@@ -128,7 +128,7 @@ class TrainingConfig:
     seq_len: int = 4096  # Tokens per training sequence
     micro_batch_size: int = 4  # Sequences per forward/backward on one rank
     global_batch_size: int = 128  # Sequences per optimiser step over all ranks; accumulation fills the gap
-    max_steps: int = 57220  # Optimiser steps (57220 × 128 × 4096 ≈ 30 B tokens)
+    max_steps: int = 57220  # Optimiser steps (hymo_750m's 57220 × 128 × 4096 ≈ 30 B tokens)
     # Optimisers (NorMuon for hidden matrices, AdamW for the rest)
     muon_lr: float = 0.02  # Peak learning rate of NorMuon
     muon_momentum: float = 0.95  # Nesterov momentum of NorMuon

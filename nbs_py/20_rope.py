@@ -19,7 +19,7 @@
 # is *decoupled* RoPE: rotate only a small slice of each head, and give that slice its own key.
 
 # %%
-#| exports
+#| export
 from __future__ import annotations
 
 import torch

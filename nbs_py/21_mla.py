@@ -20,7 +20,7 @@
 # uncached forward).
 
 # %%
-#| exports
+#| export
 from __future__ import annotations
 
 import math

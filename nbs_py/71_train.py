@@ -54,6 +54,7 @@ import dataclasses
 import datetime
 import errno
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -86,7 +87,8 @@ def _options_help() -> str:
         width = max(map(len, pairs))  # one column for the descriptions
         for f, pair in zip(dataclasses.fields(cls), pairs):
             a, b = tiny[sec][f.name], big[sec][f.name]
-            lines.append(f"  {pair:<{width}}  {docs.get(f.name) or ''}" + (f" [hymo_750m: {_yaml_value(b)}]" if a != b else ""))
+            doc = re.sub(r"\bNone\b", "null", docs.get(f.name) or "")  # as the values are written (YAML)
+            lines.append(f"  {pair:<{width}}  {doc}" + (f" [hymo_750m: {_yaml_value(b)}]" if a != b else ""))
     return "\n".join(lines)
 
 
@@ -323,6 +325,7 @@ test_eq(parse_overrides(["run_dir=runs/hymo_tiny.yaml"]), {"run_dir": "runs/hymo
 h = build_parser().format_help()
 print(h[:600])
 assert "muon_lr=0.03" in h and "[hymo_750m: 0.02]" in h and "gdn_kernel=auto" in h
+assert "data_dir=null" in h and "None" not in h  # written as YAML, as the values are
 
 # %% [markdown]
 # ## Interview questions

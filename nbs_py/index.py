@@ -14,14 +14,14 @@
 # ## Reading order
 #
 # | Part | Chapters |
-# |---|---|
-# | Foundations | configuration; shared layers (RMSNorm, SwiGLU) |
-# | Linear attention | linear attention; the delta rule and the gated delta rule; the chunked WY form and the GDN block; the Triton kernels for the rule and for the prelude (short conv, SiLU, norm) |
-# | Attention | RoPE and partial RoPE; Multi-Head Latent Attention and its latent KV cache |
-# | Sparsity | DeepSeek-style MoE and aux-loss-free load balancing |
-# | The model | multi-token prediction; the hybrid model and its accounting; the loss's softmax pass as a Triton kernel |
-# | Training | optimisers (NorMuon, AdamW, cautious weight decay, WSD); data and its `prepare` command; the trainer; `python -m hymo.train`; generating text from a run |
-# | Results | the `hymo_750m` preset's training step (1.24 B parameters stored, 0.54 B active) on one H200 (and, in later rounds, H100s): throughput, MFU, memory, and what was tried |
+# |--|----------|
+# | Foundations | [configuration](00_config.ipynb); [shared layers](01_layers.ipynb) (RMSNorm, SwiGLU) |
+# | Linear attention | [linear attention](10_linear_attention.ipynb); [the delta rule](11_delta_rule.ipynb) and [the gated delta rule, its chunked WY form and the GDN block](12_gated_deltanet.ipynb); the Triton kernels [for the rule](13_gdn_triton.ipynb) and [for the prelude](14_gdn_conv_triton.ipynb) (short conv, SiLU, norm) |
+# | Attention | [RoPE and partial RoPE](20_rope.ipynb); [Multi-Head Latent Attention](21_mla.ipynb) and its latent KV cache |
+# | Sparsity | [DeepSeek-style MoE](30_moe.ipynb) and aux-loss-free load balancing |
+# | The model | [multi-token prediction](40_mtp.ipynb); [the hybrid model](41_model.ipynb) and its accounting; [the loss's softmax pass as a Triton kernel](42_ce_triton.ipynb) |
+# | Training | [optimisers](50_optim.ipynb) (NorMuon, AdamW, cautious weight decay, WSD); [data](60_data.ipynb) and [its `prepare` command](61_data_cli.ipynb); [the trainer](70_trainer.ipynb); [`python -m hymo.train`](71_train.ipynb); [generating text from a run](72_generate.ipynb) |
+# | Results | [the `hymo_750m` preset's training step](80_results.ipynb) (1.24 B parameters stored, 0.54 B active) on one H200 (and, in later rounds, H100s): throughput, MFU, memory, and what was tried |
 #
 # Every chapter ends with interview questions whose answers are folded: try before you open them.
 # (The results page is a lab notebook, not a chapter, and has none.)

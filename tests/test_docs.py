@@ -50,6 +50,8 @@ PAGE_FACTS = """() => {
     sidebar: [...document.querySelectorAll('nav.sidebar a')].map(a => [a.textContent.trim(), a.getAttribute('href')]),
     prev: document.querySelector('nav.pager a.prev')?.getAttribute('href') ?? null,
     next: document.querySelector('nav.pager a.next')?.getAttribute('href') ?? null,
+    clippedCode: [...document.querySelectorAll('main pre')].filter(p => p.scrollWidth > p.clientWidth + 1)
+                  .map(p => p.innerText.slice(0, 60)),
   };
 }"""
 
@@ -656,3 +658,31 @@ def test_nb_run_finds_a_chapter_by_the_start_of_its_name(monkeypatch):
         nb.chapter("1")
     with pytest.raises(SystemExit, match="^12_gdn names no notebook in nbs/; give one of: 00_config 01_layers"):
         nb.chapter("12_gdn")
+
+
+def test_code_wraps_as_in_quartos_site_rather_than_being_cut_off(visits):
+    "nbs/_quarto.yml asks for code-overflow: wrap; the offline site scrolled over half its code blocks sideways."
+    clipped = {name: v["clippedCode"] for name, v in visits.items() if not name.startswith("slides/") and v["clippedCode"]}
+    assert not clipped, clipped
+
+
+def test_a_phone_shows_the_page_first_and_nothing_wider_than_the_screen(built, server, browser):
+    "At 400 px every page was 464 px wide (the top bar), tables pushed it sideways, the chapter list came first."
+    ctx = browser.new_context(viewport={"width": 400, "height": 800})
+    page = ctx.new_page()
+    page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname == "127.0.0.1" else r.abort())
+    wide, late = {}, {}
+    for p in built[0]:
+        page.goto(server + p.html, wait_until="load")
+        w = page.evaluate("() => document.documentElement.scrollWidth")
+        if w > 400: wide[p.html] = w
+        top = page.evaluate("() => document.querySelector('main').getBoundingClientRect().top")
+        if top > 200: late[p.html] = top
+    assert not wide and not late, (wide, late)
+    page.goto(server + "index.html", wait_until="load")
+    page.fill("#search", "NorMuon")
+    page.wait_for_selector("#search-results:not([hidden])")
+    box = page.evaluate("() => { const r = document.getElementById('search-results').getBoundingClientRect();"
+                        " return [r.left, r.right]; }")
+    assert box[0] >= 0 and box[1] <= 400, box
+    ctx.close()

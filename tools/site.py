@@ -15,7 +15,7 @@ What it does with a notebook, the way nbdev + Quarto do:
   `## Question` heading) become `<details>` that start closed; backticked names of exported objects
   link to their docs; links to `NN_name.ipynb` go to that chapter's page;
 - `#| export` cells are replaced by the API docs of what they define (signature with docments and docstring, as nbdev's `show_doc` shows them), `#| exports`
-  cells show those docs and then their source, folded; `#| hide`, `#| exporti`, `#| default_exp`,
+  cells show those docs and then their source, in a collapsible block shown open; `#| hide`, `#| exporti`, `#| default_exp`,
   `#| include: false` cells are dropped; `#| echo: false` hides the source, `#| output: false` the
   outputs; every `#|` line is stripped;
 - outputs: text, HTML, markdown, LaTeX, PNG/JPEG (embedded) and SVG.
@@ -367,6 +367,7 @@ def md_to_html(md: str, tmp: Path) -> tuple[str, str, str]:
                       f"--template={tmp / 'page.tpl'}", f"--lua-filter={tmp / 'callouts.lua'}",
                       "--syntax-highlighting=pygments", "--wrap=none"], md)
     css, toc, body = out.split("<!--split-->\n", 2)
+    body = re.sub(r"<table\b", '<div class="table-wrap"><table', body).replace("</table>", "</table></div>")  # scrolls sideways
     return css.strip(), toc.strip(), body
 
 
@@ -375,8 +376,8 @@ HEADING = re.compile(r'(?:<section id="(?P<sec>[^"]+)"[^>]*>\s*)?<h(?P<n>[23])(?
 
 
 def plain(fragment: str) -> str:
-    "The text of an HTML fragment, maths dropped (MathML's tokens read as noise), whitespace collapsed."
-    fragment = re.sub(r"<math\b.*?</math>", " ", fragment, flags=re.S)
+    "The text of an HTML fragment, maths dropped (MathML's tokens read as noise), no backticks, whitespace collapsed."
+    fragment = re.sub(r"<math\b.*?</math>", " ", fragment, flags=re.S).replace("`", "")
     fragment = re.sub(r"</?(span|code|a|em|strong|sub|sup)\b[^>]*>", "", fragment)  # inline: no word break
     return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
 
