@@ -47,6 +47,7 @@ CHILD = textwrap.dedent('''
     res["packed"] = case(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=3)
     res["packed_spare_slots"] = case(1, 192, 2, 16, 16, cu=torch.tensor([0, 64, 128, 130, 192]), seed=9)  # 4 chunks, 6 slots
     res["fp16"] = case(1, 70, 1, 16, 32, dtype=torch.float16, seed=4)
+    res["fp16_keys_wider_than_values"] = case(1, 70, 1, 64, 16, dtype=torch.float16, seed=11)  # values padded to K
     # g_mult=6 decays so strongly that a chunk keeps ~1e-10 of its incoming state: this case carries ~0.3 of it
     res["weak_decay"] = case(1, 150, 2, 16, 16, seed=12, g_mult=0.2)
     res["h0_transposed"] = case(2, 70, 2, 16, 16, seed=10, h0_transposed=True)  # K, V already padded: no copy on the way in
@@ -60,8 +61,12 @@ CHILD = textwrap.dedent('''
     res["other_local_order"] = case(1, 90, 2, 16, 16, cu=torch.tensor([0, 10, 80, 90]), seed=3)
     gt._hold_local = plain
 
-    # the operators as torch.compile sees them: schema, autograd registration, fake tensors, AOT dispatch
+    # 16-bit values narrower than the keys are padded to the keys' width (Triton 3.6 on Hopper got them wrong)
     import hymo.models.gdn_triton as gt
+    res["v_padded_to"] = {str(dt): gt._prepare_inputs(*inputs(1, 70, 1, 64, 16, dt, 7), None, None, None)[2].shape[-1]
+                          for dt in (torch.float16, torch.float32)}
+
+    # the operators as torch.compile sees them: schema, autograd registration, fake tensors, AOT dispatch
     q, k, v, g, beta, scale, _, _ = gt._prepare_inputs(*inputs(1, 70, 2, 12, 20, torch.float32, 7), None, None, None)
     res["opcheck"] = {str(kp): torch.library.opcheck(torch.ops.hymo.gdn_chunk_fwd.default,
                                                      (*(x.clone().requires_grad_() for x in (q, k, v, g, beta)),
@@ -196,6 +201,15 @@ def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
 def test_half_precision_inputs(errors):
     "fp16 inputs (products in fp16, accumulation and state in fp32) stay within fp16 rounding of the fp32 loop."
     _check(errors["fp16"], 1e-2)
+    _check(errors["fp16_keys_wider_than_values"], 1e-2)
+
+
+def test_shapes_triton_3_6_got_wrong_on_hopper_are_avoided(errors):
+    "16-bit K=64, V=16 returned o off by 0.89 on an H100; K=32, V=256 at 8 warps made illegal accesses."
+    from hymo.models.gdn_triton import _state_launch
+    assert errors["v_padded_to"] == {"torch.float16": 64, "torch.float32": 16}
+    assert _state_launch("states", 32, 256)["num_warps"] == 4 and _state_launch("states", 16, 512)["num_warps"] == 4
+    assert _state_launch("states", 128, 128)["num_warps"] == 8 and _state_launch("states", 32, 32)["num_warps"] == 4
 
 
 def test_kernel_1_inverts_ill_conditioned_chunks(errors):

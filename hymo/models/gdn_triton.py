@@ -294,8 +294,9 @@ def _bv(V: int) -> int:
 
 
 def _state_launch(name: str, K: int, V: int) -> dict:
-    "Launch options of a sequential kernel: 8 warps once the state passes 64 x 64 (fewer register spills), unless `LAUNCH` says."
-    return {"num_warps": 4 if K * V <= 64 * 64 else 8, **LAUNCH[name]}
+    """Launch options of a sequential kernel: 8 warps once the state passes 64 x 64 (fewer register spills), unless
+    `LAUNCH` says; never with keys narrower than 64, whose 16-bit backward then makes illegal accesses (Triton 3.6)."""
+    return {"num_warps": 8 if K * V > 64 * 64 and K >= 64 else 4, **LAUNCH[name]}
 
 
 def _max_chunks(B: int, T: int, N: int, varlen: bool) -> int:
@@ -607,6 +608,8 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
                         "(for float64, use chunk_gated_delta_rule_torch)")
     (B, T, H, K), V = q.shape, v.shape[-1]
     Kp, Vp = _padded(K), _padded(V)
+    if q.dtype != torch.float32 and Vp < Kp:  # 16-bit heads wider in K than in V crash or go wrong on Triton 3.6
+        Vp = Kp                                # (K=64, V=16: o off by 0.9): zero value columns make them square
     if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)
         raise ValueError(f"{max(B, N)} sequences x {H} heads: more programs than a CUDA grid's second axis holds (65 535); "
                          "split the batch, or the packed row's documents, into several calls")
