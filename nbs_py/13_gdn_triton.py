@@ -830,7 +830,7 @@ def _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, h0, cu_seqlens, do, dht, need
 def _fits_gpu(what: str, q: torch.Tensor, v: torch.Tensor):
     "Turn a launch that needs more shared memory or registers than this GPU has into an error that says what fits."
     try: yield
-    except triton.runtime.errors.OutOfResources as e:  # heads wider than 128, fp32 ones from 128, or a smaller GPU
+    except triton.runtime.errors.OutOfResources as e:  # heads wider than 128, or a GPU smaller than an H100
         raise RuntimeError(f"the GDN {what} does not fit this GPU for {q.dtype} heads of K={q.shape[-1]}, V={v.shape[-1]} "
                            f"(padded): {e}. Heads of 128 or less fit an H100 or H200 (HyMo's are 32); for wider ones use "
                            "chunk_gated_delta_rule_torch (gdn_kernel='torch')") from e
@@ -1132,8 +1132,9 @@ def fused_recurrent_gated_delta_rule(
     o = torch.empty_like(v)
     ht = q.new_empty(N, H, Kp, Vp, dtype=torch.float32) if output_final_state else None
     BV = _bv(Vp)
-    _fused_recurrent_kernel[(triton.cdiv(Vp, BV), N * H)](q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T, H, Kp, Vp, BV,
-                                                         h0 is not None, output_final_state, cu_seqlens is not None)
+    with _fits_gpu("decoding kernel", q, v):
+        _fused_recurrent_kernel[(triton.cdiv(Vp, BV), N * H)](q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T, H, Kp, Vp,
+                                                             BV, h0 is not None, output_final_state, cu_seqlens is not None)
     return o[..., :V].to(dtype), (ht[:, :, :K, :V] if ht is not None else None)
 
 

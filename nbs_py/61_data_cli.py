@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
                       "says)", file=sys.stderr)
             else:
                 print(f"{args.dir}: intact as far as its sizes and the tokenizer's sha256 tell (its manifest has no shard "
-                      "checksums, from an older HyMo: prepare it again with --overwrite to add them)", file=sys.stderr)
+                      "checksums, from an older HyMo: the command that prepared it prepares it again, with them)",
+                      file=sys.stderr)
         else:
             parser.print_help(sys.stderr)
             return 2

@@ -1089,8 +1089,8 @@ def test_documents_keep_their_trailing_spaces():
     assert split_text("a  \n\nb\t") == ["a  \n", "b\t\n"]
 
 
-def test_a_prepare_stopped_between_its_two_renames_keeps_the_old_dataset(text, tmp_path, monkeypatch):
-    "--overwrite moves the old dataset aside before the new one takes its name: stopped in between, both stay, and the message says how to go back."
+def test_a_prepare_stopped_as_it_syncs_the_new_folder_leaves_the_old_dataset_in_place(text, tmp_path, monkeypatch):
+    "--overwrite syncs the new dataset before moving the old one aside: stopped there, DIR still holds the old one."
     (tmp_path / "b.txt").write_text(text.read_text()[:20_000])
     ds = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
     sync = D.to_disk
@@ -1100,9 +1100,8 @@ def test_a_prepare_stopped_between_its_two_renames_keeps_the_old_dataset(text, t
     monkeypatch.setattr(D, "to_disk", stop_at_the_new_folder)
     with pytest.raises(KeyboardInterrupt): prepare(tmp_path / "b.txt", ds, vocab_size=VOCAB, overwrite=True, progress=False)
     monkeypatch.setattr(D, "to_disk", sync)
-    old = [p for p in tmp_path.iterdir() if p.name.startswith(".ds.old-")]
-    assert len(old) == 1 and json.loads((old[0] / "manifest.json").read_text())["inputs"] == [text.name]
-    with pytest.raises(DataError, match=f"rename it back \\(mv {old[0]} {ds}\\)"): load_manifest(ds)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.txt", "ds"]
+    assert load_manifest(ds)["inputs"] == [text.name]
 
 
 # From a user walk of the data pipeline (damaged bytes, killed preparations, misleading advice).
@@ -1128,7 +1127,7 @@ def test_changed_bytes_in_a_shard_are_found_by_info_and_by_the_next_prepare(ds, 
     assert np.array_equal(np.load(d / "train_0001.npy"), np.load(ds / "train_0001.npy"))
 
 
-def test_a_manifest_without_checksums_still_reads_and_info_says_what_it_checked(ds, tmp_path, capsys):
+def test_a_manifest_without_checksums_still_reads_and_info_says_what_it_checked(ds, text, tmp_path, capsys):
     from hymo.data import main
     from hymo.training.data import check_contents
     d = _copy(ds, tmp_path / "d")
@@ -1138,6 +1137,9 @@ def test_a_manifest_without_checksums_still_reads_and_info_says_what_it_checked(
     (d / "manifest.json").write_text(json.dumps(m))
     assert check_contents(d) is False and TokenLoader(d, seq_len=16, micro_batch_size=2).n_tokens > 0
     assert main(["info", str(d)]) == 0 and "no shard checksums" in capsys.readouterr().err
+    prepare(text, d, vocab_size=VOCAB, shard_tokens=1000, progress=False)  # the same command: prepared again, with them
+    assert check_contents(d) is True
+    (d / "manifest.json").write_text(json.dumps(m))
     m["splits"]["train"]["shards"][0]["crc32"] = "x"
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DataError, match=r"damaged \(missing or wrong: splits\.train\)"): load_manifest(d)
@@ -1174,6 +1176,9 @@ def test_a_killed_prepare_on_this_machine_is_cleaned_up_and_others_are_left(text
     assert any(m.startswith(f"removed {dead.name} from {tmp_path}") for m in msgs), msgs
     assert any(alive.name in m and other.name in m and "stopped or still running" in m for m in msgs), msgs
     assert not dead.exists() and alive.exists() and other.exists()
+    dead.mkdir()  # and when the dataset is there already (nothing to write), too
+    with pytest.warns(D.DataWarning, match=f"removed {dead.name}"): prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    assert not dead.exists()
     assert D._WORK.fullmatch(D._work_folder(tmp_path / "x-y.z").name)["out"] == "x-y.z"
     assert D._stopped_here(D._work_folder(tmp_path / "x")) is False  # this process's own
 
@@ -1204,6 +1209,11 @@ def test_a_refused_prepare_says_what_changed(tmp_path):
         prepare([a, b], out, vocab_size=VOCAB + 20, val_fraction=0.2, progress=False)
     with pytest.raises(DataError, match=r"\(b\.txt added; a\.txt not given\)"): prepare([b], out, vocab_size=VOCAB, progress=False)
     assert D._what_changed(None, {"inputs": []}) == "" and D._what_changed({"inputs": 3}, {"inputs": []}) == ""
+    src = lambda inputs, **kw: {"format": D.FORMAT, "inputs": inputs, "tokenizer": None, "vocab_size": 300,
+                                "tokenizer_train_bytes": 2 ** 30, **kw}
+    assert D._what_changed(src([["a", "1"], ["b", "2"]]), src([["b", "2"], ["a", "1"]])) == "the inputs in another order"
+    assert D._what_changed(src([["a", "1"]]), src([["a", "1"]], tokenizer="f00", vocab_size=None,
+                                                  tokenizer_train_bytes=None)) == "another tokenizer"
 
 
 def test_what_a_folder_without_a_manifest_is_said_to_be(ds, text, tmp_path):
@@ -1262,3 +1272,20 @@ def test_a_link_in_a_folder_to_a_file_of_it_is_named(tmp_path):
     (d / "latest.txt").symlink_to(d / "a.txt")
     with pytest.raises(DataError, match=r"given twice \(as c/a\.txt and as c/latest\.txt; .*latest\.txt is a link to .*a\.txt\)"):
         D.find_files([d])
+
+
+def test_a_stop_between_the_two_renames_puts_the_old_dataset_back(text, tmp_path, monkeypatch, capsys):
+    "SIGTERM after the old dataset was moved aside used to leave DIR missing, the new one deleted, and say 'as it was'."
+    import signal
+    from hymo.data import main
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    before = (out / "manifest.json").read_text()
+    real = os.replace
+    def stopped(src, dst):
+        if ".tmp-" in Path(src).name and Path(dst) == out: os.kill(os.getpid(), signal.SIGTERM)
+        return real(src, dst)
+    monkeypatch.setattr(D.os, "replace", stopped)
+    assert main(["prepare", "--input", str(text), "--out", str(out), "--vocab-size", str(VOCAB + 20), "--overwrite",
+                 "--no-progress"]) == 128 + signal.SIGTERM
+    assert "is as it was" in capsys.readouterr().err
+    assert (out / "manifest.json").read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ds"]

@@ -125,11 +125,13 @@ CHILD = textwrap.dedent('''
         def __getitem__(self, grid):
             def launch(*a, **kw): raise te.OutOfResources(360448, 232448, "shared memory")
             return launch
-    for name in ("_bwd_local_kernel", "_bwd_states_kernel", "_fwd_kernel", "_prep_kernel"):  # every launch, forward too
+    for name in ("_bwd_local_kernel", "_bwd_states_kernel", "_fwd_kernel", "_prep_kernel", "_fused_recurrent_kernel"):
         plain = getattr(gt, name)
         setattr(gt, name, TooBig())
         try:
-            run(triton_gated_delta_rule, inputs(1, 70, 1, 16, 16, torch.float32, 4), torch.randn(1, 1, 16, 16), None, 4)
+            if name == "_fused_recurrent_kernel":
+                with torch.no_grad(): fused_recurrent_gated_delta_rule(*inputs(1, 3, 1, 16, 16, torch.float32, 4))
+            else: run(triton_gated_delta_rule, inputs(1, 70, 1, 16, 16, torch.float32, 4), torch.randn(1, 1, 16, 16), None, 4)
             res["too_big " + name] = "no error"
         except RuntimeError as e:
             res["too_big " + name] = str(e)
@@ -322,7 +324,8 @@ def test_kernel_1_compiles_for_the_h200_without_spilling(tmp_path):
 
 
 @pytest.mark.parametrize("kernel, part", [("_bwd_local_kernel", "backward"), ("_bwd_states_kernel", "backward"),
-                                          ("_fwd_kernel", "forward"), ("_prep_kernel", "forward")])
+                                          ("_fwd_kernel", "forward"), ("_prep_kernel", "forward"),
+                                          ("_fused_recurrent_kernel", "decoding kernel")])
 def test_a_kernel_too_big_for_the_gpu_says_what_to_do(errors, kernel, part):
     msg = errors["too_big " + kernel]
     assert f"the GDN {part} does not fit this GPU for torch.float32 heads of K=16, V=16" in msg, msg

@@ -2584,6 +2584,14 @@ def test_the_run_says_what_data_it_reads_and_a_vocabulary_far_larger_than_the_da
                     f"max_steps=3 reads {3 / L.steps_per_epoch:.3g} epochs"), line
     main(_cli_args(tmp_path / "run2", data_dir=ds, max_steps=3, warmup_steps=1, vocab_size=512))
     assert "warning:" not in capsys.readouterr().out  # 300 of 512: not far larger
+    from hymo.training.data import CORPUS, load_manifest, prepare
+    (tmp_path / "short.txt").write_text(CORPUS.read_text()[:3000])
+    few = prepare(tmp_path / "short.txt", tmp_path / "few", vocab_size=2048, progress=False)  # learns fewer than asked
+    v = load_manifest(few)["vocab_size"]
+    assert v <= 1024
+    main(_cli_args(tmp_path / "run3", data_dir=few, max_steps=3, warmup_steps=1))
+    out = capsys.readouterr().out
+    assert f"set vocab_size={v} (its tokenizer learned {v:,} of the 2,048 tokens asked for" in out and "--vocab-size" not in out
 
 
 def test_a_relative_data_dir_that_is_not_there_says_where_it_was_looked_for(tmp_path, monkeypatch, capsys):

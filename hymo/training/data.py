@@ -342,8 +342,10 @@ def _what_changed(old, new: dict) -> str:
         was, now = {n: h for n, h in old["inputs"]}, {n: h for n, h in new["inputs"]}
         said = [f"{n} {'changed' if n in was else 'added'}" for n, h in now.items() if was.get(n) != h]
         said += [f"{n} not given" for n in was if n not in now]
-        said += ["another tokenizer" if k == "tokenizer" else f"{k} {old.get(k)!r} -> {v!r}"
-                 for k, v in new.items() if k not in ("format", "inputs") and old.get(k) != v]
+        if not said and list(was) != list(now): said.append("the inputs in another order")
+        tok = old.get("tokenizer") != new["tokenizer"]  # with a given tokenizer, the trained one's options are None
+        said += ["another tokenizer" if k == "tokenizer" else f"{k} {old.get(k)!r} -> {v!r}" for k, v in new.items()
+                 if k not in ("format", "inputs") and old.get(k) != v and not (tok and k != "tokenizer" and None in (old.get(k), v))]
     except (TypeError, KeyError, ValueError, AttributeError): return ""  # an older manifest, without a source
     return "; ".join(said[:4] + [f"{len(said) - 4} more"] * (len(said) > 4))
 
@@ -508,26 +510,30 @@ def _same_dataset(out: Path, fingerprint: str) -> bool:
     try:
         m = load_manifest(out)
         return m["fingerprint"] == fingerprint and check_compatible(out, m["vocab_size"]) is not None and (
-            check_contents(out) is not None)  # every byte of every shard, where the manifest has their checksums
+            check_contents(out) is True)  # every byte of every shard (a manifest without checksums: prepared again)
     except DataError: return False  # none there, or damaged: prepared again
 
 
 def _install(tmp: Path, out: Path, fingerprint: str):
     "Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there."
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
+    to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
     old = None
     try:
-        if any(out.iterdir()):
-            old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(out, old)
-        else: out.rmdir()
-    except FileNotFoundError: old = None  # none there, or another process just moved it aside to install its own
-    to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
-    for tries_left in (2, 1, 0):  # another process may install `out` between our check and our rename ...
-        try: os.replace(tmp, out); break
-        except OSError:
-            if _same_dataset(out, fingerprint): shutil.rmtree(tmp); break
-            if tries_left == 0 or out.exists(): raise  # ... and a third move it aside again before we look: try again
+        try:
+            if any(out.iterdir()):
+                old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(out, old)
+            else: out.rmdir()
+        except FileNotFoundError: old = None  # none there, or another process just moved it aside to install its own
+        for tries_left in (2, 1, 0):  # another process may install `out` between our check and our rename ...
+            try: os.replace(tmp, out); break
+            except OSError:
+                if _same_dataset(out, fingerprint): shutil.rmtree(tmp); break
+                if tries_left == 0 or out.exists(): raise  # ... and a third move it aside again before we look: try again
+    except BaseException:  # stopped (Ctrl-C, SIGTERM) or refused between the renames: the old dataset goes back
+        if old is not None and old.exists() and not out.exists(): os.replace(old, out)
+        raise
     to_disk(out.parent)  # the rename itself, before the old dataset goes: a power cut leaves one of the two whole
     if old is not None: shutil.rmtree(old, ignore_errors=True)
 
@@ -632,6 +638,19 @@ def _plain_tokenizer(tok, path: Path, text: str) -> str:
     return tok.to_str()
 
 
+def _clean_left_behind(out: Path):
+    "Delete what a `prepare` of `out` on this machine left when its process ended (`_stopped_here`); name the rest."
+    left = _left_behind(out)
+    if gone := [p for p in left if _stopped_here(p)]:  # its process ended without cleaning up (a kill -9, a power cut)
+        for p in gone: shutil.rmtree(p, ignore_errors=True)
+        warnings.warn(f"removed {', '.join(p.name for p in gone)} from {out.parent}: the work of a prepare of {out.name} "
+                      "on this machine whose process has ended", DataWarning, stacklevel=3)
+    if left := [p for p in left if p not in gone]:
+        warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by "
+                      f"another prepare of {out.name}, stopped or still running: delete {'them' if len(left) > 1 else 'it'} if no prepare "
+                      f"of {out.name} is running", DataWarning, stacklevel=3)
+
+
 def _real_out(out) -> Path:
     "`--out` as the absolute path of the folder to replace: through a link, the folder it names (`DataError` for a loop)."
     out = Path(os.path.abspath(Path(out).expanduser()))  # absolute: `--out ..` has a name for its temporary sibling
@@ -699,6 +718,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
     source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     fingerprint = _fingerprint(source)
+    _clean_left_behind(out)  # also when the dataset turns out to be there already
     if out.exists() and any(out.iterdir()):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
         try: there = load_manifest(out)
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
@@ -721,15 +741,6 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
                         "replaces that folder with a new one, and your shell would be left in the deleted one. Give "
                         "another folder (e.g. --out data/mine), or run from outside it")
     out.parent.mkdir(parents=True, exist_ok=True)  # before the long work: an --out that cannot be made fails now
-    left = _left_behind(out)
-    if gone := [p for p in left if _stopped_here(p)]:  # its process ended without cleaning up (a kill -9, a power cut)
-        for p in gone: shutil.rmtree(p, ignore_errors=True)
-        warnings.warn(f"removed {', '.join(p.name for p in gone)} from {out.parent}: the work of a prepare of {out.name} "
-                      "on this machine whose process has ended", DataWarning, stacklevel=2)
-    if left := [p for p in left if p not in gone]:
-        warnings.warn(f"{', '.join(p.name for p in left)} in {out.parent} {'were' if len(left) > 1 else 'was'} left by "
-                      f"another prepare of {out.name}, stopped or still running: delete {'them' if len(left) > 1 else 'it'} if no prepare "
-                      f"of {out.name} is running", DataWarning, stacklevel=2)
     tmp = _work_folder(out)
     tmp.mkdir()
     try:

@@ -607,9 +607,13 @@ class Trainer:
                             "not from a config file's)") from None
         V, v = self.mcfg.vocab_size, manifest["vocab_size"]
         if 2 * v <= V:  # fits, but most rows of the embedding and the tied output head would never be a token
+            asked = (manifest.get("source") or {}).get("vocab_size")  # None: a given tokenizer (or an older manifest)
+            fix = (f"prepare the data with --vocab-size {V}, or set vocab_size={v}" if isinstance(asked, int) and asked < V
+                   else f"set vocab_size={v}" + (f" (its tokenizer learned {v:,} of the {asked:,} tokens asked for: the "
+                                                 "text has no more pairs worth merging)" if isinstance(asked, int) else ""))
             self.log(f"warning: {self.data_dir} was tokenized with {v:,} tokens and the model has vocab_size={V:,}: "
                      f"{V - v:,} rows of the embedding (tied to the output head, whose softmax still covers them) are never "
-                     f"a token. Prepare the data with --vocab-size {V}, or set vocab_size={v}")
+                     f"a token: {fix}")
         self.tokenizer_json = read_tokenizer(self.data_dir)
         mk = lambda split, accum: TokenLoader(self.data_dir, split, self.cfg.seq_len, self.cfg.micro_batch_size,
                                               rank=self.d.rank, world_size=self.d.world_size, seed=self.cfg.seed,
@@ -633,7 +637,8 @@ class Trainer:
             s["tokens"] for s in L.manifest["splits"].get("val", {}).get("shards", []))
         epochs = self.cfg.max_steps * self.accum / L.steps_per_epoch  # an epoch: `steps_per_epoch` micro-batch steps
         return (f"data: {self.data_dir} (train {L.n_tokens:,} tokens, {L.n_windows:,} windows of seq_len {T}; "
-                f"val {val:,} tokens): max_steps={self.cfg.max_steps:,} reads {epochs:.3g} epoch{'s' * (epochs != 1)}")
+                f"val {val:,} tokens): max_steps={self.cfg.max_steps:,} reads "
+                f"{f'{epochs:,.0f}' if epochs >= 100 else f'{epochs:.3g}'} epoch{'s' * (epochs != 1)}")
 
     def _prepare_default(self) -> Path:
         "Rank 0 prepares the bundled corpus (once, cached); the others then find it in the cache."
