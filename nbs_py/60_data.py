@@ -38,12 +38,13 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import uuid
 import warnings
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -336,7 +337,9 @@ test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 
 # (256 byte symbols and EOT are fixed). On the 1 MB corpus, training takes under a second on a laptop CPU.
 # The trainer counts merges within words, in time that grows with the square of a word's length, so
 # runs of more than 1000 characters without whitespace (a line of base64, say) are broken up for it
-# first; ordinary text has none.
+# first; ordinary text has none. While the trainer merges, no Python runs, so a Ctrl-C would wait for it (seconds
+# here, minutes on the gibibyte the tokenizer may learn from); it runs in a worker thread (`_in_a_thread`), and the
+# main thread stops at once.
 #
 # `encode_special_tokens = True` makes the tokenizer encode a literal `<|endoftext|>` *in the
 # text* as ordinary characters. Without it, a document that quotes the string would inject a
@@ -373,9 +376,24 @@ def train_tokenizer(docs: Iterable[str], # Training documents
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_short_runs(docs), trainer)
+    _in_a_thread(lambda: tok.train_from_iterator(_short_runs(docs), trainer))
     tok.encode_special_tokens = True
     return tok
+
+
+def _in_a_thread(fn: Callable):
+    """`fn()` in a worker thread, waited for in short joins, so that Ctrl-C (or `hymo.data`'s SIGTERM) reaches this
+    thread at once while `fn` runs code that never looks for signals (the Rust BPE trainer, releasing the GIL as it
+    merges). Stopped, `fn` is left to finish on its own; a daemon thread, it ends with the process."""
+    out = {}
+    def work():
+        try: out["value"] = fn()
+        except BaseException as e: out["error"] = e
+    worker = threading.Thread(target=work, name="hymo-" + getattr(fn, "__name__", "work"), daemon=True)
+    worker.start()
+    while worker.is_alive(): worker.join(0.1)
+    if "error" in out: raise out["error"]
+    return out["value"]
 
 
 # %%

@@ -1289,3 +1289,20 @@ def test_a_stop_between_the_two_renames_puts_the_old_dataset_back(text, tmp_path
                  "--no-progress"]) == 128 + signal.SIGTERM
     assert "is as it was" in capsys.readouterr().err
     assert (out / "manifest.json").read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_ctrl_c_does_not_wait_for_the_tokenizer_trainer(monkeypatch):
+    "The Rust BPE trainer never looks for signals while it merges: a Ctrl-C waited for it (minutes on a GiB)."
+    import signal, threading, time
+    real, calls = D._in_a_thread, []
+    monkeypatch.setattr(D, "_in_a_thread", lambda fn: calls.append(fn) or real(fn))
+    assert D.train_tokenizer(["a few words", "and a few more"], 300).get_vocab_size() > 256
+    assert len(calls) == 1  # the trainer runs in a worker thread
+    monkeypatch.setattr(D, "_in_a_thread", real)
+    assert D._in_a_thread(lambda: 7) == 7
+    with pytest.raises(ValueError, match="from the worker"): D._in_a_thread(lambda: (_ for _ in ()).throw(ValueError("from the worker")))
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    t0 = time.perf_counter()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt): D._in_a_thread(lambda: time.sleep(8))  # a call that ignores signals, as Rust does
+    assert time.perf_counter() - t0 < 4, "the interrupt waited for the worker"

@@ -16,12 +16,13 @@ import re
 import shutil
 import socket
 import sys
+import threading
 import uuid
 import warnings
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 from tqdm import tqdm
@@ -239,9 +240,24 @@ def train_tokenizer(docs: Iterable[str], # Training documents
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_short_runs(docs), trainer)
+    _in_a_thread(lambda: tok.train_from_iterator(_short_runs(docs), trainer))
     tok.encode_special_tokens = True
     return tok
+
+
+def _in_a_thread(fn: Callable):
+    """`fn()` in a worker thread, waited for in short joins, so that Ctrl-C (or `hymo.data`'s SIGTERM) reaches this
+    thread at once while `fn` runs code that never looks for signals (the Rust BPE trainer, releasing the GIL as it
+    merges). Stopped, `fn` is left to finish on its own; a daemon thread, it ends with the process."""
+    out = {}
+    def work():
+        try: out["value"] = fn()
+        except BaseException as e: out["error"] = e
+    worker = threading.Thread(target=work, name="hymo-" + getattr(fn, "__name__", "work"), daemon=True)
+    worker.start()
+    while worker.is_alive(): worker.join(0.1)
+    if "error" in out: raise out["error"]
+    return out["value"]
 
 # %% ../../nbs/60_data.ipynb #d8bada56
 def sha256_file(path: Path) -> str:
