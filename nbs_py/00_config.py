@@ -294,6 +294,12 @@ def validate_model(m: ModelConfig):
     _divides("model.mla_n_kv_groups", m.mla_n_kv_groups, "model.mla_n_heads", m.mla_n_heads,
              "every key/value group serves the same number of query heads")
     if m.mla_qk_rope_dim % 2: raise ConfigError(f"model.mla_qk_rope_dim={m.mla_qk_rope_dim} must be even: RoPE rotates pairs of dimensions")
+    if m.moe_n_routed == 1:
+        raise ConfigError("moe_n_routed=1: with one routed expert its weight is always 1, so the router gets no gradient "
+                          "and routing chooses nothing; use 2 or more")
+    if m.rope_theta <= 1:
+        raise ConfigError(f"rope_theta={m.rope_theta} must be above 1: the frequencies theta^(-2i/d) then fall from 1 rad per "
+                          "token (at 1 they all are 1 rad, and below 1 they rise); the usual value is 10000")
     if m.moe_top_k > m.moe_n_routed:
         raise ConfigError(f"moe_top_k={m.moe_top_k} > moe_n_routed={m.moe_n_routed}: a token cannot pick more experts than exist")
     if len(m.mtp_loss_weights) != m.mtp_depth:

@@ -130,10 +130,11 @@ def naive_mla(x, # [T, D] one sequence
 # 750M step took 17.2 s for 8 micro-batches (3.2 % MFU) against 1.74 s without documents: there
 # SDPA picks cuDNN, and cuDNN builds a new execution plan for every new sequence length it meets,
 # that is, for nearly every document. One packed row of 16 384 tokens in 17 documents took
-# 1.6–4.2 s forward and backward with new lengths, 6 ms with lengths seen before; the varlen call
-# takes 2.5–2.8 ms (the same row as one causal sequence under cuDNN: 6.6 ms), and the step 2.16 s;
-# 1.93 s (28.7 % MFU, attention counted within documents) once the checks of the boundaries read the GPU once instead of three times
-# (`benchmarks/results/`).
+# 1.6–2.8 s forward and backward with new lengths (4.2 s the first call, with warm-up), 6 ms with lengths seen before;
+# the varlen call takes 2.5–2.8 ms once warm (28.7 ms the first call; the same row as one causal sequence under
+# cuDNN: 6.6 ms), and the step 1.93–2.16 s over the rounds that measured it; the latest, with the MTP targets also
+# masked per document, 2.11 s (26.2 % MFU, attention counted within documents; 1.70 s without documents)
+# (`benchmarks/results/train_step.json`).
 #
 # `forward_decode`, the cached decoder, is derived in its own section below. Two limits to know:
 # the document path reads the longest document's length, which synchronises with the GPU and breaks
@@ -633,9 +634,9 @@ plt.gcf().set_size_inches(6, 3); plt.tight_layout(); plt.show()
 # tokens and `append` writes new ones in place. All rows of a batch share one length.
 #
 # `append` returns the whole buffers, not just the rows written so far: the causal mask already
-# hides every row past the query's position (the query at position $p$ sees rows $0..p$), and
-# the mask gives unwritten rows zero weight, and being finite zeros (not stale values or NaN) they
-# contribute exactly 0. The count of cached tokens is
+# hides every row past the query's position (the query at position $p$ sees rows $0..p$), so unwritten rows
+# get zero weight; since they hold finite values (zeros, or a stale token's), they contribute exactly 0 (a NaN
+# there would not: $0 \cdot \text{NaN}$ is NaN). The count of cached tokens is
 # kept twice: `length` on the host, for the overflow check, and `pos` on the cache's device, from
 # which the new tokens' positions (and their rows) are computed. So a decoding step has the same
 # shapes at every length and reads no number from the GPU, which is what capturing it as a CUDA
@@ -678,6 +679,11 @@ class MLACache:
               ) -> tuple[torch.Tensor, torch.Tensor]: # the whole buffers [B, max_len, d_c], [B, max_len, d_rope]
         "Write `T` new tokens after the cached ones; return the buffers (rows past the new length are to be masked)."
         T = c_kv.shape[1]
+        want = (self.c_kv.shape[0], self.c_kv.shape[-1], self.k_rope.shape[-1])
+        if (c_kv.shape[0], c_kv.shape[-1], k_rope.shape[-1]) != want or k_rope.shape[:2] != c_kv.shape[:2]:
+            raise ValueError(f"MLACache holds [B={want[0]}, L, d_c={want[1]}] latents and [B, L, d_rope={want[2]}] keys; got "
+                             f"{tuple(c_kv.shape)} and {tuple(k_rope.shape)}: make the cache with MLACache.empty(config, "
+                             "batch, max_len) of this model and batch")
         self.check_room(T)
         rows = self.positions(T)
         self.c_kv.index_copy_(1, rows, c_kv.to(self.c_kv.dtype))
@@ -767,8 +773,8 @@ for P in (1, 17, 64):
 # Under bf16 autocast the decoder computes its scores in fp32, as the training kernels keep theirs:
 # rounded to bf16 before the softmax, scores of a few tens would carry errors of a tenth or more
 # into the exponent. With weights at twice unit scale (scores of a few tens, as in sharp heads), the
-# cached decoder's error against the fp32 forward is then that of the bf16 forward itself (with the
-# scores in bf16 it was 1.6 times that).
+# cached decoder's error against the fp32 forward is then within about 10 % of the bf16 forward's own (with the
+# scores in bf16 it was about 1.4 times that, 1.3 to 1.6 times across inputs).
 
 # %%
 sharp = randomize_(MultiHeadLatentAttention(cfg), seed=3)
@@ -859,6 +865,8 @@ class MLABlock(nn.Module):
                        cache: MLACache, # This block's cache, appended to
                       ) -> torch.Tensor: # [B, T, D]
         "The block with cached, absorbed attention."
+        if self.training:  # the MoE would cap what each expert takes per call and count the tokens for its balancing
+            raise RuntimeError("MLABlock.forward_decode is for inference: call .eval() first (HyMo.generate does)")
         x = x + self.attn.forward_decode(self.norm1(x), cache)
         x = x + self.ffn(self.norm2(x))
         return x
@@ -868,8 +876,8 @@ class MLABlock(nn.Module):
 # Built on the meta device, moved with `to_empty`, and reset, a block holds exactly the values of
 # one built normally and reset from the same seed: `reset_parameters` restores every parameter, and
 # the only buffers, the MoE's balancing counters, start at zero. Decoding in two calls, and a packed
-# row, give the outputs of one plain call (with the MoE dropless: how many tokens an expert may take
-# depends on how many tokens the call holds).
+# row, give the outputs of one plain call. Decoding is inference, and the block refuses it in training mode: there
+# the MoE would cap what each expert takes by how many tokens the call holds, and count them for its balancing.
 
 # %%
 def build(meta: bool, seed: int = 0):
@@ -884,7 +892,8 @@ assert all((buf == 0).all() for buf in a.buffers())
 for (n, p), (_, q_) in zip(a.state_dict().items(), b.state_dict().items()): test_eq(p, q_)
 test_close(a.attn.kv_b_proj.weight.std(), cfg.init_std, eps=2e-3)
 xb = torch.randn(1, 12, cfg.dim)
-b.ffn.capacity_factor = None  # expert capacity depends on how many tokens a call holds: compare dropless
+test_fail(lambda: b.forward_decode(torch.randn(1, 2, cfg.dim), MLACache.empty(cfg, 1, 4)), contains="call .eval() first")
+b.eval()  # inference: the MoE is dropless and leaves its balancing counters alone
 with torch.no_grad():
     cache = MLACache.empty(cfg, 1, 12)
     y_dec = torch.cat([b.forward_decode(xb[:, :5], cache), b.forward_decode(xb[:, 5:], cache)], 1)

@@ -491,10 +491,10 @@ class DeepSeekMoE(nn.Module):
         return idx, weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
-        "C = ceil(capacity_factor · N · k / E) assignments per expert in training, or None (dropless). Eval is always dropless."
+        "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
         if self.capacity_factor is None: return None
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
-        cf = Fraction(self.capacity_factor).limit_denominator(10**6)
+        cf = Fraction(self.capacity_factor).limit_denominator(10**6) or Fraction(self.capacity_factor)  # not 0 below 5e-7
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     @property
@@ -683,7 +683,9 @@ mg.impl = "auto"
 # Measured once on one H200 (torch 2.11, bf16 autocast), a 750M-design layer (16 experts of
 # 896 → 2304, top-2, one shared) on 4 × 4096 tokens, forward + backward: 6.7 ms grouped against
 # 16.1 ms for the loop, about 270 TFLOP/s of expert work per MoE layer (shared + 2 routed
-# experts), about 180 TFLOP/s counting only the routed experts the grouped path runs.
+# experts), about 180 TFLOP/s counting only the routed experts' products against the whole 6.7 ms (which also
+# holds the shared expert, the router and the sort). The grouped products themselves ran at about 570 TFLOP/s in
+# round 19's profile (`benchmarks/results/experiments.json`).
 
 # %% [markdown]
 # Gradients reach the router through the mixing weights (the selection itself is not

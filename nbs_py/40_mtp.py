@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from hymo.config import ModelConfig
+from hymo.models.gdn import _check_cu_seqlens
 from hymo.models.layers import RMSNorm
 
 # %%
@@ -153,8 +154,7 @@ class MultiTokenPrediction(nn.Module):
                ) -> list[MTPOutput]:
         B, T = hidden.shape[:2]
         if targets.shape != (B, T): raise ValueError(f"targets {tuple(targets.shape)} must be [B, T] = [{B}, {T}], one per hidden position")
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens describes one packed row: B must be 1, got B={B}")
+        if cu_seqlens is not None: _check_cu_seqlens(cu_seqlens, B, T, read=None)  # B == 1, 0..T rising (read on a CPU)
         if T <= len(self.heads):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
         doc = None if cu_seqlens is None else document_ids(cu_seqlens, T)  # (T,)
@@ -233,9 +233,9 @@ print(packed[1].targets[0].tolist())
 # %% [markdown]
 # Read head 2's row. Position 0 (token 5) may predict the end-of-text token three steps on; position
 # 1 (token 6) would have to predict token 8 of the next document, so it is ignored. Position 3 is the
-# end-of-text token opening document 1, and predicts 10, still inside its own document. Position 4
-# would need the token after the window (not in the batch at all; unpacked, it simply has no head-2
-# target) and position 5 would read window 2's tokens, so both are ignored. Without `cu_seqlens`
+# end-of-text token opening document 1, and predicts 10, still inside its own document. Positions 4
+# and 5 would need tokens past the end of window 1 (not in the batch; unpacked, they simply have no head-2
+# targets) and, packed, would read window 2's first tokens instead, so both are ignored. Without `cu_seqlens`
 # the targets are the plain `targets[:, k:]` of the section above. Positions whose targets are all
 # ignored contribute nothing to the loss; a head whose targets are all ignored has loss 0, in both
 # losses below.
@@ -319,7 +319,8 @@ test_eq(_mean_ce(lg, torch.full_like(tg2, IGNORE_INDEX)), torch.tensor(0.))
 # per chunk it computes the logits, the loss, and (because the loss is the end of the graph, its
 # gradient is known up to the scalar that will arrive in the backward) the gradients for $h$ and
 # $W$, then frees the logits. The backward only multiplies the stored gradients by that scalar.
-# Peak memory for the loss is one chunk's logits (about 1 GB by default) instead of three
+# Peak memory for the loss is one chunk's logits (about 1 GB by default, with the fused kernel on a GPU; the eager
+# `ce_chunk` on a CPU holds three or four fp32 temporaries of that size) instead of three
 # full sets, the matrix FLOPs are the same ($2N|V|d$ forward, $4N|V|d$ for the two gradients), and
 # the passes over the $N \times |V|$ tensor shrink to a few per chunk.
 #
@@ -434,6 +435,13 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
     if h.shape[:-1] != targets.shape or h.shape[-1] != weight.shape[-1]:
         raise ValueError(f"h {tuple(h.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}: "
                          "need h [..., D], weight [V, D] and targets of h's leading shape")
+    if targets.dtype not in (torch.long, torch.int32):
+        raise TypeError(f"targets must be integer token ids (int64 or int32), got {targets.dtype}")
+    if targets.device.type == "cpu":  # on a GPU this would wait for it (the model checks its targets before the trunk)
+        bad = ~(((targets >= 0) & (targets < weight.shape[0])) | (targets == IGNORE_INDEX))
+        if bool(bad.any()):
+            raise ValueError(f"targets must be ids in 0..{weight.shape[0] - 1}, or IGNORE_INDEX={IGNORE_INDEX} to skip a "
+                             f"position; got {targets[bad].unique().tolist()[:5]}")
     dev, cdt = h.device.type, _compute_dtype(h, weight)
     if cdt == torch.float16:
         raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "

@@ -171,8 +171,9 @@ plt.tight_layout(); plt.show()
 # %% [markdown]
 # The bf16 iteration keeps the singular vectors of the SVD reference: projected onto them,
 # $U^\top \mathrm{NS}(G) V$ is diagonal up to bf16 noise, and its diagonal is $\varphi^5$ of the
-# normalised singular values: in the band, except the smallest of this matrix, at
-# $0.0025\,\|G\|_F$, which lie near the overshoot's peak.
+# normalised singular values: in the band, except the noise values between about $0.003$ and $0.005\,\|G\|_F$
+# (56 of this matrix's 128), which land near the overshoot's peak, up to 1.20; the very smallest, at
+# $0.0025\,\|G\|_F$, come out near 1 again.
 
 # %%
 U, S, Vh = torch.linalg.svd(G, full_matrices=False)
@@ -232,8 +233,8 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 
 
 # %% [markdown]
-# The residual-stream fan-in $n = 896$ gives an AdamW-equivalent rate of $3.3 \times 10^{-3}$, within
-# 10 % of HyMo's `adamw_lr` ($3 \times 10^{-3}$): the two optimisers move their weights at about the same per-entry speed.
+# The residual-stream fan-in $n = 896$ gives an AdamW-equivalent rate of $3.3 \times 10^{-3}$, 11 % above
+# HyMo's `adamw_lr` ($3 \times 10^{-3}$): the two optimisers move their weights at about the same per-entry speed.
 # (The wide down-projections, $n = 2560$, step about $1.7\times$ slower per entry, as $1/\sqrt{n}$ says
 # they should.)
 #
@@ -413,7 +414,8 @@ for m_, x_, u_ in zip(foreach_decay_mask(xs, us), xs, us):
 # the list-wide launches: 70 µs of host time per call would not pay for kernels of that size. On one H200 (`benchmarks/optim_step.py`,
 # round 18 on the results page) this took NorMuon from 100–101 ms to 85–86 ms per step, with the
 # same fp32 weights bit for bit; compiling every parameter instead was slower than the experts
-# alone (93 against 85–86 ms): the GPU then waited on the host through the groups of small matrices.
+# alone (93 against 85–86 ms): the GPU then waited on the host through the groups of small matrices. (Round 28's
+# rule that leaves matrices without a gradient alone costs a norm per matrix: 88.1 ms since, 103.4 ms list-wide.)
 
 # %%
 #| export
@@ -580,7 +582,8 @@ class NorMuon(torch.optim.Optimizer):
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
             # parameters of one shape (and, for FSDP-2 shards, one layout) are updated together
-            for ps in _same_shape([p for p in group["params"] if p.grad is not None]): self._update(ps, group)
+            for ps in _same_shape([p for p in group["params"] if p.grad is not None and p.numel()]):  # empty: nothing to do
+                self._update(ps, group)
         return loss
 
     def load_state_dict(self, state_dict: dict):
@@ -655,7 +658,8 @@ def _same_shape(params: list) -> list[list]:
 # $u + \lambda\,\text{mask} \odot p$ by `_foreach_addcmul` and $p - \eta(\cdot)$ by `_foreach_sub_`,
 # after the mask's four. `benchmarks/optim_step.py` times both optimisers alone on the 750M model
 # (one H200, CUDA events around `step()`): NorMuon over its 332 matrices went from 124.6 to 101.1 ms
-# with the list-wide launches (round 6), and to 85–86 ms with the compiled update (round 18). The
+# with the list-wide launches (round 6), to 85–86 ms with the compiled update (round 18), and is 88.1 ms since
+# round 28's zero-gradient rule. The
 # batched Newton–Schulz is, by count, about 25 TFLOP of it (five iterations of three products on
 # every matrix), some 50–55 ms at the 450–485 TFLOP/s these batched bf16 products reach (410–495
 # in the other layouts tried, `experiments.json`); the rest is the elementwise passes and the
@@ -851,7 +855,8 @@ torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 # Stacked expert weights `[E, out, in]` go to NorMuon, each expert's matrix on its own (shown above).
 # The rules look at the name and the shape, and are written as one small function so that you can
 # read them, test them, and change them in one place. An unexpected shape raises rather than falling
-# through silently.
+# through silently. The names are HyMo's (`embed`, `head`, `gate`, ...): on another model, whose embedding is
+# `wte` or whose untied head is `lm_head`, they would send those matrices to NorMuon, so rename the rules first.
 
 # %%
 #| export

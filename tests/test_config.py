@@ -628,3 +628,12 @@ def test_a_changed_mtp_depth_says_which_weights_to_give(depth, example):
     with pytest.raises(ConfigError, match=re.escape(f"e.g. model.mtp_loss_weights={example}")):
         load_config("hymo_tiny", mtp_depth=depth)
     assert load_config("hymo_tiny", mtp_depth=depth, mtp_loss_weights=yaml.safe_load(example)).model.mtp_depth == depth
+
+
+def test_configs_the_model_cannot_train_are_refused():
+    "One routed expert (its weight always 1: no router gradient) and rope_theta <= 1 (frequencies not falling) passed."
+    from hymo.config import ConfigError
+    with pytest.raises(ConfigError, match="moe_n_routed=1: with one routed expert"): load_config("hymo_tiny", moe_n_routed=1, moe_top_k=1)
+    for theta in (1, 0.5):
+        with pytest.raises(ConfigError, match=f"rope_theta={float(theta)} must be above 1"): load_config("hymo_tiny", rope_theta=theta)
+    assert load_config("hymo_tiny", moe_n_routed=2, moe_top_k=1).model.moe_n_routed == 2

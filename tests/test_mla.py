@@ -327,7 +327,7 @@ def test_token_by_token_from_empty_and_absorbed_equals_naive():
 
 @torch.no_grad()
 def test_block_decode_and_packing():
-    blk = randomize_(MLABlock(CFG, layer_idx=3))
+    blk = randomize_(MLABlock(CFG, layer_idx=3)).eval()
     x = x_(1, 12)
     cache = MLACache.empty(CFG, 1, 12)
     y = torch.cat([blk.forward_decode(x[:, :5], cache), blk.forward_decode(x[:, 5:], cache)], 1)
@@ -337,7 +337,7 @@ def test_block_decode_and_packing():
 
 def test_decode_into_a_cache_of_another_dtype():
     "bf16 weights with an fp32 cache (and the other way round) decode as with a cache of the weights' dtype."
-    blk = randomize_(MLABlock(CFG, layer_idx=3)).bfloat16()
+    blk = randomize_(MLABlock(CFG, layer_idx=3)).bfloat16().eval()
     x = x_(1, 9).bfloat16()
     with torch.no_grad():
         outs = {}
@@ -347,7 +347,7 @@ def test_decode_into_a_cache_of_another_dtype():
         assert outs[torch.float32].dtype == torch.bfloat16
         torch.testing.assert_close(outs[torch.float32], outs[torch.bfloat16], atol=0.05, rtol=0.05)
         cache = MLACache.empty(CFG, 1, 9, dtype=torch.bfloat16)
-        blk32 = randomize_(MLABlock(CFG, layer_idx=3))
+        blk32 = randomize_(MLABlock(CFG, layer_idx=3)).eval()
         ref = blk32(x.float())
         got = torch.cat([blk32.forward_decode(x[:, :6].float(), cache), blk32.forward_decode(x[:, 6:].float(), cache)], 1)
         assert got.dtype == torch.float32 and ((got - ref).norm() / ref.norm()) < 0.02
@@ -469,3 +469,31 @@ def test_rope_default_base_is_10000():
     torch.testing.assert_close(rope_inv_freq(8), 10000.0 ** (-torch.arange(0, 8, 2) / 8))
     cos, _ = rope_cos_sin(torch.arange(3), 8)
     torch.testing.assert_close(cos, rope_cos_sin(torch.arange(3), 8, 10000.0)[0])
+
+
+# From a review of the RoPE and MLA chapters: inputs that broadcast or ran silently.
+def test_rope_tables_that_do_not_fit_are_refused():
+    cos, sin = rope_cos_sin(torch.arange(6), 8)
+    x = torch.randn(1, 6, 2, 8)
+    with pytest.raises(ValueError, match="cos and sin must both be"): apply_rope(x, cos, sin[:1])  # used to broadcast
+    cb, sb = rope_cos_sin(torch.arange(6).expand(3, 6), 8)
+    with pytest.raises(ValueError, match=r"with B = 1 \(or 1\)"): apply_rope(x, cb, sb)  # used to give a batch of 3
+    assert apply_rope(x.expand(3, 6, 2, 8), cb, sb).shape == (3, 6, 2, 8)
+    with pytest.raises(TypeError, match="positions must be whole numbers"): rope_cos_sin(torch.arange(6) + 0.5, 8)
+    from hymo.models.rope import rope_inv_freq
+    with pytest.raises(ValueError, match="even and positive"): rope_inv_freq(0)
+
+
+def test_block_decoding_is_refused_in_training_mode_and_a_cache_of_another_shape_named():
+    "Decoding in training mode let the MoE cap experts by the call's tokens and count them for its balancing."
+    c = load_config("hymo_tiny").model
+    blk = MLABlock(c, layer_idx=3)
+    with pytest.raises(RuntimeError, match=r"call \.eval\(\) first"): blk.forward_decode(x_(1, 2), MLACache.empty(c, 1, 4))
+    assert int(blk.ffn.expert_counts.sum()) == 0
+    blk.eval()
+    attn = randomize_(MultiHeadLatentAttention(CFG))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"MLACache holds \[B=2, L, d_c=.*make the cache with MLACache.empty"):
+        attn.forward_decode(x_(1, 2), MLACache.empty(CFG, 2, 4))
+    other = dataclasses.replace(CFG, mla_kv_lora_rank=CFG.mla_kv_lora_rank * 2)
+    with torch.no_grad(), pytest.raises(ValueError, match="MLACache holds"):
+        attn.forward_decode(x_(1, 2), MLACache.empty(other, 1, 4))

@@ -661,3 +661,16 @@ def test_decode_runs_the_blocks_in_the_autocast_dtype(dropless):
         m(x); st = m.decode_state(1, 8); m.decode(x, st); m.decode(x[:, :1], st)
     for h in hooks: h.remove()
     assert seen == [torch.bfloat16] * (3 * len(m.layers))
+
+
+def test_a_window_too_short_for_the_mtp_heads_is_refused_before_the_trunk_runs(monkeypatch):
+    from hymo.config import load_config
+    from hymo.models.model import HyMo
+    torch.manual_seed(0)
+    m = HyMo(load_config("hymo_tiny").model)
+    ran = []
+    monkeypatch.setattr(m.layers[0], "forward", lambda *a, **k: ran.append(1))
+    tokens = torch.randint(0, 100, (1, m.config.mtp_depth))
+    with pytest.raises(ValueError, match=f"sequence length {m.config.mtp_depth} is too short for {m.config.mtp_depth} MTP heads"):
+        m(tokens, targets=tokens)
+    assert ran == []

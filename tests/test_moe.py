@@ -444,3 +444,10 @@ def test_shared_experts_are_one_swiglu_of_n_shared_times_the_expert_width():
     moe = make(moe_n_shared=2)
     assert moe.shared.w1.weight.shape == (2 * moe.inter_dim, moe.dim)
     assert moe.shared.w2.weight.shape == (moe.dim, 2 * moe.inter_dim)
+
+
+def test_a_tiny_capacity_factor_still_gives_each_expert_a_slot():
+    "Fraction.limit_denominator rounded factors below 5e-7 to 0: capacity 0, every assignment dropped."
+    moe = make(moe_capacity_factor=1e-7)
+    assert moe.capacity(4096) == 1  # ceil(1e-7 · 4096 · k / E)
+    assert make(moe_capacity_factor=1.1).capacity(400) == -(-11 * 400 * moe.top_k // (10 * moe.n_routed))

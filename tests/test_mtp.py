@@ -179,7 +179,7 @@ def test_linear_cross_entropy_edge_cases():
         lm_loss(torch.randn(1, 6, 11), torch.zeros(1, 6, dtype=torch.long), mtp_out)
     # a negative target other than IGNORE_INDEX is an error, as in F.cross_entropy, not class 0
     for bad in (-1, 11):
-        with pytest.raises((IndexError, RuntimeError)):
+        with pytest.raises(ValueError, match=rf"targets must be ids in 0\.\.10, or IGNORE_INDEX=-100.*\[{bad}\]"):
             linear_cross_entropy(h, w, torch.tensor([bad, 2, 3, 4, 5, 6]))
 
 
@@ -369,3 +369,19 @@ def test_default_chunk_keeps_one_chunk_of_fp32_logits_near_1gb(monkeypatch):
     V, D = 2 ** 12, 8
     linear_cross_entropy(torch.randn(4, D), torch.randn(V, D), torch.randint(0, V, (4,)))
     assert seen == [2 ** 28 // V]
+
+
+def test_malformed_document_boundaries_and_targets_are_refused(cfg):
+    "MTP built masks from cu_seqlens that did not end at T (a boundary lost) or start at 0 (no masking), silently."
+    torch.manual_seed(0)
+    mtp = MultiTokenPrediction(cfg)
+    h, tgt = torch.randn(1, 12, cfg.dim), torch.arange(100, 112)[None]
+    for cu in ([0, 3, 6], [3, 12], [0, 6, 3, 12]):
+        with pytest.raises(ValueError, match="cu_seqlens must be a non-decreasing"):
+            mtp(h, tgt, cu_seqlens=torch.tensor(cu))
+    assert len(mtp(h, tgt, cu_seqlens=torch.tensor([0, 3, 6, 12]))) == cfg.mtp_depth
+    W = torch.randn(50, cfg.dim)
+    with pytest.raises(ValueError, match=r"targets must be ids in 0\.\.49, or IGNORE_INDEX=-100.*\[-1\]"):
+        linear_cross_entropy(torch.randn(4, cfg.dim), W, torch.tensor([1, 2, 3, -1]))
+    with pytest.raises(TypeError, match="targets must be integer token ids"):
+        linear_cross_entropy(torch.randn(4, cfg.dim), W, torch.tensor([1., 2., 3., 4.]))

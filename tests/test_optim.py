@@ -815,3 +815,12 @@ def test_wsd_refuses_warmup_one_step_past_the_decay_start():
     assert wsd_schedule(4, cfg) == 1.0
     with pytest.raises(ValueError, match="warmup_steps=6 runs into the decay"):
         wsd_schedule(0, dataclasses.replace(cfg, warmup_steps=6))
+
+
+def test_normuon_leaves_empty_matrices_alone():
+    "A zero-size 2-D parameter reached Newton–Schulz's reshape and failed there (and (5, 0) would divide by zero)."
+    ps = [torch.nn.Parameter(torch.randn(*s)) for s in ((0, 5), (5, 0), (3, 0, 4), (4, 6))]
+    for p in ps: p.grad = torch.ones_like(p)
+    before = ps[3].detach().clone()
+    NorMuon(ps, lr=0.02).step()
+    assert not torch.equal(ps[3], before) and all(p.numel() == 0 for p in ps[:3])

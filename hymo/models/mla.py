@@ -261,6 +261,11 @@ class MLACache:
               ) -> tuple[torch.Tensor, torch.Tensor]: # the whole buffers [B, max_len, d_c], [B, max_len, d_rope]
         "Write `T` new tokens after the cached ones; return the buffers (rows past the new length are to be masked)."
         T = c_kv.shape[1]
+        want = (self.c_kv.shape[0], self.c_kv.shape[-1], self.k_rope.shape[-1])
+        if (c_kv.shape[0], c_kv.shape[-1], k_rope.shape[-1]) != want or k_rope.shape[:2] != c_kv.shape[:2]:
+            raise ValueError(f"MLACache holds [B={want[0]}, L, d_c={want[1]}] latents and [B, L, d_rope={want[2]}] keys; got "
+                             f"{tuple(c_kv.shape)} and {tuple(k_rope.shape)}: make the cache with MLACache.empty(config, "
+                             "batch, max_len) of this model and batch")
         self.check_room(T)
         rows = self.positions(T)
         self.c_kv.index_copy_(1, rows, c_kv.to(self.c_kv.dtype))
@@ -304,6 +309,8 @@ class MLABlock(nn.Module):
                        cache: MLACache, # This block's cache, appended to
                       ) -> torch.Tensor: # [B, T, D]
         "The block with cached, absorbed attention."
+        if self.training:  # the MoE would cap what each expert takes per call and count the tokens for its balancing
+            raise RuntimeError("MLABlock.forward_decode is for inference: call .eval() first (HyMo.generate does)")
         x = x + self.attn.forward_decode(self.norm1(x), cache)
         x = x + self.ffn(self.norm2(x))
         return x

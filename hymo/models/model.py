@@ -96,6 +96,9 @@ class HyMo(nn.Module):
         "Raise `ValueError` for targets the loss cannot take (on a GPU the fused loss would return NaN for a bad id)."
         if targets.shape != tokens.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
+        if tokens.shape[1] <= self.config.mtp_depth:  # before the trunk runs, not after
+            raise ValueError(f"sequence length {tokens.shape[1]} is too short for {self.config.mtp_depth} MTP heads: "
+                             "use seq_len > mtp_depth")
         V = self.config.vocab_size
         if targets.dtype not in (torch.long, torch.int32):
             raise ValueError(f"targets must be integer ids (int64 or int32), got {targets.dtype}")
@@ -141,7 +144,7 @@ class HyMo(nn.Module):
         | `embed.weight` (also the output head) | N(0, init_std²) |
         | hidden matrices: GDN q/k/v/a/b/g projections; MLA q_a, q_b, kv_a, kv_b; SwiGLU w1, w3 (dense FFN, shared and routed experts); MTP proj_in | N(0, init_std²) |
         | output projections into the residual stream: GDN and MLA `o_proj`, every SwiGLU `w2` (dense, shared and routed experts); also MTP `proj_out`, which feeds an RMSNorm, at this scale for uniformity | N(0, (init_std / sqrt(2 n_layers))²) |
-        | MoE router `gate.weight` | N(0, 0.006), near-uniform first routing (`DeepSeekMoE.reset_parameters`) |
+        | MoE router `gate.weight` | N(0, 0.006²), near-uniform first routing (`DeepSeekMoE.reset_parameters`) |
         | every RMSNorm weight | 1 |
         | GDN `A_log`, `dt_bias` | log U[1, 16]; softplus⁻¹ of logUniform[0.001, 0.1] (`GatedDeltaNet.reset_parameters`) |
         | GDN short convolutions | PyTorch's Conv1d default, U(±1/sqrt(conv_size)) |

@@ -166,10 +166,10 @@ class DeepSeekMoE(nn.Module):
         return idx, weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
-        "C = ceil(capacity_factor · N · k / E) assignments per expert in training, or None (dropless). Eval is always dropless."
+        "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
         if self.capacity_factor is None: return None
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
-        cf = Fraction(self.capacity_factor).limit_denominator(10**6)
+        cf = Fraction(self.capacity_factor).limit_denominator(10**6) or Fraction(self.capacity_factor)  # not 0 below 5e-7
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     @property

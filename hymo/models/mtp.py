@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..config import ModelConfig
+from .gdn import _check_cu_seqlens
 from .layers import RMSNorm
 
 # %% auto #0
@@ -72,8 +73,7 @@ class MultiTokenPrediction(nn.Module):
                ) -> list[MTPOutput]:
         B, T = hidden.shape[:2]
         if targets.shape != (B, T): raise ValueError(f"targets {tuple(targets.shape)} must be [B, T] = [{B}, {T}], one per hidden position")
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens describes one packed row: B must be 1, got B={B}")
+        if cu_seqlens is not None: _check_cu_seqlens(cu_seqlens, B, T, read=None)  # B == 1, 0..T rising (read on a CPU)
         if T <= len(self.heads):
             raise ValueError(f"sequence length {T} is too short for {len(self.heads)} MTP heads: use seq_len > mtp_depth")
         doc = None if cu_seqlens is None else document_ids(cu_seqlens, T)  # (T,)
@@ -210,6 +210,13 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
     if h.shape[:-1] != targets.shape or h.shape[-1] != weight.shape[-1]:
         raise ValueError(f"h {tuple(h.shape)}, weight {tuple(weight.shape)}, targets {tuple(targets.shape)}: "
                          "need h [..., D], weight [V, D] and targets of h's leading shape")
+    if targets.dtype not in (torch.long, torch.int32):
+        raise TypeError(f"targets must be integer token ids (int64 or int32), got {targets.dtype}")
+    if targets.device.type == "cpu":  # on a GPU this would wait for it (the model checks its targets before the trunk)
+        bad = ~(((targets >= 0) & (targets < weight.shape[0])) | (targets == IGNORE_INDEX))
+        if bool(bad.any()):
+            raise ValueError(f"targets must be ids in 0..{weight.shape[0] - 1}, or IGNORE_INDEX={IGNORE_INDEX} to skip a "
+                             f"position; got {targets[bad].unique().tolist()[:5]}")
     dev, cdt = h.device.type, _compute_dtype(h, weight)
     if cdt == torch.float16:
         raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "

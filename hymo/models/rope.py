@@ -17,7 +17,7 @@ def rope_inv_freq(dim: int, # Rotated width d (even)
                   theta: float = 10000.0, # Base of the frequencies
                   device=None) -> torch.Tensor: # [d/2] fp32: theta^(-2i/d)
     "The angular frequency θ_i of every rotated pair, in radians per token."
-    if dim % 2: raise ValueError(f"RoPE rotates pairs of dimensions: dim={dim} must be even")
+    if dim % 2 or dim <= 0: raise ValueError(f"RoPE rotates pairs of dimensions: dim={dim} must be even and positive")
     return theta ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
 
 
@@ -26,6 +26,10 @@ def rope_cos_sin(positions: torch.Tensor, # Integer positions [T] or [B, T]
                  theta: float = 10000.0, # Base of the frequencies
                 ) -> tuple[torch.Tensor, torch.Tensor]: # cos, sin: [T, d/2] or [B, T, d/2], fp32
     "cos(m θ_i) and sin(m θ_i) for every position m in `positions` and every pair i."
+    if positions.is_complex() or (positions.is_floating_point() and positions.device.type == "cpu"  # (a GPU's: unread)
+                                  and bool((positions != positions.round()).any())):  # 0.5 is no token's place
+        raise TypeError(f"rope_cos_sin: positions must be whole numbers (e.g. torch.arange(T)), got {positions.dtype} "
+                        f"{positions.flatten()[:4].tolist()}")
     angles = positions.float()[..., None] * rope_inv_freq(dim, theta, positions.device)  # (..., T, d/2)
     return angles.cos(), angles.sin()
 
@@ -42,6 +46,9 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
                          "pass only the rotated slice of x, and tables made with dim = that slice's width")
     if cos.shape[-2] != x.shape[-3]:  # a table of one position would broadcast over all T: every token at one angle
         raise ValueError(f"apply_rope: x has {x.shape[-3]} positions but the tables {cos.shape[-2]}; give one position per token")
+    if sin.shape != cos.shape or cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[0] not in (1, x.shape[0])):
+        raise ValueError(f"apply_rope: cos and sin must both be [T, d/2], or [B, T, d/2] with B = {x.shape[0]} (or 1); "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}: make them together with rope_cos_sin")
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, d/2) each
     cos, sin = cos[..., None, :], sin[..., None, :]  # (.., T, 1, d/2): one angle for all heads
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).to(x.dtype)  # (B, T, H, d)

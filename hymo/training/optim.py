@@ -213,7 +213,8 @@ class NorMuon(torch.optim.Optimizer):
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
             # parameters of one shape (and, for FSDP-2 shards, one layout) are updated together
-            for ps in _same_shape([p for p in group["params"] if p.grad is not None]): self._update(ps, group)
+            for ps in _same_shape([p for p in group["params"] if p.grad is not None and p.numel()]):  # empty: nothing to do
+                self._update(ps, group)
         return loss
 
     def load_state_dict(self, state_dict: dict):
