@@ -1301,8 +1301,11 @@ def test_ctrl_c_does_not_wait_for_the_tokenizer_trainer(monkeypatch):
     monkeypatch.setattr(D, "_in_a_thread", real)
     assert D._in_a_thread(lambda: 7) == 7
     with pytest.raises(ValueError, match="from the worker"): D._in_a_thread(lambda: (_ for _ in ()).throw(ValueError("from the worker")))
-    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
-    t0 = time.perf_counter()
-    timer.start()
-    with pytest.raises(KeyboardInterrupt): D._in_a_thread(lambda: time.sleep(8))  # a call that ignores signals, as Rust does
-    assert time.perf_counter() - t0 < 4, "the interrupt waited for the worker"
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job (CI's) starts with SIGINT ignored
+    try:
+        timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+        t0 = time.perf_counter()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt): D._in_a_thread(lambda: time.sleep(8))  # a call that ignores signals, as Rust does
+        assert time.perf_counter() - t0 < 4, "the interrupt waited for the worker"
+    finally: signal.signal(signal.SIGINT, old)
