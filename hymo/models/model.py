@@ -21,7 +21,7 @@ from .gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from .layers import RMSNorm
 from .mla import MLABlock, MLACache, MultiHeadLatentAttention
 from .moe import DeepSeekMoE
-from .mtp import IGNORE_INDEX, MultiTokenPrediction, lm_loss, lm_loss_fused
+from .mtp import IGNORE_INDEX, MultiTokenPrediction, check_target_ids, lm_loss, lm_loss_fused
 
 # %% auto #0
 __all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'doc_keys_per_query', 'state_breakdown']
@@ -102,11 +102,7 @@ class HyMo(nn.Module):
         V = self.config.vocab_size
         if targets.dtype not in (torch.long, torch.int32):
             raise ValueError(f"targets must be integer ids (int64 or int32), got {targets.dtype}")
-        if targets.device.type == "cpu":  # on a GPU this would wait for it; the trainer's data is checked against vocab_size
-            bad = ~(((targets >= 0) & (targets < V)) | (targets == IGNORE_INDEX))
-            if bool(bad.any()):
-                raise ValueError(f"targets must be ids in 0..{V - 1} (vocab_size={V}), or IGNORE_INDEX={IGNORE_INDEX} for a "
-                                 f"position without a loss; got {targets[bad].unique().tolist()[:5]}")
+        check_target_ids(targets, V, f" (vocab_size={V})")  # on a CPU: the trainer's data is checked against vocab_size
 
     def _check_tokens(self, tokens, cu_seqlens):
         "Raise `ValueError` for token tensors the model cannot take."

@@ -22,7 +22,7 @@ from .layers import RMSNorm
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'MTPBlock', 'MTPOutput', 'MultiTokenPrediction', 'document_ids', 'lm_loss', 'ce_chunk',
-           'linear_cross_entropy', 'lm_loss_fused']
+           'check_target_ids', 'linear_cross_entropy', 'lm_loss_fused']
 
 # %% ../../nbs/40_mtp.ipynb #2e6fd7d5
 IGNORE_INDEX = -100
@@ -201,6 +201,18 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
 
 
+def check_target_ids(targets: torch.Tensor, # Token ids, or IGNORE_INDEX where a position has no loss
+                     V: int, # Vocabulary size
+                     named: str = "", # Said after the range, e.g. " (vocab_size=V)"
+                    ):
+    "Raise `ValueError` for a target that is neither an id in 0..V-1 nor IGNORE_INDEX; read on a CPU only (a GPU would be waited for)."
+    if targets.device.type != "cpu": return
+    bad = ~(((targets >= 0) & (targets < V)) | (targets == IGNORE_INDEX))
+    if bool(bad.any()):
+        raise ValueError(f"targets must be ids in 0..{V - 1}{named}, or IGNORE_INDEX={IGNORE_INDEX} to skip a position; "
+                         f"got {targets[bad].unique().tolist()[:5]}")
+
+
 def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
                          weight: torch.Tensor, # Vocabulary projection [V, D] (the tied embedding)
                          targets: torch.Tensor, # Token ids [...], IGNORE_INDEX (-100) to skip a position
@@ -212,11 +224,7 @@ def linear_cross_entropy(h: torch.Tensor, # Hidden states [..., D]
                          "need h [..., D], weight [V, D] and targets of h's leading shape")
     if targets.dtype not in (torch.long, torch.int32):
         raise TypeError(f"targets must be integer token ids (int64 or int32), got {targets.dtype}")
-    if targets.device.type == "cpu":  # on a GPU this would wait for it (the model checks its targets before the trunk)
-        bad = ~(((targets >= 0) & (targets < weight.shape[0])) | (targets == IGNORE_INDEX))
-        if bool(bad.any()):
-            raise ValueError(f"targets must be ids in 0..{weight.shape[0] - 1}, or IGNORE_INDEX={IGNORE_INDEX} to skip a "
-                             f"position; got {targets[bad].unique().tolist()[:5]}")
+    check_target_ids(targets, weight.shape[0])
     dev, cdt = h.device.type, _compute_dtype(h, weight)
     if cdt == torch.float16:
         raise TypeError("linear_cross_entropy does not support fp16 (small gradients would underflow before loss "

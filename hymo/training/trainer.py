@@ -599,7 +599,7 @@ class Trainer:
         on synthetic tokens overrides this). The tokenizer is read now and kept: the finished run's copy is the one it
         trained with, even if the dataset is prepared again, moved or deleted meanwhile (the shards stay open)."""
         self.data_dir = Path(self.cfg.data_dir).expanduser() if self.cfg.data_dir else self._prepare_default()
-        given = getattr(self, "given_data_dir", None)
+        given = self.given_data_dir
         try: manifest = check_compatible(self.data_dir, self.mcfg.vocab_size)
         except DataError as e:
             if not given or os.path.isabs(os.path.expanduser(given)) or self.data_dir.exists(): raise
@@ -633,8 +633,7 @@ class Trainer:
     def data_summary(self) -> str:
         "One line on the data: its folder, each split's tokens, and how many epochs `max_steps` optimiser steps read."
         L, T = self.train_loader, self.cfg.seq_len
-        val = self.val_loader.n_tokens if self.val_loader is not None else sum(
-            s["tokens"] for s in L.manifest["splits"].get("val", {}).get("shards", []))
+        val = L.manifest["splits"].get("val", {}).get("tokens", 0)  # the shards' lengths, checked when they opened
         epochs = self.cfg.max_steps * self.accum / L.steps_per_epoch  # an epoch: `steps_per_epoch` micro-batch steps
         return (f"data: {self.data_dir} (train {L.n_tokens:,} tokens, {L.n_windows:,} windows of seq_len {T}; "
                 f"val {val:,} tokens): max_steps={self.cfg.max_steps:,} reads "
