@@ -20,7 +20,7 @@ from hymo.config import ConfigError, load_config
 from hymo.models.gdn import GatedDeltaNetBlock
 from hymo.models.mla import MLABlock
 from hymo.training.trainer import BF16Matrices
-from need_gpu import need_gpu  # the script beside this one
+from need_gpu import check_out, device_arg, need_gpu, provenance  # the script beside this one
 
 
 def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
@@ -46,13 +46,6 @@ def block_ms(block: torch.nn.Module, x: torch.Tensor, iters: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def _device(name: str) -> str:
-    "A device name torch understands (cpu, cuda, cuda:1), checked when the arguments are read."
-    try: torch.device(name)
-    except RuntimeError as e: raise argparse.ArgumentTypeError(str(e).splitlines()[0]) from None
-    return name
-
-
 def check_args(p: argparse.ArgumentParser, args):
     "Refuse sizes that would time nothing, or crash after the block is compiled."
     for name in ("batch", "seq_len", "iters"):
@@ -60,6 +53,7 @@ def check_args(p: argparse.ArgumentParser, args):
     try: L = load_config(args.config).model.max_seq_len
     except ConfigError as e: p.error(str(e))
     if args.seq_len > L: p.error(f"--seq-len {args.seq_len} is longer than {args.config}'s max_seq_len={L}")
+    check_out(p, args.out)
 
 
 def main(args):
@@ -72,8 +66,7 @@ def main(args):
     x = torch.randn(args.batch, args.seq_len, cfg.dim, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     ms = block_ms(block, x, args.iters)
     res = dict(config=args.config, block=args.block, ms_fwd_bwd=ms, iters=args.iters, shape=list(x.shape),
-               device=torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "cpu", torch=torch.__version__,
-               date=time.strftime("%Y-%m-%d"))
+               device=torch.cuda.get_device_name(args.device) if torch.device(args.device).type == "cuda" else "cpu", **provenance())
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w") as f: json.dump(res, f, indent=1)
@@ -85,9 +78,9 @@ if __name__ == "__main__":
     p.add_argument("--config", default="hymo_750m", help="preset whose model config builds the block")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--device", default="cuda", type=_device)
+    p.add_argument("--device", default="cuda", type=device_arg)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="write the result as JSON here")
     args = p.parse_args()
     check_args(p, args)
     main(args)

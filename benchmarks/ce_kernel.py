@@ -2,19 +2,22 @@
 the Triton kernel (chapter 42) against the fp32 `ce_chunk`, and its time against `torch.compile(ce_chunk)`,
 with a small sweep of block width and warps.
 
-    python benchmarks/ce_kernel.py --out benchmarks/results/ce_kernel.json [--sweep]
+    python benchmarks/ce_kernel.py --out /tmp/ce_kernel.json [--sweep]   # a scratch file; copy what you keep to benchmarks/results/
 """
 import argparse
 import json
 import time
 
 import torch
-import triton
-from triton.testing import do_bench
 
-import hymo.models.ce_triton as ce
-from hymo.models.mtp import _compiled_ce_chunk, ce_chunk
-from need_gpu import need_gpu  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+
+need_triton()
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import hymo.models.ce_triton as ce  # noqa: E402
+from hymo.models.mtp import _compiled_ce_chunk, ce_chunk  # noqa: E402
 
 V = 64256
 ROWS = 2 ** 28 // V  # linear_cross_entropy's default chunk: about 1 GB of fp32 logits
@@ -30,9 +33,10 @@ def inputs(seed=0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="also time block widths 1024-8192 x 4, 8, 16 warps, then time the fastest")
     args = ap.parse_args()
+    check_out(ap, args.out)
     need_gpu("tests/test_ce_triton.py checks the kernel through Triton's interpreter")
     z, y, w = inputs()
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -49,7 +53,9 @@ def main():
             ce.LAUNCH.update(cfg)
             try: times[name] = do_bench(lambda: ce.triton_ce_chunk(z, y, w, True), return_mode="median")
             except Exception as e: times[name] = repr(e)[:120]
-        best = min((n for n, t in times.items() if isinstance(t, float)), key=times.get)
+        ok = [n for n, t in times.items() if isinstance(t, float)]
+        if not ok: raise SystemExit("every sweep setting failed on this GPU:\n" + "\n".join(f"  {n}: {t}" for n, t in times.items()))
+        best = min(ok, key=times.get)
         res["sweep"] = dict(times, best=best)
         ce.LAUNCH.update(configs[best])
         print("sweep:", json.dumps(res["sweep"], indent=1), flush=True)

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 import hymo.training.trainer as trainer_module
-from hymo.config import load_config
+from hymo.config import ConfigError, load_config
 from hymo.training.trainer import Trainer
+from need_gpu import check_out, provenance  # the script beside this one
 
 
 class CrcTimer:
@@ -53,17 +54,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="hymo_tiny", help="preset (default hymo_tiny)")
     ap.add_argument("--repeat", type=int, default=2, help="saves to time (default 2)")
-    ap.add_argument("--run-dir", help="where to write, to time that disk (default a temporary folder, removed after; "
-                                      "where /tmp is in memory that times memory)")
+    ap.add_argument("--run-dir", help="a folder on the disk to time (default the system's temporary folder; where /tmp is in "
+                                      "memory that times memory); the run is written in a new folder inside it, removed after")
     ap.add_argument("--out", help="JSON file to write the row to")
     args = ap.parse_args(argv)
     if args.repeat < 1: ap.error("--repeat must be at least 1")
-
-    base = load_config(args.config)
+    if args.run_dir and not Path(args.run_dir).is_dir(): ap.error(f"--run-dir {args.run_dir} is not a folder; give one on the disk to time")
+    check_out(ap, args.out)
+    try: base = load_config(args.config)
+    except ConfigError as e: ap.error(str(e))
     cfg = load_config(args.config, compile=False, max_steps=2, warmup_steps=0, eval_every=0, ckpt_every=1000,
                       global_batch_size=base.train.micro_batch_size, sample_tokens=0, wandb=False)
-    with tempfile.TemporaryDirectory() as tmp, CrcTimer() as crc:
-        run_dir = Path(args.run_dir or tmp) / "run"
+    with tempfile.TemporaryDirectory(dir=args.run_dir, prefix="ckpt_save-") as tmp, CrcTimer() as crc:
+        run_dir = Path(tmp) / "run"
         tr = Trainer(cfg.model, cfg.train, run_dir=run_dir, resume=False, name=args.config, quiet=True)
         tr.fit(num_steps=1)
         saves = []
@@ -77,9 +80,10 @@ def main(argv=None):
         crc.reset()
         load_s = timed(lambda: tr.load(ckpt))
         load_crc_s, checked = crc.seconds, crc.bytes
+        meta_bytes = (ckpt / "meta.json").stat().st_size
 
     row = {"config": args.config, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "files": len(files), "checkpoint_bytes": size,
+           **provenance(), "files": len(files), "checkpoint_bytes": size, "meta_json_bytes": meta_bytes,
            "save_s": [round(s, 3) for _, s, _ in saves], "save_crc_s": [round(c, 3) for _, _, c in saves],
            "load_s": round(load_s, 3), "load_crc_s": round(load_crc_s, 3), "load_checked_bytes": checked}
     print(f"{args.config} on {row['device']}: checkpoint of {len(files)} files, {size / 1e9:.2f} GB")

@@ -2,19 +2,22 @@
 kernels against the fp32 PyTorch prelude, and forward / forward+backward times against PyTorch eager and
 `torch.compile`, with a small sweep of the kernels' tiles.
 
-    python benchmarks/gdn_conv_kernel.py --out benchmarks/results/gdn_conv_kernel.json [--sweep]
+    python benchmarks/gdn_conv_kernel.py --out /tmp/gdn_conv_kernel.json [--sweep]   # a scratch file; copy what you keep
 """
 import argparse
 import json
 import time
 
 import torch
-import triton
-from triton.testing import do_bench
 
-import hymo.models.gdn_conv_triton as ct
-from hymo.models.gdn import conv_silu_norm
-from need_gpu import need_gpu  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+
+need_triton()
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+import hymo.models.gdn_conv_triton as ct  # noqa: E402
+from hymo.models.gdn import conv_silu_norm  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: parity only, under TRITON_INTERPRET=1 (a smoke run)
 B, T, H, K, V, W = 4, 4096, 40, 32, 32, 4  # hymo_750m: micro-batch 4 x 4096, 40 heads of 32
@@ -97,10 +100,12 @@ def sweep() -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="also time a few tile sizes of each kernel, then time the fastest")
     ap.add_argument("--best-out", default=None, help="with --sweep: write the fastest tiles here (train_step.py --conv-launch reads them)")
     args = ap.parse_args()
+    if args.best_out and not args.sweep: ap.error("--best-out writes the sweep's fastest tiles: it needs --sweep")
+    check_out(ap, args.out); check_out(ap, args.best_out, "--best-out")
     need_gpu("tests/test_gdn_conv_triton.py checks the kernels through Triton's interpreter")
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                          triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch={k: dict(v) for k, v in ct.LAUNCH.items()},

@@ -1,6 +1,6 @@
 """Time the gated delta rule on one GPU: Triton kernels, the PyTorch chunked path, the naive loop.
 
-    python benchmarks/gdn_kernel.py --out gdn_kernel.json [--sweep]
+    python benchmarks/gdn_kernel.py --out /tmp/gdn_kernel.json [--sweep]   # a scratch file; copy what you keep
 
 Shapes: HyMo 750M's GDN layer (B=4, T=4096, H=40, K=V=32) and a wide-head one (B=4, T=4096, H=16,
 K=V=128), bf16. Median times from `triton.testing.do_bench`; forward alone, and forward + backward
@@ -16,13 +16,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-from triton.testing import do_bench
+
+from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+
+need_triton()
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hymo.models.gdn_triton as gt  # noqa: E402
 from hymo.models.gdn import chunk_gated_delta_rule_torch, naive_gated_delta_rule  # noqa: E402
-from need_gpu import need_gpu  # noqa: E402  (the script beside this one)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: only a smoke run of this script (TRITON_INTERPRET=1, tiny shapes)
 SHAPES = {"hymo_750m": (4, 4096, 40, 32, 32), "wide_heads": (4, 4096, 16, 128, 128)}
@@ -108,11 +111,11 @@ def full_timings(r: dict, xs, xg, T, nT):
     r["torch_chunk_fwd_ms"] = t_fwd(chunk_gated_delta_rule_torch, xs)
     r["torch_chunk_fwd_bwd_ms"] = t_fwd_bwd(chunk_gated_delta_rule_torch, xg)
     xn, xng = [x[:, :nT].contiguous() for x in xs], [x[:, :nT].detach().contiguous().requires_grad_() for x in xg]
-    r["naive_T_measured"] = nT
+    r["naive_T_measured"] = nT  # (1 <= nT <= T, checked in main)
     r["naive_fwd_ms_extrapolated"] = t_fwd(naive_gated_delta_rule, xn, warmup=5, rep=50) * T / nT
     r["naive_fwd_bwd_ms_extrapolated"] = t_fwd_bwd(naive_gated_delta_rule, xng, warmup=5, rep=50) * T / nT
     peak, io = peak_memory(gt.triton_gated_delta_rule, xg)
-    r.update(triton_fwd_bwd_peak_MB=peak / 2**20, inputs_outputs_MB=io / 2**20, peak_over_io=peak / io)
+    r.update(triton_fwd_bwd_peak_MB=peak / 2**20, inputs_outputs_MB=io / 2**20, peak_over_io=peak / io)  # MiB, as named since 2026-12-02
     tpeak, _ = peak_memory(chunk_gated_delta_rule_torch, xg)
     r["torch_chunk_fwd_bwd_peak_MB"] = tpeak / 2**20
     r["triton_kernels_ms"] = kernel_breakdown(xs)
@@ -126,14 +129,18 @@ def safe(f):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="gdn_kernel.json")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--sweep", action="store_true", help="also time a few launch configurations of each kernel")
     ap.add_argument("--kernels-only", action="store_true", help="only the Triton launches (and --sweep): no PyTorch path, loop or memory")
-    ap.add_argument("--naive-T", type=int, default=256)
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names from SHAPES")
+    ap.add_argument("--naive-T", type=int, default=256, help="tokens the loop is timed on (its time is scaled to T; default 256)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of: " + ", ".join(
+        f"{n} (B, T, H, K, V = {', '.join(map(str, s))})" for n, s in SHAPES.items()))
     args = ap.parse_args()
     bad = set(args.shapes.split(",")) - set(SHAPES)
     if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from {', '.join(SHAPES)} (comma-separated)")
+    T_min = min(SHAPES[n][1] for n in args.shapes.split(","))
+    if not 1 <= args.naive_T <= T_min: ap.error(f"--naive-T {args.naive_T}: give 1 to {T_min} (the shapes' T), the tokens the loop is timed on")
+    check_out(ap, args.out)
     need_gpu("tests/test_bench_gdn.py runs its launches through Triton's interpreter")
     results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
                              triton=triton.__version__, dtype="bfloat16", timer="triton.testing.do_bench, median, ms"),
@@ -171,14 +178,14 @@ def main():
         print(json.dumps({name: r}), flush=True)
         del xs, xg
         torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.out: Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\n{'shape':12s} {'path':14s} {'fwd ms':>9s} {'fwd+bwd ms':>11s}")
     for name, r in results["shapes"].items():
         for path, a, b in () if args.kernels_only else (("triton", "triton_fwd_ms", "triton_fwd_bwd_ms"), ("torch chunked", "torch_chunk_fwd_ms", "torch_chunk_fwd_bwd_ms"),
-                           (f"naive (x{r['T'] // r['naive_T_measured']})", "naive_fwd_ms_extrapolated", "naive_fwd_bwd_ms_extrapolated")):
+                           (f"naive (x{r['T'] / r['naive_T_measured']:g})", "naive_fwd_ms_extrapolated", "naive_fwd_bwd_ms_extrapolated")):
             print(f"{name:12s} {path:14s} {r[a]:9.3f} {r[b]:11.3f}")
-        if not args.kernels_only: print(f"{name:12s} triton fwd+bwd peak {r['triton_fwd_bwd_peak_MB']:.0f} MB = {r['peak_over_io']:.2f} x inputs+outputs "
-              f"({r['inputs_outputs_MB']:.0f} MB); torch chunked peak {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MB")
+        if not args.kernels_only: print(f"{name:12s} triton fwd+bwd peak {r['triton_fwd_bwd_peak_MB']:.0f} MiB = {r['peak_over_io']:.2f} x inputs+outputs "
+              f"({r['inputs_outputs_MB']:.0f} MiB); torch chunked peak {r['torch_chunk_fwd_bwd_peak_MB']:.0f} MiB")
         print(f"{name:12s} " + ", ".join(f"{k} {v:.3f}" for k, v in r["triton_kernels_ms"].items()))
         for k, v in r.get("sweep", {}).items(): print(f"   {k}: " + ", ".join(f"{a} {b:.3f}" if isinstance(b, float) else f"{a} {b}" for a, b in v.items()))
 

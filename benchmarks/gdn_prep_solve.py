@@ -1,6 +1,6 @@
 """Ways to invert the chunk's unit lower-triangular matrix in the GDN prep kernel (kernel 1), timed and checked.
 
-    python benchmarks/gdn_prep_solve.py --out gdn_prep_solve.json
+    python benchmarks/gdn_prep_solve.py --out /tmp/gdn_prep_solve.json   # a scratch file; copy what you keep
 
 Kernel 1 builds L = strict_tril(diag(beta) K K^T * Gamma) per 64-token chunk and stores A = (I + L)^-1.
 
@@ -32,12 +32,15 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+
+need_triton()
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hymo.models.gdn_triton as gt  # noqa: E402
-from need_gpu import need_gpu  # noqa: E402  (the script beside this one)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -243,8 +246,9 @@ def error(k, g, beta, variant):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="gdn_prep_solve.json")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    check_out(ap, args.out)
     need_gpu("set TRITON_INTERPRET=1 to check the solves' accuracy at a small shape", interpreter_ok=True)
     gpu = DEV == "cuda"
     B, T, H, K = (4, 4096, 40, 32) if gpu else (1, 128, 2, 32)
@@ -267,7 +271,7 @@ def main():
                 try: r[f"ms (num_warps={w})"] = do_bench(lambda: prep(k, g, beta, variant, w), return_mode="median")
                 except Exception as e: r[f"ms (num_warps={w})"] = repr(e)[:300]
         print(name, json.dumps(r), flush=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    if args.out: Path(args.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

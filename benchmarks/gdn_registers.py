@@ -21,10 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
+
+from need_gpu import check_out, need_triton  # the script beside this one
+
+need_triton()
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hymo.models.gdn_triton as gt  # noqa: E402
@@ -93,13 +97,16 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="JSON file: the table is stored under this Triton's version, beside others")
     args = ap.parse_args()
+    old = {}
+    if args.out:  # a file that cannot take the table fails now, not after compiling
+        check_out(ap, args.out)
+        try: old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+        except (OSError, ValueError) as e: ap.error(f"--out {args.out} cannot be read as JSON ({e}): give a table file or a new file")
+        if not isinstance(old, dict): ap.error(f"--out {args.out} holds a JSON {type(old).__name__}, not tables by Triton version")
     res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, target="sm_90a", H=H, K=K, V=V), kernels={})
     print(f"{'kernel':34s} {'registers':>9s} {'spill stores':>13s} {'spill loads':>12s} {'shared':>8s}  "
           f"(bytes per thread, shared bytes per block; Triton {triton.__version__})")
     for name, (kern, kernel_args, opts) in kernels().items():
         r = res["kernels"][name] = registers(kern, kernel_args, dict(opts))
         print(f"{name:34s} {r['registers']:9d} {r['spill_store_bytes']:13d} {r['spill_load_bytes']:12d} {r['shared_bytes']:8d}")
-    if args.out:
-        path = Path(args.out)
-        old = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**old, f"triton {triton.__version__}": res}, indent=1))
+    if args.out: Path(args.out).write_text(json.dumps({**old, f"triton {triton.__version__}": res}, indent=1))

@@ -1,8 +1,9 @@
 """GPU parity of the Triton gated delta rule against the fp32 loop (`naive_gated_delta_rule`).
 
-    python benchmarks/gdn_verify.py --out verify.json
+    python benchmarks/gdn_verify.py --out /tmp/gdn_verify.json [--quick] [--decays strong] [--shapes hymo]
 
-For each dtype (bf16, fp32), T in {63, 256, 1000, 4096} and head shape (H=40, K=V=32) / (H=16, K=V=128):
+For each dtype (bf16, fp32), T in {63, 256, 1000, 4096} ({63, 256} with --quick), head shape (H=40, K=V=32) /
+(H=16, K=V=128) and decay regime (strong, the mixer's initialisation, weak: --decays):
 relative RMSE ||ref - out|| / ||ref|| of o, the final state and the gradients of q, k, v, g, beta and
 the initial state. The reference is the fp32 loop, differentiated by autograd, on the same (rounded)
 inputs upcast to fp32. Long runs of the loop use a smaller batch (B in the table). Also: packed
@@ -20,9 +21,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from need_gpu import check_out, need_gpu, need_triton  # noqa: E402  (the script beside this one)
+
+need_triton()
 from hymo.models.gdn import naive_gated_delta_rule  # noqa: E402
 from hymo.models.gdn_triton import fused_recurrent_gated_delta_rule, triton_gated_delta_rule  # noqa: E402
-from need_gpu import need_gpu  # noqa: E402  (the script beside this one)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke run under TRITON_INTERPRET=1
 LOW = (torch.bfloat16,) if DEV == "cuda" else (torch.float16,)  # the CPU interpreter runs bf16 in fp32
@@ -83,14 +86,15 @@ def parity(B, T, H, K, V, dtype, cu=None, seed=0, decays="strong"):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="gdn_verify.json")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true", help="T = 63 and 256 only (minutes instead of tens of minutes)")
     ap.add_argument("--decays", default="strong,init,weak", help="decay regimes of the chunked checks: " +
                     "; ".join(f"{k}: {v}" for k, v in DECAYS.items()).replace("%", "%%"))  # argparse formats help with %
     ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed and recurrent checks); wide: H=16, K=V=128")
     args = ap.parse_args()
     bad = set(args.shapes.split(",")) - {"hymo", "wide"}
     if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from hymo, wide (comma-separated)")
+    check_out(ap, args.out)
     need_gpu("set TRITON_INTERPRET=1 for a smoke run at small shapes", interpreter_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
@@ -135,7 +139,7 @@ def main():
     meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu', torch=torch.__version__,
                 triton=triton.__version__, metric="relative RMSE ||ref - out|| / ||ref|| against the fp32 loop",
                 decays={k: DECAYS[k] for k in decays})
-    Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    if args.out: Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     value = lambda x: x if math.isfinite(x) else math.inf  # a NaN would compare as neither worse nor better
     worst = max((max(value(r[n]) for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"]) for r in rows)
     print("\nkind            decays dtype     T    K   " + "  ".join(f"{n:>7}" for n in NAMES))

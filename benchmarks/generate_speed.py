@@ -28,6 +28,7 @@ import torch
 
 from hymo.config import ConfigError, load_config
 from hymo.models.model import build_hymo
+from need_gpu import check_out, device_arg, provenance  # the script beside this one
 
 
 def timed_generate(model, prompt, n: int, cache: bool, graph: bool, device: torch.device, bf16: bool) -> tuple[torch.Tensor, float]:
@@ -45,10 +46,11 @@ def main(argv=None):
     p.add_argument("--config", default=None, help="preset or YAML (default: hymo_750m on a GPU, hymo_tiny on a CPU)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 512, at most half of max_seq_len)")
     p.add_argument("--tokens", type=int, default=None, help="tokens to draw (default 256, at most what max_seq_len leaves)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--device", default="auto", type=lambda d: d if d == "auto" else device_arg(d), help="cpu, cuda or auto (default)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (a GPU only); default fp32")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
+    check_out(p, a.out)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
     if a.bf16 and device.type != "cuda": p.error("--bf16 needs a CUDA GPU (bf16 autocast); on a CPU the benchmark runs fp32")
@@ -63,7 +65,7 @@ def main(argv=None):
     model = build_hymo(cfg, device).eval()
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt), device=device)
     result = {"config": config, "device":
-              torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              torch.cuda.get_device_name() if device.type == "cuda" else "cpu", **provenance(),
               "prompt_tokens": a.prompt, "new_tokens": a.tokens,
               "precision": "bf16 autocast, fp32 weights" if a.bf16 else "fp32", "greedy": True}
     drawn = {}

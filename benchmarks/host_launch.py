@@ -13,11 +13,14 @@ import json
 import time
 
 import torch
-import triton
 
-import hymo.models.gdn_conv_triton as ct
-import hymo.models.gdn_triton as gt
-from need_gpu import need_gpu  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+
+need_triton()
+import triton  # noqa: E402
+
+import hymo.models.gdn_conv_triton as ct  # noqa: E402
+import hymo.models.gdn_triton as gt  # noqa: E402
 
 
 def host_us(fn, loops: int = 5, calls: int = 60) -> float:
@@ -70,4 +73,6 @@ def main(args):
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the numbers as JSON")
-    main(p.parse_args())
+    args = p.parse_args()
+    check_out(p, args.out)
+    main(args)

@@ -14,7 +14,6 @@ that the compiled update gives the list-wide one's weights.
 """
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import torch
 from hymo.config import load_config
 from hymo.models.model import HyMo
 from hymo.training.optim import NorMuon, build_optimizers, newton_schulz, normuon_rownorm
-from need_gpu import need_gpu  # the scripts beside this one
+from need_gpu import check_out, need_gpu, provenance  # the scripts beside this one
 from train_step import optimizer_ms, time_optimizers
 
 
@@ -65,16 +64,19 @@ def step_listwide(muon: NorMuon):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each optimiser first (default 2)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    if args.steps < 1: ap.error(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup < 0: ap.error(f"--warmup must be at least 0, got {args.warmup}")
+    check_out(ap, args.out)
     need_gpu("tests/test_optim.py checks NorMuon's fused update against the list-wide one")
     cfg = load_config("hymo_750m")
     torch.manual_seed(0)
     with torch.device("cuda"): model = HyMo(cfg.model)
     for p in model.parameters(): p.grad = torch.randn_like(p) * 1e-3
-    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+    res = dict(gpu=torch.cuda.get_device_name(), **provenance())
     opts = build_optimizers(model, cfg.train)
     for opt in opts:
         for _ in range(args.warmup): opt.step()

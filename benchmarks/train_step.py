@@ -34,7 +34,6 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ import torch
 from hymo.config import ConfigError, load_config
 from hymo.training.data import doc_cu_seqlens
 from hymo.training.trainer import Trainer, peak_flops
-from need_gpu import need_gpu  # the script beside this one
+from need_gpu import check_out, need_gpu, provenance  # the script beside this one
 
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
 DOC_LEN = 0  # set by --doc-masking: mean document length of the synthetic batches (0: no document boundaries)
@@ -329,14 +328,16 @@ def variant(args) -> str:
 
 def _unlabelled() -> str:
     "The row's `code` when --code is not given: the commit measured, marked when the checkout has changes."
-    try:
-        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=True).stdout.strip()
-        return f"unlabelled: {git('rev-parse', '--short', 'HEAD')}" + (" + changes" if git("status", "--porcelain", "-uno") else "")
-    except (OSError, subprocess.CalledProcessError): return "unlabelled"
+    return f"unlabelled: {provenance()['code']}"
 
 
 def check_args(p: argparse.ArgumentParser, args):
     "Refuse what would run something else than the row says, before the model is built."
+    if args.profile_rows is not None and not args.profile: p.error("--profile-rows sets the profiler table's rows: it needs --profile")
+    if args.profile_micro_batches is not None and args.profile in (None, "step"):
+        p.error("--profile-micro-batches sets the 'micro' and 'cuda' profiles' passes: give --profile micro or --profile cuda")
+    args.profile_rows = 30 if args.profile_rows is None else args.profile_rows
+    args.profile_micro_batches = 3 if args.profile_micro_batches is None else args.profile_micro_batches
     for name in ("steps", "accum", "micro_batch", "seq_len", "profile_micro_batches", "profile_rows"):
         if getattr(args, name) < 1: p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     for name in ("warmup", "doc_masking"):
@@ -357,7 +358,7 @@ def check_args(p: argparse.ArgumentParser, args):
         try: old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
         except (OSError, ValueError) as e: p.error(f"--out {args.out} cannot be read as JSON ({e}): give a results list or a new file")
         if not isinstance(old, list): p.error(f"--out {args.out} holds a JSON {type(old).__name__}, not a list of rows")
-        if not Path(args.out).resolve().parent.is_dir(): p.error(f"--out {args.out}: its folder does not exist")
+        check_out(p, args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,15 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", nargs="?", const="step", choices=["step", "micro", "cuda"],
                    help="torch.profiler table of one optimiser step, or ('micro') of 3 forward+backward passes, "
                         "or ('cuda') of 3 passes recording only GPU activity (the host slowed less); see --profile-micro-batches")
-    p.add_argument("--profile-micro-batches", type=int, default=3, metavar="N",
-                   help="micro-batches in the 'micro' and 'cuda' profiles, run as one step's accumulation: the once-per-step "
+    p.add_argument("--profile-micro-batches", type=int, default=None, metavar="N",
+                   help="micro-batches in the 'micro' and 'cuda' profiles (default 3), run as one step's accumulation: the once-per-step "
                         "work (the bf16 copies' refresh; FSDP's first gathers and last reduction) is 1/N of each micro-batch's "
                         "numbers, so N = --accum gives a real step's share")
     p.add_argument("--timeline", action="store_true",
                    help="also time every micro-batch of the timed steps with CUDA events: the GPU's span, the host's time to "
                         "issue it, and whether the GPU had run dry at each micro-batch boundary (it then likely waited on the host)")
     p.add_argument("--conv-launch", default=None, help="JSON of tiles for the GDN prelude kernels (gdn_conv_kernel.py --best-out)")
-    p.add_argument("--profile-rows", type=int, default=30, help="rows of the profiler table")
+    p.add_argument("--profile-rows", type=int, default=None, help="rows of the profiler table (default 30)")
     p.add_argument("--out", default=None, help="add the result to this JSON list, first (the results page reads newest first)")
     p.add_argument("--code", default=None, help="the row's label: what code it measured and why (default: 'unlabelled: <commit>')")
     return p

@@ -46,6 +46,7 @@ from hymo.config import TRITON_CHUNK
 from hymo.models.gdn import _check_rule_inputs
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1, read once: kernels are decorated at import
+GATE_FLOOR = tl.constexpr(-110.0)  # gates are read as at least this: e^-110 is 0 in fp32, and no -inf - (-inf) (see the prep kernel)
 
 
 def _library_for_interpreter():
@@ -246,6 +247,14 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # Every block is its own small tile, built from the keys, gates and $\beta$ of its two token
 # blocks, loaded apart: no tile is ever cut out of a larger one.
 #
+# **Gates.** The kernels work with differences of in-chunk cumulative gates, $G_t - G_i$, and a
+# gate of $-\infty$ (a hard reset, which chapter 12's rule takes) would make them
+# $-\infty - (-\infty) = $ `nan`; a very strong finite gate would swallow the small gaps after it.
+# So the prep kernel reads every gate as at least $-110$ (`GATE_FLOOR`): $e^{-110}$ is $0$ in fp32,
+# whose smallest number is about $e^{-103}$, so each decay is what it was, and 64 clamped gates sum to
+# at most $7\,040$ in magnitude, where fp32 still resolves $5\times10^{-4}$. The gradient of a
+# clamped gate comes out $0$, as the true one is ($e^{g}$ is $0$ there too).
+#
 # **Precision.** The solve's products ($D$, $L$ and the blocks of $A$) take fp32 operands, which the
 # tensor cores round to tf32 (10 bits of mantissa); $KK^\top$ is formed from the keys in their own
 # dtype (bf16 in training), and $A$ is stored in the inputs' dtype. Stored in bf16, it came out within
@@ -274,7 +283,7 @@ def _gates16(g, beta, gc, bos, T, i_t, i_h, b: tl.constexpr, carry, H: tl.conste
     "Token block `b` (16 tokens) of chunk `i_t`: cumulative gates G (with `carry`, the blocks before), beta, in-sequence mask; stores G."
     o_t = i_t * BT + 16 * b + tl.arange(0, 16)
     m = (o_t >= 0) & (o_t < T)
-    b_x = tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    b_x = tl.maximum(tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32), GATE_FLOOR)
     b_g = tl.cumsum(b_x, 0) + carry
     tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m)
     b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
@@ -1176,16 +1185,18 @@ test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, 
 # here). To measure again:
 
 # %%
-import subprocess, sys
+import subprocess, sys, tempfile
 
 # %%
 #| gpu
-subprocess.run([sys.executable, "../benchmarks/gdn_kernel.py", "--out", "../benchmarks/results/gdn_kernel_new.json"], check=True)
-subprocess.run([sys.executable, "../benchmarks/gdn_verify.py", "--out", "../benchmarks/results/gdn_verify_new.json"], check=True)
+scratch = Path(tempfile.mkdtemp(prefix="hymo-bench-"))  # benchmarks/results/ is the results page's record: copy rows by hand
+subprocess.run([sys.executable, "../benchmarks/gdn_kernel.py", "--out", str(scratch / "gdn_kernel.json")], check=True)
+subprocess.run([sys.executable, "../benchmarks/gdn_verify.py", "--out", str(scratch / "gdn_verify.json")], check=True)
+print("written to", scratch)
 
 # %%
 bench = json.loads((Path("..") / "benchmarks/results/gdn_kernel.json").read_text())
-r, m = bench["hymo_750m"], bench["meta"]
+r, m = bench["shapes"]["hymo_750m"] if "shapes" in bench else bench["hymo_750m"], bench["meta"]  # (the file predates "shapes")
 print(f"{m['device']}, torch {m['torch']}, Triton {m['triton']}, {m['date']}; B={r['B']} T={r['T']} H={r['H']} K={r['K']} V={r['V']}, bf16")
 rows = [("Triton (this chapter)", r["triton_fwd_ms"], r["triton_fwd_bwd_ms"]),
         ("PyTorch chunked (ch. 12)", r["torch_chunk_fwd_ms"], r["torch_chunk_fwd_bwd_ms"]),

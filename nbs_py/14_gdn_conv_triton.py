@@ -47,7 +47,7 @@ import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake
 
-from hymo.models.gdn import _check_cu_seqlens
+from hymo.models.gdn import _check_cu_seqlens, _prelude_shapes
 from hymo.models.gdn_triton import INTERPRET  # importing it also readies Triton's library for the interpreter
 
 EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
@@ -374,16 +374,11 @@ def triton_conv_silu_norm(
     n_heads: int,  # H
     head_k_dim: int,  # K; the value head size is (C - 2HK) / H
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+    head_v_dim: Optional[int] = None,  # V, checked against the channels if given
 ):
     "Short conv, SiLU, unit L2 norm per head of q and k, in Triton. Returns `(q [B, T, H, K], k, v [B, T, H, V])` in qkv's dtype."
-    if qkv.ndim != 3: raise ValueError(f"qkv must be [B, T, C], got shape {tuple(qkv.shape)}")
-    B, T, C = qkv.shape
+    B, T, C, V = _prelude_shapes(qkv, weight, n_heads, head_k_dim, head_v_dim)
     H, K = n_heads, head_k_dim
-    if H < 1 or K < 1: raise ValueError(f"n_heads={H} and head_k_dim={K} must be at least 1")
-    if (C - 2 * H * K) <= 0 or (C - 2 * H * K) % H:
-        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V")
-    if weight.ndim != 2 or weight.shape[0] != C or weight.shape[1] < 1:
-        raise ValueError(f"weight must be [{C}, W] with a window W of at least 1, got {tuple(weight.shape)}")
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"qkv must be fp32, bf16 or fp16, got {qkv.dtype}" + (" (for float64, use conv_silu_norm)"
                         if qkv.dtype == torch.float64 else ""))
@@ -398,7 +393,6 @@ def triton_conv_silu_norm(
     if qkv.stride(-1) != 1 or last >= 2 ** 31:  # channels apart, or a slice of a buffer past int32 offsets: a dense copy
         qkv = qkv.contiguous()
     q, k, v = conv_silu_norm_fwd(qkv, weight.float().contiguous(), H, K, _starts(cu_seqlens, T, qkv.device))
-    V = (C - 2 * H * K) // H
     return q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, V)  # V given: a view of no elements cannot infer it
 
 

@@ -53,6 +53,7 @@ def test_generate_speed_runs_on_a_cpu(tmp_path):
     import json
     g = json.loads((tmp_path / "g.json").read_text())
     assert (g["config"], g["new_tokens"], g["precision"]) == ("hymo_tiny", 12, "fp32") and 0 <= g["leading_tokens_alike"] <= 12, g
+    assert g["date"] and g["torch"] and g["code"] and "triton" in g, g  # the row says what was measured
     assert g["with_state"]["tokens_per_s"] > 0 and g["forward_per_token"]["tokens_per_s"] > 0
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_speed.py"), "--tokens", "3", "--out", str(tmp_path / "d.json")],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
@@ -73,7 +74,62 @@ def test_ckpt_save_times_the_trainers_save_and_resume_check(tmp_path, monkeypatc
     row = ckpt_save.main(["--repeat", "2", "--run-dir", str(tmp_path), "--out", str(tmp_path / "row.json")])
     assert json.loads((tmp_path / "row.json").read_text()) == row
     assert len(row["save_s"]) == 2 and all(0 < c < s for s, c in zip(row["save_s"], row["save_crc_s"]))
-    ckpt = max((tmp_path / "run" / "checkpoints").iterdir())
-    files = json.loads((ckpt / "meta.json").read_text())["files"]
-    assert row["files"] == len(files) + 1 and row["load_checked_bytes"] == sum(s["size"] for s in files.values())
-    assert row["load_checked_bytes"] == row["checkpoint_bytes"] - (ckpt / "meta.json").stat().st_size
+    assert row["load_checked_bytes"] == row["checkpoint_bytes"] - row["meta_json_bytes"] > 0
+    assert row["date"] and row["torch"] and row["code"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "row.json"]  # the timed run (a 750M one holds ~10 GB) removed
+
+
+SCRIPTS_WITH_OUT = ["block_step.py", "ce_kernel.py", "ckpt_save.py", "gdn_conv_kernel.py", "gdn_kernel.py", "gdn_prep_solve.py",
+                    "gdn_registers.py", "gdn_verify.py", "generate_speed.py", "host_launch.py", "optim_step.py", "train_step.py"]
+
+
+def _run_all(cases: dict, cwd) -> dict:
+    "Run each `name: (script, args)` at once (they only read their arguments); `name: CompletedProcess-like (rc, stderr)`."
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"CUDA_VISIBLE_DEVICES": ""}
+    procs = {name: subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=cwd, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, (script, args) in cases.items()}
+    return {name: (p.wait(timeout=300), p.communicate()[1]) for name, p in procs.items()}
+
+
+def test_every_benchmark_refuses_an_out_it_could_not_write_before_it_runs(tmp_path):
+    "A bad --out failed with a traceback after the whole measurement (minutes of GPU time); now it is refused first."
+    assert set(SCRIPTS_WITH_OUT) == {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"need_gpu.py"}
+    cases = {s: (s, ["--out", str(tmp_path / "missing" / "r.json")]) for s in SCRIPTS_WITH_OUT}
+    cases["folder"] = ("gdn_kernel.py", ["--out", str(tmp_path)])
+    cases["best-out"] = ("gdn_conv_kernel.py", ["--sweep", "--best-out", str(tmp_path / "missing" / "t.json")])
+    for name, (rc, err) in _run_all(cases, tmp_path).items():
+        assert rc == 2 and "Traceback" not in err, (name, rc, err[-1500:])
+        says = {"folder": "is a folder; give the name of a file", "best-out": "--best-out"}.get(name, "--out")
+        assert says in err and ("does not exist; create it" in err or name == "folder"), (name, err[-500:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "a refused benchmark wrote something"
+
+
+def test_benchmark_options_that_would_measure_nothing_or_be_ignored_are_refused(tmp_path):
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "a_file").write_text("")
+    cases = {
+        "naive-T 0": ("gdn_kernel.py", ["--naive-T", "0"], "--naive-T 0: give 1 to 4096"),
+        "naive-T past T": ("gdn_kernel.py", ["--naive-T", "8192"], "--naive-T 8192: give 1 to 4096"),
+        "optim steps 0": ("optim_step.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
+        "optim warmup -1": ("optim_step.py", ["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+        "device gpu": ("generate_speed.py", ["--device", "gpu"], "argument --device: Expected one of cpu, cuda"),
+        "ckpt config": ("ckpt_save.py", ["--config", "nope"], "nope"),
+        "ckpt run-dir file": ("ckpt_save.py", ["--run-dir", str(tmp_path / "a_file")], "is not a folder"),
+        "profile rows alone": ("train_step.py", ["--profile-rows", "5"], "--profile-rows sets the profiler table's rows: it needs --profile"),
+        "micro-batches in a step profile": ("train_step.py", ["--profile", "--profile-micro-batches", "5"], "give --profile micro or --profile cuda"),
+        "best-out without sweep": ("gdn_conv_kernel.py", ["--best-out", str(tmp_path / "t.json")], "--best-out writes the sweep's fastest tiles: it needs --sweep"),
+        "registers into a list": ("gdn_registers.py", ["--out", str(tmp_path / "list.json")], "holds a JSON list, not tables by Triton version"),
+    }
+    results = _run_all({n: c[:2] for n, c in cases.items()}, tmp_path)
+    for name, (rc, err) in results.items():
+        assert rc == 2 and "Traceback" not in err and cases[name][2] in err, (name, rc, err[-1500:])
+
+
+@pytest.mark.parametrize("script", ["gdn_kernel.py", "ce_kernel.py", "gdn_verify.py", "gdn_registers.py"])
+def test_a_triton_benchmark_without_triton_says_so_in_one_line(script):
+    "Triton installs only on Linux; these scripts imported it before anything could say what was missing."
+    code = (f"import runpy, sys; sys.modules['triton'] = None; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+            f"sys.argv = [{script!r}, '--help']; runpy.run_path({str(ROOT / 'benchmarks' / script)!r}, run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-1500:]
+    assert r.stderr.strip().splitlines()[-1].startswith("this benchmark needs Triton"), r.stderr[-500:]

@@ -84,7 +84,7 @@ def test_train_step_refuses_torchrun_and_an_unusable_out_before_measuring(tmp_pa
     refused(["--out", str(tmp_path / "cut.json")], "cannot be read as JSON")
     (tmp_path / "dict.json").write_text("{}")
     refused(["--out", str(tmp_path / "dict.json")], "holds a JSON dict, not a list of rows")
-    refused(["--out", str(tmp_path / "nope" / "r.json")], "its folder does not exist")
+    refused(["--out", str(tmp_path / "nope" / "r.json")], "does not exist; create it")
     check_args(p, p.parse_args(["--out", str(tmp_path / "new.json")]))  # a new file in a folder that exists: fine
 
 

@@ -146,13 +146,15 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(90, 4), 2, 16)
     with pytest.raises(ValueError, match="and a whole V"):  # C == 2HK: no value channels
         triton_conv_silu_norm(torch.randn(1, 8, 64), torch.randn(64, 4), 2, 16)
-    with pytest.raises(ValueError, match=r"weight must be \[96, W\]"):
+    with pytest.raises(ValueError, match="and V=16, 96; check n_heads, head_k_dim and head_v_dim"):  # 2 heads of 16, 16, 16
+        triton_conv_silu_norm(torch.randn(1, 8, 128), torch.randn(128, 4), 2, 16, head_v_dim=16)
+    with pytest.raises(ValueError, match=r"weight must be \[C, W\] = \[96, W\]"):
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96), 2, 16)
     with pytest.raises(TypeError, match="qkv must be fp32, bf16 or fp16, got torch.int64"):
         triton_conv_silu_norm(torch.randint(0, 5, (1, 8, 96)), torch.randn(96, 4), 2, 16)
     with pytest.raises(TypeError, match="got torch.float64 \\(for float64, use conv_silu_norm\\)"):
         triton_conv_silu_norm(torch.randn(1, 8, 96, dtype=torch.float64), torch.randn(96, 4), 2, 16)
-    with pytest.raises(ValueError, match=r"qkv must be \[B, T, C\], got shape \(8, 96\)"):
+    with pytest.raises(ValueError, match=r"qkv must be \[B, T, C\]; got shape \(8, 96\)"):
         triton_conv_silu_norm(torch.randn(8, 96), torch.randn(96, 4), 2, 16)
     with pytest.raises(ValueError, match="n_heads=0 and head_k_dim=16 must be at least 1"):
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96, 4), 0, 16)

@@ -51,6 +51,11 @@ CHILD = textwrap.dedent('''
     # g_mult=6 decays so strongly that a chunk keeps ~1e-10 of its incoming state: this case carries ~0.3 of it
     res["weak_decay"] = case(1, 150, 2, 16, 16, seed=12, g_mult=0.2)
     res["h0_transposed"] = case(2, 70, 2, 16, 16, seed=10, h0_transposed=True)  # K, V already padded: no copy on the way in
+    # a hard reset (g = -inf), a very strong gate and one past the floor: the kernels read gates as at least -110
+    xs, h0 = inputs(1, 150, 2, 16, 16, torch.float32, 14, g_mult=0.2), torch.randn(1, 2, 16, 16)
+    xs[3][0, 10, 0], xs[3][0, 75, 1], xs[3][0, 100, 0] = float("-inf"), -1e6, -200.0
+    ref, out = (run(rule, xs, h0, None, 14) for rule in (naive_gated_delta_rule, triton_gated_delta_rule))
+    res["hard_reset"] = {n: [(a - b).abs().max().item(), b.abs().max().item()] for n, a, b in zip("o ht dq dk dv dg dbeta dh0".split(), out, ref)}
     xs, h0, cu = inputs(1, 90, 2, 16, 16, torch.float32, 6), torch.randn(3, 2, 16, 16), torch.tensor([0, 10, 80, 90])
     kept, again = (run(lambda *a: triton_gated_delta_rule(*a, keep_prep=kp), xs, h0, cu, 6) for kp in (True, False))
     res["keep_prep_vs_recompute"] = max((a - b).abs().max().item() for a, b in zip(kept, again))
@@ -198,6 +203,11 @@ def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
     "fp32: o, the final state and the gradients of q, k, v, g, beta and the initial state, to fp32 rounding."
     _check(errors[name], 1e-4)
     assert set(errors[name]) == {"o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"}
+
+
+def test_a_hard_reset_and_huge_gates_match_the_loop(errors):
+    "g = -inf (forget everything), -1e6 and -200 in a sequence of weak gates: finite, and equal to the loop to fp32 rounding."
+    _check(errors["hard_reset"], 1e-4)
 
 
 def test_half_precision_inputs(errors):

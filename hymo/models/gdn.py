@@ -47,6 +47,7 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
         raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {tuple(v.shape)}")
     for name, x in (("g", g), ("beta", beta)):
         if x.shape != (B, T, H): raise ValueError(f"{name} must be [B, T, H] = [{B}, {T}, {H}]; got {tuple(x.shape)}")
+    if K < 1 or v.shape[-1] < 1: raise ValueError(f"the head sizes K={K} and V={v.shape[-1]} must be at least 1")
     if not all(x.is_floating_point() for x in (q, k, v, g, beta)):  # an integer v would come back rounded to integers
         raise TypeError(f"q, k, v, g and beta must be floating point; got {q.dtype}, {k.dtype}, {v.dtype}, {g.dtype}, {beta.dtype}")
     n = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, B, T)
@@ -64,10 +65,10 @@ def naive_gated_delta_rule(
     beta: torch.Tensor,  # Write strength [B, T, H], in (0, 1)
     scale: Optional[float] = None,  # Query scale; None is K**-0.5
     initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
-    output_final_state: bool = False,  # Also return the state after the last token, fp32
+    output_final_state: bool = False,  # Also return the state after the last token, fp32 (fp64 for fp64 inputs)
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
 ):
-    "The gated delta rule as a loop over time in fp32. Returns `(o [B, T, H, V], final_state [B, H, K, V] or None)`."
+    "The gated delta rule as a loop over time in fp32. Returns `(o [B, T, H, V], final_state [B, H, K, V] ([N, ...] with cu_seqlens) or None)`."
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if cu_seqlens is not None:  # one document at a time, each from its own initial state
         outs, states = [], []
@@ -94,6 +95,15 @@ def naive_gated_delta_rule(
     o = torch.stack(o, 1) if T else v.new_zeros(B, 0, H, V)                 # (B, T, H, V)
     return o.to(dtype), (S if output_final_state else None)  # o in the inputs' dtype, like the other rules
 
+# %% ../../nbs/12_gated_deltanet.ipynb #91ee6e03
+def _segment_sums(g: torch.Tensor, # Log-decays of one chunk [..., C]
+                 ) -> torch.Tensor:
+    "`[..., C, C]` with entry `[t, i]` = Σ_{i < l <= t} g_l = γ_t - γ_i for i <= t, and -inf above the diagonal."
+    C = g.shape[-1]
+    below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # l > i: entry [l, i] takes g_l
+    seg = g[..., :, None].expand(*g.shape, C).masked_fill(~below, 0).cumsum(-2)
+    return seg.masked_fill(~below.logical_or(torch.eye(C, dtype=torch.bool, device=g.device)), float("-inf"))
+
 # %% ../../nbs/12_gated_deltanet.ipynb #5f25611c
 def _unpack_docs(x, cu_seqlens):
     "Packed `[1, T, ...]` → padded `[N, L, ...]` (L the longest document), zeros after each document's end."
@@ -113,11 +123,11 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     NT = T // C
     if NT == 0:  # no token: no output, and the state as it came
         return v.new_zeros(B, 0, H, V), ((q.new_zeros(B, H, K, V) if S is None else S) if output_final_state else None)
-    q, k, v = (x.reshape(B, NT, C, H, -1).transpose(2, 3) for x in (q, k, v))  # (B, NT, H, C, D)
+    q, k, v = (x.reshape(B, NT, C, H, x.shape[-1]).transpose(2, 3) for x in (q, k, v))  # (B, NT, H, C, D)
     g, beta = (x.reshape(B, NT, C, H).transpose(2, 3) for x in (g, beta))     # (B, NT, H, C)
     gc = g.cumsum(-1)                                                          # gamma: cumulative log-decay in the chunk
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    D = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (B, NT, H, C, C), in [0, 1]
+    seg = _segment_sums(g)                                                     # gamma_t - gamma_i summed directly (B, NT, H, C, C)
+    D = seg.exp()                                                              # in [0, 1], 0 above the diagonal
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)                                # strict_tril(diag(beta) K K^T ⊙ D)
     eye = torch.eye(C, device=q.device, dtype=q.dtype)
@@ -127,7 +137,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     q = q * scale
     attn = q @ k.transpose(-1, -2) * D                                         # intra-chunk scores (B, NT, H, C, C)
     q_dec = q * gc.exp()[..., None]                                            # Gamma_t q_t, reads the old state
-    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]                           # e^{gamma_C - gamma_i} k_i, writes the new one
+    k_dec = k * seg[..., -1, :].exp()[..., None]                               # e^{gamma_C - gamma_i} k_i, writes the new one
     S = q.new_zeros(B, H, K, V) if S is None else S
     o = []
     for n in range(NT):
@@ -146,11 +156,11 @@ def chunk_gated_delta_rule_torch(
     beta: torch.Tensor,  # Write strength [B, T, H], in (0, 1)
     scale: Optional[float] = None,  # Query scale; None is K**-0.5
     initial_state: Optional[torch.Tensor] = None,  # State [B, H, K, V] ([N, H, K, V] with cu_seqlens); None is zeros
-    output_final_state: bool = False,  # Also return the state after the last token, fp32
+    output_final_state: bool = False,  # Also return the state after the last token, fp32 (fp64 for fp64 inputs)
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1); the state restarts per document
     chunk_size: int = 64,  # Tokens per chunk C
 ):
-    "The gated delta rule by chunks (WY representation, UT transform) in fp32 PyTorch. Returns `(o [B, T, H, V], final_state or None)`."
+    "The gated delta rule by chunks (WY representation, UT transform) in fp32 PyTorch. Returns `(o [B, T, H, V], final_state [B or N, H, K, V] or None)`."
     _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if not isinstance(chunk_size, numbers.Integral) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive int")
@@ -171,6 +181,13 @@ def chunk_gated_delta_rule_torch(
     return o.to(dtype), S
 
 # %% ../../nbs/12_gated_deltanet.ipynb #cba93325
+def _check_conv_weight(weight: torch.Tensor, C: int):
+    "Refuse a depthwise kernel that is not `[C, W]` with W >= 1 (it would broadcast over the channels)."
+    if weight.ndim != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C, W] = [{C}, W] with a window W of at least 1 (an nn.Conv1d depthwise "
+                         f"weight [C, 1, W] is weight[:, 0]); got {tuple(weight.shape)}")
+
+
 def causal_conv1d(
     x: torch.Tensor,  # Inputs [B, T, C]
     weight: torch.Tensor,  # Depthwise kernel [C, W]; weight[:, -1] multiplies the current token
@@ -179,7 +196,9 @@ def causal_conv1d(
     output_final_state: bool = False,  # Also return the new cache (the last W-1 inputs of each sequence)
 ):
     "Causal depthwise convolution that never reads across documents. Returns `(y [B, T, C], cache or None)`."
+    if x.ndim != 3: raise ValueError(f"x must be [B, T, C]; got shape {tuple(x.shape)}")
     B, T, C = x.shape
+    _check_conv_weight(weight, C)
     W = weight.shape[-1]
     if cu_seqlens is None:  # every row is its own document: W shifted multiply-adds
         if cache is not None and cache.shape != (B, W - 1, C):
@@ -209,19 +228,32 @@ def causal_conv1d(
     return y, new_cache
 
 # %% ../../nbs/12_gated_deltanet.ipynb #3cd55d8d
+def _prelude_shapes(qkv: torch.Tensor, weight: torch.Tensor, H: int, K: int, V: Optional[int] = None) -> tuple[int, int, int, int]:
+    "`(B, T, C, V)` of a fused `[B, T, 2HK + HV]` input, refusing channels that do not split into H heads of K, K and V (V if given)."
+    if qkv.ndim != 3: raise ValueError(f"qkv must be [B, T, C]; got shape {tuple(qkv.shape)}")
+    B, T, C = qkv.shape
+    if H < 1 or K < 1: raise ValueError(f"n_heads={H} and head_k_dim={K} must be at least 1")
+    if C - 2 * H * K <= 0 or (C - 2 * H * K) % H or (V is not None and C != H * (2 * K + V)):
+        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and "
+                         + ("a whole V >= 1" if V is None else f"V={V}, {H * (2 * K + V)}")
+                         + "; check n_heads, head_k_dim" + (" and head_v_dim" if V is not None else ""))
+    _check_conv_weight(weight, C)
+    return B, T, C, (C - 2 * H * K) // H
+
+
 def conv_silu_norm(
     qkv: torch.Tensor,  # Projected q, k, v [B, T, 2HK + HV]
     weight: torch.Tensor,  # Depthwise conv weights [2HK + HV, W]; weight[:, -1] multiplies the current token
     n_heads: int,  # H
     head_k_dim: int,  # K; the value head size is (C - 2HK) / H
     cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
-    cache: Optional[torch.Tensor] = None,  # The conv window carried from a previous call, [B, W-1, C]
+    cache: Optional[torch.Tensor] = None,  # The conv window carried from a previous call, [B, W-1, C] ([N, W-1, C] with cu_seqlens)
     output_final_state: bool = False,  # Also return the new conv window
+    head_v_dim: Optional[int] = None,  # V, checked against the channels if given (without it, other H and K may split C too)
 ):
     "Short conv, SiLU, unit L2 norm per head of q and k. Returns `(q [B, T, H, K], k, v [B, T, H, V], conv cache or None)`."
-    B, T, C = qkv.shape
+    B, T, C, V = _prelude_shapes(qkv, weight, n_heads, head_k_dim, head_v_dim)
     H, K = n_heads, head_k_dim
-    V = (C - 2 * H * K) // H
     y, cache = causal_conv1d(qkv, weight.to(qkv.dtype), cu_seqlens, cache, output_final_state)
     q, k, v = F.silu(y).split([H * K, H * K, H * V], -1)
     # back to the input's dtype (bf16 under autocast, where the norm itself runs in fp32)
@@ -233,7 +265,7 @@ def conv_silu_norm(
 class GDNState(NamedTuple):
     "What a Gated DeltaNet mixer carries from one call to the next (decoding, or chunks of a long text)."
     recurrent: torch.Tensor  # The delta-rule state S, fp32 [B, H, K, V] ([N, H, K, V] with cu_seqlens)
-    conv: torch.Tensor  # The last W-1 inputs of the short convolution, [B, W-1, 2HK + HV]
+    conv: torch.Tensor  # The last W-1 inputs of the short convolution, [B, W-1, 2HK + HV] ([N, ...] with cu_seqlens)
 
 
 def _load_triton(part: str):
@@ -300,6 +332,10 @@ class GatedDeltaNet(nn.Module):
                 output_final_state: bool = False,  # Also return the `GDNState` after the last token
                ):
         "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
+        if x.ndim != 3: raise ValueError(f"x must be [B, T, dim]; got shape {tuple(x.shape)}")
+        if initial_state is not None and not isinstance(initial_state, GDNState):
+            raise TypeError(f"initial_state must be the GDNState that a call with output_final_state=True returned "
+                            f"(its .recurrent and .conv), not a {type(initial_state).__name__}")
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
         # the six input projections as three matrix products (the parameters stay separate matrices)
@@ -313,11 +349,11 @@ class GatedDeltaNet(nn.Module):
         if T == 1 and initial_state is not None and not torch.is_grad_enabled():  # a decoding step: the recurrence itself
             rule = _load_triton("recurrent") if kernel == "triton" else naive_gated_delta_rule
         if kernel == "triton" and initial_state is None and not output_final_state:  # the fused prelude (chapter 14)
-            q, k, v = _load_triton("prelude")(qkv, w, H, K, cu_seqlens)
+            q, k, v = _load_triton("prelude")(qkv, w, H, K, cu_seqlens, head_v_dim=V)
             conv_state = None
         else:
             q, k, v, conv_state = conv_silu_norm(qkv, w, H, K, cu_seqlens, None if initial_state is None else initial_state.conv,
-                                                 output_final_state)                 # (B, T, H, K) x 2, (B, T, H, V)
+                                                 output_final_state, V)              # (B, T, H, K) x 2, (B, T, H, V)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (B, T, H), <= 0
         beta = b.float().sigmoid()                                                    # (B, T, H), in (0, 1)
         o, S = rule(q, k, v, g, beta, None, None if initial_state is None else initial_state.recurrent,

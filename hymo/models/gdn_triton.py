@@ -19,6 +19,7 @@ from ..config import TRITON_CHUNK
 from .gdn import _check_rule_inputs
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1, read once: kernels are decorated at import
+GATE_FLOOR = tl.constexpr(-110.0)  # gates are read as at least this: e^-110 is 0 in fp32, and no -inf - (-inf) (see the prep kernel)
 
 
 def _library_for_interpreter():
@@ -35,7 +36,7 @@ def _library_for_interpreter():
 if INTERPRET: _library_for_interpreter()
 
 # %% auto #0
-__all__ = ['INTERPRET', 'BT', 'LAUNCH', 'gdn_chunk_fwd', 'gdn_chunk_bwd', 'triton_gated_delta_rule',
+__all__ = ['INTERPRET', 'GATE_FLOOR', 'BT', 'LAUNCH', 'gdn_chunk_fwd', 'gdn_chunk_bwd', 'triton_gated_delta_rule',
            'fused_recurrent_gated_delta_rule']
 
 # %% ../../nbs/13_gdn_triton.ipynb #f59345d9
@@ -84,7 +85,7 @@ def _gates16(g, beta, gc, bos, T, i_t, i_h, b: tl.constexpr, carry, H: tl.conste
     "Token block `b` (16 tokens) of chunk `i_t`: cumulative gates G (with `carry`, the blocks before), beta, in-sequence mask; stores G."
     o_t = i_t * BT + 16 * b + tl.arange(0, 16)
     m = (o_t >= 0) & (o_t < T)
-    b_x = tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    b_x = tl.maximum(tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32), GATE_FLOOR)
     b_g = tl.cumsum(b_x, 0) + carry
     tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m)
     b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
