@@ -35,11 +35,16 @@ def device_arg(name: str) -> str:
 def check_out(p: argparse.ArgumentParser, path, flag: str = "--out"):
     "Refuse, before the run, an output file that could not be written: a folder, a missing folder, no write permission."
     if path is None: return
-    f = Path(path)
-    if f.is_dir(): p.error(f"{flag} {path} is a folder; give the name of a file to write")
-    if not f.parent.is_dir(): p.error(f"{flag} {path}: the folder {f.parent} does not exist; create it or give another path")
-    if f.exists() and not os.access(f, os.W_OK): p.error(f"{flag} {path}: the file cannot be written (permissions)")
-    try: tempfile.TemporaryFile(dir=f.parent).close()  # what writing there needs (os.access says yes to root on /proc)
+    f = Path(os.path.realpath(path))  # through links, to what would be written
+    if os.path.isdir(path) or str(path).endswith(("/", os.sep)): p.error(f"{flag} {path} is a folder; give the name of a file to write")
+    if f.parent.exists() and not f.parent.is_dir(): p.error(f"{flag} {path}: {f.parent} is a file, not a folder")
+    if not f.parent.is_dir():
+        p.error(f"{flag} {path}: the folder {f.parent} does not exist; create it or give another path"
+                + (" (~ is not expanded inside quotes)" if str(path).startswith("~") else ""))
+    if f.exists():
+        if not os.access(f, os.W_OK): p.error(f"{flag} {path}: the file cannot be written (permissions)")
+        return
+    try: tempfile.TemporaryFile(dir=f.parent).close()  # what a new file needs (os.access says yes to root on /proc)
     except OSError as e: p.error(f"{flag} {path}: cannot write in {f.parent} ({e.strerror})")
 
 

@@ -21,8 +21,9 @@ from typing import Optional
 import yaml
 
 # %% auto #0
-__all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError', 'check_triton_chunk',
-           'validate_model', 'validate_training', 'package_dir', 'Config', 'presets', 'takes_text', 'load_config']
+__all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'CHOICES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError',
+           'check_triton_chunk', 'validate_model', 'validate_training', 'package_dir', 'Config', 'presets',
+           'takes_text', 'load_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -147,15 +148,18 @@ def _check_type(name: str, value, tp):
         return _check_type(name, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
+            listed = value[1:-1] if isinstance(value, str) and value[:1] + value[-1:] == "()" else value  # (0.9, 0.95)
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}"
-                              + (f"; write it as a list: [{value}]" if isinstance(value, (int, float, str)) and not isinstance(value, bool) else ""))
+                              + (f"; write it as a list: [{listed}]" if isinstance(value, (int, float, str)) and not isinstance(value, bool) else ""))
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
     if getattr(value, "dtype", None) is not None and getattr(value, "ndim", None) == 0:  # a numpy scalar (a sweep's values)
         if value.dtype.kind == "b": value = bool(value)
         elif value.dtype.kind in "iu": value = int(value)
         elif value.dtype.kind == "f": value = float(str(value))  # float32's 0.02 stays 0.02, not 0.019999999552965164
     if isinstance(value, bool): pass  # a bool is an int to Python, never a number here
-    elif tp is float and isinstance(value, numbers.Real): return float(value)  # 3 is 3.0
+    elif tp is float and isinstance(value, numbers.Real):  # 3 is 3.0
+        try: return float(value)
+        except OverflowError: raise ConfigError(f"{name}={value}: too large for a float (at most about 1.8e308)") from None
     if tp is float and isinstance(value, str) and _SCI.fullmatch(value):
         return float(value)  # YAML 1.1 (PyYAML) reads 1e-3 as a string; it needs 1.0e-3
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
@@ -164,7 +168,10 @@ def _check_type(name: str, value, tp):
 
 
 def _type_hint(name: str, value, tp) -> str:
-    "The fix for the two usual slips: a number where text is meant, and a count written as a float."
+    "The fix for the usual slips: a number where text is meant (off, read as False), a count written as a float, a 1,000."
+    if name in CHOICES and (isinstance(value, (bool, int, float)) or value is None):  # moe_balance: off is YAML's False
+        return (f"; choose one of {', '.join(map(repr, CHOICES[name]))}"
+                + (" (off is the word none)" if value in (False, None) and "none" in CHOICES[name] else ""))
     if tp is str and isinstance(value, (int, float, datetime.date)):  # YAML reads run_dir: 2024 as a number, off as False
         return (f"; quote it ({name.split('.')[-1]}: '...' in a YAML file): unquoted, YAML reads numbers, dates and "
                 f"yes/no/on/off as other types, and may change them (007 becomes 7)")
@@ -172,6 +179,8 @@ def _type_hint(name: str, value, tp) -> str:
         return "; None and null are not text: give one of its values (off, where it can be, is the word none, lower case)"
     if tp is int and (isinstance(value, float) or isinstance(value, str) and _SCI.fullmatch(value)) and float(value).is_integer():
         return f"; write it as a whole number: {int(float(value))}"
+    if tp in (int, float) and isinstance(value, str) and re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d*)?", value):  # 1,000
+        return f"; write it without commas: {value.replace(',', '')} (or with underscores, {value.replace(',', '_')})"
     return ""
 
 
@@ -181,8 +190,8 @@ def _field_types(cls) -> dict:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 # %% ../nbs/00_config.ipynb #9314d647
-def _choice(name, value, choices):
-    if value not in choices: raise ConfigError(f"{name}={value!r}: choose one of {', '.join(map(repr, choices))}")
+def _choice(name, value):
+    if value not in CHOICES[name]: raise ConfigError(f"{name}={value!r}: choose one of {', '.join(map(repr, CHOICES[name]))}")
 
 
 def _divides(a_name, a, b_name, b, why):
@@ -229,7 +238,7 @@ def validate_model(m: ModelConfig):
     if m.moe_dead_band >= 1:
         raise ConfigError(f"model.moe_dead_band={m.moe_dead_band} must be below 1: at 1 an expert that gets no token is "
                           f"inside the band and its bias is never raised (moe_balance: none turns balancing off)")
-    if not 0 <= m.moe_ema_decay < 1:
+    if m.moe_balance == "ema" and not 0 <= m.moe_ema_decay < 1:  # (unused by the other rules)
         raise ConfigError(f"model.moe_ema_decay={m.moe_ema_decay} must be in [0, 1): at 1 the load average never moves "
                           f"and the gate bias is never updated (moe_balance: none is the way to turn balancing off)")
     if any(w < 0 for w in m.mtp_loss_weights):
@@ -253,17 +262,20 @@ def validate_model(m: ModelConfig):
         raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} must be positive, or None for dropless routing")
     bad = [i for i in m.nope_layers if not (0 <= i < m.n_layers and m.is_mla(i))]
     if bad: raise ConfigError(f"nope_layers {bad} are not MLA blocks; MLA blocks are {[i for i in range(m.n_layers) if m.is_mla(i)]}")
-    _choice("model.gdn_kernel", m.gdn_kernel, ("auto", "triton", "torch", "naive"))
+    _choice("model.gdn_kernel", m.gdn_kernel)
     if m.gdn_kernel == "triton": check_triton_chunk(m.gdn_chunk_size)
-    _choice("model.moe_score_func", m.moe_score_func, ("softmax", "sigmoid"))
+    _choice("model.moe_score_func", m.moe_score_func)
     if m.moe_score_func == "sigmoid" and m.moe_top_k == 1 and m.moe_n_routed:
         raise ConfigError("model.moe_score_func='sigmoid' with model.moe_top_k=1 gives the router no gradient: the one "
                           "chosen expert's weight is normalised to exactly 1. Use moe_score_func='softmax', or moe_top_k=2 or more")
-    _choice("model.moe_balance", m.moe_balance, ("ema", "sign", "none"))
+    _choice("model.moe_balance", m.moe_balance)
     return m
 
 
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")  # the WSD schedule's decays (chapter 50)
+CHOICES = {"model.gdn_kernel": ("auto", "triton", "torch", "naive"), "model.moe_score_func": ("softmax", "sigmoid"),
+           "model.moe_balance": ("ema", "sign", "none"), "train.decay_shape": DECAY_SHAPES,
+           "train.precision": ("auto", "bf16", "fp32")}  # the settings that take one of a few words
 
 def validate_training(t: TrainingConfig):
     "Raise `ConfigError` if `t` cannot drive a run."
@@ -298,14 +310,15 @@ def validate_training(t: TrainingConfig):
         raise ConfigError(f"train.weight_decay={t.weight_decay} with train.{name}={lr}: each step would multiply the weights "
                           f"by 1 − {name}·weight_decay = {1 - lr * t.weight_decay:.3g}, "
                           f"{'zeroing' if lr * t.weight_decay == 1 else 'flipping'} them; give weight_decay < "
-                          f"{math.floor(1 / lr / bound) * bound:.3g} (0.1 is usual)")
+                          f"{math.floor(1 / lr / bound) * bound:.3g}, or check {name} (usual: muon_lr 0.02, adamw_lr 3e-3, "
+                          f"weight_decay 0.1)")
     decay_start = t.max_steps - t.decay_steps  # as in the WSD schedule
     if t.warmup_steps > decay_start:
         raise ConfigError(f"train.warmup_steps={t.warmup_steps} runs into the decay, which starts at step {decay_start} "
                           f"= max_steps={t.max_steps} − {t.decay_steps} decay steps (decay_fraction={t.decay_fraction}): lower warmup_steps "
                           f"(e.g. warmup_steps={max(decay_start // 10, min(1, decay_start))}) or decay_fraction, or raise max_steps")
-    _choice("train.decay_shape", t.decay_shape, DECAY_SHAPES)
-    _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
+    _choice("train.decay_shape", t.decay_shape)
+    _choice("train.precision", t.precision)
     return t
 
 # %% ../nbs/00_config.ipynb #f22a191b
@@ -384,7 +397,26 @@ def takes_text(key: str) -> bool:
 class _KeyTwice(yaml.YAMLError): pass
 
 
-class _UniqueKeys(yaml.SafeLoader):
+class _Yaml12Ints(yaml.SafeLoader):
+    "YAML's safe loader with YAML 1.2's integers: `0123` is 123 (PyYAML, YAML 1.1, reads octal 83) and `2:00` is text (1.1: 120)."
+
+
+_INT = "tag:yaml.org,2002:int"
+_Yaml12Ints.yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rs if tag != _INT]
+                                       for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Yaml12Ints.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0x[0-9a-fA-F_]+|0o[0-7_]+|[0-9][0-9_]*)$"), list("-+0123456789"))
+
+
+def _int12(loader, node) -> int:
+    s = loader.construct_scalar(node).replace("_", "")
+    digits = s.lstrip("+-")
+    return int(s, 0) if digits[:2].lower() in ("0x", "0o") else int(s, 10)
+
+
+_Yaml12Ints.add_constructor(_INT, _int12)
+
+
+class _UniqueKeys(_Yaml12Ints):
     "YAML's safe loader, refusing a key given twice in one mapping: plain YAML keeps the last one without a word."
     def flatten_mapping(self, node):  # every mapping comes here before `<<: *base` merges rewrite it (a merged one first)
         checked = self.__dict__.setdefault("_checked", set())
@@ -405,8 +437,11 @@ class _UniqueKeys(yaml.SafeLoader):
 
 def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict, Path]:
     "One config file, checked: (its name, its raw YAML, its path). A `base:` is found next to the file `named_by` it."
+    if not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip():
+        raise ConfigError((f"{named_by}: 'base:'" if named_by else "the config") + f" is {name_or_path!r}: give a preset "
+                          f"({', '.join(presets())}) or a path to a .yaml file")
     p = Path(name_or_path).expanduser()
-    if p.suffix not in (".yaml", ".yml"):
+    if p.suffix.lower() not in (".yaml", ".yml"):
         preset = PRESET_DIR / f"{name_or_path}.yaml"
         if not preset.exists() and (p.is_dir() or p.is_file()):  # a run folder, or a file of another kind: not a preset either
             hint = f" (a run folder's settings are its config.yaml: {p / 'config.yaml'})" if (p / "config.yaml").is_file() else ""
@@ -415,9 +450,14 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         p = preset
     elif named_by is not None and not p.is_absolute(): p = named_by.parent / p  # a base: next to the file that names it
     if not p.exists():
+        if named_by is not None and p.parent == PRESET_DIR:  # a bare name: presets only
+            beside = [f.name for f in (named_by.parent / f"{name_or_path}.yaml", named_by.parent / f"{name_or_path}.yml") if f.is_file()]
+            raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a preset ({', '.join(presets())})"
+                              + (f"; for the file beside it, write 'base: {beside[0]}'" if beside else
+                                 "; a file is named with its .yaml, from the folder of the file that names it"))
         if named_by is not None:
-            raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a preset ({', '.join(presets())}) nor a file "
-                              f"at {p}: a base's path is taken from the folder of the file that names it")
+            raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a file at {p}: a base's path is taken "
+                              f"from the folder of the file that names it")
         hint = f" (a preset is named without .yaml: {p.stem})" if p.stem in presets() and p.parent == Path() else ""
         raise ConfigError(f"no preset or YAML file '{name_or_path}'{hint}. Presets: {', '.join(presets())}; "
                           f"or give a path to a .yaml file")
@@ -442,7 +482,11 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         if raw.get(sec) is not None and not isinstance(raw[sec], dict):  # `train: 5` or `model: [1, 2]`
             raise ConfigError(f"{p}: the '{sec}:' section must be a mapping of key: value lines indented under it "
                               f"(like '  {example}'); found {type(raw[sec]).__name__} {raw[sec]!r}")
-    return str(raw.get("name") or p.stem), raw, p
+    name = raw.get("name")
+    if name is not None and (not isinstance(name, str) or not name.strip() or set(name) & {"/", "\\"} or name in (".", "..")):
+        raise ConfigError(f"{p}: 'name:' names the run (its folder is runs/NAME-<time>): give a word such as "
+                          f"{p.stem}, without / or \\; found {name!r}")
+    return str(name or p.stem), raw, p
 
 
 def _read_with_bases(name_or_path) -> tuple[str, list[tuple[dict, Path]]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import Config, ConfigError, ModelConfig, TrainingConfig, load_config, presets, takes_text
+from .config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Ints, load_config, presets, takes_text
 from .training.data import DataError
 
 # %% auto #0
@@ -60,7 +60,7 @@ def parse_overrides(items: list[str]) -> dict:
         if k.strip() in out: raise ConfigError(f"'{k.strip()}' is given twice on the command line: give it once")
         if not v.strip():  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
             raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k.strip()}=null for the default")
-        try: value = yaml.safe_load(v)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
+        try: value = yaml.load(v, Loader=_Yaml12Ints)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote it for the shell, e.g. "
                               f"'{k.strip()}={_written(k.strip())}'") from None

@@ -295,7 +295,7 @@ assert_close(S_C, S_loop[-1], atol=1e-5, rtol=1e-5)
 # $D$ becomes a rank-one product. But $-\gamma_i$ grows with the chunk: with a strong gate,
 # $g = -2$ per token, $e^{-\gamma_{64}} = e^{128}$ is beyond fp32's range ($\approx e^{88.7}$) and the
 # product becomes `inf * 0 = nan`. Differences of cumulative sums, masked before `exp`, stay in $[0, 1]$
-# for any finite gate.
+# for any gates whose sums stay finite.
 
 # %%
 g_strong = torch.full((64,), -2.0).cumsum(0)
@@ -315,20 +315,20 @@ assert not factored.isfinite().all() and masked.isfinite().all() and masked.max(
 # after $g = -10^6$, fp32 steps in $0.0625$, and a segment that should be $-0.3$ comes out as $-0.25$
 # or $-0.3125$. The exported function therefore sums each segment directly,
 # $\gamma_t - \gamma_i = \sum_{i < l \le t} g_l$: copy $g$ into every column of a $C \times C$
-# matrix, zero it on and above the diagonal, and take cumulative sums down the columns (Mamba-2
-# computes its `segsum` this way). No two large numbers are subtracted, so every entry is as exact as the gates that
-# form it. It costs one $C \times C$ cumulative sum per chunk, and its last row is the
-# $\gamma_C - \gamma_i$ that the state update needs.
+# matrix, zero it on and above the diagonal, take cumulative sums down the columns (Mamba-2
+# computes its `segsum` this way), then `exp`, keeping the lower triangle (above the diagonal the sums
+# are 0 and their $e^0 = 1$ is cut to 0). No two large numbers are subtracted, so every entry is as exact as the gates that
+# form it. It costs one $C \times C$ cumulative sum per chunk, and the last row of $D$ is the
+# $e^{\gamma_C - \gamma_i}$ that the state update needs.
 
 # %%
 #| exports
-def _segment_sums(g: torch.Tensor, # Log-decays of one chunk [..., C]
-                 ) -> torch.Tensor:
-    "`[..., C, C]` with entry `[t, i]` = Σ_{i < l <= t} g_l = γ_t - γ_i for i <= t, and -inf above the diagonal."
+def _segment_decays(g: torch.Tensor, # Log-decays of one chunk [..., C]
+                   ) -> torch.Tensor:
+    "`D [..., C, C]`: entry `[t, i]` is exp(Σ_{i < l <= t} g_l) = e^{γ_t - γ_i} for i <= t, 0 above the diagonal."
     C = g.shape[-1]
-    below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # l > i: entry [l, i] takes g_l
-    seg = g[..., :, None].expand(*g.shape, C).masked_fill(~below, 0).cumsum(-2)
-    return seg.masked_fill(~below.logical_or(torch.eye(C, dtype=torch.bool, device=g.device)), float("-inf"))
+    below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # entry [l, i] takes g_l where l > i
+    return torch.where(below, g[..., :, None], 0.0).cumsum(-2).exp().tril()  # above the diagonal: e^0, then cut to 0
 
 
 # %%
@@ -336,7 +336,7 @@ g_reset = torch.full((16,), -0.1, dtype=torch.float64)
 g_reset[2], g_reset[11] = -1e6, float("-inf")                 # a very strong gate, then a hard reset
 gam = g_reset.float().cumsum(0)
 by_differences = (gam[:, None] - gam[None, :]).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf")).exp()
-by_segments = _segment_sums(g_reset.float()).exp()
+by_segments = _segment_decays(g_reset.float())
 exact = torch.tensor([[math.exp(g_reset[i + 1:t + 1].sum()) if i <= t else 0.0 for i in range(16)] for t in range(16)])
 print(f"differences: {by_differences.isnan().sum()} NaN entries, worst error where finite "
       f"{(by_differences - exact).nan_to_num(0).abs().max():.2e}; segment sums: worst error {(by_segments - exact).abs().max():.2e}")
@@ -364,7 +364,7 @@ def _unpack_docs(x, cu_seqlens):
     idx = (cu_seqlens[:-1, None] + pos).clamp(max=max(x.shape[1] - 1, 0))  # (N, L)
     keep = pos < lens[:, None]                                             # (N, L)
     out = x[0][idx]                                                        # (N, L, ...)
-    return out * keep.view(*keep.shape, *[1] * (out.ndim - 2)).to(out.dtype), keep
+    return torch.where(keep.view(*keep.shape, *[1] * (out.ndim - 2)), out, 0.0), keep  # (a product would keep g = -inf's NaN)
 
 
 def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
@@ -377,8 +377,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     q, k, v = (x.reshape(B, NT, C, H, x.shape[-1]).transpose(2, 3) for x in (q, k, v))  # (B, NT, H, C, D)
     g, beta = (x.reshape(B, NT, C, H).transpose(2, 3) for x in (g, beta))     # (B, NT, H, C)
     gc = g.cumsum(-1)                                                          # gamma: cumulative log-decay in the chunk
-    seg = _segment_sums(g)                                                     # gamma_t - gamma_i summed directly (B, NT, H, C, C)
-    D = seg.exp()                                                              # in [0, 1], 0 above the diagonal
+    D = _segment_decays(g)                                                     # e^{gamma_t - gamma_i}, summed directly (B, NT, H, C, C)
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)                                # strict_tril(diag(beta) K K^T ⊙ D)
     eye = torch.eye(C, device=q.device, dtype=q.dtype)
@@ -388,7 +387,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     q = q * scale
     attn = q @ k.transpose(-1, -2) * D                                         # intra-chunk scores (B, NT, H, C, C)
     q_dec = q * gc.exp()[..., None]                                            # Gamma_t q_t, reads the old state
-    k_dec = k * seg[..., -1, :].exp()[..., None]                               # e^{gamma_C - gamma_i} k_i, writes the new one
+    k_dec = k * D[..., -1, :, None]                                            # e^{gamma_C - gamma_i} k_i, writes the new one
     S = q.new_zeros(B, H, K, V) if S is None else S
     o = []
     for n in range(NT):
@@ -655,16 +654,17 @@ test_fail(lambda: causal_conv1d(xc, wc, cache=c[:, :2]), contains="the conv cach
 
 # %%
 #| export
-def _prelude_shapes(qkv: torch.Tensor, weight: torch.Tensor, H: int, K: int, V: Optional[int] = None) -> tuple[int, int, int, int]:
+def _prelude_shapes(qkv: torch.Tensor, H: int, K: int, V: Optional[int] = None) -> tuple[int, int, int, int]:
     "`(B, T, C, V)` of a fused `[B, T, 2HK + HV]` input, refusing channels that do not split into H heads of K, K and V (V if given)."
     if qkv.ndim != 3: raise ValueError(f"qkv must be [B, T, C]; got shape {tuple(qkv.shape)}")
     B, T, C = qkv.shape
     if H < 1 or K < 1: raise ValueError(f"n_heads={H} and head_k_dim={K} must be at least 1")
-    if C - 2 * H * K <= 0 or (C - 2 * H * K) % H or (V is not None and C != H * (2 * K + V)):
-        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and "
-                         + ("a whole V >= 1" if V is None else f"V={V}, {H * (2 * K + V)}")
-                         + "; check n_heads, head_k_dim" + (" and head_v_dim" if V is not None else ""))
-    _check_conv_weight(weight, C)
+    if V is not None and C != H * (2 * K + V):
+        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V = {H * (2 * K + V)} with H={H}, K={K}, V={V}; "
+                         f"check n_heads, head_k_dim and head_v_dim")
+    if C - 2 * H * K <= 0 or (C - 2 * H * K) % H:
+        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V >= 1; "
+                         f"check n_heads and head_k_dim")
     return B, T, C, (C - 2 * H * K) // H
 
 
@@ -679,7 +679,7 @@ def conv_silu_norm(
     head_v_dim: Optional[int] = None,  # V, checked against the channels if given (without it, other H and K may split C too)
 ):
     "Short conv, SiLU, unit L2 norm per head of q and k. Returns `(q [B, T, H, K], k, v [B, T, H, V], conv cache or None)`."
-    B, T, C, V = _prelude_shapes(qkv, weight, n_heads, head_k_dim, head_v_dim)
+    B, T, C, V = _prelude_shapes(qkv, n_heads, head_k_dim, head_v_dim)
     H, K = n_heads, head_k_dim
     y, cache = causal_conv1d(qkv, weight.to(qkv.dtype), cu_seqlens, cache, output_final_state)
     q, k, v = F.silu(y).split([H * K, H * K, H * V], -1)

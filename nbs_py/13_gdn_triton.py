@@ -253,7 +253,7 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # So the prep kernel reads every gate as at least $-110$ (`GATE_FLOOR`): $e^{-110}$ is $0$ in fp32,
 # whose smallest number is about $e^{-103}$, so each decay is what it was, and 64 clamped gates sum to
 # at most $7\,040$ in magnitude, where fp32 still resolves $5\times10^{-4}$. The gradient of a
-# clamped gate comes out $0$, as the true one is ($e^{g}$ is $0$ there too).
+# clamped gate comes out $0$ to fp32 rounding (a difference of sums), as the true one is $0$ ($e^{g}$ is $0$ there too).
 #
 # **Precision.** The solve's products ($D$, $L$ and the blocks of $A$) take fp32 operands, which the
 # tensor cores round to tf32 (10 bits of mantissa); $KK^\top$ is formed from the keys in their own

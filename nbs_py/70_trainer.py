@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
 from hymo.training.data import DataError, TokenLoader, _bar_shows, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
@@ -550,6 +550,15 @@ def trim_metrics(run_dir: Path, # The run folder, whose metrics.jsonl is trimmed
     if back: log(f"metrics.jsonl: {len(back)} lines of the resumed checkpoint's steps back from metrics.discarded.jsonl")
 
 
+def check_gdn_kernel(m: ModelConfig, device: torch.device):
+    "Refuse, before the data and the model, a GDN kernel `device` cannot run: Triton off a GPU, or 'auto' on one with chunks other than 64."
+    if m.gdn_kernel == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"gdn_kernel=triton needs a CUDA GPU and this run is on {device.type}: use "
+                          "gdn_kernel=auto (Triton on a GPU, PyTorch elsewhere) or torch, or set TRITON_INTERPRET=1 "
+                          "to run the kernels in Triton's interpreter (slow: for checking them)")
+    if m.gdn_kernel == "auto" and device.type == "cuda": check_triton_chunk(m.gdn_chunk_size, "auto")  # else at the first step
+
+
 def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
     "Micro-batches per rank per optimiser step; `ConfigError` if the global batch does not split over the ranks."
     B, G = cfg.micro_batch_size, cfg.global_batch_size
@@ -669,10 +678,7 @@ class Trainer:
         if train_cfg.precision == "bf16" and self.d.device.type == "cpu" and not self.d.distributed:
             raise ConfigError("precision=bf16 on one CPU process: its model computes in fp32 (bf16 comes from autocast on "
                               "a GPU, or FSDP's policy under torchrun); use precision=auto or fp32 here")
-        if model_cfg.gdn_kernel == "triton" and self.d.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ConfigError(f"gdn_kernel=triton needs a CUDA GPU and this run is on {self.d.device.type}: use "
-                              "gdn_kernel=auto (Triton on a GPU, PyTorch elsewhere) or torch, or set TRITON_INTERPRET=1 "
-                              "to run the kernels in Triton's interpreter (slow: for checking them)")
+        check_gdn_kernel(model_cfg, self.d.device)
 
         # first: preparing the default corpus is the slow part of a first run. Together: a dataset one node cannot
         # read stops every rank with one line, not only that one (the others would wait in the next collective)

@@ -133,3 +133,21 @@ def test_a_triton_benchmark_without_triton_says_so_in_one_line(script):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-1500:]
     assert r.stderr.strip().splitlines()[-1].startswith("this benchmark needs Triton"), r.stderr[-500:]
+
+
+def test_check_out_refuses_what_a_write_would_fail_on(tmp_path, monkeypatch, capsys):
+    "A trailing slash, a file where the folder should be, a link into a missing folder; a file or a link to one is fine."
+    import argparse
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from need_gpu import check_out
+    p = argparse.ArgumentParser(prog="bench")
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "nowhere" / "x.json")
+    for path, says in [(f"{tmp_path}/new.json/", "is a folder"), (str(tmp_path / "afile" / "x.json"), "afile is a file, not a folder"),
+                       (str(tmp_path / "dangling.json"), "nowhere does not exist"), ("~/nope/x.json", "(~ is not expanded inside quotes)")]:
+        with pytest.raises(SystemExit): check_out(p, path)
+        assert says in capsys.readouterr().err, path
+    (tmp_path / "kept.json").write_text("{}")
+    (tmp_path / "link.json").symlink_to(tmp_path / "kept.json")
+    for ok in ("kept.json", "link.json", "new.json"): check_out(p, str(tmp_path / ok))
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["afile", "dangling.json", "kept.json", "link.json"]  # nothing written

@@ -343,6 +343,20 @@ def test_a_hard_reset_and_huge_gates_match_the_loop(dtype):
                                    rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+def test_a_hard_reset_in_a_packed_row_stays_in_its_document():
+    "Padding a packed row to documents multiplied the slots past each end by 0: a g = -inf there made NaN everywhere."
+    q, k, v, g, beta = (x[:1] for x in inputs(B=1, T=150, seed=6, g_mult=0.2))
+    cu = torch.tensor([0, 40, 64, 65, 150])
+    for at in (3, 40, 64, 100):  # inside a document, at a document's start, a one-token document, a long one
+        g2 = g.clone(); g2[0, at, 1] = float("-inf")
+        h0 = torch.randn(4, H, K, V)
+        ref = run_with_grads(naive_gated_delta_rule, (q, k, v, g2, beta), h0, cu_seqlens=cu)
+        got = run_with_grads(chunk_gated_delta_rule_torch, (q, k, v, g2, beta), h0, cu_seqlens=cu)
+        for name, a, b in zip(["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"], ref, got):
+            assert b.isfinite().all(), (at, name)
+            torch.testing.assert_close(b, a, atol=1e-5 * max(1.0, a.abs().max().item()), rtol=0, msg=lambda m: f"{at} {name}: {m}")
+
+
 def test_empty_batches_and_heads_and_zero_width_heads():
     "B = 0 or H = 0: empty outputs of the right shape from both rules; K = 0 or V = 0 is refused (K**-0.5 would divide by 0)."
     q, k, v, g, beta = inputs(T=70)
@@ -367,7 +381,7 @@ def test_prelude_refuses_heads_that_do_not_fit_the_channels():
         with pytest.raises(ValueError, match="check n_heads, head_k_dim and head_v_dim|must be at least 1"):
             conv_silu_norm(qkv, w, h, kd, head_v_dim=V)
     for h, kd in ((3, 22), (5, 12)):  # no value channels; 132 - 120 = 12 does not split into 5 heads
-        with pytest.raises(ValueError, match="a whole V >= 1; check n_heads, head_k_dim$"):
+        with pytest.raises(ValueError, match="a whole V >= 1; check n_heads and head_k_dim$"):
             conv_silu_norm(qkv, w, h, kd)
     assert [t.shape[-1] for t in conv_silu_norm(qkv, w, H, K, head_v_dim=V)[:3]] == [K, K, V]
     for bad in (torch.randn(1, 4), torch.randn(qkv.shape[-1], 1, 4), torch.randn(qkv.shape[-1], 0)):

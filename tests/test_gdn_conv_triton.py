@@ -146,7 +146,7 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(90, 4), 2, 16)
     with pytest.raises(ValueError, match="and a whole V"):  # C == 2HK: no value channels
         triton_conv_silu_norm(torch.randn(1, 8, 64), torch.randn(64, 4), 2, 16)
-    with pytest.raises(ValueError, match="and V=16, 96; check n_heads, head_k_dim and head_v_dim"):  # 2 heads of 16, 16, 16
+    with pytest.raises(ValueError, match=r"expected 2\*H\*K \+ H\*V = 96 with H=2, K=16, V=16; check n_heads, head_k_dim and head_v_dim"):  # 2 heads of 16, 16, 16
         triton_conv_silu_norm(torch.randn(1, 8, 128), torch.randn(128, 4), 2, 16, head_v_dim=16)
     with pytest.raises(ValueError, match=r"weight must be \[C, W\] = \[96, W\]"):
         triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96), 2, 16)

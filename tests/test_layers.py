@@ -26,16 +26,19 @@ def test_rmsnorm_is_the_fp64_result_rounded_once(dtype):
         torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=atol)
 
 
-def test_rmsnorm_gradient_matches_fp64():
+def test_rmsnorm_gradient_matches_the_formula_in_fp64():
+    "fp32 gradients against autograd of the written-out formula in fp64; and an fp64 norm computes in fp64 (gradcheck)."
     torch.manual_seed(1)
-    norm, ref = RMSNorm(24), RMSNorm(24).double()
-    with torch.no_grad(): norm.weight.copy_(torch.randn(24)); ref.weight.copy_(norm.weight.double())
+    norm, w = RMSNorm(24), torch.randn(24, dtype=torch.float64)
+    with torch.no_grad(): norm.weight.copy_(w)
     x = torch.randn(5, 24, requires_grad=True)
-    xd = x.detach().double().requires_grad_()
+    xd, wd = x.detach().double().requires_grad_(), w.clone().requires_grad_()
     g = torch.randn(5, 24)
-    (norm(x) * g).sum().backward(); (ref(xd) * g.double()).sum().backward()
+    (norm(x) * g).sum().backward()
+    (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * wd * g.double()).sum().backward()
     torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(norm.weight.grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(norm.weight.grad.double(), wd.grad, rtol=1e-5, atol=1e-6)
+    assert torch.autograd.gradcheck(RMSNorm(6).double(), (torch.randn(3, 6, dtype=torch.float64, requires_grad=True),))
 
 
 def test_rmsnorm_epsilon_is_inside_the_root():

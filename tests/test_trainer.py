@@ -2618,3 +2618,14 @@ def test_a_shard_damaged_under_a_run_ends_in_one_line_that_says_how_to_resume(tm
     err = capsys.readouterr().err
     assert e.value.code == 1 and "train_0000.npy holds id 60000 at token" in err and "Traceback" not in err, err
     assert err.rstrip().endswith(f"then the same command resumes from {tmp_path / 'run' / 'checkpoints' / 'step_000002'}"), err
+
+
+def test_a_gdn_kernel_the_device_cannot_run_is_refused_before_the_data():
+    "'auto' takes the Triton kernels on a GPU, which run chunks of 64 only: refused there at the start, not at the first step."
+    from hymo.config import ConfigError, load_config
+    from hymo.training.trainer import check_gdn_kernel
+    m = load_config("hymo_tiny", gdn_chunk_size=32).model
+    check_gdn_kernel(m, torch.device("cpu"))  # the PyTorch path there: fine
+    with pytest.raises(ConfigError, match=r"gdn_chunk_size=32 but the Triton GDN kernels \(which gdn_kernel: auto picks on a GPU\)"):
+        check_gdn_kernel(m, torch.device("cuda"))
+    check_gdn_kernel(load_config("hymo_tiny", gdn_chunk_size=32, gdn_kernel="torch").model, torch.device("cuda"))

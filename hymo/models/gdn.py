@@ -96,13 +96,12 @@ def naive_gated_delta_rule(
     return o.to(dtype), (S if output_final_state else None)  # o in the inputs' dtype, like the other rules
 
 # %% ../../nbs/12_gated_deltanet.ipynb #91ee6e03
-def _segment_sums(g: torch.Tensor, # Log-decays of one chunk [..., C]
-                 ) -> torch.Tensor:
-    "`[..., C, C]` with entry `[t, i]` = Σ_{i < l <= t} g_l = γ_t - γ_i for i <= t, and -inf above the diagonal."
+def _segment_decays(g: torch.Tensor, # Log-decays of one chunk [..., C]
+                   ) -> torch.Tensor:
+    "`D [..., C, C]`: entry `[t, i]` is exp(Σ_{i < l <= t} g_l) = e^{γ_t - γ_i} for i <= t, 0 above the diagonal."
     C = g.shape[-1]
-    below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # l > i: entry [l, i] takes g_l
-    seg = g[..., :, None].expand(*g.shape, C).masked_fill(~below, 0).cumsum(-2)
-    return seg.masked_fill(~below.logical_or(torch.eye(C, dtype=torch.bool, device=g.device)), float("-inf"))
+    below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # entry [l, i] takes g_l where l > i
+    return torch.where(below, g[..., :, None], 0.0).cumsum(-2).exp().tril()  # above the diagonal: e^0, then cut to 0
 
 # %% ../../nbs/12_gated_deltanet.ipynb #5f25611c
 def _unpack_docs(x, cu_seqlens):
@@ -113,7 +112,7 @@ def _unpack_docs(x, cu_seqlens):
     idx = (cu_seqlens[:-1, None] + pos).clamp(max=max(x.shape[1] - 1, 0))  # (N, L)
     keep = pos < lens[:, None]                                             # (N, L)
     out = x[0][idx]                                                        # (N, L, ...)
-    return out * keep.view(*keep.shape, *[1] * (out.ndim - 2)).to(out.dtype), keep
+    return torch.where(keep.view(*keep.shape, *[1] * (out.ndim - 2)), out, 0.0), keep  # (a product would keep g = -inf's NaN)
 
 
 def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
@@ -126,8 +125,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     q, k, v = (x.reshape(B, NT, C, H, x.shape[-1]).transpose(2, 3) for x in (q, k, v))  # (B, NT, H, C, D)
     g, beta = (x.reshape(B, NT, C, H).transpose(2, 3) for x in (g, beta))     # (B, NT, H, C)
     gc = g.cumsum(-1)                                                          # gamma: cumulative log-decay in the chunk
-    seg = _segment_sums(g)                                                     # gamma_t - gamma_i summed directly (B, NT, H, C, C)
-    D = seg.exp()                                                              # in [0, 1], 0 above the diagonal
+    D = _segment_decays(g)                                                     # e^{gamma_t - gamma_i}, summed directly (B, NT, H, C, C)
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * D).tril(-1)                                # strict_tril(diag(beta) K K^T ⊙ D)
     eye = torch.eye(C, device=q.device, dtype=q.dtype)
@@ -137,7 +135,7 @@ def _chunk_rule(q, k, v, g, beta, scale, S, output_final_state, C):
     q = q * scale
     attn = q @ k.transpose(-1, -2) * D                                         # intra-chunk scores (B, NT, H, C, C)
     q_dec = q * gc.exp()[..., None]                                            # Gamma_t q_t, reads the old state
-    k_dec = k * seg[..., -1, :].exp()[..., None]                               # e^{gamma_C - gamma_i} k_i, writes the new one
+    k_dec = k * D[..., -1, :, None]                                            # e^{gamma_C - gamma_i} k_i, writes the new one
     S = q.new_zeros(B, H, K, V) if S is None else S
     o = []
     for n in range(NT):
@@ -228,16 +226,17 @@ def causal_conv1d(
     return y, new_cache
 
 # %% ../../nbs/12_gated_deltanet.ipynb #3cd55d8d
-def _prelude_shapes(qkv: torch.Tensor, weight: torch.Tensor, H: int, K: int, V: Optional[int] = None) -> tuple[int, int, int, int]:
+def _prelude_shapes(qkv: torch.Tensor, H: int, K: int, V: Optional[int] = None) -> tuple[int, int, int, int]:
     "`(B, T, C, V)` of a fused `[B, T, 2HK + HV]` input, refusing channels that do not split into H heads of K, K and V (V if given)."
     if qkv.ndim != 3: raise ValueError(f"qkv must be [B, T, C]; got shape {tuple(qkv.shape)}")
     B, T, C = qkv.shape
     if H < 1 or K < 1: raise ValueError(f"n_heads={H} and head_k_dim={K} must be at least 1")
-    if C - 2 * H * K <= 0 or (C - 2 * H * K) % H or (V is not None and C != H * (2 * K + V)):
-        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and "
-                         + ("a whole V >= 1" if V is None else f"V={V}, {H * (2 * K + V)}")
-                         + "; check n_heads, head_k_dim" + (" and head_v_dim" if V is not None else ""))
-    _check_conv_weight(weight, C)
+    if V is not None and C != H * (2 * K + V):
+        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V = {H * (2 * K + V)} with H={H}, K={K}, V={V}; "
+                         f"check n_heads, head_k_dim and head_v_dim")
+    if C - 2 * H * K <= 0 or (C - 2 * H * K) % H:
+        raise ValueError(f"qkv has {C} channels: expected 2*H*K + H*V with H={H}, K={K} and a whole V >= 1; "
+                         f"check n_heads and head_k_dim")
     return B, T, C, (C - 2 * H * K) // H
 
 
@@ -252,7 +251,7 @@ def conv_silu_norm(
     head_v_dim: Optional[int] = None,  # V, checked against the channels if given (without it, other H and K may split C too)
 ):
     "Short conv, SiLU, unit L2 norm per head of q and k. Returns `(q [B, T, H, K], k, v [B, T, H, V], conv cache or None)`."
-    B, T, C, V = _prelude_shapes(qkv, weight, n_heads, head_k_dim, head_v_dim)
+    B, T, C, V = _prelude_shapes(qkv, n_heads, head_k_dim, head_v_dim)
     H, K = n_heads, head_k_dim
     y, cache = causal_conv1d(qkv, weight.to(qkv.dtype), cu_seqlens, cache, output_final_state)
     q, k, v = F.silu(y).split([H * K, H * K, H * V], -1)

@@ -16,7 +16,7 @@ import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled
 from torch._subclasses.fake_tensor import is_fake
 
-from .gdn import _check_cu_seqlens, _prelude_shapes
+from .gdn import _check_conv_weight, _check_cu_seqlens, _prelude_shapes
 from .gdn_triton import INTERPRET  # importing it also readies Triton's library for the interpreter
 
 EPS = tl.constexpr(1e-6)  # F.normalize's eps, as in conv_silu_norm
@@ -249,7 +249,8 @@ def triton_conv_silu_norm(
     head_v_dim: Optional[int] = None,  # V, checked against the channels if given
 ):
     "Short conv, SiLU, unit L2 norm per head of q and k, in Triton. Returns `(q [B, T, H, K], k, v [B, T, H, V])` in qkv's dtype."
-    B, T, C, V = _prelude_shapes(qkv, weight, n_heads, head_k_dim, head_v_dim)
+    B, T, C, V = _prelude_shapes(qkv, n_heads, head_k_dim, head_v_dim)
+    _check_conv_weight(weight, C)
     H, K = n_heads, head_k_dim
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"qkv must be fp32, bf16 or fp16, got {qkv.dtype}" + (" (for float64, use conv_silu_norm)"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 # %% ../../nbs/01_layers.ipynb #68a25bf1
 class RMSNorm(nn.Module):
-    "Root-mean-square norm over the last dimension, computed in fp32, with a learned gain `weight`."
+    "Root-mean-square norm over the last dimension, computed in fp32 (fp64 stays fp64), with a learned gain `weight`."
     def __init__(self, dim: int, # Size of the normalised (last) dimension
                  eps: float = 1e-6): # Added to the mean square before the square root
         super().__init__()
@@ -22,9 +22,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):  # x: (..., dim)
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 (the chapters' exact checks) stays
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
     def reset_parameters(self): nn.init.ones_(self.weight)
 
