@@ -249,7 +249,7 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 #
 # **Gates.** The kernels work with differences of in-chunk cumulative gates, $G_t - G_i$, and a
 # gate of $-\infty$ (a hard reset, which chapter 12's rule takes) would make them
-# $-\infty - (-\infty) = $ `nan`; a very strong finite gate would swallow the small gaps after it.
+# $-\infty - (-\infty)$, which is `nan`; a very strong finite gate would swallow the small gaps after it.
 # So the prep kernel reads every gate as at least $-110$ (`GATE_FLOOR`): $e^{-110}$ is $0$ in fp32,
 # whose smallest number is about $e^{-103}$, so each decay is what it was, and 64 clamped gates sum to
 # at most $7\,040$ in magnitude, where fp32 still resolves $5\times10^{-4}$. The gradient of a
