@@ -11,17 +11,18 @@
 # and a run folder. One optimiser step is:
 #
 # 1. for each of `accum` micro-batches: forward (main + MTP loss), backward of `loss / accum`;
-# 2. if the loss or the gradient norm is not finite, throw the gradients away and count a bad step;
-# 3. clip the global gradient norm, set each group's learning rate from the WSD schedule, step
-#    NorMuon and AdamW;
+# 2. take the global gradient norm (the `grad_norm` logged) and clip the gradients to `grad_clip`;
+# 3. if the loss or that norm is not finite, throw the gradients away and count a bad step; else set
+#    each group's learning rate from the WSD schedule and step NorMuon and AdamW;
 # 4. update every MoE layer's gate bias from the token counts of this step (summed over
 #    micro-batches and all-reduced over ranks).
 #
 # Everything that changes what training does next is in the checkpoint: weights, both optimisers'
 # state, the MoE buffers, the data loader's position, every RNG, and the step. A resumed run is
 # therefore the same run: on CPU its losses equal the uninterrupted run's exactly. (A resume on
-# another number of ranks restarts the RNG streams from the seed instead: nothing in training draws
-# random numbers, so its losses still follow the uninterrupted run's, within rounding.)
+# another number of ranks cannot restore each rank's RNG streams and keeps those the seed and the
+# model's initialisation left: nothing in training draws random numbers, so its losses still follow
+# the uninterrupted run's, within rounding.)
 
 # %%
 #| export
@@ -161,11 +162,10 @@ def _create_new_run_dir(path: Path) -> Path:
 #
 # ::: {.callout-note collapse="true"}
 # ## Two details: the MoE's counts under recompute, and what compiling buys
-# Activation checkpointing's recompute routes the MoE's tokens again and adds the same counts to
-# `expert_counts` a second time (eager and compiled alike). Every use of the counts is a ratio (the
-# EMA against its mean, the sign rule, the logged load and drop fractions), so the bias and the
-# metrics are unchanged; only the EMA's absolute scale doubles. A test in `tests/test_moe.py`
-# holds this.
+# Activation checkpointing's recompute routes the MoE's tokens again, and would add the same counts
+# to `expert_counts` a second time (eager and compiled alike; `tests/test_moe.py` shows it on a bare
+# `checkpoint`). The trainer runs each backward inside `stats_paused` (chapter 30), so every
+# assignment is counted once, recompute or not (`tests/test_trainer.py` holds this).
 #
 # On the H200, compiling took a 750M optimiser step of 32 micro-batches from 15.9 s to 8.7 s when
 # first measured. Since the GDN prelude has Triton kernels of its own, a step of one micro-batch
@@ -278,7 +278,7 @@ test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVID
 # (`__R_N.distcp`, `rankR.pt`) while the page cache still holds them, and rank 0 adds DCP's
 # `.metadata`. A resume checks them before it reads anything else (`check_files`), each file on
 # one rank, the one of the same number where the number of ranks is unchanged, and a file that
-# differs is damage like a missing one. CRC-32 reads 3 to 4 GB/s on one core (measured below). On
+# differs is damage like a missing one. CRC-32 reads about 2.5 to 3 GB/s on one core (measured below). On
 # one H100 machine the 750M preset's checkpoint, 10.1 GB of weights and moments, took 17 to 22 s
 # to save, of which the sums 3.8 to 4.4 s, and 10.3 s to load, of which the check 3.9 s
 # (`benchmarks/ckpt_save.py`, in `benchmarks/results/ckpt_save.json`): once every `ckpt_every`
@@ -1201,7 +1201,7 @@ def _to_device(self: Trainer, batch) -> tuple:
 
 
 def _grad_norm(self: Trainer) -> torch.Tensor:
-    "Global gradient norm (clipped in place when `grad_clip > 0`)."
+    "The global gradient norm before clipping; the gradients are clipped in place to `grad_clip` when it is > 0."
     params = [p for p in self.model.parameters() if p.grad is not None]
     clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
@@ -1254,6 +1254,8 @@ def forward_backward(self: Trainer, last: bool) -> tuple[dict, int, float]:
 def train_step(self: Trainer) -> dict:
     "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
     self.model.train()
+    for opt in self.optimizers: opt.zero_grad(set_to_none=True)  # a step cut short (an exception, a second Ctrl-C in a
+    for m in self.moes: m.expert_counts.zero_(); m.dropped_tokens.zero_()  # notebook) left its gradients and counts
     totals, n_tokens, flops = {}, 0, 0.0
     with accumulation(self):
         for i in range(self.accum):
@@ -1335,13 +1337,14 @@ Trainer.evaluate = evaluate
 # tensors or FSDP shards; that is what lets DCP reshard between world sizes. Buffers (the MoE EMA
 # counts and gate biases) are part of the model's state dict.
 #
-# A checkpoint is written in four phases: the main rank makes a fresh `.tmp` folder; every rank
-# writes its DCP shards and its own `rank{r}.pt` (random state, loader position); the main rank
-# writes `meta.json`, the mark of a complete folder, only once every rank's file is in (a job killed
-# while another rank was still writing would otherwise leave a half-written `rank1.pt` beside it); the
-# main rank renames the folder. Each phase ends with every rank agreeing that it
-# went well (`_together`, one all-reduce), so a full disk on one node makes every rank stop with the
-# same one-line error. Before, the other ranks sat at a barrier until the failed rank's exit broke
+# A checkpoint is written in five phases: the main rank makes a fresh `.tmp` folder; every rank
+# writes its DCP shards and its own `rank{r}.pt` (random state, loader position); every rank reads
+# back the files it wrote for their CRC-32; the main rank writes `meta.json`, the mark of a complete
+# folder, only once every rank's file is in (a job killed while another rank was still writing would
+# otherwise leave a half-written `rank1.pt` beside it); the main rank renames the folder. Each phase
+# but the shards' ends with every rank agreeing that it went well (`_together`, one all-reduce; DCP's
+# own write raises on every rank when one fails), so a full disk on one node makes every rank stop
+# with the same one-line error. Before, the other ranks sat at a barrier until the failed rank's exit broke
 # the connection (a traceback from gloo) or torchrun killed them (NCCL). Each step's line in
 # `metrics.jsonl` and the end's artefacts (`finish`) go through `_together` the same way.
 #
@@ -1685,6 +1688,7 @@ class StopSignals:
     def __init__(self, on_signal: Callable, # Called with the `signal.Signals` received
                  announce: bool = True): # Print a line when a signal arrives (rank 0)
         self.on_signal, self.announce, self.received, self.old, self.hooks = on_signal, announce, None, {}, []
+        self.interrupted = False  # a SIGINT came
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
@@ -1700,7 +1704,8 @@ class StopSignals:
         return self
 
     def _note(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT: raise KeyboardInterrupt
+        if signum == signal.SIGINT and self.interrupted: raise KeyboardInterrupt  # the second Ctrl-C, not one after a SIGTERM
+        self.interrupted |= signum == signal.SIGINT
         self.received = signal.Signals(signum)
         self.on_signal(self.received)
         if self.announce:
@@ -1781,7 +1786,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")
-            if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
+            if self.saved_step != self.step: self.save()  # collective; mid-streak too: skipped steps left the weights as they were
         elif self.step >= self.cfg.max_steps and self.saved_step != self.step:
             self.save()  # the final checkpoint, under the handlers too: a SIGTERM now cannot cut it short
             if not self._agree(signals.received is None):  # ... but stops the run there: `finish` is left to the resume

@@ -903,7 +903,7 @@ def _to_device(self: Trainer, batch) -> tuple:
 
 
 def _grad_norm(self: Trainer) -> torch.Tensor:
-    "Global gradient norm (clipped in place when `grad_clip > 0`)."
+    "The global gradient norm before clipping; the gradients are clipped in place to `grad_clip` when it is > 0."
     params = [p for p in self.model.parameters() if p.grad is not None]
     clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
@@ -956,6 +956,8 @@ def forward_backward(self: Trainer, last: bool) -> tuple[dict, int, float]:
 def train_step(self: Trainer) -> dict:
     "One optimiser step over `accum` micro-batches; returns its metrics. Non-finite steps are skipped and counted."
     self.model.train()
+    for opt in self.optimizers: opt.zero_grad(set_to_none=True)  # a step cut short (an exception, a second Ctrl-C in a
+    for m in self.moes: m.expert_counts.zero_(); m.dropped_tokens.zero_()  # notebook) left its gradients and counts
     totals, n_tokens, flops = {}, 0, 0.0
     with accumulation(self):
         for i in range(self.accum):
@@ -1248,6 +1250,7 @@ class StopSignals:
     def __init__(self, on_signal: Callable, # Called with the `signal.Signals` received
                  announce: bool = True): # Print a line when a signal arrives (rank 0)
         self.on_signal, self.announce, self.received, self.old, self.hooks = on_signal, announce, None, {}, []
+        self.interrupted = False  # a SIGINT came
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
@@ -1263,7 +1266,8 @@ class StopSignals:
         return self
 
     def _note(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT: raise KeyboardInterrupt
+        if signum == signal.SIGINT and self.interrupted: raise KeyboardInterrupt  # the second Ctrl-C, not one after a SIGTERM
+        self.interrupted |= signum == signal.SIGINT
         self.received = signal.Signals(signum)
         self.on_signal(self.received)
         if self.announce:
@@ -1334,7 +1338,7 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
         signals.on_signal = lambda sig: None  # from here on `stopped_by` is final (a repeated SIGTERM is still absorbed)
         if not self._agree(self.stopped_by is None):  # every rank: a signal after the last step's check counts too
             self.request_stop("a stop on another rank")
-            if self.consecutive_bad == 0 and self.saved_step != self.step: self.save()  # collective
+            if self.saved_step != self.step: self.save()  # collective; mid-streak too: skipped steps left the weights as they were
         elif self.step >= self.cfg.max_steps and self.saved_step != self.step:
             self.save()  # the final checkpoint, under the handlers too: a SIGTERM now cannot cut it short
             if not self._agree(signals.received is None):  # ... but stops the run there: `finish` is left to the resume
