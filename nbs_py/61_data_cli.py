@@ -50,7 +50,7 @@ from fastcore.test import test_eq
 # is not UTF-8, JSON or Parquet, an option out of range (checked before any input is read), an
 # `--out` that is a file, a folder of something else, a dataset of other inputs, the current folder
 # or a mount point (a dataset is installed by renaming a new folder into place, which neither survives).
-# `--input` may be given several times and collects every path; any other option given twice is
+# `--input` may be given several times and collects every path; any other option that takes a value, given twice, is
 # refused, as `python -m hymo.train` refuses a second `--config` (argparse would keep the last without
 # a word). `info` prints the
 # manifest (on stdout, for `jq`) and then checks the dataset as training does (every shard's size and the

@@ -11,6 +11,7 @@ import glob
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import uuid
 import warnings
 import zlib
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
@@ -198,7 +200,7 @@ def split_train_val(docs: Iterable[str], # Documents in corpus order
                    ) -> Iterator[tuple[str, str]]:
     "Yield `('train', doc)` then `('val', doc)`: the cut is the first line boundary at or after `(1 - val_fraction) * total_bytes`."
     if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
-    cut, pos = int((1 - val_fraction) * total_bytes), 0
+    cut, pos = math.floor((1 - Fraction(str(val_fraction))) * total_bytes), 0  # exact: int((1 - 0.9) * 10) is 0, not 1
     for d in docs:
         b = d.encode("utf-8")
         if pos + len(b) <= cut: yield "train", d
@@ -371,11 +373,16 @@ def _all_docs(files, doc_split) -> Iterator[str]:
 
 
 def _head(docs: Iterable[str], max_bytes: int) -> Iterator[str]:
-    "The first documents of `docs` up to `max_bytes` UTF-8 bytes."
+    "The first `max_bytes` UTF-8 bytes of `docs`: whole documents, and the one that crosses the limit cut at its last line break before it."
     n = 0
     for d in docs:
         if n >= max_bytes: return
-        n += len(d.encode("utf-8")); yield d
+        b = d.encode("utf-8")
+        if n + len(b) > max_bytes:  # one huge document (--doc-split file, a big JSONL row) would otherwise come whole
+            part = b[:max_bytes - n]
+            part = part[:part.rfind(b"\n") + 1] or part  # at a line break, else at the limit
+            yield part.decode("utf-8", errors="ignore"); return  # (a character the limit cut in two is left out)
+        n += len(b); yield d
 
 
 def _batches(items: Iterable[tuple[str, str]], max_bytes: int = 1 << 22) -> Iterator[list[tuple[str, str]]]:
@@ -602,7 +609,7 @@ def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]
 def check_compatible(data_dir: Path, # A prepared dataset folder
                      vocab_size: int, # The model's vocabulary (embedding rows)
                     ) -> dict:
-    "Raise a `DataError` unless the dataset is intact and its ids fit a model of `vocab_size`; return its manifest."
+    "Raise a `DataError` unless the dataset's files are there at their recorded sizes (`check_contents` reads them), its tokenizer is the manifest's, and its ids fit a model of `vocab_size`; return its manifest."
     manifest = load_manifest(data_dir)
     tok = load_tokenizer(data_dir)
     if tok.get_vocab_size() != manifest["vocab_size"]:
@@ -682,12 +689,12 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             tokenizer=None, # A tokenizer.json to use instead of training one; it must contain <|endoftext|>
             doc_split: str = "blank", # Plain text: 'blank' (blank lines end a document) or 'file' (one document per file)
             val_fraction: float = 0.1, # Fraction of the bytes, at the end, kept for validation
-            shard_tokens: int = 2**27, # Tokens per shard file (the last is shorter)
-            tokenizer_train_bytes: int = 2**30, # The tokenizer is trained on at most this many bytes of training documents
+            shard_tokens: int = 2**27, # Tokens per shard file (the last may be shorter)
+            tokenizer_train_bytes: int = 2**30, # The tokenizer is trained on at most this many bytes of training documents (the first)
             overwrite: bool = False, # Replace a dataset in `out` prepared from other inputs or options
             progress: bool = True, # Show progress bars
            ) -> Path:
-    "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return `out`, absolute."
+    "Tokenize `inputs` into train/val token shards, a tokenizer and a manifest in `out`; return the dataset folder, absolute (through a link, the folder it names)."
     try: out = _real_out(out)
     except FileNotFoundError: raise DataError(f"the current folder was deleted: cd to an existing one, or give --out as an "
                                               "absolute path") from None
@@ -906,6 +913,8 @@ class TokenLoader:
     @property
     def epoch(self) -> float:
         "Epochs done so far, fractional."
+        if not self.steps_per_epoch:
+            raise DataError(f"this {self.split} loader serves eval_batches only: it has fewer windows than one optimiser step")
         return self.step / self.steps_per_epoch
 
     def state_dict(self) -> dict:
