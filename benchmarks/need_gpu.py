@@ -35,8 +35,9 @@ def device_arg(name: str) -> str:
 def check_out(p: argparse.ArgumentParser, path, flag: str = "--out"):
     "Refuse, before the run, an output file that could not be written: a folder, a missing folder, no write permission."
     if path is None: return
+    if not str(path).strip(): p.error(f"{flag} is empty: give the name of a file to write (an unset shell variable?)")
     f = Path(os.path.realpath(path))  # through links, to what would be written
-    if os.path.isdir(path) or str(path).endswith(("/", os.sep)): p.error(f"{flag} {path} is a folder; give the name of a file to write")
+    if f.is_dir() or str(path).endswith(("/", os.sep)): p.error(f"{flag} {path} is a folder; give the name of a file to write")
     if f.parent.exists() and not f.parent.is_dir(): p.error(f"{flag} {path}: {f.parent} is a file, not a folder")
     if not f.parent.is_dir():
         p.error(f"{flag} {path}: the folder {f.parent} does not exist; create it or give another path"

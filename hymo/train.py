@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Ints, load_config, presets, takes_text
+from .config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, presets, takes_text
 from .training.data import DataError
 
 # %% auto #0
@@ -28,7 +28,7 @@ __all__ = ['parse_overrides', 'build_parser', 'design_defaults_note', 'main', 'c
 # %% ../nbs/71_train.ipynb #af21d71e
 def _yaml_value(v) -> str:
     "A value as `key=value` and `--help` write it: [0.3, 0.1], true, null."
-    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+    return yaml.dump(v, Dumper=_Yaml12Dumper, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def _options_help() -> str:

@@ -222,7 +222,7 @@ def _type_hint(name: str, value, tp) -> str:
     "The fix for the usual slips: a number where text is meant (off, read as False), a count written as a float, a 1,000."
     if name in CHOICES and (isinstance(value, (bool, int, float)) or value is None):  # moe_balance: off is YAML's False
         return (f"; choose one of {', '.join(map(repr, CHOICES[name]))}"
-                + (" (off is the word none)" if value in (False, None) and "none" in CHOICES[name] else ""))
+                + (" (off is the word none)" if (value is False or value is None) and "none" in CHOICES[name] else ""))
     if tp is str and isinstance(value, (int, float, datetime.date)):  # YAML reads run_dir: 2024 as a number, off as False
         return (f"; quote it ({name.split('.')[-1]}: '...' in a YAML file): unquoted, YAML reads numbers, dates and "
                 f"yes/no/on/off as other types, and may change them (007 becomes 7)")
@@ -415,7 +415,7 @@ class Config:
         d = dataclasses.asdict(self)
         return {"name": d["name"], "model": _plain(d["model"]), "train": _plain(d["train"])}
 
-    def __str__(self): return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def __str__(self): return yaml.dump(self.to_dict(), Dumper=_Yaml12Dumper, sort_keys=False)  # quoted as it is read back
 
 
 def _plain(d: dict) -> dict: return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
@@ -472,19 +472,27 @@ class _KeyTwice(yaml.YAMLError): pass
 
 
 class _Yaml12Ints(yaml.SafeLoader):
-    "YAML's safe loader with YAML 1.2's integers: `0123` is 123 (PyYAML, YAML 1.1, reads octal 83) and `2:00` is text (1.1: 120)."
+    "YAML's safe loader with YAML 1.2's numbers: `0123` is 123 (PyYAML, YAML 1.1, reads octal 83); `2:00` and `1:30.5` are text (1.1: base 60)."
 
 
-_INT = "tag:yaml.org,2002:int"
-_Yaml12Ints.yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rs if tag != _INT]
-                                       for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Yaml12Ints.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0x[0-9a-fA-F_]+|0o[0-7_]+|[0-9][0-9_]*)$"), list("-+0123456789"))
+class _Yaml12Dumper(yaml.SafeDumper):
+    "YAML's safe dumper quoting as `_Yaml12Ints` reads: the text `0o17` is written '0o17', not as what it would read back as, 15."
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_NUMBERS_12 = {  # YAML 1.1's, less base 60 (and less 0b for integers, which 1.2's core schema leaves as text)
+    _INT: (re.compile(r"^[-+]?(?:0x_*[0-9a-fA-F][0-9a-fA-F_]*|0o_*[0-7][0-7_]*|[0-9][0-9_]*)$"), list("-+0123456789")),
+    _FLOAT: (re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+                            |[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))}
+for _cls in (_Yaml12Ints, _Yaml12Dumper):
+    _cls.yaml_implicit_resolvers = {c: [(tag, rx) for tag, rx in rs if tag not in _NUMBERS_12]
+                                    for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for _tag, (_rx, _first) in _NUMBERS_12.items(): _cls.add_implicit_resolver(_tag, _rx, _first)
 
 
 def _int12(loader, node) -> int:
     s = loader.construct_scalar(node).replace("_", "")
-    digits = s.lstrip("+-")
-    return int(s, 0) if digits[:2].lower() in ("0x", "0o") else int(s, 10)
+    return int(s, 0) if s.lstrip("+-")[:2].lower() in ("0x", "0o") else int(s, 10)  # 0123: decimal (int(.., 0) refuses it)
 
 
 _Yaml12Ints.add_constructor(_INT, _int12)
@@ -515,7 +523,8 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         raise ConfigError((f"{named_by}: 'base:'" if named_by else "the config") + f" is {name_or_path!r}: give a preset "
                           f"({', '.join(presets())}) or a path to a .yaml file")
     p = Path(name_or_path).expanduser()
-    if p.suffix.lower() not in (".yaml", ".yml"):
+    bare = p.suffix.lower() not in (".yaml", ".yml")  # a preset's name
+    if bare:
         preset = PRESET_DIR / f"{name_or_path}.yaml"
         if not preset.exists() and (p.is_dir() or p.is_file()):  # a run folder, or a file of another kind: not a preset either
             hint = f" (a run folder's settings are its config.yaml: {p / 'config.yaml'})" if (p / "config.yaml").is_file() else ""
@@ -524,8 +533,8 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         p = preset
     elif named_by is not None and not p.is_absolute(): p = named_by.parent / p  # a base: next to the file that names it
     if not p.exists():
-        if named_by is not None and p.parent == PRESET_DIR:  # a bare name: presets only
-            beside = [f.name for f in (named_by.parent / f"{name_or_path}.yaml", named_by.parent / f"{name_or_path}.yml") if f.is_file()]
+        if named_by is not None and bare:  # presets only
+            beside = [f"{name_or_path}{s}" for s in (".yaml", ".yml") if (named_by.parent / f"{name_or_path}{s}").is_file()]
             raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a preset ({', '.join(presets())})"
                               + (f"; for the file beside it, write 'base: {beside[0]}'" if beside else
                                  "; a file is named with its .yaml, from the folder of the file that names it"))
@@ -557,7 +566,8 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
             raise ConfigError(f"{p}: the '{sec}:' section must be a mapping of key: value lines indented under it "
                               f"(like '  {example}'); found {type(raw[sec]).__name__} {raw[sec]!r}")
     name = raw.get("name")
-    if name is not None and (not isinstance(name, str) or not name.strip() or set(name) & {"/", "\\"} or name in (".", "..")):
+    if name is not None and (isinstance(name, (bool, list, dict)) or not str(name).strip() or set(str(name)) & {"/", "\\"}
+                             or str(name) in (".", "..")):  # a number or a date is its text, as before: name: 2024
         raise ConfigError(f"{p}: 'name:' names the run (its folder is runs/NAME-<time>): give a word such as "
                           f"{p.stem}, without / or \\; found {name!r}")
     return str(name or p.stem), raw, p
@@ -731,7 +741,8 @@ test_eq(load_config("hymo_tiny", grad_clip=0, moe_bias_speed=0, mtp_loss_weights
 # takes it as the number anyone writing it means; `max_steps=1e5` is still refused, as an int field,
 # with the whole number to write instead. Integers are read as YAML 1.2 writes them: YAML 1.1 reads
 # `seed: 0123` as the octal 83 and `2:00` as 120 (base 60), without a word; here they are 123 and
-# text (refused, for an int). The reverse slip, `run_dir: 2024` in a YAML file, is told to quote
+# text (refused, for an int), as are `1:30.5` and `0b101`. A run's config.yaml is quoted by the same
+# rules, so the text `0o17` is written `'0o17'` and reads back as text. The reverse slip, `run_dir: 2024` in a YAML file, is told to quote
 # it, and `moe_balance: off` (YAML's False) is told its choices, where off is the word none; on the
 # command line a key that holds text keeps what was typed (chapter 71).
 # NumPy's scalars (a sweep's `np.int64(64)`, `np.float32(0.02)`, `np.True_`) are the plain values

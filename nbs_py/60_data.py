@@ -303,13 +303,18 @@ assert all(d.endswith("\n") and not d.endswith("\n\n") for d in shakespeare)
 
 # %%
 #| export
+def _train_bytes(total_bytes: int, val_fraction: float) -> int:
+    "Where validation starts, before moving to a line boundary: ⌊(1 - f) N⌋, exactly (in floats int((1 - 0.9) * 10) is 0)."
+    if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
+    return math.floor((1 - Fraction(str(float(val_fraction)))) * total_bytes)
+
+
 def split_train_val(docs: Iterable[str], # Documents in corpus order
                     total_bytes: int, # UTF-8 bytes of all documents (a first pass counts them)
                     val_fraction: float = 0.1, # Fraction of the bytes, at the end, that goes to validation
                    ) -> Iterator[tuple[str, str]]:
     "Yield `('train', doc)` then `('val', doc)`: the cut is the first line boundary at or after `(1 - val_fraction) * total_bytes`."
-    if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
-    cut, pos = math.floor((1 - Fraction(str(val_fraction))) * total_bytes), 0  # exact: int((1 - 0.9) * 10) is 0, not 1
+    cut, pos = _train_bytes(total_bytes, val_fraction), 0
     for d in docs:
         b = d.encode("utf-8")
         if pos + len(b) <= cut: yield "train", d
@@ -1014,7 +1019,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try:
         total_bytes = sum(len(d.encode("utf-8")) for d in _all_docs(files, doc_split))
         if total_bytes == 0: raise DataError(f"no text in {', '.join(name for _, name in files)}: the inputs are empty")
-        if int((1 - val_fraction) * total_bytes) == 0:  # any cut after byte 0 leaves training at least a line
+        if _train_bytes(total_bytes, val_fraction) == 0:  # any cut after byte 0 leaves training at least a line
             raise DataError(f"val_fraction={val_fraction} leaves no text for training (less than a byte of the "
                             f"{total_bytes}): lower it, or give more text")
         if tokenizer is None:
@@ -1269,12 +1274,15 @@ class TokenLoader:
         if self._perm[0] != epoch: self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
         return self._perm[1]
 
-    def window_ids(self, step: int) -> np.ndarray:
-        "The window indices $k$ this rank reads at `step`: `[B]`."
-        if step < 0: raise DataError(f"step={step} must be >= 0")
+    def _one_step_at_least(self):
         if not self.steps_per_epoch:
             raise DataError(f"the {self.split} split has {self.n_windows} windows, fewer than one optimiser step's "
                             f"{self.world_size * self.micro_batch_size * self.accum}: it serves `eval_batches` only")
+
+    def window_ids(self, step: int) -> np.ndarray:
+        "The window indices $k$ this rank reads at `step`: `[B]`."
+        if step < 0: raise DataError(f"step={step} must be >= 0")
+        self._one_step_at_least()
         epoch, t = divmod(step, self.steps_per_epoch)
         B = self.micro_batch_size
         first = t * self.world_size * B + self.rank * B
@@ -1324,8 +1332,7 @@ class TokenLoader:
     @property
     def epoch(self) -> float:
         "Epochs done so far, fractional."
-        if not self.steps_per_epoch:
-            raise DataError(f"this {self.split} loader serves eval_batches only: it has fewer windows than one optimiser step")
+        self._one_step_at_least()
         return self.step / self.steps_per_epoch
 
     def state_dict(self) -> dict:

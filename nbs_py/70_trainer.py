@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk
+from hymo.models.gdn import _load_triton
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
 from hymo.training.data import DataError, TokenLoader, _bar_shows, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
@@ -556,7 +557,8 @@ def check_gdn_kernel(m: ModelConfig, device: torch.device):
         raise ConfigError(f"gdn_kernel=triton needs a CUDA GPU and this run is on {device.type}: use "
                           "gdn_kernel=auto (Triton on a GPU, PyTorch elsewhere) or torch, or set TRITON_INTERPRET=1 "
                           "to run the kernels in Triton's interpreter (slow: for checking them)")
-    if m.gdn_kernel == "auto" and device.type == "cuda": check_triton_chunk(m.gdn_chunk_size, "auto")  # else at the first step
+    if m.gdn_kernel == "auto" and device.type == "cuda" and _load_triton("rule") is not None:  # else the PyTorch path, any chunk
+        check_triton_chunk(m.gdn_chunk_size, "auto")
 
 
 def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
@@ -1870,7 +1872,8 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
             if bar.disable: self.log(metric_line(m, self.cfg.max_steps))  # no bar: quiet (prints nothing) or not rank 0
             else: bar.write(metric_line(m, self.cfg.max_steps))       # above the bar, which stays at the bottom
         due = self.cfg.ckpt_every and self.step % self.cfg.ckpt_every == 0 and self.step < self.cfg.max_steps
-        if due and self.consecutive_bad == 0: self.save()  # never checkpoint in the middle of a non-finite streak
+        if due and self.consecutive_bad == 0: self.save()  # not mid-streak: a streak may end the run, and its checkpoints
+        # would push good ones out of keep_last_k (a stop saves mid-streak: there the run ends, and the good steps are kept)
         if not self._agree(self.stopped_by is None): break  # a stop was asked for, on some rank: all stop here (fit saves)
     return out
 

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import yaml
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Ints, load_config, presets, takes_text
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, presets, takes_text
 from hymo.training.data import DataError
 
 # %%
@@ -72,7 +72,7 @@ from fastcore.test import test_eq, test_fail
 #| export
 def _yaml_value(v) -> str:
     "A value as `key=value` and `--help` write it: [0.3, 0.1], true, null."
-    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+    return yaml.dump(v, Dumper=_Yaml12Dumper, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def _options_help() -> str:

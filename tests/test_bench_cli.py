@@ -144,7 +144,8 @@ def test_check_out_refuses_what_a_write_would_fail_on(tmp_path, monkeypatch, cap
     (tmp_path / "afile").write_text("")
     (tmp_path / "dangling.json").symlink_to(tmp_path / "nowhere" / "x.json")
     for path, says in [(f"{tmp_path}/new.json/", "is a folder"), (str(tmp_path / "afile" / "x.json"), "afile is a file, not a folder"),
-                       (str(tmp_path / "dangling.json"), "nowhere does not exist"), ("~/nope/x.json", "(~ is not expanded inside quotes)")]:
+                       (str(tmp_path / "dangling.json"), "nowhere does not exist"), ("~/nope/x.json", "(~ is not expanded inside quotes)"),
+                       ("", "is empty"), (f"{tmp_path}/nope/..", "is a folder")]:
         with pytest.raises(SystemExit): check_out(p, path)
         assert says in capsys.readouterr().err, path
     (tmp_path / "kept.json").write_text("{}")

@@ -690,3 +690,26 @@ def test_the_weight_decay_refusal_also_names_the_learning_rate_and_unused_ema_de
     assert load_config("hymo_tiny", moe_balance="none", moe_ema_decay=1.0).model.moe_ema_decay == 1.0  # unused there
     with pytest.raises(ConfigError, match=r"moe_ema_decay=1.0 must be in \[0, 1\)"):
         load_config("hymo_tiny", moe_balance="ema", moe_ema_decay=1.0)
+
+
+def test_a_run_config_reads_back_as_written_and_odd_numbers_are_text(tmp_path):
+    "A text value YAML 1.1 writes unquoted but 1.2 reads as a number (0o17) came back as 15; 0o_ was a raw ValueError."
+    from hymo.train import parse_overrides
+    for v in ("0o17", "+0o7", "0o_", "0x_", "1:30.5", "0123", "12:30"):
+        c = load_config("hymo_tiny", data_dir=v, run_dir=v)
+        (tmp_path / "c.yaml").write_text(str(c))
+        back = load_config(str(tmp_path / "c.yaml"))
+        assert (back.train.data_dir, back.train.run_dir) == (v, v), v
+    assert parse_overrides(["seed=0o_", "eval_every=1:30.5", "warmup_steps=0b101"]) == \
+        {"seed": "0o_", "eval_every": "1:30.5", "warmup_steps": "0b101"}  # text: refused below as not an int, no traceback
+    with pytest.raises(ConfigError, match=r"train.seed: expected int, got str '0o_'"):
+        load_config("hymo_tiny", **parse_overrides(["seed=0o_"]))
+    with pytest.raises(ConfigError, match=r"got int 0; choose one of 'ema', 'sign', 'none'$"):
+        load_config("hymo_tiny", moe_balance=0)
+    for name in ("2024", "2024-06-01", "1.5"):  # numbers and dates name a run as their text, as before
+        (tmp_path / "n.yaml").write_text(f"base: hymo_tiny\nname: {name}\n")
+        assert load_config(str(tmp_path / "n.yaml")).name == name
+    (tmp_path / "sub").mkdir(); (tmp_path / "sub" / "mybase.yaml").write_text("base: hymo_tiny\n")
+    (tmp_path / "child.yaml").write_text("base: sub/mybase\n")
+    with pytest.raises(ConfigError, match=r"names 'base: sub/mybase', which is not a preset .*write 'base: sub/mybase.yaml'$"):
+        load_config(str(tmp_path / "child.yaml"))

@@ -1330,4 +1330,13 @@ def test_the_validation_cut_is_the_exact_floor_and_an_eval_loader_has_no_epoch(d
     docs = ["a\n", "b\n", "c\n", "d\n", "e\n"]
     assert list(split_train_val(docs, 10, 0.9))[0] == ("train", "a\n")
     L = TokenLoader(ds, "val", seq_len=16, micro_batch_size=100, accum=2, eval_only=True)  # 175 windows: < one step
-    with pytest.raises(DataError, match="serves eval_batches only"): L.epoch
+    with pytest.raises(DataError, match="serves `eval_batches` only"): L.epoch
+
+
+def test_prepare_takes_what_the_exact_cut_leaves_and_any_number_type_for_the_fraction(tmp_path):
+    "prepare still used the float cut for its no-training-text check: 10 bytes at 0.9 were refused; a numpy or bool fraction crashed."
+    (tmp_path / "ten.txt").write_text("a\nb\nc\nd\ne\n")
+    ds = prepare(tmp_path / "ten.txt", tmp_path / "ds", vocab_size=300, val_fraction=0.9, progress=False)
+    assert load_manifest(ds)["splits"]["train"]["tokens"] > 0
+    assert list(split_train_val(["ab\n", "cd\n"], 6, np.float32(0.5))) == list(split_train_val(["ab\n", "cd\n"], 6, 0.5))
+    assert list(split_train_val(["ab\n"], 3, False)) == [("train", "ab\n")]
