@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: 50)")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: 0)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra: p.error(f"unrecognized arguments: {' '.join(extra)}" + ("; a prompt is given as --prompt \"...\""
+                                                                       if not extra[0].startswith("-") else ""))
     for flag, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)):
         if not v >= 0: p.error(f"{flag} must be a number >= 0, got {v}")  # `not >=` also refuses nan
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")

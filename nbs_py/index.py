@@ -48,7 +48,7 @@
 # ```sh
 # python -m hymo.train                      # hymo_tiny on the bundled Shakespeare, CPU, minutes
 # torchrun --nproc_per_node 8 -m hymo.train --config hymo_750m data_dir=...   # the full run
-# python -m hymo.generate runs/hymo_tiny-...   # continue a prompt with a finished run's model
+# python -m hymo.generate runs/hymo_tiny-... --prompt "JULIET:"   # continue a prompt with a finished run's model
 # ```
 #
 # ## Workshop slides

@@ -491,3 +491,9 @@ def test_cli_device_cuda_without_a_gpu_says_there_is_none(run, monkeypatch, caps
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as e: main([str(run), "--device", "cuda"])
     assert e.value.code == 2 and "--device cuda, but this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_a_prompt_without_its_flag_is_told_how_to_give_it(tmp_path, capsys):
+    from hymo.generate import main
+    with pytest.raises(SystemExit) as e: main([str(tmp_path), "JULIET:"])
+    assert e.value.code == 2 and "unrecognized arguments: JULIET:; a prompt is given as --prompt" in capsys.readouterr().err

@@ -2675,3 +2675,15 @@ def test_a_resume_restores_the_random_state(tmp_path):
     torch.rand(100)  # moved on after the save, as more training would
     back = make(tmp_path / "run", max_steps=4, ckpt_every=2)
     assert back.step == 2 and torch.equal(torch.get_rng_state(), saved)
+
+
+def test_resuming_another_runs_checkpoint_says_it_branches(tmp_path, capsys):
+    "--resume of another folder's checkpoint trains in a new folder; it said only 'resumed from', as a rewind says."
+    from hymo.training.trainer import Trainer
+    make(tmp_path / "a", max_steps=4, ckpt_every=2).fit(2)
+    cfg = load_config("hymo_tiny", **{**FAST, "max_steps": 4})
+    Trainer(cfg.model, cfg.train, run_dir=tmp_path / "b", resume=tmp_path / "a" / "checkpoints" / "step_000002")
+    out = capsys.readouterr().out
+    assert f"in a new run folder (a branch: {(tmp_path / 'a').resolve()} is left as it is; give run_dir=" in out
+    Trainer(cfg.model, cfg.train, run_dir=tmp_path / "a", resume=tmp_path / "a" / "checkpoints" / "step_000002")
+    assert "resumed from" in (out := capsys.readouterr().out) and "a branch" not in out  # its own folder: a rewind

@@ -1170,11 +1170,13 @@ def load(self: Trainer, ckpt: Path):
                              "the same global batch, so the same data" if G(saved) == G({**ours, "world_size": self.d.world_size})
                              else "the data continues in the saved run's epoch after the windows it had read there, and "
                                   "later epochs' order differs from the saved run's"))
-    else:  # resharded resume: the data position follows from the windows consumed; RNG streams restart from the seed
+    else:  # resharded resume: the data position follows from the windows consumed; the RNG streams stay as the seed left them
         self.train_loader.step = position
     self._train_iter = iter(self.train_loader)
     self.saved_step = self.step  # that checkpoint exists: a stop right away need not write it again
-    self.log(f"resumed from {ckpt} at step {self.step}")
+    home = Path(ckpt).resolve().parent.parent
+    self.log(f"resumed from {ckpt} at step {self.step}" + ("" if home == self.run_dir.resolve() else
+             f", in a new run folder (a branch: {home} is left as it is; give run_dir={home} to rewind that run instead)"))
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
 
