@@ -2326,6 +2326,42 @@ def test_a_resume_that_raises_the_learning_rate_says_it_jumps():
     assert not any("extend" in n for n in notes), notes  # a lowered max_steps extends nothing: no advice to
 
 
+def test_training_a_finished_run_further_keeps_its_checkpoint_from_before_the_decay(tmp_path):
+    """The warning of an extended run advised resuming a checkpoint from before the decay, which the extended run's
+    own saves then pruned: it is set aside as before-decay-step_..., named, and resuming it continues without a jump."""
+    run, keep = tmp_path / "run", dict(ckpt_every=2, keep_last_k=3)
+    jump = lambda t: next(w for w in t.resume_warnings if "jumps from" in w)
+    make(run, max_steps=8, **keep).fit()  # the decay starts at step 6: checkpoints 4, 6 and 8 are kept
+    ckpts = run / "checkpoints"
+    branch = make(tmp_path / "branch", resume=str(ckpts / "step_000008"), max_steps=16, **keep)
+    assert jump(branch).endswith(f": {ckpts / 'step_000004'} is one (continue from it with a new run_dir=...)"), jump(branch)
+    assert (ckpts / "step_000004").is_dir()  # another run's folder is left as it is
+    t = make(run, max_steps=16, **keep)
+    before = ckpts / "before-decay-step_000004"
+    assert jump(t).endswith(f"to extend a finished run without the jump, resume a checkpoint from before its decay: "
+                            f"{before} is one, kept for that (--resume {before})"), jump(t)
+    t.fit()  # saves at 10, 12, 14 and 16, pruning down to three plain checkpoints each time
+    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000012", "step_000014", "step_000016"]
+    twice = make(run, max_steps=32, **keep)  # extended again: the one kept is named, no other is set aside
+    assert jump(twice).endswith(f"{before} is one, kept for that (--resume {before})"), jump(twice)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000012", "step_000014", "step_000016"]
+    again = make(run, resume=str(before), max_steps=32, **keep)
+    assert again.step == 4 and not any("jumps" in w for w in again.resume_warnings), again.resume_warnings
+    assert (ckpts / "step_000004").is_dir() and not before.exists()  # its plain name back; the extension's set aside
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("superseded-")) == [
+        "superseded-step_000012", "superseded-step_000014", "superseded-step_000016"]
+
+
+def test_an_extended_run_without_a_checkpoint_from_before_its_decay_says_so(tmp_path):
+    "Only the final checkpoint kept (ckpt_every=0): the warning says none is kept, and nothing is set aside."
+    run = tmp_path / "run"
+    make(run, max_steps=8).fit()
+    t = make(run, max_steps=16)
+    jump = next(w for w in t.resume_warnings if "jumps from" in w)
+    assert jump.endswith(f": {run / 'checkpoints'} keeps none (ckpt_every and keep_last_k decide which are kept)"), jump
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000008"]
+
+
 def test_a_resume_in_another_folder_is_not_a_changed_setting():
     "M34: run_dir compared like a training setting: a run resumed under a renamed or given run_dir warns of it."
     from hymo.training.trainer import resume_changes

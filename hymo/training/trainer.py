@@ -42,15 +42,15 @@ from .data import DataError, TokenLoader, _bar_shows, check_compatible, prepare_
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'DISK_ERRORS', 'READ_FAULTS', 'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'Dist',
-           'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision', 'peak_flops', 'peak_of',
-           'list_checkpoints', 'history_sum', 'on_line_of', 'cut_short_renames', 'checkpoint_step', 'set_aside_as',
-           'CheckpointUnreadable', 'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt',
-           'resume_changes', 'trim_metrics', 'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir',
-           'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch',
-           'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'load', 'metric_line',
-           'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish',
-           'write_safetensors', 'sample', 'plot_losses']
+__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULTS', 'EXTEND', 'RUN_MARKS', 'CPU_FLOPS',
+           'FINISHED_FILES', 'Dist', 'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision',
+           'peak_flops', 'peak_of', 'list_checkpoints', 'history_sum', 'on_line_of', 'cut_short_renames',
+           'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable', 'file_crc', 'file_rank', 'check_files', 'wrapped',
+           'reraise_interrupt', 'resume_changes', 'schedule_jump', 'trim_metrics', 'check_gdn_kernel',
+           'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer',
+           'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
+           'train_step', 'evaluate', 'save', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
+           'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -195,9 +195,12 @@ def checkpoint_step(ckpt: Path) -> int:
     return int(ckpt.name[len(CKPT_PREFIX):])
 
 
+ASIDE = "damaged|superseded|replaced|before-decay"  # why a checkpoint folder was set aside (`Trainer._set_aside`)
+
+
 def set_aside_as(name: str) -> tuple[str, str] | None:
     "For a checkpoint folder set aside as `{why}-step_N` (`-2`, ... where that name was taken): (why, `step_N`); else None."
-    m = re.fullmatch(r"(damaged|superseded|replaced)-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", name)
+    m = re.fullmatch(r"(" + ASIDE + r")-(" + CKPT_PREFIX + r"\d{6,})(?:-\d+)?", name)
     return (m[1], m[2]) if m else None
 
 
@@ -336,21 +339,29 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
                           "keeps its architecture, so give it the config it was started with (its config.yaml: --config RUN_DIR/config.yaml) "
                           "without overrides of these, or give a new run_dir=... to start afresh")
     notes = [f"{sec} settings differ from the checkpoint's: {d}" for sec, d in diff.items() if d]
-    try: a = wsd_schedule(step, old_train)
-    except ValueError: a = None  # a run from before a decay_fraction > 0 meant at least one decay step: no longer valid
-    b = wsd_schedule(step, train_cfg)
     old_w, new_w = (c.eval_batches * c.micro_batch_size for c in (old_train, train_cfg))
     if old_w != new_w:  # a smaller micro-batch after running out of memory, say
         keep = f", e.g. eval_batches={old_w // train_cfg.micro_batch_size}" if old_w % train_cfg.micro_batch_size == 0 else ""
         notes.append(f"validation reads up to {new_w} windows (eval_batches × micro_batch_size), not {old_w}: val_loss after step "
                      f"{step} is measured on other text than before; keep the product at {old_w} to compare it{keep}")
-    if a is not None and abs(a - b) > 1e-9:
-        extend = ("; to extend a finished run without the jump, resume a checkpoint from before its decay if one is still "
-                  "kept (--resume run_dir/checkpoints/step_...; keep_last_k decides how many are)"
-                  if train_cfg.max_steps > old_train.max_steps else "")
-        notes.append(f"the learning rate after step {step} jumps from {a:.3f} to {b:.3f} of its peak (the schedule moved)"
-                     + extend)
+    if jump := schedule_jump(old_train, train_cfg, step):
+        notes.append(f"the learning rate after step {step} jumps from {jump[0]:.3f} to {jump[1]:.3f} of its peak (the schedule "
+                     "moved)" + (EXTEND if train_cfg.max_steps > old_train.max_steps else ""))
     return notes
+
+
+EXTEND = "; to extend a finished run without the jump, resume a checkpoint from before its decay"  # `Trainer.load` says which
+
+
+def schedule_jump(saved: TrainingConfig, # The schedule a checkpoint was trained on
+                  train_cfg: TrainingConfig, # The one a resume gives it
+                  step: int, # The checkpoint's step
+                 ) -> tuple[float, float] | None:
+    "The learning-rate multipliers after `step` by the two schedules, (saved, new), where they differ; else None."
+    try: a = wsd_schedule(step, saved)
+    except ValueError: return None  # a run from before a decay_fraction > 0 meant at least one decay step: no longer valid
+    b = wsd_schedule(step, train_cfg)
+    return (a, b) if abs(a - b) > 1e-9 else None
 
 
 def _lines(path: Path) -> list[str]:
@@ -439,7 +450,7 @@ def is_run_folder(d: Path) -> bool:
     "Whether folder `d` holds one of `RUN_MARKS` (any `...step_NNNNNN...` name in checkpoints/: set aside or unfinished too)."
     d = Path(d)
     if any((d / n).exists() for n in RUN_MARKS if not n.startswith("checkpoints/")): return True
-    ours = re.compile(r"(?:(?:damaged|superseded|replaced)-)?" + CKPT_PREFIX + r"\d{6,}(?:-\d+)?(?:\.tmp)?")  # as this code names them
+    ours = re.compile(r"(?:(?:" + ASIDE + r")-)?" + CKPT_PREFIX + r"\d{6,}(?:-\d+)?(?:\.tmp)?")  # as this code names them
     return (d / "checkpoints").is_dir() and any(ours.fullmatch(c.name) for c in (d / "checkpoints").iterdir())
 
 
@@ -790,17 +801,22 @@ class Trainer:
                 self.log(f"warning: could not rename {c} back to {plain.name} ({e}); a plain resume would not find it")
             else: self.log(f"renamed {c.name} back to {plain.name}: a checkpoint of the run's line again")
 
-    def _set_aside(self, ckpts: list[Path], why: str, then: str):
-        "Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs."
+    def _set_aside(self, ckpts: list[Path], why: str, then: str) -> list[Path]:
+        """Rename each checkpoint folder to `{why}-step_...` (kept, never deleted), once every rank has read what it needs;
+        return the new names (rank 0's; none on the other ranks)."""
         if self.d.distributed: dist.barrier()
-        if not self.d.is_main: return
+        if not self.d.is_main: return []
+        done = []
         for c in ckpts:
             dest, n = c.with_name(f"{why}-{c.name}"), 2
             while dest.exists(): dest, n = c.with_name(f"{why}-{c.name}-{n}"), n + 1
             try: os.replace(c, dest)
             except OSError as e:
                 self.log(f"warning: could not set the {why} {c} aside ({e}); it stays in the run folder")
-            else: self.log(f"kept the {why} {c.name} as {dest}: {then}")
+            else:
+                self.log(f"kept the {why} {c.name} as {dest}: {then}")
+                done.append(dest)
+        return done
 
     def _agree(self, ok: bool) -> bool:
         "Whether `ok` holds on every rank (one all-reduce when distributed), so that all ranks take the same branch."
@@ -1177,8 +1193,38 @@ def load(self: Trainer, ckpt: Path):
     home = Path(ckpt).resolve().parent.parent
     self.log(f"resumed from {ckpt} at step {self.step}" + ("" if home == self.run_dir.resolve() else
              f", in a new run folder (a branch: {home} is left as it is; give run_dir={home} to rewind that run instead)"))
+    notes = [n + self._keep_before_decay(Path(ckpt)) if n.endswith(EXTEND) else n for n in notes]
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
+
+
+def _keep_before_decay(self: Trainer, ckpt: Path) -> str:
+    """Where a checkpoint from before the decay is, for a run resumed from `ckpt` with its schedule stretched (a finished
+    run trained further): the newest of `ckpt`'s folder on its line that the new schedule continues without a jump. One
+    of this run's is set aside as `before-decay-step_...` first: the resumed run's saves would prune it."""
+    def fits(c: Path) -> bool:  # on the resumed line, and the same learning rate by its schedule and the new one
+        meta = _json_dict(c / "meta.json") or {}
+        s, train = meta.get("step"), (meta.get("config") or {}).get("train")
+        if not (isinstance(s, int) and s < self.step and isinstance(train, dict) and on_line_of(c, self.history)): return False
+        try: return abs(wsd_schedule(s, _saved(TrainingConfig, train)) - wsd_schedule(s, self.cfg)) <= 1e-9
+        except (TypeError, ValueError): return False  # a schedule this version no longer takes
+    found = [None]
+    if self.d.is_main:
+        mine = []  # (step, folder) of the checkpoints beside `ckpt`, and of those set aside before for this
+        for c in ckpt.parent.iterdir():
+            why, name = set_aside_as(c.name) or ("", c.name)
+            if why in ("", "before-decay") and re.fullmatch(CKPT_PREFIX + r"\d{6,}", name) and c.is_dir():
+                mine.append((checkpoint_step(Path(name)), c))
+        found[0] = next((c for _, c in sorted(mine, reverse=True) if fits(c)), None)
+    if self.d.distributed: dist.broadcast_object_list(found, src=0)
+    c, own = found[0], ckpt.resolve().parent == (self.run_dir / "checkpoints").resolve()
+    if c is None: return f": {ckpt.parent} keeps none (ckpt_every and keep_last_k decide which are kept)"
+    if not own: return f": {c} is one (continue from it with a new run_dir=...)"
+    if c.name.startswith("before-decay-"): return f": {c} is one, kept for that (--resume {c})"
+    kept = self._set_aside([c], "before-decay", "pruning never deletes it: --resume it to extend this run without the "
+                                              "learning rate's jump back up, or delete it once you no longer need it")
+    where = kept[0] if kept else c  # (rank 0's name; the others do not log)
+    return f": {where} is one, kept for that (--resume {where})"
 
 def _saved_loader(ckpt: Path, meta: dict, extra: dict | None) -> dict | None:
     """Where `ckpt`'s run was in its data, for `TokenLoader.step_after`: rank 0's saved loader (its micro-steps, ranks,
@@ -1190,7 +1236,7 @@ def _saved_loader(ckpt: Path, meta: dict, extra: dict | None) -> dict | None:
     return {"optimizer_step": meta["step"], "global_batch_size": G} if G else None
 
 
-Trainer.save, Trainer.load = save, load
+Trainer.save, Trainer.load, Trainer._keep_before_decay = save, load, _keep_before_decay
 
 # %% ../../nbs/70_trainer.ipynb #50f9c8a0
 def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.jsonl
