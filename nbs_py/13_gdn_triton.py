@@ -254,6 +254,9 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # whose smallest number is about $e^{-103}$, so each decay is what it was, and 64 clamped gates sum to
 # at most $7\,040$ in magnitude, where fp32 still resolves $5\times10^{-4}$. The gradient of a
 # clamped gate comes out $0$ to fp32 rounding (a difference of sums), as the true one is $0$ ($e^{g}$ is $0$ there too).
+# A NaN gate stays NaN (`tl.maximum` alone returns the floor for it), so its head's output is NaN
+# from that token on, as the loop's is (and in the earlier tokens of its chunk, whose products it
+# enters): a broken `A_log` or `dt_bias` reaches the trainer's check of the loss.
 #
 # **Precision.** The solve's products ($D$, $L$ and the blocks of $A$) take fp32 operands, which the
 # tensor cores round to tf32 (10 bits of mantissa); $KK^\top$ is formed from the keys in their own
@@ -283,7 +286,8 @@ def _gates16(g, beta, gc, bos, T, i_t, i_h, b: tl.constexpr, carry, H: tl.conste
     "Token block `b` (16 tokens) of chunk `i_t`: cumulative gates G (with `carry`, the blocks before), beta, in-sequence mask; stores G."
     o_t = i_t * BT + 16 * b + tl.arange(0, 16)
     m = (o_t >= 0) & (o_t < T)
-    b_x = tl.maximum(tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32), GATE_FLOOR)
+    b_x = tl.load(g + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
+    b_x = tl.where(b_x == b_x, tl.maximum(b_x, GATE_FLOOR), b_x)  # a NaN stays NaN (tl.maximum would drop it)
     b_g = tl.cumsum(b_x, 0) + carry
     tl.store(gc + (bos + o_t) * H + i_h, b_g, mask=m)
     b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m, other=0.).to(tl.float32)
@@ -875,12 +879,25 @@ def _none_if_empty(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if x is None or x.numel() == 0 else x
 
 
+def _check_prepared(q, k, v, g, beta, initial_state):
+    "Refuse what `_prepare_inputs` would have changed: the operators read padded, contiguous heads and fp32 gates."
+    K, V = q.shape[-1], v.shape[-1]
+    padded = lambda n: n >= 16 and n & (n - 1) == 0
+    loose = [n for n, x in zip(("q", "k", "v", "g", "beta", "initial_state"), (q, k, v, g, beta, initial_state))
+             if x is not None and not x.is_contiguous()]
+    if not (padded(K) and padded(V)) or loose or g.dtype != torch.float32 or beta.dtype != torch.float32:
+        raise ValueError(f"the GDN operators read head sizes that are powers of two of at least 16, contiguous tensors and "
+                         f"fp32 g and beta; got K={K}, V={V}, {', '.join(loose) or 'no tensor'} not contiguous, g {g.dtype}, "
+                         f"beta {beta.dtype}: call triton_gated_delta_rule, which prepares them")
+
+
 @torch.library.custom_op("hymo::gdn_chunk_fwd", mutates_args=())
 def gdn_chunk_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
                   initial_state: Optional[torch.Tensor], output_final_state: bool, cu_seqlens: Optional[torch.Tensor],
                   keep_prep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward on padded, contiguous inputs (g, beta fp32): `(o, final state or an empty tensor, gc, A, hs)`, hs being
     every chunk's S_0 with `keep_prep` (else empty); with `keep_prep` autograd keeps gc, A and hs."""
+    _check_prepared(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     tables = _chunk_tables(cu_seqlens, B, T)
     with _fits_gpu("forward", q, v):
@@ -906,6 +923,7 @@ def gdn_chunk_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   hs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
     "Backward: `(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`; gc, A and hs from the forward, or None to recompute them."
+    _check_prepared(q, k, v, g, beta, initial_state)
     with _fits_gpu("backward", q, v):
         dq, dk, dv, dg, dbeta, dh0 = _chunk_bwd(q, k, v, g, beta, gc, A, hs, scale, initial_state, cu_seqlens,
                                                 do.contiguous(), None if dht is None else dht.contiguous(), need_dh0)
@@ -1010,9 +1028,8 @@ def triton_gated_delta_rule(
     keep_prep: bool = False,  # Keep kernel 1's gc and A [B, T, H, 64] and the chunk states for the backward instead of recomputing them
 ):
     "The chunked gated delta rule in Triton, differentiable. Returns `(o [B, T, H, V] in v's dtype, final_state [B, H, K, V] fp32 or None)`."
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    args = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    args = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)  # checked first: chapter 12's messages
+    (B, T, H, K), V = q.shape, v.shape[-1]
     if T == 0:  # nothing to launch
         N = B if cu_seqlens is None else len(cu_seqlens) - 1
         S = args[6].to(torch.float32, copy=True) if initial_state is not None else q.new_zeros(N, H, K, V, dtype=torch.float32)  # a new tensor, as for T > 0
@@ -1133,9 +1150,9 @@ def fused_recurrent_gated_delta_rule(
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
         raise RuntimeError("fused_recurrent_gated_delta_rule has no backward; use triton_gated_delta_rule for training, "
                            "or call it under torch.no_grad()")
-    B, T, H, K = q.shape
-    V, dtype = v.shape[-1], v.dtype
-    q, k, v, g, beta, scale, h0, cu_seqlens = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    args = _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)  # checked first: chapter 12's messages
+    (B, T, H, K), V, dtype = q.shape, v.shape[-1], v.dtype
+    q, k, v, g, beta, scale, h0, cu_seqlens = args
     Kp, Vp = q.shape[-1], v.shape[-1]
     N = B if cu_seqlens is None else len(cu_seqlens) - 1
     o = torch.empty_like(v)

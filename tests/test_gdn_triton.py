@@ -56,6 +56,19 @@ CHILD = textwrap.dedent('''
     xs[3][0, 10, 0], xs[3][0, 75, 1], xs[3][0, 100, 0] = float("-inf"), -1e6, -200.0
     ref, out = (run(rule, xs, h0, None, 14) for rule in (naive_gated_delta_rule, triton_gated_delta_rule))
     res["hard_reset"] = {n: [(a - b).abs().max().item(), b.abs().max().item()] for n, a, b in zip("o ht dq dk dv dg dbeta dh0".split(), out, ref)}
+    # a hard reset forgets exactly: other inputs before it change nothing after it, bit for bit (a floor of -20 leaks e^-20)
+    xs = inputs(1, 150, 2, 16, 16, torch.float32, 16, g_mult=0.2)
+    xs[3][0, 40] = float("-inf")
+    ys = inputs(1, 150, 2, 16, 16, torch.float32, 17, g_mult=0.2)
+    ys = [torch.cat([y[:, :40], x[:, 40:]], 1) for x, y in zip(xs, ys)]  # other q, k, v, g and beta before the reset
+    with torch.no_grad(): oa, ob = (triton_gated_delta_rule(*x)[0] for x in (xs, ys))
+    res["reset_forgets"] = {"after": (oa[:, 40:] - ob[:, 40:]).abs().max().item(), "before": (oa[:, :40] - ob[:, :40]).abs().max().item()}
+    # a NaN gate: NaN from that token on in its head, as the loop's (the floor must not turn it into a reset)
+    xs = inputs(1, 70, 2, 16, 16, torch.float32, 15)
+    xs[3][0, 5, 0] = float("nan")
+    with torch.no_grad(): o, o_ref = (rule(*xs)[0] for rule in (triton_gated_delta_rule, naive_gated_delta_rule))
+    res["nan_gate"] = {"loop's NaN kept": bool(o.isnan()[o_ref.isnan()].all()), "loop": int(o_ref.isnan().sum()),
+                       "this head": int(o[..., 0, :].isnan().sum()), "other head": int(o[..., 1, :].isnan().sum())}
     xs, h0, cu = inputs(1, 90, 2, 16, 16, torch.float32, 6), torch.randn(3, 2, 16, 16), torch.tensor([0, 10, 80, 90])
     kept, again = (run(lambda *a: triton_gated_delta_rule(*a, keep_prep=kp), xs, h0, cu, 6) for kp in (True, False))
     res["keep_prep_vs_recompute"] = max((a - b).abs().max().item() for a, b in zip(kept, again))
@@ -210,6 +223,15 @@ def test_a_hard_reset_and_huge_gates_match_the_loop(errors):
     _check(errors["hard_reset"], 1e-4)
 
 
+def test_a_hard_reset_forgets_exactly_and_a_nan_gate_stays_nan(errors):
+    """Past a gate of -inf the output does not depend on anything before it, bit for bit (the floor's e^-110 is 0 in fp32);
+    a NaN gate is not read as the floor: the output is NaN wherever the loop's is (and in the earlier tokens of its chunk),
+    so a broken gate reaches the loss."""
+    r = errors["reset_forgets"]
+    assert r["before"] > 0.1 and r["after"] == 0.0, r
+    assert errors["nan_gate"] == {"loop's NaN kept": True, "loop": 65 * 16, "this head": 70 * 16, "other head": 0}, errors["nan_gate"]
+
+
 def test_half_precision_inputs(errors):
     "fp16 inputs (products in fp16, accumulation and state in fp32) stay within fp16 rounding of the fp32 loop."
     _check(errors["fp16"], 1e-2)
@@ -252,12 +274,41 @@ def test_bad_inputs_are_refused_with_a_clear_message():
         triton_gated_delta_rule(q.double(), k.double(), v.double(), g, beta)
     with pytest.raises(RuntimeError, match="no backward"):
         fused_recurrent_gated_delta_rule(q.clone().requires_grad_(), k, v, g, beta)
+    for rule in (triton_gated_delta_rule, fused_recurrent_gated_delta_rule):  # chapter 12's message, not an unpacking error
+        with pytest.raises(ValueError, match=r"q and k must both be \[B, T, H, K\]; got q \(8, 2, 16\)"):
+            rule(q[0], k[0], v[0], g[0], beta[0])
+        with pytest.raises(ValueError, match="q and k must both be"):
+            rule(q[None], k[None], v[None], g, beta)
     big = lambda *s: torch.zeros(1, 1, 1, *s[3:]).expand(*s) if len(s) == 4 else torch.zeros(1, 1, 1).expand(*s)  # no memory
     with pytest.raises(ValueError, match="2048 sequences x 40 heads: more programs than a CUDA grid's second axis"):
         fused_recurrent_gated_delta_rule(big(2048, 1, 40, 32), big(2048, 1, 40, 32), big(2048, 1, 40, 32), big(2048, 1, 40), big(2048, 1, 40))
     B, T, H = 1, 2 ** 20, 40  # a 1M-token prefill: [B, T, H, 64] buffers past 2**31 elements
     with pytest.raises(ValueError, match="int32 offsets; split the batch or the sequence"):
         triton_gated_delta_rule(big(B, T, H, 32), big(B, T, H, 32), big(B, T, H, 32), big(B, T, H), big(B, T, H))
+
+
+def test_the_operators_refuse_inputs_the_wrapper_would_have_prepared():
+    "Called directly, the operators refuse unpadded heads, strided tensors and 16-bit gates (they read them wrong, silently)."
+    import hymo.models.gdn_triton  # registers the operators
+    q, v, g, beta = torch.randn(1, 64, 2, 16), torch.randn(1, 64, 2, 16), -torch.rand(1, 64, 2), torch.rand(1, 64, 2)
+    op = torch.ops.hymo.gdn_chunk_fwd
+    with pytest.raises(ValueError, match="powers of two of at least 16.*K=12, V=16"):
+        op(q[..., :12].contiguous(), q[..., :12].contiguous(), v, g, beta, 1.0, None, False, None, False)
+    t_major = q.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="q, k not contiguous"):
+        op(t_major, t_major, v, g, beta, 1.0, None, False, None, False)
+    with pytest.raises(ValueError, match="g torch.bfloat16.*call triton_gated_delta_rule"):
+        op(q, q, v, g.bfloat16(), beta, 1.0, None, False, None, False)
+    with pytest.raises(ValueError, match="initial_state not contiguous"):
+        op(q, q, v, g, beta, 1.0, torch.randn(1, 2, 16, 16).transpose(-1, -2), False, None, False)
+    from hymo.models.gdn_conv_triton import conv_silu_norm_fwd  # the prelude's: w column-major, x with channels apart
+    x, w = torch.randn(1, 8, 2 * (16 + 16 + 16)), torch.randn(96, 4)
+    with pytest.raises(ValueError, match="w torch.float32 strides \\(1, 96\\).*call triton_conv_silu_norm"):
+        conv_silu_norm_fwd(x, w.t().contiguous().t(), 2, 16, None)
+    with pytest.raises(ValueError, match="channel stride 1"):
+        conv_silu_norm_fwd(x.transpose(1, 2).contiguous().transpose(1, 2), w, 2, 16, None)
+    with pytest.raises(ValueError, match="w torch.bfloat16"):
+        conv_silu_norm_fwd(x, w.bfloat16(), 2, 16, None)
 
 
 def test_strided_values_and_bf16_gates_or_state_match_the_loop(errors):

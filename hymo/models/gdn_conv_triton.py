@@ -176,10 +176,19 @@ class _ShapesOnly:
         return launch
 
 
+def _check_prepared(x: torch.Tensor, w: torch.Tensor):
+    "Refuse what `triton_conv_silu_norm` would have changed: the operators read x with channel stride 1 and w as a dense fp32 [C, W]."
+    if x.ndim != 3 or x.stride(-1) != 1 or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError(f"the prelude's operators read x [B, T, C] with channel stride 1 and w as a contiguous fp32 [C, W]; "
+                         f"got x strides {tuple(x.stride())}, w {w.dtype} strides {tuple(w.stride())}: call "
+                         "triton_conv_silu_norm, which prepares them")
+
+
 @_operator("hymo::conv_silu_norm_fwd")
 def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int,
                        starts: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "x [B, T, 2HK+HV] (channel stride 1), w [2HK+HV, W] fp32 → q, k [B, T, HK] and v [B, T, HV] in x's dtype."
+    _check_prepared(x, w)
     B, T, C = x.shape
     H, K = n_heads, head_k_dim
     V = (C - 2 * H * K) // H
@@ -200,6 +209,7 @@ def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
 def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int, starts: Optional[torch.Tensor],
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Gradients `(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)` from those of q, k, v."
+    _check_prepared(x, w)
     B, T, C = x.shape
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
