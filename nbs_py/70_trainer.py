@@ -258,7 +258,9 @@ test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVID
 # The folder is written as `step_000100.tmp` and renamed only when every rank has finished. A crash
 # mid-write leaves an incomplete `.tmp` folder that is never read, so the last complete checkpoint
 # stays the one a resume uses (a `.tmp` that is complete, whose rename alone was cut short, is
-# renamed and resumed from). After a successful save, only the newest `keep_last_k` are kept. Only
+# renamed and resumed from). After a successful save, only the newest `keep_last_k` are kept, and,
+# once the decay has begun, the newest from before it (`pruned`): warmup-stable-decay lets a
+# finished run be trained further from there without the learning rate's jump back up. Only
 # names of exactly that form are checkpoints: a copy you made as `step_000100.bak` is neither read nor
 # pruned.
 #
@@ -902,9 +904,14 @@ class Trainer:
                 resume = True
             elif ((aside := set_aside_as(p.name)) and aside[0] != "replaced" and own and not p.exists()
                   and (p.parent / aside[1] / "meta.json").exists()):
-                self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming the newest checkpoint, "
-                         "as the same command given again does")  # a requeued job, before the first new checkpoint
-                resume = True
+                # the same command again (a requeued job): before the first new checkpoint, or with the same settings since
+                if done and (done[-1].name == aside[1] or same):
+                    self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming the newest "
+                             "checkpoint, as the same command given again does")
+                    resume = True
+                else:  # the run has trained on from it since, and other settings go back to it: a new rewind
+                    self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming {aside[1]}")
+                    p = p.parent / aside[1]
         if resume is not True:
             if not (p / "meta.json").exists():  # a run folder, or its checkpoints/, given for one of its checkpoints
                 listed = list_checkpoints(p)
@@ -1434,7 +1441,7 @@ def save(self: Trainer) -> Path:
         to_disk(tmp)  # every rank's files are in: the folder's entries on disk before the rename names it a checkpoint
         os.replace(tmp, final)
         to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
-        for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
+        for old in [replaced, *pruned(list_checkpoints(self.run_dir), self.cfg)]:
             if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
             try: shutil.rmtree(old)
             except OSError as e: self.log(f"warning: could not remove the old checkpoint {old} ({e.strerror}); remove it by hand")
@@ -1458,6 +1465,16 @@ def save(self: Trainer) -> Path:
     self._together(publish, final)
     self.saved_step = self.step
     return final
+
+
+def pruned(done: list[Path], # A run's checkpoints, oldest first (`list_checkpoints`)
+           cfg: TrainingConfig, # Its keep_last_k and schedule
+          ) -> list[Path]:
+    """The checkpoints a save deletes: all but the newest `keep_last_k` and, once the decay has begun, the newest from
+    before it (a step below max_steps - decay_steps), from which a finished run is trained further without the learning
+    rate's jump back up."""
+    before = [c for c in done if cfg.decay_steps and checkpoint_step(c) < cfg.max_steps - cfg.decay_steps]
+    return [c for c in done[:-cfg.keep_last_k] if c not in before[-1:]]
 
 
 def load(self: Trainer, ckpt: Path):
@@ -1541,12 +1558,18 @@ def _keep_before_decay(self: Trainer, ckpt: Path) -> str:
     """Where a checkpoint from before the decay is, for a run resumed from `ckpt` with its schedule stretched (a finished
     run trained further): the newest of `ckpt`'s folder on its line that the new schedule continues without a jump. One
     of this run's is set aside as `before-decay-step_...` first: the resumed run's saves would prune it."""
-    def fits(c: Path) -> bool:  # on the resumed line, and the same learning rate by its schedule and the new one
+    def fits(c: Path) -> bool:  # on the resumed line, the same learning rate by its schedule and the new one, and whole
         meta = _json_dict(c / "meta.json") or {}
         s, train = meta.get("step"), (meta.get("config") or {}).get("train")
         if not (isinstance(s, int) and s < self.step and isinstance(train, dict) and on_line_of(c, self.history)): return False
-        try: return abs(wsd_schedule(s, _saved(TrainingConfig, train)) - wsd_schedule(s, self.cfg)) <= 1e-9
+        try:
+            if abs(wsd_schedule(s, _saved(TrainingConfig, train)) - wsd_schedule(s, self.cfg)) > 1e-9: return False
         except (TypeError, ValueError): return False  # a schedule this version no longer takes
+        try: check_files(c, meta, 0, 1)  # every rank's files: the one to resume must be readable
+        except CheckpointUnreadable as e:
+            self.log(f"warning: {c} is from before the decay but cannot be read ({e}); looking at the ones before it")
+            return False
+        return True
     found = [None]
     if self.d.is_main:
         mine = []  # (step, folder) of the checkpoints beside `ckpt`, and of those set aside before for this
@@ -2182,8 +2205,11 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   are refused, below), and a moved learning-rate
 #   schedule says how far the rate jumps. A finished run trained further jumps from the end of its
 #   decay back up to the plateau; warmup-stable-decay is extended without that jump from a checkpoint
-#   taken before the decay, so the warning names the newest one the run still keeps, and sets it aside
-#   as `before-decay-step_...` first (the new run's saves would prune it): `--resume` it. The optimisers' moments come from the checkpoint, their
+#   taken before the decay, so pruning keeps the newest one from before it (`pruned`, above), and the
+#   warning names it, setting it aside as `before-decay-step_...` first (the new run's saves would
+#   prune it; one whose files fail their CRC-32 is passed over for the one before): `--resume` it.
+#   Once resumed, it is a checkpoint of the run's line again, pruned as any other (the new line keeps
+#   its own newest from before its decay). The optimisers' moments come from the checkpoint, their
 #   settings (peak learning rates, weight decay, betas) from this run's config: lowering `muon_lr`
 #   after a divergence takes effect.
 # * A checkpoint that cannot be read, or whose files' sizes or CRC-32s differ from those its save
@@ -2198,7 +2224,9 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   the branch it leaves is set aside as well, older checkpoints included, since a damaged
 #   checkpoint later would otherwise fall back onto it, and the resumed one gets its plain name back,
 #   as do the older checkpoints of its line that were set aside with it (a crash before the next
-#   checkpoint resumes from it; the same command given again finds it under that name). A checkpoint is on the resumed one's line when its `history` (each step's
+#   checkpoint resumes from it; the same command given again finds it under that name, and
+#   continues the run's newest; given with other settings once the run has trained on, it goes back
+#   to that checkpoint again, as a new rewind). A checkpoint is on the resumed one's line when its `history` (each step's
 #   losses, in `meta.json`) begins the resumed one's (`on_line_of`). Every resume keeps in
 #   `metrics.jsonl` only the lines that agree with that history: another branch's move out, and
 #   the resumed line's come back from `metrics.discarded.jsonl` (the first step after a branch

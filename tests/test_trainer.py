@@ -703,7 +703,8 @@ def test_a_finished_run_trained_further_keeps_its_final_model(tmp_path):
     kept = run / "finished-step_000004"
     assert {n: (kept / n).read_bytes() for n in want} == want  # the run's own stay until the new finish (config.yaml: the new one's)
     assert all((run / n).read_bytes() == want[n] for n in ("model.safetensors", "summary.json", "tokenizer.json"))
-    assert [c.name for c in (run / "checkpoints").iterdir()] == ["step_000005"]  # step 4's pruned: its weights are in kept
+    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == [  # step 4's pruned: its weights are in kept
+        "before-decay-step_000002", "step_000005"]                      # (step 3 is the decay's: 2 is kept from before it)
     model, _ = load_run(kept)
     saved = load_file(str(kept / "model.safetensors"))
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
@@ -880,7 +881,7 @@ def test_resuming_a_set_aside_checkpoint_leaves_the_branch_it_ends_and_its_metri
     from hymo.training.trainer import list_checkpoints
     run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     lines = lambda name: [json.loads(l) for l in (run / name).read_text().splitlines()]
-    make(run, max_steps=6, ckpt_every=2, keep_last_k=5).fit()
+    make(run, max_steps=12, ckpt_every=2, keep_last_k=5).fit(num_steps=6)  # (the same schedule throughout: no extension)
     a = {m["step"]: m["loss"] for m in lines("metrics.jsonl")}
     b = make(run, resume=ckpts / "step_000002", max_steps=12, ckpt_every=2, keep_last_k=5, muon_lr=0.005)
     b.fit(num_steps=2)
@@ -1022,9 +1023,12 @@ def test_interrupted_checkpoint_never_replaces_the_last_good_one(tmp_path, monke
 
 def test_keeps_only_last_k_checkpoints(tmp_path):
     from hymo.training.trainer import list_checkpoints
-    t = make(tmp_path / "run", max_steps=8, ckpt_every=2, keep_last_k=2)
+    t = make(tmp_path / "run", max_steps=8, ckpt_every=2, keep_last_k=2, decay_fraction=0)  # no decay: the newest two
     t.fit()
     assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000006", "step_000008"]
+    t = make(tmp_path / "decays", max_steps=8, ckpt_every=2, keep_last_k=2)  # the decay from step 6: 4 is kept from before it
+    t.fit()
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000004", "step_000006", "step_000008"]
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
@@ -1589,7 +1593,7 @@ print(t.stopped_by.name, [c.name for c in list_checkpoints(t.run_dir)], (t.run_d
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert r.stdout.split() == ["SIGTERM", "['step_000004',", "'step_000005']", "False"], r.stdout
+    assert r.stdout.split() == ["SIGTERM", "['step_000002',", "'step_000004',", "'step_000005']", "False"], r.stdout  # 2: before the decay
     again = make(tmp_path / "run", max_steps=5, ckpt_every=2)
     assert again.step == 5 and again.fit() == [] and (tmp_path / "run" / "summary.json").exists()  # resumed at the end
 
@@ -2327,29 +2331,46 @@ def test_a_resume_that_raises_the_learning_rate_says_it_jumps():
 
 
 def test_training_a_finished_run_further_keeps_its_checkpoint_from_before_the_decay(tmp_path):
-    """The warning of an extended run advised resuming a checkpoint from before the decay, which the extended run's
-    own saves then pruned: it is set aside as before-decay-step_..., named, and resuming it continues without a jump."""
-    run, keep = tmp_path / "run", dict(ckpt_every=2, keep_last_k=3)
+    """Pruning keeps the newest checkpoint from before the decay; the warning of an extended run advised resuming one,
+    which the extended run's saves then pruned: it is set aside as before-decay-step_..., named, and resuming it
+    continues without a jump."""
+    run, keep = tmp_path / "run", dict(ckpt_every=2, keep_last_k=2)
     jump = lambda t: next(w for w in t.resume_warnings if "jumps from" in w)
-    make(run, max_steps=8, **keep).fit()  # the decay starts at step 6: checkpoints 4, 6 and 8 are kept
+    make(run, max_steps=8, **keep).fit()  # the decay starts at step 6: 6 and 8 are the newest two, 4 the one before it
     ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000006", "step_000008"]
     branch = make(tmp_path / "branch", resume=str(ckpts / "step_000008"), max_steps=16, **keep)
     assert jump(branch).endswith(f": {ckpts / 'step_000004'} is one (continue from it with a new run_dir=...)"), jump(branch)
     assert (ckpts / "step_000004").is_dir()  # another run's folder is left as it is
+    keep = dict(ckpt_every=0, keep_last_k=2)  # the extension saves only at its end
     t = make(run, max_steps=16, **keep)
     before = ckpts / "before-decay-step_000004"
     assert jump(t).endswith(f"to extend a finished run without the jump, resume a checkpoint from before its decay: "
                             f"{before} is one, kept for that (--resume {before})"), jump(t)
-    t.fit()  # saves at 10, 12, 14 and 16, pruning down to three plain checkpoints each time
-    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000012", "step_000014", "step_000016"]
+    t.fit()  # its save at 16 prunes 6 (8 is before its own decay, which starts at 11)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000008", "step_000016"]
     twice = make(run, max_steps=32, **keep)  # extended again: the one kept is named, no other is set aside
     assert jump(twice).endswith(f"{before} is one, kept for that (--resume {before})"), jump(twice)
-    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000012", "step_000014", "step_000016"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000008", "step_000016"]
     again = make(run, resume=str(before), max_steps=32, **keep)
     assert again.step == 4 and not any("jumps" in w for w in again.resume_warnings), again.resume_warnings
-    assert (ckpts / "step_000004").is_dir() and not before.exists()  # its plain name back; the extension's set aside
-    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("superseded-")) == [
-        "superseded-step_000012", "superseded-step_000014", "superseded-step_000016"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [  # its plain name back; the newer ones set aside
+        "step_000004", "superseded-step_000008", "superseded-step_000016"]
+    again.fit()  # on to 32 from there; then its old name once more, with other settings: a new rewind to 4, not step 32
+    third = make(run, resume=str(before), max_steps=24, **keep)
+    assert third.step == 4 and (ckpts / "superseded-step_000032").is_dir(), sorted(p.name for p in ckpts.iterdir())
+
+
+def test_a_damaged_checkpoint_from_before_the_decay_is_passed_over(tmp_path):
+    "One whose files fail their CRC-32 is not named for an extension (its --resume would fail): the one before it is."
+    run, keep = tmp_path / "run", dict(ckpt_every=2, keep_last_k=10)
+    make(run, max_steps=8, **keep).fit()
+    shard = next((run / "checkpoints" / "step_000004").glob("*.distcp"))
+    data = bytearray(shard.read_bytes()); data[len(data) // 2] ^= 0xFF; shard.write_bytes(bytes(data))
+    t = make(run, max_steps=16, **keep)
+    before = run / "checkpoints" / "before-decay-step_000002"
+    assert next(w for w in t.resume_warnings if "jumps from" in w).endswith(f"{before} is one, kept for that (--resume {before})")
+    assert before.is_dir() and (run / "checkpoints" / "step_000004").is_dir()
 
 
 def test_an_extended_run_without_a_checkpoint_from_before_its_decay_says_so(tmp_path):

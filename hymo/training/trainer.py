@@ -49,7 +49,7 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULT
            'reraise_interrupt', 'resume_changes', 'schedule_jump', 'trim_metrics', 'check_gdn_kernel',
            'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer',
            'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
-           'train_step', 'evaluate', 'save', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
+           'train_step', 'evaluate', 'save', 'pruned', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
            'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
@@ -733,9 +733,14 @@ class Trainer:
                 resume = True
             elif ((aside := set_aside_as(p.name)) and aside[0] != "replaced" and own and not p.exists()
                   and (p.parent / aside[1] / "meta.json").exists()):
-                self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming the newest checkpoint, "
-                         "as the same command given again does")  # a requeued job, before the first new checkpoint
-                resume = True
+                # the same command again (a requeued job): before the first new checkpoint, or with the same settings since
+                if done and (done[-1].name == aside[1] or same):
+                    self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming the newest "
+                             "checkpoint, as the same command given again does")
+                    resume = True
+                else:  # the run has trained on from it since, and other settings go back to it: a new rewind
+                    self.log(f"{p.name} was renamed back to {aside[1]} when a run resumed it: resuming {aside[1]}")
+                    p = p.parent / aside[1]
         if resume is not True:
             if not (p / "meta.json").exists():  # a run folder, or its checkpoints/, given for one of its checkpoints
                 listed = list_checkpoints(p)
@@ -1095,7 +1100,7 @@ def save(self: Trainer) -> Path:
         to_disk(tmp)  # every rank's files are in: the folder's entries on disk before the rename names it a checkpoint
         os.replace(tmp, final)
         to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
-        for old in [replaced, *list_checkpoints(self.run_dir)[:-self.cfg.keep_last_k]]:
+        for old in [replaced, *pruned(list_checkpoints(self.run_dir), self.cfg)]:
             if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
             try: shutil.rmtree(old)
             except OSError as e: self.log(f"warning: could not remove the old checkpoint {old} ({e.strerror}); remove it by hand")
@@ -1119,6 +1124,16 @@ def save(self: Trainer) -> Path:
     self._together(publish, final)
     self.saved_step = self.step
     return final
+
+
+def pruned(done: list[Path], # A run's checkpoints, oldest first (`list_checkpoints`)
+           cfg: TrainingConfig, # Its keep_last_k and schedule
+          ) -> list[Path]:
+    """The checkpoints a save deletes: all but the newest `keep_last_k` and, once the decay has begun, the newest from
+    before it (a step below max_steps - decay_steps), from which a finished run is trained further without the learning
+    rate's jump back up."""
+    before = [c for c in done if cfg.decay_steps and checkpoint_step(c) < cfg.max_steps - cfg.decay_steps]
+    return [c for c in done[:-cfg.keep_last_k] if c not in before[-1:]]
 
 
 def load(self: Trainer, ckpt: Path):
@@ -1202,12 +1217,18 @@ def _keep_before_decay(self: Trainer, ckpt: Path) -> str:
     """Where a checkpoint from before the decay is, for a run resumed from `ckpt` with its schedule stretched (a finished
     run trained further): the newest of `ckpt`'s folder on its line that the new schedule continues without a jump. One
     of this run's is set aside as `before-decay-step_...` first: the resumed run's saves would prune it."""
-    def fits(c: Path) -> bool:  # on the resumed line, and the same learning rate by its schedule and the new one
+    def fits(c: Path) -> bool:  # on the resumed line, the same learning rate by its schedule and the new one, and whole
         meta = _json_dict(c / "meta.json") or {}
         s, train = meta.get("step"), (meta.get("config") or {}).get("train")
         if not (isinstance(s, int) and s < self.step and isinstance(train, dict) and on_line_of(c, self.history)): return False
-        try: return abs(wsd_schedule(s, _saved(TrainingConfig, train)) - wsd_schedule(s, self.cfg)) <= 1e-9
+        try:
+            if abs(wsd_schedule(s, _saved(TrainingConfig, train)) - wsd_schedule(s, self.cfg)) > 1e-9: return False
         except (TypeError, ValueError): return False  # a schedule this version no longer takes
+        try: check_files(c, meta, 0, 1)  # every rank's files: the one to resume must be readable
+        except CheckpointUnreadable as e:
+            self.log(f"warning: {c} is from before the decay but cannot be read ({e}); looking at the ones before it")
+            return False
+        return True
     found = [None]
     if self.d.is_main:
         mine = []  # (step, folder) of the checkpoints beside `ckpt`, and of those set aside before for this
