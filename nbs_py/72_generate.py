@@ -87,8 +87,8 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if not run.is_dir(): raise ConfigError(f"{run} {'is a file' if run.exists() else 'does not exist'}: give a finished run's folder")
     if missing := [f for f in RUN_FILES if not (run / f).exists()]:
         from hymo.training.trainer import is_run_folder, run_dir_holder
-        home = run.parent.parent
-        if run.parent.name == "checkpoints" and (home / "config.yaml").is_file():  # a checkpoint of a run
+        home = run.resolve().parent.parent  # (resolved: `.` inside a checkpoint names it too)
+        if run.resolve().parent.name == "checkpoints" and (home / "config.yaml").is_file():  # a checkpoint of a run
             whole = all((home / f).exists() for f in RUN_FILES)
             raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {home}" if whole else
                               f"generate loads a finished run, and {home} has not finished: resume it to the end "
@@ -96,7 +96,15 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
         if who := run_dir_holder(run):  # training there now: it writes them when it finishes
             raise ConfigError(f"{run} has no {', '.join(missing)} yet: a run is training there now ({who}); it writes "
                               "them when it finishes, and generate loads them then")
+        if (run / "meta.json").is_file() and (run / ".metadata").is_file():  # a checkpoint copied out of its run
+            raise ConfigError(f"{run} is a training checkpoint, not a run folder: generate loads a finished run's model; "
+                              f"train it to the end in a run folder of its own (python -m hymo.train --resume {run} "
+                              "run_dir=NEW), then give that folder")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
+            if "config.yaml" in missing:  # what `write_again` would give to the trainer
+                raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): copy it back from a copy "
+                                  "of the run folder, or from its finished-step_* copy if it has one (the settings it "
+                                  "trained with are also in each checkpoint's meta.json, under 'config')")
             raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): {write_again(run)}")
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
@@ -279,6 +287,7 @@ def main(argv: list[str] | None = None) -> str:
     if device.type not in ("cpu", "cuda"): p.error(f"--device {a.device}: HyMo generates on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
     if device.type == "cpu" and device.index: p.error(f"--device {a.device}: the CPU is one device, give cpu")
+    if device.type == "cpu": device = torch.device("cpu")  # cpu:0 is the CPU too (safetensors takes only "cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         p.error(f"--device {a.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     shown = []
@@ -489,7 +498,10 @@ for args, says in [(["--temperature", "nan"], "--temperature must be a number >=
 # bit flipped on a disk or in a copy loads without an error into a weight that differs. A file
 # that has changed is refused, with the way back: copy it again, or delete it and let the train
 # command write it again from the final checkpoint (`write_again` says so only while a checkpoint
-# is left to write it from). A run from before the sums loads unchecked.
+# is left to write it from). A run from before the sums loads unchecked. A missing `config.yaml` is
+# not written again that way (the train command would read it): it is copied back, and each
+# checkpoint's `meta.json` holds the same settings. A checkpoint folder given for the run (as a
+# path inside `checkpoints/`, or copied elsewhere) is told which folder to give instead.
 
 # %%
 import shutil

@@ -660,6 +660,40 @@ def test_nb_run_finds_a_chapter_by_the_start_of_its_name(monkeypatch):
         nb.chapter("12_gdn")
 
 
+def test_nb_check_refuses_a_tree_with_changes_it_would_overwrite(tmp_path):
+    "check synced and exported first: an edit of hymo/ by hand was lost, and the check then said 'in sync'."
+    import shutil
+    repo = tmp_path / "repo"
+    for d in ("nbs", "nbs_py", "hymo", "tools"): (repo / d).mkdir(parents=True)
+    shutil.copy(ROOT / "tools" / "nb.py", repo / "tools" / "nb.py")
+    (repo / "hymo" / "generate.py").write_text("x = 1\n")
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True,
+                                    capture_output=True)
+    git("init", "-q"); git("add", "-A"); git("commit", "-qm", "start")
+    (repo / "hymo" / "generate.py").write_text("x = 2  # by hand\n")
+    p = subprocess.run([sys.executable, "tools/nb.py", "check"], cwd=repo, capture_output=True, text=True)
+    assert p.returncode == 1 and "commit or stash these changes first" in p.stderr and " M hymo/generate.py" in p.stderr, p.stderr
+    assert (repo / "hymo" / "generate.py").read_text() == "x = 2  # by hand\n"
+
+
+def test_the_site_build_names_a_broken_notebook_and_a_missing_pandoc_and_warns_of_dead_links(monkeypatch, tmp_path, capsys):
+    "A broken notebook deleted the old site and gave a JSON traceback; pypandoc without pandoc a traceback; links to no page passed."
+    import types
+    site = _load_site_module(monkeypatch)
+    bad = tmp_path / "30_moe.ipynb"
+    bad.write_text("{")
+    monkeypatch.setattr(site.time, "sleep", lambda s: None)
+    with pytest.raises(SystemExit, match=f"^{bad} is not a notebook \\(JSONDecodeError: .*restore it with git checkout -- {bad}$"):
+        site.read_nb(bad)
+    def no_pandoc(): raise OSError("No pandoc was found: either install pandoc and add it to your PATH or ...")
+    monkeypatch.setitem(sys.modules, "pypandoc", types.SimpleNamespace(get_pandoc_path=no_pandoc))
+    with pytest.raises(SystemExit, match="pandoc of pypandoc-binary \\(No pandoc was found.*pip install -e"):
+        site.pandoc_path()
+    assert site.fix_links("See [MLA](21_mla.ipynb) and [x](99_gone.ipynb).", {"21_mla.ipynb": "mla.html"}) == \
+        "See [MLA](mla.html) and [x](99_gone.ipynb)."
+    assert "a link to 99_gone.ipynb is left as written: no notebook or deck of that name" in capsys.readouterr().err
+
+
 def test_code_wraps_as_in_quartos_site_rather_than_being_cut_off(visits):
     "nbs/_quarto.yml asks for code-overflow: wrap; the offline site scrolled over half its code blocks sideways."
     clipped = {name: v["clippedCode"] for name, v in visits.items() if not name.startswith("slides/") and v["clippedCode"]}

@@ -213,6 +213,30 @@ def test_load_run_given_a_checkpoint_names_its_run(run, tmp_path):
         load_run(other / "checkpoints" / "step_000002")
 
 
+def test_load_run_given_a_checkpoint_as_dot_or_copied_out_of_its_run(run, tmp_path, monkeypatch):
+    "`.` inside a checkpoint names its run too; a checkpoint copied elsewhere is told it is one (meta.json, .metadata)."
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    ckpt = other / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    monkeypatch.chdir(ckpt)
+    with pytest.raises(ConfigError, match=f"is one of a run's checkpoints: give the run folder, {other}$"): load_run(".")
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "meta.json").write_text("{}"); (alone / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigError, match=f"is a training checkpoint, not a run folder: .*--resume {alone} run_dir=NEW"):
+        load_run(alone)
+
+
+def test_a_finished_run_without_its_config_yaml_is_told_where_it_is(run, tmp_path):
+    "The trainer command write_again suggests reads RUN/config.yaml itself: for a missing config.yaml it cannot help."
+    from hymo.generate import load_run
+    other = _copy_run(run, tmp_path)
+    (other / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match="has no config.yaml, but the run finished .*copy it back.*meta.json, under 'config'"):
+        load_run(other)
+
+
 def test_load_run_refuses_another_tokenizer(run, tmp_path):
     "A tokenizer.json whose sha256 is not summary.json's; without summary.json, one larger than the vocabulary."
     from tokenizers import Tokenizer
@@ -491,6 +515,12 @@ def test_cli_device_cuda_without_a_gpu_says_there_is_none(run, monkeypatch, caps
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as e: main([str(run), "--device", "cuda"])
     assert e.value.code == 2 and "--device cuda, but this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_device_cpu_0_is_the_cpu(run):
+    "torch names the CPU cpu:0 too; safetensors took only 'cpu', and the error blamed the weights file."
+    from hymo.generate import main
+    assert main([str(run), "--tokens", "3", "--device", "cpu:0"]) == main([str(run), "--tokens", "3", "--device", "cpu"])
 
 
 def test_a_prompt_without_its_flag_is_told_how_to_give_it(tmp_path, capsys):

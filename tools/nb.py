@@ -89,9 +89,12 @@ def run(names):
 
 
 def check():
-    sync()
     git = lambda *a: subprocess.run(["git", *a, "--", "nbs", "nbs_py", "hymo"], cwd=ROOT,
                                     capture_output=True, text=True, check=True).stdout
+    if changed := git("status", "--porcelain"):  # sync would rewrite them, and the check then compares with the commit
+        sys.exit("check syncs and exports, which rewrites nbs/, nbs_py/ and hymo/ (an edit of hymo/ by hand would be lost); "
+                 "commit or stash these changes first, or run `python tools/nb.py sync` to sync them:\n" + changed)
+    sync()
     out = git("diff", "--name-only") + git("ls-files", "--others", "--exclude-standard")
     if out.strip():
         print("These files change when the notebooks are synced and exported; run `python tools/nb.py sync` and commit:\n" + out)

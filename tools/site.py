@@ -104,9 +104,11 @@ class Page:
 
 
 def pandoc_path() -> str:
-    try: import pypandoc
-    except ImportError: sys.exit("the offline site is rendered with the pandoc of pypandoc-binary: pip install -e '.[dev]'")
-    return pypandoc.get_pandoc_path()
+    try:
+        import pypandoc
+        return pypandoc.get_pandoc_path()
+    except (ImportError, OSError) as e:  # no pypandoc, or pypandoc without the pandoc binary pypandoc-binary brings
+        sys.exit(f"the offline site is rendered with the pandoc of pypandoc-binary ({e}): pip install -e '.[dev]'")
 
 
 def nb_html_name(p: Path) -> str:
@@ -123,8 +125,9 @@ def part_of(p: Path) -> str:
 def read_nb(p: Path) -> list[dict]:
     for attempt in range(5):  # a notebook being saved by `tools/nb.py sync` may be half-written for a moment
         try: cells = json.loads(p.read_text())["cells"]; break
-        except json.JSONDecodeError:
-            if attempt == 4: raise
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            if attempt == 4:
+                sys.exit(f"{p} is not a notebook ({type(e).__name__}: {e}): fix it, or restore it with git checkout -- {p}")
             time.sleep(1)
     for c in cells: c["source"] = "".join(c.get("source", ""))
     return cells
@@ -303,6 +306,8 @@ def fix_links(md: str, nb_pages: dict[str, str]) -> str:
     def sub(m):
         name, frag = m[2], m[3] or ""
         ours = Path(name).parent.name in ("", "nbs", "slides")  # not another folder's file of the same name
+        if ours and Path(name).name not in nb_pages:
+            print(f"warning: a link to {name} is left as written: no notebook or deck of that name", file=sys.stderr)
         return f"]({nb_pages.get(Path(name).name, name) if ours else name}{frag})"
     return outside_code(md, r"\]\(([\w./-]+\.(?:ipynb|qmd))(#[^)\s]*)?\)", sub)
 
@@ -549,6 +554,7 @@ def main(argv=None):
             build_slides(tmp, slides, chapters())
             copy_math_font()
         else:
+            chapters()  # reads every notebook: a damaged one stops here, before the old site is deleted
             if OUT.exists(): shutil.rmtree(OUT)
             (OUT / "slides").mkdir(parents=True)
             pages = build_chapters(tmp, slides)
