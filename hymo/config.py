@@ -116,7 +116,7 @@ class TrainingConfig:
     eval_every: int = 1000  # Steps between validation passes; 0: only the final one, at the end of the run
     eval_batches: int = 20  # Micro-batches per validation pass: eval_batches × micro_batch_size windows
     ckpt_every: int = 1000  # Steps between checkpoints; 0 saves only at the end
-    keep_last_k: int = 3  # Checkpoints kept in the run folder (and, in the decay, the newest from before it)
+    keep_last_k: int = 3  # Checkpoints kept in the run folder, besides the newest from before the decay (one more; ~10 GB at 750M)
     max_bad_steps: int = 5  # Consecutive non-finite steps tolerated before the run stops
     sample_tokens: int = 200  # Tokens generated as a sample at the end of the run
     run_dir: Optional[str] = None  # Run folder; None makes runs/<preset>-<timestamp>

@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -47,8 +48,10 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     if not run.is_dir(): raise ConfigError(f"{run} {'is a file' if run.exists() else 'does not exist'}: give a finished run's folder")
     if missing := [f for f in RUN_FILES if not (run / f).exists()]:
         from hymo.training.trainer import is_run_folder, run_dir_holder
-        home = run.resolve().parent.parent  # (resolved: `.` inside a checkpoint names it too)
-        if run.resolve().parent.name == "checkpoints" and (home / "config.yaml").is_file():  # a checkpoint of a run
+        # as given (a checkpoints/ linked elsewhere), or resolved (`.` inside a checkpoint)
+        home = next((p.parent.parent for p in (Path(os.path.abspath(run)), run.resolve()) if p.parent.name == "checkpoints"
+                     and (p.parent.parent / "config.yaml").is_file()), None)
+        if home is not None:  # a checkpoint of a run
             whole = all((home / f).exists() for f in RUN_FILES)
             raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {home}" if whole else
                               f"generate loads a finished run, and {home} has not finished: resume it to the end "
@@ -58,8 +61,9 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                               "them when it finishes, and generate loads them then")
         if (run / "meta.json").is_file() and (run / ".metadata").is_file():  # a checkpoint copied out of its run
             raise ConfigError(f"{run} is a training checkpoint, not a run folder: generate loads a finished run's model; "
-                              f"train it to the end in a run folder of its own (python -m hymo.train --resume {run} "
-                              "run_dir=NEW), then give that folder")
+                              f"train it to the end in a run folder of its own (python -m hymo.train --config CONFIG "
+                              f"--resume {run} run_dir=NEW, CONFIG being the settings it trained with: its meta.json "
+                              "holds them under 'config'), then give that folder")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
             if "config.yaml" in missing:  # what `write_again` would give to the trainer
                 raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): copy it back from a copy "

@@ -221,6 +221,10 @@ def test_load_run_given_a_checkpoint_as_dot_or_copied_out_of_its_run(run, tmp_pa
     ckpt.mkdir(parents=True)
     monkeypatch.chdir(ckpt)
     with pytest.raises(ConfigError, match=f"is one of a run's checkpoints: give the run folder, {other}$"): load_run(".")
+    scratch = tmp_path / "scratch"  # checkpoints/ a link to other storage, as the trainer allows
+    (other / "checkpoints").rename(scratch); (other / "checkpoints").symlink_to(scratch)
+    with pytest.raises(ConfigError, match=f"is one of a run's checkpoints: give the run folder, {other}$"):
+        load_run(other / "checkpoints" / "step_000002")
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / "meta.json").write_text("{}"); (alone / ".metadata").write_bytes(b"")

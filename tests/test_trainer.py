@@ -704,7 +704,7 @@ def test_a_finished_run_trained_further_keeps_its_final_model(tmp_path):
     assert {n: (kept / n).read_bytes() for n in want} == want  # the run's own stay until the new finish (config.yaml: the new one's)
     assert all((run / n).read_bytes() == want[n] for n in ("model.safetensors", "summary.json", "tokenizer.json"))
     assert sorted(c.name for c in (run / "checkpoints").iterdir()) == [  # step 4's pruned: its weights are in kept
-        "before-decay-step_000002", "step_000005"]                      # (step 3 is the decay's: 2 is kept from before it)
+        "before-decay-step_000003", "step_000005"]                      # (3 trained no decayed step: kept from before it)
     model, _ = load_run(kept)
     saved = load_file(str(kept / "model.safetensors"))
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
@@ -1026,9 +1026,9 @@ def test_keeps_only_last_k_checkpoints(tmp_path):
     t = make(tmp_path / "run", max_steps=8, ckpt_every=2, keep_last_k=2, decay_fraction=0)  # no decay: the newest two
     t.fit()
     assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000006", "step_000008"]
-    t = make(tmp_path / "decays", max_steps=8, ckpt_every=2, keep_last_k=2)  # the decay from step 6: 4 is kept from before it
+    t = make(tmp_path / "decays", max_steps=10, ckpt_every=2, keep_last_k=2)  # decayed steps from 7: 6 is kept from before
     t.fit()
-    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000004", "step_000006", "step_000008"]
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000006", "step_000008", "step_000010"]
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
@@ -2336,41 +2336,45 @@ def test_training_a_finished_run_further_keeps_its_checkpoint_from_before_the_de
     continues without a jump."""
     run, keep = tmp_path / "run", dict(ckpt_every=2, keep_last_k=2)
     jump = lambda t: next(w for w in t.resume_warnings if "jumps from" in w)
-    make(run, max_steps=8, **keep).fit()  # the decay starts at step 6: 6 and 8 are the newest two, 4 the one before it
+    make(run, max_steps=10, **keep).fit()  # the decay's first step is 7: 8 and 10 are the newest two, 6 the last before it
     ckpts = run / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000006", "step_000008"]
-    branch = make(tmp_path / "branch", resume=str(ckpts / "step_000008"), max_steps=16, **keep)
-    assert jump(branch).endswith(f": {ckpts / 'step_000004'} is one (continue from it with a new run_dir=...)"), jump(branch)
-    assert (ckpts / "step_000004").is_dir()  # another run's folder is left as it is
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000006", "step_000008", "step_000010"]
+    branch = make(tmp_path / "branch", resume=str(ckpts / "step_000010"), max_steps=20, **keep)
+    assert jump(branch).endswith(f": {ckpts / 'step_000006'} is one (continue from it with a new run_dir=...)"), jump(branch)
+    assert (ckpts / "step_000006").is_dir()  # another run's folder is left as it is
     keep = dict(ckpt_every=0, keep_last_k=2)  # the extension saves only at its end
-    t = make(run, max_steps=16, **keep)
-    before = ckpts / "before-decay-step_000004"
+    t = make(run, max_steps=20, **keep)
+    before = ckpts / "before-decay-step_000006"
     assert jump(t).endswith(f"to extend a finished run without the jump, resume a checkpoint from before its decay: "
                             f"{before} is one, kept for that (--resume {before})"), jump(t)
-    t.fit()  # its save at 16 prunes 6 (8 is before its own decay, which starts at 11)
-    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000008", "step_000016"]
-    twice = make(run, max_steps=32, **keep)  # extended again: the one kept is named, no other is set aside
+    t.fit()  # its save at 20 prunes 8, which trained decayed steps, as 10 did
+    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000006", "step_000010", "step_000020"]
+    twice = make(run, max_steps=40, **keep)  # extended again: the one kept is named, no other is set aside
     assert jump(twice).endswith(f"{before} is one, kept for that (--resume {before})"), jump(twice)
-    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000004", "step_000008", "step_000016"]
-    again = make(run, resume=str(before), max_steps=32, **keep)
-    assert again.step == 4 and not any("jumps" in w for w in again.resume_warnings), again.resume_warnings
+    assert sorted(p.name for p in ckpts.iterdir()) == ["before-decay-step_000006", "step_000010", "step_000020"]
+    again = make(run, resume=str(before), max_steps=40, **keep)
+    assert again.step == 6 and not any("jumps" in w for w in again.resume_warnings), again.resume_warnings
     assert sorted(p.name for p in ckpts.iterdir()) == [  # its plain name back; the newer ones set aside
-        "step_000004", "superseded-step_000008", "superseded-step_000016"]
-    again.fit()  # on to 32 from there; then its old name once more, with other settings: a new rewind to 4, not step 32
+        "step_000006", "superseded-step_000010", "superseded-step_000020"]
+    again.fit()  # on to 40 from there; then its old name once more, with other settings: a new rewind to 6, not step 40
     third = make(run, resume=str(before), max_steps=24, **keep)
-    assert third.step == 4 and (ckpts / "superseded-step_000032").is_dir(), sorted(p.name for p in ckpts.iterdir())
+    assert third.step == 6 and (ckpts / "superseded-step_000040").is_dir(), sorted(p.name for p in ckpts.iterdir())
 
 
 def test_a_damaged_checkpoint_from_before_the_decay_is_passed_over(tmp_path):
     "One whose files fail their CRC-32 is not named for an extension (its --resume would fail): the one before it is."
     run, keep = tmp_path / "run", dict(ckpt_every=2, keep_last_k=10)
     make(run, max_steps=8, **keep).fit()
-    shard = next((run / "checkpoints" / "step_000004").glob("*.distcp"))
+    shard = next((run / "checkpoints" / "step_000006").glob("*.distcp"))  # the newest that trained no decayed step
     data = bytearray(shard.read_bytes()); data[len(data) // 2] ^= 0xFF; shard.write_bytes(bytes(data))
     t = make(run, max_steps=16, **keep)
-    before = run / "checkpoints" / "before-decay-step_000002"
+    before = run / "checkpoints" / "before-decay-step_000004"
     assert next(w for w in t.resume_warnings if "jumps from" in w).endswith(f"{before} is one, kept for that (--resume {before})")
-    assert before.is_dir() and (run / "checkpoints" / "step_000004").is_dir()
+    assert before.is_dir() and (run / "checkpoints" / "step_000006").is_dir()
+    shutil.rmtree(run / "checkpoints" / "step_000002"); shutil.rmtree(before)  # only the damaged one left from before
+    t = make(run, max_steps=24, **keep)
+    assert re.search(r"step_000006 is one, but cannot be read \(.*CRC-32.*\): restore it from a copy$",
+                     next(w for w in t.resume_warnings if "jumps from" in w))
 
 
 def test_an_extended_run_without_a_checkpoint_from_before_its_decay_says_so(tmp_path):

@@ -92,8 +92,9 @@ def check():
     git = lambda *a: subprocess.run(["git", *a, "--", "nbs", "nbs_py", "hymo"], cwd=ROOT,
                                     capture_output=True, text=True, check=True).stdout
     if changed := git("status", "--porcelain"):  # sync would rewrite them, and the check then compares with the commit
-        sys.exit("check syncs and exports, which rewrites nbs/, nbs_py/ and hymo/ (an edit of hymo/ by hand would be lost); "
-                 "commit or stash these changes first, or run `python tools/nb.py sync` to sync them:\n" + changed)
+        sys.exit("check compares a fresh sync and export with the last commit, and syncing rewrites nbs/, nbs_py/ and hymo/ "
+                 "(an edit of hymo/ by hand would be lost): commit these changes first (after `python tools/nb.py sync`), "
+                 "or stash them:\n" + changed)
     sync()
     out = git("diff", "--name-only") + git("ls-files", "--others", "--exclude-standard")
     if out.strip():

@@ -49,8 +49,9 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULT
            'reraise_interrupt', 'resume_changes', 'schedule_jump', 'trim_metrics', 'check_gdn_kernel',
            'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer',
            'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
-           'train_step', 'evaluate', 'save', 'pruned', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
-           'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
+           'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line', 'guarded_output',
+           'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample',
+           'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -1100,7 +1101,7 @@ def save(self: Trainer) -> Path:
         to_disk(tmp)  # every rank's files are in: the folder's entries on disk before the rename names it a checkpoint
         os.replace(tmp, final)
         to_disk(root)  # the rename itself on disk before an older checkpoint goes: a power cut keeps one whole
-        for old in [replaced, *pruned(list_checkpoints(self.run_dir), self.cfg)]:
+        for old in [replaced, *pruned(list_checkpoints(self.run_dir), self.cfg.keep_last_k)]:
             if not old.exists(): continue  # `replaced`, when there was no checkpoint of this step
             try: shutil.rmtree(old)
             except OSError as e: self.log(f"warning: could not remove the old checkpoint {old} ({e.strerror}); remove it by hand")
@@ -1126,14 +1127,24 @@ def save(self: Trainer) -> Path:
     return final
 
 
+def before_decay(meta: dict) -> TrainingConfig | None:
+    """A checkpoint's training config (from its meta.json) if it has trained no step of its schedule's decay (its step is
+    at most max_steps - decay_steps, by the config it was saved with), else None."""
+    train, s = (meta.get("config") or {}).get("train"), meta.get("step")
+    if not (isinstance(train, dict) and isinstance(s, int)): return None
+    try: own = _saved(TrainingConfig, train)
+    except TypeError: return None  # settings this version no longer takes
+    return own if own.decay_steps and s <= own.max_steps - own.decay_steps else None
+
+
 def pruned(done: list[Path], # A run's checkpoints, oldest first (`list_checkpoints`)
-           cfg: TrainingConfig, # Its keep_last_k and schedule
+           keep_last_k: int, # How many of the newest are kept
           ) -> list[Path]:
-    """The checkpoints a save deletes: all but the newest `keep_last_k` and, once the decay has begun, the newest from
-    before it (a step below max_steps - decay_steps), from which a finished run is trained further without the learning
-    rate's jump back up."""
-    before = [c for c in done if cfg.decay_steps and checkpoint_step(c) < cfg.max_steps - cfg.decay_steps]
-    return [c for c in done[:-cfg.keep_last_k] if c not in before[-1:]]
+    """The checkpoints a save deletes: all but the newest `keep_last_k` and the newest that has trained no step of its
+    decay (`before_decay`), from which a finished run is trained further without the learning rate's jump back up."""
+    old = done[:-keep_last_k]
+    keep = next((c for c in reversed(done) if before_decay(_json_dict(c / "meta.json") or {})), None) if old else None
+    return [c for c in old if c != keep]
 
 
 def load(self: Trainer, ckpt: Path):
@@ -1217,16 +1228,17 @@ def _keep_before_decay(self: Trainer, ckpt: Path) -> str:
     """Where a checkpoint from before the decay is, for a run resumed from `ckpt` with its schedule stretched (a finished
     run trained further): the newest of `ckpt`'s folder on its line that the new schedule continues without a jump. One
     of this run's is set aside as `before-decay-step_...` first: the resumed run's saves would prune it."""
-    def fits(c: Path) -> bool:  # on the resumed line, the same learning rate by its schedule and the new one, and whole
+    damaged = []
+    def fits(c: Path) -> bool:  # on the resumed line, no decayed step trained, the new schedule's rate there, and whole
         meta = _json_dict(c / "meta.json") or {}
-        s, train = meta.get("step"), (meta.get("config") or {}).get("train")
-        if not (isinstance(s, int) and s < self.step and isinstance(train, dict) and on_line_of(c, self.history)): return False
-        try:
-            if abs(wsd_schedule(s, _saved(TrainingConfig, train)) - wsd_schedule(s, self.cfg)) > 1e-9: return False
-        except (TypeError, ValueError): return False  # a schedule this version no longer takes
+        if (own := before_decay(meta)) is None or meta["step"] >= self.step or not on_line_of(c, self.history): return False
+        try:  # its rate by its own schedule without the decay (warmup, then the plateau) is the new schedule's there
+            if abs(wsd_schedule(meta["step"], dataclasses.replace(own, decay_fraction=0.0))
+                   - wsd_schedule(meta["step"], self.cfg)) > 1e-9: return False
+        except ValueError: return False  # a schedule this version no longer takes
         try: check_files(c, meta, 0, 1)  # every rank's files: the one to resume must be readable
         except CheckpointUnreadable as e:
-            self.log(f"warning: {c} is from before the decay but cannot be read ({e}); looking at the ones before it")
+            damaged.append(f"{c} is one, but cannot be read ({e}): restore it from a copy")
             return False
         return True
     found = [None]
@@ -1236,9 +1248,10 @@ def _keep_before_decay(self: Trainer, ckpt: Path) -> str:
             why, name = set_aside_as(c.name) or ("", c.name)
             if why in ("", "before-decay") and re.fullmatch(CKPT_PREFIX + r"\d{6,}", name) and c.is_dir():
                 mine.append((checkpoint_step(Path(name)), c))
-        found[0] = next((c for _, c in sorted(mine, reverse=True) if fits(c)), None)
+        found[0] = next((c for _, c in sorted(mine, reverse=True) if fits(c)), None) or (damaged[:1] or [None])[0]
     if self.d.distributed: dist.broadcast_object_list(found, src=0)
     c, own = found[0], ckpt.resolve().parent == (self.run_dir / "checkpoints").resolve()
+    if isinstance(c, str): return f": {c}"  # only a damaged one
     if c is None: return f": {ckpt.parent} keeps none (ckpt_every and keep_last_k decide which are kept)"
     if not own: return f": {c} is one (continue from it with a new run_dir=...)"
     if c.name.startswith("before-decay-"): return f": {c} is one, kept for that (--resume {c})"
