@@ -6,14 +6,12 @@ with a small sweep of block width and warps.
 """
 import argparse
 import json
-import time
 
 import torch
 
-from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton, provenance  # the script beside this one
 
 need_triton()
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import hymo.models.ce_triton as ce  # noqa: E402
@@ -39,8 +37,8 @@ def main():
     check_out(ap, args.out)
     need_gpu("tests/test_ce_triton.py checks the kernel through Triton's interpreter")
     z, y, w = inputs()
-    res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                         triton=triton.__version__, rows=ROWS, classes=V, timer="triton.testing.do_bench, median, ms"))
+    res = dict(meta=dict(**provenance(), device=torch.cuda.get_device_name(), rows=ROWS, classes=V,
+                         timer="triton.testing.do_bench, median, ms"))
     lr, gr = ce_chunk(z.float(), y, w, True)
     for key, fn in (("parity", ce.triton_ce_chunk), ("parity_compiled", _compiled_ce_chunk())):
         lo, go = fn(z, y, w, True)

@@ -11,13 +11,12 @@ backward, and with --sweep a few launch configurations.
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton, provenance  # the script beside this one
 
 need_triton()
 import triton  # noqa: E402
@@ -142,8 +141,8 @@ def main():
     if not 1 <= args.naive_T <= T_min: ap.error(f"--naive-T {args.naive_T}: give 1 to {T_min} (the shapes' T), the tokens the loop is timed on")
     check_out(ap, args.out)
     need_gpu("tests/test_bench_gdn.py runs its launches through Triton's interpreter")
-    results = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                             triton=triton.__version__, dtype="bfloat16", timer="triton.testing.do_bench, median, ms"),
+    results = dict(meta=dict(**provenance(), device=torch.cuda.get_device_name(), dtype="bfloat16",
+                             timer="triton.testing.do_bench, median, ms"),
                    shapes={})
     for name in args.shapes.split(","):
         B, T, H, K, V = SHAPES[name]
