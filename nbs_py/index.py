@@ -30,6 +30,7 @@
 #
 # ```sh
 # pip install torch==2.13.0   # or any torch >= 2.11 with CUDA on a GPU machine
+# # or: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu   # a machine without a GPU: the CPU build, not GBs of CUDA
 # pip install -e ".[dev]"
 # ```
 #
