@@ -64,8 +64,8 @@ def parse_overrides(items: list[str]) -> dict:
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote it for the shell, e.g. "
                               f"'{k.strip()}={_written(k.strip())}'") from None
-        if takes_text(k.strip()) and isinstance(value, (int, float, datetime.date)):  # bools too: moe_balance=off
-            value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date
+        if takes_text(k.strip()) and value is not None and not isinstance(value, str):  # bools too: moe_balance=off
+            value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date; sample_prompt=JULIET: not a mapping
         out[k.strip()] = value
     return out
 

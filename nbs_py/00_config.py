@@ -157,6 +157,7 @@ class TrainingConfig:
     keep_last_k: int = 3  # Checkpoints kept in the run folder, besides the newest from before the decay (one more; ~10 GB at 750M)
     max_bad_steps: int = 5  # Consecutive non-finite steps tolerated before the run stops
     sample_tokens: int = 200  # Tokens generated as a sample at the end of the run
+    sample_prompt: Optional[str] = None  # Text the end-of-run sample continues ('': a document's start); None: ROMEO: on the bundled corpus, else ''
     run_dir: Optional[str] = None  # Run folder; None makes runs/<preset>-<timestamp>
     # Systems
     precision: str = "auto"  # 'auto' (bf16 on CUDA, fp32 on CPU), 'bf16' or 'fp32'
@@ -169,6 +170,12 @@ class TrainingConfig:
     def decay_steps(self) -> int:
         "The WSD decay's length D: round(decay_fraction · max_steps), and at least one step when decay_fraction > 0."
         return max(1, round(self.decay_fraction * self.max_steps)) if self.decay_fraction > 0 else 0
+
+    @property
+    def prompt(self) -> str:
+        "The end-of-run sample's prompt (and `python -m hymo.generate`'s default): `sample_prompt`, else 'ROMEO:' on the bundled corpus and a document's start ('') on other data."
+        if self.sample_prompt is not None: return self.sample_prompt
+        return "ROMEO:" if self.data_dir is None else ""
 
 
 # %% [markdown]
@@ -677,6 +684,15 @@ test_eq(tiny.name, "hymo_tiny")
 c = load_config("hymo_tiny", dim=96, max_steps=70, **{"model.n_layers": 8})
 test_eq((c.model.dim, c.train.max_steps, c.model.n_layers), (96, 70, 8))
 test_eq(c.model.layer_types.count("mla"), 2)
+
+# %% [markdown]
+# The run's last act is a short sample (chapter 70). Its prompt, `train.prompt`, is "ROMEO:" only on the
+# bundled corpus; on your own data it is the start of a document, unless `sample_prompt` gives one:
+
+# %%
+test_eq([load_config("hymo_tiny", **kw).train.prompt for kw in
+         [{}, dict(data_dir="data/mine"), dict(data_dir="data/mine", sample_prompt="def "), dict(sample_prompt="")]],
+        ["ROMEO:", "", "def ", ""])
 
 
 # %% [markdown]

@@ -2013,7 +2013,8 @@ Trainer._keep_finished = _keep_finished
 # %% [markdown]
 # ### The end of a run
 #
-# The final checkpoint, a validation pass, a loss-curve PNG, a short sample from the model, and
+# The final checkpoint, a validation pass, a loss-curve PNG, a short sample from the model (it
+# continues `sample_prompt`: by default "ROMEO:" on the bundled corpus, the start of a document on your own data), and
 # the weights as one `safetensors` file (full tensors, gathered to rank 0) for inference.
 # `summary.json` is written last, so a run whose `finish` was cut short finishes again when resumed;
 # one that has it for its last step is left alone (`fit` says so and returns), since finishing again
@@ -2076,11 +2077,12 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path):
 
 
 @torch.no_grad()
-def sample(self: Trainer, prompt: str = "ROMEO:", max_new_tokens: int | None = None, temperature: float = 0.8) -> str:
-    "Generate text from `prompt` with the current weights (seeded, so it is reproducible)."
+def sample(self: Trainer, prompt: str | None = None, max_new_tokens: int | None = None, temperature: float = 0.8) -> str:
+    "Generate text from `prompt` (None: the config's, `TrainingConfig.prompt`) with the current weights (seeded, so it is reproducible)."
     from hymo.generate import generate_text  # chapter 72: the same seeded sampling from a finished run's folder
     with self.autocast():  # every rank draws the same tokens
-        return generate_text(self.model, tokenizer_from_json(self.tokenizer_json), prompt, max_new_tokens or self.cfg.sample_tokens,
+        return generate_text(self.model, tokenizer_from_json(self.tokenizer_json), self.cfg.prompt if prompt is None else prompt,
+                             max_new_tokens or self.cfg.sample_tokens,
                              temperature=temperature, top_k=50, seed=self.cfg.seed,
                              stop=not self.d.distributed,  # FSDP: every rank runs every forward (all-gathers), then cuts
                              window=self.cfg.seq_len,  # as `python -m hymo.generate` reads the finished run

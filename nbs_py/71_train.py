@@ -26,8 +26,8 @@
 # `fit`. Each of these mistakes ends in the usage line and one line that says what to do, exit
 # status 2, and no run folder. Values are read as YAML, so `wandb=true`, `moe_capacity_factor=null`
 # and `mtp_loss_weights=[0.5,0.2]` all work, except that a key holding text keeps what was typed:
-# YAML would read `run_dir=007` as 7, `run_dir=2024-12-05` as a date and `moe_balance=off` as
-# False. `--config` and `--resume` may be given once each (argparse would keep the last without a
+# YAML would read `run_dir=007` as 7, `run_dir=2024-12-05` as a date, `moe_balance=off` as
+# False and `sample_prompt=JULIET:` as a mapping. `--config` and `--resume` may be given once each (argparse would keep the last without a
 # word), and a bare preset name, `python -m hymo.train hymo_750m`, is pointed to `--config`.
 #
 # Once training has begun, the other ways a run ends are one line too, each with its exit status:
@@ -108,8 +108,8 @@ def parse_overrides(items: list[str]) -> dict:
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote it for the shell, e.g. "
                               f"'{k.strip()}={_written(k.strip())}'") from None
-        if takes_text(k.strip()) and isinstance(value, (int, float, datetime.date)):  # bools too: moe_balance=off
-            value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date
+        if takes_text(k.strip()) and value is not None and not isinstance(value, str):  # bools too: moe_balance=off
+            value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date; sample_prompt=JULIET: not a mapping
         out[k.strip()] = value
     return out
 
@@ -320,6 +320,8 @@ test_fail(lambda: parse_overrides(["mtp_loss_weights=[0.3,"]), contains="not val
 test_eq(parse_overrides(["run_dir=007", "wandb_project=2024-12-05", "seed=007"]), {"run_dir": "007", "wandb_project": "2024-12-05", "seed": 7})
 test_fail(lambda: parse_overrides(["hymo_750m"]), contains="give --config hymo_750m")
 test_eq(parse_overrides(["run_dir=runs/hymo_tiny.yaml"]), {"run_dir": "runs/hymo_tiny.yaml"})  # a value may end so
+test_eq(parse_overrides(["sample_prompt=JULIET:", "train.sample_prompt=[Enter]"]), {"sample_prompt": "JULIET:", "train.sample_prompt": "[Enter]"})
+test_eq(parse_overrides(["sample_prompt=''"]), {"sample_prompt": ""})  # quoted for YAML: the empty prompt
 
 # %%
 h = build_parser().format_help()

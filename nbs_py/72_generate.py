@@ -19,7 +19,9 @@
 # The prompt is the start of a document, so `generate_text` puts the end-of-text token before it,
 # as the training data has one before every document but a split's first (chapter 60): the
 # model's first prediction is then conditioned the way it learned, not on a prompt that seems to
-# begin mid-text. An empty prompt is allowed and gives an unconditional sample. The text ends where the
+# begin mid-text. An empty prompt is allowed and gives an unconditional sample. Without `--prompt`, the
+# command continues the run's own `sample_prompt`, as its end-of-run sample did: "ROMEO:" on the
+# bundled corpus, the start of a document on other data. The text ends where the
 # model draws the end-of-text token, or after `max_new_tokens`.
 #
 # Sampling is `HyMo.generate` (chapter 41). The prompt runs through the stack once, and each new
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> str:
     "Parse `argv`, load the run, print and return the generated text."
     p = argparse.ArgumentParser(prog="python -m hymo.generate", description="Continue a prompt with a trained HyMo.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run folder (config.yaml, model.safetensors, tokenizer.json)")
-    p.add_argument("--prompt", default="ROMEO:", help="text to continue (default: ROMEO:)")
+    p.add_argument("--prompt", default=None, help="text to continue (default: the run's train.sample_prompt, the end-of-run "
+                   "sample's: ROMEO: on the bundled corpus, else the start of a document)")
     p.add_argument("--tokens", type=int, default=200, help="at most this many tokens: the text ends earlier where the model "
                    "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> str:
         if not v >= 0: p.error(f"{flag} must be a number >= 0, got {v}")  # `not >=` also refuses nan
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
     if not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
-    try: a.prompt.encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
+    try: (a.prompt or "").encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
     except UnicodeEncodeError: p.error("--prompt is not valid UTF-8 text: check the terminal's or the script's encoding")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     try: device = torch.device(device)
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
+        if a.prompt is None: a.prompt = run_config(a.run_dir).train.prompt  # (load_run has checked the folder)
         if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
         n, L = len(prompt_ids(tok, a.prompt)), model.trained_len  # n: with the end-of-text token that opens it; L: `load_run`'s
         if n > L: print(f"note: the prompt is {n} tokens with the end-of-text token that opens it ({len(tok.encode(a.prompt).ids)} "

@@ -333,6 +333,19 @@ def test_cli_top_k_0_samples_from_all(run, capsys):
     assert text == generate_text(model, tok, "ROMEO:", 4, top_k=None, window=32)
 
 
+def test_cli_continues_the_runs_sample_prompt_by_default(run, tmp_path, capsys):
+    "Without --prompt, the command continues the run's train.sample_prompt, as the end-of-run sample did (ROMEO: here)."
+    from hymo.generate import main
+    other = _copy_run(run, tmp_path)
+    args = [str(other), "--tokens", "4", "--device", "cpu"]
+    assert main(args) == main(args + ["--prompt", "ROMEO:"])  # the bundled corpus's
+    cfg = load_config(other / "config.yaml")
+    cfg.train.sample_prompt = "JULIET:"
+    (other / "config.yaml").write_text(str(cfg))
+    assert main(args) == main(args + ["--prompt", "JULIET:"]) != main(args + ["--prompt", "ROMEO:"])
+    assert main(args).startswith("JULIET:")
+
+
 def test_cli_reads_no_more_than_the_trained_length(run, monkeypatch, capsys):
     "A prompt longer than train.seq_len (32): every forward and decode call of the CLI reads at most 32 tokens."
     from hymo.generate import main

@@ -1435,6 +1435,18 @@ def test_a_finished_run_keeps_the_tokenizer_it_trained_with(tmp_path, monkeypatc
     assert load_config(tmp_path / "run3" / "config.yaml").train.data_dir == str(tmp_path / "moved")
 
 
+def test_the_end_of_run_sample_continues_sample_prompt(tmp_path):
+    "ROMEO: fits only the bundled corpus: on other data the sample starts a document, unless sample_prompt gives a prompt."
+    from hymo.training.data import CORPUS, prepare
+    text = tmp_path / "play.txt"; text.write_text(CORPUS.read_text()[:30_000])
+    ds = prepare(text, tmp_path / "ds", vocab_size=300, progress=False)
+    summary = lambda run: json.loads((tmp_path / run / "summary.json").read_text())["sample"]
+    t = make(tmp_path / "run", data_dir=str(ds), max_steps=2, warmup_steps=1); t.fit()
+    assert summary("run") == t.sample("") and not summary("run").startswith("ROMEO:")
+    t = make(tmp_path / "run2", data_dir=str(ds), max_steps=2, warmup_steps=1, sample_prompt="JULIET:"); t.fit()
+    assert summary("run2").startswith("JULIET:") and summary("run2") == t.sample("JULIET:")
+
+
 def test_a_copied_config_that_names_a_run_folder_says_it_continues_that_run(tmp_path, capsys):
     from hymo.train import main
     main(_cli_args(tmp_path / "run1", max_steps=2, warmup_steps=1))
