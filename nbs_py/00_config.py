@@ -85,7 +85,7 @@ class ModelConfig:
     moe_n_shared: int = 1  # Always-on shared experts per MoE layer
     moe_top_k: int = 2  # Routed experts each token is sent to
     moe_inter_dim: int = 2304  # Hidden width of every expert's SwiGLU
-    moe_capacity_factor: Optional[float] = 1.5  # Per-expert token cap as a multiple of the mean load; None is dropless
+    moe_capacity_factor: Optional[float] = 1.5  # Per-expert token cap as a multiple of the mean load (below 1 drops even at an even load); None is dropless
     moe_score_func: str = "softmax"  # Router scores: 'softmax' (the design document) or 'sigmoid' (DeepSeek-V3)
     moe_balance: str = "ema"  # Gate-bias balancing: 'ema' (HyMo), 'sign' (DeepSeek-V3) or 'none'
     moe_bias_speed: float = 0.001  # Step of each gate-bias update
@@ -188,6 +188,11 @@ class TrainingConfig:
 # is written: a NaN slips past every `x < 0` check, and a zero `norm_eps` divides by zero on the
 # first all-zero row (a zero-initialised layer's output, a padded position), whose NaN then spreads
 # through the run, which ends blaming the learning rate.
+#
+# `load_config` runs every check (`validate_config`), and so do the places a config is used: the
+# model (`HyMo`, chapter 41), the `Trainer` (chapter 70) and `build_optimizers` (chapter 50). A
+# config changed in code with `dataclasses.replace` skips `load_config`, and would otherwise train
+# silently wrong: a micro-batch of 3 that does not divide a batch of 16 reads 15 sequences a step.
 
 # %%
 #| export
@@ -227,6 +232,8 @@ def _check_type(name: str, value, tp):
 
 def _type_hint(name: str, value, tp) -> str:
     "The fix for the usual slips: a number where text is meant (off, read as False), a count written as a float, a 1,000."
+    if tp is bool:  # compile=1, compile=y: YAML's true/false words are true, false, yes, no, on, off
+        return "; write true or false"
     if name in CHOICES and (isinstance(value, (bool, int, float)) or value is None):  # moe_balance: off is YAML's False
         return (f"; choose one of {', '.join(map(repr, CHOICES[name]))}"
                 + (" (off is the word none)" if (value is False or value is None) and "none" in CHOICES[name] else ""))
@@ -310,21 +317,21 @@ def validate_model(m: ModelConfig):
              "every key/value group serves the same number of query heads")
     if m.mla_qk_rope_dim % 2: raise ConfigError(f"model.mla_qk_rope_dim={m.mla_qk_rope_dim} must be even: RoPE rotates pairs of dimensions")
     if m.moe_n_routed == 1:
-        raise ConfigError("moe_n_routed=1: with one routed expert its weight is always 1, so the router gets no gradient "
+        raise ConfigError("model.moe_n_routed=1: with one routed expert its weight is always 1, so the router gets no gradient "
                           "and routing chooses nothing; use 2 or more")
     if m.rope_theta <= 1:
-        raise ConfigError(f"rope_theta={m.rope_theta} must be above 1: the frequencies theta^(-2i/d) then fall from 1 rad per "
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be above 1: the frequencies theta^(-2i/d) then fall from 1 rad per "
                           "token (at 1 they all are 1 rad, and below 1 they rise); the usual value is 10000")
     if m.moe_top_k > m.moe_n_routed:
-        raise ConfigError(f"moe_top_k={m.moe_top_k} > moe_n_routed={m.moe_n_routed}: a token cannot pick more experts than exist")
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} > model.moe_n_routed={m.moe_n_routed}: a token cannot pick more experts than exist")
     if len(m.mtp_loss_weights) != m.mtp_depth:
         fit = (list(m.mtp_loss_weights) + [0.1] * m.mtp_depth)[:m.mtp_depth]  # mtp_depth=0: []
-        raise ConfigError(f"mtp_loss_weights has {len(m.mtp_loss_weights)} entries but mtp_depth={m.mtp_depth}: give one "
+        raise ConfigError(f"model.mtp_loss_weights has {len(m.mtp_loss_weights)} entries but model.mtp_depth={m.mtp_depth}: give one "
                           f"weight per MTP head, e.g. model.mtp_loss_weights=[{','.join(map(str, fit))}]")
     if m.moe_capacity_factor is not None and m.moe_capacity_factor <= 0:
-        raise ConfigError(f"moe_capacity_factor={m.moe_capacity_factor} must be positive, or None for dropless routing")
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive, or null for dropless routing")
     bad = [i for i in m.nope_layers if not (0 <= i < m.n_layers and m.is_mla(i))]
-    if bad: raise ConfigError(f"nope_layers {bad} are not MLA blocks; MLA blocks are {[i for i in range(m.n_layers) if m.is_mla(i)]}")
+    if bad: raise ConfigError(f"model.nope_layers {bad} are not MLA blocks; MLA blocks are {[i for i in range(m.n_layers) if m.is_mla(i)]}")
     _choice("model.gdn_kernel", m.gdn_kernel)
     if m.gdn_kernel == "triton": check_triton_chunk(m.gdn_chunk_size)
     _choice("model.moe_score_func", m.moe_score_func)
@@ -565,7 +572,10 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
     if not isinstance(raw, dict) or set(raw) - {"model", "train", "name", "base"}:
         raise ConfigError(f"{p}: a config file has the sections 'model:' and 'train:' (and a 'name:', as a printed config "
                           f"has, and a 'base:' preset it changes); "
-                          f"found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}")
+                          f"found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}"
+                          + "".join(f"; did you mean '{near[0]}' for '{k}'?" for k in (raw if isinstance(raw, dict) else ())
+                                    if (near := difflib.get_close_matches(str(k), ["model", "train", "name", "base"], n=1, cutoff=0.6))
+                                    and k != near[0]))
     if raw.get("base") is not None and not isinstance(raw["base"], str):
         raise ConfigError(f"{p}: 'base:' names one preset ({', '.join(presets())}) or a .yaml file; found {raw['base']!r}")
     for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):
@@ -616,15 +626,20 @@ def load_config(name_or_path: str = "hymo_tiny", # A preset name (see `presets()
     for (sec, f), path in source.items():  # a wrong type in the value a file gave and nothing replaced: name the file
         try: values[sec][f] = _check_type(f"{sec}.{f}", values[sec][f], _field_types(_SECTIONS[sec])[f])
         except ConfigError as e: raise ConfigError(f"{path}: {e}") from None
-    cfg = Config(model=validate_model(ModelConfig(**values["model"])),
-                 train=validate_training(TrainingConfig(**values["train"])), name=name)
-    if cfg.train.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}, the "
+    return Config(*validate_config(ModelConfig(**values["model"]), TrainingConfig(**values["train"])), name=name)
+
+
+def validate_config(m: ModelConfig, t: TrainingConfig) -> tuple[ModelConfig, TrainingConfig]:
+    """Raise `ConfigError` if `m` or `t` cannot train, alone or together; return them, their values normalised in place
+    (3 → 3.0, a list → a tuple). `load_config` calls it, and so does the `Trainer` (chapter 70) on copies of what it is given."""
+    validate_model(m); validate_training(t)
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}, the "
                           f"longest sequence the model is built for: lower seq_len or raise max_seq_len")
-    if cfg.train.seq_len <= cfg.model.mtp_depth:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} leaves MTP head {cfg.model.mtp_depth} no position to train "
-                          f"(head k needs k + 1 tokens): use seq_len > mtp_depth={cfg.model.mtp_depth}")
-    return cfg
+    if t.seq_len <= m.mtp_depth:
+        raise ConfigError(f"train.seq_len={t.seq_len} leaves MTP head {m.mtp_depth} no position to train "
+                          f"(head k needs k + 1 tokens): use seq_len > mtp_depth={m.mtp_depth}")
+    return m, t
 
 
 # %% [markdown]

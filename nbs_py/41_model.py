@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from typing import Callable, Optional
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hymo.config import ModelConfig
+from hymo.config import ModelConfig, validate_model
 from hymo.models.gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from hymo.models.layers import RMSNorm
 from hymo.models.mla import MLABlock, MLACache, MultiHeadLatentAttention
@@ -152,6 +153,7 @@ class HyMo(nn.Module):
     "The HyMo language model: embedding, the 3:1 GDN/MLA stack, final RMSNorm, tied head, MTP heads."
     def __init__(self, config: ModelConfig):
         super().__init__()
+        validate_model(dataclasses.replace(config))  # `load_config`'s checks, also for a config changed in code (a copy: they normalise)
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(MLABlock(c, i) if c.is_mla(i) else GatedDeltaNetBlock(c) for i in range(c.n_layers))

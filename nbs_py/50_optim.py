@@ -21,6 +21,7 @@
 #| export
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hymo.config import DECAY_SHAPES, TrainingConfig
+from hymo.config import DECAY_SHAPES, TrainingConfig, validate_training
 
 # %%
 import matplotlib.pyplot as plt
@@ -1041,6 +1042,7 @@ def build_optimizers(model: nn.Module, # Plain or FSDP-2 sharded model
                      cfg: TrainingConfig, # Reads muon_lr, muon_momentum, normuon_beta2, ns_steps, adamw_*, weight_decay, cautious_weight_decay
                     ) -> tuple[NorMuon, CautiousAdamW]:
     "NorMuon for hidden matrices and AdamW (groups 'decay' and 'no_decay') for the rest, as `param_group` sorts them."
+    validate_training(dataclasses.replace(cfg))  # `load_config`'s checks (lr · weight_decay < 1, ...) for a config changed in code
     groups = {"normuon": [], "adamw": [], "adamw_no_decay": []}
     for name, p in model.named_parameters():
         if p.requires_grad: groups[param_group(name, p)].append(p)
@@ -1133,6 +1135,8 @@ def wsd_schedule(step: int, # Optimiser step, 0-based
     "Learning-rate multiplier at `step`: linear warmup, constant, then a decay to `min_lr_ratio` over the last `decay_fraction` of `max_steps`."
     if cfg.decay_shape not in DECAY_SHAPES:  # refused at any step, not first at the decay's
         raise ValueError(f"decay_shape={cfg.decay_shape!r}: choose one of {', '.join(map(repr, DECAY_SHAPES))}")
+    for name in ("decay_fraction", "min_lr_ratio"):  # (`load_config` refuses these too; a config changed in code is not checked)
+        if not 0 <= getattr(cfg, name) <= 1: raise ValueError(f"{name}={getattr(cfg, name)} must be in [0, 1]")
     W, N = cfg.warmup_steps, cfg.max_steps
     D = cfg.decay_steps
     S = N - D  # first step of the decay
@@ -1156,9 +1160,6 @@ def wsd_lambda(cfg: TrainingConfig, # The run's training config
 # A 300-step schedule (30 warmup, the last 30 % decaying, as in the tiny preset), with each shape, and on the
 # right the reason WSD suits continued training: one long stable run, and a short decay branched
 # off any of its checkpoints gives a finished model for that budget.
-
-# %%
-import dataclasses
 
 # %%
 #| fig-alt: "Left: hymo_tiny's WSD learning-rate multiplier over 300 steps with the linear, 1-sqrt and cosine decay shapes. Right: a stable 1000-step run with 100-step decays branched off at steps 300, 600 and 900."

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk, validate_config
 from hymo.models.gdn import _load_triton
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
@@ -681,6 +681,8 @@ class Trainer:
                  resume: str | Path | bool = True, # A checkpoint folder, True (latest in the run folder, if any) or False
                  name: str = "hymo", # Preset name, used in the default run folder
                  quiet: bool = False): # No progress bar or prints (tests)
+        # `load_config`'s checks, also for configs changed in code (`dataclasses.replace` checks nothing): copies, as they normalise
+        model_cfg, train_cfg = validate_config(dataclasses.replace(model_cfg), dataclasses.replace(train_cfg))
         self.given_data_dir = train_cfg.data_dir  # as given: a relative one is named so in an error
         if train_cfg.data_dir:  # absolute in config.yaml and the checkpoints: `--config RUN/config.yaml` works from any folder
             train_cfg = dataclasses.replace(train_cfg, data_dir=os.path.abspath(os.path.expanduser(train_cfg.data_dir)))
@@ -1723,6 +1725,8 @@ def metric_line(m: dict, # One step's metrics, as `fit` writes them to metrics.j
     if m.get("val_loss") is not None: parts.append(f"val {m['val_loss']:.4f}")
     parts += [f"lr x{m['lr_mult']:.3f}", f"grad {m['grad_norm']:.3f}", f"{m['tokens_per_s']:,.0f} tok/s"]
     if m.get("mfu") is not None: parts.append(f"mfu {m['mfu']:.1%}")
+    drops = [v for k, v in m.items() if k.endswith("/moe_drop_frac")]  # each MoE block's share of routed assignments cut
+    if drops and max(drops) > 0.01: parts.append(f"moe dropped {max(drops):.1%}")  # capacity too low, or routing collapsing
     if m.get("skipped"): parts.append("skipped: non-finite loss or gradient")
     return " | ".join(parts)
 

@@ -267,10 +267,12 @@ def test_list_items_must_be_finite():
     (dict(mla_n_kv_groups=3), r"model.mla_n_heads=4 is not divisible by model.mla_n_kv_groups=3"),
     (dict(global_batch_size=10, micro_batch_size=4), r"train.global_batch_size=10 is not divisible by train.micro_batch_size=4"),
     (dict(moe_n_shared=-1), r"model.moe_n_shared=-1 must be 0 or more"),
+    (dict(mla_q_lora_rank=-5), r"model.mla_q_lora_rank=-5 must be 0 or more"),  # (0 means no query compression)
+    (dict(mtp_depth=-1, mtp_loss_weights=[]), r"model.mtp_depth=-1 must be 0 or more"),
     (dict(adamw_eps=0), r"train.adamw_eps=0.0 must be positive: .*NaN"),
     (dict(seed=-1), r"train.seed=-1 must be 0 or more"),
     (dict(seed=2**64), r"train.seed=18446744073709551616 must be below 2\*\*64"),
-    (dict(moe_capacity_factor=0), r"moe_capacity_factor=0.0 must be positive, or None"),
+    (dict(moe_capacity_factor=0), r"model.moe_capacity_factor=0.0 must be positive, or null"),
     (dict(muon_momentum=1.0), r"train.muon_momentum=1.0 must be in \[0, 1\)"),
     (dict(adamw_betas=[0.9, 1.0]), r"train.adamw_betas\[1\]=1.0 must be in \[0, 1\)"),
     (dict(moe_score_func="sigmoid", moe_top_k=1), r"model.moe_score_func='sigmoid' with model.moe_top_k=1 gives the router no gradient"),
@@ -288,6 +290,44 @@ def test_every_size_and_scale_must_be_positive(name):
     "0 or less would build a model that cannot work (an empty matrix, NaN from the first norm or RoPE table, no init)."
     with pytest.raises(ConfigError, match=rf"model.{name}=(0|0\.0) must be positive"):
         load_config("hymo_tiny", **{f"model.{name}": 0})
+
+
+def test_configs_changed_in_code_are_checked_where_they_are_used(tmp_path):
+    """dataclasses.replace skips load_config's checks: the model, the trainer and the optimisers run them again, so a config
+    edited in code cannot train silently wrong (a micro-batch of 3 read 15 of 16 sequences a step; an unknown
+    moe_balance turned balancing off; a kv latent of 0 trained, and its config.yaml could not be read back)."""
+    import dataclasses
+    from hymo.models.model import build_hymo
+    from hymo.training.optim import build_optimizers, wsd_schedule
+    from hymo.training.trainer import Trainer
+    c = load_config("hymo_tiny")
+    for over, msg in [(dict(moe_balance="off"), "model.moe_balance='off': choose one of"),
+                      (dict(mla_kv_lora_rank=0), "model.mla_kv_lora_rank=0 must be positive"),
+                      (dict(n_layers=3), "model.n_layers=3 with mla_every=4 has no MLA block"),
+                      (dict(nope_layers=(0,)), r"model.nope_layers \[0\] are not MLA blocks")]:
+        with pytest.raises(ConfigError, match=msg): build_hymo(dataclasses.replace(c.model, **over), device="meta")
+    with pytest.raises(ConfigError, match="global_batch_size=16 is not divisible by train.micro_batch_size=3"):
+        Trainer(c.model, dataclasses.replace(c.train, micro_batch_size=3), run_dir=tmp_path / "run", quiet=True)
+    with pytest.raises(ConfigError, match="train.seq_len=300 is longer than model.max_seq_len=256"):
+        Trainer(c.model, dataclasses.replace(c.train, seq_len=300), run_dir=tmp_path / "run", quiet=True)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+    with pytest.raises(ConfigError, match="train.weight_decay=5.0 with train.muon_lr=0.5"):
+        build_optimizers(build_hymo(c.model), dataclasses.replace(c.train, muon_lr=0.5, weight_decay=5.0))
+    for over in (dict(min_lr_ratio=2.0), dict(decay_fraction=-0.5)):
+        with pytest.raises(ValueError, match=rf"{next(iter(over))}=.* must be in \[0, 1\]"): wsd_schedule(0, dataclasses.replace(c.train, **over))
+    assert c.model.moe_capacity_factor == 1.5 and isinstance(c.train.muon_lr, float)  # the caller's configs are not changed
+
+
+def test_a_bool_setting_says_how_to_write_it():
+    for v in (1, "y", "maybe"):
+        with pytest.raises(ConfigError, match="train.compile: expected bool, .*; write true or false"): load_config("hymo_tiny", compile=v)
+
+
+def test_a_misspelt_section_of_a_config_file_is_named(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("base: hymo_tiny\nmodle:\n  dim: 64\ntrian:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match="found \\['base', 'modle', 'trian'\\]; did you mean 'model' for 'modle'\\?; did you mean 'train' for 'trian'\\?"):
+        load_config(f)
 
 
 def test_zero_stays_allowed_where_it_means_off():
@@ -469,8 +509,8 @@ def test_other_field_checks():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(moe_top_k=5), "moe_top_k=5 > moe_n_routed=4"),  # one past the experts hymo_tiny has
-    (dict(nope_layers=[4]), "nope_layers [4] are not MLA blocks"),  # one past its last block
+    (dict(moe_top_k=5), "model.moe_top_k=5 > model.moe_n_routed=4"),  # one past the experts hymo_tiny has
+    (dict(nope_layers=[4]), "model.nope_layers [4] are not MLA blocks"),  # one past its last block
     (dict(seq_len=257), "train.seq_len=257 is longer than model.max_seq_len=256"),
     *[({k: 0}, f"train.{k}=0 must be positive") for k in ("max_steps", "keep_last_k", "ns_steps", "max_bad_steps")],
     (dict(sample_tokens=-1), "train.sample_tokens=-1 must be 0 or more"),
@@ -542,7 +582,8 @@ def test_the_design_defaults_note_follows_the_bases_to_the_last_file(tmp_path):
     (tmp_path / "root.yaml").write_text("train:\n  max_steps: 3\n")
     (tmp_path / "child.yaml").write_text("base: root.yaml\nmodel:\n  dim: 64\n")
     note = design_defaults_note(str(tmp_path / "child.yaml"))
-    assert re.search(r"child.yaml rests on .*root.yaml, which has no 'base:', so the 68 values they do not set are the "
+    n = len(dataclasses.fields(ModelConfig)) + len(dataclasses.fields(TrainingConfig)) - 2  # all but dim and max_steps
+    assert re.search(rf"child.yaml rests on .*root.yaml, which has no 'base:', so the {n} values they do not set are the "
                      r"design defaults .*add the line 'base: hymo_tiny' to .*root.yaml$", note), note
     (tmp_path / "root.yaml").write_text("base: hymo_tiny\ntrain:\n  max_steps: 3\n")
     assert design_defaults_note(str(tmp_path / "child.yaml")) is None

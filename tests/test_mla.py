@@ -185,6 +185,12 @@ def test_grouped_equals_repeated_kv():
     assert (m(x) - full(x)).abs().max() > 1e-3
 
 
+def test_an_odd_rope_width_is_refused_by_the_module_itself():
+    "RoPE rotates pairs: the module checks it too, for a config that skipped load_config's checks (dataclasses.replace)."
+    with pytest.raises(ValueError, match="mla_qk_rope_dim=3 must be even"):
+        MultiHeadLatentAttention(dataclasses.replace(CFG, mla_qk_rope_dim=3))
+
+
 @pytest.mark.parametrize("v_dim", [None, 24])  # 24: d_v != d_nope + d_rope, so the two paths' softmax scales could differ
 @torch.no_grad()
 def test_cu_seqlens_equals_separate_documents(v_dim):

@@ -2275,6 +2275,15 @@ def test_metric_line_says_a_step_was_skipped():
     assert "skipped" not in metric_line({**m, "loss": 1.0, "grad_norm": 1.0, "skipped": False}, 10)
 
 
+def test_metric_line_shows_the_moe_blocks_drops_only_when_they_matter():
+    "A capacity factor far too low (0.01 dropped 98 % of the routed assignments) was silent: only metrics.jsonl had it."
+    from hymo.training.trainer import metric_line
+    m = dict(step=3, loss=1.0, lr_mult=1.0, grad_norm=1.0, tokens_per_s=10.0, mfu=None, skipped=False)
+    m |= {"moe0/moe_drop_frac": 0.0, "moe0/moe_load_max_mean": 1.2, "moe1/moe_drop_frac": 0.984}
+    assert metric_line(m, 10).endswith(" | moe dropped 98.4%")
+    assert "moe" not in metric_line({**m, "moe1/moe_drop_frac": 0.005}, 10)  # the few a capacity of 1.5 cuts: not news
+
+
 def test_peak_of_finds_the_gpu_by_a_part_of_its_name():
     "M20: `k in gpu_name` reversed: every real device name (longer than the key) is unknown, and MFU is never shown."
     from hymo.training.trainer import peak_of

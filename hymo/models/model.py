@@ -8,6 +8,7 @@ Docs: https://hymo-lm.github.io/hymo/model.html.md"""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import numbers
 from typing import Callable, Optional
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..config import ModelConfig, validate_model
 from .gdn import GatedDeltaNet, GatedDeltaNetBlock, GDNState
 from .layers import RMSNorm
 from .mla import MLABlock, MLACache, MultiHeadLatentAttention
@@ -31,6 +32,7 @@ class HyMo(nn.Module):
     "The HyMo language model: embedding, the 3:1 GDN/MLA stack, final RMSNorm, tied head, MTP heads."
     def __init__(self, config: ModelConfig):
         super().__init__()
+        validate_model(dataclasses.replace(config))  # `load_config`'s checks, also for a config changed in code (a copy: they normalise)
         self.config = c = config
         self.embed = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(MLABlock(c, i) if c.is_mla(i) else GatedDeltaNetBlock(c) for i in range(c.n_layers))
