@@ -19,6 +19,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from tqdm import tqdm
+
 from .train import _Once
 from .training.data import (DEFAULT_VOCAB_SIZE, DataError, DataWarning, _a_terminal, _real_out, check_compatible,
                                 check_contents, load_manifest, prepare, to_devnull)
@@ -90,6 +92,15 @@ def _stamp(out) -> tuple | None:
 def _n(k: int, word: str) -> str: return f"{k:,} {word}{'s' * (k != 1)}"
 
 
+def _one_line(show):
+    """A `warnings.showwarning` that prints a `DataWarning` as one line at once, above the progress bar: a skipped file is
+    said before hours of tokenizing, while there is time to stop and fix the input. Others (tokenizers', pyarrow's) go to `show`."""
+    def shown(message, category, *rest, **kw):
+        if issubclass(category, DataWarning): tqdm.write(f"warning: {message}", file=sys.stderr)
+        else: show(message, category, *rest, **kw)
+    return shown
+
+
 def main(argv: list[str] | None = None, # Arguments without the program name; None reads sys.argv
         ) -> int:
     "Run the `python -m hymo.data` command line; return the exit status."
@@ -98,15 +109,12 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
     try:
         if args.command == "prepare":
             before = _stamp(args.out)
-            with warnings.catch_warnings(record=True) as said, _stop_signals_interrupt():  # a DataWarning as one line
+            with warnings.catch_warnings(), _stop_signals_interrupt():  # (catch_warnings puts showwarning back)
                 warnings.simplefilter("always", DataWarning)
-                try: out = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
-                                   doc_split=args.doc_split, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                                   overwrite=args.overwrite, progress=not args.no_progress and _a_terminal(sys.stderr))
-                finally:  # others (from tokenizers, pyarrow) as Python shows them
-                    for w in said:
-                        if issubclass(w.category, DataWarning): print(f"warning: {w.message}", file=sys.stderr)
-                        else: warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+                warnings.showwarning = _one_line(warnings.showwarning)
+                out = prepare(args.input, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,
+                              doc_split=args.doc_split, val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                              overwrite=args.overwrite, progress=not args.no_progress and _a_terminal(sys.stderr))
             m = load_manifest(out)
             print(f"{out}: {_n(len(m['inputs']), 'input file')}, vocab {m['vocab_size']}, {m['dtype']}, " + ", ".join(
                 f"{s} {_n(v['tokens'], 'token')} in {_n(v['documents'], 'document')}" for s, v in m["splits"].items()))

@@ -136,7 +136,8 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 # The search does not follow links to folders (a link can make a cycle), and a link to a missing
 # file has nothing to read: a link to a folder elsewhere, or to a missing text file, is skipped with
 # a warning that names it, so a corpus whose books are linked in from elsewhere does not quietly lose
-# them (give a linked folder as an input of its own).
+# them (give a linked folder as an input of its own). The dataset's own folder, when `--out` is
+# inside an input folder, is neither read nor counted.
 # Every file found is opened once before any work starts, so one that cannot be read (no
 # permission) is a one-line error at once, not a traceback halfway through.
 
@@ -149,6 +150,7 @@ def _by_suffix(counts: Counter) -> str:
 
 
 def find_files(inputs: Iterable, # Paths of files or folders
+               out: Path | None = None, # The dataset's folder: not read, nor counted as skipped, when it is inside an input
               ) -> list[tuple[Path, str]]:
     "The files to read, in order, as `(path, name)`: `name` is the path from the input given (a folder's name first)."
     inputs = [Path(p) for p in ([inputs] if isinstance(inputs, (str, Path)) else inputs)]
@@ -157,7 +159,9 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            every = list(p.rglob("*"))
+            mine = None if out is None else Path(os.path.abspath(out))  # (its .npy and .json are no input of the next run)
+            if mine is not None and Path(os.path.abspath(p)).is_relative_to(mine): mine = None  # an input kept in --out
+            every = [f for f in p.rglob("*") if mine is None or not Path(os.path.abspath(f)).is_relative_to(mine)]
             hidden = lambda f: any(part.startswith(".") for part in f.relative_to(p).parts)  # .git, .ipynb_checkpoints
             entries = [f for f in every if not hidden(f)]
             visible = [f for f in entries if f.is_file()]
@@ -215,7 +219,9 @@ def _check_readable(path: Path, what: str):
 # when a damaged page is decoded, possibly long after the first documents: both become a
 # `DataError` naming the file. Text files and `.jsonl` must be UTF-8, with one message for both.
 # A `.jsonl` line needs a `text` field; in both formats a null or blank text is an empty document, skipped.
-# A UTF-8 byte-order mark at the start of a text or `.jsonl` file is dropped, not trained on.
+# A UTF-8 byte-order mark at the start of a text or `.jsonl` file is dropped, not trained on. A NUL
+# character is valid UTF-8 but no text has one: a text file that holds NULs is refused, since it is
+# most often UTF-16 without its byte-order mark (every other byte NUL), which would train on garbage.
 
 # %%
 #| export
@@ -228,7 +234,9 @@ def _not_utf8(path: Path) -> DataError:
             except UnicodeDecodeError as e:
                 where = f" (line {i}, byte {at + e.start:,}: {line[e.start:e.start + 4]!r})"; break
             at += len(line)
-    return DataError(f"{path} is not UTF-8 text{where}: convert it (e.g. iconv -t utf-8), or fix or drop that line")
+    return DataError(f"{path} is not UTF-8 text{where}: convert it (iconv -f ENCODING -t UTF-8 {path} > "
+                     f"{path.with_name(path.stem + '.utf8' + path.suffix)}, ENCODING being the file's: latin1, cp1252, ...), "
+                     "or fix or drop that line")
 
 
 def _parquet_docs(path: Path) -> Iterator[str]:
@@ -277,6 +285,10 @@ def read_documents(path: Path, # A .txt, .md, .jsonl or .parquet file
     elif path.suffix in (".txt", ".md"):
         try: text = path.read_text(encoding="utf-8-sig")  # without a byte-order mark, which is no part of the text
         except UnicodeDecodeError as e: raise _not_utf8(path) from e
+        if (at := text.find("\x00")) >= 0:  # valid UTF-8, but no text has NULs: UTF-16 without a byte-order mark, or binary
+            raise DataError(f"{path} holds NUL characters (the first at character {at:,}): it is not plain UTF-8 text. If it "
+                            f"is UTF-16 (Windows' 'Unicode'), convert it: iconv -f UTF-16LE -t UTF-8 {path} > "
+                            f"{path.with_name(path.stem + '.utf8' + path.suffix)}; if it is not text, leave it out")
         yield from split_text(text, doc_split)
     else: raise DataError(f"unknown file type '{path.suffix}' of {path}: give {', '.join(SUFFIXES)} files")
 
@@ -706,7 +718,8 @@ def load_manifest(data_dir: Path) -> dict:
     if not m.exists():  # a training run's folder; or texts not prepared yet, to prepare into a folder of their own
         if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file():
             raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
-                            "dataset folder, data_dir in that config.yaml")
+                            "dataset folder, data_dir in that config.yaml (null there: the bundled corpus, which is "
+                            "what leaving out data_dir trains on)")
         if d.is_file() and (d.name == "manifest.json" or (d.parent / "manifest.json").is_file()):
             raise DataError(f"{data_dir} is a file of a prepared dataset: give its folder, {d.parent}")
         if d.is_dir() and (w := _WORK.fullmatch(d.name) or re.fullmatch(r"\.(?P<out>.+)\.tmp-.+", d.name)):
@@ -714,7 +727,7 @@ def load_manifest(data_dir: Path) -> dict:
                             f"a finished one is installed as {d.parent / w['out']}: give that, or delete {data_dir} "
                             "if no prepare is running")
         if d.is_dir() and (datasets := sorted(p.parent for p in d.glob("*/manifest.json"))):
-            raise DataError(f"{data_dir} is not a prepared dataset but holds {len(datasets)}: give one of them, "
+            raise DataError(f"{data_dir} is not a prepared dataset but holds {len(datasets)} datasets: give one of them, "
                             f"{', '.join(map(str, datasets[:3]))}{' ...' * (len(datasets) > 3)}")
         if d.is_dir() and (parts := sorted(p.name for p in d.iterdir() if _DATASET_FILE.fullmatch(p.name))):
             raise DataError(f"{data_dir} holds part of a prepared dataset ({', '.join(parts[:3])}{', ...' * (len(parts) > 3)}) "
@@ -772,9 +785,16 @@ def _same_dataset(out: Path, fingerprint: str) -> bool:
     except DataError: return False  # none there, or damaged: prepared again
 
 
-def _install(tmp: Path, out: Path, fingerprint: str):
+def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     "Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there."
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
+    if not overwrite and out.is_dir() and any(out.iterdir()):  # `prepare` found none there, or this one damaged: a
+        try: theirs = load_manifest(out).get("fingerprint")    # prepare of other inputs installed its own meanwhile
+        except DataError: theirs = None
+        if theirs != fingerprint:
+            raise DataError(f"{out} now holds a dataset from other inputs or options, installed by another prepare while "
+                            "this one ran: it is kept. Pass --overwrite (overwrite=True in Python) to replace it, or "
+                            "choose another --out")
     to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
     old = None
     try:
@@ -958,7 +978,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
     if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():
         raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
-    files = find_files(inputs)
+    files = find_files(inputs, out)
     if tokenizer is not None:
         from tokenizers import Tokenizer
         tokenizer = Path(tokenizer)
@@ -1027,7 +1047,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
             tokenizer_json = tok.to_str()
         _write_dataset(tmp, files, tok, tokenizer_json, source, doc_split, val_fraction, shard_tokens, total_bytes, progress)
-        _install(tmp, out, fingerprint)
+        _install(tmp, out, fingerprint, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -1121,7 +1141,7 @@ plt.tight_layout(); plt.show()
 test_eq(check_compatible(ds, 2048)["vocab_size"], 2048)
 check_compatible(ds, 4096)  # a larger embedding is fine
 test_fail(lambda: check_compatible(ds, 1024), contains="set model.vocab_size >= 2048")
-test_fail(lambda: check_compatible(work, 2048), contains="holds 2: give one of them")  # a folder of datasets
+test_fail(lambda: check_compatible(work, 2048), contains="holds 2 datasets: give one of them")  # a folder of datasets
 test_eq(check_contents(ds), True)
 
 # %% [markdown]
@@ -1261,10 +1281,10 @@ class TokenLoader:
             raise DataError(f"the {split} split of {data_dir} has {self.n_tokens} tokens; seq_len={seq_len} needs "
                             f"{seq_len + 1} per sequence: use a shorter seq_len or more data")
         if eval_only and self.n_windows < micro_batch_size:  # eval_plan shares what there is among the ranks
-            raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than one "
+            raise DataError(f"the {split} split has {self.n_windows} window{'s' * (self.n_windows != 1)} of seq_len={seq_len}, fewer than one "
                             f"micro-batch (micro_batch_size {micro_batch_size}): use a shorter seq_len, a smaller batch or more data")
         if not eval_only and self.n_windows < per_step:
-            raise DataError(f"the {split} split has {self.n_windows} windows of seq_len={seq_len}, fewer than the "
+            raise DataError(f"the {split} split has {self.n_windows} window{'s' * (self.n_windows != 1)} of seq_len={seq_len}, fewer than the "
                             f"{per_step} one optimiser step needs (world_size {world_size} x micro_batch_size "
                             f"{micro_batch_size} x accumulation {accum}): use a shorter seq_len, a smaller batch or more data")
         self.steps_per_epoch = self.n_windows // per_step * accum  # S, micro-batch steps
@@ -1276,7 +1296,7 @@ class TokenLoader:
 
     def _one_step_at_least(self):
         if not self.steps_per_epoch:
-            raise DataError(f"the {self.split} split has {self.n_windows} windows, fewer than one optimiser step's "
+            raise DataError(f"the {self.split} split has {self.n_windows} window{'s' * (self.n_windows != 1)}, fewer than one optimiser step's "
                             f"{self.world_size * self.micro_batch_size * self.accum}: it serves `eval_batches` only")
 
     def window_ids(self, step: int) -> np.ndarray:

@@ -582,7 +582,7 @@ def split_micro_batches(cfg: TrainingConfig, world_size: int) -> int:
     if n % world_size:
         fix = f"global_batch_size={B * world_size * math.ceil(n / world_size)}"
         if G % world_size == 0: fix += f" or micro_batch_size={G // world_size}"
-        raise ConfigError(f"global_batch_size={G} is {n} micro-batches of {B}, which do not split over {world_size} "
+        raise ConfigError(f"global_batch_size={G} is {n} micro-batch{'es' * (n != 1)} of {B}, which do not split over {world_size} "
                           f"ranks: make global_batch_size a multiple of micro_batch_size × ranks, e.g. {fix}")
     return n // world_size
 
@@ -820,8 +820,8 @@ class Trainer:
             self.log(f"{self.no_val_why}: no validation loss is reported")
         else:
             try: self.val_loader = mk("val", 1)
-            except DataError as e:  # too small for one micro-batch: train anyway, and say so
-                self.no_val_why = f"the validation split of {self.data_dir} is too small for one micro-batch"
+            except DataError as e:  # fewer tokens than a sequence, or windows than a micro-batch: train anyway, and say so
+                self.no_val_why = str(e).split(": use ")[0]  # (the advice is in the warning below)
                 self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
 
     def data_summary(self) -> str:
@@ -921,7 +921,9 @@ class Trainer:
                 inside = listed or (list_checkpoints(p.parent) if p.name == "checkpoints" else [])
                 what = (f"is {'a run' if listed else 'the checkpoints'} folder, not a checkpoint: give one of "
                         f"its checkpoints, e.g. {inside[-1]}" if inside else
-                        ("is not a complete checkpoint (no meta.json)" if p.is_dir() else
+                        ("is a finished run's model, kept when the run was trained further (`python -m hymo.generate` "
+                         "reads it), not a checkpoint" if p.is_dir() and p.name.startswith("finished-step_") else
+                         "is not a complete checkpoint (no meta.json)" if p.is_dir() else
                          "is a file, not a checkpoint folder" if p.exists() else "does not exist")
                         + ": --resume takes a checkpoint folder, RUN/checkpoints/step_NNNNNN (leave it out to continue "
                           "run_dir's newest)")

@@ -41,6 +41,11 @@
 # | no space, quota, a read-only or forbidden file | 1 | the checkpoints written so far (no partial one) |
 # | a damaged shard, found as it is read (an id beyond the vocabulary) | 1 | the checkpoints written so far |
 #
+# These are the exit statuses of `python -m hymo.train`, which is each rank under `torchrun`. Given
+# the signal itself, `torchrun` waits for its ranks (who write the checkpoint and print the resume
+# line as above), then prints a `SignalException` traceback of its own and exits with status 1: the
+# ranks' line above that traceback is the one to read, and the checkpoint is there.
+#
 # `torch.distributed.checkpoint` wraps any exception raised while it reads or writes, a Ctrl-C or a
 # full disk included, in its own `CheckpointException`; the trainer's `save` and resume look inside
 # it (`wrapped`, chapter 70) and raise what they find as itself, so those end the same way.

@@ -393,10 +393,66 @@ def test_an_install_whose_rename_meets_another_installs_swap_retries(text, tmp_p
     assert raced and not tmp.exists() and load_manifest(out)["fingerprint"] == fp
 
 
+def test_a_dataset_another_prepare_installs_meanwhile_is_kept(text, tmp_path, monkeypatch):
+    "Two prepares of other inputs into one new --out: the later to finish replaced the other's dataset, and both said done."
+    out, real, others = tmp_path / "ds", D._write_dataset, []
+    def meanwhile(*a, **k):
+        real(*a, **k)
+        if not others: others.append(1); prepare(text, out, vocab_size=VOCAB + 8, progress=False)  # it finishes first
+    monkeypatch.setattr(D, "_write_dataset", meanwhile)
+    with pytest.raises(DataError, match="now holds a dataset from other inputs or options, installed by another prepare "
+                                        "while this one ran: it is kept. Pass --overwrite"):
+        prepare(text, out, vocab_size=VOCAB, progress=False)
+    assert load_manifest(out)["vocab_size"] == VOCAB + 8 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert load_manifest(prepare(text, out, vocab_size=VOCAB, overwrite=True, progress=False))["vocab_size"] == VOCAB
+
+
+def test_utf16_text_without_a_byte_order_mark_is_refused(tmp_path):
+    "Every other byte NUL, and valid UTF-8 all the same: it was tokenized as 'F\\x00i\\x00r\\x00s\\x00t...'."
+    (tmp_path / "u16.txt").write_bytes("First Citizen:\nBefore we proceed.\n".encode("utf-16-le"))
+    with pytest.raises(DataError, match=r"u16.txt holds NUL characters \(the first at character 1\).*iconv -f UTF-16LE -t UTF-8 "
+                                        r".*u16.txt > .*u16.utf8.txt"):
+        prepare(tmp_path / "u16.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_prepare_command_says_a_skipped_file_before_the_long_work(text, tmp_path, monkeypatch, capsys):
+    "Its warnings came after all the tokenizing (caught, then printed at the end): hours late on a large corpus."
+    import shutil
+    from hymo.data import main
+    (tmp_path / "in").mkdir()
+    shutil.copy(text, tmp_path / "in" / "play.txt"); (tmp_path / "in" / "extra.txt.gz").write_bytes(b"\x1f\x8b")
+    real, seen = D._write_dataset, []
+    def writing(*a, **k):
+        seen.append(capsys.readouterr().err)
+        return real(*a, **k)
+    monkeypatch.setattr(D, "_write_dataset", writing)
+    args = ["prepare", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]
+    assert main(args) == 0
+    assert seen[0].startswith("warning: folder ") and "skipped 1 file of other types (.gz 1)" in seen[0], seen
+
+
+def test_a_dataset_inside_its_input_folder_is_not_counted_as_skipped(text, tmp_path):
+    "--out inside --input: the next run warned of 'skipped files of other types', the dataset's own .npy and .json."
+    import shutil, warnings
+    (tmp_path / "in").mkdir(); shutil.copy(text, tmp_path / "in" / "play.txt")
+    first = prepare(tmp_path / "in", tmp_path / "in" / "ds", vocab_size=VOCAB, progress=False)
+    def skipped(out):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            prepare(tmp_path / "in", out, vocab_size=VOCAB, progress=False)
+        return [str(w.message) for w in said if issubclass(w.category, D.DataWarning)]
+    assert skipped(first) == []  # the same dataset again: nothing to say
+    (tmp_path / "in" / "notes.rst").write_text("x")
+    said = skipped(tmp_path / "other")  # another --out: in/ds is then a folder of other files, and counted
+    assert len(said) == 1 and ".json 2" in said[0] and ".rst 1" in said[0], said
+
+
 def test_unreadable_inputs_are_data_errors(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \(line 1, byte 13: .*\): convert it"): prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
+    with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \(line 1, byte 13: .*\): convert it \(iconv -f ENCODING "
+                                        r"-t UTF-8 .*latin1.jsonl > .*latin1.utf8.jsonl"): prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
     (tmp_path / "notes.parquet").write_text("not a parquet file\n")
     with pytest.raises(DataError, match=r"notes.parquet cannot be read as Parquet \(.*magic bytes"): prepare(tmp_path / "notes.parquet", tmp_path / "o")
     pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(500)]}), tmp_path / "good.parquet")
@@ -1234,7 +1290,7 @@ def test_what_a_folder_without_a_manifest_is_said_to_be(ds, text, tmp_path):
     "The advice used to be 'prepare --input THIS' for any non-empty folder, texts or not."
     parent = tmp_path / "data"
     _copy(ds, parent / "one"); _copy(ds, parent / "two")
-    with pytest.raises(DataError, match=rf"{parent} is not a prepared dataset but holds 2: give one of them, {parent / 'one'}"):
+    with pytest.raises(DataError, match=rf"{parent} is not a prepared dataset but holds 2 datasets: give one of them, {parent / 'one'}"):
         load_manifest(parent)
     half = tmp_path / "half"; half.mkdir()
     for f in ("train_0000.npy", "tokenizer.json"): (half / f).write_bytes((ds / f).read_bytes())

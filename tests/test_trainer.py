@@ -764,6 +764,10 @@ def test_resume_given_a_folder_of_checkpoints_names_one_of_them(tmp_path):
     (tmp_path / "half").mkdir()
     with pytest.raises(ConfigError, match="half is not a complete checkpoint .no meta.json.: --resume takes a checkpoint folder"):
         make(tmp_path / "new", resume=str(tmp_path / "half"), max_steps=4)
+    (tmp_path / "run" / "finished-step_000004").mkdir()  # (what a run trained further keeps of its final model)
+    with pytest.raises(ConfigError, match="finished-step_000004 is a finished run's model, kept when the run was trained further "
+                                          r"\(`python -m hymo.generate` reads it\), not a checkpoint: --resume takes"):
+        make(tmp_path / "new", resume=str(tmp_path / "run" / "finished-step_000004"), max_steps=4)
 
 
 def test_the_history_and_loss_curve_show_the_main_loss_beside_validation(tmp_path, monkeypatch):
@@ -957,7 +961,7 @@ def test_a_validation_split_too_small_is_named_at_the_end_too(tmp_path, capsys):
     t.fit()
     out = capsys.readouterr().out
     assert "warning: no validation loss is reported" in out
-    assert f"no validation loss: the validation split of {data} is too small for one micro-batch" in out, out
+    assert "no validation loss: the val split has 1 window of seq_len=32, fewer than one micro-batch (micro_batch_size 4)\n" in out, out
 
 
 @pytest.mark.parametrize("code, fix", [("EROFS", "The file system is read-only: make it writable"), ("ENOSPC", "Free space"),
