@@ -316,10 +316,12 @@ assert not factored.isfinite().all() and masked.isfinite().all() and masked.max(
 # or $-0.3125$. The exported function therefore sums each segment directly,
 # $\gamma_t - \gamma_i = \sum_{i < l \le t} g_l$: copy $g$ into every column of a $C \times C$
 # matrix, zero it on and above the diagonal, take cumulative sums down the columns (Mamba-2
-# computes its `segsum` this way), then `exp`, keeping the lower triangle (above the diagonal the sums
-# are 0 and their $e^0 = 1$ is cut to 0). No two large numbers are subtracted, so every entry is as exact as the gates that
-# form it. It costs one $C \times C$ cumulative sum per chunk, and the last row of $D$ is the
-# $e^{\gamma_C - \gamma_i}$ that the state update needs.
+# computes its `segsum` this way), set the entries above the diagonal to $-\infty$, then `exp`. No two
+# large numbers are subtracted, so every entry is as exact as the gates that form it. It costs one
+# $C \times C$ cumulative sum per chunk, and the last row of $D$ is the $e^{\gamma_C - \gamma_i}$
+# that the state update needs. The mask goes before `exp`, not after (`exp().tril()`): `exp` keeps
+# its output for the backward, and `D` is that same tensor, so autograd holds one $C \times C$
+# matrix per chunk rather than two (at the 750M shape, 4 GB over the 24 GDN blocks).
 
 # %%
 #| exports
@@ -328,7 +330,8 @@ def _segment_decays(g: torch.Tensor, # Log-decays of one chunk [..., C]
     "`D [..., C, C]`: entry `[t, i]` is exp(Σ_{i < l <= t} g_l) = e^{γ_t - γ_i} for i <= t, 0 above the diagonal."
     C = g.shape[-1]
     below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # entry [l, i] takes g_l where l > i
-    return torch.where(below, g[..., :, None], 0.0).cumsum(-2).exp().tril()  # above the diagonal: e^0, then cut to 0
+    above = torch.ones(C, C, dtype=torch.bool, device=g.device).triu(1)  # entry [t, i] with i > t: no segment, 0
+    return torch.where(below, g[..., :, None], 0.0).cumsum(-2).masked_fill(above, float("-inf")).exp()  # D is exp's saved output
 
 
 # %%

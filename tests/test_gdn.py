@@ -46,6 +46,23 @@ def test_chunk_matches_naive_values_and_grads(T, g_mult):
         assert err <= bound, f"T={T}: {name} differs by {err:.2e} > {bound:.1e}"
 
 
+def test_the_decay_matrix_is_the_one_c_by_c_tensor_kept_for_its_backward():
+    """`exp().tril()` kept exp's output for the backward besides D itself, which the products that read D keep: two
+    C x C matrices a chunk, 4 GB more at the 750M shape (out of memory on an 80 GB card). Masked before exp, D is exp's."""
+    from hymo.models.gdn import _segment_decays
+    g = (-torch.rand(3, 5, 64)).requires_grad_()
+    g.data[0, 0, 7] = float("-inf")  # a hard reset stays finite
+    big = []
+    def keep(t):  # the pack hook: sees each tensor saved for the backward
+        if t.numel() >= 3 * 5 * 64 * 64: big.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        D = _segment_decays(g)
+    assert [t.data_ptr() for t in big] == [D.data_ptr()], [tuple(t.shape) for t in big]
+    D.sum().backward()
+    assert torch.isfinite(D).all() and torch.isfinite(g.grad).all() and (D.triu(1) == 0).all()
+
+
 @pytest.mark.parametrize("g_mult", [6, 0.2])
 def test_chunk_is_exact_in_fp64(g_mult):
     "The chunked form is an exact rearrangement: in fp64 it matches the loop to rounding, values and gradients."

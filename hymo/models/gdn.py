@@ -101,7 +101,8 @@ def _segment_decays(g: torch.Tensor, # Log-decays of one chunk [..., C]
     "`D [..., C, C]`: entry `[t, i]` is exp(Σ_{i < l <= t} g_l) = e^{γ_t - γ_i} for i <= t, 0 above the diagonal."
     C = g.shape[-1]
     below = torch.ones(C, C, dtype=torch.bool, device=g.device).tril(-1)  # entry [l, i] takes g_l where l > i
-    return torch.where(below, g[..., :, None], 0.0).cumsum(-2).exp().tril()  # above the diagonal: e^0, then cut to 0
+    above = torch.ones(C, C, dtype=torch.bool, device=g.device).triu(1)  # entry [t, i] with i > t: no segment, 0
+    return torch.where(below, g[..., :, None], 0.0).cumsum(-2).masked_fill(above, float("-inf")).exp()  # D is exp's saved output
 
 # %% ../../nbs/12_gated_deltanet.ipynb #5f25611c
 def _unpack_docs(x, cu_seqlens):
