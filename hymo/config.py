@@ -12,6 +12,7 @@ import datetime
 import difflib
 import math
 import numbers
+import os
 import re
 import typing
 from dataclasses import dataclass, field, fields
@@ -163,6 +164,7 @@ def _check_type(name: str, value, tp):
         if value.dtype.kind == "b": value = bool(value)
         elif value.dtype.kind in "iu": value = int(value)
         elif value.dtype.kind == "f": value = float(str(value))  # float32's 0.02 stays 0.02, not 0.019999999552965164
+    if tp is str and isinstance(value, os.PathLike): return os.fspath(value)  # data_dir=Path(...) from Python
     if isinstance(value, bool): pass  # a bool is an int to Python, never a number here
     elif tp is float and isinstance(value, numbers.Real):  # 3 is 3.0
         try: return float(value)

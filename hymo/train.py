@@ -57,16 +57,20 @@ def parse_overrides(items: list[str]) -> dict:
             raise ConfigError(f"'{item}' is not an override: " + (f"to train a preset or a YAML file, give --config {item}" if named
                               else "write key=value, e.g. max_steps=100 (see --help)"))
         k, v = item.split("=", 1)
-        if k.strip() in out: raise ConfigError(f"'{k.strip()}' is given twice on the command line: give it once")
-        if not v.strip():  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
-            raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k.strip()}=null for the default")
+        k, prompt = k.strip(), k.strip().split(".")[-1] == "sample_prompt"  # a prompt: every character counts, '' too
+        if k in out: raise ConfigError(f"'{k}' is given twice on the command line: give it once")
+        if not v.strip() and not prompt:  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
+            raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k}=null for the default")
+        quoted = len(v.strip()) >= 2 and v.strip()[0] == v.strip()[-1] and v.strip()[0] in "'\""
+        if takes_text(k) and not quoted and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would
+            value = v if prompt else v.strip()  # read run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a
+            out[k] = value                      # mapping, 'Chapter #1' as 'Chapter' (a comment), a newline as a space
+            continue
         try: value = yaml.load(v, Loader=_Yaml12Ints)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
             raise ConfigError(f"'{item}': the value is not valid YAML; quote it for the shell, e.g. "
-                              f"'{k.strip()}={_written(k.strip())}'") from None
-        if takes_text(k.strip()) and value is not None and not isinstance(value, str):  # bools too: moe_balance=off
-            value = v.strip()  # run_dir=007 is the folder 007, not 7; run_dir=2024-12-05 not a date; sample_prompt=JULIET: not a mapping
-        out[k.strip()] = value
+                              f"'{k}={_written(k)}'") from None
+        out[k] = value
     return out
 
 

@@ -1042,7 +1042,7 @@ def build_optimizers(model: nn.Module, # Plain or FSDP-2 sharded model
                      cfg: TrainingConfig, # Reads muon_lr, muon_momentum, normuon_beta2, ns_steps, adamw_*, weight_decay, cautious_weight_decay
                     ) -> tuple[NorMuon, CautiousAdamW]:
     "NorMuon for hidden matrices and AdamW (groups 'decay' and 'no_decay') for the rest, as `param_group` sorts them."
-    validate_training(dataclasses.replace(cfg))  # `load_config`'s checks (lr · weight_decay < 1, ...) for a config changed in code
+    cfg = validate_training(dataclasses.replace(cfg))  # `load_config`'s checks (lr · weight_decay < 1, ...) for a config changed in code
     groups = {"normuon": [], "adamw": [], "adamw_no_decay": []}
     for name, p in model.named_parameters():
         if p.requires_grad: groups[param_group(name, p)].append(p)

@@ -476,7 +476,7 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
         saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
-    skip = {"run_dir"}  # where the run lives is not how it trains (a default run_dir is named only when resuming)
+    skip = {"run_dir", "sample_prompt", "sample_tokens"}  # not how it trains (a default run_dir is named only when resuming)
     diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
                           if k not in skip and saved[sec].get(k) != v) for sec in ("model", "train")}
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
@@ -1665,7 +1665,11 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # and the loss curve too, not only in `summary.json`), checkpoints every `ckpt_every` steps and at the end, then writes the
 # loss curve, a generated sample and `model.safetensors`. Every `log_every` steps, on the first
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
-# (`metric_line`), which stays in the scroll-back and in a job's log file. The bar is drawn only
+# (`metric_line`), which stays in the scroll-back and in a job's log file. The line adds `moe dropped
+# N%` while an MoE block's capacity (`moe_capacity_factor`) cuts more than 1 % of its routed
+# assignments, the largest share of any block: a quarter in the tiny preset's first steps, falling as
+# the gate biases even out the load (chapter 30); one that stays high asks for a larger capacity
+# factor, or null (dropless). The bar is drawn only
 # when stderr is a terminal (`_a_terminal`): in a log file each redraw would be one more line.
 #
 # With `wandb=true` the same metrics go to Weights & Biases: online when you are logged in, else

@@ -316,6 +316,10 @@ def test_configs_changed_in_code_are_checked_where_they_are_used(tmp_path):
     for over in (dict(min_lr_ratio=2.0), dict(decay_fraction=-0.5)):
         with pytest.raises(ValueError, match=rf"{next(iter(over))}=.* must be in \[0, 1\]"): wsd_schedule(0, dataclasses.replace(c.train, **over))
     assert c.model.moe_capacity_factor == 1.5 and isinstance(c.train.muon_lr, float)  # the caller's configs are not changed
+    m = build_hymo(dataclasses.replace(c.model, norm_eps="1e-6", moe_capacity_factor="none"), device="meta")
+    assert m.config.norm_eps == 1e-6 and m.config.moe_capacity_factor is None  # the model keeps the normalised copy
+    from pathlib import Path
+    assert load_config("hymo_tiny", data_dir=Path("data/mine")).train.data_dir == "data/mine"  # a Path is a path
 
 
 def test_a_bool_setting_says_how_to_write_it():

@@ -400,20 +400,42 @@ def test_a_dataset_another_prepare_installs_meanwhile_is_kept(text, tmp_path, mo
         real(*a, **k)
         if not others: others.append(1); prepare(text, out, vocab_size=VOCAB + 8, progress=False)  # it finishes first
     monkeypatch.setattr(D, "_write_dataset", meanwhile)
-    with pytest.raises(DataError, match="now holds a dataset from other inputs or options, installed by another prepare "
-                                        "while this one ran: it is kept. Pass --overwrite"):
+    with pytest.raises(DataError, match="now holds a dataset from other inputs or options, which another prepare installed "
+                                        rf"while this prepare ran; it is left as it is. This prepare's dataset is kept at {out}-2"):
         prepare(text, out, vocab_size=VOCAB, progress=False)
     assert load_manifest(out)["vocab_size"] == VOCAB + 8 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert check_compatible(tmp_path / "ds-2", VOCAB) and load_manifest(tmp_path / "ds-2")["vocab_size"] == VOCAB  # whole
     assert load_manifest(prepare(text, out, vocab_size=VOCAB, overwrite=True, progress=False))["vocab_size"] == VOCAB
+    others.clear()
+    def notes(*a, **k):  # someone's file, then Finder's, in the new --out while the work runs
+        real(*a, **k)
+        (tmp_path / "new").mkdir(exist_ok=True); (tmp_path / "new" / ".DS_Store").write_bytes(b"\0")
+        if not others: others.append(1); (tmp_path / "new" / "NOTES.md").write_text("mine\n")
+    monkeypatch.setattr(D, "_write_dataset", notes)
+    with pytest.raises(DataError, match=rf"new now holds NOTES.md, which no prepare wrote, while .* kept at {tmp_path / 'new-2'}"):
+        prepare(text, tmp_path / "new", vocab_size=VOCAB, progress=False)
+    (tmp_path / "new" / "NOTES.md").unlink()  # Finder's alone is nobody's: installed over
+    assert load_manifest(prepare(text, tmp_path / "new", vocab_size=VOCAB, progress=False))["vocab_size"] == VOCAB
 
 
 def test_utf16_text_without_a_byte_order_mark_is_refused(tmp_path):
     "Every other byte NUL, and valid UTF-8 all the same: it was tokenized as 'F\\x00i\\x00r\\x00s\\x00t...'."
-    (tmp_path / "u16.txt").write_bytes("First Citizen:\nBefore we proceed.\n".encode("utf-16-le"))
-    with pytest.raises(DataError, match=r"u16.txt holds NUL characters \(the first at character 1\).*iconv -f UTF-16LE -t UTF-8 "
-                                        r".*u16.txt > .*u16.utf8.txt"):
+    import subprocess
+    text = "First Citizen:\nBefore we proceed.\n"
+    for enc, at in (("le", 1), ("be", 0)):
+        (tmp_path / "u16.txt").write_bytes(text.encode(f"utf-16-{enc}"))
+        with pytest.raises(DataError, match=rf"u16.txt holds 34 NUL characters \(the first at character {at}\).*convert it: "
+                                            rf"iconv -f UTF-16{enc.upper()} -t UTF-8 < \S*u16.txt > \S*u16.txt.new && mv ") as e:
+            prepare(tmp_path / "u16.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
+        assert not (tmp_path / "o").exists()
+        fix = str(e.value).split("convert it: ")[1].split("; if it is not text")[0]
+        subprocess.run(fix, shell=True, check=True)  # the line given works as pasted
+        assert (tmp_path / "u16.txt").read_text() == text
+    (tmp_path / "u16.txt").write_text("First\x00 Citizen:\n" * 20)  # a few stray NULs: drop them
+    with pytest.raises(DataError, match=r"holds 20 NUL characters \(the first at character 5\).*drop them: tr -d") as e:
         prepare(tmp_path / "u16.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
-    assert not (tmp_path / "o").exists()
+    subprocess.run(str(e.value).split("drop them: ")[1].split("; if it is not text")[0], shell=True, check=True)
+    assert (tmp_path / "u16.txt").read_text() == "First Citizen:\n" * 20
 
 
 def test_the_prepare_command_says_a_skipped_file_before_the_long_work(text, tmp_path, monkeypatch, capsys):
@@ -443,6 +465,9 @@ def test_a_dataset_inside_its_input_folder_is_not_counted_as_skipped(text, tmp_p
             prepare(tmp_path / "in", out, vocab_size=VOCAB, progress=False)
         return [str(w.message) for w in said if issubclass(w.category, D.DataWarning)]
     assert skipped(first) == []  # the same dataset again: nothing to say
+    (first / "extra.txt").write_text("More text.\n")  # but a text put into the dataset folder is an input like any other
+    with pytest.raises(DataError, match=r"extra.txt added.*pass --overwrite"): prepare(tmp_path / "in", first, vocab_size=VOCAB, progress=False)
+    (first / "extra.txt").unlink()
     (tmp_path / "in" / "notes.rst").write_text("x")
     said = skipped(tmp_path / "other")  # another --out: in/ds is then a folder of other files, and counted
     assert len(said) == 1 and ".json 2" in said[0] and ".rst 1" in said[0], said
@@ -452,7 +477,8 @@ def test_unreadable_inputs_are_data_errors(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     (tmp_path / "latin1.jsonl").write_bytes('{"text": "café"}\n'.encode("latin-1"))
     with pytest.raises(DataError, match=r"latin1.jsonl is not UTF-8 text \(line 1, byte 13: .*\): convert it \(iconv -f ENCODING "
-                                        r"-t UTF-8 .*latin1.jsonl > .*latin1.utf8.jsonl"): prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
+                                        r"-t UTF-8 < \S*latin1.jsonl > \S*latin1.jsonl.new && mv \S*latin1.jsonl.new \S*latin1.jsonl, "):
+        prepare(tmp_path / "latin1.jsonl", tmp_path / "o")
     (tmp_path / "notes.parquet").write_text("not a parquet file\n")
     with pytest.raises(DataError, match=r"notes.parquet cannot be read as Parquet \(.*magic bytes"): prepare(tmp_path / "notes.parquet", tmp_path / "o")
     pq.write_table(pa.table({"text": [f"row {i} " * 20 for i in range(500)]}), tmp_path / "good.parquet")

@@ -1451,6 +1451,13 @@ def test_the_end_of_run_sample_continues_sample_prompt(tmp_path):
     assert summary("run2").startswith("JULIET:") and summary("run2") == t.sample("JULIET:")
 
 
+def test_a_new_sample_prompt_or_length_is_no_change_of_training(tmp_path):
+    "The end-of-run sample is not how a run trains: resuming with another one says nothing."
+    make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1).fit(2)
+    t = make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1, sample_prompt="JULIET:", sample_tokens=4)
+    assert t.step == 2 and not any("sample" in w for w in t.resume_warnings), t.resume_warnings
+
+
 def test_a_copied_config_that_names_a_run_folder_says_it_continues_that_run(tmp_path, capsys):
     from hymo.train import main
     main(_cli_args(tmp_path / "run1", max_steps=2, warmup_steps=1))

@@ -32,8 +32,8 @@ class HyMo(nn.Module):
     "The HyMo language model: embedding, the 3:1 GDN/MLA stack, final RMSNorm, tied head, MTP heads."
     def __init__(self, config: ModelConfig):
         super().__init__()
-        validate_model(dataclasses.replace(config))  # `load_config`'s checks, also for a config changed in code (a copy: they normalise)
-        self.config = c = config
+        # `load_config`'s checks, also for a config changed in code; on a copy, whose values they normalise ('1e-6' -> 1e-06)
+        self.config = c = validate_model(dataclasses.replace(config))
         self.embed = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(MLABlock(c, i) if c.is_mla(i) else GatedDeltaNetBlock(c) for i in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)

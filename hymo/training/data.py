@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import errno
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -82,9 +83,10 @@ def find_files(inputs: Iterable, # Paths of files or folders
     for p in inputs:
         if not p.exists(): raise DataError(f"input {p} does not exist: give a text file, a folder, a .jsonl or a .parquet file")
         if p.is_dir():
-            mine = None if out is None else Path(os.path.abspath(out))  # (its .npy and .json are no input of the next run)
-            if mine is not None and Path(os.path.abspath(p)).is_relative_to(mine): mine = None  # an input kept in --out
-            every = [f for f in p.rglob("*") if mine is None or not Path(os.path.abspath(f)).is_relative_to(mine)]
+            mine = None  # --out inside this folder: its path as rglob gives it, p/...
+            if out is not None and Path(os.path.abspath(out)).is_relative_to(os.path.abspath(p)):
+                mine = p / Path(os.path.abspath(out)).relative_to(os.path.abspath(p))
+            every = [f for f in p.rglob("*") if mine is None or not (_DATASET_FILE.fullmatch(f.name) and f.parent == mine)]
             hidden = lambda f: any(part.startswith(".") for part in f.relative_to(p).parts)  # .git, .ipynb_checkpoints
             entries = [f for f in every if not hidden(f)]
             visible = [f for f in entries if f.is_file()]
@@ -144,9 +146,14 @@ def _not_utf8(path: Path) -> DataError:
             except UnicodeDecodeError as e:
                 where = f" (line {i}, byte {at + e.start:,}: {line[e.start:e.start + 4]!r})"; break
             at += len(line)
-    return DataError(f"{path} is not UTF-8 text{where}: convert it (iconv -f ENCODING -t UTF-8 {path} > "
-                     f"{path.with_name(path.stem + '.utf8' + path.suffix)}, ENCODING being the file's: latin1, cp1252, ...), "
-                     "or fix or drop that line")
+    return DataError(f"{path} is not UTF-8 text{where}: convert it ({_in_place(path, 'iconv -f ENCODING -t UTF-8')}, "
+                     "ENCODING being the file's: latin1, cp1252, ...), or fix or drop that line")
+
+
+def _in_place(path: Path, command: str) -> str:
+    "A shell line that rewrites `path` through `command` (`command < path`), the new text replacing the old."
+    new = path.with_name(path.name + ".new")  # (not a suffix prepare reads, should the mv not run)
+    return f"{command} < {path} > {new} && mv {new} {path}"
 
 
 def _parquet_docs(path: Path) -> Iterator[str]:
@@ -196,9 +203,14 @@ def read_documents(path: Path, # A .txt, .md, .jsonl or .parquet file
         try: text = path.read_text(encoding="utf-8-sig")  # without a byte-order mark, which is no part of the text
         except UnicodeDecodeError as e: raise _not_utf8(path) from e
         if (at := text.find("\x00")) >= 0:  # valid UTF-8, but no text has NULs: UTF-16 without a byte-order mark, or binary
-            raise DataError(f"{path} holds NUL characters (the first at character {at:,}): it is not plain UTF-8 text. If it "
-                            f"is UTF-16 (Windows' 'Unicode'), convert it: iconv -f UTF-16LE -t UTF-8 {path} > "
-                            f"{path.with_name(path.stem + '.utf8' + path.suffix)}; if it is not text, leave it out")
+            n = text.count("\x00")
+            if 4 * n >= len(text):  # UTF-16 of mostly Latin text: a NUL beside every letter (before it: big-endian)
+                fix = ("if it is UTF-16 (Windows' 'Unicode'), convert it: "
+                       + _in_place(path, f"iconv -f UTF-16{'BE' if at == 0 else 'LE'} -t UTF-8"))
+            else:  # a few stray NULs in text
+                fix = "if the rest is text, drop them: " + _in_place(path, "tr -d '\\000'")
+            raise DataError(f"{path} holds {n:,} NUL character{'s' * (n > 1)} (the first at character {at:,}): it is not "
+                            f"plain text; {fix}; if it is not text, leave it out")
         yield from split_text(text, doc_split)
     else: raise DataError(f"unknown file type '{path.suffix}' of {path}: give {', '.join(SUFFIXES)} files")
 
@@ -553,15 +565,21 @@ def _same_dataset(out: Path, fingerprint: str) -> bool:
 
 
 def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
-    "Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there."
+    """Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there: one `prepare` found (`overwrite`,
+    or this dataset damaged). What arrived in `out` while it ran (another prepare's dataset, someone's files) is left as
+    it is, and `tmp` is kept beside it under a name of its own, hours of tokenizing not lost."""
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
-    if not overwrite and out.is_dir() and any(out.iterdir()):  # `prepare` found none there, or this one damaged: a
-        try: theirs = load_manifest(out).get("fingerprint")    # prepare of other inputs installed its own meanwhile
+    there = [p.name for p in out.iterdir() if p.name != ".DS_Store"] if out.is_dir() else []
+    if there and not overwrite:
+        try: theirs = load_manifest(out).get("fingerprint")
         except DataError: theirs = None
-        if theirs != fingerprint:
-            raise DataError(f"{out} now holds a dataset from other inputs or options, installed by another prepare while "
-                            "this one ran: it is kept. Pass --overwrite (overwrite=True in Python) to replace it, or "
-                            "choose another --out")
+        if theirs != fingerprint:  # (the same: this dataset, damaged, which `prepare` found and replaces)
+            kept = next(p for i in itertools.count(2) if not (p := out.with_name(f"{out.name}-{i}")).exists())
+            os.replace(tmp, kept)
+            what = ("a dataset from other inputs or options, which another prepare installed" if theirs is not None else
+                    f"{', '.join(sorted(there)[:3])}{', ...' * (len(there) > 3)}, which no prepare wrote,")
+            raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset "
+                            f"is kept at {kept}: train on it there (data_dir={kept}), or move it to {out} yourself")
     to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
     old = None
     try:
@@ -728,7 +746,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
     if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
     if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
-    if out.exists() and any(out.iterdir()) and not (out / "manifest.json").exists():
+    if out.exists() and any(p.name != ".DS_Store" for p in out.iterdir()) and not (out / "manifest.json").exists():  # (Finder's)
         raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
     files = find_files(inputs, out)
     if tokenizer is not None:
@@ -764,7 +782,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     fingerprint = _fingerprint(source)
     _clean_left_behind(out)  # also when the dataset turns out to be there already
-    if out.exists() and any(out.iterdir()):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
+    if out.exists() and any(p.name != ".DS_Store" for p in out.iterdir()):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
         try: there = load_manifest(out)
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
             if not overwrite: raise

@@ -331,7 +331,7 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
         saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
-    skip = {"run_dir"}  # where the run lives is not how it trains (a default run_dir is named only when resuming)
+    skip = {"run_dir", "sample_prompt", "sample_tokens"}  # not how it trains (a default run_dir is named only when resuming)
     diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
                           if k not in skip and saved[sec].get(k) != v) for sec in ("model", "train")}
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
