@@ -47,7 +47,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 to 37 (2026-12-05 and 06) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 38 (2026-12-05 and 06) could
 # get only an H100 for the step (round 35 ran the tests on an H200): their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -55,7 +55,7 @@
 # |---|---|---|
 # | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 3.68× (round 37, paired, on an H100), 4.60× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 16 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path) |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 2.94× (round 38, paired, on another H100), 3.68× (round 37, paired, on an H100), 4.60× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.00× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | in 5 of the 17 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path) |
 #
 # The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
 # the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
@@ -279,7 +279,17 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 37)
+# ## The round log: what each round changed and measured (rounds 6 to 38)
+# * **Round 38 (2026-12-06): an H100 80GB HBM3 again, perhaps another (torch 2.11, Triton 3.6);
+#   commit 16e2562: the PyTorch path's decay matrix is masked before `exp` (chapter 12), so autograd
+#   keeps one $C \times C$ matrix a chunk, not two.** One machine, one call. The preset step took
+#   6.825 and 6.845 s (34.3 % MFU, 76.6 k tokens/s, 50.6 GB allocated, 52.8 GB reserved). The
+#   PyTorch GDN path now fits the 80 GB card without `expandable_segments`: 78.8 GB allocated
+#   (82.6 GB in round 37), 80.5 GB reserved, and took 20.13 s a step (one timed step); the Triton
+#   step just after it took 6.855 and 6.869 s: **2.94× paired**. The PyTorch path's step is again
+#   faster than the round before's (24.8 s), as its host issues launches faster and it now
+#   allocates less, so the ratio falls further from the 5× target; the Triton step stayed within
+#   2 % of round 37's on another machine.
 # * **Round 37 (2026-12-06): an H100 80GB HBM3 (torch 2.11, Triton 3.6); commit 1d94cc1, whose
 #   step differs from round 36's only by checks: of the Triton wrappers' inputs, of a NaN gate (kept
 #   NaN), and of the configuration `HyMo` is built from.** One machine, two calls. The preset step
