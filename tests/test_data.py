@@ -431,6 +431,11 @@ def test_utf16_text_without_a_byte_order_mark_is_refused(tmp_path):
         fix = str(e.value).split("convert it: ")[1].split("; if it is not text")[0]
         subprocess.run(fix, shell=True, check=True)  # the line given works as pasted
         assert (tmp_path / "u16.txt").read_text() == text
+    (tmp_path / "u16.txt").rename(tmp_path / "u 16's.txt")  # a name the shell must have quoted
+    (tmp_path / "u 16's.txt").write_bytes(text.encode("utf-16-le"))
+    with pytest.raises(DataError, match="convert it") as e: prepare(tmp_path / "u 16's.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
+    subprocess.run(str(e.value).split("convert it: ")[1].split("; if it is not text")[0], shell=True, check=True)
+    assert (tmp_path / "u 16's.txt").read_text() == text
     (tmp_path / "u16.txt").write_text("First\x00 Citizen:\n" * 20)  # a few stray NULs: drop them
     with pytest.raises(DataError, match=r"holds 20 NUL characters \(the first at character 5\).*drop them: tr -d") as e:
         prepare(tmp_path / "u16.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)

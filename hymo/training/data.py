@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -153,7 +154,8 @@ def _not_utf8(path: Path) -> DataError:
 def _in_place(path: Path, command: str) -> str:
     "A shell line that rewrites `path` through `command` (`command < path`), the new text replacing the old."
     new = path.with_name(path.name + ".new")  # (not a suffix prepare reads, should the mv not run)
-    return f"{command} < {path} > {new} && mv {new} {path}"
+    old, new = shlex.quote(str(path)), shlex.quote(str(new))  # a name with spaces or quotes
+    return f"{command} < {old} > {new} && mv {new} {old}"
 
 
 def _parquet_docs(path: Path) -> Iterator[str]:
