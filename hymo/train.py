@@ -61,10 +61,12 @@ def parse_overrides(items: list[str]) -> dict:
         if k in out: raise ConfigError(f"'{k}' is given twice on the command line: give it once")
         if not v.strip() and not prompt:  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
             raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k}=null for the default")
-        quoted = len(v.strip()) >= 2 and v.strip()[0] == v.strip()[-1] and v.strip()[0] in "'\""
-        if takes_text(k) and not quoted and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would
-            value = v if prompt else v.strip()  # read run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a
-            out[k] = value                      # mapping, 'Chapter #1' as 'Chapter' (a comment), a newline as a space
+        if takes_text(k) and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would read
+            value = v if prompt else v.strip()  # run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a mapping,
+            if not prompt and v.strip()[:1] in ("'", '"'):  # 'Chapter #1' as 'Chapter' (a comment), a newline as a space;
+                try: value = _quoted_text(v)    # a prompt keeps even its quotes ("Hello," said Alice.), others are read
+                except yaml.YAMLError: pass     # as YAML when quoted for it: data_dir="'my data'"
+            out[k] = value
             continue
         try: value = yaml.load(v, Loader=_Yaml12Ints)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
@@ -73,6 +75,12 @@ def parse_overrides(items: list[str]) -> dict:
         out[k] = value
     return out
 
+
+
+def _quoted_text(v: str) -> str:
+    "A value in YAML's quotes as YAML reads it, if that is text; else `v` stripped (`'a': 'b'` is no mapping here)."
+    value = yaml.load(v, Loader=_Yaml12Ints)
+    return value if isinstance(value, str) else v.strip()
 
 
 def _written(key: str) -> str:

@@ -234,6 +234,10 @@ def _not_utf8(path: Path) -> DataError:
     "The error for a file that is not UTF-8 text, with the line and byte where it stops being UTF-8."
     where, at = "", 0
     with open(path, "rb") as f:
+        if f.read(2) in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark: iconv reads the byte order from it
+            return DataError(f"{path} is UTF-16 text (it starts with UTF-16's byte-order mark), not UTF-8: convert it: "
+                             + _in_place(path, "iconv -f UTF-16 -t UTF-8"))
+        f.seek(0)
         for i, line in enumerate(f, 1):
             try: line.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -671,6 +675,10 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, source: dict, 
 # second to finish finds a dataset with the same fingerprint already in place and drops its own copy.
 # With three, one may move another's copy aside to put its own in just as the third renames: the third
 # finds no dataset where its rename was refused, and tries the rename again rather than failing.
+# If files no prepare writes arrived in `DIR` meanwhile, or (without `--overwrite`) another
+# prepare's dataset of other inputs, they are left alone and the finished dataset is kept beside
+# them as `DIR-2` (the first free number), with an error that names both: hours of tokenizing are
+# not thrown away, nor is the other's work.
 #
 # What the swap needs of `DIR` is checked before any work: a link named as `--out` is followed (the folder it
 # names is replaced, on its own file system, and the link keeps pointing at it); a mount point cannot be renamed,
@@ -806,18 +814,22 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     or this dataset damaged). What arrived in `out` while it ran (another prepare's dataset, someone's files) is left as
     it is, and `tmp` is kept beside it under a name of its own, hours of tokenizing not lost."""
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
-    there = [p.name for p in out.iterdir() if p.name != ".DS_Store"] if out.is_dir() else []
-    if there and not overwrite:
-        try: theirs = load_manifest(out).get("fingerprint")
-        except DataError: theirs = None
-        if theirs != fingerprint:  # (the same: this dataset, damaged, which `prepare` found and replaces)
-            kept = next(p for i in itertools.count(2) if not (p := out.with_name(f"{out.name}-{i}")).exists())
-            os.replace(tmp, kept)
-            what = ("a dataset from other inputs or options, which another prepare installed" if theirs is not None else
-                    f"{', '.join(sorted(there)[:3])}{', ...' * (len(there) > 3)}, which no prepare wrote,")
-            raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset "
-                            f"is kept at {kept}: train on it there (data_dir={kept}), or move it to {out} yourself")
-    to_disk(tmp)  # its files' entries on disk before the rename names it the dataset (the files are synced as written)
+    to_disk(tmp)  # its files' entries on disk before a rename names it a dataset (the files are synced as written)
+    foreign = _not_written_by_prepare(out) if out.is_dir() else []  # `prepare` refused any at its start: they are new
+    filled = out.is_dir() and any(p.name != ".DS_Store" for p in out.iterdir())  # (Finder's is nobody's)
+    try: theirs = load_manifest(out).get("fingerprint") if filled and not foreign else fingerprint
+    except DataError: theirs = None
+    if foreign or (theirs != fingerprint and not overwrite):  # (the same: this dataset, damaged, which `prepare` replaces)
+        for i in itertools.count(2):  # claim a free name (a concurrent loser may want it too), then rename over it
+            try: (kept := out.with_name(f"{out.name}-{i}")).mkdir(); break
+            except FileExistsError: continue
+        os.replace(tmp, kept)
+        to_disk(out.parent)
+        what = (f"{', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}, which no prepare wrote," if foreign else
+                "a dataset from other inputs or options, which another prepare installed" if theirs is not None else
+                "a dataset whose manifest cannot be read, which another prepare installed")
+        raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset is "
+                        f"kept at {kept}: train on it there (data_dir={shlex.quote(str(kept))}), or move it to {out} yourself")
     old = None
     try:
         try:

@@ -468,6 +468,14 @@ def _shapes(cfg: ModelConfig) -> dict:
     with torch.device("meta"): return {k: tuple(v.shape) for k, v in HyMo(cfg).state_dict().items()}
 
 
+UNTRAINED = ("run_dir", "sample_prompt", "sample_tokens")  # settings that are not how a run trains (run_dir: where it lives)
+
+
+def _how_it_trains(config: dict) -> dict:
+    "A `Config.to_dict()`, or a meta.json's `config`, without `UNTRAINED`: what two runs must share to train alike."
+    return {sec: {k: v for k, v in (config.get(sec) or {}).items() if k not in UNTRAINED} for sec in ("model", "train")}
+
+
 def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`Config.to_dict()`)
                    model_cfg: ModelConfig, train_cfg: TrainingConfig, # This run's
                    step: int, # The checkpoint's step
@@ -476,9 +484,8 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
         saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
-    skip = {"run_dir", "sample_prompt", "sample_tokens"}  # not how it trains (a default run_dir is named only when resuming)
-    diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
-                          if k not in skip and saved[sec].get(k) != v) for sec in ("model", "train")}
+    diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()  # (a default run_dir is
+                          if k not in UNTRAINED and saved[sec].get(k) != v) for sec in ("model", "train")}  # named only when resuming)
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
     if diff["model"] and _shapes(old_model) != _shapes(model_cfg):
         raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({diff['model']}): a resumed run "
@@ -899,7 +906,7 @@ class Trainer:
             p = Path(resume).expanduser()
             newest = (_json_dict(done[-1] / "meta.json") or {}) if done else {}
             own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()  # an older checkpoint of this folder
-            same = json.loads(json.dumps(Config(self.mcfg, self.cfg).to_dict())) == newest.get("config")
+            same = _how_it_trains(json.loads(json.dumps(Config(self.mcfg, self.cfg).to_dict()))) == _how_it_trains(newest.get("config") or {})
             if newest.get("branched_from") == str(p.resolve()) and done[-1].resolve() != p.resolve() and (same or not own):
                 # the same command again (a requeued job); a rewind with other settings (a new learning rate) is a new rewind
                 self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint "

@@ -28,9 +28,10 @@
 # and `mtp_loss_weights=[0.5,0.2]` all work, except that a key holding text keeps what was typed:
 # YAML would read `run_dir=007` as 7, `run_dir=2024-12-05` as a date, `moe_balance=off` as
 # False, `sample_prompt=JULIET:` as a mapping and `sample_prompt='Chapter #1'` as `Chapter` (the
-# rest a comment). Only `null` (or `~`) is read there, as the default, and a value in YAML's
-# quotes, as YAML: `sample_prompt="''"` is the empty prompt, as is `sample_prompt=` (a prompt
-# keeps its spaces too; for other keys an empty value is refused, as an unset shell variable). `--config` and `--resume` may be given once each (argparse would keep the last without a
+# rest a comment). `null` (or `~`) is the default there, as is `none` where a setting may be
+# null; a value in YAML's quotes is read as YAML (`data_dir="'my data'"`), except a prompt's, which
+# keeps every character typed, quotes and spaces included, and may be empty (`sample_prompt=`; for
+# the other keys an empty value is refused, as an unset shell variable would give). `--config` and `--resume` may be given once each (argparse would keep the last without a
 # word), and a bare preset name, `python -m hymo.train hymo_750m`, is pointed to `--config`.
 #
 # Once training has begun, the other ways a run ends are one line too, each with its exit status:
@@ -113,10 +114,12 @@ def parse_overrides(items: list[str]) -> dict:
         if k in out: raise ConfigError(f"'{k}' is given twice on the command line: give it once")
         if not v.strip() and not prompt:  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
             raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k}=null for the default")
-        quoted = len(v.strip()) >= 2 and v.strip()[0] == v.strip()[-1] and v.strip()[0] in "'\""
-        if takes_text(k) and not quoted and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would
-            value = v if prompt else v.strip()  # read run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a
-            out[k] = value                      # mapping, 'Chapter #1' as 'Chapter' (a comment), a newline as a space
+        if takes_text(k) and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would read
+            value = v if prompt else v.strip()  # run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a mapping,
+            if not prompt and v.strip()[:1] in ("'", '"'):  # 'Chapter #1' as 'Chapter' (a comment), a newline as a space;
+                try: value = _quoted_text(v)    # a prompt keeps even its quotes ("Hello," said Alice.), others are read
+                except yaml.YAMLError: pass     # as YAML when quoted for it: data_dir="'my data'"
+            out[k] = value
             continue
         try: value = yaml.load(v, Loader=_Yaml12Ints)  # 'none' stays a word: None for an optional setting, moe_balance's 'none'
         except yaml.YAMLError:
@@ -125,6 +128,12 @@ def parse_overrides(items: list[str]) -> dict:
         out[k] = value
     return out
 
+
+
+def _quoted_text(v: str) -> str:
+    "A value in YAML's quotes as YAML reads it, if that is text; else `v` stripped (`'a': 'b'` is no mapping here)."
+    value = yaml.load(v, Loader=_Yaml12Ints)
+    return value if isinstance(value, str) else v.strip()
 
 
 def _written(key: str) -> str:
@@ -333,10 +342,11 @@ test_eq(parse_overrides(["run_dir=007", "wandb_project=2024-12-05", "seed=007"])
 test_fail(lambda: parse_overrides(["hymo_750m"]), contains="give --config hymo_750m")
 test_eq(parse_overrides(["run_dir=runs/hymo_tiny.yaml"]), {"run_dir": "runs/hymo_tiny.yaml"})  # a value may end so
 test_eq(parse_overrides(["sample_prompt=JULIET:", "train.sample_prompt=[Enter]"]), {"sample_prompt": "JULIET:", "train.sample_prompt": "[Enter]"})
-test_eq(parse_overrides(["sample_prompt=''"]), {"sample_prompt": ""})  # quoted for YAML: the empty prompt
-test_eq(parse_overrides(["sample_prompt=", "train.seed=1"]), {"sample_prompt": "", "train.seed": 1})
-test_eq([parse_overrides([f"sample_prompt={p}"])["sample_prompt"] for p in ("Chapter #1", " Q: a: b", "'Tis", "*ROMEO*", ">", "a\nb", "null")],
-        ["Chapter #1", " Q: a: b", "'Tis", "*ROMEO*", ">", "a\nb", None])
+test_eq(parse_overrides(["sample_prompt=", "train.seed=1"]), {"sample_prompt": "", "train.seed": 1})  # the empty prompt
+test_eq([parse_overrides([f"sample_prompt={p}"])["sample_prompt"] for p in
+         ("Chapter #1", " Q: a: b", "'Tis", "*ROMEO*", ">", "a\nb", '"Hello," said Alice. "How are you?"', '"To be"', "null")],
+        ["Chapter #1", " Q: a: b", "'Tis", "*ROMEO*", ">", "a\nb", '"Hello," said Alice. "How are you?"', '"To be"', None])
+test_eq([parse_overrides([f"data_dir={p}"])["data_dir"] for p in ("'my data'", "'a': 'b'", '"x" y')], ["my data", "'a': 'b'", '"x" y'])
 
 # %%
 h = build_parser().format_help()

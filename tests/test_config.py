@@ -313,6 +313,8 @@ def test_configs_changed_in_code_are_checked_where_they_are_used(tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything is written
     with pytest.raises(ConfigError, match="train.weight_decay=5.0 with train.muon_lr=0.5"):
         build_optimizers(build_hymo(c.model), dataclasses.replace(c.train, muon_lr=0.5, weight_decay=5.0))
+    normuon, _ = build_optimizers(build_hymo(c.model), dataclasses.replace(c.train, muon_lr="2e-2"))  # as text: the checked copy
+    assert normuon.param_groups[0]["lr"] == 0.02
     for over in (dict(min_lr_ratio=2.0), dict(decay_fraction=-0.5)):
         with pytest.raises(ValueError, match=rf"{next(iter(over))}=.* must be in \[0, 1\]"): wsd_schedule(0, dataclasses.replace(c.train, **over))
     assert c.model.moe_capacity_factor == 1.5 and isinstance(c.train.muon_lr, float)  # the caller's configs are not changed

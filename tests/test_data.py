@@ -416,9 +416,16 @@ def test_a_dataset_another_prepare_installs_meanwhile_is_kept(text, tmp_path, mo
         prepare(text, tmp_path / "new", vocab_size=VOCAB, progress=False)
     (tmp_path / "new" / "NOTES.md").unlink()  # Finder's alone is nobody's: installed over
     assert load_manifest(prepare(text, tmp_path / "new", vocab_size=VOCAB, progress=False))["vocab_size"] == VOCAB
+    def notes_again(*a, **k):  # with --overwrite too: the dataset it found goes, what arrived since is someone's
+        real(*a, **k)
+        (out / "NOTES.md").write_text("mine\n")
+    monkeypatch.setattr(D, "_write_dataset", notes_again)
+    with pytest.raises(DataError, match=rf"ds now holds NOTES.md, which no prepare wrote, while .* kept at {out}-3"):
+        prepare(text, out, vocab_size=VOCAB + 16, overwrite=True, progress=False)
+    assert (out / "NOTES.md").read_text() == "mine\n" and load_manifest(tmp_path / "ds-3")["vocab_size"] == VOCAB + 16
 
 
-def test_utf16_text_without_a_byte_order_mark_is_refused(tmp_path):
+def test_utf16_text_is_refused_with_a_line_that_converts_it(tmp_path):
     "Every other byte NUL, and valid UTF-8 all the same: it was tokenized as 'F\\x00i\\x00r\\x00s\\x00t...'."
     import subprocess
     text = "First Citizen:\nBefore we proceed.\n"
@@ -431,6 +438,11 @@ def test_utf16_text_without_a_byte_order_mark_is_refused(tmp_path):
         fix = str(e.value).split("convert it: ")[1].split("; if it is not text")[0]
         subprocess.run(fix, shell=True, check=True)  # the line given works as pasted
         assert (tmp_path / "u16.txt").read_text() == text
+    (tmp_path / "bom.txt").write_bytes(text.encode("utf-16"))  # with its byte-order mark: not UTF-8 at all
+    with pytest.raises(DataError, match=r"bom.txt is UTF-16 text .*: convert it: iconv -f UTF-16 -t UTF-8 < ") as e:
+        prepare(tmp_path / "bom.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
+    subprocess.run(str(e.value).split("convert it: ")[1], shell=True, check=True)
+    assert (tmp_path / "bom.txt").read_text() == text
     (tmp_path / "u16.txt").rename(tmp_path / "u 16's.txt")  # a name the shell must have quoted
     (tmp_path / "u 16's.txt").write_bytes(text.encode("utf-16-le"))
     with pytest.raises(DataError, match="convert it") as e: prepare(tmp_path / "u 16's.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)

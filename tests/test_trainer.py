@@ -1456,6 +1456,11 @@ def test_a_new_sample_prompt_or_length_is_no_change_of_training(tmp_path):
     make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1).fit(2)
     t = make(tmp_path / "run", max_steps=4, ckpt_every=2, warmup_steps=1, sample_prompt="JULIET:", sample_tokens=4)
     assert t.step == 2 and not any("sample" in w for w in t.resume_warnings), t.resume_warnings
+    t.fit()
+    back = str(tmp_path / "run" / "checkpoints" / "step_000002")
+    make(tmp_path / "run", resume=back, max_steps=4, ckpt_every=2, warmup_steps=1).fit()  # a rewind, trained on to the end
+    t = make(tmp_path / "run", resume=back, max_steps=4, ckpt_every=2, warmup_steps=1, sample_prompt="JULIET:")
+    assert t.step == 4  # the same command again, requeued with another prompt: not a new rewind (it went back to step 2)
 
 
 def test_a_copied_config_that_names_a_run_folder_says_it_continues_that_run(tmp_path, capsys):

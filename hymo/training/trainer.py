@@ -42,16 +42,16 @@ from .data import DataError, TokenLoader, _bar_shows, check_compatible, prepare_
 from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
-__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULTS', 'EXTEND', 'RUN_MARKS', 'CPU_FLOPS',
-           'FINISHED_FILES', 'Dist', 'setup_distributed', 'new_run_dir', 'parallelize', 'resolve_precision',
-           'peak_flops', 'peak_of', 'list_checkpoints', 'history_sum', 'on_line_of', 'cut_short_renames',
-           'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable', 'file_crc', 'file_rank', 'check_files', 'wrapped',
-           'reraise_interrupt', 'resume_changes', 'schedule_jump', 'trim_metrics', 'check_gdn_kernel',
-           'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer',
-           'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
-           'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line', 'guarded_output',
-           'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample',
-           'plot_losses']
+__all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULTS', 'UNTRAINED', 'EXTEND', 'RUN_MARKS',
+           'CPU_FLOPS', 'FINISHED_FILES', 'Dist', 'setup_distributed', 'new_run_dir', 'parallelize',
+           'resolve_precision', 'peak_flops', 'peak_of', 'list_checkpoints', 'history_sum', 'on_line_of',
+           'cut_short_renames', 'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable', 'file_crc', 'file_rank',
+           'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'schedule_jump', 'trim_metrics',
+           'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder',
+           'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation',
+           'forward_backward', 'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line',
+           'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish',
+           'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -323,6 +323,14 @@ def _shapes(cfg: ModelConfig) -> dict:
     with torch.device("meta"): return {k: tuple(v.shape) for k, v in HyMo(cfg).state_dict().items()}
 
 
+UNTRAINED = ("run_dir", "sample_prompt", "sample_tokens")  # settings that are not how a run trains (run_dir: where it lives)
+
+
+def _how_it_trains(config: dict) -> dict:
+    "A `Config.to_dict()`, or a meta.json's `config`, without `UNTRAINED`: what two runs must share to train alike."
+    return {sec: {k: v for k, v in (config.get(sec) or {}).items() if k not in UNTRAINED} for sec in ("model", "train")}
+
+
 def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`Config.to_dict()`)
                    model_cfg: ModelConfig, train_cfg: TrainingConfig, # This run's
                    step: int, # The checkpoint's step
@@ -331,9 +339,8 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
         saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
     now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
-    skip = {"run_dir", "sample_prompt", "sample_tokens"}  # not how it trains (a default run_dir is named only when resuming)
-    diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()
-                          if k not in skip and saved[sec].get(k) != v) for sec in ("model", "train")}
+    diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()  # (a default run_dir is
+                          if k not in UNTRAINED and saved[sec].get(k) != v) for sec in ("model", "train")}  # named only when resuming)
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
     if diff["model"] and _shapes(old_model) != _shapes(model_cfg):
         raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({diff['model']}): a resumed run "
@@ -728,7 +735,7 @@ class Trainer:
             p = Path(resume).expanduser()
             newest = (_json_dict(done[-1] / "meta.json") or {}) if done else {}
             own = p.resolve().parent == (self.run_dir / "checkpoints").resolve()  # an older checkpoint of this folder
-            same = json.loads(json.dumps(Config(self.mcfg, self.cfg).to_dict())) == newest.get("config")
+            same = _how_it_trains(json.loads(json.dumps(Config(self.mcfg, self.cfg).to_dict()))) == _how_it_trains(newest.get("config") or {})
             if newest.get("branched_from") == str(p.resolve()) and done[-1].resolve() != p.resolve() and (same or not own):
                 # the same command again (a requeued job); a rewind with other settings (a new learning rate) is a new rewind
                 self.log(f"{self.run_dir} began from {p} and has trained on since: resuming its newest checkpoint "
