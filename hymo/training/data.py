@@ -555,6 +555,11 @@ def load_manifest(data_dir: Path) -> dict:
 _DATASET_FILE = re.compile(r"(manifest|tokenizer)\.json|(train|val)_\d{4,}\.npy")  # what `_write_dataset` writes
 
 
+def _filled(out: Path) -> bool:
+    "Whether folder `out` holds anything but Finder's `.DS_Store`, which is nobody's work."
+    return out.is_dir() and any(p.name != ".DS_Store" for p in out.iterdir())
+
+
 def _not_written_by_prepare(out: Path) -> list[str]:
     "Names in dataset folder `out` that no `prepare` writes (the user's notes, an input kept there)."
     return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()  # Finder's .DS_Store is nobody's work; .git is
@@ -577,8 +582,7 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     to_disk(tmp)  # its files' entries on disk before a rename names it a dataset (the files are synced as written)
     foreign = _not_written_by_prepare(out) if out.is_dir() else []  # `prepare` refused any at its start: they are new
-    filled = out.is_dir() and any(p.name != ".DS_Store" for p in out.iterdir())  # (Finder's is nobody's)
-    try: theirs = load_manifest(out).get("fingerprint") if filled and not foreign else fingerprint
+    try: theirs = load_manifest(out).get("fingerprint") if _filled(out) and not foreign else fingerprint
     except DataError: theirs = None
     if foreign or (theirs != fingerprint and not overwrite):  # (the same: this dataset, damaged, which `prepare` replaces)
         for i in itertools.count(2):  # claim a free name (a concurrent loser may want it too), then rename over it
@@ -756,7 +760,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
     if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
     if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
-    if out.exists() and any(p.name != ".DS_Store" for p in out.iterdir()) and not (out / "manifest.json").exists():  # (Finder's)
+    if _filled(out) and not (out / "manifest.json").exists():
         raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
     files = find_files(inputs, out)
     if tokenizer is not None:
@@ -792,7 +796,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     fingerprint = _fingerprint(source)
     _clean_left_behind(out)  # also when the dataset turns out to be there already
-    if out.exists() and any(p.name != ".DS_Store" for p in out.iterdir()):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
+    if _filled(out):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
         try: there = load_manifest(out)
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
             if not overwrite: raise
