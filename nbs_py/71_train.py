@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import errno
 import os
 import re
