@@ -577,7 +577,9 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
                           f"found {sorted(map(str, raw)) if isinstance(raw, dict) else f'a {type(raw).__name__}, not a mapping'}"
                           + "".join(f"; did you mean '{near[0]}' for '{k}'?" for k in (raw if isinstance(raw, dict) else ())
                                     if (near := difflib.get_close_matches(str(k), ["model", "train", "name", "base"], n=1, cutoff=0.6))
-                                    and k != near[0]))
+                                    and k != near[0])
+                          + "".join(f"; put '{k}' under '{sec}:'" for k in (raw if isinstance(raw, dict) else ())
+                                    for sec, cls in _SECTIONS.items() if k in _field_types(cls)))
     if raw.get("base") is not None and not isinstance(raw["base"], str):
         raise ConfigError(f"{p}: 'base:' names one preset ({', '.join(presets())}) or a .yaml file; found {raw['base']!r}")
     for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):

@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 36 on H100s (to 2026-12-06)
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 38 on H100s (to 2026-12-06)
 # (their rows say which, the bar chart marks them `[H100]`, and the chart of rounds colours them), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with

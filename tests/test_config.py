@@ -336,6 +336,13 @@ def test_a_misspelt_section_of_a_config_file_is_named(tmp_path):
         load_config(f)
 
 
+def test_a_key_outside_its_section_of_a_config_file_is_placed(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("base: hymo_tiny\nmax_steps: 5\ndim: 64\n")
+    with pytest.raises(ConfigError, match="found \\['base', 'dim', 'max_steps'\\]; put 'max_steps' under 'train:'; put 'dim' under 'model:'"):
+        load_config(f)
+
+
 def test_zero_stays_allowed_where_it_means_off():
     c = load_config("hymo_tiny", grad_clip=0, weight_decay=0, moe_bias_speed=0, moe_dead_band=0, moe_ema_decay=0,
                     mtp_loss_weights=[0, 0], mla_q_lora_rank=0, moe_n_shared=0, sample_tokens=0, seed=0)

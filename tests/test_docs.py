@@ -660,6 +660,17 @@ def test_nb_run_finds_a_chapter_by_the_start_of_its_name(monkeypatch):
         nb.chapter("12_gdn")
 
 
+def test_nb_run_without_a_chapter_runs_nothing_and_says_how(tmp_path):
+    "`python tools/nb.py run` alone executed every chapter (minutes, and outputs rewritten): it names none, so it runs none."
+    import shutil
+    (tmp_path / "tools").mkdir(); (tmp_path / "nbs").mkdir()
+    shutil.copy(ROOT / "tools" / "nb.py", tmp_path / "tools" / "nb.py")
+    (tmp_path / "nbs" / "00_a.ipynb").write_text("not a notebook: running it would fail")
+    p = subprocess.run([sys.executable, "tools/nb.py", "run"], cwd=tmp_path, capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.rstrip().endswith("run: name the chapters to execute, or `all`"), p.stderr
+    assert "00_a" not in p.stdout + p.stderr
+
+
 def test_nb_check_refuses_a_tree_with_changes_it_would_overwrite(tmp_path):
     "check synced and exported first: an edit of hymo/ by hand was lost, and the check then said 'in sync'."
     import shutil

@@ -107,4 +107,4 @@ def check():
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in {"sync", "run", "check"}:
         sys.exit(__doc__)
-    {"sync": lambda: sync(), "run": lambda: run(sys.argv[2:] or ["all"]), "check": lambda: check()}[sys.argv[1]]()
+    {"sync": lambda: sync(), "run": lambda: run(sys.argv[2:] or sys.exit(__doc__ + "\nrun: name the chapters to execute, or `all`")), "check": lambda: check()}[sys.argv[1]]()
