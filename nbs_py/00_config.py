@@ -88,6 +88,7 @@ class ModelConfig:
     moe_inter_dim: int = 2304  # Hidden width of every expert's SwiGLU
     moe_capacity_factor: Optional[float] = 1.5  # Per-expert token cap as a multiple of the mean load (below 1 drops even at an even load); None is dropless
     moe_score_func: str = "softmax"  # Router scores: 'softmax' (the design document) or 'sigmoid' (DeepSeek-V3)
+    moe_route_scale: float = 1.0  # Routed scaling factor: the routed experts' weights times this (DeepSeek-V3: 2.5, V2: 16)
     moe_balance: str = "ema"  # Gate-bias balancing: 'ema' (HyMo), 'sign' (DeepSeek-V3) or 'none'
     moe_bias_speed: float = 0.001  # Step of each gate-bias update
     moe_ema_decay: float = 0.98  # Decay of the EMA of per-expert token counts
@@ -298,7 +299,7 @@ def validate_model(m: ModelConfig):
                 "gdn_conv_size", "gdn_chunk_size", "ffn_inter_dim", "mla_n_heads", "mla_n_kv_groups",
                 "mla_kv_lora_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_head_dim", "moe_n_routed",
                 "moe_top_k", "moe_inter_dim", "mtp_inter_dim", "max_seq_len",
-                "norm_eps", "init_std", "rope_theta"]  # 0 or less: NaN from the first norm or RoPE table, or no init
+                "norm_eps", "init_std", "rope_theta", "moe_route_scale"]  # 0 or less: NaN from the first norm or RoPE table, or no init
     for name in positive:
         if getattr(m, name) <= 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
     for name in ["mla_every", "mla_q_lora_rank", "moe_n_shared", "mtp_depth", "moe_bias_speed", "moe_dead_band"]:  # 0 turns each off

@@ -18,6 +18,7 @@
 #| export
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from fractions import Fraction
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hymo.config import ModelConfig
+from hymo.config import ModelConfig, validate_model
 from hymo.models.layers import SwiGLU
 
 # %%
@@ -77,22 +78,29 @@ test_close(2 * expert_params / 1e6, 12.4, eps=0.05)
 # $s = \sigma(W_g x)$ (DeepSeek-V3). Each token picks the $k$ experts with the largest
 # $s_i + b_i$, where $b$ is the `gate_bias` used for load balancing (below), and its output is
 #
-# $$y = \sum_{j=1}^{S} \mathrm{FFN}^{\text{shared}}_j(x) + \sum_{i \in \mathrm{TopK}(s + b)} w_i\, \mathrm{FFN}_i(x),
+# $$y = \sum_{j=1}^{S} \mathrm{FFN}^{\text{shared}}_j(x) + \gamma_r \sum_{i \in \mathrm{TopK}(s + b)} w_i\, \mathrm{FFN}_i(x),
 # \qquad w_i = s_i \ \text{(softmax)} \quad\text{or}\quad w_i = \frac{s_i}{\sum_{j \in \mathrm{TopK}} s_j}\ \text{(sigmoid)} .$$
 #
 # The bias only decides *which* experts run; the mixing weights $w$ come from the unbiased scores,
 # so the balancing never distorts what a chosen expert contributes. Sigmoid scores are independent
 # per expert and do not sum to one, so V3 normalises the chosen ones; softmax scores are already a
-# distribution and DeepSeek-V2 uses the top-k probabilities as they are. (V3 also multiplies the
-# routed sum by a constant 2.5; HyMo does not.) The router learns only through the weights $w$, so
+# distribution and DeepSeek-V2 uses the top-k probabilities as they are. Both then multiply the routed
+# sum by a constant, the *routed scaling factor* $\gamma_r$ (`moe_route_scale`): 2.5 in V3, 16 in V2's
+# released configuration (1 in V2-Lite's). What the chosen weights add up to is why: normalised sigmoid weights sum to 1, but
+# while the router is still near uniform the top $k$ of $E$ softmax probabilities sum to little more
+# than $k/E$, so with HyMo's 2 of 16 the routed experts start out adding about a sixth of a weight
+# (measured below) beside the shared expert's full one. HyMo keeps the design document's
+# $\gamma_r = 1$: the shared expert carries the layer at first and the routed part grows as the
+# router learns to be sure; `moe_score_func: sigmoid` with `moe_route_scale: 2.5` is V3's router.
+# The router learns only through the weights $w$, so
 # sigmoid scores need $k \ge 2$: with one expert chosen its normalised weight is exactly 1, whatever
 # $W_g$ is, and the router would get no gradient at all (the config refuses that pair).
 #
 # A naive router, one token at a time, to check the batched one against:
 
 # %%
-def route_naive(x, W_g, b, k, score_func="softmax"):
-    "Route each token of `x` [N, d] separately: list of (experts, weights)."
+def route_naive(x, W_g, b, k, score_func="softmax", route_scale=1.0):
+    "Route each token of `x` [N, d] separately: list of (experts, weights), the weights times `route_scale` (γ_r)."
     out = []
     for xt in x:
         logits = W_g @ xt
@@ -100,9 +108,22 @@ def route_naive(x, W_g, b, k, score_func="softmax"):
         chosen = sorted(range(len(s)), key=lambda i: -(s[i] + b[i]).item())[:k]
         w = s[chosen]
         if score_func == "sigmoid": w = w / w.sum()
-        out.append((chosen, w))
+        out.append((chosen, route_scale * w))
     return out
 
+
+# %% [markdown]
+# What the chosen weights add up to at the start, at the 750M model's router (d = 896, E = 16,
+# k = 2, the router's initial N(0, 0.006²), unit-RMS tokens):
+
+# %%
+torch.manual_seed(0)
+d_r, E_r, k_r = 896, 16, 2
+x_i, W_i = torch.randn(2000, d_r), 0.006 * torch.randn(E_r, d_r)  # tokens, the router at its init
+routed_sum = {sf: torch.stack([w.sum() for _, w in route_naive(x_i, W_i, torch.zeros(E_r), k_r, sf)]).mean().item()
+              for sf in ("softmax", "sigmoid")}
+print({sf: round(v, 3) for sf, v in routed_sum.items()}, f"k/E = {k_r / E_r}")
+assert k_r / E_r < routed_sum["softmax"] < 0.25 and abs(routed_sum["sigmoid"] - 1) < 1e-5
 
 # %% [markdown]
 # The claim about sigmoid scores and $k = 1$, checked: the router's gradient is zero with one expert
@@ -441,12 +462,11 @@ class DeepSeekMoE(nn.Module):
 
     def __init__(self, config: ModelConfig): # Uses dim, init_std and the moe_* fields
         super().__init__()
-        c = config
+        c = validate_model(dataclasses.replace(config))  # a module built from a hand-made config is checked too
         self.dim, self.n_routed, self.top_k, self.inter_dim = c.dim, c.moe_n_routed, c.moe_top_k, c.moe_inter_dim
         self.score_func, self.balance, self.capacity_factor = c.moe_score_func, c.moe_balance, c.moe_capacity_factor
         self.bias_speed, self.ema_decay, self.dead_band, self.init_std = c.moe_bias_speed, c.moe_ema_decay, c.moe_dead_band, c.init_std
-        if self.top_k > self.n_routed:
-            raise ValueError(f"moe_top_k={self.top_k} > moe_n_routed={self.n_routed}: lower moe_top_k")
+        self.route_scale = c.moe_route_scale  # γ_r
         self.impl = "auto"  # one of IMPLS
         self.record_stats = True  # False: a training forward adds nothing to the counts (`stats_paused`)
         E, h, d = self.n_routed, self.inter_dim, self.dim
@@ -488,7 +508,7 @@ class DeepSeekMoE(nn.Module):
         idx = torch.topk(scores + self.gate_bias.float(), self.top_k, dim=-1).indices  # (N, k) selection only
         score = scores.gather(-1, idx)  # (N, k) unbiased
         weight = score / score.sum(-1, keepdim=True) if self.score_func == "sigmoid" else score
-        return idx, weight, score
+        return idx, self.route_scale * weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
         "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
@@ -496,6 +516,15 @@ class DeepSeekMoE(nn.Module):
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
         cf = Fraction(self.capacity_factor).limit_denominator(10**6) or Fraction(self.capacity_factor)  # not 0 below 5e-7
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
+
+    @property
+    def capacity_factor(self) -> float | None: return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: float | None):  # 0 would drop every assignment without a word
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+            raise ValueError(f"DeepSeekMoE.capacity_factor={value!r}: give a positive number, or None for dropless routing")
+        self._capacity_factor = value
 
     @property
     def impl(self) -> str: return self._impl
@@ -577,18 +606,19 @@ test_eq(sum(p.numel() for p in moe.parameters()),
         (cfg.moe_n_routed + cfg.moe_n_shared) * 3 * cfg.dim * cfg.moe_inter_dim + cfg.dim * cfg.moe_n_routed)
 
 # %% [markdown]
-# The batched router agrees with the naive one, with a bias that changes the selection:
+# The batched router agrees with the naive one, with a bias that changes the selection, and with V3's
+# $\gamma_r = 2.5$:
 
 # %%
-for sf in ("softmax", "sigmoid"):
-    moe.score_func = sf
+for sf, scale in (("softmax", 1.0), ("sigmoid", 1.0), ("sigmoid", 2.5)):
+    moe.score_func, moe.route_scale = sf, scale
     moe.gate_bias.copy_(torch.tensor([0.3, 0.0, -0.2, 0.1]))
     xt = torch.randn(10, cfg.dim)
     idx, weight, score = moe.route(xt)
-    for n, (chosen, w) in enumerate(route_naive(xt, moe.gate.weight, moe.gate_bias, cfg.moe_top_k, sf)):
+    for n, (chosen, w) in enumerate(route_naive(xt, moe.gate.weight, moe.gate_bias, cfg.moe_top_k, sf, scale)):
         test_eq(idx[n].tolist(), chosen)
         test_close(weight[n], w, eps=1e-6)
-moe.score_func = "softmax"
+moe.score_func, moe.route_scale = "softmax", 1.0
 moe.gate_bias.zero_();
 
 

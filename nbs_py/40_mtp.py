@@ -31,6 +31,7 @@
 #| export
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -40,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from hymo.config import ModelConfig
+from hymo.config import ModelConfig, validate_model
 from hymo.models.gdn import _check_cu_seqlens
 from hymo.models.layers import RMSNorm
 
@@ -141,9 +142,8 @@ class MultiTokenPrediction(nn.Module):
     "The `mtp_depth` MTP heads. `forward(hidden, targets, head)` returns one `MTPOutput` per head."
     def __init__(self, config: ModelConfig):
         super().__init__()
+        config = validate_model(dataclasses.replace(config))  # e.g. one weight per head (zip would drop a head without one)
         self.weights = tuple(config.mtp_loss_weights)
-        if len(self.weights) != config.mtp_depth:  # zip would drop the heads without a weight: never trained
-            raise ValueError(f"mtp_loss_weights has {len(self.weights)} entries but mtp_depth={config.mtp_depth}: give one weight per MTP head")
         self.heads = nn.ModuleList(MTPBlock(config.dim, config.mtp_inter_dim, config.norm_eps)
                                    for _ in range(config.mtp_depth))
 

@@ -2,6 +2,7 @@
 exactly the over-capacity assignments, the balancing rules move the right way, resume is exact."""
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def dense_reference(moe, x):
     idx = (s + moe.gate_bias.double()).topk(moe.top_k).indices
     w = s.gather(1, idx)
     if moe.score_func == "sigmoid": w = w / w.sum(-1, keepdim=True)
-    W = torch.zeros_like(s).scatter(1, idx, w)  # (N, E)
+    W = moe.route_scale * torch.zeros_like(s).scatter(1, idx, w)  # (N, E), times the routed scaling factor
     cf = moe.capacity_factor if moe.training else None  # capacity applies in training only
     C = None if cf is None else math.ceil(cf * B * T * moe.top_k / moe.n_routed)  # slots per expert, from the formula
     if C is not None:  # per expert keep the C highest scores, ties to the earlier token
@@ -35,8 +36,8 @@ def dense_reference(moe, x):
             for n in rows[C:]: W[n, e] = 0
     Y = torch.stack([F.linear(F.silu(F.linear(xf, moe.w1[e])) * F.linear(xf, moe.w3[e]), moe.w2[e])
                      for e in range(moe.n_routed)], 1)  # (N, E, d)
-    sh = moe.shared  # the shared expert, SwiGLU written out
-    y = (W.unsqueeze(-1).float() * Y).sum(1) + sh.w2(F.silu(sh.w1(xf)) * sh.w3(xf))
+    sh = moe.shared  # the shared expert, SwiGLU written out (none with moe_n_shared=0)
+    y = (W.unsqueeze(-1).float() * Y).sum(1) + (sh.w2(F.silu(sh.w1(xf)) * sh.w3(xf)) if sh is not None else 0)
     return y.view(B, T, d)
 
 
@@ -431,6 +432,82 @@ def test_eval_past_one_assignment_per_expert_takes_the_sorted_path(monkeypatch):
     monkeypatch.setattr(moe_mod, "experts_gathered", lambda *a: pytest.fail("gathered path ran for N·k > E"))
     x = torch.randn(1, moe.n_routed // moe.top_k + 1, moe.dim)  # one token past the boundary
     assert moe(x).shape == x.shape
+
+
+@pytest.mark.parametrize("score_func,scale,n_shared", [("sigmoid", 2.5, 1), ("softmax", 16.0, 0), ("sigmoid", 1.0, 0)])
+def test_routed_scaling_and_no_shared_expert_match_the_dense_reference(score_func, scale, n_shared):
+    "γ_r (moe_route_scale) multiplies the routed experts' weights, as DeepSeek-V3's 2.5; moe_n_shared=0 leaves the routed part alone."
+    moe = make(moe_score_func=score_func, moe_route_scale=scale, moe_n_shared=n_shared, moe_capacity_factor=None)
+    assert (moe.shared is None) == (n_shared == 0)
+    with torch.no_grad(): moe.gate.weight.normal_(0, 0.1)
+    x = torch.randn(2, 12, moe.dim)
+    for mode in (moe.train, moe.eval):
+        mode()
+        torch.testing.assert_close(moe(x), dense_reference(moe, x), rtol=1e-4, atol=1e-5)
+    idx, weight, _ = moe.route(x.reshape(-1, moe.dim))
+    if score_func == "sigmoid": torch.testing.assert_close(weight.sum(-1), torch.full((24,), scale, dtype=weight.dtype))  # normalised, then scaled
+
+
+def test_a_hand_made_config_or_setting_is_checked_by_the_module():
+    "Built from a config load_config never saw (dataclasses.replace), a typo turned balancing off or left sigmoid scores unnormalised."
+    import dataclasses
+    c = load_config("hymo_tiny").model
+    for bad, says in ((dict(moe_score_func="sigmoi"), "model.moe_score_func"), (dict(moe_balance="EMA"), "model.moe_balance"),
+                      (dict(moe_route_scale=0.0), "model.moe_route_scale=0.0 must be positive"),
+                      (dict(moe_capacity_factor=0.0), "model.moe_capacity_factor")):
+        with pytest.raises(ValueError, match=says): DeepSeekMoE(dataclasses.replace(c, **bad))
+    moe = DeepSeekMoE(c)
+    for bad in (0, -1.5, True, float("inf"), "1.5"):  # 0 dropped every assignment without a word
+        with pytest.raises(ValueError, match="capacity_factor=.*give a positive number, or None"): moe.capacity_factor = bad
+    moe.capacity_factor = None; moe.capacity_factor = 2
+    assert moe.capacity(8) == math.ceil(2 * 8 * moe.top_k / moe.n_routed)
+
+
+BIAS_SYNC_SCRIPT = r"""
+import json, os, socket, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from hymo.config import load_config
+from hymo.models.moe import DeepSeekMoE
+
+def worker(rank, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    res = {}
+    for balance in ("ema", "sign"):
+        moe = DeepSeekMoE(load_config("hymo_tiny", moe_balance=balance).model)
+        moe.expert_counts.copy_(torch.tensor([[9, 0, 3, 4], [0, 9, 3, 4]][rank]))  # alone, each rank sees another expert overloaded
+        moe.dropped_tokens.fill_(rank + 1)
+        stats = moe.update_gate_bias()
+        res[balance] = dict(bias=moe.gate_bias.tolist(), ema=moe.ema_counts.tolist(), **{k: float(v) for k, v in stats.items()})
+    with open(f"{out}.{rank}", "w") as f: json.dump(res, f)
+    dist.barrier()
+    os._exit(0)  # no teardown (as in test_optim's FSDP script)
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, sys.argv[1]), nprocs=2)
+"""
+
+
+def test_every_rank_updates_the_bias_from_the_counts_of_all_ranks(tmp_path):
+    "Two gloo ranks, each with its own counts: both end with the bias one process gets from the summed counts."
+    import json, os, subprocess, sys
+    script, out = tmp_path / "bias_sync.py", tmp_path / "result"
+    script.write_text(BIAS_SYNC_SCRIPT)
+    for attempt in range(2):  # a second try only if the free port was taken between choosing and binding it
+        r = subprocess.run([sys.executable, str(script), str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+        if r.returncode == 0 or "Address already in use" not in r.stderr: break
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads(Path(f"{out}.{i}").read_text()) for i in (0, 1)]
+    for balance in ("ema", "sign"):
+        one = make(moe_balance=balance)
+        one.expert_counts.copy_(torch.tensor([9, 9, 6, 8])); one.dropped_tokens.fill_(3)  # the two ranks' counts, summed
+        stats = one.update_gate_bias()
+        want = dict(bias=one.gate_bias.tolist(), ema=one.ema_counts.tolist(), **{k: float(v) for k, v in stats.items()})
+        assert any(b != 0 for b in want["bias"])
+        for got in ranks: assert got[balance] == want, (balance, got[balance], want)  # the same integer counts: exact
 
 
 def test_top_k_above_the_number_of_experts_is_refused_at_construction():

@@ -253,7 +253,7 @@ def test_mtp_refuses_inputs_it_would_misread(cfg):
         mtp(torch.randn(1, 6, cfg.dim), torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="B must be 1"):
         mtp(torch.randn(2, 6, cfg.dim), torch.zeros(2, 6, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 6]))
-    with pytest.raises(ValueError, match="mtp_loss_weights has 2 entries but mtp_depth=3"):
+    with pytest.raises(ValueError, match="mtp_loss_weights has 2 entries but model.mtp_depth=3"):
         MultiTokenPrediction(ModelConfig(dim=16, mtp_inter_dim=8, mtp_depth=3))  # a config not through load_config
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
     import numpy as np
@@ -341,6 +341,8 @@ def test_more_loss_weights_than_heads_is_refused():
     c = load_config("hymo_tiny").model
     with pytest.raises(ValueError, match="mtp_loss_weights"):
         MultiTokenPrediction(dataclasses.replace(c, mtp_depth=1))  # two weights, one head
+    with pytest.raises(ValueError, match=r"mtp_loss_weights=\[-0.3, 0.1\] must be 0 or more"):
+        MultiTokenPrediction(dataclasses.replace(c, mtp_loss_weights=(-0.3, 0.1)))  # replace skips load_config's checks
 
 
 def test_mtp_block_with_a_head_projects_its_output_not_its_input():

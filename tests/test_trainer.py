@@ -1109,6 +1109,39 @@ def test_a_good_step_updates_the_moe_bias_and_ends_a_run_of_bad_steps(tmp_path, 
     assert (t.run_dir / "checkpoints" / "step_000005").is_dir()
 
 
+def test_a_skipped_step_leaves_the_moe_bias_and_its_average_alone(tmp_path, monkeypatch):
+    "A step whose loss is not finite teaches nothing: the balancing state stays as it was too, and its counts are dropped."
+    t = make(tmp_path / "run", max_steps=4, max_bad_steps=3)
+    t.train_step()
+    before = [(m.gate_bias.clone(), m.ema_counts.clone()) for m in t.model.moe_layers()]
+    assert t.model.moe_layers() and all(m.balance == "ema" and e.abs().sum() > 0 for m, (_, e) in zip(t.model.moe_layers(), before))
+    real_forward = type(t.model).forward
+
+    def nan_loss(self, tokens, targets=None, cu_seqlens=None):
+        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)  # routes and counts as usual
+        return (out[0] * float("nan"), out[1]) if targets is not None else out
+
+    monkeypatch.setattr(type(t.model), "forward", nan_loss)
+    assert t.train_step()["skipped"]
+    for moe, (bias, ema) in zip(t.model.moe_layers(), before):
+        assert torch.equal(moe.gate_bias, bias) and torch.equal(moe.ema_counts, ema)
+        assert moe.expert_counts.sum() == 0 and moe.dropped_tokens == 0
+
+
+def test_the_bf16_copies_leave_the_routers_in_fp32(tmp_path):
+    "BF16Matrices casts every matrix autocast would, but not the MoE routers, which run in fp32 (chapter 30)."
+    import torch.nn as nn
+    from hymo.training.trainer import BF16Matrices
+    model = make(tmp_path / "run").model
+    copied = {id(p) for p in BF16Matrices(model).masters}
+    moes = model.moe_layers()
+    routers = {id(m.gate.weight) for m in moes}
+    assert moes and not copied & routers
+    experts = {id(w) for m in moes for w in (m.w1, m.w2, m.w3)}
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)} - routers
+    assert copied == experts | linears and len(linears) > 10
+
+
 @pytest.mark.parametrize("ac,compiled", [(False, False), (True, False), (True, True)])
 def test_moe_counts_each_assignment_once_with_activation_checkpointing(tmp_path, ac, compiled):
     "Activation checkpointing re-runs each block's forward in backward: that second forward must not count its assignments again."

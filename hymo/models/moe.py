@@ -7,6 +7,7 @@ Docs: https://hymo-lm.github.io/hymo/moe.html.md"""
 # %% ../../nbs/30_moe.ipynb #66a6268c
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from fractions import Fraction
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig
+from ..config import ModelConfig, validate_model
 from .layers import SwiGLU
 
 # %% auto #0
@@ -116,12 +117,11 @@ class DeepSeekMoE(nn.Module):
 
     def __init__(self, config: ModelConfig): # Uses dim, init_std and the moe_* fields
         super().__init__()
-        c = config
+        c = validate_model(dataclasses.replace(config))  # a module built from a hand-made config is checked too
         self.dim, self.n_routed, self.top_k, self.inter_dim = c.dim, c.moe_n_routed, c.moe_top_k, c.moe_inter_dim
         self.score_func, self.balance, self.capacity_factor = c.moe_score_func, c.moe_balance, c.moe_capacity_factor
         self.bias_speed, self.ema_decay, self.dead_band, self.init_std = c.moe_bias_speed, c.moe_ema_decay, c.moe_dead_band, c.init_std
-        if self.top_k > self.n_routed:
-            raise ValueError(f"moe_top_k={self.top_k} > moe_n_routed={self.n_routed}: lower moe_top_k")
+        self.route_scale = c.moe_route_scale  # γ_r
         self.impl = "auto"  # one of IMPLS
         self.record_stats = True  # False: a training forward adds nothing to the counts (`stats_paused`)
         E, h, d = self.n_routed, self.inter_dim, self.dim
@@ -163,7 +163,7 @@ class DeepSeekMoE(nn.Module):
         idx = torch.topk(scores + self.gate_bias.float(), self.top_k, dim=-1).indices  # (N, k) selection only
         score = scores.gather(-1, idx)  # (N, k) unbiased
         weight = score / score.sum(-1, keepdim=True) if self.score_func == "sigmoid" else score
-        return idx, weight, score
+        return idx, self.route_scale * weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
         "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
@@ -171,6 +171,15 @@ class DeepSeekMoE(nn.Module):
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
         cf = Fraction(self.capacity_factor).limit_denominator(10**6) or Fraction(self.capacity_factor)  # not 0 below 5e-7
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
+
+    @property
+    def capacity_factor(self) -> float | None: return self._capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: float | None):  # 0 would drop every assignment without a word
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+            raise ValueError(f"DeepSeekMoE.capacity_factor={value!r}: give a positive number, or None for dropless routing")
+        self._capacity_factor = value
 
     @property
     def impl(self) -> str: return self._impl
