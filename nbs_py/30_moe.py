@@ -430,7 +430,8 @@ assert abs(flip - 0.026) < 0.002 and abs(inputs_only - 0.0017) < 0.0008 and abs(
 # over all ranks (one all-reduce), so that every rank applies the same update and the biases stay
 # identical. The EMA and the bias change training, so both are saved in the `state_dict`
 # (persistent buffers); the design document's non-persistent EMA made an exact resume impossible.
-# The accumulators are saved too, so a checkpoint taken mid-step is exact as well.
+# The accumulators are saved too; the trainer checkpoints between optimiser steps, where they are
+# zero, but a `state_dict` taken between two micro-batches (in a notebook, say) keeps them.
 
 # %% [markdown]
 # ## The module
