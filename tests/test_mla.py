@@ -129,10 +129,11 @@ def naive_deepseek_mla(m: MultiHeadLatentAttention, x: torch.Tensor) -> torch.Te
     rms = lambda v, g: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + CFG.norm_eps) * g
     cos, sin = rope_cos_sin(torch.arange(T), dr, m.config.rope_theta)
     rope = lambda v: apply_rope(v[None, :, None], cos, sin)[0, :, 0]
-    q_b = m.q_b_proj.weight.view(H, dn + dr, -1)
+    q_low_rank = m.config.mla_q_lora_rank > 0  # else one full projection, as DeepSeek-V2-Lite's
+    q_b = (m.q_b_proj if q_low_rank else m.q_proj).weight.view(H, dn + dr, -1)
     kv_b = m.kv_b_proj.weight.view(H, dn + dv, dc)
     W_DKV, W_KR = m.kv_a_proj_with_mqa.weight.split([dc, dr])
-    c_Q = rms(x @ m.q_a_proj.weight.T, m.q_a_layernorm.weight)
+    c_Q = rms(x @ m.q_a_proj.weight.T, m.q_a_layernorm.weight) if q_low_rank else x
     c_KV = rms(x @ W_DKV.T, m.kv_a_layernorm.weight)
     k_R = rope(x @ W_KR.T)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
@@ -145,12 +146,14 @@ def naive_deepseek_mla(m: MultiHeadLatentAttention, x: torch.Tensor) -> torch.Te
     return torch.cat(outs, -1) @ m.o_proj.weight.T
 
 
-@pytest.mark.parametrize("rope_theta, v_dim", [(10000.0, None), (500000.0, None), (10000.0, 24)])
+WIDTHS = [{"mla_v_head_dim": 24}, {"mla_kv_lora_rank": 48}, {"mla_q_lora_rank": 0}]  # d_v, d_c != d_nope + d_rope; no query LoRA
+
+
+@pytest.mark.parametrize("over", [{}, {"rope_theta": 500000.0}, *WIDTHS])
 @torch.no_grad()
-def test_equals_deepseek_formula_when_groups_equal_heads(rope_theta, v_dim):
-    "Also with the config's RoPE base reaching the tables, and with d_v != d_nope + d_rope (the softmax scale is the latter's)."
-    over = dict(mla_n_kv_groups=CFG.mla_n_heads, rope_theta=rope_theta) | ({"mla_v_head_dim": v_dim} if v_dim else {})
-    m = randomize_(MultiHeadLatentAttention(load_config("hymo_tiny", **over).model))
+def test_equals_deepseek_formula_when_groups_equal_heads(over):
+    "Also with the config's RoPE base reaching the tables, with d_v or d_c unlike d_nope + d_rope (the softmax scale is the latter's), without the query's LoRA."
+    m = randomize_(MultiHeadLatentAttention(load_config("hymo_tiny", mla_n_kv_groups=CFG.mla_n_heads, **over).model))
     x = x_(2, 20)
     y = m(x)
     assert y.std() > 0.1
@@ -299,6 +302,48 @@ def test_cached_decoding_equals_forward(prompt):
     c_kv, k_rope = m.latents(x, m.rope_tables(torch.arange(prompt + extra)))
     torch.testing.assert_close(cache.c_kv, c_kv)
     torch.testing.assert_close(cache.k_rope, k_rope[:, :, 0])
+
+
+@pytest.mark.parametrize("over", WIDTHS)
+@torch.no_grad()
+def test_cached_decoding_equals_forward_at_other_widths(over):
+    "The absorbed decode dots d_c-wide latents but scales by d_nope + d_rope, as the forward does; q_lora_rank=0 decodes too."
+    cfg = load_config("hymo_tiny", **over).model
+    m = randomize_(MultiHeadLatentAttention(cfg))
+    x = torch.randn(2, 12, cfg.dim, generator=torch.Generator().manual_seed(3))
+    cache = MLACache.empty(cfg, batch=2, max_len=12)
+    ys = [m.forward_decode(x[:, :7], cache)] + [m.forward_decode(x[:, t:t + 1], cache) for t in range(7, 12)]
+    assert (torch.cat(ys, 1) - m(x)).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_positions_by_row_and_by_default():
+    "[B, T] positions rotate each row by its own; no positions are 0..T-1, the positions the decode cache counts."
+    m = randomize_(MultiHeadLatentAttention(CFG))
+    x = x_(2, 9)
+    rows = torch.tensor([list(range(9)), [0, 1, 2, 3, 20, 21, 22, 23, 24]])  # not a shift of the first: RoPE sees only differences
+    y = m(x, positions=rows)
+    for b in range(2): torch.testing.assert_close(y[b:b + 1], m(x[b:b + 1], positions=rows[b]), atol=1e-6, rtol=1e-6)
+    assert torch.equal(m(x), m(x, positions=torch.arange(9)))
+
+
+@torch.no_grad()
+def test_mla_refuses_what_it_would_misread():
+    "A [T, D] input, positions outside 0..max_seq_len-1, decoding past max_seq_len, an integer cache, a pos unlike length."
+    m = MultiHeadLatentAttention(CFG)
+    x = x_(1, 8)
+    for call in (lambda: m(x[0]), lambda: m.forward_decode(x[0], MLACache.empty(CFG, 1, 8))):
+        with pytest.raises(ValueError, match=rf"expects \[B, T, {CFG.dim}\], got \[8, {CFG.dim}\]"): call()
+    for bad, says in ((-torch.arange(8), "from -7 to 0"), (torch.arange(8) + CFG.max_seq_len - 4, f"from {CFG.max_seq_len - 4} to {CFG.max_seq_len + 3}")):
+        with pytest.raises(ValueError, match=f"positions run {says}; this model's are 0..{CFG.max_seq_len - 1}"): m(x, positions=bad)
+    cache = MLACache.empty(CFG, 1, CFG.max_seq_len + 8)
+    cache.length, cache.pos = CFG.max_seq_len - 4, torch.tensor([CFG.max_seq_len - 4])
+    with pytest.raises(ValueError, match=f"decoding to position {CFG.max_seq_len + 3}, beyond"): m.forward_decode(x, cache)
+    assert cache.length == CFG.max_seq_len - 4  # refused before anything was written
+    with pytest.raises(TypeError, match="not torch.int64/torch.int64: give floating-point buffers"):
+        MLACache.empty(CFG, 1, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"MLACache\(length=5, pos=\[2\]\): pos is the same count as length"):
+        MLACache(torch.zeros(1, 8, 3), torch.zeros(1, 8, 2), length=5, pos=torch.tensor([2]))
 
 
 @torch.no_grad()

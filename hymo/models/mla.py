@@ -147,6 +147,13 @@ class MultiHeadLatentAttention(nn.Module):
         if self.q_lora_rank > 0: self.q_a_layernorm.reset_parameters()
         self.kv_a_layernorm.reset_parameters()
 
+    def check_input(self, x: torch.Tensor, where: str) -> torch.Size:
+        "Raise unless `x` is [B, T, D]; return its shape."
+        if x.dim() != 3 or x.shape[-1] != self.config.dim:
+            raise ValueError(f"MultiHeadLatentAttention.{where} expects [B, T, {self.config.dim}], got {list(x.shape)}: "
+                             "reshape the input to (batch, time, dim)")
+        return x.shape
+
     def rope_tables(self, positions: torch.Tensor): # [T] or [B, T] integer positions
         "cos, sin for the rotary slice, or None on a NoPE layer."
         return rope_cos_sin(positions, self.d_rope, self.config.rope_theta) if self.use_rope else None
@@ -187,12 +194,17 @@ class MultiHeadLatentAttention(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None, # [N+1] boundaries of packed documents (needs B == 1)
                 positions: Optional[torch.Tensor] = None, # [T] or [B, T] RoPE positions; default 0..T-1, per document with cu_seqlens
                ) -> torch.Tensor: # [B, T, D]
-        B, T, _ = x.shape
+        B, T, _ = self.check_input(x, "forward")
         if cu_seqlens is not None:
             if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: got batch {B}, reshape to [1, B*T, D]")
             if positions is not None: raise ValueError("pass cu_seqlens or positions, not both: cu_seqlens sets the positions")
             positions = positions_from_cu_seqlens(cu_seqlens, T, self.config.max_seq_len)  # reads the boundaries once
         elif positions is None: positions = torch.arange(T, device=x.device)
+        elif positions.numel():  # given by hand (the model never does): in the range the tables were trained on
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= self.config.max_seq_len:
+                raise ValueError(f"positions run from {lo} to {hi}; this model's are 0..{self.config.max_seq_len - 1} "
+                                 f"(max_seq_len={self.config.max_seq_len}): give positions in that range")
         rope = self.rope_tables(positions)
         q_nope, q_rope = self.queries(x, rope)  # (B, T, H, d_nope), (B, T, H, d_rope)
         c_kv, k_rope = self.latents(x, rope)  # (B, T, d_c), (B, T, 1, d_rope)
@@ -206,7 +218,10 @@ class MultiHeadLatentAttention(nn.Module):
                        cache: MLACache, # This layer's cache; the new tokens are appended to it
                       ) -> torch.Tensor: # [B, T, D]; equals `forward` on the whole sequence, restricted to the new tokens
         "Cached decoding with absorbed attention: W_UK folded into the query, W_UV applied after attention."
-        B, T, _ = x.shape
+        B, T, _ = self.check_input(x, "forward_decode")
+        if cache.length + T > self.config.max_seq_len:  # (host integers: nothing to read from the device)
+            raise ValueError(f"decoding to position {cache.length + T - 1}, beyond this model's 0..{self.config.max_seq_len - 1} "
+                             f"(max_seq_len={self.config.max_seq_len}): keep prompt and generated tokens within max_seq_len")
         G, R = self.n_kv_groups, self.n_rep
         pos = cache.positions(T)  # (T,) positions of the new tokens, on the device
         rope = self.rope_tables(pos)
@@ -235,7 +250,13 @@ class MLACache:
     pos: Optional[torch.Tensor] = None  # The same count on the buffers' device, [1] int64; None: `length`
 
     def __post_init__(self):
+        if not (self.c_kv.is_floating_point() and self.k_rope.is_floating_point()):
+            raise TypeError(f"MLACache holds latents and keys, not {self.c_kv.dtype}/{self.k_rope.dtype}: give floating-point "
+                            "buffers, e.g. MLACache.empty(config, batch, max_len, dtype=torch.bfloat16)")
         if self.pos is None: self.pos = torch.full((1,), self.length, dtype=torch.long, device=self.c_kv.device)
+        elif self.pos.shape != (1,) or int(self.pos) != self.length:  # (read once, when a cache is made by hand)
+            raise ValueError(f"MLACache(length={self.length}, pos={self.pos.tolist()}): pos is the same count as length, on "
+                             "the buffers' device, [1] int64; leave it out and it is made from length")
 
     @classmethod
     def empty(cls, config: ModelConfig, # Uses mla_kv_lora_rank and mla_qk_rope_dim
