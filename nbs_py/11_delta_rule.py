@@ -151,6 +151,11 @@ assert errs[-1] < 1e-3 and errs[0] > 0.1
 # decay first, then read the error against the decayed memory, then write. In regression terms,
 # $\alpha_t < 1$ is weight decay on the fast weights $S$.
 #
+# The paper writes the state the other way round, value-major: $\mathbf{S}_t \in \mathbb{R}^{V\times K}$,
+# $\mathbf{S}_t = \mathbf{S}_{t-1}\,\alpha_t(I - \beta_t k_t k_t^\top) + \beta_t v_t k_t^\top$, $o_t = \mathbf{S}_t q_t$.
+# HyMo's $S$ is its transpose, $S = \mathbf{S}^\top$ (key-major, as flash-linear-attention's
+# kernels store the state): transposing the paper's equation gives the box above, term by term.
+#
 # The decay is kept in log space, $g_t = \log\alpha_t$: products of decays over a span become sums
 # (chapter 12 uses cumulative sums of $g$), and decays close to one stay precise: $g = -10^{-4}$ is
 # stored within 0.2 % even in bf16 (8 significant bits), while $\alpha = 0.9999$ rounds to exactly 1 in bf16, a

@@ -547,6 +547,15 @@ for T in (256, 1024):
 # 5. The rule; then an RMSNorm over each head's $V$ outputs, multiplied by $\mathrm{SiLU}$ of a
 #    gate from `g_proj`, and `o_proj` back to $D$.
 #
+# One departure is in the sizes. HyMo's heads are many and small, the design document's
+# $H = 40$ heads of $K = V = 32$ at the 750M model's $D = 896$, where flash-linear-attention's
+# GDN layer defaults to a few wide heads (head size 256, values twice as wide: six heads at width
+# 2048) and Qwen3-Next's GDN layers use heads of 128. A head's state holds about $K$ independent
+# associations (chapter 10), so a small head remembers less, but there are more of them, and the
+# state per layer, $H \cdot K \cdot V$ values, is 40 960 here against 6 × 256 × 512 ≈ 786 k there. The
+# chunked rule takes any $K$ and $V$ (the tests use 12 and 20; the Triton wrapper pads a head to a
+# power of two of at least 16); which size trains better at this scale is an ablation HyMo leaves open.
+#
 # The six input projections all read the same $x$, so the forward runs them as three matrix products,
 # stacking the weights that can share one (`in_proj_weights`): $q, k, v$, which go through the short
 # convolution; the output gate $g$; and $a, b$, which become the decay and the write strength. Fewer,
@@ -777,10 +786,14 @@ class GatedDeltaNet(nn.Module):
                 output_final_state: bool = False,  # Also return the `GDNState` after the last token
                ):
         "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
-        if x.ndim != 3: raise ValueError(f"x must be [B, T, dim]; got shape {tuple(x.shape)}")
+        if x.ndim != 3 or x.shape[-1] != self.config.dim:
+            raise ValueError(f"x must be [B, T, dim={self.config.dim}]; got shape {tuple(x.shape)}")
         if initial_state is not None and not isinstance(initial_state, GDNState):
             raise TypeError(f"initial_state must be the GDNState that a call with output_final_state=True returned "
                             f"(its .recurrent and .conv), not a {type(initial_state).__name__}")
+        if initial_state is not None and any(s is None for s in initial_state):  # a missing conv window would read as zeros
+            raise ValueError("initial_state needs both parts, .recurrent and .conv, as a call with output_final_state=True "
+                             "returns them; GDNState(recurrent, None) would continue with the convolution's window zeroed")
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
         # the six input projections as three matrix products (the parameters stay separate matrices)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from hymo.config import load_config
-from hymo.models.gdn import (GatedDeltaNet, GatedDeltaNetBlock, causal_conv1d, chunk_gated_delta_rule_torch,
+from hymo.models.gdn import (GatedDeltaNet, GatedDeltaNetBlock, GDNState, causal_conv1d, chunk_gated_delta_rule_torch,
                              conv_silu_norm, naive_gated_delta_rule, reference_mixer)
 
 H, K, V = 3, 12, 20  # deliberately not powers of two
@@ -416,8 +416,77 @@ def test_mixer_refuses_a_bare_state_and_flat_input(cfg):
     _, st = mixer(x, output_final_state=True)
     with pytest.raises(TypeError, match="must be the GDNState .* not a Tensor"):
         mixer(x, initial_state=st.recurrent)
-    with pytest.raises(ValueError, match=r"x must be \[B, T, dim\]"):
+    with pytest.raises(ValueError, match=rf"x must be \[B, T, dim={cfg.dim}\]; got shape \(10, {cfg.dim}\)"):
         mixer(x[0])
+    with pytest.raises(ValueError, match=rf"x must be \[B, T, dim={cfg.dim}\]; got shape \(2, 10, {cfg.dim + 1}\)"):
+        mixer(torch.randn(2, 10, cfg.dim + 1))  # (a bare matmul error before)
+    for part in (0, 1):  # the conv window left out read as zeros: a continuation silently 5e6 times further off
+        with pytest.raises(ValueError, match="initial_state needs both parts"):
+            mixer(x, initial_state=st._replace(**{st._fields[part]: None}))
+
+
+@torch.no_grad()
+def test_the_mixer_gates_are_the_documented_formulas(cfg, monkeypatch):
+    "g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b), written out from the parameters (reference_mixer shares the code)."
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(cfg)
+    mixer.A_log.copy_(torch.tensor([-1.0, 0.0, 1.5])); mixer.dt_bias.copy_(torch.tensor([0.5, -2.0, 0.0]))
+    x = torch.randn(2, 6, cfg.dim)
+    seen = {}
+    def rule(q, k, v, g, beta, *rest):
+        seen.update(g=g, beta=beta)
+        return naive_gated_delta_rule(q, k, v, g, beta, *rest)
+    monkeypatch.setattr(mixer, "_rule", lambda kernel: rule)
+    mixer(x)
+    a, b = x @ mixer.a_proj.weight.T, x @ mixer.b_proj.weight.T  # (B, T, H) each
+    A = torch.tensor([math.exp(-1.0), 1.0, math.exp(1.5)])
+    torch.testing.assert_close(seen["g"], -A * torch.log1p(torch.exp(a + torch.tensor([0.5, -2.0, 0.0]))))
+    torch.testing.assert_close(seen["beta"], 1 / (1 + torch.exp(-b)))
+
+
+@torch.no_grad()
+def test_mixer_decodes_token_by_token_as_its_forward(cfg):
+    "One token at a time with the state (the recurrent step, no chunks) continues a prefix exactly as the whole forward."
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(cfg)
+    mixer.kernel = "torch"
+    x = torch.randn(2, 12, cfg.dim)
+    y, st = mixer(x[:, :5], output_final_state=True)
+    ys = [y]
+    for t in range(5, 12):
+        y_t, st = mixer(x[:, t:t + 1], initial_state=st, output_final_state=True)
+        ys.append(y_t)
+    torch.testing.assert_close(torch.cat(ys, 1), mixer(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "naive"])
+@torch.no_grad()
+def test_packed_documents_continue_each_from_its_own_state(cfg, kernel):
+    "A packed call with one carried state per document (recurrent and conv) equals each document continued alone."
+    torch.manual_seed(0)
+    mixer = GatedDeltaNet(cfg)
+    mixer.kernel = kernel
+    heads, tails = [torch.randn(1, n, cfg.dim) for n in (7, 3, 5)], [torch.randn(1, n, cfg.dim) for n in (4, 70, 1)]
+    states = [mixer(h, output_final_state=True)[1] for h in heads]
+    alone = [mixer(t, initial_state=s, output_final_state=True) for t, s in zip(tails, states)]
+    cu = torch.tensor([0, 4, 74, 75])
+    packed = GDNState(*(torch.cat(parts) for parts in zip(*states)))  # [N, ...] each
+    y, st = mixer(torch.cat(tails, 1), cu_seqlens=cu, initial_state=packed, output_final_state=True)
+    for n, (y_n, s_n) in enumerate(alone):
+        torch.testing.assert_close(y[:, cu[n]:cu[n + 1]], y_n, atol=1e-5, rtol=1e-5)
+        for a, b in zip(st, s_n): torch.testing.assert_close(a[n:n + 1], b, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_packed_with_a_cache_per_document():
+    "Each document's first taps read its own cache, N >= 2 (a cache read from the next document passed every other test)."
+    x, w = torch.randn(1, 9, 5), torch.randn(5, 4)
+    cu, cache = torch.tensor([0, 1, 3, 9]), torch.randn(3, 3, 5)
+    y, new = causal_conv1d(x, w, cu_seqlens=cu, cache=cache, output_final_state=True)
+    for n in range(3):
+        s, e = cu[n].item(), cu[n + 1].item()
+        y_n, c_n = causal_conv1d(x[:, s:e], w, cache=cache[n:n + 1], output_final_state=True)
+        torch.testing.assert_close(y[:, s:e], y_n)
+        torch.testing.assert_close(new[n:n + 1], c_n)
 
 
 def test_strong_gates_give_finite_gradients():

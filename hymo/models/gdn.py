@@ -332,10 +332,14 @@ class GatedDeltaNet(nn.Module):
                 output_final_state: bool = False,  # Also return the `GDNState` after the last token
                ):
         "Mix tokens with the gated delta rule. Returns `y [B, T, dim]`, or `(y, GDNState)` if `output_final_state`."
-        if x.ndim != 3: raise ValueError(f"x must be [B, T, dim]; got shape {tuple(x.shape)}")
+        if x.ndim != 3 or x.shape[-1] != self.config.dim:
+            raise ValueError(f"x must be [B, T, dim={self.config.dim}]; got shape {tuple(x.shape)}")
         if initial_state is not None and not isinstance(initial_state, GDNState):
             raise TypeError(f"initial_state must be the GDNState that a call with output_final_state=True returned "
                             f"(its .recurrent and .conv), not a {type(initial_state).__name__}")
+        if initial_state is not None and any(s is None for s in initial_state):  # a missing conv window would read as zeros
+            raise ValueError("initial_state needs both parts, .recurrent and .conv, as a call with output_final_state=True "
+                             "returns them; GDNState(recurrent, None) would continue with the convolution's window zeroed")
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k_dim, self.head_v_dim
         # the six input projections as three matrix products (the parameters stay separate matrices)
