@@ -23,8 +23,8 @@ import yaml
 
 # %% auto #0
 __all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'CHOICES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError',
-           'check_triton_chunk', 'validate_model', 'validate_training', 'package_dir', 'Config', 'presets',
-           'takes_text', 'load_config', 'validate_config']
+           'check_triton_chunk', 'validate_model', 'validate_part', 'validate_training', 'package_dir', 'Config',
+           'presets', 'takes_text', 'load_config', 'validate_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -238,7 +238,8 @@ def validate_model(m: ModelConfig):
                 "gdn_conv_size", "gdn_chunk_size", "ffn_inter_dim", "mla_n_heads", "mla_n_kv_groups",
                 "mla_kv_lora_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_head_dim", "moe_n_routed",
                 "moe_top_k", "moe_inter_dim", "mtp_inter_dim", "max_seq_len",
-                "norm_eps", "init_std", "rope_theta", "moe_route_scale"]  # 0 or less: NaN from the first norm or RoPE table, or no init
+                "norm_eps", "init_std", "rope_theta",  # 0 or less: NaN from the first norm or RoPE table, or no init
+                "moe_route_scale"]  # 0: the routed experts silently switched off
     for name in positive:
         if getattr(m, name) <= 0: raise ConfigError(f"model.{name}={getattr(m, name)} must be positive")
     for name in ["mla_every", "mla_q_lora_rank", "moe_n_shared", "mtp_depth", "moe_bias_speed", "moe_dead_band"]:  # 0 turns each off
@@ -282,6 +283,15 @@ def validate_model(m: ModelConfig):
                           "chosen expert's weight is normalised to exactly 1. Use moe_score_func='softmax', or moe_top_k=2 or more")
     _choice("model.moe_balance", m.moe_balance)
     return m
+
+
+def validate_part(m: ModelConfig, # The config a module is built from
+                  prefix: str, # The module's keys: 'moe_' or 'mtp_'
+                 ) -> ModelConfig:
+    "`m` with its `prefix` keys (and dim, init_std, norm_eps) checked as `validate_model` checks them; the other keys, which the module never reads, are not."
+    own = {f: getattr(m, f) for f in _field_types(ModelConfig) if f.startswith(prefix) or f in ("dim", "init_std", "norm_eps")}
+    checked = validate_model(ModelConfig(**own))  # the design defaults around them, which pass
+    return dataclasses.replace(m, **{f: getattr(checked, f) for f in own})
 
 
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")  # the WSD schedule's decays (chapter 50)
@@ -500,8 +510,9 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
                           + "".join(f"; did you mean '{near[0]}' for '{k}'?" for k in (raw if isinstance(raw, dict) else ())
                                     if (near := difflib.get_close_matches(str(k), ["model", "train", "name", "base"], n=1, cutoff=0.6))
                                     and k != near[0])
-                          + "".join(f"; put '{k}' under '{sec}:'" for k in (raw if isinstance(raw, dict) else ())
-                                    for sec, cls in _SECTIONS.items() if k in _field_types(cls)))
+                          + "".join(f"; put '{k}' under '{sec}:'" + (f" (as '{k.split('.', 1)[1]}:')" if "." in k else "")
+                                    for k in (raw if isinstance(raw, dict) else ()) for sec, cls in _SECTIONS.items()
+                                    if str(k).removeprefix(f"{sec}.") in _field_types(cls) and "." not in str(k).removeprefix(f"{sec}.")))
     if raw.get("base") is not None and not isinstance(raw["base"], str):
         raise ConfigError(f"{p}: 'base:' names one preset ({', '.join(presets())}) or a .yaml file; found {raw['base']!r}")
     for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):

@@ -278,7 +278,7 @@ class MultiHeadLatentAttention(nn.Module):
         "Raise unless `x` is [B, T, D]; return its shape."
         if x.dim() != 3 or x.shape[-1] != self.config.dim:
             raise ValueError(f"MultiHeadLatentAttention.{where} expects [B, T, {self.config.dim}], got {list(x.shape)}: "
-                             "reshape the input to (batch, time, dim)")
+                             f"give (batch, time, dim) with the model's dim={self.config.dim} last")
         return x.shape
 
     def rope_tables(self, positions: torch.Tensor): # [T] or [B, T] integer positions
@@ -346,9 +346,7 @@ class MultiHeadLatentAttention(nn.Module):
                       ) -> torch.Tensor: # [B, T, D]; equals `forward` on the whole sequence, restricted to the new tokens
         "Cached decoding with absorbed attention: W_UK folded into the query, W_UV applied after attention."
         B, T, _ = self.check_input(x, "forward_decode")
-        if cache.length + T > self.config.max_seq_len:  # (host integers: nothing to read from the device)
-            raise ValueError(f"decoding to position {cache.length + T - 1}, beyond this model's 0..{self.config.max_seq_len - 1} "
-                             f"(max_seq_len={self.config.max_seq_len}): keep prompt and generated tokens within max_seq_len")
+        cache.check_room(T, self.config.max_seq_len)  # before anything is written
         G, R = self.n_kv_groups, self.n_rep
         pos = cache.positions(T)  # (T,) positions of the new tokens, on the device
         rope = self.rope_tables(pos)
@@ -692,11 +690,15 @@ class MLACache:
         return cls(torch.zeros(*shape, config.mla_kv_lora_rank, device=device, dtype=dtype),
                    torch.zeros(*shape, config.mla_qk_rope_dim, device=device, dtype=dtype))
 
-    def check_room(self, T: int):
+    def check_room(self, T: int, # New tokens
+                   max_seq_len: Optional[int] = None): # The model's: positions past it are refused too
         "Raise if `T` more tokens do not fit (checked on the host: a replayed CUDA graph cannot raise)."
         if self.length + T > self.c_kv.shape[1]:
             raise ValueError(f"MLACache holds {self.c_kv.shape[1]} tokens and {self.length + T} were asked for: "
                              "allocate it with a larger max_len")
+        if max_seq_len is not None and self.length + T > max_seq_len:
+            raise ValueError(f"decoding to position {self.length + T - 1}, beyond this model's 0..{max_seq_len - 1} "
+                             f"(max_seq_len={max_seq_len}): keep prompt and generated tokens within max_seq_len")
 
     def positions(self, T: int) -> torch.Tensor: # [T] int64 on the buffers' device
         "Positions of the next `T` tokens, computed on the device."

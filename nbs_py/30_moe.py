@@ -18,8 +18,8 @@
 #| export
 from __future__ import annotations
 
-import dataclasses
 import math
+import numbers
 from contextlib import contextmanager
 from fractions import Fraction
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hymo.config import ModelConfig, validate_model
+from hymo.config import ModelConfig, validate_part
 from hymo.models.layers import SwiGLU
 
 # %%
@@ -86,12 +86,16 @@ test_close(2 * expert_params / 1e6, 12.4, eps=0.05)
 # per expert and do not sum to one, so V3 normalises the chosen ones; softmax scores are already a
 # distribution and DeepSeek-V2 uses the top-k probabilities as they are. Both then multiply the routed
 # sum by a constant, the *routed scaling factor* $\gamma_r$ (`moe_route_scale`): 2.5 in V3, 16 in V2's
-# released configuration (1 in V2-Lite's). What the chosen weights add up to is why: normalised sigmoid weights sum to 1, but
-# while the router is still near uniform the top $k$ of $E$ softmax probabilities sum to little more
-# than $k/E$, so with HyMo's 2 of 16 the routed experts start out adding about a sixth of a weight
-# (measured below) beside the shared expert's full one. HyMo keeps the design document's
-# $\gamma_r = 1$: the shared expert carries the layer at first and the routed part grows as the
-# router learns to be sure; `moe_score_func: sigmoid` with `moe_route_scale: 2.5` is V3's router.
+# released configuration (1 in V2-Lite's). It sets how much the routed experts weigh against the
+# shared one. Normalised sigmoid weights always sum to 1, so V3's 2.5 gives the routed part a weight
+# of 2.5 beside the shared expert's 1; the top $k$
+# of $E$ softmax probabilities sum to little more than $k/E$ while the router is near uniform
+# (V2's 6 of 160: about 0.04, which its 16 brings to about 0.6), so with HyMo's 2 of 16 the routed
+# experts start out adding about a sixth of a weight (measured below) beside the shared expert's
+# full one. HyMo keeps the design document's $\gamma_r = 1$: the shared expert carries the layer at
+# first and the routed part grows as the router learns to be sure. `moe_score_func: sigmoid` with
+# `moe_route_scale: 2.5` gives V3's scoring and scaling (V3 also balances by sign, `moe_balance:
+# sign`, and first picks groups of experts, which HyMo does not).
 # The router learns only through the weights $w$, so
 # sigmoid scores need $k \ge 2$: with one expert chosen its normalised weight is exactly 1, whatever
 # $W_g$ is, and the router would get no gradient at all (the config refuses that pair).
@@ -463,7 +467,7 @@ class DeepSeekMoE(nn.Module):
 
     def __init__(self, config: ModelConfig): # Uses dim, init_std and the moe_* fields
         super().__init__()
-        c = validate_model(dataclasses.replace(config))  # a module built from a hand-made config is checked too
+        c = validate_part(config, "moe_")  # a module built from a hand-made config is checked too
         self.dim, self.n_routed, self.top_k, self.inter_dim = c.dim, c.moe_n_routed, c.moe_top_k, c.moe_inter_dim
         self.score_func, self.balance, self.capacity_factor = c.moe_score_func, c.moe_balance, c.moe_capacity_factor
         self.bias_speed, self.ema_decay, self.dead_band, self.init_std = c.moe_bias_speed, c.moe_ema_decay, c.moe_dead_band, c.init_std
@@ -523,9 +527,9 @@ class DeepSeekMoE(nn.Module):
 
     @capacity_factor.setter
     def capacity_factor(self, value: float | None):  # 0 would drop every assignment without a word
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+        if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf):
             raise ValueError(f"DeepSeekMoE.capacity_factor={value!r}: give a positive number, or None for dropless routing")
-        self._capacity_factor = value
+        self._capacity_factor = None if value is None else float(value)  # (numpy's float32 is no Fraction)
 
     @property
     def impl(self) -> str: return self._impl

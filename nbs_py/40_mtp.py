@@ -31,7 +31,6 @@
 #| export
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -41,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from hymo.config import ModelConfig, validate_model
+from hymo.config import ModelConfig, validate_part
 from hymo.models.gdn import _check_cu_seqlens
 from hymo.models.layers import RMSNorm
 
@@ -142,7 +141,7 @@ class MultiTokenPrediction(nn.Module):
     "The `mtp_depth` MTP heads. `forward(hidden, targets, head)` returns one `MTPOutput` per head."
     def __init__(self, config: ModelConfig):
         super().__init__()
-        config = validate_model(dataclasses.replace(config))  # e.g. one weight per head (zip would drop a head without one)
+        config = validate_part(config, "mtp_")  # e.g. one weight per head (zip would drop a head without one)
         self.weights = tuple(config.mtp_loss_weights)
         self.heads = nn.ModuleList(MTPBlock(config.dim, config.mtp_inter_dim, config.norm_eps)
                                    for _ in range(config.mtp_depth))

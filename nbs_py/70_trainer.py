@@ -472,8 +472,11 @@ UNTRAINED = ("run_dir", "sample_prompt", "sample_tokens")  # settings that are n
 
 
 def _how_it_trains(config: dict) -> dict:
-    "A `Config.to_dict()`, or a meta.json's `config`, without `UNTRAINED`: what two runs must share to train alike."
-    return {sec: {k: v for k, v in (config.get(sec) or {}).items() if k not in UNTRAINED} for sec in ("model", "train")}
+    """A `Config.to_dict()`, or a meta.json's `config`, without `UNTRAINED`: what two runs must share to train alike. A
+    setting newer than the checkpoint is its default there (a new setting's default is how HyMo trained before it)."""
+    default = json.loads(json.dumps(Config(ModelConfig(), TrainingConfig()).to_dict()))
+    return {sec: {k: v for k, v in {**default[sec], **(config.get(sec) or {})}.items() if k not in UNTRAINED}
+            for sec in ("model", "train")}
 
 
 def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`Config.to_dict()`)
@@ -483,9 +486,10 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
     if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
         saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
-    now = json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict()))  # tuples as lists, as meta.json stores them
-    diff = {sec: "; ".join(f"{k}: {saved[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items()  # (a default run_dir is
-                          if k not in UNTRAINED and saved[sec].get(k) != v) for sec in ("model", "train")}  # named only when resuming)
+    now = _how_it_trains(json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict())))  # tuples as lists, as meta.json
+    then = _how_it_trains(saved)  # (a default run_dir is named only when resuming: it is not compared)  # stores them
+    diff = {sec: "; ".join(f"{k}: {then[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items() if then[sec].get(k) != v)
+            for sec in ("model", "train")}
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
     if diff["model"] and _shapes(old_model) != _shapes(model_cfg):
         raise ConfigError(f"the checkpoint at step {step} holds weights of other shapes ({diff['model']}): a resumed run "

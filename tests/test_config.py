@@ -341,6 +341,9 @@ def test_a_key_outside_its_section_of_a_config_file_is_placed(tmp_path):
     f.write_text("base: hymo_tiny\nmax_steps: 5\ndim: 64\n")
     with pytest.raises(ConfigError, match="found \\['base', 'dim', 'max_steps'\\]; put 'max_steps' under 'train:'; put 'dim' under 'model:'"):
         load_config(f)
+    f.write_text("base: hymo_tiny\nmodel.n_layers: 4\n")  # the command line's spelling
+    with pytest.raises(ConfigError, match="put 'model.n_layers' under 'model:' \\(as 'n_layers:'\\)"):
+        load_config(f)
 
 
 def test_zero_stays_allowed_where_it_means_off():

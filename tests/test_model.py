@@ -480,6 +480,23 @@ def test_bad_token_ids_and_decode_input_are_refused_in_one_line(dropless):
     assert m.generate(torch.tensor([[1, 2]]), np.int64(2), top_k=np.int64(5), vocab=np.int64(V), window=np.int64(8)).shape == (1, 4)
 
 
+@torch.no_grad()
+def test_a_decode_past_max_seq_len_is_refused_before_any_layer_moves(dropless):
+    "A cache made by hand longer than max_seq_len: the refusal came from the first MLA layer, after the GDN states had moved."
+    import copy
+    m = _model(dropless).eval()
+    L = dropless.max_seq_len
+    state = [MLACache.empty(dropless, 1, L + 8) if dropless.is_mla(i) else None for i in range(dropless.n_layers)]
+    m.decode(torch.randint(0, 50, (1, L - 4)), state)
+    before = copy.deepcopy(state)
+    with pytest.raises(ValueError, match=f"decoding to position {L + 5}, beyond this model's 0..{L - 1}"):
+        m.decode(torch.randint(0, 50, (1, 10)), state)
+    for a, b in zip(state, before):
+        parts = (a.c_kv, a.k_rope, a.pos) if isinstance(a, MLACache) else a
+        assert all(torch.equal(x, y) for x, y in zip(parts, (b.c_kv, b.k_rope, b.pos) if isinstance(b, MLACache) else b))
+        assert not isinstance(a, MLACache) or a.length == b.length == L - 4
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_generate_checks_its_prompts_ids_on_any_device(dropless, device):
     "On a GPU the forward does not read ids back (a wait): `generate` checks its prompt once, before a device-side assert."

@@ -461,6 +461,20 @@ def test_a_hand_made_config_or_setting_is_checked_by_the_module():
         with pytest.raises(ValueError, match="capacity_factor=.*give a positive number, or None"): moe.capacity_factor = bad
     moe.capacity_factor = None; moe.capacity_factor = 2
     assert moe.capacity(8) == math.ceil(2 * 8 * moe.top_k / moe.n_routed)
+    import numpy as np
+    moe.capacity_factor = np.float32(1.25)  # as the config accepts numpy's numbers
+    assert moe.capacity(8) == 5
+
+
+def test_a_module_alone_is_checked_on_its_own_keys_only():
+    "A config that builds one MoE or MTP module but no model (2 layers, no MLA block; a Triton chunk of 32) is fine for the module."
+    from hymo.config import ModelConfig
+    from hymo.models.mtp import MultiTokenPrediction
+    alone = ModelConfig(dim=32, n_layers=2, moe_n_routed=4, moe_top_k=2, moe_inter_dim=16, mtp_inter_dim=8,
+                        gdn_kernel="triton", gdn_chunk_size=32)
+    assert DeepSeekMoE(alone).n_routed == 4 and len(MultiTokenPrediction(alone).heads) == alone.mtp_depth
+    import dataclasses
+    with pytest.raises(ValueError, match="model.moe_top_k=5 > model.moe_n_routed=4"): DeepSeekMoE(dataclasses.replace(alone, moe_top_k=5))
 
 
 BIAS_SYNC_SCRIPT = r"""

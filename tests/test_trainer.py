@@ -389,6 +389,18 @@ def test_resuming_a_run_whose_old_schedule_is_no_longer_valid_says_nothing_of_a_
     assert notes and not any("jumps" in n for n in notes)
 
 
+def test_a_setting_newer_than_the_checkpoint_is_its_default_there(tmp_path):
+    "A checkpoint from before moe_route_scale existed trained as its default 1.0 does: no 'settings differ' note, the same run."
+    from hymo.training.trainer import _how_it_trains, resume_changes
+    now = load_config("hymo_tiny", **FAST)
+    saved = json.loads(json.dumps(now.to_dict()))
+    del saved["model"]["moe_route_scale"]
+    assert resume_changes(saved, now.model, now.train, step=3) == []
+    assert _how_it_trains(saved) == _how_it_trains(json.loads(json.dumps(now.to_dict())))
+    scaled = load_config("hymo_tiny", **FAST, moe_route_scale=2.5)
+    assert resume_changes(saved, scaled.model, scaled.train, step=3) == ["model settings differ from the checkpoint's: moe_route_scale: 1.0 -> 2.5"]
+
+
 def test_a_resume_with_another_validation_size_says_so_and_how_to_keep_it():
     "Validation reads eval_batches × micro_batch_size windows: a smaller micro-batch at a resume shrinks it unless told."
     from hymo.training.trainer import resume_changes

@@ -213,7 +213,7 @@ class HyMo(nn.Module):
             raise ValueError(f"tokens has {tokens.shape[0]} sequences, and the state has {len(state)} layers{holding} "
                              f"(the model has {self.config.n_layers}): give the state `decode_state` made for this batch")
         for c in state:  # before any layer moves: a refused call must leave the state as it was
-            if isinstance(c, MLACache): c.check_room(tokens.shape[1])
+            if isinstance(c, MLACache): c.check_room(tokens.shape[1], self.config.max_seq_len)
         x = self.embed(tokens)                                    # (B, T, D)
         if torch.is_autocast_enabled(x.device.type): x = x.to(torch.get_autocast_dtype(x.device.type))
         for i, layer in enumerate(self.layers):

@@ -7,8 +7,8 @@ Docs: https://hymo-lm.github.io/hymo/moe.html.md"""
 # %% ../../nbs/30_moe.ipynb #66a6268c
 from __future__ import annotations
 
-import dataclasses
 import math
+import numbers
 from contextlib import contextmanager
 from fractions import Fraction
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ModelConfig, validate_model
+from ..config import ModelConfig, validate_part
 from .layers import SwiGLU
 
 # %% auto #0
@@ -117,7 +117,7 @@ class DeepSeekMoE(nn.Module):
 
     def __init__(self, config: ModelConfig): # Uses dim, init_std and the moe_* fields
         super().__init__()
-        c = validate_model(dataclasses.replace(config))  # a module built from a hand-made config is checked too
+        c = validate_part(config, "moe_")  # a module built from a hand-made config is checked too
         self.dim, self.n_routed, self.top_k, self.inter_dim = c.dim, c.moe_n_routed, c.moe_top_k, c.moe_inter_dim
         self.score_func, self.balance, self.capacity_factor = c.moe_score_func, c.moe_balance, c.moe_capacity_factor
         self.bias_speed, self.ema_decay, self.dead_band, self.init_std = c.moe_bias_speed, c.moe_ema_decay, c.moe_dead_band, c.init_std
@@ -177,9 +177,9 @@ class DeepSeekMoE(nn.Module):
 
     @capacity_factor.setter
     def capacity_factor(self, value: float | None):  # 0 would drop every assignment without a word
-        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf):
+        if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf):
             raise ValueError(f"DeepSeekMoE.capacity_factor={value!r}: give a positive number, or None for dropless routing")
-        self._capacity_factor = value
+        self._capacity_factor = None if value is None else float(value)  # (numpy's float32 is no Fraction)
 
     @property
     def impl(self) -> str: return self._impl

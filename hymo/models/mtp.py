@@ -7,7 +7,6 @@ Docs: https://hymo-lm.github.io/hymo/mtp.html.md"""
 # %% ../../nbs/40_mtp.ipynb #9bf830ec
 from __future__ import annotations
 
-import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -17,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..config import ModelConfig, validate_model
+from ..config import ModelConfig, validate_part
 from .gdn import _check_cu_seqlens
 from .layers import RMSNorm
 
@@ -61,7 +60,7 @@ class MultiTokenPrediction(nn.Module):
     "The `mtp_depth` MTP heads. `forward(hidden, targets, head)` returns one `MTPOutput` per head."
     def __init__(self, config: ModelConfig):
         super().__init__()
-        config = validate_model(dataclasses.replace(config))  # e.g. one weight per head (zip would drop a head without one)
+        config = validate_part(config, "mtp_")  # e.g. one weight per head (zip would drop a head without one)
         self.weights = tuple(config.mtp_loss_weights)
         self.heads = nn.ModuleList(MTPBlock(config.dim, config.mtp_inter_dim, config.norm_eps)
                                    for _ in range(config.mtp_depth))
