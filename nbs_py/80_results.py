@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 38 on H100s (to 2026-12-06)
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 39 on H100s (to 2026-12-06)
 # (their rows say which, the bar chart marks them `[H100]`, and the chart of rounds colours them), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
@@ -47,7 +47,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 to 38 (2026-12-05 and 06) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 39 (2026-12-05 and 06) could
 # get only an H100 for the step (round 35 ran the tests on an H200): their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -280,6 +280,12 @@ if tl_row:
 #
 # ::: {.callout-note collapse="true"}
 # ## The round log: what each round changed and measured (rounds 6 to 38)
+# * **Round 39 (2026-12-06): an H100 80GB HBM3 (torch 2.11, Triton 3.6); commit ddd660e, whose step
+#   differs from round 38's by the MoE's routed scaling factor (`moe_route_scale`, 1 in the preset:
+#   one multiply of the [N, k] routing weights) and host-side shape checks.** One call, after the
+#   CUDA tests of the MoE, MLA, GDN, model decoding and trainer (153 passed). The preset step took
+#   6.733 and 6.750 s (34.7 % MFU, 77.7 k tokens/s, 50.6 GB allocated, 52.8 GB reserved), as
+#   round 37's on an H100; the PyTorch path was not timed (no device time left for it).
 # * **Round 38 (2026-12-06): an H100 80GB HBM3 again, perhaps another (torch 2.11, Triton 3.6);
 #   commit 16e2562: the PyTorch path's decay matrix is masked before `exp` (chapter 12), so autograd
 #   keeps one $C \times C$ matrix a chunk, not two.** One machine, one call. The preset step took
