@@ -589,9 +589,7 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
                           + "".join(f"; did you mean '{near[0]}' for '{k}'?" for k in (raw if isinstance(raw, dict) else ())
                                     if (near := difflib.get_close_matches(str(k), ["model", "train", "name", "base"], n=1, cutoff=0.6))
                                     and k != near[0])
-                          + "".join(f"; put '{k}' under '{sec}:'" + (f" (as '{k.split('.', 1)[1]}:')" if "." in k else "")
-                                    for k in (raw if isinstance(raw, dict) else ()) for sec, cls in _SECTIONS.items()
-                                    if str(k).removeprefix(f"{sec}.") in _field_types(cls) and "." not in str(k).removeprefix(f"{sec}.")))
+                          + "".join(map(_placed, raw if isinstance(raw, dict) else ())))
     if raw.get("base") is not None and not isinstance(raw["base"], str):
         raise ConfigError(f"{p}: 'base:' names one preset ({', '.join(presets())}) or a .yaml file; found {raw['base']!r}")
     for sec, example in (("model", "dim: 128"), ("train", "max_steps: 100")):
@@ -604,6 +602,13 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         raise ConfigError(f"{p}: 'name:' names the run (its folder is runs/NAME-<time>): give a word such as "
                           f"{p.stem}, without / or \\; found {name!r}")
     return str(name or p.stem), raw, p
+
+
+def _placed(key) -> str:
+    "'; put KEY under SECTION:' for a config key found at a file's top level, or '' if it names no key."
+    try: sec, name = _section_of(str(key))
+    except ConfigError: return ""  # 'base', a section's name, a misspelling: said elsewhere
+    return f"; put '{key}' under '{sec}:'" + (f" (as '{name}:')" if name != key else "")
 
 
 def _read_with_bases(name_or_path) -> tuple[str, list[tuple[dict, Path]]]:

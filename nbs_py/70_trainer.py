@@ -486,8 +486,8 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
     "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
     if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
         saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
-    now = _how_it_trains(json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict())))  # tuples as lists, as meta.json
-    then = _how_it_trains(saved)  # (a default run_dir is named only when resuming: it is not compared)  # stores them
+    now = _how_it_trains(json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict())))  # tuples as lists, as meta.json has
+    then = _how_it_trains(saved)  # (without run_dir: a default one is named only when resuming)
     diff = {sec: "; ".join(f"{k}: {then[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items() if then[sec].get(k) != v)
             for sec in ("model", "train")}
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])

@@ -201,7 +201,7 @@ class MultiHeadLatentAttention(nn.Module):
             positions = positions_from_cu_seqlens(cu_seqlens, T, self.config.max_seq_len)  # reads the boundaries once
         elif positions is None: positions = torch.arange(T, device=x.device)
         elif positions.numel():  # given by hand (the model never does): in the range the tables were trained on
-            lo, hi = int(positions.min()), int(positions.max())
+            lo, hi = map(int, torch.aminmax(positions))
             if lo < 0 or hi >= self.config.max_seq_len:
                 raise ValueError(f"positions run from {lo} to {hi}; this model's are 0..{self.config.max_seq_len - 1} "
                                  f"(max_seq_len={self.config.max_seq_len}): give positions in that range")
