@@ -227,7 +227,7 @@ def _train(parser, args, cfg) -> dict:
     if stop is None: say(f"done. run folder: {trainer.run_dir.resolve()}")
     elif trainer.step < cfg.train.max_steps:
         say(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
-    else:  # the last step is trained and saved; its validation, model.safetensors and summary.json are not written yet
+    else:  # the last step is trained, validated and saved; model.safetensors and summary.json are not written yet
         say(f"stopped by {getattr(stop, 'name', stop)} after the last step ({trainer.step}), before the final model "
             f"was written; {_resume_from(trainer, cfg, args)} and writes it")
     summary = getattr(trainer, "summary", {})

@@ -205,7 +205,7 @@ test_fail(lambda: newton_schulz(torch.randn(5)), contains="needs a matrix")
 # $\lVert \Delta W \rVert_2 \propto \sqrt{m/n}$, which $\sqrt{\max(1, m/n)}$ only approximates.
 #
 # The other common rule (Moonshot's *Muon is Scalable*, 2025) multiplies by $0.2\sqrt{\max(m,n)}$,
-# which sets the update RMS to exactly 0.2, about what AdamW's update RMS is in practice, so that
+# which sets the update RMS to about 0.2 (exactly 0.2 for an exact, full-rank polar factor; Newton–Schulz's singular values spread around 1, and a low-rank update's RMS is lower), about what AdamW's update RMS is in practice, so that
 # Muon can reuse AdamW's learning rate. We keep the first rule because HyMo's `muon_lr = 0.02` is in
 # its units; the two are related by
 # $$\eta_\text{AdamW-equivalent} = \frac{\eta_\text{muon}}{0.2\,\sqrt{n}} ,$$
@@ -565,9 +565,11 @@ class NorMuon(torch.optim.Optimizer):
         try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
             ok = lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and wd >= 0 and isinstance(ns_steps, numbers.Integral) and not isinstance(ns_steps, bool) and ns_steps >= 1
         except TypeError: ok = False
-        if not ok:
-            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps ≥ 1, weight_decay ≥ 0; "
-                   f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={wd}")
+        flags = {k: g[k] for k in ("nesterov", "cautious")}  # a YAML 'no' read as text would be true
+        if not ok or not all(isinstance(v, bool) for v in flags.values()):
+            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps ≥ 1, weight_decay ≥ 0, "
+                   f"nesterov and cautious True or False; got lr={lr}, momentum={momentum}, beta2={beta2}, "
+                   f"ns_steps={ns_steps}, weight_decay={wd}, " + ", ".join(f"{k}={v!r}" for k, v in flags.items()))
         elif (p := next((p for p in g["params"] if p.ndim not in (2, 3)), None)) is not None:
             bad = (f"NorMuon takes 2-D [m, n] or stacked 3-D [E, m, n] matrices; got shape {tuple(p.shape)}. "
                    "Give 1-D parameters, embeddings and convolutions to AdamW (see `param_group`).")
@@ -752,11 +754,11 @@ class CautiousAdamW(torch.optim.Optimizer):
         try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
             ok = lr >= 0 and eps > 0 and wd >= 0 and isinstance(betas, tuple) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
         except TypeError: ok = False
-        if not ok:
+        if not ok or not isinstance(g["cautious"], bool):
             self.param_groups.pop()
             raise ValueError(f"CautiousAdamW: need lr, weight_decay ≥ 0, eps > 0 (at 0 a coordinate without gradient on "
-                             f"its first step becomes 0/0, NaN) and two betas in [0, 1); got lr={lr}, "
-                             f"betas={betas}, eps={eps}, weight_decay={wd}")
+                             f"its first step becomes 0/0, NaN), two betas in [0, 1) and cautious True or False; got "
+                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={wd}, cautious={g['cautious']!r}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -851,7 +853,10 @@ torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 # - **depthwise convolution kernels** (`q_conv1d` etc., `[C, 1, K]`): each channel's $K$ taps form
 #   an independent tiny filter, not a matrix mapping $C$ inputs to $C$ outputs;
 # - **the MoE router** `gate.weight` `[E, d]`: its rows are the experts' keys, and their relative
-#   norms *are* the routing; orthogonalising would equalise them and erase that signal.
+#   norms *are* the routing; orthogonalising would equalise them and erase that signal. GDN's gate
+#   projections `a_proj` and `b_proj` (`[H, d]`, a decay rate and a write strength per head) are
+#   wide matrices too but stay with NorMuon: each head reads only its own row, through its own
+#   softplus or sigmoid, so no row is ranked against another as the router's are in its top-k.
 #
 # Stacked expert weights `[E, out, in]` go to NorMuon, each expert's matrix on its own (shown above).
 # The rules look at the name and the shape, and are written as one small function so that you can
@@ -1269,8 +1274,9 @@ test_eq(ns_flops(4, 2, steps=1), 4 * 4 * 4 + 2 * 8)
 # gathers only its matrices' updates, orthogonalises them, and sends each rank its shard back (a
 # gather and a scatter per matrix, or one all-to-all for all of them). Each rank then receives about
 # $2P/R$ values instead of $P(R-1)/R$, with $P$ the NorMuon parameter count, and does $1/R$ of the
-# Newton–Schulz work. modded-nanogpt, Moonshot's distributed Muon and Dion do variants of this. HyMo
-# keeps the simple all-gather because it is easy to check and its cost is modest at 8 GPUs.
+# Newton–Schulz work. modded-nanogpt, Dion and the NorMuon paper's FSDP2 implementation do variants of this;
+# Moonshot's Distributed Muon (*Muon is Scalable*) gathers the whole matrix on every rank, as HyMo
+# does. HyMo keeps the simple all-gather because it is easy to check and its cost is modest at 8 GPUs.
 #
 # The check: two CPU processes (gloo), a model with uneven shards (9 rows over 2 ranks, 3 experts
 # over 2 ranks), five NorMuon steps sharded and unsharded from the same initial weights and batches.

@@ -14,7 +14,7 @@
 # 2. **Split.** The last 10 % of the bytes (cut on a line boundary) is the validation split.
 # 3. **Tokenizer.** Train a byte-level BPE on the training split (Hugging Face `tokenizers`), with
 #    one special token, `<|endoftext|>` (EOT), that ends every document.
-# 4. **Shards.** Encode, append an EOT after every document, and write `uint16` shards (`.npy`)
+# 4. **Shards.** Encode, append an EOT after every document, and write `uint16` shards (`uint32` above 65 536 tokens; `.npy`)
 #    plus a JSON manifest. Everything goes to a temporary folder that is renamed when complete, and
 #    an input that was already prepared is not prepared again.
 # 5. **Loader.** Memory-map the shards and cut them into windows of `seq_len + 1` tokens; shuffle
@@ -103,7 +103,8 @@ class DataWarning(UserWarning):
 #   paragraphs belong together.
 #
 # A document keeps its inner newlines and ends with exactly one `"\n"`; the blank lines between
-# documents are replaced by the EOT token.
+# documents are replaced by the EOT token. Text files are read with Python's universal newlines, so
+# Windows' `"\r\n"` and a lone `"\r"` arrive as `"\n"` (a `"\r"` inside a `.jsonl` text is kept).
 
 # %%
 #| export
@@ -909,6 +910,10 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     tok = load_tokenizer(data_dir)
     if tok.get_vocab_size() != manifest["vocab_size"]:
         raise DataError(f"tokenizer.json has {tok.get_vocab_size()} tokens, the manifest says {manifest['vocab_size']}: prepare again")
+    if tok.token_to_id(EOT) != manifest["eot_id"] or manifest["dtype"] != token_dtype(manifest["vocab_size"]).name:
+        raise DataError(f"the manifest's eot_id {manifest['eot_id']} and dtype {manifest['dtype']} are not what its "
+                        f"tokenizer gives ({EOT} is id {tok.token_to_id(EOT)}, ids fit {token_dtype(manifest['vocab_size'])}): "
+                        f"the manifest was edited or belongs to another dataset; prepare again {_SAME_COMMAND}")
     for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
     if manifest["vocab_size"] > vocab_size:
         raise DataError(f"{data_dir} was tokenized with {manifest['vocab_size']} tokens but the model has vocab_size="
@@ -1006,7 +1011,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try: out = _real_out(out)
     except FileNotFoundError: raise DataError(f"the current folder was deleted: cd to an existing one, or give --out as an "
                                               "absolute path") from None
-    # the options first: a bad one fails at once, not after reading every input
+    # the options first: a bad one fails at once, not after reading every input. numpy's numbers as Python's: they go
+    # into the manifest, and json cannot write numpy's
+    vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes = (
+        x.item() if isinstance(x, np.generic) else x for x in (vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes))
     if os.path.ismount(out):
         raise DataError(f"--out {out} is a mount point, which cannot be replaced by a new folder: give a folder inside it "
                         f"(e.g. --out {out / 'data'})")
@@ -1398,7 +1406,7 @@ class TokenLoader:
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
                 "world_size": self.world_size, "accum": self.accum, "split": self.split, "fingerprint": self.manifest["fingerprint"]}
 
-    def check_same_data(self, saved: dict, # `fingerprint`, `seq_len` and `seed` of a saved run; a key it lacks is not checked
+    def check_same_data(self, saved: dict, # `fingerprint`, `tokenizer_sha256`, `seq_len` and `seed` of a saved run; a key it lacks (or None) is not checked
                         source: str, # What saved them, for the message (a checkpoint's folder)
                        ):
         "Raise `DataError` unless `saved` names this loader's dataset, and the `seq_len` and `seed` its order depends on."
@@ -1408,6 +1416,12 @@ class TokenLoader:
                             f"{saved['fingerprint'][:12]}… then, {mine['fingerprint'][:12]}… now: prepared again, or another "
                             "folder): resume with that data; to train on this one, start a new run (a new run_dir=..., "
                             "without --resume)")
+        if saved.get("tokenizer_sha256") not in (None, self.manifest["tokenizer_sha256"]):  # the fingerprint names a
+            # trained tokenizer by its inputs and options: another version of `tokenizers` may learn other merges from them
+            raise DataError(f"the dataset in {self.data_dir} was prepared from the same texts as the one {source} trained "
+                            "on, but encoded by another tokenizer (its tokenizer.json's sha256 differs: prepared again, "
+                            "perhaps with another version of tokenizers), so its ids mean other text: resume with the "
+                            "dataset it trained on; to train on this one, start a new run (a new run_dir=..., without --resume)")
         diff = [f"{k} {saved[k]} -> {mine[k]}" for k in ("seq_len", "seed") if saved.get(k, mine[k]) != mine[k]]
         if diff: raise DataError(f"{source} cannot continue its data order with {', '.join(diff)} (the order of the windows "
                                  "depends on them): resume with the saved values, or start a new run (a new run_dir=..., "

@@ -295,6 +295,7 @@ assert "afile is a file, not a folder: choose another --out" in err.getvalue()
 # data, to compare runs on different corpora, or to evaluate on a held-out set, every dataset must
 # be encoded with the model's tokenizer. The manifest records its sha256, and so does a finished
 # run's `summary.json`, so which tokenizer encoded what is never a guess: generation checks a run
-# folder's copy against it, and a resume refuses a dataset whose fingerprint (which includes the
-# tokenizer's hash) is not the one the run trained on.
+# folder's copy against it, and a resume refuses a dataset whose fingerprint (its inputs and
+# options, with a given tokenizer's hash) or whose tokenizer's hash (each checkpoint keeps it) is
+# not the one the run trained on.
 # :::

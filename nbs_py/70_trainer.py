@@ -282,11 +282,11 @@ test_eq([peak_of(n) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVID
 # (`__R_N.distcp`, `rankR.pt`) while the page cache still holds them, and rank 0 adds DCP's
 # `.metadata`. A resume checks them before it reads anything else (`check_files`), each file on
 # one rank, the one of the same number where the number of ranks is unchanged, and a file that
-# differs is damage like a missing one. CRC-32 reads about 2.5 to 3 GB/s on one core (measured below). On
+# differs is damage like a missing one. CRC-32 reads about 2.3 to 3.2 GB/s on one core (measured below, and by the benchmark that follows). On
 # one H100 machine the 750M preset's checkpoint, 10.1 GB of weights and moments, took 17 to 22 s
 # to save, of which the sums 3.8 to 4.4 s, and 10.3 s to load, of which the check 3.9 s
 # (`benchmarks/ckpt_save.py`, in `benchmarks/results/ckpt_save.json`): once every `ckpt_every`
-# steps (1000: about two hours of steps), and less per rank on more ranks. A checkpoint written
+# steps (1000: about two hours of steps on one GPU), and less per rank on more ranks. A checkpoint written
 # before HyMo recorded the sums has no list and loads unchecked.
 
 # %%
@@ -322,14 +322,21 @@ def _json_dict(path: Path) -> dict | None:
     return d if isinstance(d, dict) else None
 
 
+def tmp_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints of `run_dir` still being written, or whose writing was cut short: `step_` and digits, then `.tmp`,
+    as `save` names them; oldest first. A copy of yours named `step_best.tmp` is not one of them."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir(): return []
+    tmps = [t for t in root.glob(f"{CKPT_PREFIX}*.tmp") if re.fullmatch(CKPT_PREFIX + r"\d{6,}", t.with_suffix("").name)]
+    return sorted(tmps, key=lambda t: checkpoint_step(t.with_suffix("")))
+
+
 def cut_short_renames(run_dir: Path) -> list[Path]:
     """The `.tmp` checkpoints of `run_dir` whose rename alone was cut short (a kill, or a refused rename, right after
     writing): every file there, a `meta.json` of the step the name says, newer than every checkpoint. Oldest first."""
     done = list_checkpoints(run_dir)
     newest, found = (checkpoint_step(done[-1]) if done else -1), []
-    root = Path(run_dir) / "checkpoints"
-    tmps = [t for t in root.glob(f"{CKPT_PREFIX}*.tmp") if re.fullmatch(CKPT_PREFIX + r"\d{6,}", t.with_suffix("").name)] if root.is_dir() else []
-    for tmp in sorted(tmps, key=lambda t: checkpoint_step(t.with_suffix(""))):
+    for tmp in tmp_checkpoints(run_dir):
         step = (_json_dict(tmp / "meta.json") or {}).get("step")
         if Trainer._whole(tmp) and step == checkpoint_step(tmp.with_suffix("")) > newest:
             found.append(tmp); newest = step
@@ -447,14 +454,21 @@ def _reason(e: BaseException) -> str:
 
 
 def _rng_state() -> dict:
+    "This process's random states: the CPU's and its own GPU's (not every visible GPU's: a resume may be shown fewer)."
     s = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state()  # the current device: this rank's (`setup`)
     return s
 
 
 def _set_rng_state(s: dict):
     torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+    cuda = s.get("cuda")
+    if cuda is None or not torch.cuda.is_available(): return  # saved on a CPU, or resumed on one
+    if isinstance(cuda, (list, tuple)):  # checkpoints before: every visible GPU's state, this rank's at its device's index
+        i = torch.cuda.current_device()
+        if i >= len(cuda): return  # fewer GPUs were visible then: this one's state was not saved
+        cuda = cuda[i]
+    torch.cuda.set_rng_state(cuda)
 
 
 def _saved(cls, d: dict):
@@ -876,7 +890,7 @@ class Trainer:
         if not self.d.is_main: return
         done = list_checkpoints(self.run_dir)
         newest = checkpoint_step(done[-1]) if done else -1
-        for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
+        for tmp in tmp_checkpoints(self.run_dir):  # only the names `save` writes: `step_best.tmp` is yours
             if self._whole(tmp) and checkpoint_step(tmp.with_suffix("")) > newest:  # complete, but not this step's
                 self.log(f"warning: {tmp} looks complete and is newer than every checkpoint, but its meta.json names "
                          f"another step: it is left as it is")
@@ -1447,6 +1461,7 @@ def save(self: Trainer) -> Path:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "data_fingerprint": getattr(self.train_loader, "manifest", {}).get("fingerprint"),
+                    "data_tokenizer_sha256": getattr(self.train_loader, "manifest", {}).get("tokenizer_sha256"),
                     "config": Config(self.mcfg, self.cfg).to_dict(), "files": files}
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
@@ -1536,6 +1551,7 @@ def load(self: Trainer, ckpt: Path):
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
+                                                "tokenizer_sha256": meta.get("data_tokenizer_sha256"),
                                                 **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
         except DataError as e:  # most often the data_dir= of the run left out: name it
             if "data_dir" not in old or old["data_dir"] == self.cfg.data_dir: raise  # (both absolute; None: the bundled corpus)
@@ -1678,8 +1694,9 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # and last step of the call, and whenever it evaluates, it also prints one line of metrics
 # (`metric_line`), which stays in the scroll-back and in a job's log file. The line adds `moe dropped
 # N%` while an MoE block's capacity (`moe_capacity_factor`) cuts more than 1 % of its routed
-# assignments, the largest share of any block: a quarter in the tiny preset's first steps, falling as
-# the gate biases even out the load (chapter 30); one that stays high asks for a larger capacity
+# assignments, the largest share of any block: in the tiny preset none for the first few steps, then
+# about a quarter around steps 8 to 14, falling to a few per cent by step 30 as the gate biases
+# even out the load (chapter 30); one that stays high asks for a larger capacity
 # factor, or null (dropless). The bar is drawn only
 # when stderr is a terminal (`_a_terminal`): in a log file each redraw would be one more line.
 #

@@ -18,7 +18,7 @@
 # A YAML file without `base:` changes the design defaults, hymo_750m's; one that leaves values
 # unset that way gets a note saying so first (its `seq_len` of 4 096, say, would otherwise surface
 # only as a dataset too small for it). A stop that comes during the last step leaves the final
-# model unwritten (the step is saved; its validation, `model.safetensors` and `summary.json` are
+# model unwritten (the step is saved with its validation loss; `model.safetensors` and `summary.json` are
 # `finish`'s), and the stop line says that the same command writes it.
 #
 # The command is thin: it parses, loads the config (whose errors already say what to do), builds a
@@ -46,7 +46,9 @@
 # | no space, quota, a read-only or forbidden file | 1 | the checkpoints written so far (no partial one) |
 # | a damaged shard, found as it is read (an id beyond the vocabulary) | 1 | the checkpoints written so far |
 #
-# These are the exit statuses of `python -m hymo.train`, which is each rank under `torchrun`. Given
+# These are the exit statuses of `python -m hymo.train`, which is each rank under `torchrun`; a rank
+# that stops only because another rank was signalled exits 143, as if sent SIGTERM (rank 0 given
+# SIGPIPE exits 141, the others 143). Given
 # the signal itself, `torchrun` waits for its ranks (who write the checkpoint and print the resume
 # line as above), then prints a `SignalException` traceback of its own and exits with status 1: the
 # ranks' line above that traceback is the one to read, and the checkpoint is there.
@@ -290,7 +292,7 @@ def _train(parser, args, cfg) -> dict:
     if stop is None: say(f"done. run folder: {trainer.run_dir.resolve()}")
     elif trainer.step < cfg.train.max_steps:
         say(f"stopped by {getattr(stop, 'name', stop)} at step {trainer.step}; {_resume_from(trainer, cfg, args)}")
-    else:  # the last step is trained and saved; its validation, model.safetensors and summary.json are not written yet
+    else:  # the last step is trained, validated and saved; model.safetensors and summary.json are not written yet
         say(f"stopped by {getattr(stop, 'name', stop)} after the last step ({trainer.step}), before the final model "
             f"was written; {_resume_from(trainer, cfg, args)} and writes it")
     summary = getattr(trainer, "summary", {})

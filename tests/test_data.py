@@ -58,6 +58,7 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
 
 def test_documents_of_plain_text():
     assert split_text("A:\nx\n\n \n\nB:\ny") == ["A:\nx\n", "B:\ny\n"]
+    assert split_text("A\n\x0c\nB\n\u00a0\nC\n") == ["A\n", "B\n", "C\n"]  # a form feed or no-break space alone is blank
     assert split_text("A\n\nB\n", "file") == ["A\n\nB\n"]
     with pytest.raises(DataError, match="choose 'blank' or 'file'"): split_text("a", "lines")
 
@@ -661,12 +662,14 @@ def test_input_or_tokenizer_that_cannot_be_opened(text, tmp_path, monkeypatch, c
     assert not (tmp_path / "o").exists()
 
 
-def test_a_stream_that_divides_into_windows_never_reads_past_its_end(ds):
-    "A window reads T + 1 tokens, so a stream of exactly K·T tokens holds K - 1 windows, not K."
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_stream_that_divides_into_windows_never_reads_past_its_end(ds, extra):
+    """A window reads T + 1 tokens, so a stream of exactly K·T tokens holds K - 1 windows, not K; one of K·T + 1 holds
+    K, the last ending on the stream's last token."""
     s = stream_of(ds, "train")
-    T = next(t for t in range(8, 400) if len(s) % t == 0)
+    T = next(t for t in range(8, 400) if len(s) % t == extra)
     loader = TokenLoader(ds, seq_len=T, micro_batch_size=1, seed=0)
-    assert loader.n_windows == len(s) // T - 1
+    assert loader.n_windows == len(s) // T - 1 + extra
     for step in range(loader.steps_per_epoch):  # every window of an epoch, the last one included
         x, y = loader.batch(step)
         k = int(loader.window_ids(step)[0])
@@ -676,9 +679,10 @@ def test_a_stream_that_divides_into_windows_never_reads_past_its_end(ds):
 def test_each_epoch_has_its_own_order(ds):
     loader = TokenLoader(ds, seq_len=16, micro_batch_size=4, seed=0)
     S = loader.steps_per_epoch
-    first, second = ([loader.window_ids(t) for t in range(e * S, (e + 1) * S)] for e in (0, 1))
-    assert not np.array_equal(np.concatenate(first), np.concatenate(second))
-    for e in (first, second):  # each epoch: distinct windows (all but the few that do not fill a step)
+    epochs = [[loader.window_ids(t) for t in range(e * S, (e + 1) * S)] for e in range(4)]
+    orders = [np.concatenate(e) for e in epochs]
+    assert all(not np.array_equal(a, b) for i, a in enumerate(orders) for b in orders[i + 1:])  # no epoch repeats another
+    for e in epochs:  # each epoch: distinct windows (all but the few that do not fill a step)
         ids = np.concatenate(e)
         assert len(np.unique(ids)) == len(ids) and ids.max() < loader.n_windows and loader.n_windows - len(ids) < 4
 
@@ -868,6 +872,11 @@ def test_a_manifest_vocab_size_that_is_not_the_tokenizer_s_is_refused(text, tmp_
     m = json.loads((bad / "manifest.json").read_text()); m["vocab_size"] = 256
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DataError, match=f"tokenizer.json has {VOCAB} tokens, the manifest says 256"): check_compatible(bad, 256)
+    for key, value in (("eot_id", 7), ("dtype", "uint32")):  # a manifest edited (or another's): never read as intact
+        (bad / "manifest.json").write_text(json.dumps({**m, "vocab_size": VOCAB, key: value}))
+        with pytest.raises(DataError, match=f"manifest's eot_id .* not what its tokenizer gives"): check_compatible(bad, VOCAB)
+    (bad / "manifest.json").write_text(json.dumps({**m, "vocab_size": VOCAB}))
+    assert check_compatible(bad, VOCAB)["eot_id"] == 0
 
 
 def test_a_changed_input_or_option_is_not_served_from_the_old_dataset(text, tmp_path):
@@ -919,8 +928,9 @@ def test_the_tokenizer_trains_on_at_most_tokenizer_train_bytes(text, tmp_path, m
     n = sum(len(d.encode()) for d in seen)
     assert 5000 - max(len(d.encode()) for d in seen) < n <= 5000
     seen.clear()
-    prepare(text, tmp_path / "ds1", vocab_size=VOCAB, doc_split="file", tokenizer_train_bytes=1000, progress=False)
-    assert len(seen) == 1 and 900 < len(seen[0].encode()) <= 1000 and seen[0].endswith("\n")
+    prepare(text, tmp_path / "ds1", vocab_size=VOCAB, doc_split="file", tokenizer_train_bytes=1010, progress=False)
+    assert not text.read_text()[:1010].endswith("\n")  # (at 1000 the file's own text ends a line: no test of the cut)
+    assert len(seen) == 1 and 900 < len(seen[0].encode()) <= 1010 and seen[0].endswith("\n")
     used = []
     monkeypatch.setattr(D, "_short_runs", lambda docs: used.append(1) or iter(list(docs)))
     prepare(text, tmp_path / "ds2", vocab_size=VOCAB, tokenizer_train_bytes=2000, progress=False)
@@ -1150,8 +1160,11 @@ def test_cli_overwrite_is_what_lets_prepare_replace_a_dataset(text, tmp_path, ca
     assert main(["prepare", "--input", str(text), *args]) == 0
     assert main(["prepare", "--input", str(tmp_path / "b.txt"), *args]) == 1  # other inputs, no --overwrite: kept
     assert load_manifest(tmp_path / "ds")["inputs"] == [text.name] and "--overwrite" in capsys.readouterr().err
+    capsys.readouterr()
     assert main(["prepare", "--input", str(tmp_path / "b.txt"), *args, "--overwrite"]) == 0
-    assert load_manifest(tmp_path / "ds")["inputs"] == ["b.txt"]
+    assert load_manifest(tmp_path / "ds")["inputs"] == ["b.txt"] and "nothing written" not in capsys.readouterr().out
+    assert main(["prepare", "--input", str(tmp_path / "b.txt"), *args, "--overwrite"]) == 0  # now the same dataset
+    assert "note: nothing written" in capsys.readouterr().out
 
 
 def test_cli_tokenizer_and_val_fraction_reach_prepare(ds, text, tmp_path, capsys):
@@ -1439,3 +1452,8 @@ def test_prepare_takes_what_the_exact_cut_leaves_and_any_number_type_for_the_fra
     assert load_manifest(ds)["splits"]["train"]["tokens"] > 0
     assert list(split_train_val(["ab\n", "cd\n"], 6, np.float32(0.5))) == list(split_train_val(["ab\n", "cd\n"], 6, 0.5))
     assert list(split_train_val(["ab\n"], 3, False)) == [("train", "ab\n")]
+    # numpy's numbers reach the manifest as Python's (json cannot write numpy's: a TypeError before)
+    ds = prepare(tmp_path / "ten.txt", tmp_path / "np", vocab_size=np.int64(300), val_fraction=np.float32(0.5),
+                 shard_tokens=np.int64(1000), tokenizer_train_bytes=np.int64(10**6), progress=False)
+    source = load_manifest(ds)["source"]
+    assert (source["vocab_size"], source["val_fraction"], source["shard_tokens"]) == (300, 0.5, 1000)

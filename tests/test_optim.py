@@ -616,6 +616,21 @@ def test_wsd_names_the_valid_shapes():
             wsd_schedule(step, c)
 
 
+def test_adamw_refuses_a_cautious_that_is_not_a_bool():
+    with pytest.raises(ValueError, match="cautious True or False; got .*cautious='no'"):
+        CautiousAdamW([nn.Parameter(torch.randn(4, 4))], cautious="no")
+
+
+def test_wsd_and_build_optimizers_check_a_config_changed_in_code():
+    "`load_config` refuses these; a TrainingConfig changed with dataclasses.replace is checked where it is used."
+    c = load_config("hymo_tiny").train
+    for name, value in (("decay_fraction", 1.5), ("min_lr_ratio", -0.1)):
+        with pytest.raises(ValueError, match=rf"{name}={value} must be in \[0, 1\]"):
+            wsd_schedule(0, dataclasses.replace(c, **{name: value}))
+    with pytest.raises(ValueError, match="weight_decay=100.0 .* flipping them"):
+        build_optimizers(nn.Linear(4, 4), dataclasses.replace(c, weight_decay=100.0))
+
+
 def test_wsd_without_decay_stays_at_peak_past_max_steps():
     c = load_config("hymo_tiny", decay_fraction=0.0, min_lr_ratio=0.1).train
     assert [wsd_schedule(t, c) for t in (c.max_steps - 1, c.max_steps, c.max_steps + 5)] == [1.0, 1.0, 1.0]
@@ -629,7 +644,8 @@ def test_any_vector_or_scalar_goes_to_adamw_without_decay():
     assert param_group("temperature", torch.empty(())) == "adamw_no_decay"
 
 
-@pytest.mark.parametrize("bad", [dict(ns_steps=2.5), dict(ns_steps=True), dict(momentum=None), dict(lr="0.02")])
+@pytest.mark.parametrize("bad", [dict(ns_steps=2.5), dict(ns_steps=True), dict(momentum=None), dict(lr="0.02"),
+                                 dict(nesterov="no"), dict(cautious=None)])  # 'no' as text is true: Nesterov on
 def test_normuon_refuses_values_of_the_wrong_type_with_its_message(bad):
     "Not a TypeError from deep inside `step`: the constructor names every setting it needs."
     with pytest.raises(ValueError, match="NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps"):

@@ -515,6 +515,15 @@ def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(t
     with pytest.raises(DataError, match="cannot continue its data order with seq_len 32 -> 16"):
         make(tmp_path / "run", **over, seq_len=16)
     with pytest.raises(DataError, match="seed 0 -> 1"): make(tmp_path / "run", **over, seed=1)
+    # the same texts and options encoded by another tokenizer (another tokenizers version may learn other merges): the
+    # fingerprint names a trained tokenizer only by its inputs, so the tokenizer's own sha256 is compared too
+    meta = tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json"
+    saved = json.loads(meta.read_text())
+    assert saved["data_tokenizer_sha256"] == json.loads((data / "manifest.json").read_text())["tokenizer_sha256"]
+    meta.write_text(json.dumps({**saved, "data_tokenizer_sha256": "0" * 64}))
+    with pytest.raises(DataError, match="prepared from the same texts .* encoded by another tokenizer"):
+        make(tmp_path / "run", **over)
+    meta.write_text(json.dumps(saved))
     src.write_text(src.read_text().replace("question", "answer"))
     prepare(src, data, vocab_size=300, overwrite=True, progress=False)
     meta = tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json"  # as if written by 2 ranks: rank0.pt unused
@@ -682,12 +691,19 @@ def test_checkpoint_names_other_than_step_digits_are_left_alone(tmp_path):
     ckpts = tmp_path / "run" / "checkpoints"
     shutil.copytree(ckpts / "step_000004", ckpts / "step_000004.bak")
     (ckpts / "step_4").mkdir()
+    # .tmp names `save` never writes: a complete copy (its name crashed the start, int('best')) and a folder of files
+    # (deleted as a cut-short checkpoint)
+    shutil.copytree(ckpts / "step_000004", ckpts / "step_best.tmp")
+    (ckpts / "step_000010-mine.tmp").mkdir(); (ckpts / "step_000010-mine.tmp" / "notes.txt").write_text("mine")
+    (ckpts / "step_000009.tmp").mkdir()  # a cut-short write of `save`'s own name: removed
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step_000002", "step_000004"]
     (ckpts / "step_000004" / "meta.json").unlink()
     t = make(tmp_path / "run", max_steps=8, warmup_steps=1)
     assert t.step == 2 and (ckpts / "damaged-step_000004").exists() and (ckpts / "step_000004.bak").exists()
+    assert not (ckpts / "step_000009.tmp").exists()
     t.fit()
     assert (ckpts / "step_000004.bak").exists() and (ckpts / "step_4").exists()
+    assert (ckpts / "step_best.tmp" / "meta.json").exists() and (ckpts / "step_000010-mine.tmp" / "notes.txt").exists()
 
 
 def test_a_finished_run_is_not_finished_again(tmp_path):
@@ -2814,10 +2830,32 @@ def test_a_resume_restores_the_random_state(tmp_path):
     t = make(tmp_path / "run", max_steps=4, ckpt_every=2)
     torch.rand(7)  # the state saved is then not the one that building a Trainer leaves (seed, then initialisation)
     t.fit(num_steps=2)
-    saved = torch.get_rng_state()
+    gpu = torch.cuda.is_available()  # there the trainer's GPU generator too (its own device's, `_rng_state`)
+    saved, saved_gpu = torch.get_rng_state(), torch.cuda.get_rng_state() if gpu else None
     torch.rand(100)  # moved on after the save, as more training would
+    if gpu: torch.rand(100, device="cuda")
     back = make(tmp_path / "run", max_steps=4, ckpt_every=2)
     assert back.step == 2 and torch.equal(torch.get_rng_state(), saved)
+    assert not gpu or torch.equal(torch.cuda.get_rng_state(), saved_gpu)
+
+
+def test_the_gpu_random_state_saved_is_this_ranks_own(monkeypatch):
+    """Every visible GPU's state was saved and restored (get/set_rng_state_all): a resume shown fewer GPUs per process
+    (one each under Slurm, eight each before) failed with an IndexError. Now one state, this rank's device's; a
+    checkpoint holding the old list restores its entry for the current device, or nothing where it has none."""
+    import hymo.training.trainer as tr
+    states, device, restored = [torch.tensor([i], dtype=torch.uint8) for i in range(8)], [3], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[torch.cuda.current_device()])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append(int(s[0])))
+    saved = tr._rng_state()
+    assert torch.equal(saved["cuda"], states[3]) and torch.equal(saved["torch"], torch.get_rng_state())
+    device[0] = 0; tr._set_rng_state(saved)  # resumed with one GPU shown: device 0 takes the rank's state
+    tr._set_rng_state({"torch": saved["torch"], "cuda": states})  # an older checkpoint's list: device 0's entry
+    device[0] = 5; tr._set_rng_state({"torch": saved["torch"], "cuda": states[:2]})  # device 5 of a list of 2: none
+    tr._set_rng_state({"torch": saved["torch"]})  # saved on a CPU
+    assert restored == [3, 0]
 
 
 def test_resuming_another_runs_checkpoint_says_it_branches(tmp_path, capsys):

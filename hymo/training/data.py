@@ -668,6 +668,10 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     tok = load_tokenizer(data_dir)
     if tok.get_vocab_size() != manifest["vocab_size"]:
         raise DataError(f"tokenizer.json has {tok.get_vocab_size()} tokens, the manifest says {manifest['vocab_size']}: prepare again")
+    if tok.token_to_id(EOT) != manifest["eot_id"] or manifest["dtype"] != token_dtype(manifest["vocab_size"]).name:
+        raise DataError(f"the manifest's eot_id {manifest['eot_id']} and dtype {manifest['dtype']} are not what its "
+                        f"tokenizer gives ({EOT} is id {tok.token_to_id(EOT)}, ids fit {token_dtype(manifest['vocab_size'])}): "
+                        f"the manifest was edited or belongs to another dataset; prepare again {_SAME_COMMAND}")
     for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
     if manifest["vocab_size"] > vocab_size:
         raise DataError(f"{data_dir} was tokenized with {manifest['vocab_size']} tokens but the model has vocab_size="
@@ -752,7 +756,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     try: out = _real_out(out)
     except FileNotFoundError: raise DataError(f"the current folder was deleted: cd to an existing one, or give --out as an "
                                               "absolute path") from None
-    # the options first: a bad one fails at once, not after reading every input
+    # the options first: a bad one fails at once, not after reading every input. numpy's numbers as Python's: they go
+    # into the manifest, and json cannot write numpy's
+    vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes = (
+        x.item() if isinstance(x, np.generic) else x for x in (vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes))
     if os.path.ismount(out):
         raise DataError(f"--out {out} is a mount point, which cannot be replaced by a new folder: give a folder inside it "
                         f"(e.g. --out {out / 'data'})")
@@ -978,7 +985,7 @@ class TokenLoader:
         return {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "micro_batch_size": self.micro_batch_size,
                 "world_size": self.world_size, "accum": self.accum, "split": self.split, "fingerprint": self.manifest["fingerprint"]}
 
-    def check_same_data(self, saved: dict, # `fingerprint`, `seq_len` and `seed` of a saved run; a key it lacks is not checked
+    def check_same_data(self, saved: dict, # `fingerprint`, `tokenizer_sha256`, `seq_len` and `seed` of a saved run; a key it lacks (or None) is not checked
                         source: str, # What saved them, for the message (a checkpoint's folder)
                        ):
         "Raise `DataError` unless `saved` names this loader's dataset, and the `seq_len` and `seed` its order depends on."
@@ -988,6 +995,12 @@ class TokenLoader:
                             f"{saved['fingerprint'][:12]}… then, {mine['fingerprint'][:12]}… now: prepared again, or another "
                             "folder): resume with that data; to train on this one, start a new run (a new run_dir=..., "
                             "without --resume)")
+        if saved.get("tokenizer_sha256") not in (None, self.manifest["tokenizer_sha256"]):  # the fingerprint names a
+            # trained tokenizer by its inputs and options: another version of `tokenizers` may learn other merges from them
+            raise DataError(f"the dataset in {self.data_dir} was prepared from the same texts as the one {source} trained "
+                            "on, but encoded by another tokenizer (its tokenizer.json's sha256 differs: prepared again, "
+                            "perhaps with another version of tokenizers), so its ids mean other text: resume with the "
+                            "dataset it trained on; to train on this one, start a new run (a new run_dir=..., without --resume)")
         diff = [f"{k} {saved[k]} -> {mine[k]}" for k in ("seq_len", "seed") if saved.get(k, mine[k]) != mine[k]]
         if diff: raise DataError(f"{source} cannot continue its data order with {', '.join(diff)} (the order of the windows "
                                  "depends on them): resume with the saved values, or start a new run (a new run_dir=..., "

@@ -196,9 +196,11 @@ class NorMuon(torch.optim.Optimizer):
         try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
             ok = lr >= 0 and 0 <= momentum < 1 and 0 <= beta2 < 1 and wd >= 0 and isinstance(ns_steps, numbers.Integral) and not isinstance(ns_steps, bool) and ns_steps >= 1
         except TypeError: ok = False
-        if not ok:
-            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps ≥ 1, weight_decay ≥ 0; "
-                   f"got lr={lr}, momentum={momentum}, beta2={beta2}, ns_steps={ns_steps}, weight_decay={wd}")
+        flags = {k: g[k] for k in ("nesterov", "cautious")}  # a YAML 'no' read as text would be true
+        if not ok or not all(isinstance(v, bool) for v in flags.values()):
+            bad = (f"NorMuon: need lr ≥ 0, 0 ≤ momentum < 1, 0 ≤ beta2 < 1, a whole number ns_steps ≥ 1, weight_decay ≥ 0, "
+                   f"nesterov and cautious True or False; got lr={lr}, momentum={momentum}, beta2={beta2}, "
+                   f"ns_steps={ns_steps}, weight_decay={wd}, " + ", ".join(f"{k}={v!r}" for k, v in flags.items()))
         elif (p := next((p for p in g["params"] if p.ndim not in (2, 3)), None)) is not None:
             bad = (f"NorMuon takes 2-D [m, n] or stacked 3-D [E, m, n] matrices; got shape {tuple(p.shape)}. "
                    "Give 1-D parameters, embeddings and convolutions to AdamW (see `param_group`).")
@@ -297,11 +299,11 @@ class CautiousAdamW(torch.optim.Optimizer):
         try:  # `not >=` refuses NaN; None or a string where a number belongs is a TypeError
             ok = lr >= 0 and eps > 0 and wd >= 0 and isinstance(betas, tuple) and len(betas) == 2 and all(0 <= b < 1 for b in betas)
         except TypeError: ok = False
-        if not ok:
+        if not ok or not isinstance(g["cautious"], bool):
             self.param_groups.pop()
             raise ValueError(f"CautiousAdamW: need lr, weight_decay ≥ 0, eps > 0 (at 0 a coordinate without gradient on "
-                             f"its first step becomes 0/0, NaN) and two betas in [0, 1); got lr={lr}, "
-                             f"betas={betas}, eps={eps}, weight_decay={wd}")
+                             f"its first step becomes 0/0, NaN), two betas in [0, 1) and cautious True or False; got "
+                             f"lr={lr}, betas={betas}, eps={eps}, weight_decay={wd}, cautious={g['cautious']!r}")
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -45,9 +45,9 @@ from .optim import build_optimizers, wsd_schedule
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULTS', 'UNTRAINED', 'EXTEND', 'RUN_MARKS',
            'CPU_FLOPS', 'FINISHED_FILES', 'Dist', 'setup_distributed', 'new_run_dir', 'parallelize',
            'resolve_precision', 'peak_flops', 'peak_of', 'list_checkpoints', 'history_sum', 'on_line_of',
-           'cut_short_renames', 'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable', 'file_crc', 'file_rank',
-           'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'schedule_jump', 'trim_metrics',
-           'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder',
+           'tmp_checkpoints', 'cut_short_renames', 'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable',
+           'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'schedule_jump',
+           'trim_metrics', 'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir', 'run_dir_holder',
            'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch', 'accumulation',
            'forward_backward', 'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line',
            'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish',
@@ -177,14 +177,21 @@ def _json_dict(path: Path) -> dict | None:
     return d if isinstance(d, dict) else None
 
 
+def tmp_checkpoints(run_dir: Path) -> list[Path]:
+    """The checkpoints of `run_dir` still being written, or whose writing was cut short: `step_` and digits, then `.tmp`,
+    as `save` names them; oldest first. A copy of yours named `step_best.tmp` is not one of them."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir(): return []
+    tmps = [t for t in root.glob(f"{CKPT_PREFIX}*.tmp") if re.fullmatch(CKPT_PREFIX + r"\d{6,}", t.with_suffix("").name)]
+    return sorted(tmps, key=lambda t: checkpoint_step(t.with_suffix("")))
+
+
 def cut_short_renames(run_dir: Path) -> list[Path]:
     """The `.tmp` checkpoints of `run_dir` whose rename alone was cut short (a kill, or a refused rename, right after
     writing): every file there, a `meta.json` of the step the name says, newer than every checkpoint. Oldest first."""
     done = list_checkpoints(run_dir)
     newest, found = (checkpoint_step(done[-1]) if done else -1), []
-    root = Path(run_dir) / "checkpoints"
-    tmps = [t for t in root.glob(f"{CKPT_PREFIX}*.tmp") if re.fullmatch(CKPT_PREFIX + r"\d{6,}", t.with_suffix("").name)] if root.is_dir() else []
-    for tmp in sorted(tmps, key=lambda t: checkpoint_step(t.with_suffix(""))):
+    for tmp in tmp_checkpoints(run_dir):
         step = (_json_dict(tmp / "meta.json") or {}).get("step")
         if Trainer._whole(tmp) and step == checkpoint_step(tmp.with_suffix("")) > newest:
             found.append(tmp); newest = step
@@ -302,14 +309,21 @@ def _reason(e: BaseException) -> str:
 
 
 def _rng_state() -> dict:
+    "This process's random states: the CPU's and its own GPU's (not every visible GPU's: a resume may be shown fewer)."
     s = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available(): s["cuda"] = torch.cuda.get_rng_state()  # the current device: this rank's (`setup`)
     return s
 
 
 def _set_rng_state(s: dict):
     torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available(): torch.cuda.set_rng_state_all(s["cuda"])
+    cuda = s.get("cuda")
+    if cuda is None or not torch.cuda.is_available(): return  # saved on a CPU, or resumed on one
+    if isinstance(cuda, (list, tuple)):  # checkpoints before: every visible GPU's state, this rank's at its device's index
+        i = torch.cuda.current_device()
+        if i >= len(cuda): return  # fewer GPUs were visible then: this one's state was not saved
+        cuda = cuda[i]
+    torch.cuda.set_rng_state(cuda)
 
 
 def _saved(cls, d: dict):
@@ -705,7 +719,7 @@ class Trainer:
         if not self.d.is_main: return
         done = list_checkpoints(self.run_dir)
         newest = checkpoint_step(done[-1]) if done else -1
-        for tmp in sorted((self.run_dir / "checkpoints").glob(f"{CKPT_PREFIX}*.tmp")):
+        for tmp in tmp_checkpoints(self.run_dir):  # only the names `save` writes: `step_best.tmp` is yours
             if self._whole(tmp) and checkpoint_step(tmp.with_suffix("")) > newest:  # complete, but not this step's
                 self.log(f"warning: {tmp} looks complete and is newer than every checkpoint, but its meta.json names "
                          f"another step: it is left as it is")
@@ -1106,6 +1120,7 @@ def save(self: Trainer) -> Path:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "data_fingerprint": getattr(self.train_loader, "manifest", {}).get("fingerprint"),
+                    "data_tokenizer_sha256": getattr(self.train_loader, "manifest", {}).get("tokenizer_sha256"),
                     "config": Config(self.mcfg, self.cfg).to_dict(), "files": files}
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
@@ -1195,6 +1210,7 @@ def load(self: Trainer, ckpt: Path):
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
+                                                "tokenizer_sha256": meta.get("data_tokenizer_sha256"),
                                                 **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
         except DataError as e:  # most often the data_dir= of the run left out: name it
             if "data_dir" not in old or old["data_dir"] == self.cfg.data_dir: raise  # (both absolute; None: the bundled corpus)
