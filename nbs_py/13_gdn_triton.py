@@ -142,7 +142,8 @@ assert_close(y, (x * s[:, None]) @ w, rtol=2e-3, atol=2e-3)              # tf32 
 # with $\bar Q = s\,\mathrm{diag}(e^{G}) Q$ (reads the old state), $P = s\,(Q K^\top \odot \Gamma)$
 # (causal, diagonal included) and $\bar K = \mathrm{diag}(e^{G_C - G}) K$ (writes the new one); $s$
 # is the query scale and $G_C$ the last cumulative decay of the chunk. Every exponent is a difference
-# $G_i - G_j \le 0$, masked *before* `exp`: no factor exceeds 1.
+# $G_i - G_j \le 0$ for gates $g \le 0$ (the mixer's $-e^{A}\,\mathrm{softplus}(\cdot)$ always is;
+# the rule does not check a hand-given positive gate), masked *before* `exp`: no factor exceeds 1.
 #
 # The letters follow the kernels' variable names, and differ from chapter 12's (and the first
 # workshop deck's), which derived the same system:
@@ -254,6 +255,11 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # whose smallest number is about $e^{-103}$, so each decay is what it was, and 64 clamped gates sum to
 # at most $7\,040$ in magnitude, where fp32 still resolves $5\times10^{-4}$. The gradient of a
 # clamped gate comes out $0$ to fp32 rounding (a difference of sums), as the true one is $0$ ($e^{g}$ is $0$ there too).
+# This departs from chapter 12's remedy, which sums each segment of gates directly: the kernels
+# keep differences of cumulative sums, so after gates near the floor a small gap is resolved only
+# to about $5\times10^{-4}$ in the exponent (eight gates of $-105$ and then gates of $-10^{-3}$:
+# the output is $3\times10^{-5}$ off the float64 loop, chapter 12's PyTorch path $10^{-7}$), a
+# bound the model's gates, a few units each, never come near.
 # A NaN gate stays NaN (`tl.maximum` alone returns the floor for it), so its head's output is NaN
 # from that token on, as the loop's is (and in the earlier tokens of its chunk, whose products it
 # enters): a broken `A_log` or `dt_bias` reaches the trainer's check of the loss.
@@ -397,7 +403,7 @@ def _prep_kernel(k, g, beta, gc, A, cu_seqlens, chunk_indices, chunk_offsets, T,
 # boundaries are valid before any kernel indexes with them: one wait per call on a GPU, with packed documents only.) The spare slots name chunks past the last document's end, where every load and store is
 # masked. They still do their arithmetic: about $N/2$ programs per head, some 3 % more of this
 # kernel and of the local-gradient kernel at HyMo's documents of about 1 024 tokens. (An early
-# return would save it; it is not in yet, because it has not run on the GPU.) Checked against `torch.linalg.solve_triangular` on one chunk:
+# return would save it; it is not in yet, because it has not run on the GPU.) Checked against `torch.linalg.solve_triangular` on a full chunk and a 6-token tail chunk, two heads:
 
 # %%
 #| export
@@ -1086,7 +1092,8 @@ test_fail(lambda: triton_gated_delta_rule(q, k, v.half(), g, beta), contains="mu
 #
 # Generating text feeds one token at a time with the state carried over. The chunked path would
 # solve a $64\times64$ system to advance one token; the recurrence itself is cheaper. One program
-# per (sequence, head, block of value columns) keeps its slice of $S$ in fp32 registers and runs
+# per (sequence, head) keeps its $S$ in fp32 registers (the grid has an axis for blocks of value
+# columns, one block at every size HyMo uses: `_bv`) and runs
 # the loop of chapter 12 ("decay, read the error, write"), token after token:
 # $$S' = e^{g_t} S, \qquad u_t = \beta_t (v_t - S'^\top k_t), \qquad S = S' + k_t u_t^\top, \qquad o_t = S^\top (s\,q_t).$$
 # It is forward only (decoding needs no gradient) and refuses inputs that want one.
@@ -1165,7 +1172,7 @@ def fused_recurrent_gated_delta_rule(
 
 
 # %% [markdown]
-# Decoding must continue exactly where a prefill left off: the chunked kernel reads a prompt of 67
+# Decoding must continue where a prefill left off, to fp32 rounding: the chunked kernel reads a prompt of 67
 # tokens, then the recurrent kernel takes three more tokens one call at a time from the carried
 # state. Outputs and state equal one pass of the loop over all 70 tokens.
 
@@ -1198,8 +1205,10 @@ test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, 
 # on one H200 and stored in `benchmarks/results/gdn_kernel.json`, which this notebook plots (so it
 # runs without a GPU). That run (2026-12-02) predates rounds 12–14, which made kernel 1 and the backward faster: its
 # Triton rows and launches are kept here as the record of that version, and the current kernels' times are round 19's
-# table further down (solve 0.150 ms, state pass + $o$ 0.195 ms, forward + backward 0.981 ms, against 1.445 ms
-# here). To measure again:
+# table further down (solve 0.150 ms, state pass + $o$ 0.195 ms, forward + backward 0.981 ms with `keep_prep`, the
+# model's path, whose backward skips kernel 1 and the state pass). The 1.445 ms here recomputes them (`keep_prep=False`);
+# the old kernels on the `keep_prep` path summed to about 1.12 ms (the launches printed below), so rounds 12–14 saved
+# about 0.14 ms and keeping $A$ and the states the rest. To measure again:
 
 # %%
 import subprocess, sys, tempfile
@@ -1280,8 +1289,10 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # much. Round 29 ran $T$ up to 4 096: with weak decays $o$ reaches 5.1e-3 at $T$ = 1 000 and 5.2e-3
 # at 4 096, just over its target, and the gradients 6.3e-3; with the mixer's initial decays 4.3e-3
 # and 5.4e-3 at most; in fp32 2.0e-3 and 2.7e-3 (`gdn_verify_decays_long_h200.json`). So the excess
-# is the bf16 rounding of the carried state as a product operand, named above; keeping it in fp32
-# for those products would cost fp32 matrix products in the state pass, and is not done.
+# is most likely the bf16 rounding of the carried state as a product operand, named above (the other
+# bf16 operands, $A$, $U$, $P$ and the stored $S_0$ and $dS_C$, also carry more state as decays
+# weaken; no run kept the state in fp32 to separate them); keeping it in fp32 for those products
+# would cost fp32 matrix products in the state pass, and is not done.
 
 # %% [markdown]
 # ## Questions
@@ -1344,7 +1355,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # Recomputing saves memory. Saved per layer, $A$ alone is $B\,T\,H\cdot64$ numbers, twice the size of $q$ at $K=32$,
 # and a 24-layer model would hold that for every GDN layer from forward to backward. Recomputing is
 # two cheap launches (kernel 1 again, and the state pass, which runs beside the $dS$ pass in the same
-# launch). The operator then keeps only its inputs, and one forward + backward peaks at 287 MiB, 1.74× the
+# launch). The operator then keeps only its inputs, and one forward + backward peaks at 288 MiB, 1.74× the
 # bytes of its inputs and outputs (measured), against 3.0 GiB (3093 MiB) for the PyTorch chunked path under autograd.
 # Keeping $A$ and the gates from the forward was measured too, on the H200: forward + backward
 # 1.44 → 1.24 ms per layer (a measurement not kept), but a peak of 2.24× the inputs and outputs, over the 2× this kernel was
@@ -1365,7 +1376,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # current one is computed. Splitting a head's state over two programs (16 value columns each) was
 # slower in the first version (0.53 against 0.36 ms for the state pass; the 0.53 was not kept) and, in the current one,
 # ended in an illegal memory access on the H200 under Triton 3.6 (the interpreter computes the same
-# kernels correctly), as do 8 warps at $K = V = 32$; so one program per (sequence, head), 4 warps, it is.
+# kernels correctly: `tests/test_gdn_triton.py`, `split_value_blocks`), as do 8 warps at $K = V = 32$; so one program per (sequence, head), 4 warps, it is.
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -1415,8 +1426,9 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # the prefetch hides the loads' latency (`benchmarks/results/experiments.json`).
 # Going the other way, capping the local-gradient kernel's registers (Triton's `maxnreg`) so that
 # three or four blocks share an SM instead of two, was slower at every cap: 0.49 ms at 168
-# registers, 0.57 at 200 and 0.85 at 128, against 0.458 ms (round 14); the spills cost more than
-# the extra warps hide.
+# registers (three blocks) and 0.85 at 128 (four), against 0.458 ms (round 14); the spills cost
+# more than the extra warps hide. A cap of 200 still fits only two blocks of 128 threads
+# (65 536 / 25 600), so it only added spills: 0.57 ms.
 #
 # Registers are not the only budget. The two products redone after the loop need their $K$-wide
 # operands in shared memory at the same time, and with fp32 inputs and heads of 128 that came to
@@ -1459,7 +1471,8 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # per-chunk buffer is addressed through `chunk_offsets`. Programs of the state pass each start from
 # their document's own initial state and stop at its end, so no state crosses a boundary and the
 # final state has one entry per document. Masks make the short last chunk behave as if padded with
-# tokens that change nothing ($\beta = 0$, $k = 0$, $g = 0$).
+# tokens that change nothing ($k = q = 0$, $\beta = 0$; their gate sums are loaded as $0$ and
+# never used: the chunk's decay is read at its true last token).
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -1473,7 +1486,7 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # carried state and no gradient);
 # its time against the chunked kernels for a token or a few has not been measured, so no ratio is
 # given here. The Python reference loop, a much slower thing, takes about 0.67 s forward at
-# $T = 4096$ (extrapolated from $T = 256$) against about 0.35 ms for the chunked kernels (round 19's solve and state
-# pass); that gap is
+# $T = 4096$ (extrapolated from $T = 256$) against about 0.35 ms for the chunked kernels' forward (round 19's solve and
+# state pass, storing every $S_0$ for `keep_prep`); that gap is
 # mostly Python and launch overhead, not the algorithm.
 # :::

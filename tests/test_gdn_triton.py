@@ -48,9 +48,15 @@ CHILD = textwrap.dedent('''
     res["packed_spare_slots"] = case(1, 192, 2, 16, 16, cu=torch.tensor([0, 64, 128, 130, 192]), seed=9)  # 4 chunks, 6 slots
     res["fp16"] = case(1, 70, 1, 16, 32, dtype=torch.float16, seed=4)
     res["fp16_keys_wider_than_values"] = case(1, 70, 1, 64, 16, dtype=torch.float16, seed=11)  # values padded to K
-    # g_mult=6 decays so strongly that a chunk keeps ~1e-10 of its incoming state: this case carries ~0.3 of it
+    # g_mult=6 decays so strongly that a chunk keeps ~1e-13 of its incoming state: this case carries ~0.4 of it
     res["weak_decay"] = case(1, 150, 2, 16, 16, seed=12, g_mult=0.2)
     res["h0_transposed"] = case(2, 70, 2, 16, 16, seed=10, h0_transposed=True)  # K, V already padded: no copy on the way in
+    # the sequential kernels' grid has an axis for blocks of value columns, one block at every size HyMo runs (`_bv`):
+    # split a head's values over two programs, as a GPU build that chose so would
+    import hymo.models.gdn_triton as kernels
+    whole, kernels._bv = kernels._bv, lambda V: V // 2
+    res["split_value_blocks"] = case(1, 150, 2, 16, 32, seed=18, g_mult=0.2)
+    kernels._bv = whole
     # a hard reset (g = -inf), a very strong gate and one past the floor: the kernels read gates as at least -110
     xs, h0 = inputs(1, 150, 2, 16, 16, torch.float32, 14, g_mult=0.2), torch.randn(1, 2, 16, 16)
     xs[3][0, 10, 0], xs[3][0, 75, 1], xs[3][0, 100, 0] = float("-inf"), -1e6, -200.0
@@ -212,7 +218,7 @@ def _check(case, tol):
 
 
 @pytest.mark.parametrize("name", ["odd_T_padded_dims", "two_value_blocks", "packed", "packed_spare_slots", "other_local_order",
-                                  "h0_transposed", "weak_decay"])
+                                  "h0_transposed", "weak_decay", "split_value_blocks"])
 def test_outputs_state_and_all_gradients_match_the_loop(errors, name):
     "fp32: o, the final state and the gradients of q, k, v, g, beta and the initial state, to fp32 rounding."
     _check(errors[name], 1e-4)
