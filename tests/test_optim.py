@@ -654,7 +654,7 @@ def test_normuon_refuses_values_of_the_wrong_type_with_its_message(bad):
 
 @pytest.mark.parametrize("betas", [0.9, (0.9,), None, (0.9, "0.95")])
 def test_adamw_refuses_betas_that_are_not_two_numbers(betas):
-    with pytest.raises(ValueError, match=r"CautiousAdamW: need lr, weight_decay ≥ 0, eps > 0 .* and two betas"):
+    with pytest.raises(ValueError, match=r"CautiousAdamW: need lr, weight_decay ≥ 0, eps > 0 .*, two betas in \[0, 1\)"):
         CautiousAdamW([nn.Parameter(torch.randn(3))], betas=betas)
     assert CautiousAdamW([nn.Parameter(torch.randn(3))], betas=[0.9, 0.95]).defaults["betas"] == (0.9, 0.95)  # a YAML list
 
