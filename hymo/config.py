@@ -262,6 +262,12 @@ def validate_model(m: ModelConfig):
     if m.moe_n_routed == 1:
         raise ConfigError("model.moe_n_routed=1: with one routed expert its weight is always 1, so the router gets no gradient "
                           "and routing chooses nothing; use 2 or more")
+    if m.norm_eps < 1e-30:  # RMSNorm adds it in fp32, where below about 1e-45 it is 0: NaN again on an all-zero row
+        raise ConfigError(f"model.norm_eps={m.norm_eps} must be at least 1e-30: RMSNorm adds it to a mean square in fp32, "
+                          "where a value that small rounds to 0 (NaN on an all-zero row); the usual value is 1e-6")
+    if m.rope_theta >= 3.4e38:  # fp32's largest number: the table's theta^(-2i/d) would be 0 past the first pair
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be below 3.4e38 (fp32's largest number): the RoPE table "
+                          "is computed in fp32, and above it every pair but the first stands still; the usual value is 10000")
     if m.rope_theta <= 1:
         raise ConfigError(f"model.rope_theta={m.rope_theta} must be above 1: the frequencies theta^(-2i/d) then fall from 1 rad per "
                           "token (at 1 they all are 1 rad, and below 1 they rise); the usual value is 10000")

@@ -17,7 +17,7 @@
 # The defaults are the design document's "750M" model. The name is the design's, not a count: the
 # built model stores 1.24 B parameters and uses 0.54 B per token (its 8 MoE layers hold 16 routed
 # experts each, a token visits 2); chapter 41 counts them. The `hymo_tiny` preset shrinks the
-# model's widths and depth (not its GDN head sizes or chunk) so that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
+# model's widths, depth, head counts, vocabulary and context (not its GDN head sizes or chunk) so that the notebooks, the tests and `python -m hymo.train` run on a laptop CPU.
 
 # %%
 #| export
@@ -191,8 +191,10 @@ class TrainingConfig:
 # first all-zero row (a zero-initialised layer's output, a padded position), whose NaN then spreads
 # through the run, which ends blaming the learning rate.
 #
-# `load_config` runs every check (`validate_config`), and so do the places a config is used: the
-# model (`HyMo`, chapter 41), the `Trainer` (chapter 70) and `build_optimizers` (chapter 50). A
+# `load_config` runs every check (`validate_config`), and each place a config is used runs the
+# checks of its own part: the model (`HyMo`, chapter 41: `validate_model`), a lone MoE or MTP
+# module (`validate_part`), `build_optimizers` (chapter 50: `validate_training`) and the `Trainer`
+# (chapter 70: all of them). A
 # config changed in code with `dataclasses.replace` skips `load_config`, and would otherwise train
 # silently wrong: a micro-batch of 3 that does not divide a batch of 16 reads 15 sequences a step.
 
@@ -323,6 +325,12 @@ def validate_model(m: ModelConfig):
     if m.moe_n_routed == 1:
         raise ConfigError("model.moe_n_routed=1: with one routed expert its weight is always 1, so the router gets no gradient "
                           "and routing chooses nothing; use 2 or more")
+    if m.norm_eps < 1e-30:  # RMSNorm adds it in fp32, where below about 1e-45 it is 0: NaN again on an all-zero row
+        raise ConfigError(f"model.norm_eps={m.norm_eps} must be at least 1e-30: RMSNorm adds it to a mean square in fp32, "
+                          "where a value that small rounds to 0 (NaN on an all-zero row); the usual value is 1e-6")
+    if m.rope_theta >= 3.4e38:  # fp32's largest number: the table's theta^(-2i/d) would be 0 past the first pair
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be below 3.4e38 (fp32's largest number): the RoPE table "
+                          "is computed in fp32, and above it every pair but the first stands still; the usual value is 10000")
     if m.rope_theta <= 1:
         raise ConfigError(f"model.rope_theta={m.rope_theta} must be above 1: the frequencies theta^(-2i/d) then fall from 1 rad per "
                           "token (at 1 they all are 1 rad, and below 1 they rise); the usual value is 10000")
@@ -772,7 +780,7 @@ test_fail(lambda: load_config("hymo_tiny", **{"model.max_steps": 3}), contains="
 
 # %% [markdown]
 # Values in range: a NaN or an infinity is refused everywhere, and each number must lie where the
-# code that reads it can work (a positive `norm_eps`, a `moe_ema_decay` below 1, a non-negative MTP
+# code that reads it can work (a positive `norm_eps`, a `moe_ema_decay` below 1 with `moe_balance: ema`, the only rule that reads it, a non-negative MTP
 # weight, ...). Zero stays allowed where the field's comment says it turns something off. A
 # weight decay is refused where a learning rate times it reaches 1: decoupled decay multiplies the
 # weights by $1 - \eta\lambda$ each step, so the weights would be zeroed or flip sign. One key set
@@ -784,6 +792,8 @@ test_fail(lambda: load_config("hymo_tiny", weight_decay=50.0), contains="flippin
 test_fail(lambda: load_config("hymo_tiny", **{"dim": 64, "model.dim": 96}), contains="both set model.dim: give it once")
 test_fail(lambda: load_config("hymo_tiny", mtp_loss_weights=[0.3, float("inf")]), contains="mtp_loss_weights[1]=inf")
 test_fail(lambda: load_config("hymo_tiny", norm_eps=0), contains="model.norm_eps=0.0 must be positive")
+test_fail(lambda: load_config("hymo_tiny", norm_eps=1e-50), contains="norm_eps=1e-50 must be at least 1e-30")  # 0 in fp32
+test_fail(lambda: load_config("hymo_tiny", rope_theta=1e39), contains="rope_theta=1e+39 must be below 3.4e38")
 test_fail(lambda: load_config("hymo_tiny", moe_ema_decay=1), contains="must be in [0, 1)")
 test_fail(lambda: load_config("hymo_tiny", mtp_loss_weights=[0.3, -0.1]), contains="trains against its head")
 test_eq(load_config("hymo_tiny", grad_clip=0, moe_bias_speed=0, mtp_loss_weights=[0.3, 0]).train.grad_clip, 0.0)

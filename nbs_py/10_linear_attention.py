@@ -5,7 +5,7 @@
 
 # %% [markdown]
 # A GDN block is a kind of *linear attention*. This chapter builds linear attention from softmax
-# attention in four small steps, checking each numerically, and ends with the two ways to compute
+# attention in four small steps, checking the forms against each other numerically, and ends with the two ways to compute
 # it (a $T\times T$ matrix, or a loop with a fixed-size state) and what each costs. Nothing here is
 # exported: the next two chapters turn it into the gated delta rule and its fast form.
 
@@ -157,7 +157,7 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # constant. Time of the recurrent form grows linearly (slope 1) but starts far higher: each step is
 # a tiny operation, dominated by per-step overhead, and the steps cannot run in parallel. The
 # parallel form's quadratic work runs as large matrix products, so at these lengths it is
-# typically as fast or faster despite doing more arithmetic (the timings are noisy on a shared CPU,
+# much faster here (6 to 80 times in the run below) despite doing more arithmetic (the timings are noisy on a shared CPU,
 # so they are printed, not tested; the slopes are the point). The parallel form's time slope can come out
 # below 2 because at the short lengths each call's fixed costs outweigh the arithmetic; between the
 # two longest lengths, where the $T^2$ work dominates, it reaches about 2, or more once the $T \times T$
@@ -176,8 +176,9 @@ print(f"parallel form from T={Ts[-2]} to {Ts[-1]}: slope {math.log2(res['paralle
 #
 # ::: {.callout-tip collapse="true"}
 # ## Where exactly does softmax attention's quadratic cost come from?
-# From the $T\times T$ matrix of pairwise scores: every query is compared with every key, and the
-# softmax needs all of a row before it can normalise. Computing $QK^\top$ and multiplying by $V$ is
+# From the $T\times T$ matrix of pairwise scores: every query is compared with every key (the
+# softmax is not the cause: FlashAttention normalises a row as it goes, and unnormalised scores
+# would cost the same). Computing $QK^\top$ and multiplying by $V$ is
 # $O(T^2 d)$ work. FlashAttention removes the $T^2$ *memory* (it never stores the matrix) but not the
 # $T^2$ *work*. At generation time the cost shows up as a KV cache growing by one entry per token.
 # :::

@@ -43,8 +43,8 @@ torch.manual_seed(0);  # the checks below draw random vectors
 # position $m$ and a key $k$ at position $n$
 # $$\big(R(m\theta) q\big)^\top \big(R(n\theta) k\big) = q^\top R(m\theta)^\top R(n\theta)\, k = q^\top R\big((n-m)\theta\big)\, k .$$
 # The score depends on $n - m$ only. A rotation turns a plane, so a $d$-dimensional head is cut into
-# $d/2$ pairs of dimensions. If every pair turned at the same frequency $\theta$, the scores would
-# repeat every $2\pi/\theta$ tokens; so pair $i$ turns at its own frequency
+# $d/2$ pairs of dimensions. If every pair turned at the same frequency $\theta$, the score would be
+# periodic in the distance, with period $2\pi/\theta$ tokens, so distant positions would alias onto near ones; so pair $i$ turns at its own frequency
 # $$\theta_i = \text{theta}^{-2i/d}, \qquad i = 0, \dots, d/2 - 1,$$
 # from one radian per token ($i = 0$) down to $\text{theta}^{-(d-2)/d}$, just above
 # $1/\text{theta}$ ($1.8 \times 10^{-4}$ radians per token at $d = 32$ and theta $= 10^4$). The full
@@ -317,8 +317,9 @@ test_fail(lambda: positions_from_cu_seqlens(cu, 8, max_len=3), contains="4 token
 #
 # ::: {.callout-tip collapse="true"}
 # ## Why several frequencies rather than one?
-# A single angle per token wraps around after $2\pi/\theta$ tokens, so distant positions would
-# alias onto near ones. The geometric ladder $\theta_i = \text{theta}^{-2i/d}$ gives fast pairs that
+# A single angle per token makes the score periodic in the distance, with period $2\pi/\theta$
+# tokens (not a whole number in general, so at whole tokens it nearly repeats), and distant
+# positions would alias onto near ones. The geometric ladder $\theta_i = \text{theta}^{-2i/d}$ gives fast pairs that
 # resolve neighbouring tokens and slow pairs (the slowest turns $\text{theta}^{-(d-2)/d}$ radians a token: a wavelength of about 35 000 tokens at $d = 32$)
 # that still separate tokens thousands apart. Raising `rope_theta` slows every pair but the fastest (which turns 1 radian a token whatever
 # the base), the slower ones the more, which is what
@@ -336,7 +337,8 @@ test_fail(lambda: positions_from_cu_seqlens(cu, 8, max_len=3), contains="4 token
 #
 # ::: {.callout-tip collapse="true"}
 # ## Why is the rotary key shared by all heads, and what does that cost?
-# Each extra cached number per token is paid for at every layer and every context position. A
+# Each extra cached number per token is paid for at every MLA layer (8 of 32 in the 750M model; the
+# GDN layers keep a fixed-size state instead) and every context position. A
 # per-head rotary key would add $H \cdot d_\text{rope} = 512$ numbers per token in the 750M model,
 # four times the 128-number latent; a shared one adds 32. The cost is expressiveness: every head
 # sees the same positional key, like multi-query attention for the positional part, while the
