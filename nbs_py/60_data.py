@@ -910,9 +910,10 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     tok = load_tokenizer(data_dir)
     if tok.get_vocab_size() != manifest["vocab_size"]:
         raise DataError(f"tokenizer.json has {tok.get_vocab_size()} tokens, the manifest says {manifest['vocab_size']}: prepare again")
-    if tok.token_to_id(EOT) != manifest["eot_id"] or manifest["dtype"] != token_dtype(manifest["vocab_size"]).name:
+    eot_id, dtype = tok.token_to_id(EOT), token_dtype(manifest["vocab_size"])
+    if eot_id != manifest["eot_id"] or manifest["dtype"] != dtype.name:
         raise DataError(f"the manifest's eot_id {manifest['eot_id']} and dtype {manifest['dtype']} are not what its "
-                        f"tokenizer gives ({EOT} is id {tok.token_to_id(EOT)}, ids fit {token_dtype(manifest['vocab_size'])}): "
+                        f"tokenizer gives ({EOT} is id {eot_id}, ids fit {dtype}): "
                         f"the manifest was edited or belongs to another dataset; prepare again {_SAME_COMMAND}")
     for split in manifest["splits"]: _open_shards(data_dir, manifest, split)
     if manifest["vocab_size"] > vocab_size:

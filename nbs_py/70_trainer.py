@@ -1458,10 +1458,10 @@ def save(self: Trainer) -> Path:
             files = {name: s for rank in every for name, s in rank.items()}
             files.update({p.name: file_crc(p) for p in sorted(tmp.iterdir())  # DCP's .metadata, and any file it
                           if p.name not in files and p.name != "meta.json" and p.is_file()})  # names otherwise
+            data = getattr(self.train_loader, "manifest", {})  # (benchmarks train on synthetic batches: none)
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
-                    "data_fingerprint": getattr(self.train_loader, "manifest", {}).get("fingerprint"),
-                    "data_tokenizer_sha256": getattr(self.train_loader, "manifest", {}).get("tokenizer_sha256"),
+                    "data_fingerprint": data.get("fingerprint"), "data_tokenizer_sha256": data.get("tokenizer_sha256"),
                     "config": Config(self.mcfg, self.cfg).to_dict(), "files": files}
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
