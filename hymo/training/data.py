@@ -563,7 +563,8 @@ def _filled(out: Path) -> bool:
 def _not_written_by_prepare(out: Path) -> list[str]:
     "Names in dataset folder `out` that no `prepare` writes (the user's notes, an input kept there)."
     return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()  # Finder's .DS_Store is nobody's work; .git is
-                  if p.name != ".DS_Store" and not (p.is_file() and _DATASET_FILE.fullmatch(p.name)))
+                  if p.name != ".DS_Store" and not (_DATASET_FILE.fullmatch(p.name) and not p.is_dir()))  # a name gone
+                  # as it is looked at is no one's file: another prepare moving the folder aside to install its own
 
 
 def _same_dataset(out: Path, fingerprint: str) -> bool:
