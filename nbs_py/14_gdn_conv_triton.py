@@ -289,19 +289,27 @@ class _ShapesOnly:
         return launch
 
 
-def _check_prepared(x: torch.Tensor, w: torch.Tensor):
-    "Refuse what `triton_conv_silu_norm` would have changed: the operators read x with channel stride 1 and w as a dense fp32 [C, W]."
+def _check_prepared(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int, starts: Optional[torch.Tensor]):
+    """Refuse what `triton_conv_silu_norm` would have changed or refused: the operators read x with channel stride 1,
+    w as a dense fp32 [C, W] and starts as int32 [T], all on x's device, and read past any of them unchecked."""
     if x.ndim != 3 or x.stride(-1) != 1 or w.dtype != torch.float32 or not w.is_contiguous():
         raise ValueError(f"the prelude's operators read x [B, T, C] with channel stride 1 and w as a contiguous fp32 [C, W]; "
                          f"got x strides {tuple(x.stride())}, w {w.dtype} strides {tuple(w.stride())}: call "
                          "triton_conv_silu_norm, which prepares them")
+    _, T, C, _ = _prelude_shapes(x, n_heads, head_k_dim)
+    _check_conv_weight(w, C)
+    bad_starts = starts is not None and (starts.dtype != torch.int32 or starts.shape != (T,) or starts.device != x.device)
+    if w.device != x.device or bad_starts:
+        raise ValueError(f"w and starts (int32 [T], each token's document start) must be on x's device ({x.device}); got w on "
+                         f"{w.device}" + (f", starts {starts.dtype} {tuple(starts.shape)} on {starts.device}" if starts is not None
+                                          else "") + ": call triton_conv_silu_norm, which prepares them")
 
 
 @_operator("hymo::conv_silu_norm_fwd")
 def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int,
                        starts: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "x [B, T, 2HK+HV] (channel stride 1), w [2HK+HV, W] fp32 → q, k [B, T, HK] and v [B, T, HV] in x's dtype."
-    _check_prepared(x, w)
+    _check_prepared(x, w, n_heads, head_k_dim, starts)
     B, T, C = x.shape
     H, K = n_heads, head_k_dim
     V = (C - 2 * H * K) // H
@@ -322,7 +330,7 @@ def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
 def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int, starts: Optional[torch.Tensor],
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Gradients `(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)` from those of q, k, v."
-    _check_prepared(x, w)
+    _check_prepared(x, w, n_heads, head_k_dim, starts)
     B, T, C = x.shape
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
@@ -389,6 +397,8 @@ def triton_conv_silu_norm(
     "Short conv, SiLU, unit L2 norm per head of q and k, in Triton. Returns `(q [B, T, H, K], k, v [B, T, H, V])` in qkv's dtype."
     B, T, C, V = _prelude_shapes(qkv, n_heads, head_k_dim, head_v_dim)
     _check_conv_weight(weight, C)
+    if weight.device != qkv.device:  # (the interpreter would skip the launch on a meta weight and return uninitialised memory)
+        raise ValueError(f"weight is on {weight.device} and qkv on {qkv.device}: put both on one device")
     H, K = n_heads, head_k_dim
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"qkv must be fp32, bf16 or fp16, got {qkv.dtype}" + (" (for float64, use conv_silu_norm)"
@@ -467,7 +477,12 @@ assert x.grad[:, 12].abs().max() > 0
 # %% [markdown]
 # In bf16 the kernels round once, at the end; the PyTorch prelude rounds after the convolution, after
 # the SiLU and after the norm. Here the two are compared with each other on the same bf16 inputs
-# (the GPU benchmark compares both with the fp32 prelude):
+# (the GPU benchmark compares both with the fp32 prelude). On a CPU these errors are about twice
+# what a GPU gives: Triton's interpreter (3.9) casts fp32 to bf16 by dropping the low bits, rounding
+# toward zero, where a GPU rounds to nearest. `tests/test_gdn_conv_triton.py` checks the single
+# rounding element by element: every output and input gradient is within $2^{-7}$ of its value (a
+# bf16 step) of the fp32 prelude on the same inputs, which either rounding meets and a second
+# rounding inside the kernels does not.
 
 # %%
 outs = check(2, 70, 3, 32, 32, dtype=torch.bfloat16, tol=1e-2, seed=3)
@@ -544,8 +559,10 @@ for name, us in host.items():
 # - **Parity.** The kernels' bf16 outputs and input gradient are within 1.7e-3 of the fp32
 #   prelude, half the error of PyTorch's own bf16 prelude (3.3e-3), because they round once. The
 #   weight gradient is summed in fp32 and matches to 2e-7.
-# - **Forward**: 0.15 ms for the three launches in the sweep, 0.22 ms timed again after it (the
-#   spread between timings of the same tiles is wide): 1.1–1.7 TB/s, under the H200's 4.8 TB/s.
+# - **Forward**: 0.15 ms for the three launches in the sweep, 0.22 ms timed again after it. Timed
+#   as a call from Python, three short launches are partly bound by the host (in round 14 of
+#   `experiments.json` the same forward took 0.27 ms so, against 3 × 49 µs of GPU time in the
+#   model's profile), so the fairer figure is about 0.15 ms, 1.7 TB/s, under the H200's 4.8 TB/s.
 #   The compiled PyTorch forward takes 0.37 ms.
 # - **Heads per program.** A tile holds $G$ heads of 32 channels. The default, 4 heads (128
 #   channels, 256 bytes of a bf16 row), is the fastest in a sweep of $G$ = 2 to 16 (round 17):
@@ -587,9 +604,12 @@ for name, us in host.items():
 #   $\bar w$ in one kernel that reads $\bar u$ once: 0.337 ms at best, against 0.251 ms for the
 #   two.
 # - **Keeping $\bar u$ in bf16** between the kernels saved 6 % of the previous backward (0.66
-#   against 0.70 ms). On a small bf16 check in the interpreter it nearly doubled the error of
-#   $\bar x$ (6.4e-3 against 3.7e-3 relative to fp32), because the four taps can cancel. It was not
-#   kept.
+#   against 0.70 ms), about 0.04 ms a layer. It was not kept for the error it adds to $\bar x$, a
+#   second rounding before the taps are summed. The check made at the time ran in the interpreter,
+#   whose rounding toward zero (above) biases every rounding the same way; there the error nearly
+#   doubled (6.4e-3 against 3.7e-3 relative to fp32). With a GPU's rounding to nearest, emulated
+#   in PyTorch on the same shape and four seeds, it grows by about 40 % (2.3e-3 to 2.4e-3 against
+#   1.6e-3 to 1.7e-3): smaller than first measured, and still not worth 0.04 ms.
 # - **A launch from Python costs the host about as much as a small kernel costs the GPU.** On the
 #   H200 machine of `host_launch.json`, a Triton launch took 20.5 µs of host time (31.9 µs on
 #   another H200 machine), against 49 µs of GPU time for one forward launch at the 750M shape. The

@@ -28,7 +28,9 @@ CHILD = textwrap.dedent('''
         ce.LAUNCH["BV"] = BV
         (lt, gt), (lr, gr) = ce.triton_ce_chunk(z, y, w, True), ce_chunk(z.double(), y, w.double(), True)
         lt2, g2 = ce.triton_ce_chunk(z, y, w, False)
+        steps = (gt.double() - gr).abs() / (gr.abs() * 2 ** -7 + 1e-9 * gr.abs().max())  # errors in bf16 steps of the reference
         out[name] = dict(loss=abs(lt.item() - lr.item()) / abs(lr.item()), dz=((gt.double() - gr).norm() / gr.norm()).item(),
+                         dz_steps=steps.max().item(),
                          ignored_row=gt[1].abs().max().item(), dtype=str(gt.dtype), no_grad_loss=abs(lt2.item() - lt.item()),
                          no_grad_is_none=g2 is None)
     gen = torch.Generator().manual_seed(7)                                # logits a column slice of a wider tensor
@@ -89,6 +91,7 @@ def test_ce_kernel_matches_ce_chunk():
     for name, r in res.items():
         assert r["loss"] < 1e-6, (name, r)                         # the loss is computed in fp32 in both
         assert r["dz"] < (1e-6 if name != "bf16" else 8e-3), (name, r)  # bf16: the gradient is rounded to bf16
+        assert r["dz_steps"] <= 1, (name, r)  # computed in fp32, rounded once: each element within one bf16 step (2^-7)
         assert r["ignored_row"] == 0.0 and r["no_grad_is_none"] and r["no_grad_loss"] == 0.0, (name, r)
     assert res["bf16"]["dtype"] == "torch.bfloat16" and res["fp32"]["dtype"] == "torch.float32"
 
@@ -98,6 +101,8 @@ def test_ce_kernel_refuses_what_it_would_misread():
     y, w = torch.zeros(4, dtype=torch.long), torch.ones(4)
     with pytest.raises(ValueError, match="class stride 1"): triton_ce_chunk(torch.randn(50, 4).t(), y, w, False)
     with pytest.raises(ValueError, match="class stride 1"): triton_ce_chunk(torch.randn(4, 5, 10), y, w, False)
+    with pytest.raises(ValueError, match=r"y and w must be on z's device \(cpu\); got meta and cpu"):
+        triton_ce_chunk(torch.randn(4, 10), y.to("meta"), w, False)
     with pytest.raises(TypeError, match="fp32 or bf16 logits, got torch.float16; use ce_chunk"):
         triton_ce_chunk(torch.randn(4, 50).half(), y, w, False)
     with pytest.raises(TypeError, match="y must hold integer class ids"): triton_ce_chunk(torch.randn(4, 50), y.float(), w, False)

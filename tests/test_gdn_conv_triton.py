@@ -20,19 +20,23 @@ CHILD = textwrap.dedent('''
 
     def rel(a, b): return [((a.float() - b.float()).norm() / b.float().norm()).item(), b.float().norm().item()]
 
-    def prelude(B, T, H, K, V, W=4, cu=None, dtype=torch.float32, seed=0):
+    def steps(a, b):  # the largest error of an element in bf16 steps of its reference (2^-7 of it; 1e-6 of the largest: ~0)
+        a, b = a.float(), b.float()
+        return [((a - b).abs() / (b.abs() * 2 ** -7 + 1e-6 * b.abs().max())).max().item(), b.norm().item()]
+
+    def prelude(B, T, H, K, V, W=4, cu=None, dtype=torch.float32, seed=0, measure=rel):
         gen = torch.Generator().manual_seed(seed)
         C = 2 * H * K + H * V
         wide = torch.randn(B, T, C + 5, generator=gen).to(dtype)    # qkv is a column slice, as in the mixer
         w = torch.randn(C, W, generator=gen) * 0.5
-        cots = [torch.randn(B, T, H, d, generator=gen) for d in (K, K, V)]
+        cots = [torch.randn(B, T, H, d, generator=gen).to(dtype).float() for d in (K, K, V)]  # what a bf16 output's gradient can hold
         outs = []
         for fn, xdt in ((conv_silu_norm, torch.float32), (triton_conv_silu_norm, dtype)):
             x = wide.detach().to(xdt).requires_grad_(); ww = w.detach().clone().requires_grad_()
             ys = fn(x[..., 2:2 + C], ww, H, K, cu_seqlens=cu)[:3]
             sum((y.float() * c).sum() for y, c in zip(ys, cots)).backward()
             outs.append([*ys, x.grad, ww.grad])
-        return {n: rel(o, r) for n, r, o in zip("q k v dx dw".split(), *outs)}
+        return {n: measure(o, r) for n, r, o in zip("q k v dx dw".split(), *outs)}
 
     def mixer(cu=None, seed=0):
         torch.manual_seed(seed)
@@ -64,6 +68,7 @@ CHILD = textwrap.dedent('''
            "short_docs": prelude(1, 40, 2, 16, 16, cu=torch.tensor([0, 1, 3, 4, 20, 40]), seed=5),  # shorter than W
            "two_dw_rows": prelude(1, 530, 1, 16, 16, seed=6),  # the default tiles: dw sums two RT=512 blocks, one partial
            "bf16": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3),
+           "bf16_steps": prelude(2, 70, 3, 32, 32, dtype=torch.bfloat16, seed=3, measure=steps),
            "mixer": mixer(),
            "mixer_packed": mixer(cu=torch.tensor([0, 37, 100]), seed=1)}
     def mixer_carried(seed=3):  # a second call continuing the first's state (conv and recurrent), as a prefill in parts does
@@ -122,6 +127,13 @@ def test_prelude_in_bf16_is_within_bf16_rounding(errors):
     _check(errors["bf16"], 1e-2)
 
 
+def test_prelude_in_bf16_rounds_once(errors):
+    """The kernels compute in fp32 and round each output once: every element of q, k, v and dx is within one bf16 step
+    (2^-7 of its value) of the fp32 prelude on the same inputs. The interpreter rounds toward zero (up to one step), a
+    GPU to nearest (half a step); a second rounding inside the kernels (of the conv's output, say) would exceed it."""
+    _check(errors["bf16_steps"], 1.0)
+
+
 @pytest.mark.parametrize("name", ["mixer", "mixer_packed", "mixer_carried"])
 def test_mixer_on_the_triton_path_equals_the_pytorch_path(errors, name):
     "The whole mixer (stacked projections, fused prelude, Triton rule) against the PyTorch path: output and every gradient."
@@ -173,6 +185,21 @@ def test_bad_inputs_are_refused_with_a_clear_message():
     for cu, msg in [([0, 10, 80], "from 0 to T=90"), ([0, 50, 40, 90], "non-decreasing"), ([0.0, 90.0], "int32 or int64 tensor")]:
         with pytest.raises(ValueError, match=msg):  # on the CPU the values are read (on a GPU the rule reads them)
             triton_conv_silu_norm(torch.randn(1, 90, 96), torch.randn(96, 4), 2, 16, cu_seqlens=torch.tensor(cu))
+    with pytest.raises(ValueError, match=r"weight is on meta and qkv on cpu: put both on one device"):  # the interpreter would skip the launch
+        triton_conv_silu_norm(torch.randn(1, 8, 96), torch.randn(96, 4, device="meta"), 2, 16)
+
+
+def test_operators_refuse_what_they_would_read_past():
+    "The operators read x, w and starts unchecked by the kernels: a caller skipping triton_conv_silu_norm gets a message."
+    from hymo.models.gdn_conv_triton import conv_silu_norm_bwd, conv_silu_norm_fwd
+    x, w, int32 = torch.randn(1, 8, 96), torch.randn(96, 4), torch.int32
+    with pytest.raises(ValueError, match=r"weight must be \[C, W\] = \[96, W\]"): conv_silu_norm_fwd(x, w[:50], 2, 16, None)
+    with pytest.raises(ValueError, match="qkv has 101 channels"): conv_silu_norm_fwd(torch.randn(1, 8, 101), torch.randn(101, 4), 2, 16, None)
+    for starts in (torch.zeros(8), torch.zeros(7, dtype=int32), torch.zeros(8, dtype=int32, device="meta")):
+        with pytest.raises(ValueError, match=r"starts \(int32 \[T\], each token's document start\) must be on x's device"):
+            conv_silu_norm_fwd(x, w, 2, 16, starts)
+    dq, dv = torch.randn(1, 8, 32), torch.randn(1, 8, 32)
+    with pytest.raises(ValueError, match=r"weight must be \[C, W\]"): conv_silu_norm_bwd(x, w[:50], 2, 16, None, dq, dq, dv)
 
 
 def test_operator_passes_opcheck(errors):

@@ -50,7 +50,7 @@ LAUNCH = dict(BV=4096, num_warps=16)
 
 
 def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32), class stride 1
-                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (one outside: a NaN loss)
+                    y: torch.Tensor, # Targets [c] in [0, V), ignored rows clamped to a valid id (one outside: a NaN loss, its gradient row wrong)
                     w: torch.Tensor, # Row weights [c]: 1/n_valid for a counted row, 0 for an ignored one
                     want_grad: bool, # Also return d(loss)/dz
                    ):
@@ -61,6 +61,8 @@ def triton_ce_chunk(z: torch.Tensor, # Logits of one chunk [c, V] (bf16 or fp32)
         raise TypeError(f"triton_ce_chunk takes fp32 or bf16 logits, got {z.dtype}; use ce_chunk")
     if y.dtype not in (torch.int32, torch.int64):  # a float target would be read as an address
         raise TypeError(f"y must hold integer class ids (int64 or int32), got {y.dtype}")
+    if y.device != z.device or w.device != z.device:  # the interpreter would read another device's memory as garbage
+        raise ValueError(f"y and w must be on z's device ({z.device}); got {y.device} and {w.device}")
     if z.device.type == "cpu" and not INTERPRET:
         raise RuntimeError("Triton kernels need a GPU; on CPU set TRITON_INTERPRET=1 before the kernels are imported, "
                            "or use ce_chunk")

@@ -176,19 +176,27 @@ class _ShapesOnly:
         return launch
 
 
-def _check_prepared(x: torch.Tensor, w: torch.Tensor):
-    "Refuse what `triton_conv_silu_norm` would have changed: the operators read x with channel stride 1 and w as a dense fp32 [C, W]."
+def _check_prepared(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int, starts: Optional[torch.Tensor]):
+    """Refuse what `triton_conv_silu_norm` would have changed or refused: the operators read x with channel stride 1,
+    w as a dense fp32 [C, W] and starts as int32 [T], all on x's device, and read past any of them unchecked."""
     if x.ndim != 3 or x.stride(-1) != 1 or w.dtype != torch.float32 or not w.is_contiguous():
         raise ValueError(f"the prelude's operators read x [B, T, C] with channel stride 1 and w as a contiguous fp32 [C, W]; "
                          f"got x strides {tuple(x.stride())}, w {w.dtype} strides {tuple(w.stride())}: call "
                          "triton_conv_silu_norm, which prepares them")
+    _, T, C, _ = _prelude_shapes(x, n_heads, head_k_dim)
+    _check_conv_weight(w, C)
+    bad_starts = starts is not None and (starts.dtype != torch.int32 or starts.shape != (T,) or starts.device != x.device)
+    if w.device != x.device or bad_starts:
+        raise ValueError(f"w and starts (int32 [T], each token's document start) must be on x's device ({x.device}); got w on "
+                         f"{w.device}" + (f", starts {starts.dtype} {tuple(starts.shape)} on {starts.device}" if starts is not None
+                                          else "") + ": call triton_conv_silu_norm, which prepares them")
 
 
 @_operator("hymo::conv_silu_norm_fwd")
 def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int,
                        starts: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "x [B, T, 2HK+HV] (channel stride 1), w [2HK+HV, W] fp32 → q, k [B, T, HK] and v [B, T, HV] in x's dtype."
-    _check_prepared(x, w)
+    _check_prepared(x, w, n_heads, head_k_dim, starts)
     B, T, C = x.shape
     H, K = n_heads, head_k_dim
     V = (C - 2 * H * K) // H
@@ -209,7 +217,7 @@ def conv_silu_norm_fwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_di
 def conv_silu_norm_bwd(x: torch.Tensor, w: torch.Tensor, n_heads: int, head_k_dim: int, starts: Optional[torch.Tensor],
                        dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Gradients `(dx [B, T, C] in x's dtype, dw [C, W] in w's dtype)` from those of q, k, v."
-    _check_prepared(x, w)
+    _check_prepared(x, w, n_heads, head_k_dim, starts)
     B, T, C = x.shape
     H, K, Wd = n_heads, head_k_dim, w.shape[1]
     V = (C - 2 * H * K) // H
@@ -261,6 +269,8 @@ def triton_conv_silu_norm(
     "Short conv, SiLU, unit L2 norm per head of q and k, in Triton. Returns `(q [B, T, H, K], k, v [B, T, H, V])` in qkv's dtype."
     B, T, C, V = _prelude_shapes(qkv, n_heads, head_k_dim, head_v_dim)
     _check_conv_weight(weight, C)
+    if weight.device != qkv.device:  # (the interpreter would skip the launch on a meta weight and return uninitialised memory)
+        raise ValueError(f"weight is on {weight.device} and qkv on {qkv.device}: put both on one device")
     H, K = n_heads, head_k_dim
     if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"qkv must be fp32, bf16 or fp16, got {qkv.dtype}" + (" (for float64, use conv_silu_norm)"
