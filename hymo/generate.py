@@ -76,7 +76,12 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     from hymo.training.trainer import _json_dict, file_crc, run_dir_holder
     cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
-    summary = _json_dict(run / "summary.json") or {}  # runs from before it held the sums: no check
+    summary = _json_dict(run / "summary.json")
+    if summary is None and (run / "summary.json").exists():  # its sums lost, the model's bytes unchecked: not silently
+        raise ConfigError(f"{run / 'summary.json'} cannot be read (damaged, or not a JSON object): it holds the sums that "
+                          "model.safetensors and tokenizer.json are checked against. Copy it back from a copy of the run "
+                          "folder, or delete it to load the model without those checks")
+    summary = summary or {}  # a run that has none: loaded unchecked; one from before it held the sums: no such key
     weights = run / "model.safetensors"
     if isinstance(saved := summary.get("model_file"), dict) and (now := file_crc(weights)) != saved:
         if who := run_dir_holder(run):  # a finish between writing the model and its summary.json
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m hymo.generate", description="Continue a prompt with a trained HyMo.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run folder (config.yaml, model.safetensors, tokenizer.json)")
     p.add_argument("--prompt", default=None, help="text to continue (default: the run's train.sample_prompt, the end-of-run "
-                   "sample's: ROMEO: on the bundled corpus, else the start of a document)")
+                   "sample's: ROMEO: on the bundled corpus, else the start of a document; one that starts with a dash: --prompt=-...)")
     p.add_argument("--tokens", type=int, default=200, help="at most this many tokens: the text ends earlier where the model "
                    "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> str:
     try: device = torch.device(device)
     except RuntimeError: p.error(f"--device {a.device}: give cpu, cuda, cuda:N or auto")
     if device.type not in ("cpu", "cuda"): p.error(f"--device {a.device}: HyMo generates on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
+    if device.type == "cuda" and not torch.cuda.is_available(): p.error(f"--device {a.device}, but this machine has no CUDA GPU")
     if device.type == "cpu" and device.index: p.error(f"--device {a.device}: the CPU is one device, give cpu")
     if device.type == "cpu": device = torch.device("cpu")  # cpu:0 is the CPU too (safetensors takes only "cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> str:
         if shown: print(flush=True)
         drawn = len(shown) > (1 if shown and a.prompt else 0)  # the first piece is the prompt itself
         p.exit(130, "interrupted: " + ("the text so far is above\n" if drawn else "nothing was generated\n"))
-    print()
+    if not text.endswith("\n"): print()  # the output ends in one line break, not an empty line
     return text
 
 # %% ../nbs/72_generate.ipynb #5c31af2f

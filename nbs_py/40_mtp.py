@@ -178,6 +178,7 @@ def document_ids(cu_seqlens: torch.Tensor, # [N+1] document boundaries of a pack
 # With a stand-in head (a random vocabulary matrix), the shapes follow the indexing above:
 
 # %%
+torch.manual_seed(0)
 cfg = load_config("hymo_tiny").model
 B, T, D, V = 2, 12, cfg.dim, cfg.vocab_size
 emb = torch.randn(V, D) * 0.02

@@ -505,12 +505,17 @@ def test_the_first_streamed_piece_is_the_whole_prompt(loaded):
 
 
 @pytest.mark.parametrize("summary", ["[1, 2]", "null", "{cut"])
-def test_a_damaged_summary_does_not_stop_a_run_from_loading(run, tmp_path, summary):
+def test_a_damaged_summary_is_refused_not_read_as_a_run_without_sums(run, tmp_path, summary):
+    "A damaged summary.json loses the model's CRC-32: a flipped bit would load unseen. Deleted, the run loads unchecked."
     from hymo.generate import load_run, newer_checkpoint_note
     other = _copy_run(run, tmp_path)
     (other / "summary.json").write_text(summary)
+    with pytest.raises(ConfigError, match=r"summary.json cannot be read .*or delete it to load the model without those checks"):
+        load_run(other)
+    assert newer_checkpoint_note(other) is None  # (it reads only the step: none to compare)
+    (other / "summary.json").unlink()
     model, tok = load_run(other)
-    assert model.training is False and newer_checkpoint_note(other) is None
+    assert model.training is False
 
 
 def test_a_summary_without_a_step_gives_no_newer_checkpoint_note(run, tmp_path):
@@ -532,6 +537,16 @@ def test_cli_device_cuda_without_a_gpu_says_there_is_none(run, monkeypatch, caps
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(SystemExit) as e: main([str(run), "--device", "cuda"])
     assert e.value.code == 2 and "--device cuda, but this machine has no CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e: main([str(run), "--device", "cuda:1"])  # the device given is the one named
+    assert e.value.code == 2 and "--device cuda:1, but this machine has no CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_output_ends_in_one_line_break(run, capsys):
+    "The text and a line break; a text that ends in one (a speech's end) gets no second, empty line."
+    from hymo.generate import main
+    for prompt in ("ROMEO:", "ROMEO:\n"):
+        text = main([str(run), "--tokens", "0", "--prompt", prompt])
+        assert text == prompt and capsys.readouterr().out == "ROMEO:\n", prompt
 
 
 def test_cli_device_cpu_0_is_the_cpu(run):

@@ -141,6 +141,9 @@ def test_init_scales():
     for n, p in outs.items(): assert abs(p.std().item() / out_std - 1) < 0.15, n
     assert abs(m.embed.weight.std().item() / cfg.init_std - 1) < 0.05
     assert all((p == 1).all() for n, p in m.named_parameters() if "norm" in n)
+    ins = [n for n in m.state_dict() if n.endswith(("proj_in.weight", "w1.weight", "w3.weight", "q_proj.weight"))]
+    assert sum("proj_in" in n for n in ins) == cfg.mtp_depth and len(ins) > 2 * cfg.n_layers, ins
+    for n in ins: assert abs(m.get_parameter(n).std().item() / cfg.init_std - 1) < 0.15, n  # hidden matrices: init_std
 
 
 def test_param_accounting(tiny):
@@ -317,6 +320,12 @@ def test_bad_input_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match=f"a packed document has {L + 1} tokens > max_seq_len={L}"):
         m(torch.zeros(1, L + 8, dtype=torch.long), cu_seqlens=torch.tensor([0, L + 1, L + 8]))
     with pytest.raises(ValueError, match=f"max_len={L + 1} must be in 1..max_seq_len={L}"): m.decode_state(1, L + 1)
+    m(torch.zeros(1, 2 * L, dtype=torch.long), cu_seqlens=torch.tensor([0, L, 2 * L]))  # documents of max_seq_len: taken
+    x = torch.zeros(1, 8, dtype=torch.long)
+    for call, name in [(lambda: m(x.numpy()), "tokens"), (lambda: m([[1, 2, 3]]), "tokens"), (lambda: m(x, x.numpy()), "targets"),
+                       (lambda: m(x, cu_seqlens=[0, 5, 8]), "cu_seqlens"), (lambda: m.generate([[1, 2]], 2), "tokens")]:
+        with pytest.raises(TypeError, match=rf"{name} must be a torch.Tensor, got (ndarray|list): convert it with torch.as_tensor"):
+            call()
 
 
 def test_bad_targets_are_a_clear_error(tiny):
@@ -548,6 +557,10 @@ def test_decode_graph_steps_as_decode_does(device):
         torch.testing.assert_close(graphed, eager, atol=1e-4 if dtype == torch.float32 else 5e-2, rtol=0)
         for a, b in zip(s_graph, s_eager): torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-3)
         assert n_graph == n_eager == 80
+    with torch.no_grad():  # a step given fewer sequences than the state holds (a copy into its buffer would broadcast)
+        state = m.decode_state(3, 80); m.decode(seq[:, :5], state)
+        with pytest.raises(ValueError, match=r"one token per sequence: \[3, 1\], got \(1, 1\)"):
+            DecodeGraph(m, state)(seq[:1, 5:6], state)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -640,6 +653,11 @@ def test_flops_with_unequal_head_sizes():
     assert fb["MLA attention scores + values"] == 3 * 1 * 2 * 4 * (32 + 48) * 64
     C, K, V = 64, 32, 64
     assert fb["GDN chunked rule"] == pytest.approx(3 * 3 * 4 * (6 * C * K + 4 * C * V + 6 * K * V + C * C / 3))
+    assert state_breakdown(m, 100, torch.float32) == {  # 3 GDN blocks of 4 heads; the conv window holds q, k (K) and v (V)
+        "GDN recurrent state (fp32)": 3 * 4 * K * V * 4, "GDN convolution windows": 3 * 3 * (2 * 4 * K + 4 * V) * 4,
+        "MLA latent cache": 1 * 100 * (c.mla_kv_lora_rank + c.mla_qk_rope_dim) * 4}
+    for bad in (lambda: flops_breakdown(m, 0), lambda: flops_breakdown(m, 128, keys=-1), lambda: state_breakdown(m, -1)):
+        with pytest.raises(ValueError, match="must be"): bad()
 
 
 def test_param_breakdown_entry_by_entry(dropless):

@@ -28,6 +28,12 @@ from .mtp import IGNORE_INDEX, MultiTokenPrediction, check_target_ids, lm_loss, 
 __all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'doc_keys_per_query', 'state_breakdown']
 
 # %% ../../nbs/41_model.ipynb #4edabcb8
+def _need_tensor(name: str, x):
+    "Refuse a list or a NumPy array where a tensor is read (it would fail later with a message that misnames it)."
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}: convert it with torch.as_tensor(...)")
+
+
 class HyMo(nn.Module):
     "The HyMo language model: embedding, the 3:1 GDN/MLA stack, final RMSNorm, tied head, MTP heads."
     def __init__(self, config: ModelConfig):
@@ -96,6 +102,7 @@ class HyMo(nn.Module):
 
     def _check_targets(self, targets, tokens):
         "Raise `ValueError` for targets the loss cannot take (on a GPU the fused loss would return NaN for a bad id)."
+        _need_tensor("tokens", tokens); _need_tensor("targets", targets)
         if targets.shape != tokens.shape:
             raise ValueError(f"targets {tuple(targets.shape)} must have the shape of tokens {tuple(tokens.shape)}")
         if tokens.shape[1] <= self.config.mtp_depth:  # before the trunk runs, not after
@@ -107,7 +114,9 @@ class HyMo(nn.Module):
         check_target_ids(targets, V, f" (vocab_size={V})")  # on a CPU: the trainer's data is checked against vocab_size
 
     def _check_tokens(self, tokens, cu_seqlens):
-        "Raise `ValueError` for token tensors the model cannot take."
+        "Raise `ValueError` for token tensors the model cannot take (`TypeError` for what is no tensor)."
+        _need_tensor("tokens", tokens)
+        if cu_seqlens is not None: _need_tensor("cu_seqlens", cu_seqlens)
         if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
             raise ValueError(f"tokens must be integer ids of shape [B, T]; got {tokens.dtype} {tuple(tokens.shape)}")
         if tokens.shape[0] == 0: raise ValueError(f"tokens holds no sequence ({tuple(tokens.shape)}): give at least one row")
@@ -140,7 +149,7 @@ class HyMo(nn.Module):
         | what | init |
         |---|---|
         | `embed.weight` (also the output head) | N(0, init_std²) |
-        | hidden matrices: GDN q/k/v/a/b/g projections; MLA q_a, q_b, kv_a, kv_b; SwiGLU w1, w3 (dense FFN, shared and routed experts); MTP proj_in | N(0, init_std²) |
+        | hidden matrices: GDN q/k/v/a/b/g projections; MLA q_a, q_b (or q_proj without a query latent), kv_a, kv_b; SwiGLU w1, w3 (dense FFN, shared and routed experts); MTP proj_in | N(0, init_std²) |
         | output projections into the residual stream: GDN and MLA `o_proj`, every SwiGLU `w2` (dense, shared and routed experts); also MTP `proj_out`, which feeds an RMSNorm, at this scale for uniformity | N(0, (init_std / sqrt(2 n_layers))²) |
         | MoE router `gate.weight` | N(0, 0.006²), near-uniform first routing (`DeepSeekMoE.reset_parameters`) |
         | every RMSNorm weight | 1 |
@@ -236,6 +245,7 @@ class HyMo(nn.Module):
                 ) -> torch.Tensor:  # [1, T + n], n <= max_new_tokens
         """Sample a continuation. With `cache`, the prompt runs once and each new token costs one token's work, until
         the text fills `window`; from there (and without `cache`) every token re-runs the last `window` tokens."""
+        _need_tensor("tokens", tokens)
         if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
             raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
         is_int = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy's ints too
@@ -414,6 +424,8 @@ def flops_breakdown(model: HyMo,
                    ) -> dict[str, float]:
     "Training FLOPs per token by term (3 × forward, multiply-add = 2 FLOPs); they sum to `model.flops_per_token`."
     c, T = model.config, seq_len
+    if not (T >= 1 and (keys is None or keys >= 0)):  # a negative length would count negative attention FLOPs
+        raise ValueError(f"seq_len must be at least 1 and keys at least 0; got seq_len={seq_len}, keys={keys}")
     keys = T / 2 if keys is None else keys
     n_mla = sum(c.is_mla(i) for i in range(c.n_layers))
     n_gdn = c.n_layers - n_mla
@@ -441,6 +453,7 @@ def state_breakdown(model: HyMo,
                     dtype: torch.dtype = torch.bfloat16,  # Dtype of the convolution window and the latent cache
                    ) -> dict[str, int]:
     "Bytes of decode state per sequence by kind; the GDN recurrent state is counted in fp32."
+    if not seq_len >= 0: raise ValueError(f"seq_len (tokens seen) must be at least 0; got {seq_len}")
     c = model.config
     es = torch.empty(0, dtype=dtype).element_size()
     n_mla = sum(c.is_mla(i) for i in range(c.n_layers))
