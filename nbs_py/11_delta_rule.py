@@ -159,7 +159,9 @@ assert errs[-1] < 1e-3 and errs[0] > 0.1
 # The decay is kept in log space, $g_t = \log\alpha_t$: products of decays over a span become sums
 # (chapter 12 uses cumulative sums of $g$), and decays close to one stay precise: $g = -10^{-4}$ is
 # stored within 0.2 % even in bf16 (8 significant bits), while $\alpha = 0.9999$ rounds to exactly 1 in bf16, a
-# memory that never forgets. (HyMo computes $g$ in fp32 anyway.)
+# memory that never forgets. (HyMo computes $g$ in fp32 anyway.) Its sums need fp32 too: a running
+# sum of a thousand $g = -10^{-4}$ in bf16 stalls at $-0.031$ (a decay of 0.969, not 0.905), as each
+# term falls below half a step of the total; the chunked rule sums $g$ after casting it to fp32.
 
 # %%
 def gated_delta_step(S, q, k, v, g, beta, scale):
@@ -181,7 +183,8 @@ assert_close(o_a, S_b.T @ (K ** -0.5 * q_), atol=1e-5, rtol=1e-5)
 test_eq(torch.tensor(0.9999, dtype=torch.bfloat16).item(), 1.0)       # alpha = 0.9999 in bf16: never forgets
 g_bf = torch.tensor(-1e-4, dtype=torch.bfloat16)                        # g = log(0.9999) in bf16: fine
 test_close(g_bf.item(), -1e-4, eps=2e-7)                                # within 0.2 %
-test_close(g_bf.float().mul(1000).exp().item(), 0.9999 ** 1000, eps=1e-3)  # decay over 1000 tokens, from the sum of g
+test_close(g_bf.float().mul(1000).exp().item(), 0.9999 ** 1000, eps=1e-3)  # decay over 1000 tokens, g summed in fp32
+test_close(sum([g_bf] * 1000, torch.tensor(0., dtype=torch.bfloat16)).exp().item(), 0.969, eps=1e-3)  # summed in bf16: stalls
 
 # %% [markdown]
 # The delta rule also keeps the state in check without any normalisation of $S$: with

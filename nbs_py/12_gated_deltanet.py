@@ -95,6 +95,9 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = "
                          f"[{n}, {H}, {K}, {v.shape[-1]}]; got {tuple(initial_state.shape)}")
+    if initial_state is not None and (not initial_state.is_floating_point() or initial_state.device != v.device):
+        raise TypeError(f"initial_state must be a floating-point tensor on v's device ({v.device}); got "
+                        f"{initial_state.dtype} on {initial_state.device}")  # an integer or complex state: cast silently
     return n
 
 
@@ -356,6 +359,11 @@ assert (by_segments - exact).abs().max() < 1e-6
 # `cu_seqlens` it lays the documents out as rows of a padded batch, which is exact for the same
 # reason: trailing padding changes neither outputs nor state. Everything runs in fp32 and is
 # differentiable by autograd (`torch.linalg.solve_triangular` has a backward).
+#
+# Causality here holds for finite inputs. A NaN or infinity at token $t$ reaches the outputs of its
+# chunk before $t$ too (the zeros above the diagonal of $T$ and of the scores multiply it, and
+# $0 \cdot \text{NaN}$ is NaN), where the loop keeps it to $t$ onwards: to find the first bad
+# token, run the loop. Other heads, rows and documents are not touched.
 
 # %%
 #| exports
@@ -515,7 +523,9 @@ assert_close(o_p, o_n, atol=1e-5, rtol=0); assert_close(S_p, S_n, atol=1e-5, rto
 # %% [markdown]
 # How much faster is it? On this CPU, at the tiny model's head sizes (a rough measure, the best of
 # three calls after an untimed one; the GPU story is the Triton chapter's). Both paths are linear in
-# $T$, so the ratio should hardly move with $T$:
+# $T$; the chunked one also pays a fixed cost per call (padding, the batched solve, setting up its
+# larger operations), which more tokens spread thinner, so its lead can grow a little with $T$.
+# The timings are rough (a shared CPU): between 3 and 4.5 times in the runs of this page:
 
 # %%
 best_time = lambda f, args: min(timeit.repeat(lambda: f(*args), number=1, repeat=4)[1:])  # the first call is untimed
@@ -523,7 +533,7 @@ best_time = lambda f, args: min(timeit.repeat(lambda: f(*args), number=1, repeat
 for T in (256, 1024):
     args = make_inputs(B=4, T=T, H=4, K=32, V=32)
     tn, tc = best_time(naive_gated_delta_rule, args), best_time(chunk_gated_delta_rule_torch, args)
-    print(f"T={T:5d}: loop {tn * 1e3:7.1f} ms, chunked {tc * 1e3:6.1f} ms ({tn / tc:.0f}x)")
+    print(f"T={T:5d}: loop {tn * 1e3:7.1f} ms, chunked {tc * 1e3:6.1f} ms ({tn / tc:.1f}x)")
 
 
 # %% [markdown]

@@ -271,7 +271,7 @@ for n in range(2):
 # The counts are a comparison with every expert summed over the assignments, a reduction that
 # `torch.compile` fuses. (`index_add_` of ones gives the same counts, but compiled for a GPU it
 # fell back to a sorting scatter-add: 0.23 ms per MoE layer at the 750M model's micro-batch on an
-# H200. `bincount` would need a host sync to size its output.)
+# H200, in a profile not kept in `benchmarks/results`. `bincount` would need a host sync to size its output.)
 
 # %%
 #| export
@@ -512,7 +512,7 @@ class DeepSeekMoE(nn.Module):
         scores = self.gate_forward(x)  # (N, E)
         idx = torch.topk(scores + self.gate_bias.float(), self.top_k, dim=-1).indices  # (N, k) selection only
         score = scores.gather(-1, idx)  # (N, k) unbiased
-        weight = score / score.sum(-1, keepdim=True) if self.score_func == "sigmoid" else score
+        weight = score / (score.sum(-1, keepdim=True) + 1e-20) if self.score_func == "sigmoid" else score  # (0/0 if all underflow)
         return idx, self.route_scale * weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
@@ -715,7 +715,8 @@ assert wrong > 0.1, wrong
 mg.impl = "auto"
 
 # %% [markdown]
-# Measured once on one H200 (torch 2.11, bf16 autocast), a 750M-design layer (16 experts of
+# Measured once on one H200 (torch 2.11, bf16 autocast; commit 4d6ec60 of 2 December, before the
+# gathered moves and the counts by reduction above, and not kept in `benchmarks/results`), a 750M-design layer (16 experts of
 # 896 → 2304, top-2, one shared) on 4 × 4096 tokens, forward + backward: 6.7 ms grouped against
 # 16.1 ms for the loop, about 270 TFLOP/s of expert work per MoE layer (shared + 2 routed
 # experts), about 180 TFLOP/s counting only the routed experts' products against the whole 6.7 ms (which also
@@ -813,7 +814,8 @@ assert sum(d for _, _, d in runs["ema"][-50:]) < sum(d for _, _, d in runs["none
 
 # %% [markdown]
 # Without balancing the skewed experts take most of the tokens and the capacity drops a large share
-# of assignments. Both bias rules first close the gap at the same pace, about 125 steps: at $\gamma$
+# of assignments. Both bias rules first close the gap at the same pace (their windows agree to about
+# step 75; the sign rule is there by step 125): at $\gamma$
 # per step, the bias has to travel the score gap between favoured and neglected experts. Then they
 # differ (the 25-step windows above):
 #
@@ -825,7 +827,7 @@ assert sum(d for _, _, d in runs["ema"][-50:]) < sum(d for _, _, d in runs["none
 # - The **EMA rule** overshoots: the EMA reports the load of the last ~50 steps, so the bias keeps
 #   moving for tens of steps after the load has crossed the mean, and then has to come back. With
 #   softmax scores near $1/E \approx 0.06$, an overshoot of tens of $\gamma$ is large: its windows
-#   swing between 1.5 and 2.0 up to step 225 and settle near 1.2 only from about step 350, nearly
+#   swing between about 1.5 and 2 up to step 225 and settle near 1.2 only from about step 350, nearly
 #   three times as long as the sign rule (within 1.35 for good from step 300 against 100). Once
 #   settled, the EMA and the dead band stop the jitter, and it ends slightly better balanced than
 #   the sign rule. That is the trade HyMo's variant makes: smoother steady state, slower and

@@ -122,6 +122,12 @@ def test_dtype_and_state_dtype():
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     o_ref, _ = naive_gated_delta_rule(q, k, v, g, beta)
     assert (o.float() - o_ref).abs().max() < 1e-2 * o_ref.abs().max()  # bf16 inputs: ~4e-3 of the largest output
+    q, k, v, g, beta = (x.bfloat16() for x in inputs(T=500, g_mult=0.2))  # weak decays: the state sums hundreds of writes
+    _, S_ref = naive_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), output_final_state=True)
+    for rule in (naive_gated_delta_rule, chunk_gated_delta_rule_torch):  # both keep it in fp32 (the loop decodes tokens)
+        o, S = rule(q, k, v, g, beta, output_final_state=True)
+        assert o.dtype == torch.bfloat16 and S.dtype == torch.float32, rule.__name__
+        assert (S - S_ref).norm() / S_ref.norm() < 1e-4, rule.__name__  # in bf16 the state would be ~6e-2 off
 
 
 def test_bad_shapes_have_clear_errors():
@@ -134,6 +140,15 @@ def test_bad_shapes_have_clear_errors():
         naive_gated_delta_rule(q, k, v, g, beta, initial_state=torch.zeros(2, H, K, K))
     with pytest.raises(TypeError, match="must be floating point"):
         chunk_gated_delta_rule_torch(q, k, v.long(), g, beta)
+    for rule in (naive_gated_delta_rule, chunk_gated_delta_rule_torch):  # an integer state would be used as it is
+        for h0 in (torch.zeros(2, H, K, V, dtype=torch.long), torch.zeros(2, H, K, V, device="meta")):
+            with pytest.raises(TypeError, match=r"initial_state must be a floating-point tensor on v's device \(cpu\)"):
+                rule(q, k, v, g, beta, initial_state=h0)
+        with pytest.raises(ValueError, match=r"cu_seqlens must be a non-decreasing \[N\+1\] tensor"):
+            rule(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=torch.tensor([], dtype=torch.long))
+    for size in (0, True):
+        with pytest.raises(ValueError, match=f"chunk_size={size} must be a positive int"):
+            chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=size)
     with pytest.raises(ValueError, match="chunk_size=64.0 must be a positive int"):
         chunk_gated_delta_rule_torch(q, k, v, g, beta, chunk_size=64.0)
     import numpy as np
@@ -442,6 +457,19 @@ def test_the_mixer_gates_are_the_documented_formulas(cfg, monkeypatch):
     A = torch.tensor([math.exp(-1.0), 1.0, math.exp(1.5)])
     torch.testing.assert_close(seen["g"], -A * torch.log1p(torch.exp(a + torch.tensor([0.5, -2.0, 0.0]))))
     torch.testing.assert_close(seen["beta"], 1 / (1 + torch.exp(-b)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the projections in bf16, the gates still in fp32
+        mixer(x)
+    assert seen["g"].dtype == seen["beta"].dtype == torch.float32, (seen["g"].dtype, seen["beta"].dtype)
+
+
+def test_block_adds_the_mixer_then_the_ffn_of_the_new_stream(cfg):
+    "x1 = x + mixer(norm1(x)); out = x1 + ffn(norm2(x1)), with the two norms made different so a swap shows."
+    torch.manual_seed(0)
+    block = GatedDeltaNetBlock(cfg)
+    with torch.no_grad(): block.norm1.weight.uniform_(0.5, 1.5); block.norm2.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 30, cfg.dim)
+    x1 = x + block.mixer(block.norm1(x))
+    torch.testing.assert_close(block(x), x1 + block.ffn(block.norm2(x1)))
 
 
 @torch.no_grad()

@@ -344,6 +344,27 @@ def test_mla_refuses_what_it_would_misread():
         MLACache.empty(CFG, 1, 4, dtype=torch.int64)
     with pytest.raises(ValueError, match=r"MLACache\(length=5, pos=\[2\]\): pos is the same count as length"):
         MLACache(torch.zeros(1, 8, 3), torch.zeros(1, 8, 2), length=5, pos=torch.tensor([2]))
+    for c_kv, k_rope, length in ((torch.zeros(1, 8, 3), torch.zeros(1, 6, 2), 0), (torch.zeros(1, 8, 3), torch.zeros(2, 8, 2), 0),
+                                 (torch.zeros(1, 8, 3), torch.zeros(1, 8, 2).double(), 0), (torch.zeros(1, 8, 3), torch.zeros(1, 8, 2), -3)):
+        with pytest.raises(ValueError, match=r"MLACache holds c_kv \[B, max_len, d_c\] and k_rope \[B, max_len, d_rope\] of one dtype"):
+            MLACache(c_kv, k_rope, length=length)
+
+
+@torch.no_grad()
+def test_mla_positions_and_decoding_end_exactly_at_max_seq_len():
+    "Positions up to max_seq_len - 1 are taken, max_seq_len is not: by hand, by default (T), and when decoding."
+    m, L = MultiHeadLatentAttention(CFG), CFG.max_seq_len
+    x = x_(1, 8)
+    m(x, positions=torch.arange(8) + L - 8)
+    with pytest.raises(ValueError, match=f"positions run from {L - 7} to {L}"): m(x, positions=torch.arange(8) + L - 7)
+    m(x_(1, L))
+    with pytest.raises(ValueError, match=f"sequence length {L + 1} > max_seq_len={L}"): m(x_(1, L + 1))
+    cache = MLACache.empty(CFG, 1, L + 8)
+    cache.length, cache.pos = L - 1, torch.tensor([L - 1])
+    with pytest.raises(ValueError, match=f"decoding to position {L}, beyond"): m.forward_decode(x[:, :2], cache)
+    m.forward_decode(x[:, :1], cache)
+    assert cache.length == L
+    assert MLACache.empty(CFG, 1, 4).bytes_per_token() == (CFG.mla_kv_lora_rank + CFG.mla_qk_rope_dim) * 4
 
 
 @torch.no_grad()
@@ -435,7 +456,7 @@ def test_meta_build_then_reset_equals_eager(q_lora_rank):
     q_w = a.attn.q_b_proj.weight if q_lora_rank else a.attn.q_proj.weight
     assert abs(q_w.std().item() - cfg.init_std) < 3e-3
     o_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    assert abs(a.attn.o_proj.weight.std().item() - o_std) < 0.2 * o_std
+    assert abs(a.attn.o_proj.weight.std().item() - o_std) < 0.05 * o_std  # (sampling error of the std: ~0.6 %)
 
 
 def test_750m_shapes_on_meta():

@@ -99,6 +99,17 @@ def test_loop_and_grouped_kernels_agree_with_empty_experts():
     for a, b in zip(*grads): torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
+@torch.no_grad()
+def test_sigmoid_weights_stay_finite_when_every_chosen_score_underflows():
+    "sigmoid(-200) is 0 in fp32: the renormalised weights are 0 (no routed expert's output), not 0/0 = NaN."
+    moe = make(moe_score_func="sigmoid")
+    moe.gate.weight.fill_(-1.0)
+    x = torch.full((3, moe.dim), 200.0 / moe.dim)  # every logit -200
+    _, w, score = moe.route(x)
+    assert (score == 0).all() and (w == 0).all()
+    assert torch.isfinite(moe(x[None])).all()
+
+
 def test_bias_changes_selection_not_weights():
     moe = make(moe_score_func="sigmoid")
     x = torch.randn(64, moe.dim)

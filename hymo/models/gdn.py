@@ -54,6 +54,9 @@ def _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens) -> int:
     if initial_state is not None and initial_state.shape != (n, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [{'N' if cu_seqlens is not None else 'B'}, H, K, V] = "
                          f"[{n}, {H}, {K}, {v.shape[-1]}]; got {tuple(initial_state.shape)}")
+    if initial_state is not None and (not initial_state.is_floating_point() or initial_state.device != v.device):
+        raise TypeError(f"initial_state must be a floating-point tensor on v's device ({v.device}); got "
+                        f"{initial_state.dtype} on {initial_state.device}")  # an integer or complex state: cast silently
     return n
 
 # %% ../../nbs/12_gated_deltanet.ipynb #14ad0268

@@ -199,7 +199,11 @@ class MultiHeadLatentAttention(nn.Module):
             if B != 1: raise ValueError(f"cu_seqlens packs documents into one row: got batch {B}, reshape to [1, B*T, D]")
             if positions is not None: raise ValueError("pass cu_seqlens or positions, not both: cu_seqlens sets the positions")
             positions = positions_from_cu_seqlens(cu_seqlens, T, self.config.max_seq_len)  # reads the boundaries once
-        elif positions is None: positions = torch.arange(T, device=x.device)
+        elif positions is None:
+            if T > self.config.max_seq_len:  # positions 0..T-1 past the ones the tables were trained on, as by hand below
+                raise ValueError(f"sequence length {T} > max_seq_len={self.config.max_seq_len}: crop the input, pack it as "
+                                 "documents (cu_seqlens), or raise max_seq_len")
+            positions = torch.arange(T, device=x.device)
         elif positions.numel():  # given by hand (the model never does): in the range the tables were trained on
             lo, hi = map(int, torch.aminmax(positions))
             if lo < 0 or hi >= self.config.max_seq_len:
@@ -251,6 +255,11 @@ class MLACache:
         if not (self.c_kv.is_floating_point() and self.k_rope.is_floating_point()):
             raise TypeError(f"MLACache holds latents and keys, not {self.c_kv.dtype}/{self.k_rope.dtype}: give floating-point "
                             "buffers, e.g. MLACache.empty(config, batch, max_len, dtype=torch.bfloat16)")
+        c, r = self.c_kv, self.k_rope  # a cache made by hand: its two buffers must agree, or a write stops halfway
+        if c.ndim != 3 or r.ndim != 3 or c.shape[:2] != r.shape[:2] or c.dtype != r.dtype or c.device != r.device or self.length < 0:
+            raise ValueError(f"MLACache holds c_kv [B, max_len, d_c] and k_rope [B, max_len, d_rope] of one dtype on one device, "
+                             f"and length >= 0; got {tuple(c.shape)} {c.dtype} on {c.device}, {tuple(r.shape)} {r.dtype} on "
+                             f"{r.device}, length={self.length}: make it with MLACache.empty(config, batch, max_len)")
         if self.pos is None: self.pos = torch.full((1,), self.length, dtype=torch.long, device=self.c_kv.device)
         elif self.pos.shape != (1,) or int(self.pos) != self.length:  # (read once, when a cache is made by hand)
             raise ValueError(f"MLACache(length={self.length}, pos={self.pos.tolist()}): pos is the same count as length, on "
@@ -299,7 +308,7 @@ class MLACache:
 
     def bytes_per_token(self) -> int:
         "Cached bytes per token (per layer): (d_c + d_rope) × bytes per value."
-        return (self.c_kv.shape[-1] + self.k_rope.shape[-1]) * self.c_kv.element_size()
+        return self.c_kv.shape[-1] * self.c_kv.element_size() + self.k_rope.shape[-1] * self.k_rope.element_size()
 
 # %% ../../nbs/21_mla.ipynb #a5b8ab75
 class MLABlock(nn.Module):

@@ -162,7 +162,7 @@ class DeepSeekMoE(nn.Module):
         scores = self.gate_forward(x)  # (N, E)
         idx = torch.topk(scores + self.gate_bias.float(), self.top_k, dim=-1).indices  # (N, k) selection only
         score = scores.gather(-1, idx)  # (N, k) unbiased
-        weight = score / score.sum(-1, keepdim=True) if self.score_func == "sigmoid" else score
+        weight = score / (score.sum(-1, keepdim=True) + 1e-20) if self.score_func == "sigmoid" else score  # (0/0 if all underflow)
         return idx, self.route_scale * weight, score
 
     def capacity(self, n_tokens: int) -> int | None:
