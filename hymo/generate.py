@@ -78,6 +78,9 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     model = build_hymo(cfg.model, device=device)
     summary = _json_dict(run / "summary.json")
     if summary is None and (run / "summary.json").exists():  # its sums lost, the model's bytes unchecked: not silently
+        if who := run_dir_holder(run):  # a finish writing it now
+            raise ConfigError(f"{run / 'summary.json'} is being written: a run is training in {run} now ({who}); try "
+                              "again once it has finished")
         raise ConfigError(f"{run / 'summary.json'} cannot be read (damaged, or not a JSON object): it holds the sums that "
                           "model.safetensors and tokenizer.json are checked against. Copy it back from a copy of the run "
                           "folder, or delete it to load the model without those checks")

@@ -55,7 +55,7 @@
 # |---|---|---|
 # | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one) | no |
 # | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 2.93× (round 38, paired, on another H100), 3.69× (round 37, paired, on an H100), 4.61× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.01× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | no: met in 5 of the 17 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path), none since round 32; the newest three miss it most, as the PyTorch path's host and code changed |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 2.93× (round 38, paired, on another H100), 3.69× (round 37, paired, on an H100), 4.61× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.01× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | no: met in 5 of the 17 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path), none since round 32: the newest three are 2.9–4.6×, as the PyTorch path's host and code changed |
 #
 # The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
 # the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
@@ -91,17 +91,20 @@ assert round(100 * best["mfu"], 1) == 37.0 and max(r["peak_mem_gb"] for r in pre
 
 # %%
 PRESET = "hybrid gdn=triton ac=False compile=True accum=32 loss=fused"
-rnd = lambda r: re.match(r"round \d+\w?", r["code"]).group(0)
+def round_of(r):  # "round 38b" of a row's code, or None for a row not named by its round
+    m = re.match(r"round \d+\w?", r["code"])
+    return m and m.group(0)
+
 ratios = {}
 for i, r in enumerate(steps):
-    if r["variant"] != PRESET.replace("triton", "torch") or not r["code"].startswith("round"): continue
+    if r["variant"] != PRESET.replace("triton", "torch") or not round_of(r): continue
     for where, j in (("after", i - 1), ("before", i + 1)):
         s = steps[j] if 0 <= j < len(steps) else None
-        if s and s["variant"] == PRESET and s["gpu"] == r["gpu"] and rnd(s).rstrip("bc") == rnd(r).rstrip("bc"):
-            ratios[(rnd(r), where)] = ratio = r["step_s"] / s["step_s"]
-            print(f"{rnd(r):10s} PyTorch {r['step_s']:6.2f} s / preset {s['step_s']:.3f} s ({where}, {rnd(s)}): {ratio:.2f}x")
-for rnd, want in (("round 38b", "2.93"), ("round 37b", "3.69"), ("round 36b", "4.61")):  # the table's newest three
-    assert f"{ratios[(rnd, 'after')]:.2f}" == want, (rnd, ratios[(rnd, "after")])
+        if s and s["variant"] == PRESET and s["gpu"] == r["gpu"] and (round_of(s) or "").rstrip("bc") == round_of(r).rstrip("bc"):
+            ratios[(round_of(r), where)] = ratio = r["step_s"] / s["step_s"]
+            print(f"{round_of(r):10s} PyTorch {r['step_s']:6.2f} s / preset {s['step_s']:.3f} s ({where}, {round_of(s)}): {ratio:.2f}x")
+for name, want in (("round 38b", "2.93"), ("round 37b", "3.69"), ("round 36b", "4.61")):  # the table's newest three
+    assert f"{ratios[(name, 'after')]:.2f}" == want, (name, ratios[(name, "after")])
 
 
 # %% [markdown]

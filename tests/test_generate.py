@@ -3,6 +3,7 @@ hymo/models/model.py and hymo/generate.py found no other test catching (each fai
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -197,6 +198,11 @@ def test_load_run_of_a_folder_a_run_trains_in_says_so(run, tmp_path):
         assert p.stdout.readline().strip() == "locked"
         with pytest.raises(ConfigError, match=r"no model.safetensors yet: a run is training there now \(pid 4242 on box\)"):
             load_run(other)
+        shutil.copyfile(run / "model.safetensors", other / "model.safetensors")
+        (other / "summary.json").write_text('{"step": 2, "val_lo')  # a finish writing it as generate reads it
+        with pytest.raises(ConfigError, match=r"summary.json is being written: a run is training in .* \(pid 4242 on box\)"):
+            load_run(other)
+        (other / "model.safetensors").unlink(); (other / "summary.json").unlink()
     finally: p.kill(); p.wait()
     with pytest.raises(ConfigError, match="resume it to the end"): load_run(other)  # the lock is gone with the process
 
