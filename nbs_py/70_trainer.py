@@ -2054,7 +2054,8 @@ Trainer._keep_finished = _keep_finished
 # The final checkpoint, a validation pass, a loss-curve PNG, a short sample from the model (it
 # continues `sample_prompt`: by default "ROMEO:" on the bundled corpus, the start of a document on your own data), and
 # the weights as one `safetensors` file (full tensors, gathered to rank 0) for inference.
-# `summary.json` is written last, so a run whose `finish` was cut short finishes again when resumed;
+# `summary.json` is written last, and whole (beside itself, then renamed over: a reader such as `generate` never sees
+# half of it), so a run whose `finish` was cut short finishes again when resumed;
 # one that has it for its last step is left alone (`fit` says so and returns), since finishing again
 # would rewrite the final checkpoint with whatever settings the resuming command gave; unless its
 # `model.safetensors` or `tokenizer.json` is gone, which `finish` then writes again from the final
@@ -2089,7 +2090,7 @@ def finish(self: Trainer) -> dict:
         plot_losses(self.history, self.run_dir / "loss.png")
         (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
         summary["sample"] = sample
-        (self.run_dir / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
+        _write_lines(self.run_dir / "summary.json", [json.dumps(_no_nan(summary), indent=1)])  # whole or not at all
 
     self._together(artefacts, self.run_dir)
     if self.d.is_main:

@@ -197,6 +197,19 @@ def test_the_final_validation_loss_is_in_the_metrics_without_eval_every(tmp_path
     assert last["step"] == 3 and last["val_loss"] == summary["val_loss"] == t.history[-1]["val_loss"]
 
 
+def test_summary_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    "finish writes summary.json beside itself and renames it over: stopped there, the run has none, not a cut one."
+    import hymo.training.trainer as tr
+    class Cut(Exception): pass
+    real = os.replace
+    def replace(src, dst):
+        if Path(dst).name == "summary.json": raise Cut
+        return real(src, dst)
+    monkeypatch.setattr(tr.os, "replace", replace)
+    with pytest.raises(Cut): make(tmp_path / "run", max_steps=2, warmup_steps=1).fit()
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):
     "doc_masking packs a micro-batch of 16 windows of 32 tokens into one row of 512 > max_seq_len=256: it must still train."
     t = make(tmp_path / "run", doc_masking=True, micro_batch_size=16, global_batch_size=16, max_steps=3, warmup_steps=1)

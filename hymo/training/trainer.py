@@ -1613,7 +1613,7 @@ def finish(self: Trainer) -> dict:
         plot_losses(self.history, self.run_dir / "loss.png")
         (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
         summary["sample"] = sample
-        (self.run_dir / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
+        _write_lines(self.run_dir / "summary.json", [json.dumps(_no_nan(summary), indent=1)])  # whole or not at all
 
     self._together(artefacts, self.run_dir)
     if self.d.is_main:
