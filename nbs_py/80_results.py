@@ -75,13 +75,15 @@ RESULTS = Path("../benchmarks/results")
 steps = json.loads((RESULTS / "train_step.json").read_text())
 
 # %%
-preset = [r for r in steps if r["variant"] == "hybrid gdn=triton ac=False compile=True accum=32 loss=fused"
+PRESET = "hybrid gdn=triton ac=False compile=True accum=32 loss=fused"  # the preset step's variant
+preset = [r for r in steps if r["variant"] == PRESET
           and not r["code"].startswith("experiment") and r["gpu"] == "NVIDIA H200"]  # the targets are for one H200
 best = max(preset, key=lambda r: r["mfu"] or 0)  # a GPU missing from the peak table has no MFU (None)
 print(f"best preset step: {best['mfu']:.1%} MFU, {best['step_s']:.3f} s, {best['peak_mem_gb']:.1f} GB ({best['code']})")
 print(f"newest on an H200: {preset[0]['mfu']:.1%} MFU, {preset[0]['step_s']:.3f} s ({preset[0]['code']})")
 print(f"peak memory of every preset row: {min(r['peak_mem_gb'] for r in preset):.1f}-{max(r['peak_mem_gb'] for r in preset):.1f} GB")
 assert round(100 * best["mfu"], 1) == 37.0 and max(r["peak_mem_gb"] for r in preset) < 80  # the table above
+
 
 # %% [markdown]
 # The ratios of the last row come from pairs of rows: each PyTorch-path step against the preset
@@ -90,7 +92,6 @@ assert round(100 * best["mfu"], 1) == 37.0 and max(r["peak_mem_gb"] for r in pre
 # a few older rounds compared with a step further away, as their notes say.
 
 # %%
-PRESET = "hybrid gdn=triton ac=False compile=True accum=32 loss=fused"
 def round_of(r):  # "round 38b" of a row's code, or None for a row not named by its round
     m = re.match(r"round \d+\w?", r["code"])
     return m and m.group(0)
