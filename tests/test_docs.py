@@ -11,9 +11,11 @@ import html
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections import namedtuple
 from functools import partial
@@ -685,6 +687,63 @@ def test_nb_check_refuses_a_tree_with_changes_it_would_overwrite(tmp_path):
     p = subprocess.run([sys.executable, "tools/nb.py", "check"], cwd=repo, capture_output=True, text=True)
     assert p.returncode == 1 and "commit these changes first" in p.stderr and " M hymo/generate.py" in p.stderr, p.stderr
     assert (repo / "hymo" / "generate.py").read_text() == "x = 2  # by hand\n"
+
+
+def _clone(tmp_path) -> Path:
+    "A clone of this checkout with the working tree's tools/nb.py, for nb.py's commands to change at will."
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    for a in (("user.name", "t"), ("user.email", "t@t")): subprocess.run(["git", "config", *a], cwd=repo, check=True)
+    shutil.copy(ROOT / "tools" / "nb.py", repo / "tools" / "nb.py")
+    return repo
+
+
+def _edit_notebook(path: Path, old: str, new: str):
+    "Replace text in a notebook's cells, as an editor would (nbformat's JSON, one space of indent)."
+    nb = json.loads(path.read_text())
+    src = ["".join(c["source"]) for c in nb["cells"]]
+    i = next(i for i, s in enumerate(src) if old in s)
+    nb["cells"][i]["source"] = src[i].replace(old, new, 1)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+
+
+def test_nb_sync_refuses_a_pair_edited_on_both_sides_and_carries_the_edited_side_over(tmp_path):
+    "jupytext kept the newer file of a pair edited on both sides (the other edit lost, nothing said), and carried the newer over an edit."
+    repo = _clone(tmp_path)
+    nb, py = repo / "nbs" / "00_config.ipynb", repo / "nbs_py" / "00_config.py"
+    _edit_notebook(nb, "One plain dataclass", "NOTEBOOK EDIT One plain dataclass")
+    py.write_text(py.read_text().replace("# # ", "# # SCRIPT EDIT ", 1))
+    before = nb.read_text(), py.read_text()
+    sync = lambda: subprocess.run([sys.executable, "tools/nb.py", "sync"], cwd=repo, capture_output=True, text=True)
+    p = sync()
+    assert p.returncode == 1 and "nbs/00_config.ipynb and nbs_py/00_config.py" in p.stderr and "both sides" in p.stderr, p.stderr
+    assert (nb.read_text(), py.read_text()) == before
+    subprocess.run(["git", "checkout", "-q", "--", "nbs_py/00_config.py"], cwd=repo, check=True)
+    os.utime(py, (time.time() + 60, time.time() + 60))  # the unedited side is the newer, as git can leave it in a fresh clone
+    p = sync()
+    assert p.returncode == 0 and "nbs/00_config.ipynb -> nbs_py/00_config.py" in p.stdout, p.stdout + p.stderr
+    assert "NOTEBOOK EDIT One plain dataclass" in py.read_text() and "NOTEBOOK EDIT" in nb.read_text()
+    py.write_text(py.read_text().replace("NOTEBOOK EDIT", "SECOND EDIT", 1))  # both differ from the commit, only one from the sync
+    p = sync()
+    assert p.returncode == 0 and "nbs_py/00_config.py -> nbs/00_config.ipynb" in p.stdout, p.stdout + p.stderr
+    assert "SECOND EDIT One plain dataclass" in nb.read_text()
+
+
+def test_nb_check_names_a_committed_pair_that_disagrees_and_modules_no_notebook_exports(tmp_path):
+    "A commit of a notebook alone, a hand-written module and one whose notebook was deleted all passed check (or got advice that lost the edit)."
+    repo = _clone(tmp_path)
+    git = lambda *a: subprocess.run(["git", *a], cwd=repo, check=True, capture_output=True)
+    check = lambda: subprocess.run([sys.executable, "tools/nb.py", "check"], cwd=repo, capture_output=True, text=True)
+    _edit_notebook(repo / "nbs" / "00_config.ipynb", "One plain dataclass", "Edited: one plain dataclass")
+    git("commit", "-qm", "the notebook alone", "nbs/00_config.ipynb")
+    p = check()
+    assert p.returncode == 1 and "disagree" in p.stderr and "nbs/00_config.ipynb and nbs_py/00_config.py" in p.stderr, p.stderr
+    git("checkout", "-q", "HEAD~1", "--", "nbs/00_config.ipynb"); git("commit", "-qm", "back")
+    (repo / "hymo" / "stray.py").write_text("x = 1\n")
+    git("rm", "-q", "nbs/72_generate.ipynb", "nbs_py/72_generate.py"); git("add", "hymo"); git("commit", "-qm", "a stray, a module without notebook")
+    p = check()
+    assert p.returncode == 1 and "hymo/stray.py: not exported from a notebook" in p.stderr, p.stderr
+    assert "hymo/generate.py: its notebook nbs/72_generate.ipynb is gone" in p.stderr, p.stderr
 
 
 def test_the_site_build_names_a_broken_notebook_and_a_missing_pandoc_and_warns_of_dead_links(monkeypatch, tmp_path, capsys):

@@ -3,31 +3,101 @@
     python tools/nb.py sync              # nbs_py/*.py <-> nbs/*.ipynb (jupytext), then nbdev-export
     python tools/nb.py run 12_gated_deltanet 13 ...   # execute chapters, by name or number (outputs saved in the .ipynb), clean, sync, export
     python tools/nb.py run all           # execute every chapter
-    python tools/nb.py check             # exit 1 if sync or export would change a tracked file (CI)
+    python tools/nb.py check             # exit 1 if a committed pair disagrees, hymo/ holds a module no notebook
+                                         # exports, or sync or export would change a tracked file (CI)
 
-Write a chapter either as the notebook or as its paired script; `sync` carries the newer one over.
+Write a chapter either as the notebook or as its paired script; `sync` carries the edited one over (the one changed
+since the last sync, or the last commit, whichever file is newer) and says which way it went. A pair edited on both
+sides is refused, not merged: jupytext would keep the newer file and drop the other's edit.
 `run` stores outputs (plots, printed tables) in the notebook so the docs show them without
 re-running; slow or GPU cells marked `#| slow` / `#| gpu` are skipped, as in `nbdev-test`.
 """
+import hashlib
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NBS = ROOT / "nbs"
+NBS, PYS = ROOT / "nbs", ROOT / "nbs_py"
 
 
 def sh(*cmd):
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
+def rel(p: Path) -> str: return str(p.relative_to(ROOT))
+
+
+def pairs() -> list:
+    "`(notebook, script)` for every chapter with both files (`jupytext --sync` writes a missing one)."
+    return [(nb, PYS / f"{nb.stem}.py") for nb in sorted(NBS.glob("*.ipynb")) if (PYS / f"{nb.stem}.py").exists()]
+
+
+def script_text(nb: Path) -> str:
+    "The notebook's text as its paired script, as jupytext writes it (the pair's settings in jupytext.toml)."
+    import jupytext
+    from jupytext.config import load_jupytext_config
+    try: notebook = jupytext.read(nb)
+    except Exception as e:  # noqa: BLE001 (JSON or nbformat's errors: the file is not a notebook)
+        sys.exit(f"{rel(nb)} is not a notebook ({type(e).__name__}: {e}): fix it, or restore it with git checkout -- {rel(nb)}")
+    return jupytext.writes(notebook, fmt="py:percent", config=load_jupytext_config(str(NBS)))
+
+
+def disagree(nb: Path, py: Path) -> bool: return script_text(nb) != py.read_text(encoding="utf-8")
+
+
+SYNCED = ROOT / ".nb_sync.json"  # (git ignores it) each pair's script text, hashed, as the last sync left it
+
+
+def digest(text: str) -> str: return hashlib.sha1(text.encode()).hexdigest()
+
+
+def base(py: Path, synced: dict) -> str | None:
+    "The pair's common text (hashed) to tell which side moved: as the last sync here left it, else as committed."
+    if py.stem in synced: return synced[py.stem]
+    got = subprocess.run(["git", "show", f"HEAD:{rel(py)}"], cwd=ROOT, capture_output=True)
+    return digest(got.stdout.decode()) if got.returncode == 0 else None
+
+
+def choose_sides():
+    """Before `jupytext --sync`, which carries the newer file of each pair over the older: for each pair that disagrees,
+    make the side that moved from the pair's last common text the newer (times in a fresh clone say nothing), refuse a
+    pair where both moved, and say which way each goes."""
+    try: synced = json.loads(SYNCED.read_text())
+    except (OSError, ValueError): synced = {}
+    both = []
+    for nb, py in pairs():
+        text = script_text(nb)
+        if text == py.read_text(encoding="utf-8"): continue
+        was = base(py, synced)
+        moved = [f for f, t in ((nb, text), (py, py.read_text(encoding="utf-8"))) if was is not None and digest(t) != was]
+        if len(moved) == 2: both.append(f"{rel(nb)} and {rel(py)}"); continue
+        src = moved[0] if moved else max((nb, py), key=lambda f: f.stat().st_mtime_ns)
+        if moved:  # make it the newer, even of a file dated in the future
+            t = max(time.time(), nb.stat().st_mtime, py.stat().st_mtime) + 1
+            os.utime(src, (t, t))
+        print(f"{rel(src)} -> {rel(py if src == nb else nb)}" + ("" if moved else " (the newer: no common text to compare with)"))
+    if both:
+        sys.exit("Edited on both sides since the last sync (or, with none here, the last commit), and they disagree: syncing "
+                 "would keep the newer and lose the other's edit:\n  " + "\n  ".join(both) + "\nPut both edits in one of "
+                 "them and restore the other (git diff, then git checkout -- FILE), then sync again.")
+
+
+def record_sync():
+    SYNCED.write_text(json.dumps({py.stem: digest(py.read_text(encoding="utf-8")) for _, py in pairs()}, indent=1))
+
+
 def sync():
-    sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))), *sorted(map(str, (ROOT / "nbs_py").glob("*.py"))))
+    choose_sides()
+    sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))), *sorted(map(str, PYS.glob("*.py"))))
     sh("nbdev-clean")
     sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))))
     sh("nbdev-export")
     write_llms_txt()
+    record_sync()
 
 
 LLMS_MARK = "<!-- Written by `python tools/nb.py sync` from the modules' docstrings; edit the notebooks, not this file -->"
@@ -81,20 +151,48 @@ def run(names):
         skipped = [c for c in nb.cells if c.cell_type == "code" and _skip(c)]
         for c in skipped: c.cell_type = "raw"  # not executed
         shell = CaptureShell()
-        shell.run_all(nb, exc_stop=True)
+        try: shell.run_all(nb, exc_stop=True)
+        except Exception as e:  # noqa: BLE001 (a cell's own error, whatever it is)
+            os.chdir(ROOT)
+            sync()
+            done = [q.name for q in paths[:paths.index(p)]]
+            sys.exit(f"{p.name} failed ({type(e).__name__}: {e}); its outputs are not saved"
+                     + (f" (those of {', '.join(done)} are)" if done else "") + ". The traceback is above.")
         for c in skipped: c.cell_type = "code"; c.outputs = []; c.execution_count = None
         write_nb(nb, p)
     os.chdir(ROOT)
     sync()
 
 
+def strays() -> list:
+    """Modules of hymo/ that no notebook exports: without nbdev's header, or exported from a notebook since deleted
+    (nbdev-export never deletes a module, so `check`'s sync and diff pass them)."""
+    out = []
+    for p in sorted((ROOT / "hymo").rglob("*.py")):
+        if p.name in ("__init__.py", "_modidx.py"): continue
+        head = p.read_text(encoding="utf-8").split("# AUTOGENERATED! DO NOT EDIT! File to edit: ", 1)
+        src = (p.parent / head[1].split(maxsplit=1)[0].rstrip(".")).resolve() if len(head) == 2 else None
+        if src is None or not src.exists():
+            out.append(f"{rel(p)}: " + (f"its notebook {rel(src)} is gone" if src else "not exported from a notebook (no nbdev header)"))
+    return out
+
+
 def check():
-    git = lambda *a: subprocess.run(["git", *a, "--", "nbs", "nbs_py", "hymo"], cwd=ROOT,
-                                    capture_output=True, text=True, check=True).stdout
+    def git(*a):
+        try: return subprocess.run(["git", *a, "--", "nbs", "nbs_py", "hymo"], cwd=ROOT, capture_output=True, text=True,
+                                   check=True).stdout
+        except subprocess.CalledProcessError as e:
+            sys.exit(f"check compares with the last commit, so it needs a git checkout with one (git: {e.stderr.strip()})")
     if changed := git("status", "--porcelain"):  # sync would rewrite them, and the check then compares with the commit
         sys.exit("check compares a fresh sync and export with the last commit, and syncing rewrites nbs/, nbs_py/ and hymo/ "
                  "(an edit of hymo/ by hand would be lost): commit these changes first (after `python tools/nb.py sync`), "
                  "or stash them:\n" + changed)
+    if split := [f"{rel(nb)} and {rel(py)}" for nb, py in pairs() if disagree(nb, py)]:
+        sys.exit("The commit holds notebooks and scripts that disagree (sync would carry the newer file over the older, "
+                 "and in a fresh clone the newer is whichever git wrote last):\n  " + "\n  ".join(split) + "\nMake the "
+                 "right one the newer (touch it), run `python tools/nb.py sync`, check the diff and commit.")
+    if stray := strays():
+        sys.exit("hymo/ holds modules no notebook exports (delete them, or export them from a notebook):\n  " + "\n  ".join(stray))
     sync()
     out = git("diff", "--name-only") + git("ls-files", "--others", "--exclude-standard")
     if out.strip():
@@ -105,6 +203,7 @@ def check():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] not in {"sync", "run", "check"}:
+    if sys.argv[1:2] in (["-h"], ["--help"]): print(__doc__); sys.exit()
+    if len(sys.argv) < 2 or sys.argv[1] not in {"sync", "run", "check"} or (sys.argv[1] != "run" and len(sys.argv) > 2):
         sys.exit(__doc__)
     {"sync": lambda: sync(), "run": lambda: run(sys.argv[2:] or sys.exit(__doc__ + "\nrun: name the chapters to execute, or `all`")), "check": lambda: check()}[sys.argv[1]]()
