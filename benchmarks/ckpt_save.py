@@ -11,7 +11,6 @@ trainer's `file_crc`. Both read from the page cache here, as a save does; a resu
 reads the disk, at its speed. Prints a table and writes one JSON row.
 """
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 import hymo.training.trainer as trainer_module
 from hymo.config import ConfigError, load_config
 from hymo.training.trainer import Trainer
-from need_gpu import check_out, provenance  # the script beside this one
+from need_gpu import add_row, check_out, provenance  # the script beside this one
 
 
 class CrcTimer:
@@ -56,11 +55,11 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=2, help="saves to time (default 2)")
     ap.add_argument("--run-dir", help="a folder on the disk to time (default the system's temporary folder; where /tmp is in "
                                       "memory that times memory); the run is written in a new folder inside it, removed after")
-    ap.add_argument("--out", help="JSON file to write the row to")
+    ap.add_argument("--out", help="add the row to this JSON list, first (the results page reads newest first)")
     args = ap.parse_args(argv)
     if args.repeat < 1: ap.error("--repeat must be at least 1")
     if args.run_dir and not Path(args.run_dir).is_dir(): ap.error(f"--run-dir {args.run_dir} is not a folder; give one on the disk to time")
-    check_out(ap, args.out)
+    check_out(ap, args.out, adds=list)
     try: base = load_config(args.config)
     except ConfigError as e: ap.error(str(e))
     cfg = load_config(args.config, compile=False, max_steps=2, warmup_steps=0, eval_every=0, ckpt_every=1000,
@@ -90,7 +89,7 @@ def main(argv=None):
     for i, (_, s, c) in enumerate(saves):
         print(f"  save {i + 1}: {s:7.2f} s, of which CRC-32 {c:6.2f} s ({size / max(c, 1e-9) / 1e9:.1f} GB/s)")
     print(f"  load  : {load_s:7.2f} s, of which the check {load_crc_s:6.2f} s ({checked / 1e9:.2f} GB read)")
-    if args.out: Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+    if args.out: add_row(args.out, row)
     return row
 
 

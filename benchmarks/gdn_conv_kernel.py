@@ -6,14 +6,12 @@ kernels against the fp32 PyTorch prelude, and forward / forward+backward times a
 """
 import argparse
 import json
-import time
 
 import torch
 
-from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton, provenance  # the script beside this one
 
 need_triton()
-import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import hymo.models.gdn_conv_triton as ct  # noqa: E402
@@ -107,8 +105,7 @@ def main():
     if args.best_out and not args.sweep: ap.error("--best-out writes the sweep's fastest tiles: it needs --sweep")
     check_out(ap, args.out); check_out(ap, args.best_out, "--best-out")
     need_gpu("tests/test_gdn_conv_triton.py checks the kernels through Triton's interpreter")
-    res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-                         triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch={k: dict(v) for k, v in ct.LAUNCH.items()},
+    res = dict(meta=dict(**provenance(), device=torch.cuda.get_device_name(), shape=dict(B=B, T=T, H=H, K=K, V=V, W=W), launch={k: dict(v) for k, v in ct.LAUNCH.items()},
                          timer="triton.testing.do_bench, median, ms"))
     res["parity"] = parity()
     print(json.dumps(res["parity"], indent=1), flush=True)

@@ -27,13 +27,12 @@ On CPU (TRITON_INTERPRET=1) it only checks accuracy at a small shape.
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton, provenance  # the script beside this one
 
 need_triton()
 import triton  # noqa: E402
@@ -253,8 +252,7 @@ def main():
     gpu = DEV == "cuda"
     B, T, H, K = (4, 4096, 40, 32) if gpu else (1, 128, 2, 32)
     dtype = torch.bfloat16 if gpu else torch.float32
-    res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if gpu else "cpu (interpreter)",
-                         torch=torch.__version__, triton=triton.__version__, shape=dict(B=B, T=T, H=H, K=K), dtype=str(dtype),
+    res = dict(meta=dict(**provenance(), device=torch.cuda.get_device_name() if gpu else "cpu (interpreter)", shape=dict(B=B, T=T, H=H, K=K), dtype=str(dtype),
                          error="max |A - float64 solve| / max |A|, A stored in fp32 and in the inputs' dtype"), variants={})
     cases = {"random keys": inputs(B, T, H, K, dtype), "keys with a common direction": inputs(B, T, H, K, dtype, common=1.0, seed=1),
              "keys nearly aligned": inputs(B, T, H, K, dtype, common=4.0, seed=2),

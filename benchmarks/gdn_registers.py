@@ -17,12 +17,11 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from need_gpu import check_out, need_triton  # the script beside this one
+from need_gpu import check_out, need_triton, provenance  # the script beside this one
 
 need_triton()
 import triton  # noqa: E402
@@ -99,11 +98,9 @@ if __name__ == "__main__":
     args = ap.parse_args()
     old = {}
     if args.out:  # a file that cannot take the table fails now, not after compiling
-        check_out(ap, args.out)
-        try: old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-        except (OSError, ValueError) as e: ap.error(f"--out {args.out} cannot be read as JSON ({e}): give a table file or a new file")
-        if not isinstance(old, dict): ap.error(f"--out {args.out} holds a JSON {type(old).__name__}, not tables by Triton version")
-    res = dict(meta=dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, target="sm_90a", H=H, K=K, V=V), kernels={})
+        check_out(ap, args.out, adds=dict)
+        old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    res = dict(meta=dict(**provenance(), target="sm_90a", H=H, K=K, V=V), kernels={})
     print(f"{'kernel':34s} {'registers':>9s} {'spill stores':>13s} {'spill loads':>12s} {'shared':>8s}  "
           f"(bytes per thread, shared bytes per block; Triton {triton.__version__})")
     for name, (kern, kernel_args, opts) in kernels().items():

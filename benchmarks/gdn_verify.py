@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from need_gpu import check_out, need_gpu, need_triton  # noqa: E402  (the script beside this one)
+from need_gpu import check_out, need_gpu, need_triton, provenance  # noqa: E402  (the script beside this one)
 
 need_triton()
 from hymo.models.gdn import naive_gated_delta_rule  # noqa: E402
@@ -94,6 +94,9 @@ def main():
     args = ap.parse_args()
     bad = set(args.shapes.split(",")) - {"hymo", "wide"}
     if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from hymo, wide (comma-separated)")
+    decays = list(dict.fromkeys(args.decays.split(",")))  # each once, in the order given
+    unknown = set(decays) - set(DECAYS)
+    if unknown: ap.error(f"--decays: unknown {sorted(unknown)}; choose from {', '.join(DECAYS)}")
     check_out(ap, args.out)
     need_gpu("set TRITON_INTERPRET=1 for a smoke run at small shapes", interpreter_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -101,9 +104,6 @@ def main():
     Ts = (63, 256) if args.quick else (63, 256, 1000, 4096)
     shapes = tuple(s for n, s in (("hymo", (4, 40, 32, 32)), ("wide", (4, 16, 128, 128))) if n in args.shapes.split(","))
     if DEV == "cpu": Ts, shapes = (63,), ((1, 2, 16, 16),)
-    decays = args.decays.split(",")
-    unknown = set(decays) - set(DECAYS)
-    if unknown: ap.error(f"--decays: unknown {sorted(unknown)}; choose from {', '.join(DECAYS)}")
     for dtype in LOW + (torch.float32,):
         for (B, H, K, V) in shapes:
             for T in Ts:
@@ -135,9 +135,8 @@ def main():
             r.update(kind="fused_recurrent", dtype=str(dtype).split(".")[-1], B=B, T=63, H=H, K=K, V=V)
             rows.append(r)
             print(json.dumps(r), flush=True)
-    import triton
-    meta = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu', torch=torch.__version__,
-                triton=triton.__version__, metric="relative RMSE ||ref - out|| / ||ref|| against the fp32 loop",
+    meta = dict(**provenance(), device=torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu', quick=args.quick,
+                shapes=args.shapes, metric="relative RMSE ||ref - out|| / ||ref|| against the fp32 loop",
                 decays={k: DECAYS[k] for k in decays})
     if args.out: Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     value = lambda x: x if math.isfinite(x) else math.inf  # a NaN would compare as neither worse nor better

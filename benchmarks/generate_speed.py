@@ -20,15 +20,13 @@ and hymo_tiny on a CPU. At batch 1 the eager paths are bound by the host's kerne
 thousand per token for the 750M model), not by the GPU; the graph launches a step's kernels at once.
 """
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 from hymo.config import ConfigError, load_config
 from hymo.models.model import build_hymo
-from need_gpu import check_out, device_arg, provenance  # the script beside this one
+from need_gpu import add_row, check_out, device_arg, provenance  # the script beside this one
 
 
 def timed_generate(model, prompt, n: int, cache: bool, graph: bool, device: torch.device, bf16: bool) -> tuple[torch.Tensor, float]:
@@ -48,9 +46,9 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=None, help="tokens to draw (default 256, at most what max_seq_len leaves)")
     p.add_argument("--device", default="auto", type=lambda d: d if d == "auto" else device_arg(d), help="cpu, cuda or auto (default)")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (a GPU only); default fp32")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--out", default=None, help="add the results to this JSON list, first (the results page reads newest first)")
     a = p.parse_args(argv)
-    check_out(p, a.out)
+    check_out(p, a.out, adds=list)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     if device.type == "cuda" and not torch.cuda.is_available(): p.error("--device cuda, but this machine has no CUDA GPU")
     if a.bf16 and device.type != "cuda": p.error("--bf16 needs a CUDA GPU (bf16 autocast); on a CPU the benchmark runs fp32")
@@ -85,7 +83,7 @@ def main(argv=None):
     same = (drawn["with_state"] != drawn["forward_per_token"]).nonzero()
     result["leading_tokens_alike"] = int(same[0, 0]) if len(same) else a.tokens
     print(f"speed-up {result['speedup']}x; the first {result['leading_tokens_alike']} of {a.tokens} tokens drawn alike")
-    if a.out: Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    if a.out: add_row(a.out, result)
     return result
 
 

@@ -2,19 +2,25 @@
 # The train-step rows of the results page, one process each (clean peak-memory numbers).
 # On the GPU machine: OUT=/some/dir bash benchmarks/h200_train_step.sh kernels|main|variants|host   (each fits 10 minutes)
 # kernels: also the optimiser step alone (optim_step.py); host: the host time per launch, and one compiled block of each kind
-# OUT is a scratch folder: benchmarks/results/ is the results page's curated record (rows labelled, newest first),
-# which these scripts would overwrite; copy the rows worth keeping there by hand, with their `code` and `note`.
+# OUT is a scratch folder: benchmarks/results/ is the results page's curated record (rows labelled, newest first);
+# copy the rows worth keeping there by hand, with their `code` and `note`. The train-step rows are added to OUT's
+# train_step.json; the other scripts refuse a file that exists, so run each part into a new OUT (or empty it).
 # Sized for an H200 (141 GB): main's `--loss logits` (91.8 GB) and variants' `--all-mla` (88.7 GB) do not fit an
 # H100's 80 GB and fail there. A run that fails or times out is named at the end, and the part exits with status 1.
 set -u -o pipefail
+case "${1:-main}" in kernels|main|variants|host) ;; *) echo "usage: OUT=dir bash $0 kernels|main|variants|host" >&2; exit 2 ;; esac
+: "${OUT:?set OUT to a scratch folder, e.g. OUT=/tmp/bench bash $0 main}"
+OUT=$(realpath -m "$OUT")  # as given, before the cd below
+cd "$(dirname "$0")/.." || exit 2  # the repository's root, wherever this is run from
+if [ "$OUT" = "$(realpath -m benchmarks/results)" ]; then
+  echo "OUT=$OUT is benchmarks/results, the results page's record: give a scratch folder" >&2; exit 2; fi
+python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" ||
+  { echo "these benchmarks need a CUDA GPU (each script says what a CPU can run instead)" >&2; exit 1; }
+mkdir -p "$OUT" || { echo "OUT=$OUT: cannot make that folder; give another" >&2; exit 2; }
 failed=()
-trap 'failed+=("line $LINENO")' ERR
+trap 'failed+=("line $LINENO: $BASH_COMMAND")' ERR
 keep() { grep -v Warning || true; }  # (no line left is not a failure)
 export PYTHONPATH=$PWD
-: "${OUT:?set OUT to a scratch folder, e.g. OUT=/tmp/bench bash $0 main}"
-if [ "$(cd "$OUT" 2>/dev/null && pwd -P)" = "$(cd benchmarks/results && pwd -P)" ]; then
-  echo "OUT=$OUT is benchmarks/results, the results page's record: give a scratch folder" >&2; exit 2; fi
-mkdir -p "$OUT"
 J=$OUT/train_step.json
 # the last 70 lines of each run (its JSON row); KEEP=all keeps every line (a profile's table comes before its row)
 run() { echo "== $*"; timeout 300 python benchmarks/train_step.py --out "$J" --code "${CODE:-}" "$@" 2>&1 | keep |
@@ -44,6 +50,5 @@ case "${1:-main}" in
     run --compile --gdn torch --accum 32 --warmup 1 --steps 2
     run --compile --gdn torch --warmup 2 --steps 3
     run --gdn torch --warmup 2 --steps 3 ;;
-  *) echo "usage: OUT=dir bash $0 kernels|main|variants|host" >&2; exit 2 ;;
 esac
 if [ ${#failed[@]} -gt 0 ]; then echo "failed or timed out: ${failed[*]} of $0" >&2; exit 1; fi

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from need_gpu import check_out, need_gpu, need_triton  # the script beside this one
+from need_gpu import check_out, need_gpu, need_triton, provenance  # the script beside this one
 
 need_triton()
 import triton  # noqa: E402
@@ -61,8 +61,7 @@ def main(args):
         "torch.add on 1024 floats": lambda: torch.add(a, 1.0),
         "torch.mm 16384x896 @ 896x3840": lambda: torch.mm(m1, m2),
     }
-    res = {"meta": {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "triton": triton.__version__, "unit": "host microseconds per call, median of 5 loops of 60"}}
+    res = {"meta": {**provenance(), "device": torch.cuda.get_device_name(), "unit": "host microseconds per call, median of 5 loops of 60"}}
     for name, fn in cases.items():
         res[name] = round(host_us(fn), 1)
         print(f"{res[name]:8.1f} us  {name}")

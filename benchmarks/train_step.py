@@ -43,7 +43,7 @@ import torch
 from hymo.config import ConfigError, load_config
 from hymo.training.data import doc_cu_seqlens
 from hymo.training.trainer import Trainer, peak_flops
-from need_gpu import check_out, need_gpu, provenance  # the script beside this one
+from need_gpu import add_row, check_out, need_gpu, provenance  # the script beside this one
 
 MARK_STEPS = False  # set by --compile-mode reduce-overhead
 DOC_LEN = 0  # set by --doc-masking: mean document length of the synthetic batches (0: no document boundaries)
@@ -214,14 +214,25 @@ def overrides(args) -> dict:
     return over
 
 
+def conv_tiles(path) -> dict:
+    "The prelude kernels' tiles in the JSON at `path` (gdn_conv_kernel.py --best-out); ValueError says what is wrong with it."
+    import hymo.models.gdn_conv_triton as ct
+    how = "write the file with gdn_conv_kernel.py --sweep --best-out"
+    try: tiles = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e: raise ValueError(f"--conv-launch {path} cannot be read as JSON ({e}); {how}") from None
+    if not isinstance(tiles, dict) or not all(isinstance(v, dict) for v in tiles.values()):
+        raise ValueError(f"--conv-launch {path} is not tiles by kernel ({{kernel: {{tile: size}}}}); {how}")
+    if set(tiles) - set(ct.LAUNCH):
+        raise ValueError(f"--conv-launch {path}: unknown kernels {sorted(set(tiles) - set(ct.LAUNCH))}; the prelude's are "
+                         f"{sorted(ct.LAUNCH)} ({how})")
+    return tiles
+
+
 def run(args) -> dict:
     if args.conv_launch:
         import hymo.models.gdn_conv_triton as ct
-        with open(args.conv_launch) as f: tiles = json.load(f)
-        if set(tiles) - set(ct.LAUNCH):
-            raise SystemExit(f"--conv-launch {args.conv_launch}: unknown kernels {sorted(set(tiles) - set(ct.LAUNCH))}; "
-                             f"the prelude's are {sorted(ct.LAUNCH)} (write the file with gdn_conv_kernel.py --sweep --best-out)")
-        ct.LAUNCH.update(tiles)
+        try: ct.LAUNCH.update(conv_tiles(args.conv_launch))
+        except ValueError as e: raise SystemExit(str(e)) from None
         # Compiled, the prelude's operators are traced into and their tiles read once; inductor's on-disk caches key
         # on the graph around the operators, which does not change with the tiles. Without a directory of its own, a
         # process with other tiles could reuse the compiled code of an earlier one.
@@ -348,17 +359,16 @@ def check_args(p: argparse.ArgumentParser, args):
         p.error(f"--conv-launch sets the Triton prelude's tiles, which {'--all-mla' if args.all_mla else '--gdn torch'} does not run")
     if args.conv_launch and not Path(args.conv_launch).is_file():
         p.error(f"--conv-launch {args.conv_launch}: no such file (write one with gdn_conv_kernel.py --sweep --best-out)")
+    if args.conv_launch:
+        try: conv_tiles(args.conv_launch)
+        except ValueError as e: p.error(str(e))
     try: load_config("hymo_750m", **overrides(args))  # e.g. a --seq-len past max_seq_len fails here, not after the GPU check
     except ConfigError as e: p.error(f"these arguments make a config hymo_750m cannot run: {e}")
     if args.warmup == 0:  # the first step compiles the Triton kernels and NorMuon's update (and, with --compile, the blocks)
         p.error("--warmup 0 would time the compilation of the first step: give --warmup 1 or more")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would count the global batch at one GPU's peak, and write
         p.error("this measures one GPU: run it with python, not torchrun (--fsdp runs FSDP-2 on a group of one)")
-    if args.out:  # a bad --out fails now, not after minutes of measuring
-        try: old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else []
-        except (OSError, ValueError) as e: p.error(f"--out {args.out} cannot be read as JSON ({e}): give a results list or a new file")
-        if not isinstance(old, list): p.error(f"--out {args.out} holds a JSON {type(old).__name__}, not a list of rows")
-        check_out(p, args.out)
+    check_out(p, args.out, adds=list)  # a bad --out fails now, not after minutes of measuring
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -403,8 +413,4 @@ if __name__ == "__main__":
     need_gpu("python -m hymo.train trains hymo_tiny, and block_step.py --device cpu --config hymo_tiny times one block")
     r = run(args)
     print(json.dumps({k: v for k, v in r.items() if k != "profile_top"}, indent=1))
-    if args.out:  # read again (checked before the run), written whole and renamed: a crash leaves the old list
-        path = Path(args.out)
-        old = json.loads(path.read_text()) if path.exists() else []
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps([r] + old, indent=1)); os.replace(tmp, path)
+    if args.out: add_row(args.out, r)  # read again (checked before the run), written whole and renamed: a crash leaves the old list

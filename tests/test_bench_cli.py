@@ -51,14 +51,14 @@ def test_generate_speed_runs_on_a_cpu(tmp_path):
                         "--tokens", "12", "--out", str(tmp_path / "g.json")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     import json
-    g = json.loads((tmp_path / "g.json").read_text())
+    g, = json.loads((tmp_path / "g.json").read_text())  # a list of rows, as the results page reads it
     assert (g["config"], g["new_tokens"], g["precision"]) == ("hymo_tiny", 12, "fp32") and 0 <= g["leading_tokens_alike"] <= 12, g
     assert g["date"] and g["torch"] and g["code"] and "triton" in g, g  # the row says what was measured
     assert g["with_state"]["tokens_per_s"] > 0 and g["forward_per_token"]["tokens_per_s"] > 0
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_speed.py"), "--tokens", "3", "--out", str(tmp_path / "d.json")],
                        capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0, r.stderr[-2000:]  # its defaults fit the CPU's preset (hymo_tiny: 256 tokens)
-    assert json.loads((tmp_path / "d.json").read_text())["prompt_tokens"] == 128
+    assert [r["prompt_tokens"] for r in json.loads((tmp_path / "d.json").read_text())] == [128]
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_speed.py"), "--device", "cpu", "--prompt", "250",
                         "--tokens", "12"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "at most max_seq_len=256" in r.stderr and "Traceback" not in r.stderr
@@ -71,8 +71,9 @@ def test_ckpt_save_times_the_trainers_save_and_resume_check(tmp_path, monkeypatc
     monkeypatch.setenv("HYMO_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import ckpt_save
+    (tmp_path / "row.json").write_text('[{"older": "row"}]')  # the results page's list: the new row goes first, the old stay
     row = ckpt_save.main(["--repeat", "2", "--run-dir", str(tmp_path), "--out", str(tmp_path / "row.json")])
-    assert json.loads((tmp_path / "row.json").read_text()) == row
+    assert json.loads((tmp_path / "row.json").read_text()) == [row, {"older": "row"}]
     assert len(row["save_s"]) == 2 and all(0 < c < s for s, c in zip(row["save_s"], row["save_crc_s"]))
     assert row["load_checked_bytes"] == row["checkpoint_bytes"] - row["meta_json_bytes"] > 0
     assert row["date"] and row["torch"] and row["code"]
@@ -106,8 +107,18 @@ def test_every_benchmark_refuses_an_out_it_could_not_write_before_it_runs(tmp_pa
 
 def test_benchmark_options_that_would_measure_nothing_or_be_ignored_are_refused(tmp_path):
     (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "dict.json").write_text("{}")
     (tmp_path / "a_file").write_text("")
-    cases = {
+    cases = {  # a result written whole is refused an existing file (a rerun replaced the record); rows are added to a list
+        **{f"{s} over a file": (s, ["--out", str(tmp_path / "dict.json")], "exists, and this result would replace it")
+           for s in SCRIPTS_WITH_OUT if s not in ("ckpt_save.py", "generate_speed.py", "gdn_registers.py", "train_step.py")},
+        "rows into a table": ("ckpt_save.py", ["--out", str(tmp_path / "dict.json")], "holds a JSON dict, not a list of rows"),
+        "rows into a broken file": ("generate_speed.py", ["--out", str(tmp_path / "a_file")], "cannot be read as JSON"),
+        "train_step into a folder": ("train_step.py", ["--out", str(tmp_path)], "is a folder; give the name of a file"),
+        "tiles not JSON": ("train_step.py", ["--conv-launch", str(tmp_path / "a_file")], "cannot be read as JSON"),
+        "tiles a list": ("train_step.py", ["--conv-launch", str(tmp_path / "list.json")], "is not tiles by kernel"),
+        "unknown decays": ("gdn_verify.py", ["--decays", "strong,bogus"], "--decays: unknown ['bogus']"),
+        "device mps": ("block_step.py", ["--device", "mps"], "the benchmarks run on cpu or cuda"),
         "naive-T 0": ("gdn_kernel.py", ["--naive-T", "0"], "--naive-T 0: give 1 to 4096"),
         "naive-T past T": ("gdn_kernel.py", ["--naive-T", "8192"], "--naive-T 8192: give 1 to 4096"),
         "optim steps 0": ("optim_step.py", ["--steps", "0"], "--steps must be at least 1, got 0"),
@@ -118,7 +129,7 @@ def test_benchmark_options_that_would_measure_nothing_or_be_ignored_are_refused(
         "profile rows alone": ("train_step.py", ["--profile-rows", "5"], "--profile-rows sets the profiler table's rows: it needs --profile"),
         "micro-batches in a step profile": ("train_step.py", ["--profile", "--profile-micro-batches", "5"], "give --profile micro or --profile cuda"),
         "best-out without sweep": ("gdn_conv_kernel.py", ["--best-out", str(tmp_path / "t.json")], "--best-out writes the sweep's fastest tiles: it needs --sweep"),
-        "registers into a list": ("gdn_registers.py", ["--out", str(tmp_path / "list.json")], "holds a JSON list, not tables by Triton version"),
+        "registers into a list": ("gdn_registers.py", ["--out", str(tmp_path / "list.json")], "holds a JSON list, not tables by key"),
     }
     results = _run_all({n: c[:2] for n, c in cases.items()}, tmp_path)
     for name, (rc, err) in results.items():
@@ -150,5 +161,11 @@ def test_check_out_refuses_what_a_write_would_fail_on(tmp_path, monkeypatch, cap
         assert says in capsys.readouterr().err, path
     (tmp_path / "kept.json").write_text("{}")
     (tmp_path / "link.json").symlink_to(tmp_path / "kept.json")
-    for ok in ("kept.json", "link.json", "new.json"): check_out(p, str(tmp_path / ok))
+    for kept in ("kept.json", "link.json"):  # a result written whole would replace it; one added to it needs its kind of JSON
+        with pytest.raises(SystemExit): check_out(p, str(tmp_path / kept))
+        assert "exists, and this result would replace it" in capsys.readouterr().err
+        with pytest.raises(SystemExit): check_out(p, str(tmp_path / kept), adds=list)
+        assert "holds a JSON dict, not a list of rows" in capsys.readouterr().err
+        check_out(p, str(tmp_path / kept), adds=dict)
+    check_out(p, str(tmp_path / "new.json"))
     assert sorted(f.name for f in tmp_path.iterdir()) == ["afile", "dangling.json", "kept.json", "link.json"]  # nothing written

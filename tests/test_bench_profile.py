@@ -97,6 +97,12 @@ def test_the_h200_script_keeps_off_the_results_record(tmp_path):
         r = subprocess.run(["bash", "benchmarks/h200_train_step.sh", "main"], cwd=root, env=env, capture_output=True, text=True)
         assert r.returncode != 0 and ("scratch folder" in r.stderr), (out, r.stderr)
         assert {f: f.stat().st_mtime_ns for f in (root / "benchmarks" / "results").iterdir()} == before
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": "results"}  # run from benchmarks/: OUT is benchmarks/results
+    r = subprocess.run(["bash", "h200_train_step.sh", "main"], cwd=root / "benchmarks", env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and f"OUT={root}/benchmarks/results is benchmarks/results" in r.stderr, r.stderr
+    env["OUT"] = str(tmp_path / "new")  # elsewhere, and no GPU: said once, before any folder is made
+    r = subprocess.run(["bash", "h200_train_step.sh", "host"], cwd=root / "benchmarks", env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.startswith("these benchmarks need a CUDA GPU") and not (tmp_path / "new").exists(), r.stderr
 
 
 class FakeEvent:
