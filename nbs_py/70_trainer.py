@@ -430,8 +430,8 @@ def _read_fault(e: BaseException | None) -> OSError | None:
 
 
 def _unreadable(e: BaseException, ckpt: Path) -> bool:
-    """True for errors that mean damaged or missing files of checkpoint `ckpt`, not a setting that does not fit nor a
-    lack of memory. One that says nothing of the files (`_read_fault`) stops the run, the checkpoint left as it is."""
+    """True for errors that mean damaged or missing files of checkpoint `ckpt`, not a setting that does not fit nor the
+    machine's (`_not_the_files`). One that says nothing of the files (`_read_fault`) stops the run, the checkpoint left as it is."""
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's, a BaseException
     reraise_interrupt(e)  # Ctrl-C while a checkpoint loads is not damage: it stops the run
     fault = _read_fault(e)
@@ -443,9 +443,18 @@ def _unreadable(e: BaseException, ckpt: Path) -> bool:
         raise ConfigError(f"{ckpt} cannot be read now ({what}). That need not be damage in its files, so it is left as "
                           f"it is: fix the cause ({cause}) and run the same command again; to resume from the checkpoint "
                           f"before instead, set it aside: mv {ckpt} {aside}") from None
-    if isinstance(e, torch.OutOfMemoryError): return False  # a RuntimeError, but not the files' fault
+    if _not_the_files(e): return False  # RuntimeErrors, raised as they are: the files' sums have passed
     return isinstance(e, (OSError, EOFError, KeyError, RuntimeError, json.JSONDecodeError, pickle.UnpicklingError,
                           CheckpointException))
+
+
+def _not_the_files(e: BaseException) -> bool:
+    """Whether a load error (or, for DCP's CheckpointException, a rank's) is the machine's, not the files': memory, a
+    collective between ranks that timed out or lost a peer, the GPU. Counted as damage, it set a good checkpoint aside."""
+    failures = getattr(e, "failures", None)
+    errors = [e, *((f[0] if isinstance(f, tuple) else f) for f in failures.values())] if isinstance(failures, dict) else [e]
+    machine = (torch.OutOfMemoryError, torch.distributed.DistError, *((torch.AcceleratorError,) if hasattr(torch, "AcceleratorError") else ()))
+    return any(isinstance(x, machine) or (isinstance(x, RuntimeError) and "CUDA error" in str(x)) for x in errors)
 
 
 def _reason(e: BaseException) -> str:
@@ -498,10 +507,7 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
                    step: int, # The checkpoint's step
                   ) -> list[str]:
     "Raise `ConfigError` if the checkpoint's weights cannot fit this model; return warnings for every other changed setting."
-    if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
-        saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
-    now = _how_it_trains(json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict())))  # tuples as lists, as meta.json has
-    then = _how_it_trains(saved)  # (without run_dir: a default one is named only when resuming)
+    saved, then, now = _then_and_now(saved, model_cfg, train_cfg)
     diff = {sec: "; ".join(f"{k}: {then[sec].get(k)!r} -> {v!r}" for k, v in now[sec].items() if then[sec].get(k) != v)
             for sec in ("model", "train")}
     old_model, old_train = _saved(ModelConfig, saved["model"]), _saved(TrainingConfig, saved["train"])
@@ -519,6 +525,25 @@ def resume_changes(saved: dict, # The `config` a checkpoint's meta.json holds (`
         notes.append(f"the learning rate after step {step} jumps from {jump[0]:.3f} to {jump[1]:.3f} of its peak (the schedule "
                      "moved)" + (EXTEND if train_cfg.max_steps > old_train.max_steps else ""))
     return notes
+
+
+def _then_and_now(saved: dict, model_cfg: ModelConfig, train_cfg: TrainingConfig) -> tuple[dict, dict, dict]:
+    "A checkpoint's `config` (its data_dir made absolute), and `_how_it_trains` of it and of this run's settings."
+    if isinstance(kept := saved["train"].get("data_dir"), str):  # runs before 2026-12 kept it as given: relative to where
+        saved = {**saved, "train": {**saved["train"], "data_dir": os.path.abspath(os.path.expanduser(kept))}}  # they ran
+    now = _how_it_trains(json.loads(json.dumps(Config(model_cfg, train_cfg).to_dict())))  # tuples as lists, as meta.json has
+    return saved, _how_it_trains(saved), now  # (without run_dir: a default one is named only when resuming)
+
+
+SAME_STEPS = ("max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last_k", "max_bad_steps",
+              "activation_checkpointing", "compile", "wandb", "wandb_project")  # a step's numbers stay (max_steps: unless the schedule moves)
+
+
+def steps_differ(saved: dict, model_cfg: ModelConfig, train_cfg: TrainingConfig, step: int) -> bool:
+    "Whether this run's steps after checkpoint `step` (its meta.json's `config`: `saved`) differ from the saved run's."
+    saved, then, now = _then_and_now(saved, model_cfg, train_cfg)
+    return (then["model"] != now["model"] or any(then["train"].get(k) != v for k, v in now["train"].items() if k not in SAME_STEPS)
+            or schedule_jump(_saved(TrainingConfig, saved["train"]), train_cfg, step) is not None)
 
 
 EXTEND = "; to extend a finished run without the jump, resume a checkpoint from before its decay"  # `Trainer.load` says which
@@ -543,8 +568,11 @@ def _lines(path: Path) -> list[str]:
 
 
 def _write_lines(path: Path, lines: list[str]):
+    "Write a small file whole: beside itself, on the disk, then renamed over it (a kill or a power cut leaves old or new)."
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(lines), encoding="utf-8", errors="surrogateescape"); os.replace(tmp, path)
+    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f: f.write("".join(lines)); to_disk(f)
+    os.replace(tmp, path)
+    to_disk(path.parent)
 
 
 def _metrics(line: str) -> dict | None:
@@ -745,6 +773,7 @@ class Trainer:
         self.saved_step, self.stopped_by = None, None  # the step of the last checkpoint this Trainer wrote; see `fit`
         self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
         self.foreign_start = False  # continuing another folder's checkpoint: what this folder logged before is another run's
+        self.new_line = False  # a rewind, a branch or settings that change the steps: ones wandb has logged are redone otherwise
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
@@ -983,6 +1012,7 @@ class Trainer:
                               "to use the newest readable one") from None
         self.branched_from = str(p.resolve())  # a branch, or a rewind: the same command later continues it
         self.foreign_start = not own  # a folder without checkpoints may hold the metrics and wandb id of a run that crashed early
+        self.new_line = True
         # a rewind sets aside the checkpoints not on `p`'s line: the newer ones, and an earlier rewind's branch when `p`
         # is a checkpoint that rewind set aside (a damaged checkpoint later would fall back onto that other branch)
         other = [c for c in done if checkpoint_step(c) > self.step or not on_line_of(c, self.history)] if own else []
@@ -1548,6 +1578,7 @@ def load(self: Trainer, ckpt: Path):
                           f"more, or --resume an earlier checkpoint (in {ckpt.parent}) to branch a shorter run from it")
     # the weights' shapes first: a new vocab_size also means other data, and the shapes are what was changed
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
+    self.new_line = "config" in meta and steps_differ(meta["config"], self.mcfg, self.cfg, meta["step"])
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
@@ -1711,7 +1742,11 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # `run_dir/wandb/hymo_run_id` and given back to `wandb.init`, so a run preempted ten times is one
 # curve, not eleven. Steps trained again after a crash (those between the last checkpoint and the
 # crash) are in `metrics.jsonl` once, rewritten, but wandb keeps the first copy: its steps only go
-# forward. Offline, each part is a run of its own, since syncing several offline folders of one id
+# forward. So a resume whose steps are not those of the first copy starts a new wandb run in the
+# group: a rewind (`--resume` of an older checkpoint), a branch, or settings that change the steps
+# (a lower learning rate after a `NonFiniteError`; not `log_every`, `ckpt_every` or the like,
+# `SAME_STEPS`); otherwise the new line's steps up to the old one's last would be dropped and the
+# chart would show the abandoned line. Offline, each part is a run of its own, since syncing several offline folders of one id
 # replaces rather than appends; the group keeps them together.
 # :::
 #
@@ -1939,7 +1974,7 @@ def _first_write(self: Trainer, start: int):
         trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
         self.foreign_start = False
     else: trim_metrics(self.run_dir, start, self.log, history=self.history)  # the lines of this line of steps
-    (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # `load_config` reads it
+    _write_lines(self.run_dir / "config.yaml", [str(Config(self.mcfg, self.cfg, name=self.name))])  # `load_config` reads it; whole
 
 
 FINISHED_FILES = ("config.yaml", "model.safetensors", "tokenizer.json", "summary.json", "loss.png")  # what `finish` writes
@@ -2025,7 +2060,8 @@ def wandb_mode() -> str:
 def _wandb(self: Trainer):
     """Rank 0's wandb run when enabled: online if you are logged in, else offline (sync later with `wandb sync`).
     Online, a resumed run continues the wandb run it began (its id is in run_dir/wandb/hymo_run_id); every part of a
-    run is in the wandb group named after the run folder."""
+    run is in the wandb group named after the run folder. A rewind, a branch or a resume with changed settings starts a
+    new wandb run in that group: wandb ignores steps at or below the last it has, so the new line's would be lost."""
     if not self.cfg.wandb: return None
     run = None
     def start():  # rank 0's; a failure (no network, a full disk) stops every rank, not rank 0 alone
@@ -2035,7 +2071,7 @@ def _wandb(self: Trainer):
         mode = wandb_mode()
         online = mode == "online"
         id_file = self.run_dir / "wandb" / "hymo_run_id"
-        reuse = online and self.step > 0 and id_file.exists() and not self.foreign_start  # step 0 or a branch: a new run
+        reuse = online and self.step > 0 and id_file.exists() and not (self.foreign_start or self.new_line)
         run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode=mode,
                          config=Config(self.mcfg, self.cfg).to_dict(), group=self.run_dir.name,
                          id=(id_file.read_text().strip() or None) if reuse else None, resume="allow")
@@ -2088,7 +2124,7 @@ def finish(self: Trainer) -> dict:
             with open(self.run_dir / "tokenizer.json", "w", encoding="utf-8", newline="") as f: f.write(self.tokenizer_json)
             summary["tokenizer_sha256"] = hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()  # generate checks it
         plot_losses(self.history, self.run_dir / "loss.png")
-        (self.run_dir / "config.yaml").write_text(str(Config(self.mcfg, self.cfg, name=self.name)))  # the final one's
+        _write_lines(self.run_dir / "config.yaml", [str(Config(self.mcfg, self.cfg, name=self.name))])  # the final one's
         summary["sample"] = sample
         _write_lines(self.run_dir / "summary.json", [json.dumps(_no_nan(summary), indent=1)])  # whole or not at all
 

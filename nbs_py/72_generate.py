@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> str:
                    "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: 50)")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same text (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="the same seed gives the same text (default: the run's train.seed, "
+                   "which its end-of-run sample used)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
     a, extra = p.parse_known_args(argv)
     if extra: p.error(f"unrecognized arguments: {' '.join(extra)}" + ("; a prompt is given as --prompt \"...\""
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> str:
     for flag, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)):
         if not v >= 0: p.error(f"{flag} must be a number >= 0, got {v}")  # `not >=` also refuses nan
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
-    if not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
+    if a.seed is not None and not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
     try: (a.prompt or "").encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
     except UnicodeEncodeError: p.error("--prompt is not valid UTF-8 text: check the terminal's or the script's encoding")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
@@ -311,7 +312,9 @@ def main(argv: list[str] | None = None) -> str:
         print(piece, end="", flush=True)
     try:
         model, tok = load_run(a.run_dir, device)
-        if a.prompt is None: a.prompt = run_config(a.run_dir).train.prompt  # (load_run has checked the folder)
+        run_train = run_config(a.run_dir).train  # (load_run has checked the folder)
+        if a.prompt is None: a.prompt = run_train.prompt
+        if a.seed is None: a.seed = run_train.seed
         if note := newer_checkpoint_note(a.run_dir): print(note, file=sys.stderr)
         n, L = len(prompt_ids(tok, a.prompt)), model.trained_len  # n: with the end-of-text token that opens it; L: `load_run`'s
         if n > L: print(f"note: the prompt is {n} tokens with the end-of-text token that opens it ({len(tok.encode(a.prompt).ids)} "
@@ -344,7 +347,7 @@ if __name__ == "__main__" and "__file__" in globals(): main()
 #
 # A few steps of the tiny model (chapter 70's settings), then generation from the folder alone. The
 # loaded model gives the logits of the trainer's own, and the text is the trainer's sample: both
-# use seed 0, top-50 and temperature 0.8.
+# use the run's seed (`train.seed`, 0 here), top-50 and temperature 0.8.
 
 # %%
 from hymo.training.trainer import Trainer

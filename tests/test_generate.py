@@ -565,3 +565,13 @@ def test_a_prompt_without_its_flag_is_told_how_to_give_it(tmp_path, capsys):
     from hymo.generate import main
     with pytest.raises(SystemExit) as e: main([str(tmp_path), "JULIET:"])
     assert e.value.code == 2 and "unrecognized arguments: JULIET:; a prompt is given as --prompt" in capsys.readouterr().err
+
+
+def test_cli_samples_with_the_runs_seed_unless_given_one(run, tmp_path):
+    "generate drew with seed 0 whatever the run's train.seed, so its text was not the run's end-of-run sample (seed 1 there)."
+    from hymo.generate import main
+    other = _copy_run(run, tmp_path)
+    (other / "config.yaml").write_text((other / "config.yaml").read_text().replace("\n  seed: 0\n", "\n  seed: 7\n", 1))
+    assert "\n  seed: 7\n" in (other / "config.yaml").read_text()
+    cli = lambda *a: main([str(other), "--tokens", "12", "--device", "cpu", "--temperature", "1", "--top-k", "0", *a])
+    assert cli() == cli("--seed", "7") != cli("--seed", "0")

@@ -197,17 +197,28 @@ def test_the_final_validation_loss_is_in_the_metrics_without_eval_every(tmp_path
     assert last["step"] == 3 and last["val_loss"] == summary["val_loss"] == t.history[-1]["val_loss"]
 
 
-def test_summary_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    "finish writes summary.json beside itself and renames it over: stopped there, the run has none, not a cut one."
+@pytest.mark.parametrize("name", ["summary.json", "config.yaml"])
+def test_summary_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch, name):
+    """finish writes summary.json beside itself, on the disk, and renames it over: stopped there, the run has none, not
+    a cut one; the folder's entry then goes to the disk too. config.yaml, which generate and --config read, likewise."""
     import hymo.training.trainer as tr
     class Cut(Exception): pass
-    real = os.replace
+    real, real_to_disk, events, cut = os.replace, tr.to_disk, [], [name]
     def replace(src, dst):
-        if Path(dst).name == "summary.json": raise Cut
+        events.append(("replace", Path(dst).name))
+        if Path(dst).name in cut: raise Cut
         return real(src, dst)
+    def to_disk(f):
+        events.append(("to_disk", Path(getattr(f, "name", f)).name))
+        return real_to_disk(f)
     monkeypatch.setattr(tr.os, "replace", replace)
+    monkeypatch.setattr(tr, "to_disk", to_disk)
     with pytest.raises(Cut): make(tmp_path / "run", max_steps=2, warmup_steps=1).fit()
-    assert not (tmp_path / "run" / "summary.json").exists()
+    assert not (tmp_path / "run" / name).exists()
+    assert events[-2:] == [("to_disk", f"{name}.tmp"), ("replace", name)], events[-4:]
+    cut.clear()
+    tr._write_lines(tmp_path / "x.json", ["{}"])
+    assert events[-3:] == [("to_disk", "x.json.tmp"), ("replace", "x.json"), ("to_disk", tmp_path.name)]
 
 
 def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):
@@ -2881,3 +2892,156 @@ def test_resuming_another_runs_checkpoint_says_it_branches(tmp_path, capsys):
     assert f"in a new run folder (a branch: {(tmp_path / 'a').resolve()} is left as it is; give run_dir=" in out
     Trainer(cfg.model, cfg.train, run_dir=tmp_path / "a", resume=tmp_path / "a" / "checkpoints" / "step_000002")
     assert "resumed from" in (out := capsys.readouterr().out) and "a branch" not in out  # its own folder: a rewind
+
+
+# ---------------------------------------------------------------- from mutation testing the trainer (third pass): each
+# test fails on a change of the code that every test above let pass
+
+def _steps(path): return [json.loads(l)["step"] for l in Path(path).read_text().splitlines()] if Path(path).exists() else []
+
+
+def test_a_plain_resume_takes_the_newest_checkpoint(tmp_path):
+    make(tmp_path / "run", max_steps=6, ckpt_every=2).fit(4)
+    assert make(tmp_path / "run", max_steps=6, ckpt_every=2).step == 4
+
+
+def test_a_resume_at_the_last_step_saves_no_checkpoint_again(tmp_path, monkeypatch):
+    "The final checkpoint (10 GB at 750M) was written again, with the resuming command's config in its meta.json."
+    from hymo.training.trainer import Trainer
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit()
+    (tmp_path / "run" / "summary.json").unlink()  # the finish was cut short after the final checkpoint
+    written, real = [], Trainer.save
+    monkeypatch.setattr(Trainer, "save", lambda self: written.append(self.step) or real(self))
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit()
+    assert written == [] and (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_new_global_batch_of_the_same_micro_batch_is_said(tmp_path):
+    make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)
+    t = make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=4)
+    assert any("2 micro-batches of 4, now 1 of 4" in w for w in t.resume_warnings), t.resume_warnings
+
+
+def test_trim_metrics_loses_no_line_when_the_discarded_file_cannot_be_written(tmp_path, monkeypatch):
+    import hymo.training.trainer as tr
+    lines = [json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+    real = open
+    def failing(path, *a, **k):
+        if Path(path).name.startswith("metrics.discarded.jsonl"): raise OSError(28, "No space left on device")
+        return real(path, *a, **k)
+    monkeypatch.setattr(tr, "open", failing, raising=False)
+    with pytest.raises(OSError): tr.trim_metrics(tmp_path, 2, log=lambda *a: None)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True) == lines  # nothing moved, nothing lost
+
+
+def test_cli_no_resume_refuses_a_folder_with_checkpoints(tmp_path, capsys):
+    from hymo.train import main
+    make(tmp_path / "run", max_steps=4, ckpt_every=2).fit(2)
+    with pytest.raises(SystemExit) as e: main([*_cli_args(tmp_path / "run", max_steps=4, ckpt_every=2), "--no-resume"])
+    assert e.value.code == 2 and "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused():
+    from hymo.train import parse_overrides
+    with pytest.raises(ConfigError, match="given twice"): parse_overrides(["max_steps=5", "max_steps=6"])
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   torch.distributed.DistBackendError("Watchdog caught collective operation timeout"),
+                                   RuntimeError("CUDA error: an illegal memory access was encountered")])
+def test_a_load_that_fails_for_the_machine_sets_no_checkpoint_aside(tmp_path, monkeypatch, error):
+    """A collective's timeout or a GPU error while loading (the files' sums had passed) counted as damage: the newest
+    checkpoint was set aside as damaged and the run resumed from an older one, its steps lost. Memory too."""
+    import torch.distributed.checkpoint as dcp
+    make(tmp_path / "run", max_steps=6, ckpt_every=2).fit(4)
+    def fail(*a, **k): raise error
+    monkeypatch.setattr(dcp, "load", fail)
+    with pytest.raises(type(error)): make(tmp_path / "run", max_steps=6, ckpt_every=2)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+def _online_wandb(monkeypatch) -> list:
+    "wandb.init as when logged in, recording its arguments; each run gets the id it is given, else a new one."
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False); monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    calls = []
+    class Online:
+        def __init__(self, id): self.id = id or f"id{len(calls)}"  # the first run started: id1
+        def log(self, *a, **k): pass
+        def finish(self): pass
+    monkeypatch.setattr(wandb, "init", lambda **k: calls.append(k) or Online(k["id"]))
+    return calls
+
+
+def test_a_restart_from_step_0_is_a_new_wandb_run(tmp_path, monkeypatch):
+    calls = _online_wandb(monkeypatch)
+    make(tmp_path / "c", max_steps=4, wandb=True).fit(1)  # crashed before its first checkpoint
+    make(tmp_path / "c", max_steps=4, wandb=True).fit(1)  # starts again at step 0
+    assert [c["id"] for c in calls] == [None, None]
+
+
+def test_a_rewind_or_changed_settings_start_a_new_wandb_run_and_a_plain_resume_continues_one(tmp_path, monkeypatch):
+    """wandb ignores steps at or below the last it has: a rewind's steps (or those of a resume with a lower learning
+    rate, as a NonFiniteError advises) were dropped and the chart kept the old line. A plain resume continues its run."""
+    calls, run = _online_wandb(monkeypatch), tmp_path / "run"
+    make(run, max_steps=10, ckpt_every=2, wandb=True).fit(4)
+    make(run, max_steps=10, ckpt_every=2, wandb=True).fit(2)  # plain: the same wandb run
+    make(run, resume=run / "checkpoints" / "step_000004", max_steps=10, ckpt_every=2, wandb=True).fit(2)  # a rewind
+    make(run, max_steps=10, ckpt_every=2, wandb=True).fit(2)  # the rewound line, resumed plainly
+    make(run, max_steps=10, ckpt_every=2, wandb=True, muon_lr=0.01).fit(1)  # another learning rate
+    assert [c["id"] for c in calls] == [None, "id1", None, "id3", None]  # (the nth run started gets id<n>)
+
+
+def test_a_branch_sets_aside_every_line_of_the_crashed_run_in_its_folder(tmp_path):
+    "A branch into a folder where a run crashed before its first checkpoint: its metrics.jsonl kept that run's steps 1-2."
+    make(tmp_path / "a", max_steps=6, ckpt_every=2).fit(2)
+    make(tmp_path / "e", max_steps=6, seed=1).fit(num_steps=3)  # crashed before its first checkpoint, after 3 steps
+    make(tmp_path / "e", resume=tmp_path / "a" / "checkpoints" / "step_000002", max_steps=6).fit(num_steps=1)
+    assert _steps(tmp_path / "e" / "metrics.jsonl") == [3]
+    assert _steps(tmp_path / "e" / "metrics.discarded.jsonl") == [1, 2, 3]
+
+
+def test_the_end_of_run_sample_uses_the_runs_seed(tmp_path):
+    from hymo.generate import generate_text
+    from hymo.training.data import tokenizer_from_json
+    t = make(tmp_path / "run", max_steps=2, warmup_steps=1, seed=1)
+    t.fit()
+    want = generate_text(t.model, tokenizer_from_json(t.tokenizer_json), t.cfg.prompt, t.cfg.sample_tokens,
+                         temperature=0.8, top_k=50, seed=1, window=t.cfg.seq_len)
+    assert t.summary["sample"] == want
+
+
+def test_a_requeued_rewind_after_a_plain_resume_is_not_a_new_rewind(tmp_path):
+    "The rewind's command run again after its line went on must continue that line, not rewind it again."
+    run = tmp_path / "run"
+    make(run, max_steps=8, ckpt_every=2).fit(4)
+    back = run / "checkpoints" / "step_000002"
+    make(run, resume=back, max_steps=8, ckpt_every=2).fit(2)  # a rewind, trained to a checkpoint
+    make(run, max_steps=8, ckpt_every=2).fit(2)  # a plain resume of it, trained on
+    assert make(run, resume=back, max_steps=8, ckpt_every=2).step == 6
+
+
+def test_the_gpu_random_state_is_saved_from_and_restored_into_this_ranks_device(monkeypatch):
+    "The test above's mocks ignore the device argument: saving device 0's state, or restoring into it, passed there."
+    import hymo.training.trainer as tr
+    states, current, restored = {i: torch.tensor([i], dtype=torch.uint8) for i in range(8)}, [3], []
+    def index(device):
+        if isinstance(device, int): return device
+        d = torch.device(device)
+        return current[0] if d.index is None else d.index
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[index(device)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": restored.append((index(device), int(s[0]))))
+    saved = tr._rng_state()
+    assert int(saved["cuda"][0]) == 3
+    current[0] = 1; tr._set_rng_state(saved)
+    assert restored == [(1, 3)]
+    current[0] = 2; tr._set_rng_state({"torch": saved["torch"], "cuda": [states[0], states[1]]})  # device 2, a list of 2
+    assert restored == [(1, 3)]
+
+
+def test_fit_with_more_steps_than_are_left_stops_at_max_steps(tmp_path):
+    t = make(tmp_path / "run", max_steps=3, warmup_steps=1)
+    assert [m["step"] for m in t.fit(num_steps=5)] == [1, 2, 3] and t.step == 3
