@@ -4,7 +4,7 @@
 # kernels: also the optimiser step alone (optim_step.py); host: the host time per launch, and one compiled block of each kind
 # OUT is a scratch folder: benchmarks/results/ is the results page's curated record (rows labelled, newest first);
 # copy the rows worth keeping there by hand, with their `code` and `note`. The train-step rows are added to OUT's
-# train_step.json; the other scripts refuse a file that exists, so run each part into a new OUT (or empty it).
+# train_step.json; the other scripts refuse a file that exists, so a part run again needs a new OUT (or its files removed).
 # Sized for an H200 (141 GB): main's `--loss logits` (91.8 GB) and variants' `--all-mla` (88.7 GB) do not fit an
 # H100's 80 GB and fail there. A run that fails or times out is named at the end, and the part exits with status 1.
 set -u -o pipefail

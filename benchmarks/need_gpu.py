@@ -62,7 +62,7 @@ def check_out(p: argparse.ArgumentParser, path, flag: str = "--out",
 def add_row(path, row: dict):
     """Put `row` first in the JSON list at `path` (newest first, as the results page reads them; a new file holds just it),
     written whole beside the file and renamed over it: a crash leaves the old list. Check the file first: `check_out(adds=list)`."""
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # through a link, to the file it names (a rename would replace the link)
     old = json.loads(path.read_text()) if path.exists() else []
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps([row] + old, indent=1))

@@ -71,13 +71,14 @@ def test_ckpt_save_times_the_trainers_save_and_resume_check(tmp_path, monkeypatc
     monkeypatch.setenv("HYMO_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import ckpt_save
-    (tmp_path / "row.json").write_text('[{"older": "row"}]')  # the results page's list: the new row goes first, the old stay
+    (tmp_path / "rows.json").write_text('[{"older": "row"}]')  # the results page's list: the new row goes first, the old stay
+    (tmp_path / "row.json").symlink_to(tmp_path / "rows.json")  # through a link: the file it names
     row = ckpt_save.main(["--repeat", "2", "--run-dir", str(tmp_path), "--out", str(tmp_path / "row.json")])
-    assert json.loads((tmp_path / "row.json").read_text()) == [row, {"older": "row"}]
+    assert json.loads((tmp_path / "rows.json").read_text()) == [row, {"older": "row"}] and (tmp_path / "row.json").is_symlink()
     assert len(row["save_s"]) == 2 and all(0 < c < s for s, c in zip(row["save_s"], row["save_crc_s"]))
     assert row["load_checked_bytes"] == row["checkpoint_bytes"] - row["meta_json_bytes"] > 0
     assert row["date"] and row["torch"] and row["code"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "row.json"]  # the timed run (a 750M one holds ~10 GB) removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "row.json", "rows.json"]  # the timed run (a 750M one holds ~10 GB) removed
 
 
 SCRIPTS_WITH_OUT = ["block_step.py", "ce_kernel.py", "ckpt_save.py", "gdn_conv_kernel.py", "gdn_kernel.py", "gdn_prep_solve.py",

@@ -727,6 +727,16 @@ def test_nb_sync_refuses_a_pair_edited_on_both_sides_and_carries_the_edited_side
     p = sync()
     assert p.returncode == 0 and "nbs_py/00_config.py -> nbs/00_config.ipynb" in p.stdout, p.stdout + p.stderr
     assert "SECOND EDIT One plain dataclass" in nb.read_text()
+    py.write_text(py.read_text().replace("\n#| export\n", "\n#| export\ndef no_cell(:\n", 1))  # export fails on it...
+    assert sync().returncode != 0
+    py.write_text(py.read_text().replace("def no_cell(:\n", "", 1))  # ... and the fix is what the next sync carries over
+    p = sync()
+    assert p.returncode == 0 and "nbs_py/00_config.py -> nbs/00_config.ipynb" in p.stdout and "no_cell" not in py.read_text() + nb.read_text()
+    subprocess.run(["git", "commit", "-qm", "synced", "--", "nbs", "nbs_py"], cwd=repo, check=True, capture_output=True)
+    (repo / ".nb_sync.json").write_text('{"00_config": "0000"}')  # a record from another branch, say: the commit still counts
+    py.write_text(py.read_text().replace("SECOND EDIT", "FOURTH EDIT", 1))
+    p = sync()
+    assert p.returncode == 0 and "FOURTH EDIT One plain dataclass" in nb.read_text(), p.stdout + p.stderr
 
 
 def test_nb_check_names_a_committed_pair_that_disagrees_and_modules_no_notebook_exports(tmp_path):
@@ -739,6 +749,15 @@ def test_nb_check_names_a_committed_pair_that_disagrees_and_modules_no_notebook_
     p = check()
     assert p.returncode == 1 and "disagree" in p.stderr and "nbs/00_config.ipynb and nbs_py/00_config.py" in p.stderr, p.stderr
     git("checkout", "-q", "HEAD~1", "--", "nbs/00_config.ipynb"); git("commit", "-qm", "back")
+    py = repo / "nbs_py" / "01_layers.py"  # a script's edit committed alone: its notebook, not newer, must not win
+    py.write_text(py.read_text().replace("# # ", "# # Script edit: ", 1)); git("commit", "-qam", "the script alone")
+    p = check()
+    assert p.returncode == 1 and "nbs/01_layers.ipynb and nbs_py/01_layers.py" in p.stderr, p.stderr
+    os.utime(repo / "nbs" / "01_layers.ipynb", (time.time() + 60, time.time() + 60))
+    os.utime(py, (time.time() + 120, time.time() + 120))  # touched, as the message says
+    p = subprocess.run([sys.executable, "tools/nb.py", "sync"], cwd=repo, capture_output=True, text=True)
+    assert "nbs_py/01_layers.py -> nbs/01_layers.ipynb" in p.stdout and "Script edit:" in (repo / "nbs" / "01_layers.ipynb").read_text(), p.stdout + p.stderr
+    git("checkout", "-q", "HEAD~1", "--", "nbs_py/01_layers.py", "nbs/01_layers.ipynb"); git("commit", "-qm", "back again")
     (repo / "hymo" / "stray.py").write_text("x = 1\n")
     git("rm", "-q", "nbs/72_generate.ipynb", "nbs_py/72_generate.py"); git("add", "hymo"); git("commit", "-qm", "a stray, a module without notebook")
     p = check()

@@ -2988,9 +2988,10 @@ def test_a_rewind_or_changed_settings_start_a_new_wandb_run_and_a_plain_resume_c
     make(run, max_steps=10, ckpt_every=2, wandb=True).fit(4)
     make(run, max_steps=10, ckpt_every=2, wandb=True).fit(2)  # plain: the same wandb run
     make(run, resume=run / "checkpoints" / "step_000004", max_steps=10, ckpt_every=2, wandb=True).fit(2)  # a rewind
-    make(run, max_steps=10, ckpt_every=2, wandb=True).fit(2)  # the rewound line, resumed plainly
-    make(run, max_steps=10, ckpt_every=2, wandb=True, muon_lr=0.01).fit(1)  # another learning rate
-    assert [c["id"] for c in calls] == [None, "id1", None, "id3", None]  # (the nth run started gets id<n>)
+    make(run, max_steps=10, ckpt_every=5, wandb=True).fit(3)  # the rewound line, resumed plainly: steps 7-9 logged, then a crash
+    make(run, max_steps=20, ckpt_every=5, wandb=True).fit(1)  # from step 6 again: the decay (steps 9-10) moved
+    make(run, max_steps=20, ckpt_every=5, wandb=True, muon_lr=0.01).fit(1)  # and again, at another learning rate
+    assert [c["id"] for c in calls] == [None, "id1", None, "id3", None, None]  # (the nth run started gets id<n>)
 
 
 def test_a_branch_sets_aside_every_line_of_the_crashed_run_in_its_folder(tmp_path):

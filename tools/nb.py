@@ -36,14 +36,20 @@ def pairs() -> list:
     return [(nb, PYS / f"{nb.stem}.py") for nb in sorted(NBS.glob("*.ipynb")) if (PYS / f"{nb.stem}.py").exists()]
 
 
-def script_text(nb: Path) -> str:
-    "The notebook's text as its paired script, as jupytext writes it (the pair's settings in jupytext.toml)."
+def as_script(notebook) -> str:
+    "A notebook's text as its paired script, as jupytext writes it (the pair's settings in jupytext.toml)."
     import jupytext
     from jupytext.config import load_jupytext_config
+    return jupytext.writes(notebook, fmt="py:percent", config=load_jupytext_config(str(NBS)))
+
+
+def script_text(nb: Path) -> str:
+    "The notebook at `nb` as its paired script's text."
+    import jupytext
     try: notebook = jupytext.read(nb)
     except Exception as e:  # noqa: BLE001 (JSON or nbformat's errors: the file is not a notebook)
         sys.exit(f"{rel(nb)} is not a notebook ({type(e).__name__}: {e}): fix it, or restore it with git checkout -- {rel(nb)}")
-    return jupytext.writes(notebook, fmt="py:percent", config=load_jupytext_config(str(NBS)))
+    return as_script(notebook)
 
 
 def disagree(nb: Path, py: Path) -> bool: return script_text(nb) != py.read_text(encoding="utf-8")
@@ -55,25 +61,30 @@ SYNCED = ROOT / ".nb_sync.json"  # (git ignores it) each pair's script text, has
 def digest(text: str) -> str: return hashlib.sha1(text.encode()).hexdigest()
 
 
-def base(py: Path, synced: dict) -> str | None:
-    "The pair's common text (hashed) to tell which side moved: as the last sync here left it, else as committed."
-    if py.stem in synced: return synced[py.stem]
-    got = subprocess.run(["git", "show", f"HEAD:{rel(py)}"], cwd=ROOT, capture_output=True)
-    return digest(got.stdout.decode()) if got.returncode == 0 else None
+def committed_text(nb: Path, py: Path) -> str | None:
+    "The pair's script text in the last commit, if the commit holds both files and they agree there; else None."
+    import jupytext
+    show = lambda p: subprocess.run(["git", "show", f"HEAD:./{rel(p)}"], cwd=ROOT, capture_output=True, text=True)
+    script, notebook = show(py), show(nb)  # (text: CRLF read as LF, as read_text does)
+    if script.returncode or notebook.returncode: return None
+    try: return script.stdout if as_script(jupytext.reads(notebook.stdout, fmt="ipynb")) == script.stdout else None
+    except Exception: return None  # noqa: BLE001 (a commit's notebook that is not one: no common text)
 
 
 def choose_sides():
     """Before `jupytext --sync`, which carries the newer file of each pair over the older: for each pair that disagrees,
-    make the side that moved from the pair's last common text the newer (times in a fresh clone say nothing), refuse a
-    pair where both moved, and say which way each goes."""
+    make the side that moved the newer (times in a fresh clone say nothing), refuse a pair where both moved, and say
+    which way each goes. A side has moved unless it is a text the pair last shared: as the last sync left it, or as
+    the last commit holds it (where its notebook agreed); with neither known, the newer file is taken."""
     try: synced = json.loads(SYNCED.read_text())
     except (OSError, ValueError): synced = {}
     both = []
     for nb, py in pairs():
-        text = script_text(nb)
-        if text == py.read_text(encoding="utf-8"): continue
-        was = base(py, synced)
-        moved = [f for f, t in ((nb, text), (py, py.read_text(encoding="utf-8"))) if was is not None and digest(t) != was]
+        text, script = script_text(nb), py.read_text(encoding="utf-8")
+        if text == script: continue
+        shared = {synced[py.stem]} if py.stem in synced else set()
+        if (committed := committed_text(nb, py)) is not None: shared.add(digest(committed))
+        moved = [f for f, t in ((nb, text), (py, script)) if shared and digest(t) not in shared]
         if len(moved) == 2: both.append(f"{rel(nb)} and {rel(py)}"); continue
         src = moved[0] if moved else max((nb, py), key=lambda f: f.stat().st_mtime_ns)
         if moved:  # make it the newer, even of a file dated in the future
@@ -81,12 +92,14 @@ def choose_sides():
             os.utime(src, (t, t))
         print(f"{rel(src)} -> {rel(py if src == nb else nb)}" + ("" if moved else " (the newer: no common text to compare with)"))
     if both:
-        sys.exit("Edited on both sides since the last sync (or, with none here, the last commit), and they disagree: syncing "
-                 "would keep the newer and lose the other's edit:\n  " + "\n  ".join(both) + "\nPut both edits in one of "
-                 "them and restore the other (git diff, then git checkout -- FILE), then sync again.")
+        sys.exit("Edited on both sides since the last sync and the last commit, and they disagree: syncing would keep the "
+                 "newer and lose the other's edit:\n  " + "\n  ".join(both) + "\nPut both edits in one of them and restore "
+                 "the other (git diff, then git checkout -- FILE), then sync again; or, to let the newer file win, delete "
+                 f"{rel(SYNCED)} (the last sync's texts) and sync.")
 
 
 def record_sync():
+    "Each pair's text as this sync leaves it: the next sync's common text (see `choose_sides`)."
     SYNCED.write_text(json.dumps({py.stem: digest(py.read_text(encoding="utf-8")) for _, py in pairs()}, indent=1))
 
 
@@ -95,9 +108,9 @@ def sync():
     sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))), *sorted(map(str, PYS.glob("*.py"))))
     sh("nbdev-clean")
     sh("jupytext", "--quiet", "--sync", *sorted(map(str, NBS.glob("*.ipynb"))))
+    record_sync()  # the pairs agree now, whatever the export below makes of them
     sh("nbdev-export")
     write_llms_txt()
-    record_sync()
 
 
 LLMS_MARK = "<!-- Written by `python tools/nb.py sync` from the modules' docstrings; edit the notebooks, not this file -->"
@@ -188,9 +201,9 @@ def check():
                  "(an edit of hymo/ by hand would be lost): commit these changes first (after `python tools/nb.py sync`), "
                  "or stash them:\n" + changed)
     if split := [f"{rel(nb)} and {rel(py)}" for nb, py in pairs() if disagree(nb, py)]:
-        sys.exit("The commit holds notebooks and scripts that disagree (sync would carry the newer file over the older, "
-                 "and in a fresh clone the newer is whichever git wrote last):\n  " + "\n  ".join(split) + "\nMake the "
-                 "right one the newer (touch it), run `python tools/nb.py sync`, check the diff and commit.")
+        sys.exit("The commit holds notebooks and scripts that disagree:\n  " + "\n  ".join(split) + "\nDecide which of "
+                 "each pair is right, make it the newer (touch it), delete .nb_sync.json (else the side changed since the last sync "
+                 "here wins), run `python tools/nb.py sync`, check the diff and commit.")
     if stray := strays():
         sys.exit("hymo/ holds modules no notebook exports (delete them, or export them from a notebook):\n  " + "\n  ".join(stray))
     sync()

@@ -390,15 +390,21 @@ def _then_and_now(saved: dict, model_cfg: ModelConfig, train_cfg: TrainingConfig
     return saved, _how_it_trains(saved), now  # (without run_dir: a default one is named only when resuming)
 
 
-SAME_STEPS = ("max_steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last_k", "max_bad_steps",
-              "activation_checkpointing", "compile", "wandb", "wandb_project")  # a step's numbers stay (max_steps: unless the schedule moves)
+SAME_STEPS = ("max_steps", "micro_batch_size", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_last_k",
+              "max_bad_steps", "activation_checkpointing", "compile", "wandb", "wandb_project")
+# settings that leave a step's numbers as they were (but for rounding: micro_batch_size splits the same global batch
+# otherwise, as another number of ranks does); max_steps moves the schedule, compared step by step
 
 
-def steps_differ(saved: dict, model_cfg: ModelConfig, train_cfg: TrainingConfig, step: int) -> bool:
-    "Whether this run's steps after checkpoint `step` (its meta.json's `config`: `saved`) differ from the saved run's."
+def steps_differ(saved: dict, # The `config` of checkpoint `step`'s meta.json
+                 model_cfg: ModelConfig, train_cfg: TrainingConfig, # This run's
+                 step: int, last: int, # The checkpoint's step; the last step the saved run logged
+                ) -> bool:
+    "Whether this run's steps `step + 1 .. last` differ from the saved run's: a setting of how it trains, or the schedule."
     saved, then, now = _then_and_now(saved, model_cfg, train_cfg)
+    old = _saved(TrainingConfig, saved["train"])
     return (then["model"] != now["model"] or any(then["train"].get(k) != v for k, v in now["train"].items() if k not in SAME_STEPS)
-            or schedule_jump(_saved(TrainingConfig, saved["train"]), train_cfg, step) is not None)
+            or any(schedule_jump(old, train_cfg, s) is not None for s in range(step, last + 1)))
 
 
 EXTEND = "; to extend a finished run without the jump, resume a checkpoint from before its decay"  # `Trainer.load` says which
@@ -1237,7 +1243,9 @@ def load(self: Trainer, ckpt: Path):
                           f"more, or --resume an earlier checkpoint (in {ckpt.parent}) to branch a shorter run from it")
     # the weights' shapes first: a new vocab_size also means other data, and the shapes are what was changed
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
-    self.new_line = "config" in meta and steps_differ(meta["config"], self.mcfg, self.cfg, meta["step"])
+    # wandb has the steps the saved run logged past the checkpoint (before a crash): redone otherwise, they are a new line
+    last = max((m["step"] for l in _lines(self.run_dir / "metrics.jsonl") if (m := _metrics(l))), default=0) if self.d.is_main else 0
+    self.new_line = "config" in meta and last > meta["step"] and steps_differ(meta["config"], self.mcfg, self.cfg, meta["step"], last)
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
