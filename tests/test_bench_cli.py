@@ -147,6 +147,18 @@ def test_a_triton_benchmark_without_triton_says_so_in_one_line(script):
     assert r.stderr.strip().splitlines()[-1].startswith("this benchmark needs Triton"), r.stderr[-500:]
 
 
+def test_add_row_leaves_the_old_list_when_the_write_is_cut(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import json
+    import need_gpu
+    f = tmp_path / "rows.json"; f.write_text('[{"old": 1}]')
+    class Cut(Exception): pass
+    def cut(*a): raise Cut
+    monkeypatch.setattr(need_gpu.os, "replace", cut)
+    with pytest.raises(Cut): need_gpu.add_row(f, {"new": 2})
+    assert json.loads(f.read_text()) == [{"old": 1}]
+
+
 def test_check_out_refuses_what_a_write_would_fail_on(tmp_path, monkeypatch, capsys):
     "A trailing slash, a file where the folder should be, a link into a missing folder; a file or a link to one is fine."
     import argparse

@@ -809,3 +809,21 @@ def test_a_phone_shows_the_page_first_and_nothing_wider_than_the_screen(built, s
                         " return [r.left, r.right]; }")
     assert box[0] >= 0 and box[1] <= 400, box
     ctx.close()
+
+
+def test_nb_check_passes_a_clean_clone_and_names_an_export_never_committed(tmp_path):
+    repo = _clone(tmp_path)
+    nb = lambda *a: subprocess.run([sys.executable, "tools/nb.py", *a], cwd=repo, capture_output=True, text=True)
+    p = nb("check")
+    assert p.returncode == 0 and "in sync" in p.stdout, p.stdout + p.stderr
+    subprocess.run(["git", "rm", "-q", "--cached", "hymo/generate.py"], cwd=repo, check=True)
+    (repo / "hymo" / "generate.py").unlink()
+    subprocess.run(["git", "commit", "-qm", "module not committed"], cwd=repo, check=True, capture_output=True)
+    p = nb("check")
+    assert p.returncode == 1 and "hymo/generate.py" in p.stdout, p.stdout + p.stderr
+    p = nb("sync", "00_config")
+    assert p.returncode == 1 and "nb.py sync" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    (repo / "nbs" / "00_config.ipynb").write_text("{")
+    p = nb("sync")
+    assert p.returncode == 1 and "nbs/00_config.ipynb is not a notebook (NotJSONError" in p.stderr \
+        and "git checkout -- nbs/00_config.ipynb" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -3046,3 +3046,40 @@ def test_the_gpu_random_state_is_saved_from_and_restored_into_this_ranks_device(
 def test_fit_with_more_steps_than_are_left_stops_at_max_steps(tmp_path):
     t = make(tmp_path / "run", max_steps=3, warmup_steps=1)
     assert [m["step"] for m in t.fit(num_steps=5)] == [1, 2, 3] and t.step == 3
+
+
+# ---------------------------------------------------------------- from mutation testing the new-wandb-run rule
+
+@pytest.mark.parametrize("first, then, new", [
+    (3, dict(muon_lr=0.01), True),  # a lower learning rate after a crash, before the decay: step 3 redone otherwise
+    (3, dict(max_steps=30, ckpt_every=3, micro_batch_size=2), False),  # settings that leave the steps as they were
+    (2, dict(muon_lr=0.01), False),  # stopped at its checkpoint: nothing logged past it for wandb to drop
+    (3, dict(rope_theta=50000.0), True),  # a model setting of the same shapes
+])
+def test_which_resumes_start_a_new_wandb_run(tmp_path, monkeypatch, first, then, new):
+    calls, run = _online_wandb(monkeypatch), tmp_path / "run"
+    make(run, max_steps=20, ckpt_every=2, wandb=True).fit(first)
+    make(run, **{"max_steps": 20, "ckpt_every": 2, "wandb": True, **then}).fit(1)
+    assert [c["id"] for c in calls] == [None, None if new else "id1"]
+
+
+def test_settings_put_back_after_a_crashed_change_start_a_new_wandb_run(tmp_path, monkeypatch):
+    "Compared with the checkpoint's settings, the first settings put back looked unchanged: the changed run's wandb run went on."
+    calls, run = _online_wandb(monkeypatch), tmp_path / "run"
+    make(run, max_steps=20, ckpt_every=2, wandb=True).fit(5)  # checkpoint 4, step 5 logged, a crash
+    make(run, max_steps=20, ckpt_every=2, wandb=True, muon_lr=0.01).fit(1)  # step 5 at another rate: a new run; a crash
+    make(run, max_steps=20, ckpt_every=2, wandb=True).fit(1)  # the first rate again: step 5 differs from the last logged
+    assert [c["id"] for c in calls] == [None, None, None]
+
+
+def test_an_out_of_memory_inside_dcps_load_sets_no_checkpoint_aside(tmp_path, monkeypatch):
+    "DCP wraps a rank's error in a CheckpointException (its failures): the test above raised it bare."
+    from torch.distributed.checkpoint import FileSystemReader
+    make(tmp_path / "run", max_steps=6, ckpt_every=2).fit(4)
+    real = FileSystemReader.read_data
+    def oom(self, *a, **k):
+        if "step_000004" in str(self.path): raise torch.OutOfMemoryError("CUDA out of memory")  # the newest only
+        return real(self, *a, **k)
+    monkeypatch.setattr(FileSystemReader, "read_data", oom)
+    with pytest.raises(BaseException): make(tmp_path / "run", max_steps=6, ckpt_every=2)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]

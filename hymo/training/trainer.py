@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk, validate_config
+from ..config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk, load_config, validate_config
 from ..models.gdn import _load_triton
 from ..models.model import HyMo, build_hymo, doc_keys_per_query
 from ..models.moe import stats_paused
@@ -396,15 +396,15 @@ SAME_STEPS = ("max_steps", "micro_batch_size", "log_every", "eval_every", "eval_
 # otherwise, as another number of ranks does); max_steps moves the schedule, compared step by step
 
 
-def steps_differ(saved: dict, # The `config` of checkpoint `step`'s meta.json
+def steps_differ(saved: dict, # A `Config.to_dict()`: the settings the logged steps trained with
                  model_cfg: ModelConfig, train_cfg: TrainingConfig, # This run's
-                 step: int, last: int, # The checkpoint's step; the last step the saved run logged
+                 step: int, last: int, # The checkpoint's step; the last step logged
                 ) -> bool:
-    "Whether this run's steps `step + 1 .. last` differ from the saved run's: a setting of how it trains, or the schedule."
+    "Whether this run's steps `step + 1 .. last` differ from those `saved` trains: a setting of how it trains, or the schedule."
     saved, then, now = _then_and_now(saved, model_cfg, train_cfg)
     old = _saved(TrainingConfig, saved["train"])
     return (then["model"] != now["model"] or any(then["train"].get(k) != v for k, v in now["train"].items() if k not in SAME_STEPS)
-            or any(schedule_jump(old, train_cfg, s) is not None for s in range(step, last + 1)))
+            or any(schedule_jump(old, train_cfg, s) is not None for s in range(step, last)))  # step s + 1 trains at lr(s)
 
 
 EXTEND = "; to extend a finished run without the jump, resume a checkpoint from before its decay"  # `Trainer.load` says which
@@ -1243,9 +1243,14 @@ def load(self: Trainer, ckpt: Path):
                           f"more, or --resume an earlier checkpoint (in {ckpt.parent}) to branch a shorter run from it")
     # the weights' shapes first: a new vocab_size also means other data, and the shapes are what was changed
     notes = resume_changes(meta["config"], self.mcfg, self.cfg, meta["step"]) if "config" in meta else []
-    # wandb has the steps the saved run logged past the checkpoint (before a crash): redone otherwise, they are a new line
+    # wandb has the steps logged past the checkpoint (before a crash), trained as run_dir/config.yaml says (each `fit`
+    # writes it before its first step; a resume with other settings may have logged some): redone otherwise, a new line
     last = max((m["step"] for l in _lines(self.run_dir / "metrics.jsonl") if (m := _metrics(l))), default=0) if self.d.is_main else 0
-    self.new_line = "config" in meta and last > meta["step"] and steps_differ(meta["config"], self.mcfg, self.cfg, meta["step"], last)
+    logged = meta.get("config")
+    if last > meta["step"] and (self.run_dir / "config.yaml").exists():
+        try: logged = load_config(str(self.run_dir / "config.yaml")).to_dict()
+        except (ConfigError, OSError, ValueError): pass  # (cut short by a crash before it was written whole: the checkpoint's)
+    self.new_line = logged is not None and last > meta["step"] and steps_differ(logged, self.mcfg, self.cfg, meta["step"], last)
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
