@@ -65,7 +65,6 @@ from hymo.training.optim import build_optimizers, wsd_schedule
 # %%
 import tempfile
 from fastcore.test import test_eq, test_close, test_fail
-from hymo.config import load_config
 
 
 # %% [markdown]
@@ -1588,10 +1587,10 @@ def load(self: Trainer, ckpt: Path):
     # writes it before its first step; a resume with other settings may have logged some): redone otherwise, a new line
     last = max((m["step"] for l in _lines(self.run_dir / "metrics.jsonl") if (m := _metrics(l))), default=0) if self.d.is_main else 0
     logged = meta.get("config")
-    if last > meta["step"] and (self.run_dir / "config.yaml").exists():
+    if (past := last > meta["step"]) and (self.run_dir / "config.yaml").exists():  # (nothing past it: nothing for wandb to drop)
         try: logged = load_config(str(self.run_dir / "config.yaml")).to_dict()
         except (ConfigError, OSError, ValueError): pass  # (cut short by a crash before it was written whole: the checkpoint's)
-    self.new_line = logged is not None and last > meta["step"] and steps_differ(logged, self.mcfg, self.cfg, meta["step"], last)
+    self.new_line = past and logged is not None and steps_differ(logged, self.mcfg, self.cfg, meta["step"], last)
     old = (meta.get("config") or {}).get("train", {})  # the data and its order: checked here on any number of ranks
     if hasattr(self.train_loader, "check_same_data"):  # (benchmarks train on synthetic batches: nothing to check)
         try: self.train_loader.check_same_data({"fingerprint": meta.get("data_fingerprint"),
