@@ -598,6 +598,30 @@ def test_no_cell_shows_a_bare_object_repr():
     assert not bad, bad
 
 
+def test_site_names_a_script_not_synced_with_its_notebook(tmp_path, monkeypatch, capsys):
+    "The site renders the notebooks: a chapter's script edited and not synced would not show, so the build names it."
+    import importlib.util
+    for f in ("pyproject.toml", "jupytext.toml", "tools/site.py", "tools/nb.py", "nbs/00_config.ipynb", "nbs_py/00_config.py"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
+        shutil.copy(ROOT / f, tmp_path / f)
+    spec = importlib.util.spec_from_file_location("hymo_site", tmp_path / "tools" / "site.py")
+    site = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hymo_site", site)
+    spec.loader.exec_module(site)
+    assert site.unsynced() == []
+    py = tmp_path / "nbs_py" / "00_config.py"
+    py.write_text(py.read_text() + "\n# %%\nedited_after_the_sync = 1\n")
+    assert site.unsynced() == ["nbs_py/00_config.py"]
+
+    class Rendering(Exception): pass
+    monkeypatch.setattr(site, "pandoc_path", lambda: "pandoc")
+    monkeypatch.setattr(site, "ensure_npm", lambda: tmp_path)
+    monkeypatch.setattr(site, "build_chapters", lambda *a: (_ for _ in ()).throw(Rendering()))
+    with pytest.raises(Rendering): site.main([])
+    err = capsys.readouterr().err
+    assert "nbs_py/00_config.py differs from its notebook" in err and "python tools/nb.py sync" in err, err
+
+
 def test_hidden_cells_are_not_rendered(tmp_path, monkeypatch):
     "Each way a notebook hides a cell, its source or its output, against what must stay visible (no chapter uses them all)."
     site = _load_site_module(monkeypatch)

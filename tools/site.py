@@ -19,6 +19,8 @@ What it does with a notebook, the way nbdev + Quarto do:
   `#| include: false` cells are dropped; `#| echo: false` hides the source, `#| output: false` the
   outputs; every `#|` line is stripped;
 - outputs: text, HTML, markdown, LaTeX, PNG/JPEG (embedded) and SVG.
+The notebooks are rendered as they are saved: a chapter whose script in `nbs_py/` says something else (an edit
+not yet synced) is named on stderr, with `python tools/nb.py sync` to carry it over.
 The sidebar lists every chapter (glob of `nbs/*.ipynb`, in file order, grouped by the tens of the
 chapter number) and every deck, on every page; each chapter has previous/next links. The top bar
 searches every section of every chapter, as Quarto's does (`search.js` over `search-index.js`, a
@@ -109,6 +111,15 @@ def pandoc_path() -> str:
         return pypandoc.get_pandoc_path()
     except (ImportError, OSError) as e:  # no pypandoc, or pypandoc without the pandoc binary pypandoc-binary brings
         sys.exit(f"the offline site is rendered with the pandoc of pypandoc-binary ({e}): pip install -e '.[dev]'")
+
+
+def unsynced() -> list[str]:
+    "The scripts of `nbs_py/` that say something their notebook does not (`tools/nb.py`'s check of a pair)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("hymo_nb_tools", Path(__file__).with_name("nb.py"))
+    nb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nb)
+    return [nb.rel(py) for notebook, py in nb.pairs() if nb.disagree(notebook, py)]
 
 
 def nb_html_name(p: Path) -> str:
@@ -555,6 +566,9 @@ def main(argv=None):
             copy_math_font()
         else:
             chapters()  # reads every notebook: a damaged one stops here, before the old site is deleted
+            for py in unsynced():
+                print(f"warning: {py} differs from its notebook, which is what the site shows: if the script's edit is "
+                      "the one wanted, run `python tools/nb.py sync` and render again", file=sys.stderr)
             if OUT.exists(): shutil.rmtree(OUT)
             (OUT / "slides").mkdir(parents=True)
             pages = build_chapters(tmp, slides)
