@@ -209,13 +209,16 @@ class HyMo(nn.Module):
                 tokens: torch.Tensor,  # Token ids [B, T], long
                 targets: Optional[torch.Tensor] = None,  # Next-token ids [B, T] (`targets[:, t]` = x_{t+1}); None returns logits
                 cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
+                mtp: bool = True,  # Add the MTP heads' losses; False: the main loss alone, the heads not run (validation)
                ):
         "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
         if targets is not None: self._check_targets(targets, tokens)  # before the trunk runs
         h = self.hidden_states(tokens, cu_seqlens)
         if targets is None: return self.head(h)
-        if self.loss_impl == "logits": return lm_loss(self.head(h), targets, self.mtp(h, targets, self.head, cu_seqlens))
-        return lm_loss_fused(h, self.embed.weight, targets, self.mtp(h, targets, cu_seqlens=cu_seqlens))
+        head = self.head if self.loss_impl == "logits" else None  # the fused loss projects the heads' states itself
+        extra = self.mtp(h, targets, head, cu_seqlens) if mtp else []
+        if head is not None: return lm_loss(self.head(h), targets, extra)
+        return lm_loss_fused(h, self.embed.weight, targets, extra)
 
     def _check_ids(self, tokens):
         "Raise `ValueError` for ids outside the vocabulary (an embedding lookup would fail, on a GPU with a device-side assert)."

@@ -1402,7 +1402,7 @@ Trainer.accumulation, Trainer.forward_backward, Trainer.train_step = accumulatio
 #| export
 @torch.no_grad()
 def evaluate(self: Trainer) -> float | None:
-    "Mean main loss over `eval_batches` validation micro-batches, all ranks together (the same windows every call and on any number of ranks); None without a validation split."
+    "Mean main loss over `eval_batches` validation micro-batches, all ranks together (the same windows every call and on any number of ranks); None without a validation split. The MTP heads are not run."
     if self.val_loader is None: return None
     self.model.eval()
     total = torch.zeros(2, device=self.d.device)  # (sum of counted micro-batch losses, their number)
@@ -1410,7 +1410,7 @@ def evaluate(self: Trainer) -> float | None:
     for (_, counted), batch in zip(plan, self.val_loader.eval_batches(self.cfg.eval_batches)):
         tokens, targets, cu = _to_device(self, batch)
         with self.autocast():
-            _, parts = self.model(tokens, targets=targets, cu_seqlens=cu)
+            _, parts = self.model(tokens, targets=targets, cu_seqlens=cu, mtp=False)  # the main loss is what is reported
         if counted: total += torch.stack([parts["main"].float(), torch.ones((), device=total.device)])
     if self.d.distributed: dist.all_reduce(total)  # the same pass on any number of ranks (chapter 60)
     self.model.train()

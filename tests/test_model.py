@@ -346,6 +346,26 @@ def test_bad_targets_are_a_clear_error(tiny):
     m.loss_impl = "fused"
 
 
+def test_without_mtp_the_loss_is_the_main_loss_and_the_heads_do_not_run(tiny):
+    "`mtp=False` (validation): the same main loss, no MTP part, and no MTP head called, with either loss."
+    m = _model(tiny).eval()
+    assert tiny.mtp_depth > 0
+    x = torch.randint(0, tiny.vocab_size, (2, 12))
+    calls = []
+    for blk in m.mtp.heads: blk.register_forward_hook(lambda *a: calls.append(1))
+    for impl in ("fused", "logits"):
+        m.loss_impl = impl
+        with torch.no_grad():
+            total, parts = m(x, x)
+            n = len(calls)
+            alone, main_only = m(x, x, mtp=False)
+        assert n == tiny.mtp_depth and len(calls) == n  # the heads ran for the full loss only
+        assert list(main_only) == ["main"] and set(parts) == {"main", *(f"mtp_{k + 1}" for k in range(tiny.mtp_depth))}
+        torch.testing.assert_close(alone, parts["main"]) and torch.testing.assert_close(main_only["main"], parts["main"])
+        assert not torch.allclose(alone, total)  # the MTP losses were added to the full one
+        calls.clear()
+
+
 def test_packed_boundaries_must_rise_strictly(tiny):
     m = _model(tiny)
     with pytest.raises(ValueError, match=r"must rise strictly from 0 to T=12 \(document boundaries of the row, no empty document\)"):

@@ -360,6 +360,9 @@ def test_validation_loss_is_the_eval_mode_mean_over_the_validation_windows(tmp_p
     t.model.train()
     assert len(want) == 3 and got == pytest.approx(sum(want) / 3, rel=1e-6)
     assert got != pytest.approx(want[0], rel=1e-6)  # the windows differ: a pass of one would show
+    calls = []
+    for blk in t.model.mtp.heads: blk.register_forward_hook(lambda *a: calls.append(1))
+    assert t.evaluate() == got and calls == []  # the MTP heads' losses are not reported: they are not computed
 
 
 def test_validation_leaves_out_a_ranks_repeated_turn(tmp_path):
