@@ -560,9 +560,9 @@ class _ShardWriter:
             try: np.save(f, arr[:n])
             except OSError as e:  # numpy's short write says "N requested and M written", without an errno
                 if e.errno is not None: raise
-                full = shutil.disk_usage(self.folder).free < arr[:n].nbytes
-                code = errno.ENOSPC if full else errno.EIO
-                raise OSError(code, f"{os.strerror(code)} ({e})", str(self.folder / name)) from None
+                if shutil.disk_usage(self.folder).free < arr[:n].nbytes: code, why = errno.ENOSPC, os.strerror(errno.ENOSPC)
+                else: code, why = errno.EIO, "the write was cut short: a disk quota reached, or a failing disk"
+                raise OSError(code, f"{why} ({e})", str(self.folder / name)) from None
             to_disk(f)
         self.shards.append({"file": name, "tokens": int(n), "crc32": zlib.crc32(arr[:n])})  # what `check_contents` compares
         self.buf, self.n_buf = ([arr[n:]] if len(arr) > n else []), len(arr) - n
@@ -795,14 +795,20 @@ def load_manifest(data_dir: Path) -> dict:
 _DATASET_FILE = re.compile(r"(manifest|tokenizer)\.json|(train|val)_\d{4,}\.npy")  # what `_write_dataset` writes
 
 
+def _entries(folder: Path) -> list[Path]:
+    "What `folder` holds; nothing if it is gone, or went as it was listed (another prepare moving it aside)."
+    try: return list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError): return []
+
+
 def _filled(out: Path) -> bool:
     "Whether folder `out` holds anything but Finder's `.DS_Store`, which is nobody's work."
-    return out.is_dir() and any(p.name != ".DS_Store" for p in out.iterdir())
+    return any(p.name != ".DS_Store" for p in _entries(out))
 
 
 def _not_written_by_prepare(out: Path) -> list[str]:
     "Names in dataset folder `out` that no `prepare` writes (the user's notes, an input kept there)."
-    return sorted(p.name + "/" * p.is_dir() for p in out.iterdir()  # Finder's .DS_Store is nobody's work; .git is
+    return sorted(p.name + "/" * p.is_dir() for p in _entries(out)  # Finder's .DS_Store is nobody's work; .git is
                   if p.name != ".DS_Store" and not (_DATASET_FILE.fullmatch(p.name) and not p.is_dir()))  # a name gone
                   # as it is looked at is no one's file: another prepare moving the folder aside to install its own
 
@@ -813,7 +819,19 @@ def _same_dataset(out: Path, fingerprint: str) -> bool:
         m = load_manifest(out)
         return m["fingerprint"] == fingerprint and check_compatible(out, m["vocab_size"]) is not None and (
             check_contents(out) is True)  # every byte of every shard (a manifest without checksums: prepared again)
-    except DataError: return False  # none there, or damaged: prepared again
+    except (DataError, FileNotFoundError, NotADirectoryError):  # none there, damaged (prepared again), or moved aside
+        return False                                             # as it was read, by another prepare installing its own
+
+
+def _keep_beside(tmp: Path, out: Path, what: str):
+    "Keep the finished `tmp` as `out-2` (or the next free name) and raise the `DataError` saying so: `out` holds `what`."
+    for i in itertools.count(2):  # claim a free name (a concurrent loser may want it too), then rename over it
+        try: (kept := out.with_name(f"{out.name}-{i}")).mkdir(); break
+        except FileExistsError: continue
+    os.replace(tmp, kept)
+    to_disk(out.parent)
+    raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset is "
+                    f"kept at {kept}: train on it there (data_dir={shlex.quote(str(kept))}), or move it to {out} yourself")
 
 
 def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
@@ -822,20 +840,14 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     it is, and `tmp` is kept beside it under a name of its own, hours of tokenizing not lost."""
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     to_disk(tmp)  # its files' entries on disk before a rename names it a dataset (the files are synced as written)
-    foreign = _not_written_by_prepare(out) if out.is_dir() else []  # `prepare` refused any at its start: they are new
+    foreign = _not_written_by_prepare(out)  # `prepare` refused any at its start: they are new
     try: theirs = load_manifest(out).get("fingerprint") if _filled(out) and not foreign else fingerprint
-    except DataError: theirs = None
+    except (DataError, FileNotFoundError, NotADirectoryError):  # unreadable; or gone as it was read: nothing to keep
+        theirs = None if _filled(out) else fingerprint
     if foreign or (theirs != fingerprint and not overwrite):  # (the same: this dataset, damaged, which `prepare` replaces)
-        for i in itertools.count(2):  # claim a free name (a concurrent loser may want it too), then rename over it
-            try: (kept := out.with_name(f"{out.name}-{i}")).mkdir(); break
-            except FileExistsError: continue
-        os.replace(tmp, kept)
-        to_disk(out.parent)
-        what = (f"{', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}, which no prepare wrote," if foreign else
-                "a dataset from other inputs or options, which another prepare installed" if theirs is not None else
-                "a dataset whose manifest cannot be read, which another prepare installed")
-        raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset is "
-                        f"kept at {kept}: train on it there (data_dir={shlex.quote(str(kept))}), or move it to {out} yourself")
+        _keep_beside(tmp, out, f"{', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}, which no prepare wrote," if foreign
+                     else "a dataset from other inputs or options, which another prepare installed" if theirs is not None
+                     else "a dataset whose manifest cannot be read, which another prepare installed")
     old = None
     try:
         try:
@@ -848,7 +860,10 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
             try: os.replace(tmp, out); break
             except OSError:
                 if _same_dataset(out, fingerprint): shutil.rmtree(tmp); break
-                if tries_left == 0 or out.exists(): raise  # ... and a third move it aside again before we look: try again
+                if _filled(out):  # another dataset: it stays, as above; the one both replaced is not put back over it
+                    if old is not None: shutil.rmtree(old, ignore_errors=True); old = None
+                    _keep_beside(tmp, out, "a dataset from other inputs or options, which another prepare installed")
+                if tries_left == 0: raise  # ... and a third move it aside again before we look: try again
     except BaseException:  # stopped (Ctrl-C, SIGTERM) or refused between the renames: the old dataset goes back
         if old is not None and old.exists() and not out.exists(): os.replace(old, out)
         raise

@@ -394,6 +394,100 @@ def test_an_install_whose_rename_meets_another_installs_swap_retries(text, tmp_p
     assert raced and not tmp.exists() and load_manifest(out)["fingerprint"] == fp
 
 
+def test_an_install_that_reads_a_dataset_another_prepare_moves_aside_goes_on(text, tmp_path, monkeypatch):
+    """Another prepare of the same dataset moves --out aside (to put its copy in) just as this one reads the manifest
+    there: the read's FileNotFoundError ended this prepare, its work deleted; a folder listed as it goes, the same."""
+    import shutil
+    src = prepare(text, tmp_path / "src", vocab_size=VOCAB, progress=False)
+    fp, out, tmp = load_manifest(src)["fingerprint"], tmp_path / "ds", tmp_path / ".ds.tmp-B"
+    shutil.copytree(src, out); (out / "tokenizer.json").write_text("damaged")  # this dataset, damaged: prepared again
+    shutil.copytree(src, tmp)
+    real, moved = Path.read_text, []
+    def read_text(self, *a, **k):
+        if self == out / "manifest.json" and not moved:
+            moved.append(1); os.replace(out, tmp_path / ".ds.old-C")  # C moves the damaged copy aside ...
+            try: return real(self, *a, **k)
+            finally: shutil.copytree(src, out)  # ... and installs its own
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "read_text", read_text)
+    D._install(tmp, out, fp)
+    assert moved and not tmp.exists() and D._same_dataset(out, fp)
+    real_iterdir = Path.iterdir
+    def gone_as_listed(self):  # the listing of a folder moved aside as it is read
+        if self == out: raise FileNotFoundError(2, "No such file or directory", str(out))
+        return real_iterdir(self)
+    monkeypatch.setattr(Path, "iterdir", gone_as_listed)
+    assert not D._filled(out) and D._not_written_by_prepare(out) == []
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter([*real_iterdir(self), self / "train_0999.npy"]) if self == out
+                        else real_iterdir(self))  # a shard's name gone as it is looked at is no one's file
+    assert D._not_written_by_prepare(out) == []
+
+
+def test_an_install_whose_rename_meets_another_dataset_keeps_its_own_beside(text, tmp_path, monkeypatch):
+    """Another prepare installs a dataset of other inputs in the moment between this one moving --out's old dataset
+    aside and renaming its own in: the rename failed (ENOTEMPTY), and the finished dataset was deleted with a traceback.
+    Theirs stays; this one is kept beside it, as when theirs arrives earlier; the old dataset both replaced goes.
+    A copy of this very dataset arriving there instead is kept, and this one's work folder removed."""
+    import shutil
+    src = prepare(text, tmp_path / "src", vocab_size=VOCAB, progress=False)
+    other = prepare(text, tmp_path / "other", vocab_size=VOCAB + 8, progress=False)
+    fp, out, tmp = load_manifest(src)["fingerprint"], tmp_path / "ds", tmp_path / ".ds.tmp-B"
+    prepare(text, out, vocab_size=VOCAB + 16, progress=False)  # the old dataset, replaced with --overwrite
+    shutil.copytree(src, tmp)
+    real, raced = os.replace, []
+    def swap(a, b):
+        if Path(a) == tmp and Path(b) == out and not raced: raced.append(1); shutil.copytree(arrives, out)
+        return real(a, b)
+    monkeypatch.setattr(D.os, "replace", swap)
+    arrives = other
+    with pytest.raises(DataError, match=rf"ds now holds a dataset from other inputs or options, which another prepare "
+                                        rf"installed while this prepare ran; .* kept at {out}-2"):
+        D._install(tmp, out, fp, overwrite=True)
+    assert raced and load_manifest(out)["vocab_size"] == VOCAB + 8 and D._same_dataset(tmp_path / "ds-2", fp)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder, no old dataset left
+    shutil.rmtree(out); shutil.copytree(src, tmp); raced.clear()
+    arrives = src  # an identical dataset arrives first: kept, nothing beside it
+    D._install(tmp, out, fp)
+    assert raced and D._same_dataset(out, fp) and not tmp.exists() and not (tmp_path / "ds-3").exists()
+
+
+def test_a_live_prepare_of_another_user_is_left_alone(tmp_path, monkeypatch):
+    "A work folder whose process cannot be signalled (another user's: EPERM) is a running prepare's: warned of, not deleted."
+    out, work = tmp_path / "ds", tmp_path / f".ds.tmp-{D._HOST}-{os.getpid() + 1}-deadbeef"
+    work.mkdir()
+    def kill(pid, sig): raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(D.os, "kill", kill)
+    with pytest.warns(D.DataWarning, match="left by another prepare"): D._clean_left_behind(out)
+    assert work.exists()
+
+
+def test_ids_above_65535_are_stored_as_uint32(tmp_path):
+    "A vocabulary of more than 65 536 tokens: ids cast to uint16 would wrap, the batches wrong without an error."
+    import warnings
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({EOT: 0, **{f"w{i}": i for i in range(1, 70_000)}}, unk_token=EOT))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([EOT]); tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "a.txt").write_text("w69999 w1\n\n" * 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = prepare(tmp_path / "a.txt", tmp_path / "ds", tokenizer=tmp_path / "tok.json", val_fraction=0, progress=False)
+    m = load_manifest(out)
+    a = np.load(out / m["splits"]["train"]["shards"][0]["file"])
+    assert m["dtype"] == "uint32" and a.dtype == np.uint32 and 69999 in a and 1 in a
+
+
+def test_prepare_refuses_a_folder_named_like_a_shard_and_a_bad_fraction_before_reading(text, tmp_path, monkeypatch):
+    "Someone's folder `val_9999.npy/` is no shard of prepare's (--overwrite would delete it); val_fraction=1 is refused first."
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    (out / "val_9999.npy").mkdir(); (out / "val_9999.npy" / "mine.txt").write_text("x")
+    with pytest.raises(DataError, match=r"prepare did not write \(val_9999.npy/\)"):
+        prepare(text, out, vocab_size=VOCAB + 8, overwrite=True, progress=False)
+    assert (out / "val_9999.npy" / "mine.txt").read_text() == "x"
+    monkeypatch.setattr(D, "find_files", lambda *a, **k: pytest.fail("the inputs were read"))
+    with pytest.raises(DataError, match=r"val_fraction=1 must be in \[0, 1\)"): prepare(text, tmp_path / "o", val_fraction=1)
+
+
 def test_a_dataset_another_prepare_installs_meanwhile_is_kept(text, tmp_path, monkeypatch):
     "Two prepares of other inputs into one new --out: the later to finish replaced the other's dataset, and both said done."
     out, real, others = tmp_path / "ds", D._write_dataset, []
@@ -439,10 +533,11 @@ def test_utf16_text_is_refused_with_a_line_that_converts_it(tmp_path):
         fix = str(e.value).split("convert it: ")[1].split("; if it is not text")[0]
         subprocess.run(fix, shell=True, check=True)  # the line given works as pasted
         assert (tmp_path / "u16.txt").read_text() == text
-    (tmp_path / "bom.txt").write_bytes(text.encode("utf-16"))  # with its byte-order mark: not UTF-8 at all
-    with pytest.raises(DataError, match=r"bom.txt is UTF-16 text .*: convert it: iconv -f UTF-16 -t UTF-8 < ") as e:
-        prepare(tmp_path / "bom.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
-    subprocess.run(str(e.value).split("convert it: ")[1], shell=True, check=True)
+    for enc in ("utf-16", "utf-16-be"):  # with its byte-order mark (this machine's order, then big-endian): not UTF-8
+        (tmp_path / "bom.txt").write_bytes(("\ufeff" * (enc != "utf-16") + text).encode(enc))
+        with pytest.raises(DataError, match=r"bom.txt is UTF-16 text .*: convert it: iconv -f UTF-16 -t UTF-8 < ") as e:
+            prepare(tmp_path / "bom.txt", tmp_path / "o", vocab_size=VOCAB, progress=False)
+        subprocess.run(str(e.value).split("convert it: ")[1], shell=True, check=True)
     assert (tmp_path / "bom.txt").read_text() == text
     (tmp_path / "u16.txt").rename(tmp_path / "u 16's.txt")  # a name the shell must have quoted
     (tmp_path / "u 16's.txt").write_bytes(text.encode("utf-16-le"))
@@ -470,6 +565,10 @@ def test_the_prepare_command_says_a_skipped_file_before_the_long_work(text, tmp_
     args = ["prepare", "--input", str(tmp_path / "in"), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]
     assert main(args) == 0
     assert seen[0].startswith("warning: folder ") and "skipped 1 file of other types (.gz 1)" in seen[0], seen
+    again = [a if a != str(tmp_path / "ds") else str(tmp_path / "ds2") for a in args]
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "hymo.data", *again],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0 and "skipped 1 file of other types (.gz 1)" in r.stderr, r.stderr  # not silenced by -W ignore
 
 
 def test_a_dataset_inside_its_input_folder_is_not_counted_as_skipped(text, tmp_path):
@@ -635,7 +734,8 @@ def test_a_short_write_of_a_shard_on_a_full_disk_is_said_to_be_one(text, tmp_pat
     monkeypatch.setattr(D.shutil, "disk_usage", lambda p: usage._replace(free=10**12))  # space left: some other failure
     assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
     err = capsys.readouterr().err
-    assert "Input/output error (" in err and "requested and 4096 written" in err and "free space" not in err, err
+    assert "the write was cut short: a disk quota reached, or a failing disk (" in err and "4096 written" in err, err
+    assert "free space" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary folder left
 
 
@@ -1323,6 +1423,24 @@ def test_sigterm_during_prepare_cleans_up_and_exits_as_killed(text, tmp_path, mo
     err = capsys.readouterr().err
     assert err.startswith("stopped by SIGTERM; ") and "is as it was" in err, err
     assert list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    from hymo.data import _stop_signals_interrupt
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # under nohup: a closed terminal must not stop it
+    try:
+        with _stop_signals_interrupt():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    finally: signal.signal(signal.SIGHUP, old)
+
+
+def test_a_disk_quota_reached_is_one_line(text, tmp_path, monkeypatch, capsys):
+    "EDQUOT, as ENOSPC: --out's error, said in a line with what to do, not a traceback."
+    import errno
+    from hymo.data import main
+    def over_quota(folder, *a, **k): raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(folder / "train_0000.npy"))
+    monkeypatch.setattr(D, "_write_dataset", over_quota)
+    assert main(["prepare", "--input", str(text), "--out", str(tmp_path / "ds"), "--vocab-size", str(VOCAB), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert os.strerror(errno.EDQUOT) in err and "free space or choose another --out" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_refused_prepare_says_what_changed(tmp_path):
