@@ -345,9 +345,41 @@ def test_mla_refuses_what_it_would_misread():
     with pytest.raises(ValueError, match=r"MLACache\(length=5, pos=\[2\]\): pos is the same count as length"):
         MLACache(torch.zeros(1, 8, 3), torch.zeros(1, 8, 2), length=5, pos=torch.tensor([2]))
     for c_kv, k_rope, length in ((torch.zeros(1, 8, 3), torch.zeros(1, 6, 2), 0), (torch.zeros(1, 8, 3), torch.zeros(2, 8, 2), 0),
+                                 (torch.zeros(1, 8, 3), torch.zeros(1, 8, 2, device="meta"), 0),
                                  (torch.zeros(1, 8, 3), torch.zeros(1, 8, 2).double(), 0), (torch.zeros(1, 8, 3), torch.zeros(1, 8, 2), -3)):
         with pytest.raises(ValueError, match=r"MLACache holds c_kv \[B, max_len, d_c\] and k_rope \[B, max_len, d_rope\] of one dtype"):
             MLACache(c_kv, k_rope, length=length)
+
+
+@torch.no_grad()
+def test_mla_refuses_batched_positions_widths_and_hand_made_caches_it_would_misread():
+    "Positions per row ([B, T]) are range-checked too; a width other than dim, a cache of other counts or types: said so."
+    m, L = MultiHeadLatentAttention(CFG).eval(), CFG.max_seq_len
+    x = x_(2, 8)
+    for bad, says in (((torch.arange(8) + L - 4).expand(2, 8), f"from {L - 4} to {L + 3}"),
+                      (torch.stack([torch.arange(8), torch.arange(8) - 20]), "from -20 to 7")):
+        with pytest.raises(ValueError, match=f"positions run {says}; this model's are 0..{L - 1}"): m(x, positions=bad)
+    m(x, positions=torch.stack([torch.arange(8), torch.arange(8) + L - 8]))  # in range: taken
+    wide = torch.randn(1, 4, CFG.dim + 1)
+    for call in (lambda: m(wide), lambda: m.forward_decode(wide, MLACache.empty(CFG, 1, 8))):
+        with pytest.raises(ValueError, match=rf"expects \[B, T, {CFG.dim}\], got \[1, 4, {CFG.dim + 1}\]"): call()
+    with pytest.raises(ValueError, match=r"cu_seqlens packs documents into one row: got batch 2, reshape to \[1, B\*T, D\]"):
+        m(x, cu_seqlens=torch.tensor([0, 3, 8]))
+    with pytest.raises(TypeError, match="MLACache holds latents and keys, not torch.float32/torch.int64"):
+        MLACache(torch.zeros(1, 4, 32), torch.zeros(1, 4, 16, dtype=torch.long))
+    c = MLACache.empty(CFG, 1, 16)
+    for length in (2.0, True, "2"):
+        with pytest.raises(TypeError, match=f"MLACache length counts the tokens cached: give an int, got {length!r}"):
+            MLACache(c.c_kv, c.k_rope, length)
+    for pos in (torch.tensor([0.0]), torch.tensor([0], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"pos is the same count as length, on the buffers' device, \[1\] int64"):
+            MLACache(c.c_kv, c.k_rope, 0, pos)
+    import numpy as np
+    assert MLACache(c.c_kv, c.k_rope, np.int64(3)).length == 3 and type(MLACache(c.c_kv, c.k_rope, np.int64(3)).length) is int
+    cache = MLACache.empty(CFG, 1, 8)
+    with pytest.raises(ValueError, match="MLACache holds"):  # rows of k_rope unlike c_kv's: nothing written
+        cache.append(torch.ones(1, 3, CFG.mla_kv_lora_rank), torch.ones(1, 2, CFG.mla_qk_rope_dim))
+    assert cache.length == 0 and not cache.c_kv.any() and not cache.k_rope.any()
 
 
 @torch.no_grad()

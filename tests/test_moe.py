@@ -110,6 +110,28 @@ def test_sigmoid_weights_stay_finite_when_every_chosen_score_underflows():
     assert torch.isfinite(moe(x[None])).all()
 
 
+@torch.no_grad()
+def test_sigmoid_weights_of_tiny_scores_still_sum_to_the_route_scale():
+    "Scores near 1.5e-8 (logits near -18): the epsilon that keeps 0/0 away must not be large beside them (1e-6 gave 0.03)."
+    moe = make(moe_score_func="sigmoid")
+    moe.gate.weight.fill_(-1.0)
+    x = torch.full((3, moe.dim), 18.0 / moe.dim)  # every logit -18
+    _, w, score = moe.route(x)
+    assert (score > 0).all() and score.max() < 1e-7
+    torch.testing.assert_close(w.sum(-1), torch.full((3,), float(moe.route_scale)), rtol=1e-5, atol=0)
+
+
+def test_a_forward_inside_stats_paused_counts_nothing():
+    "Activation checkpointing's second forward runs inside `stats_paused`: it must add no assignments and no drops."
+    from hymo.models.moe import stats_paused
+    moe = make(moe_capacity_factor=0.5).train()
+    x = torch.randn(2, 16, moe.dim)
+    with stats_paused([moe]): moe(x)
+    assert moe.expert_counts.sum() == 0 and moe.dropped_tokens == 0 and moe.record_stats
+    moe(x)  # outside: counted (with drops, at this capacity)
+    assert moe.expert_counts.sum() == 2 * 16 * moe.top_k and moe.dropped_tokens > 0
+
+
 def test_bias_changes_selection_not_weights():
     moe = make(moe_score_func="sigmoid")
     x = torch.randn(64, moe.dim)

@@ -62,6 +62,23 @@ def test_loss_is_weighted_sum_and_trains_hidden(cfg):
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in mtp.parameters())
 
 
+def test_losses_with_ignored_targets_are_the_mean_over_the_counted_ones(cfg):
+    "IGNORE_INDEX targets (document ends, padding) count neither in the sum nor in the number it is divided by."
+    T = 12
+    h = torch.randn(2, T, cfg.dim)
+    emb = torch.randn(cfg.vocab_size, cfg.dim) * 0.05
+    targets = torch.randint(0, cfg.vocab_size, (2, T))
+    targets[0, :7] = IGNORE_INDEX; targets[1, 3] = IGNORE_INDEX
+    outs = MultiTokenPrediction(cfg)(h, targets, lambda z: z @ emb.T)
+    _, parts = lm_loss(h @ emb.T, targets, outs)
+    counted = targets != IGNORE_INDEX
+    want = F.cross_entropy((h @ emb.T)[counted], targets[counted])  # over the counted targets alone
+    torch.testing.assert_close(parts["main"], want)
+    _, fused = lm_loss_fused(h, emb, targets, MultiTokenPrediction(cfg)(h, targets))
+    torch.testing.assert_close(fused["main"], want)
+    assert abs(float(want) - float(F.cross_entropy((h @ emb.T).flatten(0, 1), targets.flatten().clamp_min(0)))) > 1e-3
+
+
 def test_too_short_sequence_is_a_clear_error(cfg):
     mtp = MultiTokenPrediction(cfg)
     with pytest.raises(ValueError, match="too short"):

@@ -8,6 +8,7 @@ Docs: https://hymo-lm.github.io/hymo/mla.html.md"""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -255,13 +256,17 @@ class MLACache:
         if not (self.c_kv.is_floating_point() and self.k_rope.is_floating_point()):
             raise TypeError(f"MLACache holds latents and keys, not {self.c_kv.dtype}/{self.k_rope.dtype}: give floating-point "
                             "buffers, e.g. MLACache.empty(config, batch, max_len, dtype=torch.bfloat16)")
+        if isinstance(self.length, bool) or not isinstance(self.length, numbers.Integral):  # 2.0 would count on as 3.0
+            raise TypeError(f"MLACache length counts the tokens cached: give an int, got {self.length!r}")
+        self.length = int(self.length)  # (a NumPy integer as a Python one)
         c, r = self.c_kv, self.k_rope  # a cache made by hand: its two buffers must agree, or a write stops halfway
         if c.ndim != 3 or r.ndim != 3 or c.shape[:2] != r.shape[:2] or c.dtype != r.dtype or c.device != r.device or self.length < 0:
             raise ValueError(f"MLACache holds c_kv [B, max_len, d_c] and k_rope [B, max_len, d_rope] of one dtype on one device, "
                              f"and length >= 0; got {tuple(c.shape)} {c.dtype} on {c.device}, {tuple(r.shape)} {r.dtype} on "
                              f"{r.device}, length={self.length}: make it with MLACache.empty(config, batch, max_len)")
         if self.pos is None: self.pos = torch.full((1,), self.length, dtype=torch.long, device=self.c_kv.device)
-        elif self.pos.shape != (1,) or int(self.pos) != self.length:  # (read once, when a cache is made by hand)
+        elif (self.pos.shape != (1,) or self.pos.dtype != torch.long or self.pos.device != self.c_kv.device
+              or int(self.pos) != self.length):  # (read once, when a cache is made by hand)
             raise ValueError(f"MLACache(length={self.length}, pos={self.pos.tolist()}): pos is the same count as length, on "
                              "the buffers' device, [1] int64; leave it out and it is made from length")
 
