@@ -134,7 +134,8 @@ assert ffn_moe > 2.5 * ffn_dense
 #
 # `forward` is the single entry point the trainer calls: given `targets` it also runs the MTP heads
 # and returns `(loss, parts)`, so that a wrapper such as FSDP-2, whose hooks run around the root
-# module's `forward`, sees the whole step. Without targets it returns logits. With targets it never
+# module's `forward`, sees the whole step. Without targets it returns logits; with `mtp=False` the loss
+# is the main one alone and the heads do not run (validation reports only that). With targets it never
 # builds the logits: `lm_loss_fused` (from the MTP chapter) computes the three cross-entropies
 # chunk by chunk from the hidden states; `model.loss_impl = "logits"` switches to the reference
 # `lm_loss` on full logits, and a check below shows the two agree.
@@ -211,7 +212,7 @@ class HyMo(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                 mtp: bool = True,  # Add the MTP heads' losses; False: the main loss alone, the heads not run (validation)
                ):
-        "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
+        "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`), or the main alone."
         if targets is not None: self._check_targets(targets, tokens)  # before the trunk runs
         h = self.hidden_states(tokens, cu_seqlens)
         if targets is None: return self.head(h)

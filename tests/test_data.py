@@ -426,7 +426,8 @@ def test_an_install_that_reads_a_dataset_another_prepare_moves_aside_goes_on(tex
 def test_an_install_whose_rename_meets_another_dataset_keeps_its_own_beside(text, tmp_path, monkeypatch):
     """Another prepare installs a dataset of other inputs in the moment between this one moving --out's old dataset
     aside and renaming its own in: the rename failed (ENOTEMPTY), and the finished dataset was deleted with a traceback.
-    Theirs stays; this one is kept beside it, as when theirs arrives earlier; the old dataset both replaced goes.
+    Theirs stays; this one is kept beside it, as when theirs arrives earlier, and the one it moved aside (perhaps a third
+    prepare's, just installed) under the next number: nothing is deleted, nor renamed back over the newcomer.
     A copy of this very dataset arriving there instead is kept, and this one's work folder removed."""
     import shutil
     src = prepare(text, tmp_path / "src", vocab_size=VOCAB, progress=False)
@@ -441,14 +442,53 @@ def test_an_install_whose_rename_meets_another_dataset_keeps_its_own_beside(text
     monkeypatch.setattr(D.os, "replace", swap)
     arrives = other
     with pytest.raises(DataError, match=rf"ds now holds a dataset from other inputs or options, which another prepare "
-                                        rf"installed while this prepare ran; .* kept at {out}-2"):
+                                        rf"installed while this prepare ran; .* kept at {out}-2: .*The dataset {out} held "
+                                        rf"when this prepare moved it aside is at {out}-3, as it was$"):
         D._install(tmp, out, fp, overwrite=True)
     assert raced and load_manifest(out)["vocab_size"] == VOCAB + 8 and D._same_dataset(tmp_path / "ds-2", fp)
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder, no old dataset left
+    assert load_manifest(tmp_path / "ds-3")["vocab_size"] == VOCAB + 16 and check_compatible(tmp_path / "ds-3", VOCAB + 16)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder, nothing hidden
     shutil.rmtree(out); shutil.copytree(src, tmp); raced.clear()
     arrives = src  # an identical dataset arrives first: kept, nothing beside it
     D._install(tmp, out, fp)
-    assert raced and D._same_dataset(out, fp) and not tmp.exists() and not (tmp_path / "ds-3").exists()
+    assert raced and D._same_dataset(out, fp) and not tmp.exists() and not (tmp_path / "ds-4").exists()
+
+
+def test_an_install_whose_look_at_what_arrived_meets_a_swap_looks_again(text, tmp_path, monkeypatch):
+    """The manifest of what arrived in --out is read as another prepare moves it aside: with this same dataset put in
+    meanwhile, it is this one's, kept (it was kept beside as 'a manifest that cannot be read'); with nothing put in, this
+    one installs; a manifest that cannot be read at all (another user's, EACCES) keeps the work beside (it was deleted)."""
+    import shutil
+    src = prepare(text, tmp_path / "src", vocab_size=VOCAB, progress=False)
+    fp, out, tmp = load_manifest(src)["fingerprint"], tmp_path / "ds", tmp_path / ".ds.tmp-B"
+    real_read, real_names, armed = Path.read_text, D._not_written_by_prepare, []
+    monkeypatch.setattr(D, "_not_written_by_prepare", lambda o: (armed.append(1), real_names(o))[1])  # just before
+    def swapped(refill):
+        def read_text(self, *a, **k):
+            if self == out / "manifest.json" and armed == [1]:
+                armed.append(2); os.replace(out, tmp_path / f".ds.old-C{len(list(tmp_path.iterdir()))}")
+                try: return real_read(self, *a, **k)
+                finally:
+                    if refill: shutil.copytree(src, out)
+            return real_read(self, *a, **k)
+        return read_text
+    for refill in (True, False):
+        shutil.copytree(src, out); (out / "tokenizer.json").write_text("damaged")
+        shutil.copytree(src, tmp); armed.clear()
+        monkeypatch.setattr(Path, "read_text", swapped(refill))
+        D._install(tmp, out, fp)
+        assert armed == [1, 2] and not tmp.exists() and D._same_dataset(out, fp) and not (tmp_path / "ds-2").exists()
+        monkeypatch.setattr(Path, "read_text", real_read)
+        shutil.rmtree(out)
+    prepare(text, out, vocab_size=VOCAB + 8, progress=False)
+    shutil.copytree(src, tmp)
+    def denied(self, *a, **k):
+        if self == out / "manifest.json": raise PermissionError(13, "Permission denied", str(self))
+        return real_read(self, *a, **k)
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(DataError, match=rf"a dataset whose manifest cannot be read, .* kept at {out}-2"): D._install(tmp, out, fp)
+    monkeypatch.setattr(Path, "read_text", real_read)
+    assert D._same_dataset(tmp_path / "ds-2", fp) and load_manifest(out)["vocab_size"] == VOCAB + 8
 
 
 def test_a_live_prepare_of_another_user_is_left_alone(tmp_path, monkeypatch):

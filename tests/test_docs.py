@@ -608,10 +608,14 @@ def test_site_names_a_script_not_synced_with_its_notebook(tmp_path, monkeypatch,
     site = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "hymo_site", site)
     spec.loader.exec_module(site)
-    assert site.unsynced() == []
     py = tmp_path / "nbs_py" / "00_config.py"
+    import jupytext
+    py.write_text(jupytext.writes(jupytext.read(tmp_path / "nbs" / "00_config.ipynb"), fmt="py:percent",
+                                  config=jupytext.config.load_jupytext_config(str(tmp_path / "nbs"))))  # the pair in step
+    assert site.unsynced() == []
     py.write_text(py.read_text() + "\n# %%\nedited_after_the_sync = 1\n")
-    assert site.unsynced() == ["nbs_py/00_config.py"]
+    (tmp_path / "nbs_py" / "99_new.py").write_text("# %% [markdown]\n# # New\n")  # a chapter begun as a script
+    assert site.unsynced() == ["nbs_py/00_config.py differs from its notebook", "nbs_py/99_new.py has no notebook"]
 
     class Rendering(Exception): pass
     monkeypatch.setattr(site, "pandoc_path", lambda: "pandoc")
@@ -619,7 +623,8 @@ def test_site_names_a_script_not_synced_with_its_notebook(tmp_path, monkeypatch,
     monkeypatch.setattr(site, "build_chapters", lambda *a: (_ for _ in ()).throw(Rendering()))
     with pytest.raises(Rendering): site.main([])
     err = capsys.readouterr().err
-    assert "nbs_py/00_config.py differs from its notebook" in err and "python tools/nb.py sync" in err, err
+    assert "nbs_py/00_config.py differs from its notebook, and the site" in err and "python tools/nb.py sync" in err, err
+    assert "nbs_py/99_new.py has no notebook" in err
 
 
 def test_hidden_cells_are_not_rendered(tmp_path, monkeypatch):

@@ -361,7 +361,8 @@ def test_without_mtp_the_loss_is_the_main_loss_and_the_heads_do_not_run(tiny):
             alone, main_only = m(x, x, mtp=False)
         assert n == tiny.mtp_depth and len(calls) == n  # the heads ran for the full loss only
         assert list(main_only) == ["main"] and set(parts) == {"main", *(f"mtp_{k + 1}" for k in range(tiny.mtp_depth))}
-        torch.testing.assert_close(alone, parts["main"]) and torch.testing.assert_close(main_only["main"], parts["main"])
+        torch.testing.assert_close(alone, parts["main"])
+        torch.testing.assert_close(main_only["main"], parts["main"])
         assert not torch.allclose(alone, total)  # the MTP losses were added to the full one
         calls.clear()
 

@@ -114,12 +114,13 @@ def pandoc_path() -> str:
 
 
 def unsynced() -> list[str]:
-    "The scripts of `nbs_py/` that say something their notebook does not (`tools/nb.py`'s check of a pair)."
+    "The scripts of `nbs_py/` that say something their notebook does not (`tools/nb.py`'s check of a pair), or have none."
     import importlib.util
     spec = importlib.util.spec_from_file_location("hymo_nb_tools", Path(__file__).with_name("nb.py"))
     nb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(nb)
-    return [nb.rel(py) for notebook, py in nb.pairs() if nb.disagree(notebook, py)]
+    return ([f"{nb.rel(py)} differs from its notebook" for notebook, py in nb.pairs() if nb.disagree(notebook, py)]
+            + [f"{nb.rel(py)} has no notebook" for py in sorted(nb.PYS.glob("*.py")) if not (NBS / f"{py.stem}.ipynb").exists()])
 
 
 def nb_html_name(p: Path) -> str:
@@ -566,9 +567,9 @@ def main(argv=None):
             copy_math_font()
         else:
             chapters()  # reads every notebook: a damaged one stops here, before the old site is deleted
-            for py in unsynced():
-                print(f"warning: {py} differs from its notebook, which is what the site shows: if the script's edit is "
-                      "the one wanted, run `python tools/nb.py sync` and render again", file=sys.stderr)
+            for what in unsynced():
+                print(f"warning: {what}, and the site shows the notebooks: if the script's edit is the one wanted, run "
+                      "`python tools/nb.py sync` and render again", file=sys.stderr)
             if OUT.exists(): shutil.rmtree(OUT)
             (OUT / "slides").mkdir(parents=True)
             pages = build_chapters(tmp, slides)

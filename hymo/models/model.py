@@ -88,7 +88,7 @@ class HyMo(nn.Module):
                 cu_seqlens: Optional[torch.Tensor] = None,  # [N+1] document boundaries of a packed row (B == 1)
                 mtp: bool = True,  # Add the MTP heads' losses; False: the main loss alone, the heads not run (validation)
                ):
-        "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`)."
+        "Logits [B, T, V] if `targets` is None, else `(loss, parts)`: main + weighted MTP losses (see `lm_loss`), or the main alone."
         if targets is not None: self._check_targets(targets, tokens)  # before the trunk runs
         h = self.hidden_states(tokens, cu_seqlens)
         if targets is None: return self.head(h)

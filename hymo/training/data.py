@@ -579,19 +579,26 @@ def _same_dataset(out: Path, fingerprint: str) -> bool:
         m = load_manifest(out)
         return m["fingerprint"] == fingerprint and check_compatible(out, m["vocab_size"]) is not None and (
             check_contents(out) is True)  # every byte of every shard (a manifest without checksums: prepared again)
-    except (DataError, FileNotFoundError, NotADirectoryError):  # none there, damaged (prepared again), or moved aside
-        return False                                             # as it was read, by another prepare installing its own
+    except (DataError, OSError):  # none there, damaged (prepared again), unreadable, or moved aside as it was read
+        return False              # (another prepare installing its own)
 
 
-def _keep_beside(tmp: Path, out: Path, what: str):
-    "Keep the finished `tmp` as `out-2` (or the next free name) and raise the `DataError` saying so: `out` holds `what`."
-    for i in itertools.count(2):  # claim a free name (a concurrent loser may want it too), then rename over it
-        try: (kept := out.with_name(f"{out.name}-{i}")).mkdir(); break
+def _free_name(out: Path) -> Path:
+    "Claim `out-2` (or the next free number) beside `out`, as an empty folder: a concurrent loser may want one too."
+    for i in itertools.count(2):
+        try: (p := out.with_name(f"{out.name}-{i}")).mkdir(); return p
         except FileExistsError: continue
-    os.replace(tmp, kept)
+
+
+def _keep_beside(tmp: Path, out: Path, what: str, moved: Optional[Path] = None):
+    """Keep the finished `tmp` as `out-2` (the first free number) and raise the `DataError` saying so: `out` holds `what`.
+    `moved`, the dataset this prepare had moved aside from `out` to swap its own in, is kept under the next number."""
+    os.replace(tmp, kept := _free_name(out))
+    if moved is not None: os.replace(moved, was := _free_name(out))
     to_disk(out.parent)
     raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset is "
-                    f"kept at {kept}: train on it there (data_dir={shlex.quote(str(kept))}), or move it to {out} yourself")
+                    f"kept at {kept}: train on it there (data_dir={shlex.quote(str(kept))}), or move it to {out} yourself"
+                    + (f". The dataset {out} held when this prepare moved it aside is at {was}, as it was" if moved else ""))
 
 
 def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
@@ -601,9 +608,12 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     to_disk(tmp)  # its files' entries on disk before a rename names it a dataset (the files are synced as written)
     foreign = _not_written_by_prepare(out)  # `prepare` refused any at its start: they are new
-    try: theirs = load_manifest(out).get("fingerprint") if _filled(out) and not foreign else fingerprint
-    except (DataError, FileNotFoundError, NotADirectoryError):  # unreadable; or gone as it was read: nothing to keep
-        theirs = None if _filled(out) else fingerprint
+    def there():  # the fingerprint of what `out` holds: this one's for nothing, None for a manifest that cannot be read
+        try: return load_manifest(out).get("fingerprint") if _filled(out) and not foreign else fingerprint
+        except (DataError, OSError): return None if _filled(out) else fingerprint  # (gone as it was read: nothing)
+    if (theirs := there()) is None:  # unreadable, or moved aside and another put in as it was read: look again
+        if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return
+        theirs = there()
     if foreign or (theirs != fingerprint and not overwrite):  # (the same: this dataset, damaged, which `prepare` replaces)
         _keep_beside(tmp, out, f"{', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}, which no prepare wrote," if foreign
                      else "a dataset from other inputs or options, which another prepare installed" if theirs is not None
@@ -620,9 +630,8 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
             try: os.replace(tmp, out); break
             except OSError:
                 if _same_dataset(out, fingerprint): shutil.rmtree(tmp); break
-                if _filled(out):  # another dataset: it stays, as above; the one both replaced is not put back over it
-                    if old is not None: shutil.rmtree(old, ignore_errors=True); old = None
-                    _keep_beside(tmp, out, "a dataset from other inputs or options, which another prepare installed")
+                if _filled(out):  # another dataset: it stays, as above; the one moved aside is kept too, not put back
+                    _keep_beside(tmp, out, "a dataset from other inputs or options, which another prepare installed", old)
                 if tries_left == 0: raise  # ... and a third move it aside again before we look: try again
     except BaseException:  # stopped (Ctrl-C, SIGTERM) or refused between the renames: the old dataset goes back
         if old is not None and old.exists() and not out.exists(): os.replace(old, out)
