@@ -47,7 +47,7 @@
 # ## Against the targets
 #
 # The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
-# number is in a row of the tables below, or in its note. Rounds 31 to 40 (2026-12-05 to 07) could
+# number is in a row of the tables below, or in its note. Rounds 31 to 41 (2026-12-05 to 07) could
 # get only an H100 for the step (round 35 ran the tests on an H200): their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
@@ -303,7 +303,12 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 40)
+# ## The round log: what each round changed and measured (rounds 6 to 41)
+# * **Round 41 (2026-12-07): an H100 80GB HBM3 (torch 2.11, Triton 3.6); commit c2e4329, whose
+#   step is round 40's (validation no longer runs the MTP heads; checks of the data's install and of
+#   hand-made MLA caches).** One call: the CUDA tests of MLA, the model, generation, MoE, MTP and the
+#   trainer's evaluation (24 passed), then the preset step: 6.724 and 6.758 s (34.7 % MFU, 77.6 k
+#   tokens/s, 50.6 GB allocated, 52.8 GB reserved), within 0.4 % of round 40's.
 # * **Round 40 (2026-12-07): two H100 80GB HBM3 machines (torch 2.11, Triton 3.6); commit b464d5c,
 #   whose step is round 39's (the trainer's loading, wandb runs and file writing changed, off the
 #   step's path).** The first machine (rows `round 40a`) ran the CUDA tests of the trainer's random state and load

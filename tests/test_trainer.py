@@ -1098,8 +1098,8 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     real_forward = type(t.model).forward
     calls = {"n": 0}
 
-    def nan_once(self, tokens, targets=None, cu_seqlens=None):
-        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+    def nan_once(self, tokens, targets=None, cu_seqlens=None, **kw):
+        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens, **kw)
         calls["n"] += 1
         if targets is not None and calls["n"] == 1:
             loss, parts = out
@@ -1151,8 +1151,8 @@ def test_a_good_step_updates_the_moe_bias_and_ends_a_run_of_bad_steps(tmp_path, 
     assert all(moe.expert_counts.sum() == 0 and moe.dropped_tokens == 0 for moe in t.model.moe_layers())
     real_forward, calls = type(t.model).forward, {"n": 0}
 
-    def nan_every_other(self, tokens, targets=None, cu_seqlens=None):
-        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+    def nan_every_other(self, tokens, targets=None, cu_seqlens=None, **kw):
+        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens, **kw)
         calls["n"] += 1
         if targets is not None and calls["n"] % 2 == 1:
             return out[0] * float("nan"), out[1]
@@ -1172,8 +1172,8 @@ def test_a_skipped_step_leaves_the_moe_bias_and_its_average_alone(tmp_path, monk
     assert t.model.moe_layers() and all(m.balance == "ema" and e.abs().sum() > 0 for m, (_, e) in zip(t.model.moe_layers(), before))
     real_forward = type(t.model).forward
 
-    def nan_loss(self, tokens, targets=None, cu_seqlens=None):
-        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)  # routes and counts as usual
+    def nan_loss(self, tokens, targets=None, cu_seqlens=None, **kw):
+        out = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens, **kw)  # routes and counts as usual
         return (out[0] * float("nan"), out[1]) if targets is not None else out
 
     monkeypatch.setattr(type(t.model), "forward", nan_loss)
@@ -1244,8 +1244,8 @@ def test_bad_step_counts_survive_a_resume(tmp_path, monkeypatch):
     real_forward = type(t.model).forward
 
     def nan_at(steps):
-        def forward(self, tokens, targets=None, cu_seqlens=None):
-            loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+        def forward(self, tokens, targets=None, cu_seqlens=None, **kw):
+            loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens, **kw)
             return (loss * float("nan"), parts) if targets is not None and t_now["step"] in steps else (loss, parts)
         return forward
 
@@ -1273,8 +1273,8 @@ def test_too_many_nonfinite_steps_stop_with_a_clear_message(tmp_path, monkeypatc
     t.fit(num_steps=2)
     real_forward = type(t.model).forward
 
-    def always_nan(self, tokens, targets=None, cu_seqlens=None):
-        loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+    def always_nan(self, tokens, targets=None, cu_seqlens=None, **kw):
+        loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens, **kw)
         return loss * float("nan"), parts
 
     monkeypatch.setattr(type(t.model), "forward", always_nan)
@@ -2151,8 +2151,8 @@ def test_metrics_lines_are_json_and_a_finished_run_has_its_final_config(tmp_path
     import stat
     t = make(tmp_path / "run", max_steps=2, warmup_steps=1)
     forward, finish = type(t.model).forward, type(t).finish
-    def nan_at_step_2(self, tokens, targets=None, cu_seqlens=None):
-        loss, parts = forward(self, tokens, targets, cu_seqlens)
+    def nan_at_step_2(self, tokens, targets=None, cu_seqlens=None, **kw):
+        loss, parts = forward(self, tokens, targets, cu_seqlens, **kw)
         return (loss * float("nan"), parts) if t.step == 1 else (loss, parts)
     monkeypatch.setattr(type(t.model), "forward", nan_at_step_2)
     monkeypatch.setattr(type(t), "finish", lambda self: None)  # stopped after the final checkpoint, before the finish
@@ -2694,8 +2694,8 @@ def test_a_stop_during_a_non_finite_streak_keeps_the_good_steps(tmp_path, monkey
     from hymo.training.trainer import Trainer, list_checkpoints
     t = make(tmp_path / "run", max_steps=6, max_bad_steps=3)
     real_forward, real_step = type(t.model).forward, Trainer.train_step
-    def nan_forward(self, tokens, targets=None, cu_seqlens=None):
-        loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens)
+    def nan_forward(self, tokens, targets=None, cu_seqlens=None, **kw):
+        loss, parts = real_forward(self, tokens, targets=targets, cu_seqlens=cu_seqlens, **kw)
         return (loss * float("nan"), parts) if t.step == 1 else (loss, parts)
     def step_then_stop(self):
         m = real_step(self)
