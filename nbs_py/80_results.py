@@ -35,8 +35,8 @@
 #
 # **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the dense bf16 peak
 # of the H200, and of the H100 SXM). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
-# $T = 4096$ (3 × forward, a multiply-add is two FLOPs, attention over the causal half, the GDN
-# recurrence and the MTP heads' vocabulary projections included; see the model chapter). PaLM's
+# $T = 4096$ (3 × forward, a multiply-add is two FLOPs, attention over the causal half, the
+# chunked GDN rule as the kernels compute it (the recurrence's own work would count 1.4 % less) and the MTP heads' vocabulary projections included; see the model chapter). PaLM's
 # formula counts attention over the whole $T \times T$ square, 9.1 % more at this shape: by it,
 # round 16's 37.0 % would read 40.3 %. The targets here are judged by the model's
 # own count, the work the kernels do. With

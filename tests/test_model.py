@@ -664,21 +664,40 @@ def test_the_tied_head_trains_the_embedding_in_both_loss_paths(dropless):
 
 
 def test_flops_with_unequal_head_sizes():
-    "The presets have d_qk = d_v and K = V; a model where they differ must count each where it belongs."
-    c = load_config("hymo_tiny", mla_v_head_dim=48, gdn_head_v_dim=64).model
+    "The presets have d_qk = d_v and K = V (and hymo_tiny as many GDN as MLA heads); a model where they differ must count each where it belongs."
+    c = load_config("hymo_tiny", mla_v_head_dim=48, gdn_head_v_dim=64, gdn_n_heads=2).model
     with torch.device("meta"): m = HyMo(c)
     fb = flops_breakdown(m, 128)
     d_qk = c.mla_qk_nope_dim + c.mla_qk_rope_dim
-    assert d_qk == 32 and c.gdn_head_k_dim == 32 and c.gdn_chunk_size == 64 and c.mla_n_heads == c.gdn_n_heads == 4
+    assert d_qk == 32 and c.gdn_head_k_dim == 32 and c.gdn_chunk_size == 64 and (c.mla_n_heads, c.gdn_n_heads) == (4, 2)
     # 3 (forward + backward) x 1 MLA block x 2 (multiply-add) x 4 heads x (d_qk + d_v) x 64 keys per query (causal half of 128)
     assert fb["MLA attention scores + values"] == 3 * 1 * 2 * 4 * (32 + 48) * 64
     C, K, V = 64, 32, 64
-    assert fb["GDN chunked rule"] == pytest.approx(3 * 3 * 4 * (6 * C * K + 4 * C * V + 6 * K * V + C * C / 3))
-    assert state_breakdown(m, 100, torch.float32) == {  # 3 GDN blocks of 4 heads; the conv window holds q, k (K) and v (V)
-        "GDN recurrent state (fp32)": 3 * 4 * K * V * 4, "GDN convolution windows": 3 * 3 * (2 * 4 * K + 4 * V) * 4,
+    # 3 x 3 GDN blocks x 2 GDN heads (not the MLA blocks' 4) x the chunked rule's products per token
+    assert fb["GDN chunked rule"] == pytest.approx(3 * 3 * 2 * (6 * C * K + 4 * C * V + 6 * K * V + C * C / 3))
+    assert state_breakdown(m, 100, torch.float32) == {  # 3 GDN blocks of 2 heads; the conv window holds q, k (K) and v (V)
+        "GDN recurrent state (fp32)": 3 * 2 * K * V * 4, "GDN convolution windows": 3 * 3 * (2 * 2 * K + 2 * V) * 4,
         "MLA latent cache": 1 * 100 * (c.mla_kv_lora_rank + c.mla_qk_rope_dim) * 4}
     for bad in (lambda: flops_breakdown(m, 0), lambda: flops_breakdown(m, 128, keys=-1), lambda: state_breakdown(m, -1)):
         with pytest.raises(ValueError, match="must be"): bad()
+
+
+def test_flops_750m_term_by_term():
+    "The count every MFU on the results page rests on, each term written out from hymo_750m's numbers."
+    c = load_config("hymo_750m").model
+    with torch.device("meta"): m = HyMo(c)
+    D, V, T = 896, 64256, 4096
+    gdn_mixer = 5 * D * 1280 + 2 * D * 40 + 3 * 1280 * 4  # q, k, v, g, o; the a and b gates of 40 heads; three depthwise convs
+    mla = D * 224 + 224 * 16 * 128 + D * (128 + 32) + 128 * 4 * (96 + 128) + 16 * 128 * D  # q down/up, kv down (+ rope), kv up (4 groups), out
+    moe_active = D * 16 + 3 * D * 2304 * (1 + 2)  # router, the shared expert and the top 2 of 16 routed
+    C, K, Vd = 64, 32, 32
+    want = {"matrices (blocks)": 6 * (24 * (gdn_mixer + 3 * D * 2560) + 8 * (mla + moe_active)),
+            "output head": 6 * V * D,
+            "MTP heads (MLP + vocabulary projection)": 6 * 2 * (2 * D * 2304 + V * D),
+            "MLA attention scores + values": 3 * 8 * 2 * 16 * (96 + 32 + 128) * T / 2,
+            "GDN chunked rule": 3 * 24 * 40 * (6 * C * K + 4 * C * Vd + 6 * K * Vd + C * C / 3)}
+    assert flops_breakdown(m, T) == pytest.approx(want, rel=1e-12)
+    assert m.flops_per_token(T) == pytest.approx(4_422_942_720, rel=1e-12)  # the figure in the README, chapters and result rows
 
 
 def test_param_breakdown_entry_by_entry(dropless):
