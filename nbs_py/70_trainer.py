@@ -1405,15 +1405,16 @@ def evaluate(self: Trainer) -> float | None:
     "Mean main loss over `eval_batches` validation micro-batches, all ranks together (the same windows every call and on any number of ranks); None without a validation split. The MTP heads are not run."
     if self.val_loader is None: return None
     self.model.eval()
-    total = torch.zeros(2, device=self.d.device)  # (sum of counted micro-batch losses, their number)
-    plan = self.val_loader.eval_plan(self.cfg.eval_batches)
-    for (_, counted), batch in zip(plan, self.val_loader.eval_batches(self.cfg.eval_batches)):
-        tokens, targets, cu = _to_device(self, batch)
-        with self.autocast():
-            _, parts = self.model(tokens, targets=targets, cu_seqlens=cu, mtp=False)  # the main loss is what is reported
-        if counted: total += torch.stack([parts["main"].float(), torch.ones((), device=total.device)])
-    if self.d.distributed: dist.all_reduce(total)  # the same pass on any number of ranks (chapter 60)
-    self.model.train()
+    try:  # back to training mode however it ends (an interrupt in a notebook, an OOM): eval mode has no capacity limit
+        total = torch.zeros(2, device=self.d.device)  # (sum of counted micro-batch losses, their number)
+        plan = self.val_loader.eval_plan(self.cfg.eval_batches)
+        for (_, counted), batch in zip(plan, self.val_loader.eval_batches(self.cfg.eval_batches)):
+            tokens, targets, cu = _to_device(self, batch)
+            with self.autocast():
+                _, parts = self.model(tokens, targets=targets, cu_seqlens=cu, mtp=False)  # the main loss is what is reported
+            if counted: total += torch.stack([parts["main"].float(), torch.ones((), device=total.device)])
+        if self.d.distributed: dist.all_reduce(total)  # the same pass on any number of ranks (chapter 60)
+    finally: self.model.train()
     return float(total[0] / total[1].clamp_min(1))
 
 Trainer.evaluate = evaluate
@@ -1759,7 +1760,8 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # steps past its checkpoint, settings that change those steps (a lower learning rate after a
 # `NonFiniteError`, a `max_steps` that moves the schedule there; not `log_every`, `ckpt_every` or
 # the like, `SAME_STEPS`); otherwise the new line's steps up to the old one's last would be dropped and the
-# chart would show the abandoned line. Offline, each part is a run of its own, since syncing several offline folders of one id
+# chart would show the abandoned line. That new wandb run is the new line's: a later `fit` of the
+# same `Trainer` (a notebook training on in parts) continues it. Offline, each part is a run of its own, since syncing several offline folders of one id
 # replaces rather than appends; the group keeps them together.
 # :::
 #
@@ -2091,6 +2093,7 @@ def _wandb(self: Trainer):
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run.id)
     self._together(start, self.run_dir / "wandb")
+    self.new_line = False  # the wandb run begun here is this line's: a later `fit` of this Trainer continues it
     return run
 
 Trainer.fit, Trainer._fit_steps, Trainer._first_write, Trainer.request_stop = fit, _fit_steps, _first_write, request_stop

@@ -3086,3 +3086,127 @@ def test_an_out_of_memory_inside_dcps_load_sets_no_checkpoint_aside(tmp_path, mo
     monkeypatch.setattr(FileSystemReader, "read_data", oom)
     with pytest.raises(BaseException): make(tmp_path / "run", max_steps=6, ckpt_every=2)
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+
+
+# From mutation testing of the trainer and its command line (each test below failed on a mutant the suite let through)
+
+def test_a_checkpoint_at_the_first_decay_step_is_kept_as_before_decay(tmp_path):
+    "max_steps=12 decays over its last 4 steps: step_000008 trained at lr(0..7), none decayed, so pruning keeps it."
+    from hymo.training.trainer import list_checkpoints
+    t = make(tmp_path / "run", max_steps=12, ckpt_every=2, keep_last_k=2)
+    t.fit()
+    assert [p.name for p in list_checkpoints(t.run_dir)] == ["step_000008", "step_000010", "step_000012"]
+
+
+def test_one_step_logged_past_the_checkpoint_at_another_rate_is_a_new_wandb_run(tmp_path, monkeypatch):
+    "Step 8 trained at lr_10(7) = 0.5; max_steps=11 redoes it at lr_11(7) = 1.0, a step wandb would drop."
+    calls, run = _online_wandb(monkeypatch), tmp_path / "run"
+    make(run, max_steps=10, ckpt_every=7, wandb=True).fit(8)
+    make(run, max_steps=11, ckpt_every=7, wandb=True).fit(1)
+    assert [c["id"] for c in calls] == [None, None]
+
+
+def test_a_schedule_that_moves_only_after_the_logged_steps_continues_the_wandb_run(tmp_path, monkeypatch):
+    "Step 7 trained at lr(6) = 1.0 under either schedule: the redone step is the same, so the wandb run goes on."
+    calls, run = _online_wandb(monkeypatch), tmp_path / "run"
+    make(run, max_steps=10, ckpt_every=6, wandb=True).fit(7)
+    make(run, max_steps=11, ckpt_every=6, wandb=True).fit(1)
+    assert [c["id"] for c in calls] == [None, "id1"]
+
+
+def test_a_rewind_trainer_keeps_one_wandb_run_over_several_fit_calls(tmp_path, monkeypatch):
+    "The rewind's first fit starts a new wandb run; its second continues that one (it started a third before)."
+    calls, run = _online_wandb(monkeypatch), tmp_path / "run"
+    make(run, max_steps=10, ckpt_every=2, wandb=True).fit(4)
+    t = make(run, resume=run / "checkpoints" / "step_000002", max_steps=10, ckpt_every=2, wandb=True)
+    t.fit(1); t.fit(1)
+    assert [c["id"] for c in calls] == [None, None, "id2"]
+
+
+def test_wandb_is_given_resume_allow_and_each_steps_number(tmp_path, monkeypatch):
+    "Without resume='allow' an online wandb overwrites the run of that id; without step= its x axis drifts after a resume."
+    wandb = pytest.importorskip("wandb")
+    calls, logged = [], []
+    monkeypatch.delenv("WANDB_MODE", raising=False); monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    class Online:
+        def __init__(self, id): self.id = id or f"id{len(calls)}"
+        def log(self, m, step=None): logged.append((step, m["step"]))
+        def finish(self): pass
+    monkeypatch.setattr(wandb, "init", lambda **k: calls.append(k) or Online(k["id"]))
+    run = tmp_path / "run"
+    make(run, max_steps=6, ckpt_every=2, wandb=True).fit(3)  # as if it crashed after step 3 was logged
+    make(run, max_steps=6, ckpt_every=2, wandb=True).fit(2)  # resumes at step 2: steps 3 and 4
+    assert [c["resume"] for c in calls] == ["allow", "allow"] and calls[1]["id"] == "id1"
+    assert logged == [(s, s) for s in (1, 2, 3, 3, 4)]
+
+
+def test_a_diverged_run_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
+    "A job script must see a run that stopped on non-finite losses as failed."
+    from hymo.models.model import HyMo
+    from hymo.train import main
+    real = HyMo.forward
+    def nan(self, *a, **k):
+        out = real(self, *a, **k)
+        return (out[0] * float("nan"), out[1]) if k.get("targets") is not None else out
+    monkeypatch.setattr(HyMo, "forward", nan)
+    with pytest.raises(SystemExit) as e: main(_cli_args(tmp_path / "run", max_bad_steps=1))
+    assert e.value.code == 1 and "2 consecutive steps had a non-finite loss" in capsys.readouterr().err
+
+
+def test_another_schedule_of_the_same_length_gives_no_advice_to_extend():
+    "A decay_fraction changed at the same max_steps is a jump in the rate, not an extension."
+    from hymo.training.trainer import resume_changes
+    old = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "decay_fraction": 0.2})
+    new = load_config("hymo_tiny", **{**FAST, "max_steps": 20, "decay_fraction": 0.25})
+    notes = resume_changes(json.loads(json.dumps(old.to_dict())), new.model, new.train, step=16)
+    assert any("jumps" in n for n in notes) and not any("extend" in n for n in notes), notes
+
+
+def test_a_checkpoint_the_new_schedule_has_decayed_at_is_not_offered_for_extending(tmp_path):
+    "Extended to 12 steps with decay_fraction 0.6, the rate decays from lr(5): step_000006 is no continuation of it."
+    run = tmp_path / "run"
+    make(run, max_steps=10, ckpt_every=2, keep_last_k=2).fit()  # keeps 6 (before the decay from lr(7)), 8, 10
+    t = make(run, max_steps=12, decay_fraction=0.6, ckpt_every=2, keep_last_k=2)
+    assert any("keeps none" in w for w in t.resume_warnings), t.resume_warnings
+    assert (run / "checkpoints" / "step_000006").is_dir()
+
+
+def test_a_branch_from_a_run_folders_config_goes_where_its_run_dir_says(tmp_path, monkeypatch):
+    "--config A/run/config.yaml --resume B/checkpoint: the branch trains in the folder the config's run_dir names."
+    from hymo.train import main
+    (tmp_path / "a").mkdir(); (tmp_path / "c").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    main(_cli_args("run", max_steps=2, ckpt_every=1, warmup_steps=1))
+    main(_cli_args(tmp_path / "b", max_steps=4, ckpt_every=2, warmup_steps=1))
+    monkeypatch.chdir(tmp_path / "c")
+    main(["--config", str(tmp_path / "a" / "run" / "config.yaml"),
+          "--resume", str(tmp_path / "b" / "checkpoints" / "step_000002"), "max_steps=3"])
+    assert (tmp_path / "c" / "run" / "summary.json").exists()
+
+
+def test_a_given_checkpoint_that_fails_for_the_data_or_the_machine_is_not_called_unreadable(tmp_path, monkeypatch):
+    "A changed seed or an OOM while loading is said as such, not as 'cannot be read' with the advice for a damaged one."
+    import torch.distributed.checkpoint as dcp
+    from hymo.training.data import DataError
+    make(tmp_path / "a", max_steps=4, ckpt_every=2).fit(2)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    with pytest.raises(DataError, match="seed 0 -> 1"): make(tmp_path / "b", resume=ckpt, max_steps=4, seed=1)
+    def oom(*a, **k): raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(dcp, "load", oom)
+    with pytest.raises(torch.OutOfMemoryError): make(tmp_path / "c", resume=ckpt, max_steps=4)
+
+
+def test_training_mode_comes_back_after_a_validation_that_failed(tmp_path, monkeypatch):
+    "A failure inside evaluate (Ctrl-C in a notebook, an OOM) leaves the model training: eval mode has no capacity limit and no bias updates."
+    from hymo.models.model import HyMo
+    t = make(tmp_path / "run", max_steps=4)
+    real = HyMo.forward
+    def fail(self, *a, **k):
+        if not self.training: raise RuntimeError("out of memory")
+        return real(self, *a, **k)
+    monkeypatch.setattr(HyMo, "forward", fail)
+    with pytest.raises(RuntimeError, match="out of memory"): t.evaluate()
+    assert t.model.training
+    monkeypatch.setattr(HyMo, "forward", real)
+    t.model.eval()  # however it got there, a training step trains in training mode
+    assert "moe0/moe_load_max_mean" in t.train_step() and t.model.training
