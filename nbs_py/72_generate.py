@@ -227,9 +227,9 @@ class _Stream:
         cut = len(self.ids)
         if now.endswith("\ufffd") and cut - self.mark > 4:  # bytes that are no character (a model drawing junk): a
             cut -= 4                                          # character is at most 4 byte tokens, so all but the last 4
-            part = self.tok.decode(self.ids[self.ctx:cut])    # ids are final, if their text begins `now`
-            if not now.startswith(part): return
-            now = part
+            part = self.tok.decode(self.ids[self.ctx:cut])    # ids are final, if the cut splits nothing: the ids after
+            if part + self.tok.decode(self.ids[cut:]) != now: return  # it decode alone as within `now` (a run of junk
+            now = part                                                # bytes split there would count one U+FFFD more)
         elif now.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens is U+FFFD until complete
         if not now.startswith(before): return  # the decoder rewrote the context: wait (`finish` sends the rest)
         if len(now) > len(before):
@@ -420,7 +420,9 @@ assert max(counting.sizes) <= 6, max(counting.sizes)  # the last chunk shown (�
 
 # %% [markdown]
 # Two harder cases. A model that draws bytes that are no character (an undertrained one may) leaves
-# the text ending in `�` for as long as it goes on; the pieces still come, a few ids behind. And a
+# the text ending in `�` for as long as it goes on; the pieces still come, a few ids behind, each
+# ending where the text splits cleanly (a run of junk bytes decodes as one `�`, so cut in two it
+# would show one more than the returned text has). And a
 # dataset may be prepared with another kind of tokenizer (`--tokenizer`): a Metaspace decoder, as in
 # Llama 2's, drops the space before the first token of each decode, which is why a piece is decoded
 # with the chunk before it as context.
@@ -436,6 +438,17 @@ for i in junk: s.add(i)
 s.finish(tok.decode(junk))
 test_eq("".join(pieces), tok.decode(junk))
 assert len(pieces) > 10 and max(counting.sizes) <= 10, (len(pieces), max(counting.sizes))
+
+class ByteTokens:  # the 256 bytes as tokens, decoded as a byte-level BPE decodes: joined, then UTF-8 with U+FFFD for junk
+    def decode(self, ids): return bytes(ids).decode("utf-8", "replace")
+bad = [0xF0, 0xA9, 0x98, 0xE2, 0xA9, 0xE2, 0xC3, 0x20] * 3  # F0 A9 98 is one U+FFFD; the 98 alone would be another
+pieces = []
+s = _Stream(ByteTokens(), [], None, pieces.append)
+for i in bad: s.add(i)
+shown = len(pieces)
+s.finish(ByteTokens().decode(bad))
+test_eq("".join(pieces), ByteTokens().decode(bad))
+assert shown > 1, pieces  # streamed as it came, not all at the end
 
 words = {"▁Hello": 0, "▁world": 1, "▁again": 2}
 meta_tok = HFTokenizer(hf_models.WordLevel(words, unk_token="▁Hello")); meta_tok.decoder = hf_decoders.Metaspace()

@@ -100,6 +100,39 @@ def test_the_smallest_temperatures_are_greedy(dropless):
 
 # ---------------------------------------------------------------- hymo/generate.py
 
+def test_generate_refuses_what_it_cannot_honour(dropless):
+    "Each would otherwise be silently wrong (a negative τ samples the least likely ids; window=0 reads as 'all'; an id past the model drawable) or fail deep inside."
+    m, V = _model(dropless).eval(), dropless.vocab_size
+    p = torch.tensor([[1, 2, 3]])
+    for kw, match in ((dict(temperature=-0.5), "temperature >= 0"), (dict(top_k=0), "top_k None or an int >= 1"),
+                      (dict(window=0), "window=0 must be"), (dict(vocab=V + 1), f"vocab={V + 1} must be"),
+                      (dict(vocab=0), "vocab=0 must be")):
+        with pytest.raises(ValueError, match=match): m.generate(p, 2, **kw)
+    with pytest.raises(ValueError, match=r"one prompt \[1, T\]"): m.generate(p.repeat(2, 1), 2)
+
+
+def test_generate_without_cache_runs_no_decode(dropless, monkeypatch):
+    "cache=False (for a compiled or FSDP model) re-runs the forward; the decode path is not taken though it gives the same ids."
+    m = _model(dropless).eval()
+    monkeypatch.setattr(HyMo, "decode", lambda *a, **k: pytest.fail("cache=False took the decode path"))
+    assert m.generate(torch.tensor([[1, 2, 3]]), 3, temperature=0, cache=False).shape == (1, 6)
+
+
+def test_a_decode_graph_on_a_state_with_room_for_one_token():
+    "The warm-up steps no more than the caches hold; the one step left gives the forward's logits."
+    from hymo.models.model import DecodeGraph
+    cfg = load_config("hymo_tiny", n_layers=4, moe_capacity_factor=None).model
+    m = _unit_scale(_model(cfg)).eval()
+    seq = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        state = m.decode_state(1, 9)
+        m.decode(seq[:, :8], state)
+        g = DecodeGraph(m, state, capture=False)
+        torch.testing.assert_close(g(seq[:, 8:9], state)[:, 0], m(seq)[:, 8], atol=1e-4, rtol=0)
+        other = m.decode_state(1, 9); m.decode(seq[:, :8], other)
+        with pytest.raises(ValueError, match="the state it was built on"): g(seq[:, 8:9], other)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     "A finished hymo_tiny run of 2 steps (seq_len=32 < max_seq_len=256), its data prepared in a private cache."
@@ -377,6 +410,30 @@ def test_streamed_pieces_add_up_to_the_text_when_it_ends_inside_a_character(run)
     pieces = []
     text = generate_text(model, tok, "ROMEO:", len(want), seed=0, stream=pieces.append)
     assert text.endswith("\ufffd") and "".join(pieces) == text, (pieces, text)
+
+
+class _ByteTokens:
+    "A tokenizer of byte strings, decoded as a byte-level BPE decodes: the bytes joined, then UTF-8 with U+FFFD for junk."
+    def __init__(self, *tokens: bytes): self.tokens = tokens
+    def decode(self, ids): return b"".join(self.tokens[i] for i in ids).decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("tokens", [
+    [bytes([b]) for b in (0xF0, 0xA9, 0x98, 0xE2, 0xA9, 0xE2, 0xC3, 0x20)],  # cut after 4 ids: the F0 A9 98 run split
+    [bytes([b]) for b in (0xF0, 0x98, 0x98, 0xC3, 0xE2, 0xC3, 0x20, 0xC3, 0xE2, 0x61, 0x83, 0x83, 0xA9, 0xF0)],
+    [b"\xf0", b"\xa9a", b"b\xc3", b"\x98\x80", b"\xe2", b"\xf0\x9f", b"\x98", b"b\xc3", b"\xf0\x9f", b"\x83\xe2"]])
+def test_streamed_junk_bytes_add_up_to_the_text(tokens):
+    "An undertrained model may draw bytes that are no UTF-8: the stream shows them as they come, and as the text has them."
+    from hymo.generate import _Stream
+    tok = _ByteTokens(*dict.fromkeys(tokens))
+    ids = [list(dict.fromkeys(tokens)).index(t) for t in tokens]
+    pieces = []
+    s = _Stream(tok, [], None, pieces.append)
+    for i in ids: s.add(i)
+    shown = len(pieces)
+    text = tok.decode(ids); s.finish(text)
+    assert "".join(pieces) == text, (pieces, text)
+    assert shown > 0 or len(ids) <= 4  # junk is streamed, not all held back to the end
 
 
 def test_cli_refuses_a_seed_torch_cannot_take(run, capsys):
