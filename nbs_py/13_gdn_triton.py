@@ -1201,7 +1201,8 @@ test_fail(lambda: fused_recurrent_gated_delta_rule(q.requires_grad_(), k, v, g, 
 # each walking 64 chunks one after another, a latency-bound loop on a 132-multiprocessor GPU.
 #
 # `benchmarks/gdn_kernel.py` times the three implementations with `triton.testing.do_bench`
-# (median) and `benchmarks/gdn_verify.py` measures parity on the GPU. The numbers below were measured
+# (median) and `benchmarks/gdn_verify.py` measures parity on the GPU (and exits 1, naming each case, when an error
+# is over its tolerance, about three times the worst measured, or a run does not repeat bit for bit). The numbers below were measured
 # on one H200 and stored in `benchmarks/results/gdn_kernel.json`, which this notebook plots (so it
 # runs without a GPU). That run (2026-12-02) predates rounds 12–14, which made kernel 1 and the backward faster: its
 # Triton rows and launches are kept here as the record of that version, and the current kernels' times are round 19's

@@ -18,7 +18,7 @@
 # python benchmarks/train_step.py --compile --fsdp --accum 32    # through FSDP on a group of one GPU, as torchrun runs each GPU
 # python benchmarks/host_launch.py                               # the host's time to launch a kernel or an operator
 # python benchmarks/block_step.py [--block mla]                  # one compiled block, forward + backward
-# python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py   # GDN parity with the loop, and the rule's times
+# python benchmarks/gdn_verify.py && python benchmarks/gdn_kernel.py   # GDN parity with the loop (exit 1 past tolerance), the rule's times
 # python benchmarks/gdn_prep_solve.py                            # ways to solve for the GDN's A (kernel 1): time and accuracy
 # python benchmarks/gdn_registers.py                             # registers and spills of the GDN kernels (no GPU needed)
 # python benchmarks/optim_step.py                                # NorMuon and AdamW alone, on random gradients

@@ -37,3 +37,46 @@ def test_gdn_benchmarks_launch_the_kernels_as_they_are_now():
                  "blocked series ieee, tf32"):
         assert err[name] < 1e-5, (name, err[name])  # the interpreter's products are fp32: every sound way is exact
     assert err["no solve"] > 0.5  # storing L instead of its inverse is caught
+
+
+VERIFY = textwrap.dedent('''
+    import contextlib, io, json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, "benchmarks")
+    import gdn_verify as gv
+    real = gv.triton_gated_delta_rule
+    if FACTOR != 1:  # a wrong kernel: every output of the chunked rule FACTOR times too large
+        gv.triton_gated_delta_rule = lambda *a, **k: tuple(None if t is None else t * FACTOR for t in real(*a, **k))
+    sys.argv = ["gdn_verify.py", "--decays", "strong"]
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try: gv.main(); status = 0
+        except SystemExit as e: status = e.code
+    print("RESULT" + json.dumps({"status": status, "stderr": err.getvalue()}))
+''')
+
+
+def test_gdn_verify_fails_a_kernel_a_few_percent_off():
+    "The verifier's verdict, with the real kernels in the interpreter: they pass; the same kernels 3 % off fail, each case named."
+    res = run_child(VERIFY.replace("FACTOR", "1"))
+    assert res["status"] == 0 and "FAILED" not in res["stderr"], res
+    res = run_child(VERIFY.replace("FACTOR", "1.03"))
+    assert res["status"] == 1 and "FAILED: 4 of 6 cases" in res["stderr"], res  # the chunked and packed cases; not the fused recurrent
+    assert "chunk strong float32 T=63 K=16: o 3.0e-02, ht 3.0e-02" in res["stderr"], res
+
+
+def test_gdn_verify_names_each_way_a_case_fails():
+    "Over the tolerance (NaN too), not bit-for-bit repeatable, not finite, the kept-prep path differing: each is a failure."
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import gdn_verify as gv
+    ok = dict(kind="chunk", decays="strong", dtype="bfloat16", T=63, K=32, deterministic=True, finite=True,
+              keep_prep_worst=5e-3, keep_prep_max_abs_vs_recompute=0.0, **{n: 5e-3 for n in gv.NAMES})
+    assert gv.failures([ok, {**ok, "dtype": "float32", "dk": 9e-3}]) == []
+    for change, says in ((dict(dg=0.021), "dg 2.1e-02"), (dict(dtype="float32", o=0.011), "o 1.1e-02"),
+                         (dict(dbeta=float("nan")), "dbeta nan"), (dict(keep_prep_worst=0.03), "keep_prep_worst 3.0e-02"),
+                         (dict(deterministic=False), "not deterministic"), (dict(finite=False), "not finite"),
+                         (dict(keep_prep_max_abs_vs_recompute=1e-7), "keep_prep differs from recomputing")):
+        bad = gv.failures([ok, {**ok, **change}])
+        assert len(bad) == 1 and says in bad[0], (change, bad)
