@@ -174,3 +174,94 @@ def test_every_run_warms_up(capsys):
     p = ts.build_parser()
     with pytest.raises(SystemExit) as e: ts.check_args(p, p.parse_args(["--warmup", "0"]))
     assert e.value.code == 2 and "--warmup 0 would time the compilation" in capsys.readouterr().err
+
+
+# From mutation testing of train_step.py (each test failed on a mutant the others let through)
+
+
+def test_step_s_is_the_median_not_the_mean(monkeypatch):
+    r, _ = _fake_gpu_run(monkeypatch, ["--warmup", "1", "--steps", "3"], [100.0, 2.0, 3.0, 10.0])
+    assert r["step_s"] == pytest.approx(3.01)  # the mean would be 5.01
+
+
+def test_an_even_count_takes_the_upper_median(monkeypatch):
+    r, _ = _fake_gpu_run(monkeypatch, ["--warmup", "1", "--steps", "2"], [100.0, 2.0, 5.0])
+    assert r["step_s"] == pytest.approx(5.01)  # the docstring: "the upper one of an even count"
+
+
+def test_tokens_per_s_counts_micro_batch_times_accum(monkeypatch):
+    r, _ = _fake_gpu_run(monkeypatch, ["--warmup", "1", "--steps", "1", "--micro-batch", "1", "--accum", "3"], [1.0, 2.0])
+    assert r["tokens_per_s"] == pytest.approx(1 * 3 * 64 / 2.01)
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 1e12)
+
+
+class FakeProfile:
+    "Stands in for torch.profiler.profile: records its activities, returns the test file's Prof."
+    seen = []
+
+    def __init__(self, activities):
+        FakeProfile.seen.append(list(activities))
+        self.p = Prof([(0, 10, "nvjet_gemm"), (20, 30, "_ce_kernel")], [(0, 40, "step")])
+        for e in self.p._ev: e.kernels, e.cpu_parent = [], None
+
+    def __enter__(self): return self
+    def __exit__(self, *a): return False
+    def events(self): return self.p.events()
+
+    def key_averages(self):
+        class KA(list):
+            def table(self, **kw): return "TABLE"
+        return KA(self.p.key_averages())
+
+
+@pytest.mark.parametrize("argv, per, acts", [
+    (["--profile", "step", "--accum", "2", "--profile-micro-batches", "5"], 2, "cpu+cuda"),  # a step: accum micro-batches
+    (["--profile", "cuda", "--accum", "2", "--profile-micro-batches", "4"], 4, "cuda"),
+    (["--profile", "micro", "--accum", "2", "--profile-micro-batches", "4"], 4, "cpu+cuda")])
+def test_the_profile_is_per_micro_batch_of_what_it_ran(monkeypatch, argv, per, acts):
+    import torch.profiler
+    FakeProfile.seen = []
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfile)
+    r, _ = _fake_gpu_run(monkeypatch, ["--warmup", "1", "--steps", "1", *argv], [1.0] * 4)
+    assert r["profile_ms_per_micro_batch"] == pytest.approx({"matrix multiplies": 4.0 / per, "cross-entropy softmax pass": 2.0 / per})
+    want = [torch.profiler.ProfilerActivity.CUDA] if acts == "cuda" else [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    assert FakeProfile.seen == [want] and r["profile_host_recorded"] is (acts != "cuda")
+
+
+def _keys(*names):
+    p = Prof([])
+    p.key_averages = lambda: [SimpleNamespace(device_type=torch.autograd.DeviceType.CUDA, key=k, self_device_time_total=1000.0)
+                              for k in names]
+    return p
+
+
+@pytest.mark.parametrize("key, cat", [
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80", "attention (cuDNN SDPA)"),   # a cutlass attention kernel is attention
+    ("triton_poi_fused_cat_copy_0", "compiled elementwise (inductor)"),        # an inductor kernel fusing a cat
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matrix multiplies"),  # the pattern anywhere in the name
+    ("void at::native::reduce_kernel<512, 1>", "eager elementwise, copies, reductions")])
+def test_profile_categories(key, cat):
+    assert ts.breakdown(_keys(key), n_micro=1) == {cat: 1.0}
+
+
+def test_breakdown_is_largest_first():
+    p = _keys("nvjet_a", "_ce_kernel", "_ce_kernel2", "_ce_kernel3")
+    assert list(ts.breakdown(p, 1)) == ["cross-entropy softmax pass", "matrix multiplies"]
+
+
+def test_optimizer_gpu_span_is_the_median():
+    spans = {"A": [(E(0), E(1), 1.0), (E(0), E(2), 1.0), (E(0), E(9), 1.0)]}
+    assert ts.optimizer_ms(spans)["A"]["gpu_span_ms"] == 2  # the mean would be 4
+
+
+@pytest.mark.parametrize("mb, T, shown", [(4, 2048, True), (2, 4096, True), (4, 4096, False)])
+def test_a_batch_other_than_the_presets_is_in_the_label(mb, T, shown):
+    p = ts.build_parser()
+    v = ts.variant(p.parse_args(["--micro-batch", str(mb), "--seq-len", str(T)]))
+    assert (f"batch={mb}x{T}" in v) is shown, v
+
+
+def test_profile_rows_zero_is_refused(capsys):
+    p = ts.build_parser()
+    with pytest.raises(SystemExit) as e: ts.check_args(p, p.parse_args(["--profile", "--profile-rows", "0"]))
+    assert e.value.code == 2 and "--profile-rows must be at least 1" in capsys.readouterr().err
