@@ -84,7 +84,10 @@ def failures(rows: list[dict]) -> list[str]:
     return bad
 
 
-def nan_max(xs): return max(xs, key=lambda x: math.inf if math.isnan(x) else x)  # a NaN is the worst, not skipped by max
+def badness(x): return x if math.isfinite(x) else math.inf  # a NaN would compare as neither worse nor better
+
+
+def nan_max(xs): return max(xs, key=badness)  # a NaN is the worst, not skipped by max
 
 
 def rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
@@ -163,8 +166,7 @@ def main():
                 shapes=args.shapes, metric="relative RMSE ||ref - out|| / ||ref|| against the fp32 loop",
                 decays={k: DECAYS[k] for k in decays}, tolerance=TOL)
     if args.out: Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    value = lambda x: x if math.isfinite(x) else math.inf  # a NaN would compare as neither worse nor better
-    worst = max((max(value(r[n]) for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"]) for r in rows)
+    worst = max((max(badness(r[n]) for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"]) for r in rows)
     print("\nkind            decays dtype     T    K   " + "  ".join(f"{n:>7}" for n in NAMES))
     for r in rows:
         print(f"{r['kind']:15s} {r.get('decays', 'strong'):6s} {r['dtype']:8s} {r['T']:5d} {r['K']:4d}  " + "  ".join(f"{r[n]:7.1e}" if n in r else "      -" for n in NAMES)

@@ -206,3 +206,16 @@ def test_main_fails_when_a_case_is_far_off(monkeypatch, tmp_path, capsys):
     "A verifier must not exit 0 for a kernel 10 % off (h200_train_step.sh's `kernels` part only sees the exit status)."
     rows, out, status = run_main(monkeypatch, tmp_path, capsys, argv=["--decays", "strong"], rule=make_rule(bad={"o": 1.1}))
     assert status == 1 and rows  # the rows are written all the same
+
+
+def test_gdn_verify_names_each_way_a_case_fails():
+    "Over the tolerance (NaN too), not bit-for-bit repeatable, not finite, the kept-prep path differing: each is a failure."
+    ok = dict(kind="chunk", decays="strong", dtype="bfloat16", T=63, K=32, deterministic=True, finite=True,
+              keep_prep_worst=5e-3, keep_prep_max_abs_vs_recompute=0.0, **{n: 5e-3 for n in gv.NAMES})
+    assert gv.failures([ok, {**ok, "dtype": "float32", "dk": 9e-3}]) == []
+    for change, says in ((dict(dg=0.021), "dg 2.1e-02"), (dict(dtype="float32", o=0.011), "o 1.1e-02"),
+                         (dict(dbeta=float("nan")), "dbeta nan"), (dict(keep_prep_worst=0.03), "keep_prep_worst 3.0e-02"),
+                         (dict(deterministic=False), "not deterministic"), (dict(finite=False), "not finite"),
+                         (dict(keep_prep_max_abs_vs_recompute=1e-7), "keep_prep differs from recomputing")):
+        bad = gv.failures([ok, {**ok, **change}])
+        assert len(bad) == 1 and says in bad[0], (change, bad)
