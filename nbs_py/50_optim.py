@@ -77,7 +77,7 @@ test_close(O @ O.T, torch.eye(32), eps=1e-4)  # a wide O has orthonormal rows
 # ### Newton–Schulz: the polar factor with matrix products only
 #
 # An SVD is slow on a GPU and does not run in bf16. Muon instead applies an odd matrix polynomial a
-# few times. Normalise $X_0 = G / \|G\|_F$ so that every singular value is in $(0, 1]$, then iterate
+# few times. Normalise $X_0 = G / \|G\|_F$ so that every singular value is in $[0, 1]$, then iterate
 # $$A = X X^\top, \qquad B = b A + c A^2, \qquad X \leftarrow a X + B X ,$$
 # which is $X \leftarrow a X + b (XX^\top) X + c (XX^\top)^2 X$. Because the polynomial is odd it acts
 # on each singular value separately: $U \Sigma V^\top \mapsto U \varphi(\Sigma) V^\top$ with
@@ -251,21 +251,29 @@ print(f"HyMo's adamw_lr = {cfg750.train.adamw_lr:.0e}")
 # NorMuon (Li et al., 2025) adds Adam's per-coordinate idea at the granularity of a neuron: keep a
 # running mean of each row's mean square and divide by its root,
 # $$v \leftarrow \beta_2 v + (1 - \beta_2)\, \tfrac1n \textstyle\sum_j O_{ij}^2, \qquad
-#   \hat O_{ij} = O_{ij} / \sqrt{v_i}, \qquad
+#   \hat O_{ij} = O_{ij} / \sqrt{\max(v_i, 10^{-10})}, \qquad
 #   U = \hat O \cdot \frac{\|O\|_F}{\|\hat O\|_F} ,$$
 # with $v \in \mathbb{R}^{m \times 1}$ (one number per output neuron, $\beta_2 = 0.95$). The last factor
 # gives the update back the Frobenius norm of $O$, so the shape scaling and learning rate above keep
-# their meaning: NorMuon redistributes the step among neurons without changing its size. It also
-# makes a bias correction of $v$ unnecessary: dividing $v$ by $1 - \beta_2^t$ scales $\hat O$ by one
-# number, which the rescale removes. The state is $m$ floats per matrix, negligible next to the
-# momentum's $mn$.
+# their meaning: NorMuon redistributes the step among neurons without changing its size. The floor
+# on $v$ is modded-nanogpt's (the paper adds an $\epsilon$ to $\sqrt{v}$ instead): a row whose
+# updates are all but zero, RMS below $10^{-5}$, is not blown up to the size of the others. The
+# rescale also makes a bias correction of $v$ unnecessary: dividing $v$ by $1 - \beta_2^t$ scales
+# $\hat O$ by one number, which the rescale removes. That holds because all of a matrix's rows start
+# their means together, as they do here (a dense matrix's rows all get gradients from the first
+# step; an expert that gets no tokens freezes its whole $v$, see below); a row that woke up later
+# than the others would get steps up to $1/\sqrt{1 - \beta_2} \approx 4.5\times$ theirs until its
+# mean caught up. The state is $m$ floats per matrix, negligible next to the momentum's $mn$.
 #
 # The rescale follows the authors' reference code and modded-nanogpt's NorMuon rather than the
 # paper's Algorithm 1. Li et al.'s algorithm sets the step's size directly, with
 # $\hat\eta = 0.2\,\eta\sqrt{mn}/\lVert\hat O\rVert_F$ in their Algorithm 1 (Moonshot's RMS matching, so that AdamW's
 # learning rates carry over) and plain momentum. HyMo keeps Muon's units instead: Nesterov
 # momentum, the shape factor $\sqrt{\max(1, m/n)}$ and a learning rate of 0.02 keep their meaning
-# from Muon, and the row normalisation only redistributes the step.
+# from Muon, and the row normalisation only redistributes the step. HyMo, like the paper and the
+# authors' code, always normalises rows (output neurons); modded-nanogpt picks the side by the
+# matrix's shape or kind. On a wide matrix, whose exact polar factor already has rows of one norm,
+# NorMuon here only evens out Newton–Schulz's band.
 #
 # Written as three passes over $O$ (divide, take both norms, rescale), this is mostly memory
 # traffic: at the 750M model's 1.2 billion NorMuon weights each fp32 pass is some 9 GB. One pass
@@ -724,7 +732,9 @@ assert moved[0] > 0.1 and abs(moved[1] - 0.02 * 0.1 * before[1].norm()) < 1e-6  
 # ## AdamW, with cautious weight decay
 #
 # The parameters NorMuon does not take go to AdamW. We write AdamW out (it is short) rather than
-# use `torch.optim.AdamW`, so that it can apply the same cautious decay: the sign of Adam's update
+# use `torch.optim.AdamW`, so that it can apply the same cautious decay (cautious *weight decay*, Chen
+# et al. 2025; not Liang et al.'s 2024 "cautious optimizers", C-AdamW, which mask the update itself
+# where it disagrees in sign with the gradient): the sign of Adam's update
 # $\hat m / (\sqrt{\hat v} + \epsilon)$ is the sign of its first moment $m$, so the mask is
 # $\mathbf{1}[m \odot x \ge 0]$. With `cautious=False` it is plain decoupled AdamW (Loshchilov &
 # Hutter), step for step the same arithmetic as PyTorch's single-tensor implementation:
@@ -734,7 +744,7 @@ assert moved[0] > 0.1 and abs(moved[1] - 0.02 * 0.1 * before[1].norm()) < 1e-6  
 # %%
 #| export
 class CautiousAdamW(torch.optim.Optimizer):
-    "AdamW with decoupled weight decay, optionally cautious (decay only where the update and the parameter agree in sign)."
+    "AdamW with decoupled weight decay, optionally cautious weight decay (decay only where the update and the parameter agree in sign; not C-AdamW's update mask)."
     def __init__(self, params: Iterable, # Parameters or param groups
                  lr: float = 1e-3, # η
                  betas: tuple[float, float] = (0.9, 0.95), # (β1, β2)
@@ -852,13 +862,20 @@ torch.testing.assert_close(p.data, q.data, rtol=0, atol=1e-7)
 #   gain or `A_log` towards zero changes what the layer computes rather than regularising it;
 # - **depthwise convolution kernels** (`q_conv1d` etc., `[C, 1, K]`): each channel's $K$ taps form
 #   an independent tiny filter, not a matrix mapping $C$ inputs to $C$ outputs;
-# - **the MoE router** `gate.weight` `[E, d]`: its rows are the experts' keys, and their relative
-#   norms *are* the routing; orthogonalising would equalise them and erase that signal. GDN's gate
+# - **the MoE router** `gate.weight` `[E, d]`, by choice rather than necessity: its rows are the
+#   experts' keys, ranked against each other by the top-k. Muon orthogonalises the update, not the
+#   weight, so it would not flatten the keys' norms, but it would give every key a step of the same
+#   size whatever its own gradient (the polar factor of a wide update has rows of one norm), tying
+#   a rarely chosen expert's key to the popular ones'; AdamW leaves each key's step to its own
+#   gradient's history, and the matrix is tiny. GDN's gate
 #   projections `a_proj` and `b_proj` (`[H, d]`, a decay rate and a write strength per head) are
 #   wide matrices too but stay with NorMuon: each head reads only its own row, through its own
 #   softplus or sigmoid, so no row is ranked against another as the router's are in its top-k.
 #
 # Stacked expert weights `[E, out, in]` go to NorMuon, each expert's matrix on its own (shown above).
+# Fused projections are orthogonalised whole, as they are one matrix in the forward: MLA's
+# `kv_b_proj` (every head's $K^{\text{nope}}$ and $V$ rows) and `kv_a_proj_with_mqa` (the latent and
+# the shared RoPE key). Keller Jordan's Muon splits a fused QKV into its parts; HyMo does not.
 # The rules look at the name and the shape, and are written as one small function so that you can
 # read them, test them, and change them in one place. An unexpected shape raises rather than falling
 # through silently. The names are HyMo's (`embed`, `head`, `gate`, ...): on another model, whose embedding is
@@ -1116,7 +1133,8 @@ plt.xlabel("step"); plt.ylabel("loss"); plt.legend(); plt.tight_layout(); plt.sh
 # ## The warmup-stable-decay schedule
 #
 # Both optimisers multiply their peak learning rate by one schedule. With $W$ = `warmup_steps`,
-# $N$ = `max_steps`, $D = \mathrm{round}(f N)$ decay steps ($f$ = `decay_fraction`; at least one
+# $N$ = `max_steps`, $D = \mathrm{round}(f N)$ decay steps ($f$ = `decay_fraction`; Python's `round`,
+# which takes a tie to the even number: $f = 0.25$, $N = 10$ give $D = 2$; at least one
 # when $f > 0$, so that a short run asked to decay does, `TrainingConfig.decay_steps`), decay start
 # $S = N - D$, and $r$ = `min_lr_ratio`:
 # $$\mathrm{mult}(t) = \begin{cases}
@@ -1217,8 +1235,9 @@ test_close(opt.param_groups[0]["lr"], 0.5 * wsd_schedule(255, tcfg))
 # the final budget: you can extend a run, resume it from any stable checkpoint without re-warming,
 # or branch short decays (10–20 % of the steps; the `1-sqrt` shape does well there, Hägele et al.
 # 2024) off several checkpoints to get a family of finished models, or a scaling-law sweep, from
-# one run. WSD was named and popularised by MiniCPM (Hu et al., 2024); a constant rate with a final
-# cooldown had been used before, e.g. in Zhai et al.'s 2022 scaling of vision transformers.
+# one run. WSD was named and popularised by MiniCPM (Hu et al., 2024); a schedule with no fixed end
+# and a final cooldown had been used before, e.g. in Zhai et al.'s 2022 scaling of vision
+# transformers (a reciprocal square root, then a linear cooldown).
 #
 # ## FSDP-2: orthogonalising sharded matrices
 #
@@ -1364,7 +1383,7 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 # adds unevenness, so some neurons get much larger steps. Dividing by $\sqrt{v}$ evens them out,
 # as Adam does per coordinate, at the cost of one float per row. The rescale back to the Frobenius
 # norm of $O$ keeps the update size (and thus the learning rate and shape scaling) of Muon, and
-# makes a bias correction of $v$ unnecessary. (The paper instead sets the update's RMS to
+# makes a bias correction of $v$ unnecessary while a matrix's rows start together. (The paper instead sets the update's RMS to
 # $0.2\,\eta$, to reuse AdamW's learning rates; HyMo keeps Muon's.)
 # :::
 #
@@ -1375,11 +1394,15 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 # width. AdamW's update RMS is typically about 0.2, so its per-entry step is
 # $0.2 \times 3 \times 10^{-3} = 6 \times 10^{-4}$: the same speed. Equivalently, Muon's rate in AdamW
 # units is $\eta/(0.2\sqrt{n})$. Moonshot's alternative scales the update to RMS 0.2 directly
-# ($0.2\sqrt{\max(m,n)}$) so that AdamW's learning rate can be reused.
+# ($0.2\sqrt{\max(m,n)}$) so that AdamW's learning rate can be reused. One thing does not carry
+# over: the single `weight_decay` $\lambda = 0.1$ is applied as $\eta\lambda$ by both, so the
+# matrices shrink by $2 \times 10^{-3}$ a step and AdamW's parameters by $3 \times 10^{-4}$, while
+# their entries move at about the same speed: relative to its updates, NorMuon's decay is some
+# $6.7\times$ AdamW's (with Moonshot's RMS matching one $\lambda$ would mean the same in both).
 # :::
 #
 # ::: {.callout-tip collapse="true"}
-# ## Which parameters must not go to Muon, and why?
+# ## Which parameters does HyMo keep off Muon, and why?
 # The embedding and the (tied) output head. The embedding's inputs are one-hot: a row moves only
 # when its token appears, and a per-coordinate adaptive step suits such sparse, rare-row gradients
 # better than a spectral one. The output head's gradient is dense (the softmax reaches every row),
@@ -1388,8 +1411,10 @@ assert float(re.search(r"= ([0-9.e+-]+);", out.stdout).group(1)) <= 1e-6 and "sh
 # (norm gains, biases, `A_log`, `dt_bias`): a vector has no singular directions; they also get no
 # weight decay, since shrinking them changes what the layer computes. Depthwise convolution
 # kernels: each channel's taps are an independent filter, not a linear map between hidden spaces.
-# The MoE router: the norms of its rows are the routing signal, which orthogonalisation would
-# flatten. Stacked expert weights do go to Muon, one matrix per expert.
+# The MoE router, by choice: its rows are ranked against each other in the top-k, and Muon would
+# give every row's update the same size whatever its own gradient; AdamW leaves each expert's key to
+# its own gradient's history, and the matrix is tiny. Stacked expert weights do go to Muon, one
+# matrix per expert.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

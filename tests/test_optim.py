@@ -407,6 +407,22 @@ def test_real_hymo_parameters_are_all_grouped():
         if name.endswith(("q_proj.weight", "o_proj.weight", "w1.weight", "w2.weight", "w3.weight")): assert group == "normuon", name
 
 
+def test_stacked_experts_are_out_by_in_so_normuon_rows_are_neurons():
+    "NorMuon's rows (its v) and its shape factor read a matrix as [fan-out, fan-in]: each expert's matrix must be so."
+    build_hymo = pytest.importorskip("hymo.models.model").build_hymo
+    cfg = load_config("hymo_tiny").model
+    with torch.device("meta"):
+        model = build_hymo(cfg)
+    table = {name: (shape, group) for name, shape, group in param_table(model)}
+    E, h, d = cfg.moe_n_routed, cfg.moe_inter_dim, cfg.dim
+    stacked = sorted(n for n, (s, _) in table.items() if len(s) == 3 and "conv" not in n)
+    assert stacked and h != d
+    for name in stacked:
+        want = (E, d, h) if name.endswith("w2") else (E, h, d)  # w1, w3: d -> h; w2: h -> d
+        assert table[name] == (want, "normuon"), name
+    assert not any("gate_bias" in n for n in table)  # a buffer the balance rule moves, not a gradient
+
+
 # ---------------------------------------------------------------- WSD
 
 def test_wsd_values_by_hand():

@@ -279,7 +279,7 @@ def _same_shape(params: list) -> list[list]:
 
 # %% ../../nbs/50_optim.ipynb #35793d5a
 class CautiousAdamW(torch.optim.Optimizer):
-    "AdamW with decoupled weight decay, optionally cautious (decay only where the update and the parameter agree in sign)."
+    "AdamW with decoupled weight decay, optionally cautious weight decay (decay only where the update and the parameter agree in sign; not C-AdamW's update mask)."
     def __init__(self, params: Iterable, # Parameters or param groups
                  lr: float = 1e-3, # η
                  betas: tuple[float, float] = (0.9, 0.95), # (β1, β2)
