@@ -1794,7 +1794,9 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # exit status 1, after the ranks have written their checkpoint. That is, if it waits for them:
 # torchrun kills its workers 30 s after the signal unless told otherwise (`--shutdown-timeout`, or
 # the `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` variable), and at 750M the step in flight and a checkpoint
-# of several GB take longer. Give it a few minutes, and your scheduler's grace period (Slurm's
+# of several GB can take about that long (on one H100 a step took 6.8 s and a rank's whole 10.1 GB
+# checkpoint 17 to 22 s to a local disk, `benchmarks/ckpt_save.py`; a shared file system is
+# slower). Give it a few minutes, and your scheduler's grace period (Slurm's
 # `KillWait`) at least as long; a worker killed mid-checkpoint loses the steps since the last one.
 
 # %%
