@@ -121,7 +121,7 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
                cos: torch.Tensor, # [T, d/2] or [B, T, d/2] from `rope_cos_sin`
                sin: torch.Tensor, # Same shape as `cos`
               ) -> torch.Tensor: # [B, T, H, d], dtype of `x`
-    "Rotate every adjacent pair `(x[2i], x[2i+1])` of `x` by the angle of its position; computed in fp32."
+    "Rotate every adjacent pair `(x[2i], x[2i+1])` of `x` by the angle of its position; computed in fp32 (fp64 in fp64)."
     if x.dim() != 4:  # [B, T, d] would be read as [T, H, d]: rotated by the batch index
         raise ValueError(f"apply_rope: x must be [B, T, H, d] (H = 1 for a key shared by all heads); got {tuple(x.shape)}")
     if x.shape[-1] != 2 * cos.shape[-1]:
@@ -132,7 +132,8 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
     if sin.shape != cos.shape or cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[0] not in (1, x.shape[0])):
         raise ValueError(f"apply_rope: cos and sin must both be [T, d/2], or [B, T, d/2] with B = {x.shape[0]} (or 1); "
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}: make them together with rope_cos_sin")
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, d/2) each
+    ct = torch.promote_types(x.dtype, torch.float32)  # bf16 and fp16 are rotated in fp32; fp64 is not rounded to it
+    x0, x1 = x.to(ct).unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, d/2) each
     cos, sin = cos[..., None, :], sin[..., None, :]  # (.., T, 1, d/2): one angle for all heads
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).to(x.dtype)  # (B, T, H, d)
 
@@ -189,7 +190,10 @@ assert (scores(0) - (q[0, :, 0] @ k[0, :, 0].T)).abs().max() > 0.1  # and the ro
 # angles reach 1000 radians, where neighbouring fp32 numbers are $6 \cdot 10^{-5}$ apart, and the
 # rounded $\theta_i$ and $m\theta_i$ put errors of a few $10^{-5}$ radians in the angles (up to $3.2 \cdot 10^{-5}$
 # against fp64 at positions 1000 to 1015).
-# Angles grow with position, so very long contexts compute them in fp32 at least (never bf16).
+# Angles grow with position, so very long contexts compute them in fp32 at least (never bf16: at
+# position 4 095 bf16 angles are off by radians). `rope_cos_sin`'s fp32 angles are off by up to $1.4 \cdot 10^{-4}$
+# rad at position 4 095 and $2.3 \cdot 10^{-3}$ at 65 535; a model trained much longer than HyMo's 4 096 would
+# compute $m\theta_i$ in fp64 and round only the cosines to fp32.
 #
 # With $q = k = \mathbf{1}$ the score as a function of the distance $n - m$ is
 # $\sum_i 2\cos((n-m)\theta_i)$: it starts high and oscillates down, going negative at some
@@ -234,7 +238,10 @@ assert (M_rel(3) - M_rel(4)).abs().max() > 1e-3          # and no single matrix 
 # %% [markdown]
 # ## Decoupled (partial) RoPE
 #
-# DeepSeek-V2 splits every query and key head in two:
+# "Partial RoPE" in GPT-J and GPT-NeoX means rotating a slice of each head's own key; that alone would
+# not save the absorption, since a key computed from the latent and then rotated still has to be
+# cached per head. DeepSeek-V2 also *decouples* the rotated slice from the latent. It splits every
+# query and key head in two:
 #
 # * a **nope** part of $d_\text{nope}$ dimensions, computed from the latent and never rotated, so
 #   the absorption above works for it;

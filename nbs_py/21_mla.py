@@ -94,8 +94,9 @@ def naive_mla(x, # [T, D] one sequence
 # %% [markdown]
 # ## The module
 #
-# DeepSeek-V3's code fuses the paper's matrices, and HyMo keeps its parameter names so that weights
-# map one to one:
+# DeepSeek-V3's released checkpoint fuses the paper's matrices, and HyMo keeps its parameter names
+# (those of its Hugging Face model; the reference inference code renames them `wq_a`, `wkv_a`, ...)
+# so that weights map one to one:
 #
 # | module | maps | holds |
 # |---|---|---|
@@ -360,8 +361,9 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = cache.append(c_new, k_rope_new[:, :, 0])  # (B, L, d_c), (B, L, d_rope), L = max_len
         w_uk, w_uv = self.kv_b_proj.weight.view(G, self.d_nope + self.d_v, self.d_c).split([self.d_nope, self.d_v], 1)
         q_lat = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, self.d_nope), w_uk).flatten(2, 3)  # (B, T, H, d_c)
-        with torch.autocast(x.device.type, enabled=False):  # scores in fp32, as the training kernels keep them
-            s = torch.einsum("bthc,bsc->bhts", q_lat.float(), c_kv.float()) + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope.float())
+        ct = torch.promote_types(q_lat.dtype, torch.float32)  # scores in fp32 as the training kernels keep them (fp64 in fp64)
+        with torch.autocast(x.device.type, enabled=False):
+            s = torch.einsum("bthc,bsc->bhts", q_lat.to(ct), c_kv.to(ct)) + torch.einsum("bthr,bsr->bhts", q_rope.to(ct), k_rope.to(ct))
         s = (s * self.softmax_scale).masked_fill(torch.arange(c_kv.shape[1], device=x.device) > pos[:, None], float("-inf"))
         p = s.softmax(-1).to(c_kv.dtype)  # (B, H, T, L); query at position p sees cached tokens 0..p
         o_lat = torch.einsum("bhts,bsc->bthc", p, c_kv).to(w_uv.dtype)  # (B, T, H, d_c): attention averages latents
@@ -626,24 +628,25 @@ test_eq((saved, pair_flops), (344_064, 8_192))
 #
 # * MHA caches every head's key and value: $2 \cdot H \cdot 128$ numbers.
 # * GQA-4 caches 4 key/value heads: $2 \cdot 4 \cdot 128$.
+# * MQA caches one key/value head shared by all: $2 \cdot 128$.
 # * MLA caches the latent and the shared rotary key: $d_c + d_\text{rope} = 128 + 32$.
 
 # %%
 def kv_bytes_per_token(kind: str, H=16, d_head=128, G=4, d_c=128, d_rope=32, bytes_per=2) -> int:
     "Cached bytes per token per layer."
-    return bytes_per * {"MHA": 2 * H * d_head, "GQA-4": 2 * G * d_head, "MLA": d_c + d_rope}[kind]
+    return bytes_per * {"MHA": 2 * H * d_head, "GQA-4": 2 * G * d_head, "MQA": 2 * d_head, "MLA": d_c + d_rope}[kind]
 
 
 c = cfg750
 rows = {k: kv_bytes_per_token(k, c.mla_n_heads, c.mla_qk_nope_dim + c.mla_qk_rope_dim, c.mla_n_kv_groups,
-                              c.mla_kv_lora_rank, c.mla_qk_rope_dim) for k in ("MHA", "GQA-4", "MLA")}
+                              c.mla_kv_lora_rank, c.mla_qk_rope_dim) for k in ("MHA", "GQA-4", "MQA", "MLA")}
 n_mla = c.layer_types.count("mla")
 print(f"{'':6s} {'B/token/layer':>14s} {'vs MLA':>7s} {f'MiB/seq @4096, {n_mla} layers':>26s}")
 for k, b in rows.items(): print(f"{k:6s} {b:>14,} {b / rows['MLA']:>6.1f}x {b * 4096 * n_mla / 2**20:>26.1f}")
-test_eq(list(rows.values()), [8192, 2048, 320])
+test_eq(list(rows.values()), [8192, 2048, 512, 320])
 
 # %%
-#| fig-alt: "Cache size in GiB per sequence against context length, both on log scales, for MHA, GQA with 4 groups and MLA over HyMo's MLA layers: three parallel lines, MLA's the lowest."
+#| fig-alt: "Cache size in GiB per sequence against context length, both on log scales, for MHA, GQA with 4 groups, MQA and MLA over HyMo's MLA layers: four parallel lines, MLA's the lowest, just under MQA's."
 ctx = torch.logspace(9, 17, 33, base=2)
 for k, b in rows.items(): plt.plot(ctx, b * n_mla * ctx / 2**30, label=f"{k} ({b} B/token/layer)")
 plt.xscale("log", base=2); plt.yscale("log"); plt.xlabel("context length (tokens)")
@@ -765,7 +768,7 @@ def decode_naive(m: MultiHeadLatentAttention, x: torch.Tensor, cache: MLACache) 
     q = torch.cat([q_nope, q_rope], -1)  # (B, T, H, d_qk)
     k, v = k.repeat_interleave(m.n_rep, 2), v.repeat_interleave(m.n_rep, 2)  # (B, L, H, ·)
     s = torch.einsum("bthd,bshd->bhts", q, k) * m.softmax_scale  # (B, H, T, L)
-    s = s.masked_fill(torch.arange(L) > pos[:, None], float("-inf"))  # query at p sees keys 0..p
+    s = s.masked_fill(torch.arange(L, device=s.device) > pos[:, None], float("-inf"))  # query at p sees keys 0..p
     o = torch.einsum("bhts,bshd->bthd", s.softmax(-1), v)  # (B, T, H, d_v)
     return m.o_proj(o.flatten(2))
 
@@ -997,7 +1000,8 @@ for name, a, b in zip(["o", "dq", "dk", "dv"], outs["varlen"], outs["loop"]):
 # ## What exactly does MLA cache, and how big is it in HyMo?
 # Per token and layer, the RMS-normalised latent $c^{KV}$ ($d_c = 128$) and the rotated shared key
 # $k^R$ ($d_\text{rope} = 32$): 160 values, 320 bytes in bf16. Multi-head attention with 16 heads of
-# 128 would cache 4,096 values (8 KiB), 25.6 times more; GQA with 4 groups 1,024 values (2 KiB).
+# 128 would cache 4,096 values (8 KiB), 25.6 times more; GQA with 4 groups 1,024 values (2 KiB); even
+# MQA, one key/value head of 128, 256 values (512 B), 1.6 times more.
 # At 4,096 tokens the 8 MLA blocks of the 750M model hold 10 MiB per sequence.
 # :::
 #

@@ -43,7 +43,7 @@ def test_rope_scores_depend_on_relative_position_only():
 
 
 def test_rope_of_bf16_inputs_is_computed_in_fp32():
-    "bf16 in, bf16 out, rounded once: within one bf16 ulp of the fp64 rotation at every position up to 4096."
+    "bf16 in, bf16 out, rounded once: within one bf16 ulp of the fp64 rotation (by the same angles) at every position up to 4096."
     T, d = 4096, 32
     x = torch.randn(1, T, 4, d).bfloat16()
     cos, sin = rope_cos_sin(torch.arange(T), d)
@@ -54,15 +54,30 @@ def test_rope_of_bf16_inputs_is_computed_in_fp32():
     torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-6)
 
 
-def test_rope_matches_rotation_matrix_and_keeps_norms():
-    d, m = 8, 5
-    x = torch.randn(1, 1, 2, d, dtype=torch.float64)
-    cos, sin = rope_cos_sin(torch.tensor([m]), d)
+def rotation(m: int, d: int) -> torch.Tensor:
+    "RoFormer's block-diagonal R_m in fp64: pairs (2i, 2i+1) turned by m θ_i, θ_i = 10000^(-2i/d)."
     R = torch.zeros(d, d, dtype=torch.float64)
     for i in range(d // 2):
         a = m * 10000.0 ** (-2 * i / d)
         R[2 * i:2 * i + 2, 2 * i:2 * i + 2] = torch.tensor([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]], dtype=torch.float64)
-    torch.testing.assert_close(apply_rope(x, cos, sin), x @ R.T, atol=1e-6, rtol=0)
+    return R
+
+
+def test_rope_of_fp64_inputs_is_computed_in_fp64():
+    "fp64 vectors and tables are rotated in fp64 (through fp32 they were ~1e-7 off)."
+    T, d = 6, 16
+    x = torch.randn(1, T, 3, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    y = apply_rope(x, angles.cos(), angles.sin())
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, torch.stack([x[:, m] @ rotation(m, d).T for m in range(T)], 1), atol=1e-13, rtol=0)
+
+
+def test_rope_matches_rotation_matrix_and_keeps_norms():
+    d, m = 8, 5
+    x = torch.randn(1, 1, 2, d, dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.tensor([m]), d)
+    torch.testing.assert_close(apply_rope(x, cos, sin), x @ rotation(m, d).T, atol=1e-6, rtol=0)
     torch.testing.assert_close(apply_rope(x, cos, sin).norm(dim=-1), x.norm(dim=-1))
     with pytest.raises(ValueError, match="rotated slice"):
         apply_rope(torch.randn(1, 1, 2, d + 2), cos, sin)
@@ -427,6 +442,20 @@ def test_token_by_token_from_empty_and_absorbed_equals_naive():
     assert (y - y_naive).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="larger max_len"):
         m.forward_decode(x[:, :1], cache)
+
+
+@torch.no_grad()
+def test_absorbed_decode_in_fp64_is_the_forward():
+    """In fp64 the absorbed decode (W_UK folded into the query, W_UV after the latent average) is the uncached forward
+    to rounding: a prompt, a chunk after a non-empty cache, one token, a long chunk; rope width != nope width, G < H.
+    (Its scores were taken in fp32 whatever the dtype: 2e-7 off.)"""
+    cfg = load_config("hymo_tiny", mla_qk_rope_dim=8, mla_qk_nope_dim=24).model
+    assert cfg.mla_n_kv_groups < cfg.mla_n_heads
+    m = randomize_(MultiHeadLatentAttention(cfg, layer_idx=3)).double()
+    x = torch.randn(2, 30, cfg.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cache = MLACache.empty(cfg, 2, 40, dtype=torch.float64)
+    y = torch.cat([m.forward_decode(x[:, a:b], cache) for a, b in ((0, 5), (5, 9), (9, 10), (10, 30))], 1)
+    assert y.dtype == torch.float64 and (y - m(x)).abs().max().item() < 1e-12
 
 
 @torch.no_grad()

@@ -233,8 +233,9 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = cache.append(c_new, k_rope_new[:, :, 0])  # (B, L, d_c), (B, L, d_rope), L = max_len
         w_uk, w_uv = self.kv_b_proj.weight.view(G, self.d_nope + self.d_v, self.d_c).split([self.d_nope, self.d_v], 1)
         q_lat = torch.einsum("btgrn,gnc->btgrc", q_nope.view(B, T, G, R, self.d_nope), w_uk).flatten(2, 3)  # (B, T, H, d_c)
-        with torch.autocast(x.device.type, enabled=False):  # scores in fp32, as the training kernels keep them
-            s = torch.einsum("bthc,bsc->bhts", q_lat.float(), c_kv.float()) + torch.einsum("bthr,bsr->bhts", q_rope.float(), k_rope.float())
+        ct = torch.promote_types(q_lat.dtype, torch.float32)  # scores in fp32 as the training kernels keep them (fp64 in fp64)
+        with torch.autocast(x.device.type, enabled=False):
+            s = torch.einsum("bthc,bsc->bhts", q_lat.to(ct), c_kv.to(ct)) + torch.einsum("bthr,bsr->bhts", q_rope.to(ct), k_rope.to(ct))
         s = (s * self.softmax_scale).masked_fill(torch.arange(c_kv.shape[1], device=x.device) > pos[:, None], float("-inf"))
         p = s.softmax(-1).to(c_kv.dtype)  # (B, H, T, L); query at position p sees cached tokens 0..p
         o_lat = torch.einsum("bhts,bsc->bthc", p, c_kv).to(w_uv.dtype)  # (B, T, H, d_c): attention averages latents

@@ -38,7 +38,7 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
                cos: torch.Tensor, # [T, d/2] or [B, T, d/2] from `rope_cos_sin`
                sin: torch.Tensor, # Same shape as `cos`
               ) -> torch.Tensor: # [B, T, H, d], dtype of `x`
-    "Rotate every adjacent pair `(x[2i], x[2i+1])` of `x` by the angle of its position; computed in fp32."
+    "Rotate every adjacent pair `(x[2i], x[2i+1])` of `x` by the angle of its position; computed in fp32 (fp64 in fp64)."
     if x.dim() != 4:  # [B, T, d] would be read as [T, H, d]: rotated by the batch index
         raise ValueError(f"apply_rope: x must be [B, T, H, d] (H = 1 for a key shared by all heads); got {tuple(x.shape)}")
     if x.shape[-1] != 2 * cos.shape[-1]:
@@ -49,7 +49,8 @@ def apply_rope(x: torch.Tensor, # Vectors to rotate [B, T, H, d]; H may be 1 (a 
     if sin.shape != cos.shape or cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[0] not in (1, x.shape[0])):
         raise ValueError(f"apply_rope: cos and sin must both be [T, d/2], or [B, T, d/2] with B = {x.shape[0]} (or 1); "
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}: make them together with rope_cos_sin")
-    x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, d/2) each
+    ct = torch.promote_types(x.dtype, torch.float32)  # bf16 and fp16 are rotated in fp32; fp64 is not rounded to it
+    x0, x1 = x.to(ct).unflatten(-1, (-1, 2)).unbind(-1)  # (B, T, H, d/2) each
     cos, sin = cos[..., None, :], sin[..., None, :]  # (.., T, 1, d/2): one angle for all heads
     return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2).to(x.dtype)  # (B, T, H, d)
 
