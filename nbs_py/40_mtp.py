@@ -18,7 +18,8 @@
 # **HyMo's heads are parallel, not DeepSeek-V3's sequential modules.** DeepSeek-V3's module $k$
 # combines RMSNorm of the previous depth's hidden state with RMSNorm of the *embedding of the true
 # token* $x_{t+k}$ through a projection, runs a full transformer block on the result and shares the
-# output head; the loss is $\frac{\lambda}{D}\sum_k L_k$. HyMo follows the design document instead:
+# embedding and the output head; the loss is $\frac{\lambda}{D}\sum_k L_k$, each $L_k$ a sum over
+# its $T - k$ positions divided by $T$. HyMo follows the design document instead:
 # every head reads only the trunk's $h_t$, independently of the others, and is a small MLP rather
 # than a transformer block. That costs far less (no attention and no chained dependency between
 # heads, so the heads run in parallel and one forward pass drafts every lookahead token), and it
@@ -561,8 +562,9 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 # ## Why are the weights 0.3 and 0.1 rather than equal?
 # Tokens further ahead are less predictable, so their losses are larger and noisier. Down-weighting
 # keeps the main next-token objective dominant (the total auxiliary weight is 0.4) while still
-# passing a planning signal into the trunk. The values are a tuning choice, not a law; DeepSeek-V3
-# used a single MTP module with weight 0.3 early in training and 0.1 later.
+# passing a planning signal into the trunk. The values are a tuning choice, not a law. They are
+# weights per depth, fixed for the run; DeepSeek-V3's 0.3 then 0.1 is something else, a schedule
+# over training for its single MTP module (0.3 for the first 10 T tokens, 0.1 after).
 # :::
 #
 # ::: {.callout-tip collapse="true"}
@@ -603,7 +605,9 @@ test_eq(new, big.mtp_depth * (2 * big.dim * big.mtp_inter_dim + 2 * big.dim))
 # blockwise parallel decoding) drafted with them, and ProphetNet (Qi et al., 2020) trained with a
 # future n-gram objective. Gloeckle et al., 2024, *Better & Faster Large Language Models via
 # Multi-token Prediction* (Meta), showed it helps as an auxiliary loss in LLM pretraining, with
-# independent output heads (one transformer layer each) on a shared trunk, equally weighted.
+# independent output heads (one transformer layer each) on a shared trunk, equally weighted; the
+# gain grew with model size, and their smallest models (a few hundred million parameters) did worse
+# on code benchmarks with it, a caution at HyMo's 750M.
 # DeepSeek-V3 (2024) chains its MTP modules sequentially, each fed the previous depth's state and the
 # next true token's embedding, so that each prediction depth keeps a causal chain. HyMo's heads are
 # independent, like Gloeckle's, but small MLPs, and down-weighted like DeepSeek-V3's.

@@ -415,6 +415,25 @@ def test_capacity_reads_a_factor_with_a_fine_denominator_exactly():
     assert make(moe_capacity_factor=1.001).capacity(1000) == 501
 
 
+@pytest.mark.parametrize("cf, n, want", [(1.0000001, 400, 101), (1.5000001, 4096, 1537), (1e-7, 400, 1)])
+def test_capacity_reads_a_factor_of_seven_decimals_as_written(cf, n, want):
+    "1.0000001 · 400 · 2 / 8 is just over 100: 101 (the factor read as a fraction of denominator <= 1e6, 1, gave 100)."
+    moe = make(moe_capacity_factor=cf, moe_n_routed=8)
+    assert (moe.top_k, moe.n_routed) == (2, 8)
+    assert moe.capacity(n) == want
+
+
+def test_capacity_of_a_numpy_or_fraction_factor():
+    from fractions import Fraction
+    np = pytest.importorskip("numpy")
+    moe = make(moe_n_routed=8)
+    assert (moe.top_k, moe.n_routed) == (2, 8)
+    moe.capacity_factor = np.float64(1.1)
+    assert moe.capacity(400) == 110  # 11/10, not the float's 110.00000000000001
+    moe.capacity_factor = Fraction(1, 3)
+    assert moe.capacity(24) == 2 and moe.capacity(25) == 3  # 1/3 · 24 · 2 / 8 = 2 exactly; 25 tokens: 2.08
+
+
 @torch.no_grad()
 def test_a_chosen_impl_is_kept_when_decoding(monkeypatch):
     "`impl='loop'` (or 'grouped') is the caller's choice: only 'auto' switches to the gathered path for one token."

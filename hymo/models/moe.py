@@ -169,7 +169,8 @@ class DeepSeekMoE(nn.Module):
         "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
         if self.capacity_factor is None: return None
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
-        cf = Fraction(self.capacity_factor).limit_denominator(10**6) or Fraction(self.capacity_factor)  # not 0 below 5e-7
+        c = self.capacity_factor  # a float as the decimal it prints as (1.1 is 11/10, 1.0000001 stays itself); 1/3 as 1/3
+        cf = Fraction(c) if isinstance(c, numbers.Rational) else Fraction(str(float(c)))
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     @property
