@@ -157,7 +157,7 @@ for T_, tp, tr in zip(Ts, res["parallel"], res["recurrent"]): print(f"T={T_:5d}:
 # constant. Time of the recurrent form grows linearly (slope 1) but starts far higher: each step is
 # a tiny operation, dominated by per-step overhead, and the steps cannot run in parallel. The
 # parallel form's quadratic work runs as large matrix products, so at these lengths it is
-# much faster here (6 to 80 times in the run below) despite doing more arithmetic (the timings are noisy on a shared CPU,
+# much faster here (many times, in the run below) despite doing more arithmetic (the timings are noisy on a shared CPU,
 # so they are printed, not tested; the slopes are the point). The parallel form's time slope can come out
 # below 2 because at the short lengths each call's fixed costs outweigh the arithmetic; between the
 # two longest lengths, where the $T^2$ work dominates, it reaches about 2, or more once the $T \times T$

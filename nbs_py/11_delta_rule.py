@@ -144,7 +144,9 @@ assert errs[-1] < 1e-3 and errs[0] > 0.1
 # *Gated Delta Networks*, ICLR 2025, Eq. 10), per head:
 # $$\boxed{S_t = \alpha_t\,(I - \beta_t k_t k_t^\top)\,S_{t-1} + \beta_t\,k_t v_t^\top, \qquad o_t = S_t^\top(\text{scale}\cdot q_t)}$$
 # with $S \in \mathbb{R}^{K\times V}$, $\alpha_t = e^{g_t}$, $g_t \le 0$, $\beta_t \in (0, 1)$,
-# $q_t, k_t$ L2-normalised and $\text{scale} = K^{-1/2}$. Multiplying out,
+# $q_t, k_t$ L2-normalised and $\text{scale} = K^{-1/2}$ (the paper's Eq. 10 reads $o_t = \mathbf{S}_t q_t$,
+# with no scale; $K^{-1/2}$ is flash-linear-attention's default, and the per-head RMSNorm after the
+# rule, chapter 12, cancels any constant scale up to its $\epsilon$). Multiplying out,
 # $\alpha_t(I - \beta_t k_tk_t^\top)S_{t-1} + \beta_t k_t v_t^\top = S' + \beta_t k_t(v_t - S'^\top k_t)^\top$ with $S' = \alpha_t S_{t-1}$,
 # so the same step is computed as
 # $$S' = \alpha_t S_{t-1}, \qquad u_t = \beta_t\,(v_t - S'^\top k_t), \qquad S_t = S' + k_t u_t^\top :$$
@@ -154,7 +156,7 @@ assert errs[-1] < 1e-3 and errs[0] > 0.1
 # The paper writes the state the other way round, value-major: $\mathbf{S}_t \in \mathbb{R}^{V\times K}$,
 # $\mathbf{S}_t = \mathbf{S}_{t-1}\,\alpha_t(I - \beta_t k_t k_t^\top) + \beta_t v_t k_t^\top$, $o_t = \mathbf{S}_t q_t$.
 # HyMo's $S$ is its transpose, $S = \mathbf{S}^\top$ (key-major, as flash-linear-attention's
-# kernels store the state): transposing the paper's equation gives the box above, term by term.
+# kernels store the state by default): transposing the paper's equation gives the box above, term by term.
 #
 # The decay is kept in log space, $g_t = \log\alpha_t$: products of decays over a span become sums
 # (chapter 12 uses cumulative sums of $g$), and decays close to one stay precise: $g = -10^{-4}$ is
@@ -190,11 +192,14 @@ test_close(sum([g_bf] * 1000, torch.tensor(0., dtype=torch.bfloat16)).exp().item
 # The delta rule also keeps the state in check without any normalisation of $S$: with
 # $\lVert k_t\rVert = 1$, $I - \beta_t k_t k_t^\top$ has eigenvalues $1 - \beta_t$ (along $k_t$) and 1,
 # so it never amplifies, and along $k_t$ the new content is a $\beta_t$-weighted mix of the old read
-# and $v_t$. That rules out exponential growth, $\lVert S_t\rVert \le \lVert S_{t-1}\rVert + \beta_t\lVert v_t\rVert$,
+# and $v_t$. (Any $\beta_t \in [0, 2]$ keeps that eigenvalue in $[-1, 1]$; the sigmoid keeps it
+# positive. Flash-linear-attention's `allow_neg_eigval` takes $\beta = 2\,\sigma(\cdot)$ instead, for
+# the negative eigenvalues that Grazzi et al., ICLR 2025, show help state tracking.) That rules out exponential growth, $\lVert S_t\rVert \le \lVert S_{t-1}\rVert + \beta_t\lVert v_t\rVert$,
 # but it is not a bound by itself: keys that keep landing where the state reads nothing ($S^\top k_t = 0$,
 # possible whenever $V < K$) erase nothing, and the norm grows like $\sqrt t$ as with additive writes.
 # A decay $\alpha_t \le \bar\alpha < 1$ (gating, above) gives a true bound. For typical keys, as here,
-# the delta rule's state settles on the scale of the values, while additive writes grow like $\sqrt t$:
+# the delta rule's state settles at about the size of a state holding one value per key direction it
+# can hold, $\sqrt{\min(K, V)}\,\lVert v\rVert$, while additive writes grow like $\sqrt t$:
 
 # %%
 S_add, S_del, norms = torch.zeros(K, V), torch.zeros(K, V), []
@@ -203,7 +208,8 @@ for t in range(3000):
     S_add = S_add + torch.outer(k_, v_)
     S_del = delta_write(S_del, k_, v_, torch.rand(()).item())
     norms.append((S_add.norm().item(), S_del.norm().item()))
-print(f"|S| after 3000 writes: additive {norms[-1][0]:.0f}, delta rule {norms[-1][1]:.1f} (|v| ~ {math.sqrt(V):.1f})")
+print(f"|S| after 3000 writes: additive {norms[-1][0]:.0f}, delta rule {norms[-1][1]:.1f} "
+      f"(sqrt(min(K, V)) |v| ~ {math.sqrt(min(K, V) * V):.1f})")
 assert norms[-1][0] > 10 * norms[-1][1] and max(n[1] for n in norms) < 3 * math.sqrt(K * V)
 
 # %% [markdown]

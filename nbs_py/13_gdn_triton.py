@@ -142,7 +142,7 @@ assert_close(y, (x * s[:, None]) @ w, rtol=2e-3, atol=2e-3)              # tf32 
 # with $\bar Q = s\,\mathrm{diag}(e^{G}) Q$ (reads the old state), $P = s\,(Q K^\top \odot \Gamma)$
 # (causal, diagonal included) and $\bar K = \mathrm{diag}(e^{G_C - G}) K$ (writes the new one); $s$
 # is the query scale and $G_C$ the last cumulative decay of the chunk. Every exponent is a difference
-# $G_i - G_j \le 0$ for gates $g \le 0$ (the mixer's $-e^{A}\,\mathrm{softplus}(\cdot)$ always is;
+# $G_i - G_j \le 0$ for gates $g \le 0$ (the mixer's $-e^{A_{\log}}\,\mathrm{softplus}(\cdot)$ always is;
 # the rule does not check a hand-given positive gate), masked *before* `exp`: no factor exceeds 1.
 #
 # The letters follow the kernels' variable names, and differ from chapter 12's (and the first

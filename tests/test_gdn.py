@@ -309,6 +309,44 @@ def test_mixer_equals_the_paper_written_out(cfg):
         torch.testing.assert_close(m(x), ref, atol=1e-4, rtol=1e-4)
 
 
+def _conv_by_conv1d(x, w):
+    "Causal depthwise convolution by F.conv1d, in x's dtype: x [B, T, C], w [C, W]."
+    return F.conv1d(F.pad(x.transpose(1, 2), (w.shape[-1] - 1, 0)), w[:, None], groups=x.shape[-1]).transpose(1, 2)
+
+
+def test_conv_and_qk_norm_keep_fp64():
+    "fp64 in, fp64 out to rounding: the conv (both paths) and the q/k norm compute in fp32 at least, not in fp32 (1e-8, 1e-7 off)."
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 50, 7, generator=gen, dtype=torch.float64), torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    ref = _conv_by_conv1d(x, w)
+    y_rows, _ = causal_conv1d(x, w)
+    y_packed, _ = causal_conv1d(x.reshape(1, 100, 7), w, cu_seqlens=torch.tensor([0, 50, 100]))
+    assert y_rows.dtype == y_packed.dtype == torch.float64
+    assert (y_rows - ref).abs().max() < 1e-13 and (y_packed.view(2, 50, 7) - ref).abs().max() < 1e-13
+    h, k, v, W = 2, 5, 3, 4
+    C = h * (2 * k + v)
+    qkv, w = torch.randn(1, 20, C, generator=gen, dtype=torch.float64), torch.randn(C, W, generator=gen, dtype=torch.float64)
+    q, _, _, _ = conv_silu_norm(qkv, w, h, k, head_v_dim=v)
+    q_ref = F.normalize(F.silu(_conv_by_conv1d(qkv, w))[..., :h * k].view(1, 20, h, k), dim=-1)
+    assert q.dtype == torch.float64 and (q - q_ref).abs().max() < 1e-13
+
+
+def test_an_fp64_mixer_equals_the_paper_written_out_to_fp64(cfg):
+    "A .double() mixer computes in fp64 end to end, the gates included (they were taken in fp32: 1e-7 off)."
+    torch.manual_seed(0)
+    m = GatedDeltaNet(cfg).double()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.ndim >= 2: p.copy_(torch.randn_like(p) / math.sqrt(p.shape[-1]))
+        m.dt_bias.copy_(torch.randn_like(m.dt_bias))
+    x = torch.randn(2, 70, cfg.dim, dtype=torch.float64)
+    ref = reference_mixer(m, x)
+    for kernel in ("naive", "torch"):
+        m.kernel = kernel
+        y = m(x)
+        assert y.dtype == torch.float64 and (y - ref).abs().max() < 1e-12 * ref.abs().max(), kernel
+
+
 def _rule_inputs(B=1, T=10, seed=0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen)

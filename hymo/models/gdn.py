@@ -206,7 +206,8 @@ def causal_conv1d(
         if cache is not None and cache.shape != (B, W - 1, C):
             raise ValueError(f"the conv cache must be [{B}, {W - 1}, {C}]; got {tuple(cache.shape)}")
         xp = F.pad(x, (0, 0, W - 1, 0)) if cache is None else torch.cat([cache.to(x.dtype), x], 1)  # (B, W-1+T, C)
-        xf, wf = xp.float(), weight.float()
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 at least; fp64 (the chapters' exact checks) stays
+        xf, wf = xp.to(acc), weight.to(acc)
         y = sum(xf[:, j:j + T] * wf[:, j] for j in range(W)).to(x.dtype)  # summed in fp32, rounded once
         return y, (xp[:, T:].clone() if output_final_state else None)    # the new cache: the last W-1 inputs (a copy,
                                                                           # not a view that would keep all of xp alive)
@@ -222,7 +223,8 @@ def causal_conv1d(
 
     pos = torch.arange(T, device=dev) - cu_seqlens[doc]                    # (T,) position inside the document
     taps = buf[src(doc[:, None], pos[:, None] - torch.arange(W, device=dev))]  # (T, W, C): x_t, x_{t-1}, ...
-    y = (taps.float() * weight.flip(-1).T.float()).sum(1).to(x.dtype).view(1, T, C)  # (B, T, C), summed in fp32, rounded once
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = (taps.to(acc) * weight.flip(-1).T.to(acc)).sum(1).to(x.dtype).view(1, T, C)  # (B, T, C), summed in fp32, rounded once
     new_cache = None
     if output_final_state:
         d = torch.arange(N, device=dev)[:, None]
@@ -260,8 +262,9 @@ def conv_silu_norm(
     y, cache = causal_conv1d(qkv, weight.to(qkv.dtype), cu_seqlens, cache, output_final_state)
     q, k, v = F.silu(y).split([H * K, H * K, H * V], -1)
     # back to the input's dtype (bf16 under autocast, where the norm itself runs in fp32)
-    q = F.normalize(q.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(y.dtype)  # (B, T, H, K), unit norm per head
-    k = F.normalize(k.view(B, T, H, K).float(), dim=-1, eps=1e-6).to(y.dtype)
+    acc = torch.promote_types(y.dtype, torch.float32)  # fp64 stays fp64
+    q = F.normalize(q.view(B, T, H, K).to(acc), dim=-1, eps=1e-6).to(y.dtype)  # (B, T, H, K), unit norm per head
+    k = F.normalize(k.view(B, T, H, K).to(acc), dim=-1, eps=1e-6).to(y.dtype)
     return q, k, v.view(B, T, H, V), cache
 
 # %% ../../nbs/12_gated_deltanet.ipynb #2d96ccf1
@@ -361,8 +364,9 @@ class GatedDeltaNet(nn.Module):
         else:
             q, k, v, conv_state = conv_silu_norm(qkv, w, H, K, cu_seqlens, None if initial_state is None else initial_state.conv,
                                                  output_final_state, V)              # (B, T, H, K) x 2, (B, T, H, V)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # (B, T, H), <= 0
-        beta = b.float().sigmoid()                                                    # (B, T, H), in (0, 1)
+        acc = torch.promote_types(a.dtype, torch.float32)  # the gates in fp32 (fp64 in fp64)
+        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))  # (B, T, H), <= 0
+        beta = b.to(acc).sigmoid()                                                    # (B, T, H), in (0, 1)
         o, S = rule(q, k, v, g, beta, None, None if initial_state is None else initial_state.recurrent,
                                   output_final_state, cu_seqlens)                     # (B, T, H, V)
         o = self.o_norm(o) * F.silu(gate.view(B, T, H, V))
