@@ -510,9 +510,10 @@ class DeepSeekMoE(nn.Module):
         for b in (self.gate_bias, self.ema_counts, self.expert_counts, self.dropped_tokens): b.zero_()
 
     def gate_forward(self, x: torch.Tensor) -> torch.Tensor: # x: [N, d] -> scores [N, E], fp32
-        "Router scores in fp32, autocast off: softmax or sigmoid of `gate(x)`."
+        "Router scores in fp32 (fp64 stays fp64), autocast off: softmax or sigmoid of `gate(x)`."
+        acc = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())  # (N, E)
+            logits = F.linear(x.to(acc), self.gate.weight.to(acc))  # (N, E)
         return logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
 
     def route(self, x: torch.Tensor): # x: [N, d]
@@ -559,7 +560,7 @@ class DeepSeekMoE(nn.Module):
             ys, w = experts_gathered(xf, idx, self.w1, self.w2, self.w3), weight  # (N, k, d), (N, k)
         else:
             ys, w = self._dispatch(xf, idx, weight, score)
-        y = (ys.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d)
+        y = (ys.to(torch.promote_types(ys.dtype, torch.float32)) * w.unsqueeze(-1)).sum(1).to(x.dtype)  # (N, d), in fp32 (fp64: fp64)
         if self.shared is not None: y = y + self.shared(xf)
         return y.view(B, T, d)
 

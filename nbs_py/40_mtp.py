@@ -270,9 +270,10 @@ def lm_loss(logits: torch.Tensor, # Main logits [B, T, V]
     return _weighted_total(_mean_ce(logits, targets), mtp_outputs, lambda o: _mean_ce(o.logits, o.targets))
 
 
-def _mean_ce(logits, targets):  # fp32 mean over the counted targets; 0, not NaN, when none counts
+def _mean_ce(logits, targets):  # fp32 (fp64: fp64) mean over the counted targets; 0, not NaN, when none counts
     n = (targets != IGNORE_INDEX).sum().clamp_min(1)
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten().long(), reduction="sum") / n  # int32 ids too
+    acc = torch.promote_types(logits.dtype, torch.float32)  # fp64 stays fp64
+    return F.cross_entropy(logits.to(acc).flatten(0, -2), targets.flatten().long(), reduction="sum") / n  # int32 ids too
 
 
 # %%

@@ -321,6 +321,15 @@ def test_lm_loss_of_bf16_logits_is_computed_in_fp32():
     torch.testing.assert_close(total, F.cross_entropy(logits.float().flatten(0, 1), t.flatten()), rtol=1e-6, atol=1e-6)
 
 
+def test_lm_loss_of_fp64_logits_is_computed_in_fp64():
+    "fp64 logits (the chapters' exact checks): the cross-entropy in fp64, not rounded through fp32."
+    torch.manual_seed(0)
+    logits, t = torch.randn(2, 6, 3000, dtype=torch.float64) * 3, torch.randint(0, 3000, (2, 6))
+    total, _ = lm_loss(logits, t)
+    want = (logits.logsumexp(-1) - logits.gather(-1, t[..., None])[..., 0]).mean()
+    assert total.dtype == torch.float64 and abs(total - want) < 1e-13
+
+
 def test_a_loss_with_every_target_ignored_is_zero_with_zero_gradients():
     logits = torch.randn(1, 6, 11, requires_grad=True)
     loss = lm_loss(logits, torch.full((1, 6), IGNORE_INDEX), [])[0]
