@@ -186,8 +186,8 @@ class _Stream:
         if now.endswith("\ufffd") and cut - self.mark > 4:  # bytes that are no character (a model drawing junk): a
             cut -= 4                                          # character is at most 4 byte tokens, so all but the last 4
             part = self.tok.decode(self.ids[self.ctx:cut])    # ids are final, if the cut splits nothing: the ids after
-            if part + self.tok.decode(self.ids[cut:]) != now: return  # it decode alone as within `now` (a run of junk
-            now = part                                                # bytes split there would count one U+FFFD more)
+            if part + self.tok.decode(self.ids[cut:]) != now: return  # it decode alone as within `now` (a truncated
+            now = part                                                # character split there would count one U+FFFD more)
         elif now.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens is U+FFFD until complete
         if not now.startswith(before): return  # the decoder rewrote the context: wait (`finish` sends the rest)
         if len(now) > len(before):

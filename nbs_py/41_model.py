@@ -1123,7 +1123,7 @@ ax[1].legend(fontsize=7)
 plt.tight_layout(); plt.show()
 
 # %% [markdown]
-# On the left: near $T = 30$k the MLA attention alone costs as much as all the matrices, while the
+# On the left: near $T = 30$k the MLA attention alone costs as much as all the blocks' matrices, while the
 # GDN term does not grow at all. On the right: at $T = 4096$ HyMo carries about 14 MiB per sequence: about 4 MiB of GDN states and convolution
 # windows, fixed in $T$, and 10 MiB of latent cache growing with it. A 32-layer multi-head-attention transformer with the same
 # heads would cache $2 \cdot 16 \cdot 128$ values per token and layer, about 1 GiB.

@@ -373,8 +373,11 @@ test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 
 #
 # Byte-level BPE (GPT-2's scheme): text is first turned into bytes, each byte mapped to one of 256
 # printable symbols, so every string is encodable and decoding is exact; the GPT-2 regex
-# pre-tokenizer splits words, numbers and punctuation; BPE then learns `vocab_size - 257` merges
-# (256 byte symbols and EOT are fixed). On the 1 MB corpus, training takes under a second on a laptop CPU.
+# pre-tokenizer splits words, numbers and punctuation; BPE then learns up to `vocab_size - 257` merges
+# (256 byte symbols and EOT are fixed; fewer if the text runs out of pairs to merge, which the data
+# CLI reports). No space is added before a document's first word (`add_prefix_space=False`, where the
+# library's default is True): "hello" after an EOT is tokenised as it is, without the `Ġ` of
+# " hello", and chapter 72 encodes prompts the same way. On the 1 MB corpus, training takes under a second on a laptop CPU.
 # The trainer counts merges within words, in time that grows with the square of a word's length, so
 # runs of more than 1000 characters without whitespace (a line of base64, say) are broken up for it
 # first; ordinary text has none. While the trainer merges, no Python runs, so a Ctrl-C would wait for it (seconds
@@ -383,7 +386,9 @@ test_fail(lambda: list(split_train_val(toy, 25, 1.0)), contains="must be in [0, 
 #
 # `encode_special_tokens = True` makes the tokenizer encode a literal `<|endoftext|>` *in the
 # text* as ordinary characters. Without it, a document that quotes the string would inject a
-# document boundary; EOT ids then come only from the pipeline.
+# document boundary; EOT ids then come only from the pipeline. The flag is not saved in
+# `tokenizer.json`: a tokenizer read back with `Tokenizer.from_file` encodes the literal string as
+# EOT again, which is why HyMo's loaders (`tokenizer_from_json`, `load_run`) set it after reading.
 
 # %%
 #| export

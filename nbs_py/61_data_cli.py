@@ -286,7 +286,9 @@ assert "afile is a file, not a folder: choose another --out" in err.getvalue()
 # one machine; beyond that, split the inputs into groups, run one `prepare`-like worker per group
 # writing its own shards, and merge the manifests (token counts add; the tokenizer is trained once
 # on a sample first and passed with `--tokenizer`). The loader reads the shards as one stream, so
-# nothing else changes.
+# nothing else changes, once the merge has numbered the shards as one stream and rebuilt the
+# manifest's fingerprint, sources and checksums. One thing does change: the validation split would
+# be each group's last 10 %, not the corpus's, unless the merge moves it.
 # :::
 #
 # ::: {.callout-tip collapse="true"}

@@ -228,8 +228,8 @@ class _Stream:
         if now.endswith("\ufffd") and cut - self.mark > 4:  # bytes that are no character (a model drawing junk): a
             cut -= 4                                          # character is at most 4 byte tokens, so all but the last 4
             part = self.tok.decode(self.ids[self.ctx:cut])    # ids are final, if the cut splits nothing: the ids after
-            if part + self.tok.decode(self.ids[cut:]) != now: return  # it decode alone as within `now` (a run of junk
-            now = part                                                # bytes split there would count one U+FFFD more)
+            if part + self.tok.decode(self.ids[cut:]) != now: return  # it decode alone as within `now` (a truncated
+            now = part                                                # character split there would count one U+FFFD more)
         elif now.endswith("\ufffd"): return  # byte-level BPE: a character split over tokens is U+FFFD until complete
         if not now.startswith(before): return  # the decoder rewrote the context: wait (`finish` sends the rest)
         if len(now) > len(before):
@@ -421,11 +421,13 @@ assert max(counting.sizes) <= 6, max(counting.sizes)  # the last chunk shown (â˜
 # %% [markdown]
 # Two harder cases. A model that draws bytes that are no character (an undertrained one may) leaves
 # the text ending in `ï¿½` for as long as it goes on; the pieces still come, a few ids behind, each
-# ending where the text splits cleanly (a run of junk bytes decodes as one `ï¿½`, so cut in two it
-# would show one more than the returned text has). And a
-# dataset may be prepared with another kind of tokenizer (`--tokenizer`): a Metaspace decoder, as in
-# Llama 2's, drops the space before the first token of each decode, which is why a piece is decoded
-# with the chunk before it as context.
+# ending where the text splits cleanly (lossy UTF-8 decoding writes one `ï¿½` per maximal ill-formed
+# sequence: a truncated character such as F0 A9 98 is one, each stray byte its own; cut inside such a
+# character, the pieces would show one `ï¿½` more than the returned text has). And a
+# dataset may be prepared with another kind of tokenizer (`--tokenizer`): a decoder that strips the
+# space before the first token of each decode (Metaspace's, or the Replace + ByteFallback + Fuse +
+# Strip sequence of Llama 2's `tokenizer.json`) is why a piece is decoded with the chunk before it
+# as context.
 
 # %%
 from tokenizers import Tokenizer as HFTokenizer, decoders as hf_decoders, models as hf_models
@@ -596,8 +598,8 @@ assert f"more than the 32 the model trained on (train.seq_len): it sees only the
 # of the short convolution, and each MLA layer the latent cache $c_t$ with the shared rope key. A
 # new token then costs one step of the recurrence in each GDN layer, the same at token 10 and token
 # 4 000, and one attention row against the cache in each MLA layer. That row grows with the context
-# in principle; HyMo scores the whole cache it allocated (prompt + new tokens) and masks the rows not
-# yet written, so that every step has the same shapes and replays as one CUDA graph: its cost is the
+# in principle; HyMo scores the whole cache it allocated (prompt + new tokens) and masks the cache
+# slots not yet written, so that every step has the same shapes and replays as one CUDA graph: its cost is the
 # longest text's from the first token, still one row per layer.
 # That is the point of the hybrid: 24 of the 32 layers carry a constant-size state. (HyMo steps the
 # recurrence itself, with the fused recurrent kernel of chapter 13 on a GPU. This holds up to the
