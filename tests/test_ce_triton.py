@@ -9,6 +9,8 @@ import pytest
 import torch
 from _interpret import run_child
 
+import hymo.models.ce_triton as ce
+
 # The references are fp64: torch's fp32 logsumexp on CPU came out a few ulps apart from one process to the next
 # (a relative gradient error of 4.6e-6 against the kernel in some runs, 1.3e-7 in others).
 CHILD = textwrap.dedent('''
@@ -133,3 +135,71 @@ def test_ce_rows_past_int32_offsets():
     r = run_child(FAR_ROWS_CHILD)
     if "skip" in r: pytest.skip(f"a 4 GiB virtual buffer cannot be had here: {r['skip']}")
     assert r["loss"] < 1e-5 and r["dz"] < 1e-2, r
+
+
+# --- the host-side wrapper (from mutation testing) ----------------------------------------------------
+
+class _Recorder:
+    "Stands in for the kernel: records the grid, arguments and options of each launch."
+    def __init__(self): self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.calls.append((grid, a, k))
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    r = _Recorder()
+    monkeypatch.setattr(ce, "_ce_kernel", r)
+    monkeypatch.setattr(ce, "INTERPRET", True)  # the CPU check passes: the recorder launches nothing
+    return r
+
+
+def test_weights_on_another_device_are_refused():
+    "w is read by the kernel like y: on another device the interpreter would read garbage (a GPU: fault)."
+    z, y, w = torch.randn(4, 10), torch.zeros(4, dtype=torch.long), torch.ones(4)
+    with pytest.raises(ValueError, match=r"y and w must be on z's device \(cpu\); got cpu and meta"):
+        ce.triton_ce_chunk(z, y, w.to("meta"), False)
+
+
+def test_logits_of_one_dimension_are_refused_with_the_layout_message():
+    with pytest.raises(ValueError, match="must be \\[rows, classes\\] with class stride 1"):
+        ce.triton_ce_chunk(torch.randn(10), torch.zeros(10, dtype=torch.long), torch.ones(10), False)
+
+
+@pytest.mark.parametrize("y", [torch.zeros(5, dtype=torch.long), torch.zeros(4, 2, dtype=torch.long)])
+def test_targets_of_the_wrong_shape_are_refused(y, recorder):
+    "Extra targets, or [c, 2] targets read flat, would give the rows other rows' targets without a word."
+    with pytest.raises(ValueError, match=r"y and w must be \[4\], one per row of z"):
+        ce.triton_ce_chunk(torch.randn(4, 10), y, torch.ones(4), False)
+    with pytest.raises(ValueError, match=r"y and w must be \[4\], one per row of z"):
+        ce.triton_ce_chunk(torch.randn(4, 10), torch.zeros(4, dtype=torch.long), torch.ones(y.shape), False)
+    assert not recorder.calls
+
+
+def test_block_width_is_capped_by_launch_and_fits_small_vocabularies(recorder, monkeypatch):
+    "BV = min(LAUNCH['BV'], next power of two of V): a 50k vocabulary is walked in 4096-wide blocks, not one 65536 block."
+    monkeypatch.setitem(ce.LAUNCH, "BV", 4096)
+    for V, BV in ((50_000, 4096), (100, 128), (4096, 4096), (1, 1)):
+        recorder.calls.clear()
+        ce.triton_ce_chunk(torch.randn(3, V), torch.zeros(3, dtype=torch.long), torch.ones(3), True)
+        (grid, args, kw), = recorder.calls
+        assert grid == (3,) and args[-1] == BV and kw == {"num_warps": ce.LAUNCH["num_warps"]}, (V, args[-2:], kw)
+
+
+INT32_CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    import hymo.models.ce_triton as ce
+    gen = torch.Generator().manual_seed(0)
+    z, y, w = torch.randn(5, 300, generator=gen), torch.randint(0, 300, (5,), generator=gen), torch.full((5,), 0.2)
+    (l64, g64), (l32, g32) = ce.triton_ce_chunk(z, y, w, True), ce.triton_ce_chunk(z, y.int(), w, True)
+    print("RESULT" + json.dumps(dict(loss=abs(l64.item() - l32.item()), dz=(g64 - g32).abs().max().item())))
+''')
+
+
+def test_int32_targets_are_taken_and_read_as_int64_ones():
+    "The signature says int64 or int32 targets: int32 ones give the same loss and gradient."
+    r = run_child(INT32_CHILD, timeout=300)
+    assert r == dict(loss=0.0, dz=0.0), r

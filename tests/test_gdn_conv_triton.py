@@ -266,3 +266,74 @@ def test_prelude_zero_and_tiny_rows_and_output_dtype():
     assert r["finite"], r
     assert all(e < 1e-5 for e in r["err"].values()), r["err"]
     assert r["dtypes"] == ["torch.bfloat16"] * 3, r["dtypes"]
+
+
+# --- the host-side logic (from mutation testing) ------------------------------------------------------
+
+def test_tile_sizes_refuse_zero_heads_per_program_and_never_exceed_the_heads():
+    from hymo.models.gdn_conv_triton import _tile_sizes
+    with pytest.raises(ValueError, match="must be a power of two, 1 or more; got 0"): _tile_sizes(4, 16, 0)
+    assert _tile_sizes(1, 16) == (1, 16)   # one head: one head per program, not 8 (7 of them masked away)
+    assert _tile_sizes(2, 128) == (1, 128) and _tile_sizes(2, 8) == (2, 8) and _tile_sizes(5, 16) == (8, 16)
+
+
+def test_operator_refuses_weights_on_another_device():
+    "Called directly, conv_silu_norm_fwd refuses a w off x's device (the interpreter skips a meta launch: garbage out)."
+    from hymo.models.gdn_conv_triton import conv_silu_norm_fwd
+    with pytest.raises(ValueError, match=r"must be on x's device \(cpu\); got w on meta"):
+        conv_silu_norm_fwd(torch.randn(1, 8, 96), torch.randn(96, 4, device="meta"), 2, 16, None)
+
+
+HOST_CHILD = textwrap.dedent('''
+    import json, os
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from hymo.models.gdn import conv_silu_norm
+    from hymo.models.gdn_conv_triton import triton_conv_silu_norm
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    H, K, V, T = 2, 16, 16, 10
+    C = 2 * H * K + H * V
+    qkv, w = torch.randn(1, T, C, generator=gen), torch.randn(C, 4, generator=gen) * 0.5
+    for name, wdt in (("bf16_weight", torch.bfloat16), ("fp16_weight", torch.float16)):
+        try:
+            ww = w.to(wdt).requires_grad_()
+            ys = triton_conv_silu_norm(qkv, ww, H, K)
+            ref = conv_silu_norm(qkv, w.to(wdt).float(), H, K)[:3]
+            sum(y.sum() for y in ys).backward()
+            out[name] = dict(err=max((a - b).abs().max().item() for a, b in zip(ys, ref)), grad_dtype=str(ww.grad.dtype))
+        except Exception as e: out[name] = f"{type(e).__name__}: {e}"[:300]
+    try:  # shapes only, on the meta device (what a model built there runs)
+        out["meta"] = [list(t.shape) for t in triton_conv_silu_norm(qkv.to("meta"), w.to("meta"), H, K)]
+    except Exception as e: out["meta"] = f"{type(e).__name__}: {e}"[:300]
+    try:  # a gradient that is one value broadcast (q.sum()): stride 0
+        x = qkv.clone().requires_grad_(); ww = w.clone().requires_grad_()
+        q, k, v = triton_conv_silu_norm(x, ww, H, K); (q.sum() + k.sum() + v.sum()).backward()
+        xr = qkv.clone().requires_grad_(); wr = w.clone().requires_grad_()
+        q, k, v = conv_silu_norm(xr, wr, H, K)[:3]; (q.sum() + k.sum() + v.sum()).backward()
+        out["sum_grads"] = max((x.grad - xr.grad).abs().max().item(), (ww.grad - wr.grad).abs().max().item())
+    except Exception as e: out["sum_grads"] = f"{type(e).__name__}: {e}"[:300]
+    print("RESULT" + json.dumps(out))
+''')
+
+
+@pytest.fixture(scope="module")
+def host_child():
+    return run_child(HOST_CHILD)
+
+
+@pytest.mark.parametrize("name", ["bf16_weight", "fp16_weight"])
+def test_half_precision_conv_weights_are_taken(host_child, name):
+    "A model cast to bf16 hands the wrapper bf16 conv weights: it converts them, as it promises, and the gradient comes back in their dtype."
+    r = host_child[name]
+    assert isinstance(r, dict), r
+    assert r["err"] < 1e-5 and r["grad_dtype"] == ("torch.bfloat16" if name == "bf16_weight" else "torch.float16"), r
+
+
+def test_meta_inputs_give_shapes_without_a_launch(host_child):
+    assert host_child["meta"] == [[1, 10, 2, 16]] * 3, host_child["meta"]
+
+
+def test_broadcast_output_gradients(host_child):
+    "q.sum() gives q a stride-0 gradient: the backward reads it as a dense one."
+    assert isinstance(host_child["sum_grads"], float) and host_child["sum_grads"] < 1e-5, host_child["sum_grads"]

@@ -82,3 +82,10 @@ def test_rmsnorm_gradient_against_the_written_out_formula():
     ((xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps) * wd) * g.double()).sum().backward()
     torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norm.weight.grad.double(), wd.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_default_eps_is_1e_6():
+    "RMSNorm(dim) without eps adds 1e-6, as documented: visible on a row whose mean square is of that order."
+    x = torch.full((1, 4), 1e-3)  # mean square 1e-6: eps=1e-6 halves it under the root, 1e-8 barely shows
+    torch.testing.assert_close(RMSNorm(4)(x), x / (1e-6 + 1e-6) ** 0.5)
+    assert RMSNorm(4).eps == 1e-6

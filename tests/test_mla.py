@@ -630,3 +630,33 @@ def test_block_decoding_is_refused_in_training_mode_and_a_cache_of_another_shape
     other = dataclasses.replace(CFG, mla_kv_lora_rank=CFG.mla_kv_lora_rank * 2)
     with torch.no_grad(), pytest.raises(ValueError, match="MLACache holds"):
         attn.forward_decode(x_(1, 2), MLACache.empty(other, 1, 4))
+
+
+# --- RoPE input checks (from mutation testing) ----------------------------------------------------
+
+def test_positions_with_only_some_fractional_values_are_refused():
+    "One half-position among whole ones is no token's place either (not only all-fractional positions)."
+    with pytest.raises(TypeError, match="positions must be whole numbers"):
+        rope_cos_sin(torch.tensor([0.0, 1.5, 2.0]), 8)
+    rope_cos_sin(torch.tensor([0.0, 1.0, 2.0]), 8)  # whole floats are fine
+
+
+def test_complex_positions_are_refused():
+    "A complex position would lose its imaginary part in positions.float()."
+    with pytest.raises(TypeError, match="positions must be whole numbers"):
+        rope_cos_sin(torch.arange(4).to(torch.complex64), 8)
+
+
+def test_tables_of_four_dimensions_are_refused():
+    "A [1, B, T, d/2] table would broadcast x [B, T, H, d] into a 5-D result without an error."
+    cos, sin = rope_cos_sin(torch.arange(6).expand(2, 6), 8)
+    with pytest.raises(ValueError, match="cos and sin must both be"):
+        apply_rope(torch.randn(2, 6, 2, 8), cos[None], sin[None])
+
+
+def test_a_batch_of_one_table_serves_every_row():
+    "Tables [1, T, d/2] (positions [1, T]) rotate every row of a batch, as the [T, d/2] tables do."
+    x = torch.randn(3, 6, 2, 8)
+    c1, s1 = rope_cos_sin(torch.arange(6)[None], 8)
+    c, s = rope_cos_sin(torch.arange(6), 8)
+    torch.testing.assert_close(apply_rope(x, c1, s1), apply_rope(x, c, s), rtol=0, atol=0)
