@@ -79,7 +79,7 @@ def failures(rows: list[dict]) -> list[str]:
         what = [f"{n} {r[n]:.1e}" for n in NAMES + ["keep_prep_worst"] if n in r and not r[n] <= tol]
         what += [w for w, ok in (("not deterministic", r.get("deterministic", True)), ("not finite", r.get("finite", True)),
                                  ("keep_prep differs from recomputing", r.get("keep_prep_max_abs_vs_recompute", 0) == 0)) if not ok]
-        if what: bad.append(f"{r['kind']} {r.get('decays', 'strong')} {r['dtype']} T={r['T']} K={r['K']}: "
+        if what: bad.append(f"{r['kind']} {r.get('decays', 'strong')} {r['dtype']} T={r['T']} K={r['K']} V={r.get('V', r['K'])}: "
                             + ", ".join(what) + f" (tolerance {tol:.0e})")
     return bad
 
@@ -109,6 +109,8 @@ def parity(B, T, H, K, V, dtype, cu=None, seed=0, decays="strong"):
     res["finite"] = all(bool(torch.isfinite(a).all()) for a in out + kept)  # the kept path is the model's
     return res
 
+SHAPES = {"hymo": (4, 40, 32, 32), "wide": (4, 16, 128, 128), "k64": (4, 16, 64, 64), "k64v16": (4, 16, 64, 16)}  # (B, H, K, V)
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,10 +118,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T = 63 and 256 only (minutes instead of tens of minutes)")
     ap.add_argument("--decays", default="strong,init,weak", help="decay regimes of the chunked checks: " +
                     "; ".join(f"{k}: {v}" for k, v in DECAYS.items()).replace("%", "%%"))  # argparse formats help with %
-    ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed and recurrent checks); wide: H=16, K=V=128")
+    ap.add_argument("--shapes", default="hymo,wide", help="hymo: H=40, K=V=32 (with the packed checks); wide: H=16, K=V=128; "
+                    "k64: H=16, K=V=64 and k64v16: H=16, K=64, V=16 (the key width flash-linear-attention's issue 640 "
+                    "saw fail on Hopper with Triton < 3.7.1)")
     args = ap.parse_args()
-    bad = set(args.shapes.split(",")) - {"hymo", "wide"}
-    if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from hymo, wide (comma-separated)")
+    bad = set(args.shapes.split(",")) - set(SHAPES)
+    if bad: ap.error(f"--shapes: unknown {sorted(bad)}; choose from {', '.join(SHAPES)} (comma-separated)")
     decays = list(dict.fromkeys(args.decays.split(",")))  # each once, in the order given
     unknown = set(decays) - set(DECAYS)
     if unknown: ap.error(f"--decays: unknown {sorted(unknown)}; choose from {', '.join(DECAYS)}")
@@ -128,7 +132,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
     Ts = (63, 256) if args.quick else (63, 256, 1000, 4096)
-    shapes = tuple(s for n, s in (("hymo", (4, 40, 32, 32)), ("wide", (4, 16, 128, 128))) if n in args.shapes.split(","))
+    shapes = tuple(s for n, s in SHAPES.items() if n in args.shapes.split(","))
     if DEV == "cpu": Ts, shapes = (63,), ((1, 2, 16, 16),)
     for dtype in LOW + (torch.float32,):
         for (B, H, K, V) in shapes:
@@ -166,10 +170,10 @@ def main():
                 shapes=args.shapes, metric="relative RMSE ||ref - out|| / ||ref|| against the fp32 loop",
                 decays={k: DECAYS[k] for k in decays}, tolerance=TOL)
     if args.out: Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    worst = max((max(badness(r[n]) for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"]) for r in rows)
-    print("\nkind            decays dtype     T    K   " + "  ".join(f"{n:>7}" for n in NAMES))
+    worst = max((max(badness(r[n]) for n in NAMES if n in r), r["kind"], r["dtype"], r["T"], r["K"], r.get("V", r["K"])) for r in rows)
+    print("\nkind            decays dtype     T    K    V   " + "  ".join(f"{n:>7}" for n in NAMES))
     for r in rows:
-        print(f"{r['kind']:15s} {r.get('decays', 'strong'):6s} {r['dtype']:8s} {r['T']:5d} {r['K']:4d}  " + "  ".join(f"{r[n]:7.1e}" if n in r else "      -" for n in NAMES)
+        print(f"{r['kind']:15s} {r.get('decays', 'strong'):6s} {r['dtype']:8s} {r['T']:5d} {r['K']:4d} {r.get('V', r['K']):4d}  " + "  ".join(f"{r[n]:7.1e}" if n in r else "      -" for n in NAMES)
               + ("" if r.get("deterministic", True) and r.get("finite", True) else "  NONDETERMINISTIC/NONFINITE"))
     print("worst:", worst)
     kept = [r for r in rows if "keep_prep_worst" in r]

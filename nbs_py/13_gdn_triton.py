@@ -95,10 +95,12 @@ def atol_for(gpu: float) -> float:
 #    the block: `tl.load(p, mask=m, other=0.)` reads only where `m` holds and fills zeros elsewhere;
 #    `tl.store(p, x, mask=m)` writes only there.
 # 4. **`tl.dot`.** The product of two tiles (each side at least 16) runs on the tensor cores,
-#    accumulating in fp32. Given fp32 tiles it uses tf32 by default, about 1e-3 relative error on
-#    each product.
-# 5. **Compilation.** Each new combination of `constexpr` values and argument dtypes compiles a new
-#    kernel (cached after). Loops with a bound known only at run time (`range(0, NT)`) stay loops.
+#    accumulating in fp32. Given fp32 tiles it uses tf32 by default (each operand rounded to 10
+#    mantissa bits, a relative error of up to 2^-11, about 5e-4); `input_precision="ieee"` gives
+#    exact fp32 products, off the tensor cores.
+# 5. **Compilation.** Each new combination of `constexpr` values, argument dtypes, launch options
+#    (`num_warps`, `num_stages`) and integer arguments' specialisations (equal to 1, divisible by 16)
+#    compiles a new kernel (cached after). Loops with a bound known only at run time (`range(0, NT)`) stay loops.
 #
 # The kernels below name things the way flash-linear-attention does: `i_` program and loop
 # indices, `o_` offset vectors, `p_` pointer tiles (and `m_` their masks), `b_` tiles of values.
@@ -275,7 +277,7 @@ def _decay_tril(b_g, m, BT: tl.constexpr):
 # $(I + L_{bb})^{-1} = (I - L_{bb})(I + L_{bb}^2)(I + L_{bb}^4)(I + L_{bb}^8)$ (exact, since
 # $L_{bb}^{16} = 0$) sums powers of $L_{bb}$ that grow far beyond the inverse when keys point in
 # similar directions, and the terms cancel. In tf32 it was wrong by 0.13 of $A$'s largest entry on
-# nearly aligned keys. In fp32 it lost two digits against substitution (the tests' hard chunks, in Triton's
+# nearly aligned keys, and by about 1.4 on the tests' hard chunks. In fp32 it lost two digits against substitution (the tests' hard chunks, in Triton's
 # CPU interpreter: $4\times10^{-5}$ against $4\times10^{-7}$). The questions at the end of the
 # chapter list what else was tried; `benchmarks/gdn_prep_solve.py` times and checks these ways.
 #
@@ -1267,9 +1269,11 @@ print(f"round 12 ({k12['meta']['date']}):", ", ".join(f"{n} {v:.3f}" for n, v in
 # %% [markdown]
 # Parity on the GPU, relative RMSE $\lVert \text{ref} - \text{out}\rVert_2 / \lVert\text{ref}\rVert_2$
 # against the fp32 loop on the same bf16 inputs. With these rows' strong decays the errors are
-# about 0.003: about half of that (by RMSE) is the one rounding of a bf16 result (a bf16 rounding alone gives a
-# relative RMSE of 1.7e-3; the kernels' outputs and gradients are bf16, the reference fp32), the
-# rest the roundings inside the kernels (the bf16 $A$, $U$ and state as product operands, above).
+# about 0.003, mostly from the roundings inside the kernels (the bf16 $A$, $U$ and state as product
+# operands, above): the final state and the gradients of the gates, the write strengths and the
+# initial state come back in fp32 and are off by 2.4e-3 to 3.0e-3 all the same. The output and the
+# gradients of $q$, $k$, $v$ are rounded once more, to bf16; a bf16 rounding alone gives a relative
+# RMSE of 1.7e-3, and as errors add in quadrature that is about a quarter of their squared error.
 # The targets were 0.005 for $o$ and the state and 0.01 for the gradients.
 
 # %%
@@ -1323,15 +1327,16 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # Tried and not kept (the first two in earlier rounds, the results chapter; the rest in
 # `benchmarks/gdn_prep_solve.py` and `benchmarks/results/gdn_prep_solve.json`):
 #
-# - Reading each row of the diagonal blocks from a small fp32 scratch in global memory instead of
-#   picking it out of the tile (as flash-linear-attention's solver does): 0.41 ms in the second
+# - Reading each row of the diagonal blocks from global memory instead of picking it out of the tile
+#   (as flash-linear-attention's solver re-reads rows of the stored $L$; its off-diagonal products
+#   are in full fp32, `ieee`, by default, where HyMo's are tf32): 0.41 ms in the second
 #   version, the store, barrier and reloads costing more than the reduction they replace.
 # - No serial steps at all, by doubling on $4\times4$ blocks and merging twice: 0.253 against 0.240
 #   ms for the second version.
 # - The series $(I - L)(I + L^2)(I + L^4)(I + L^8)$ for the $16\times16$ diagonal blocks, six
 #   products each instead of 15 steps. In tf32 it is wrong by 0.13 of $A$'s largest entry when keys
-#   are nearly aligned (0.007 when they only share a direction), and, on the second version's
-#   tile, by 1.4 on the tests' hard chunks: $(L^8)_{ij}$ reaches hundreds (224 at most there; bounded by
+#   are nearly aligned (0.007 when they only share a direction), and by about 1.4 on the tests'
+#   hard chunks (the second version's tile and round 13's blocks alike): $(L^8)_{ij}$ reaches hundreds (224 at most there; bounded by
 #   $\binom{14}{7}\,\ell^8$ for entries $|L_{ij}| \le \ell$, about 1 500 at $\ell = 0.9$ and 2 000 at the 0.937 those
 #   chunks reach), and such terms cancel into entries of size 1. In
 #   `tf32x3` (or exact fp32 products) it is as accurate as $A$'s tf32 products need, but takes
@@ -1413,7 +1418,8 @@ assert all(p[n] <= 0.005 for p in bench["parity"] for n in ("o", "ht")) and all(
 # 264 to 148 bytes per thread and the kernel from 0.489 to 0.459 ms, with the same gradients. In detail:
 # a thread has at most 255 registers, and at 4 warps a $64\times64$ fp32 tile takes 32
 # of each thread's. The kernel holds several such tiles at once: the accumulators $dP$ and $dA$,
-# $A$, and (before commit e93a069) $\Gamma$, $P$ and $KK^\top\odot\Gamma$, kept from before the
+# $A$, $P^\top$ in the inputs' dtype (half a tile's registers in bf16), and (before commit e93a069)
+# $\Gamma$, $P$ and $KK^\top\odot\Gamma$, kept from before the
 # value loop to the end. What does not fit is spilled to local memory. You can see this without a
 # GPU: `benchmarks/gdn_registers.py` compiles the kernels for the H200 (compute capability 9.0),
 # specialised as a launch at HyMo's shape specialises them, and reads `ptxas -v`. The old kernel

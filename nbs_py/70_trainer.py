@@ -1303,11 +1303,27 @@ def fsdp_step(model: nn.Module):
     "An FSDP optimiser step: each block keeps its gathered weights from its first forward to the last backward."
     model.set_reshard_after_forward(False)
     try: yield
+    except BaseException:  # a step cut short (an exception, a Ctrl-C in a notebook): its micro-batches' sums dropped
+        drop_unsharded_grads(model)
+        raise
     finally:  # FSDP's own defaults again: blocks reshard after forward, the root (needed first in backward) does not
         model.set_reshard_after_forward(True)
         model.set_reshard_after_forward(False, recurse=False)
         model.set_reshard_after_backward(True)
         model.set_requires_gradient_sync(True)
+
+
+def drop_unsharded_grads(model: nn.Module):
+    """After an FSDP step cut short: the gradients its micro-batches summed *unsharded* (while `requires_gradient_sync`
+    was off) dropped, and the gathered weights resharded. `zero_grad` sees only the sharded gradients, and FSDP's
+    `reset_iter_state` keeps these sums: left alone, the next step's reduce-scatter would add them in."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None  # (FSDP-2's internals,
+        for p in group.fsdp_params if group is not None else ():                              # torch 2.11 to 2.13)
+            p.unsharded_accumulated_grad = None  # the sum in reduce_dtype, where it differs from the parameters' dtype
+            if hasattr(p, "_unsharded_param"): p._unsharded_param.grad = None  # else the sum sits here
+    model.reset_iter_state()
 
 
 def fsdp_micro_batch(model: nn.Module, last: bool):
@@ -1346,6 +1362,7 @@ def train_step(self: Trainer) -> dict:
     self.model.train()
     for opt in self.optimizers: opt.zero_grad(set_to_none=True)  # a step cut short (an exception, a second Ctrl-C in a
     for m in self.moes: m.expert_counts.zero_(); m.dropped_tokens.zero_()  # notebook) left its gradients and counts
+                                                                           # (FSDP's unsharded ones: `fsdp_step` dropped them)
     totals, n_tokens, flops = {}, 0, 0.0
     with accumulation(self):
         for i in range(self.accum):
@@ -1777,11 +1794,12 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # command finishes the run.) Nothing since the last checkpoint is lost, and the line printed last
 # says how to resume: the same command, with `run_dir=` added if the run
 # made a new timestamped folder, and without `--resume` or `--no-resume` (which would go back to
-# an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint.
+# an older checkpoint, or refuse the folder). A second Ctrl-C stops at once, without a checkpoint
+# (run directly; under `torchrun`, below, it does not reach the ranks as a Ctrl-C).
 #
 # Two more ways a run loses its terminal are handled the same way, with a checkpoint of the step in flight: a
 # hang-up (SIGHUP: the SSH session or the terminal window closed; a run started under `nohup` ignores it, and
-# keeps ignoring it), and a reader of its output going away (`python -m hymo.train | head`, a `tee` that died). Python
+# keeps ignoring it, though not under `torchrun`, below), and a reader of its output going away (`python -m hymo.train | head`, a `tee` that died). Python
 # ignores SIGPIPE and raises `BrokenPipeError` at the next print instead, which would end the run with a
 # traceback and lose every step since the last checkpoint; while `fit` runs, stdout and stderr are wrapped so
 # that the first failed write (EPIPE, or EIO from a hung-up terminal) turns that stream off and asks for a stop,
@@ -1789,15 +1807,25 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # guards its output from the start to the end the same way (`guarded_output`), so a reader gone before training
 # begins stops the run after its first step, and one gone during the final export only silences the rest.
 #
-# Under `torchrun`, Ctrl-C reaches torchrun too, which passes it to every rank (each then stops as
-# above, together) and reports the signal itself: it ends with a `SignalException` traceback and
-# exit status 1, after the ranks have written their checkpoint. That is, if it waits for them:
-# torchrun kills its workers 30 s after the signal unless told otherwise (`--shutdown-timeout`, or
-# the `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` variable), and at 750M the step in flight and a checkpoint
-# of several GB can take about that long (on one H100 a step took 6.8 s and a rank's whole 10.1 GB
-# checkpoint 17 to 22 s to a local disk, `benchmarks/ckpt_save.py`; a shared file system is
-# slower). Give it a few minutes, and your scheduler's grace period (Slurm's
-# `KillWait`) at least as long; a worker killed mid-checkpoint loses the steps since the last one.
+# Under `torchrun` the ranks run in sessions of their own, so a Ctrl-C in the terminal reaches
+# torchrun alone. It passes the signal to every rank (each then stops as above, together) and
+# reports it itself: it ends with a `SignalException` traceback and exit status 1, after the ranks
+# have written their checkpoint. A second Ctrl-C reaches the ranks as SIGTERM, which they answer
+# with a checkpoint too; a third makes torchrun exit at once and leaves the ranks to finish on their
+# own (to stop them at once, signal the rank processes). torchrun catches SIGHUP as well and passes
+# it on whatever `nohup` set, so under torchrun `nohup` alone does not keep a run alive past its
+# terminal: add `--signals-to-handle SIGTERM,SIGINT` (torchrun then leaves SIGHUP to the ranks, which
+# ignore it under `nohup`), or run inside tmux or screen.
+#
+# torchrun also waits for its workers only so long: it kills them 30 s after the signal unless told
+# otherwise (`--shutdown-timeout`, or the `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` variable), and at 750M
+# the step in flight and a checkpoint of several GB can take about that long (on one H100 a step
+# took 6.8 s and a rank's whole 10.1 GB checkpoint 17 to 22 s to a local disk,
+# `benchmarks/ckpt_save.py`; a shared file system is slower). Give it a few minutes. A scheduler's
+# own grace is usually short and not yours to set: at the time limit Slurm waits `KillWait` (a
+# cluster setting, often 30 s) between SIGTERM and SIGKILL, so ask for an early signal instead
+# (`#SBATCH --signal=TERM@300` with `srun torchrun ...`: SIGTERM five minutes before the limit). A
+# worker killed mid-checkpoint loses the steps since the last one.
 
 # %%
 #| export
@@ -1906,8 +1934,8 @@ class StopSignals:
 # `fit` is the loop around `train_step`: metrics, validation, checkpoints, stops. On a CPU it first
 # checks the size of a step: `hymo_750m` there would take about 6 hours a step at 100 GFLOP/s
 # ($4.4 \times 10^9$ FLOPs for each of 524 288 tokens) and some 15 GB for its weights, gradients and
-# optimiser states (4 bytes each for the weights and gradients; NorMuon keeps one momentum, AdamW
-# two moments), so such a run begins with a line that says so rather than going quiet for hours
+# optimiser states (4 bytes each for the weights and gradients; NorMuon keeps one momentum and a
+# number per row, AdamW two moments), so such a run begins with a line that says so rather than going quiet for hours
 # (or being killed for memory without a word).
 
 # %%
@@ -2396,9 +2424,10 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # ## Why does `parallelize` apply activation checkpointing, compile and `fully_shard` in that order?
 # Each wraps what the previous step produced. Checkpointing must wrap the plain block so that the
 # recomputation replays the block's own forward; compiling the checkpointed block lets the compiler
-# see (and fuse) the recomputation; `fully_shard` goes on last so that its all-gather and
-# reduce-scatter hooks sit outside the compiled region and run around each block, not inside its
-# graph (`fsdp_step` then gathers each block once per step and reduce-scatters on the last backward). The root is sharded after the blocks so that it owns only what is left: the
+# see (and fuse) the recomputation; `fully_shard` goes on last, the order torchtitan uses. Its
+# all-gather and reduce-scatter hooks stay out of the compiled graph either way (FSDP-2 marks them
+# for dynamo to skip, and `Module.compile` runs a module's hooks around the compiled forward); they
+# run around each block (`fsdp_step` then gathers each block once per step and reduce-scatters on the last backward). The root is sharded after the blocks so that it owns only what is left: the
 # embedding, the final norm and the MTP heads.
 # :::
 #
@@ -2407,7 +2436,8 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # Everything that influences the next step: the weights, both optimisers' moments and momentum
 # buffers, the learning-rate schedule's position (here just the step), the MoE gate biases and EMA
 # counts (buffers, so they are in the model's state dict), the data loader's position, and the RNG
-# states. Missing any one makes the resumed run diverge; the MoE EMA counts are the one the design
+# states (nothing in HyMo's step draws from them today; dropout or random augmentation would).
+# Missing any one of the others makes the resumed run diverge; the MoE EMA counts are the one the design
 # document left out (it registered them as non-persistent).
 # :::
 #
@@ -2415,8 +2445,8 @@ test_eq((t5.step, (run / "checkpoints" / "damaged-step_000012-2").exists()), (6,
 # ## Why write a checkpoint to a temporary folder and rename it?
 # A process can die mid-write (pre-emption, out of disk). If the checkpoint were written in place,
 # a half-written folder would look like the newest checkpoint and the resume would fail or, worse,
-# load garbage. Renaming a finished folder is atomic on one filesystem, so the newest complete
-# checkpoint is always a good one; an incomplete `.tmp` leftover is never read, and the next start
+# load garbage. Renaming a finished folder is atomic on one filesystem (and durable once the files
+# and the folders are flushed to disk, as `save` does with `to_disk`), so the newest complete checkpoint is always a good one; an incomplete `.tmp` leftover is never read, and the next start
 # removes it (a complete one newer than every checkpoint, whose rename alone was cut short, is
 # renamed and resumed from).
 # :::

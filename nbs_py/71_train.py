@@ -40,8 +40,8 @@
 # |---|---|---|
 # | finished | 0 | final checkpoint, `summary.json`, `model.safetensors` |
 # | Ctrl-C or SIGTERM (chapter 70) | 130 or 143 (128 + the signal) | a checkpoint of the last finished step |
-# | SIGHUP (the terminal closed, unless under `nohup`), or SIGPIPE (the program reading its output, such as `head`, exited) | 129 or 141 | a checkpoint of the last finished step |
-# | a second Ctrl-C | 130 | the checkpoints written so far |
+# | SIGHUP (the terminal closed, unless under `nohup`; under `torchrun` see chapter 70), or SIGPIPE (the program reading its output, such as `head`, exited) | 129 or 141 | a checkpoint of the last finished step |
+# | a second Ctrl-C (run directly; under `torchrun` it reaches the ranks as SIGTERM) | 130 | the checkpoints written so far |
 # | too many non-finite steps in a row | 1 | the last good checkpoint, named in the message |
 # | no space, quota, a read-only or forbidden file | 1 | the checkpoints written so far (no partial one) |
 # | a damaged shard, found as it is read (an id beyond the vocabulary) | 1 | the checkpoints written so far |

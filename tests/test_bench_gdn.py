@@ -62,4 +62,4 @@ def test_gdn_verify_fails_a_kernel_a_few_percent_off():
     assert res["status"] == 0 and "FAILED" not in res["stderr"], res
     res = run_child(VERIFY.replace("FACTOR", "1.03"))
     assert res["status"] == 1 and "FAILED: 4 of 6 cases" in res["stderr"], res  # the chunked and packed cases; not the fused recurrent
-    assert "chunk strong float32 T=63 K=16: o 3.0e-02, ht 3.0e-02" in res["stderr"], res
+    assert "chunk strong float32 T=63 K=16 V=16: o 3.0e-02, ht 3.0e-02" in res["stderr"], res

@@ -3210,3 +3210,48 @@ def test_training_mode_comes_back_after_a_validation_that_failed(tmp_path, monke
     monkeypatch.setattr(HyMo, "forward", real)
     t.model.eval()  # however it got there, a training step trains in training mode
     assert "moe0/moe_load_max_mean" in t.train_step() and t.model.training
+
+
+CUT_SHORT_FSDP = '''
+import json, os, socket
+import torch.distributed as dist
+from hymo.config import load_config
+from hymo.training.trainer import Trainer
+with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)  # one rank: the Trainer shards with FSDP-2, as under torchrun
+out = {}
+for precision in ("fp32", "bf16"):  # bf16: FSDP sums the micro-batches in unsharded_accumulated_grad; fp32: in .grad
+    cfg = load_config("hymo_tiny", seq_len=32, micro_batch_size=2, global_batch_size=4, max_steps=4, warmup_steps=1,
+                      eval_every=0, ckpt_every=0, sample_tokens=4, precision=precision)
+    clean = Trainer(cfg.model, cfg.train, run_dir=f"clean_{precision}", resume=False, quiet=True)
+    want = clean.train_step()
+    cut = Trainer(cfg.model, cfg.train, run_dir=f"cut_{precision}", resume=False, quiet=True)
+    batches = iter(cut.train_loader)
+    def second_raises():
+        yield next(batches)
+        raise KeyboardInterrupt  # the step's second micro-batch never comes: a Ctrl-C in a notebook
+    cut._train_iter = second_raises()
+    try: cut.train_step()
+    except KeyboardInterrupt: pass
+    cut.train_loader.step = 0; cut._train_iter = iter(cut.train_loader)  # the same data again, from the start
+    got = cut.train_step()
+    out[precision] = dict(fsdp=hasattr(cut.model, "set_requires_gradient_sync"), accum=cut.accum,
+                          loss=[want["loss"], got["loss"]], grad_norm=[want["grad_norm"], got["grad_norm"]])
+print("RESULT" + json.dumps(out), flush=True)
+os._exit(0)  # no teardown of gloo's threads (see test_optim's two-rank test)
+'''
+
+
+def test_an_fsdp_step_cut_short_leaves_no_gradient_for_the_next(tmp_path):
+    """A step cut short after some micro-batches (a Ctrl-C in a notebook), then the step again: it equals a clean step.
+    Its micro-batches had summed into FSDP's unsharded gradients, which zero_grad does not see: the next step added
+    them in (grad norm 6.02 where 3.75 was right)."""
+    r = subprocess.run([sys.executable, "-c", CUT_SHORT_FSDP], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS})
+    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line, r.stderr[-3000:]
+    for precision, res in json.loads(line[6:]).items():
+        assert res["fsdp"] and res["accum"] == 2, res
+        assert res["loss"][1] == pytest.approx(res["loss"][0], rel=1e-6), (precision, res)
+        assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), (precision, res)

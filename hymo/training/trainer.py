@@ -48,10 +48,10 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULT
            'tmp_checkpoints', 'cut_short_renames', 'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable',
            'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'steps_differ',
            'schedule_jump', 'trim_metrics', 'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir',
-           'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step', 'fsdp_micro_batch',
-           'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load',
-           'metric_line', 'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish',
-           'write_safetensors', 'sample', 'plot_losses']
+           'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
+           'drop_unsharded_grads', 'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate',
+           'save', 'before_decay', 'pruned', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
+           'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -1004,11 +1004,27 @@ def fsdp_step(model: nn.Module):
     "An FSDP optimiser step: each block keeps its gathered weights from its first forward to the last backward."
     model.set_reshard_after_forward(False)
     try: yield
+    except BaseException:  # a step cut short (an exception, a Ctrl-C in a notebook): its micro-batches' sums dropped
+        drop_unsharded_grads(model)
+        raise
     finally:  # FSDP's own defaults again: blocks reshard after forward, the root (needed first in backward) does not
         model.set_reshard_after_forward(True)
         model.set_reshard_after_forward(False, recurse=False)
         model.set_reshard_after_backward(True)
         model.set_requires_gradient_sync(True)
+
+
+def drop_unsharded_grads(model: nn.Module):
+    """After an FSDP step cut short: the gradients its micro-batches summed *unsharded* (while `requires_gradient_sync`
+    was off) dropped, and the gathered weights resharded. `zero_grad` sees only the sharded gradients, and FSDP's
+    `reset_iter_state` keeps these sums: left alone, the next step's reduce-scatter would add them in."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None  # (FSDP-2's internals,
+        for p in group.fsdp_params if group is not None else ():                              # torch 2.11 to 2.13)
+            p.unsharded_accumulated_grad = None  # the sum in reduce_dtype, where it differs from the parameters' dtype
+            if hasattr(p, "_unsharded_param"): p._unsharded_param.grad = None  # else the sum sits here
+    model.reset_iter_state()
 
 
 def fsdp_micro_batch(model: nn.Module, last: bool):
@@ -1047,6 +1063,7 @@ def train_step(self: Trainer) -> dict:
     self.model.train()
     for opt in self.optimizers: opt.zero_grad(set_to_none=True)  # a step cut short (an exception, a second Ctrl-C in a
     for m in self.moes: m.expert_counts.zero_(); m.dropped_tokens.zero_()  # notebook) left its gradients and counts
+                                                                           # (FSDP's unsharded ones: `fsdp_step` dropped them)
     totals, n_tokens, flops = {}, 0, 0.0
     with accumulation(self):
         for i in range(self.accum):
