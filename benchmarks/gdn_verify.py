@@ -2,8 +2,8 @@
 
     python benchmarks/gdn_verify.py --out /tmp/gdn_verify.json [--quick] [--decays strong] [--shapes hymo]
 
-For each dtype (bf16, fp32), T in {63, 256, 1000, 4096} ({63, 256} with --quick), head shape (H=40, K=V=32) /
-(H=16, K=V=128) and decay regime (strong, the mixer's initialisation, weak: --decays):
+For each dtype (bf16, fp32), T in {63, 256, 1000, 4096} ({63, 256} with --quick), head shape (--shapes: hymo,
+H=40, K=V=32; wide, H=16, K=V=128; and on request k64, H=16, K=V=64, and k64v16, H=16, K=64, V=16) and decay regime (strong, the mixer's initialisation, weak: --decays):
 relative RMSE ||ref - out|| / ||ref|| of o, the final state and the gradients of q, k, v, g, beta and
 the initial state. The reference is the fp32 loop, differentiated by autograd, on the same (rounded)
 inputs upcast to fp32. Long runs of the loop use a smaller batch (B in the table). Also: packed

@@ -509,7 +509,7 @@ class DeepSeekMoE(nn.Module):
         if self.shared is not None: self.shared.reset_parameters(self.init_std)
         for b in (self.gate_bias, self.ema_counts, self.expert_counts, self.dropped_tokens): b.zero_()
 
-    def gate_forward(self, x: torch.Tensor) -> torch.Tensor: # x: [N, d] -> scores [N, E], fp32
+    def gate_forward(self, x: torch.Tensor) -> torch.Tensor: # x: [N, d] -> scores [N, E], fp32 (fp64 for fp64 x)
         "Router scores in fp32 (fp64 stays fp64), autocast off: softmax or sigmoid of `gate(x)`."
         acc = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
@@ -528,8 +528,7 @@ class DeepSeekMoE(nn.Module):
         "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
         if self.capacity_factor is None: return None
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
-        c = self.capacity_factor  # a float as the decimal it prints as (1.1 is 11/10, 1.0000001 stays itself); 1/3 as 1/3
-        cf = Fraction(c) if isinstance(c, numbers.Rational) else Fraction(str(float(c)))
+        cf = self._capacity_fraction  # read once, where it is set (no str() of a traced SymFloat)
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     @property
@@ -540,6 +539,9 @@ class DeepSeekMoE(nn.Module):
         if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf):
             raise ValueError(f"DeepSeekMoE.capacity_factor={value!r}: give a positive number, or None for dropless routing")
         self._capacity_factor = None if value is None else float(value)  # (numpy's float32 is no Fraction)
+        # a float as the decimal it prints as (1.1 is 11/10, np.float32(1.1) too, 1.0000001 stays itself); 1/3 as 1/3
+        self._capacity_fraction = (None if value is None else Fraction(value) if isinstance(value, numbers.Rational)
+                                   else Fraction(str(value)))
 
     @property
     def impl(self) -> str: return self._impl

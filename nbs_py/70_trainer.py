@@ -1301,10 +1301,13 @@ def _grad_norm(self: Trainer) -> torch.Tensor:
 @contextmanager
 def fsdp_step(model: nn.Module):
     "An FSDP optimiser step: each block keeps its gathered weights from its first forward to the last backward."
+    drop_unsharded_grads(model, reset=False)  # none after a whole step; a step whose clean-up a second Ctrl-C cut left some
     model.set_reshard_after_forward(False)
     try: yield
     except BaseException:  # a step cut short (an exception, a Ctrl-C in a notebook): its micro-batches' sums dropped
-        drop_unsharded_grads(model)
+        try: drop_unsharded_grads(model)
+        except Exception as e:  # never in place of what cut the step; the next step drops the sums before it starts
+            warnings.warn(f"after the step cut short, FSDP's gathered weights could not be resharded ({e!r})")
         raise
     finally:  # FSDP's own defaults again: blocks reshard after forward, the root (needed first in backward) does not
         model.set_reshard_after_forward(True)
@@ -1313,7 +1316,7 @@ def fsdp_step(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def drop_unsharded_grads(model: nn.Module):
+def drop_unsharded_grads(model: nn.Module, reset: bool = True):
     """After an FSDP step cut short: the gradients its micro-batches summed *unsharded* (while `requires_gradient_sync`
     was off) dropped, and the gathered weights resharded. `zero_grad` sees only the sharded gradients, and FSDP's
     `reset_iter_state` keeps these sums: left alone, the next step's reduce-scatter would add them in."""
@@ -1323,7 +1326,8 @@ def drop_unsharded_grads(model: nn.Module):
         for p in group.fsdp_params if group is not None else ():                              # torch 2.11 to 2.13)
             p.unsharded_accumulated_grad = None  # the sum in reduce_dtype, where it differs from the parameters' dtype
             if hasattr(p, "_unsharded_param"): p._unsharded_param.grad = None  # else the sum sits here
-    model.reset_iter_state()
+    if not reset or getattr(model._get_fsdp_state(), "_is_root", True) is None: return  # no forward yet: nothing gathered,
+    if hasattr(model, "reset_iter_state"): model.reset_iter_state()  # and FSDP's lazy init has not made what this reads
 
 
 def fsdp_micro_batch(model: nn.Module, last: bool):

@@ -2,6 +2,7 @@
 exactly the over-capacity assignments, the balancing rules move the right way, resume is exact."""
 import copy
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -597,3 +598,27 @@ def test_a_tiny_capacity_factor_still_gives_each_expert_a_slot():
     moe = make(moe_capacity_factor=1e-7)
     assert moe.capacity(4096) == 1  # ceil(1e-7 · 4096 · k / E)
     assert make(moe_capacity_factor=1.1).capacity(400) == -(-11 * 400 * moe.top_k // (10 * moe.n_routed))
+
+
+def test_capacity_traces_with_dynamic_shapes():
+    "capacity() in integers for a traced n_tokens too: the factor's fraction is made where it is set, not traced (str() of a SymFloat)."
+    moe = make(moe_capacity_factor=1.1, moe_n_routed=8)
+    f = torch.compile(lambda x: x.new_zeros(moe.capacity(x.shape[0])), fullgraph=True, dynamic=True, backend="eager")
+    for n in (400, 401, 1000):
+        assert f(torch.randn(n)).shape[0] == moe.capacity(n)
+
+
+def test_a_numpy_float32_factor_is_read_as_the_decimal_it_prints_as():
+    "np.float32(1.1) prints as 1.1 (as a float it is 1.100000023841858: 111 slots where 1.1 gives 110)."
+    np = pytest.importorskip("numpy")
+    moe = make(moe_n_routed=8)
+    moe.capacity_factor = np.float32(1.1)
+    assert moe.capacity(400) == make(moe_capacity_factor=1.1, moe_n_routed=8).capacity(400) == 110
+
+
+def test_a_fraction_factor_is_kept_exact():
+    "A Fraction is kept exact (stored as a float it was 0.3333333333333333: off at a large enough N)."
+    moe = make(moe_n_routed=8)
+    moe.capacity_factor = Fraction(1, 3)
+    n = 3 * 8 * 10**16 + 4  # 1/3 * n * 2 / 8 = 2e16 + 1/3 exactly: ceil 2e16 + 1
+    assert moe.capacity(n) == 2 * 10**16 + 1

@@ -3255,3 +3255,43 @@ def test_an_fsdp_step_cut_short_leaves_no_gradient_for_the_next(tmp_path):
         assert res["fsdp"] and res["accum"] == 2, res
         assert res["loss"][1] == pytest.approx(res["loss"][0], rel=1e-6), (precision, res)
         assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), (precision, res)
+
+
+CUT_BEFORE_FIRST_FORWARD = '''
+import json, os, socket
+import torch.distributed as dist
+from hymo.config import load_config
+from hymo.training.trainer import Trainer
+with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+cfg = load_config("hymo_tiny", seq_len=32, micro_batch_size=2, global_batch_size=4, max_steps=4, warmup_steps=1,
+                  eval_every=0, ckpt_every=0, sample_tokens=4, precision="bf16")
+clean = Trainer(cfg.model, cfg.train, run_dir="clean", resume=False, quiet=True)
+want = clean.train_step()
+t = Trainer(cfg.model, cfg.train, run_dir="cut", resume=False, quiet=True)  # no forward has run through it yet
+def first_raises():
+    raise KeyboardInterrupt  # Ctrl-C while the first step's first micro-batch loads
+    yield
+t._train_iter = first_raises()
+try: t.train_step(); raised = None
+except BaseException as e: raised = type(e).__name__
+t._train_iter = iter(t.train_loader)
+got = t.train_step()
+print("RESULT" + json.dumps(dict(raised=raised, fsdp=hasattr(t.model, "set_requires_gradient_sync"),
+                                 grad_norm=[want["grad_norm"], got["grad_norm"]])), flush=True)
+os._exit(0)
+'''
+
+
+def test_a_step_cut_before_fsdps_first_forward_raises_its_own_exception(tmp_path):
+    """A Ctrl-C (or a data error) before the first forward of an FSDP model: drop_unsharded_grads' reset_iter_state
+    read FSDP's communication state, which lazy init had not made yet, and raised AttributeError in its place."""
+    r = subprocess.run([sys.executable, "-c", CUT_BEFORE_FIRST_FORWARD], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS})
+    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line, r.stderr[-3000:]
+    res = json.loads(line[6:])
+    assert res["fsdp"], res
+    assert res["raised"] == "KeyboardInterrupt", res
+    assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), res
