@@ -1321,11 +1321,13 @@ def drop_unsharded_grads(model: nn.Module, reset: bool = True):
     was off) dropped, and the gathered weights resharded. `zero_grad` sees only the sharded gradients, and FSDP's
     `reset_iter_state` keeps these sums: left alone, the next step's reduce-scatter would add them in."""
     from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None  # (FSDP-2's internals,
-        for p in group.fsdp_params if group is not None else ():                              # torch 2.11 to 2.13)
-            p.unsharded_accumulated_grad = None  # the sum in reduce_dtype, where it differs from the parameters' dtype
-            if hasattr(p, "_unsharded_param"): p._unsharded_param.grad = None  # else the sum sits here
+    for m in model.modules():  # FSDP-2's internals (torch 2.13), read with care: a torch without them skips the drop
+        state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None: groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+        for p in (p for g in groups for p in getattr(g, "fsdp_params", ())):
+            if hasattr(p, "unsharded_accumulated_grad"): p.unsharded_accumulated_grad = None  # the sum in reduce_dtype
+            if getattr(p, "_unsharded_param", None) is not None: p._unsharded_param.grad = None  # else the sum sits here
     if not reset or getattr(model._get_fsdp_state(), "_is_root", True) is None: return  # no forward yet: nothing gathered,
     if hasattr(model, "reset_iter_state"): model.reset_iter_state()  # and FSDP's lazy init has not made what this reads
 

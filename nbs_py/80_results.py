@@ -316,7 +316,10 @@ if tl_row:
 #   empty, compiling took the verifier past the 150 s that `h200_train_step.sh kernels` gave it
 #   (killed in its 22nd case of 30), and `gdn_prep_solve.py` past its 120 s: both limits are now 300 s,
 #   and the `kernels` part then passed in 137 s (exit 0). The rule alone at the 750M shape: Triton
-#   0.337 ms forward and 1.279 ms forward and backward, PyTorch chunked 20.98 and 83.36 ms.
+#   0.337 ms forward and 1.279 ms forward and backward, PyTorch chunked 20.98 and 83.36 ms. Later
+#   calls to check 16-bit keys 64 wide (`gdn_verify.py --shapes k64,k64v16`, the width
+#   flash-linear-attention's issue 640 saw fail on Hopper before Triton 3.7.1) got no machine, and
+#   the session's device time ran out: that shape is unchecked, and the wrapper warns at it.
 # * **Round 42 (2026-12-07): an H100 80GB HBM3 (torch 2.11, Triton 3.6), given when an H200 was
 #   asked for; commit 411837c, whose step is round 41's.** One call: the preset step 6.892 and
 #   6.909 s (33.9 % MFU, 75.9 k tokens/s, 50.6 GB allocated, 52.8 GB reserved), 2.5 % slower than
