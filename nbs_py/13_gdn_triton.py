@@ -998,7 +998,7 @@ def _pad_last(x: Optional[torch.Tensor], *sizes: int) -> Optional[torch.Tensor]:
 
 def unverified_shape(dtype: torch.dtype, Kp: int, capability: tuple[int, int], triton_version: str) -> bool:
     """16-bit keys padded to 64 on Hopper (compute capability 9.x) under Triton < 3.7.1: the shape flash-linear-attention's
-    issue 640 saw its gated chunk backward get wrong there, and one HyMo's kernels have not been checked at on a GPU."""
+    issue 640 saw its gated chunk backward get wrong there, and one at which HyMo's kernels have not been checked on a GPU."""
     old = tuple(int(x) for x in triton_version.split("+")[0].split(".")[:3] if x.isdigit()) < (3, 7, 1)
     return dtype in (torch.bfloat16, torch.float16) and Kp == 64 and capability[0] == 9 and old
 
