@@ -526,19 +526,19 @@ class DeepSeekMoE(nn.Module):
 
     def capacity(self, n_tokens: int) -> int | None:
         "C = ceil(capacity_factor · N · k / E) assignments per expert, or None (dropless); `_dispatch` applies it in training only."
-        if self.capacity_factor is None: return None
+        cf = self._capacity_fraction  # made where the factor is set (no str() of a traced SymFloat)
+        if cf is None: return None
         # in integers (a traced n_tokens too): 1.1 · 400 · 2 / 8 is 110.00000000000001 in floats, whose ceiling is 111
-        cf = self._capacity_fraction  # read once, where it is set (no str() of a traced SymFloat)
         return -(-(cf.numerator * n_tokens * self.top_k) // (cf.denominator * self.n_routed))
 
     @property
-    def capacity_factor(self) -> float | None: return self._capacity_factor
+    def capacity_factor(self) -> float | None:
+        return None if self._capacity_fraction is None else float(self._capacity_fraction)
 
     @capacity_factor.setter
     def capacity_factor(self, value: float | None):  # 0 would drop every assignment without a word
         if value is not None and not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf):
             raise ValueError(f"DeepSeekMoE.capacity_factor={value!r}: give a positive number, or None for dropless routing")
-        self._capacity_factor = None if value is None else float(value)  # (numpy's float32 is no Fraction)
         # a float as the decimal it prints as (1.1 is 11/10, np.float32(1.1) too, 1.0000001 stays itself); 1/3 as 1/3
         self._capacity_fraction = (None if value is None else Fraction(value) if isinstance(value, numbers.Rational)
                                    else Fraction(str(value)))

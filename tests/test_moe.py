@@ -435,17 +435,6 @@ def test_capacity_reads_a_factor_of_seven_decimals_as_written(cf, n, want):
     assert moe.capacity(n) == want
 
 
-def test_capacity_of_a_numpy_or_fraction_factor():
-    from fractions import Fraction
-    np = pytest.importorskip("numpy")
-    moe = make(moe_n_routed=8)
-    assert (moe.top_k, moe.n_routed) == (2, 8)
-    moe.capacity_factor = np.float64(1.1)
-    assert moe.capacity(400) == 110  # 11/10, not the float's 110.00000000000001
-    moe.capacity_factor = Fraction(1, 3)
-    assert moe.capacity(24) == 2 and moe.capacity(25) == 3  # 1/3 · 24 · 2 / 8 = 2 exactly; 25 tokens: 2.08
-
-
 @torch.no_grad()
 def test_a_chosen_impl_is_kept_when_decoding(monkeypatch):
     "`impl='loop'` (or 'grouped') is the caller's choice: only 'auto' switches to the gathered path for one token."
@@ -609,11 +598,14 @@ def test_capacity_traces_with_dynamic_shapes():
 
 
 def test_a_numpy_float32_factor_is_read_as_the_decimal_it_prints_as():
-    "np.float32(1.1) prints as 1.1 (as a float it is 1.100000023841858: 111 slots where 1.1 gives 110)."
+    "np.float32(1.1) prints as 1.1 (as a float it is 1.100000023841858: 111 slots where 1.1 gives 110); np.float64 too."
     np = pytest.importorskip("numpy")
     moe = make(moe_n_routed=8)
+    assert (moe.top_k, moe.n_routed) == (2, 8)
     moe.capacity_factor = np.float32(1.1)
     assert moe.capacity(400) == make(moe_capacity_factor=1.1, moe_n_routed=8).capacity(400) == 110
+    moe.capacity_factor = np.float64(1.1)
+    assert moe.capacity(400) == 110  # 11/10, not the float's 110.00000000000001
 
 
 def test_a_fraction_factor_is_kept_exact():
@@ -622,3 +614,4 @@ def test_a_fraction_factor_is_kept_exact():
     moe.capacity_factor = Fraction(1, 3)
     n = 3 * 8 * 10**16 + 4  # 1/3 * n * 2 / 8 = 2e16 + 1/3 exactly: ceil 2e16 + 1
     assert moe.capacity(n) == 2 * 10**16 + 1
+    assert moe.capacity(24) == 2 and moe.capacity(25) == 3  # 1/3 · 24 · 2 / 8 = 2 exactly; 25 tokens: 2.08

@@ -3212,7 +3212,8 @@ def test_training_mode_comes_back_after_a_validation_that_failed(tmp_path, monke
     assert "moe0/moe_load_max_mean" in t.train_step() and t.model.training
 
 
-CUT_SHORT_FSDP = '''
+
+ONE_RANK_FSDP = """
 import json, os, socket
 import torch.distributed as dist
 from hymo.config import load_config
@@ -3220,10 +3221,26 @@ from hymo.training.trainer import Trainer
 with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)  # one rank: the Trainer shards with FSDP-2, as under torchrun
+def config(precision):
+    return load_config("hymo_tiny", seq_len=32, micro_batch_size=2, global_batch_size=4, max_steps=4, warmup_steps=1,
+                       eval_every=0, ckpt_every=0, sample_tokens=4, precision=precision)
+"""
+
+
+def one_rank_fsdp(body: str, tmp_path):
+    "Run `body` after ONE_RANK_FSDP in a fresh process; what it printed after RESULT, read as JSON."
+    script = ONE_RANK_FSDP + body + '\nprint("RESULT" + json.dumps(out), flush=True)\nos._exit(0)  # no teardown of gloo\'s threads (see test_optim)\n'
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS})
+    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT")), None)
+    assert line, r.stderr[-3000:]
+    return json.loads(line[6:])
+
+
+CUT_SHORT_FSDP = """
 out = {}
 for precision in ("fp32", "bf16"):  # bf16: FSDP sums the micro-batches in unsharded_accumulated_grad; fp32: in .grad
-    cfg = load_config("hymo_tiny", seq_len=32, micro_batch_size=2, global_batch_size=4, max_steps=4, warmup_steps=1,
-                      eval_every=0, ckpt_every=0, sample_tokens=4, precision=precision)
+    cfg = config(precision)
     clean = Trainer(cfg.model, cfg.train, run_dir=f"clean_{precision}", resume=False, quiet=True)
     want = clean.train_step()
     cut = Trainer(cfg.model, cfg.train, run_dir=f"cut_{precision}", resume=False, quiet=True)
@@ -3238,35 +3255,21 @@ for precision in ("fp32", "bf16"):  # bf16: FSDP sums the micro-batches in unsha
     got = cut.train_step()
     out[precision] = dict(fsdp=hasattr(cut.model, "set_requires_gradient_sync"), accum=cut.accum,
                           loss=[want["loss"], got["loss"]], grad_norm=[want["grad_norm"], got["grad_norm"]])
-print("RESULT" + json.dumps(out), flush=True)
-os._exit(0)  # no teardown of gloo's threads (see test_optim's two-rank test)
-'''
+"""
 
 
 def test_an_fsdp_step_cut_short_leaves_no_gradient_for_the_next(tmp_path):
     """A step cut short after some micro-batches (a Ctrl-C in a notebook), then the step again: it equals a clean step.
     Its micro-batches had summed into FSDP's unsharded gradients, which zero_grad does not see: the next step added
     them in (grad norm 6.02 where 3.75 was right)."""
-    r = subprocess.run([sys.executable, "-c", CUT_SHORT_FSDP], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS})
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT")), None)
-    assert line, r.stderr[-3000:]
-    for precision, res in json.loads(line[6:]).items():
+    for precision, res in one_rank_fsdp(CUT_SHORT_FSDP, tmp_path).items():
         assert res["fsdp"] and res["accum"] == 2, res
         assert res["loss"][1] == pytest.approx(res["loss"][0], rel=1e-6), (precision, res)
         assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), (precision, res)
 
 
-CUT_BEFORE_FIRST_FORWARD = '''
-import json, os, socket
-import torch.distributed as dist
-from hymo.config import load_config
-from hymo.training.trainer import Trainer
-with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-dist.init_process_group("gloo", rank=0, world_size=1)
-cfg = load_config("hymo_tiny", seq_len=32, micro_batch_size=2, global_batch_size=4, max_steps=4, warmup_steps=1,
-                  eval_every=0, ckpt_every=0, sample_tokens=4, precision="bf16")
+CUT_BEFORE_FIRST_FORWARD = """
+cfg = config("bf16")
 clean = Trainer(cfg.model, cfg.train, run_dir="clean", resume=False, quiet=True)
 want = clean.train_step()
 t = Trainer(cfg.model, cfg.train, run_dir="cut", resume=False, quiet=True)  # no forward has run through it yet
@@ -3278,20 +3281,14 @@ try: t.train_step(); raised = None
 except BaseException as e: raised = type(e).__name__
 t._train_iter = iter(t.train_loader)
 got = t.train_step()
-print("RESULT" + json.dumps(dict(raised=raised, fsdp=hasattr(t.model, "set_requires_gradient_sync"),
-                                 grad_norm=[want["grad_norm"], got["grad_norm"]])), flush=True)
-os._exit(0)
-'''
+out = dict(raised=raised, fsdp=hasattr(t.model, "set_requires_gradient_sync"), grad_norm=[want["grad_norm"], got["grad_norm"]])
+"""
 
 
 def test_a_step_cut_before_fsdps_first_forward_raises_its_own_exception(tmp_path):
     """A Ctrl-C (or a data error) before the first forward of an FSDP model: drop_unsharded_grads' reset_iter_state
     read FSDP's communication state, which lazy init had not made yet, and raised AttributeError in its place."""
-    r = subprocess.run([sys.executable, "-c", CUT_BEFORE_FIRST_FORWARD], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "WANDB_MODE": "offline", **CPU_RANKS})
-    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT")), None)
-    assert line, r.stderr[-3000:]
-    res = json.loads(line[6:])
+    res = one_rank_fsdp(CUT_BEFORE_FIRST_FORWARD, tmp_path)
     assert res["fsdp"], res
     assert res["raised"] == "KeyboardInterrupt", res
     assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), res

@@ -617,11 +617,14 @@ def _pad_last(x: Optional[torch.Tensor], *sizes: int) -> Optional[torch.Tensor]:
     return F.pad(x, pad) if any(pad) else x
 
 
-def unverified_shape(dtype: torch.dtype, Kp: int, capability: tuple[int, int], triton_version: str) -> bool:
+def unverified_shape(dtype: torch.dtype, Kp: int, device: torch.device, triton_version: str = triton.__version__,
+                     capability: Optional[tuple[int, int]] = None) -> bool:
     """16-bit keys padded to 64 on Hopper (compute capability 9.x) under Triton < 3.7.1: the shape flash-linear-attention's
-    issue 640 saw its gated chunk backward get wrong there, and one at which HyMo's kernels have not been checked on a GPU."""
+    issue 640 saw its gated chunk backward get wrong there, and one at which HyMo's kernels have not been checked on a GPU.
+    The device is asked its capability (unless given) only for such keys: HyMo's K = 32 never asks."""
+    if dtype not in (torch.bfloat16, torch.float16) or Kp != 64 or device.type != "cuda": return False
     old = tuple(int(x) for x in triton_version.split("+")[0].split(".")[:3] if x.isdigit()) < (3, 7, 1)
-    return dtype in (torch.bfloat16, torch.float16) and Kp == 64 and capability[0] == 9 and old
+    return old and (capability or torch.cuda.get_device_capability(device))[0] == 9
 
 
 def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
@@ -634,8 +637,7 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     Kp, Vp = _padded(K), _padded(V)
     if q.dtype != torch.float32 and Vp < Kp:  # 16-bit heads wider in K than in V crash or go wrong on Triton 3.6
         Vp = Kp                                # (K=64, V=16: o off by 0.9): zero value columns make them square
-    if (q.is_cuda and q.dtype != torch.float32 and Kp == 64  # (HyMo's K = 32 never asks the device below)
-            and unverified_shape(q.dtype, Kp, torch.cuda.get_device_capability(q.device), triton.__version__)):
+    if unverified_shape(q.dtype, Kp, q.device):
         warnings.warn(f"GDN Triton kernels with {q.dtype} keys {K} wide (padded to 64) on this Hopper GPU under Triton "
                       f"{triton.__version__}: a shape not yet checked on a GPU (flash-linear-attention's issue 640 saw "
                       "wrong gradients at it before Triton 3.7.1); check it with `python benchmarks/gdn_verify.py --quick "
