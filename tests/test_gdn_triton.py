@@ -480,17 +480,3 @@ def test_decode_under_no_grad_final_state_dtype_and_packed_fake_shapes():
     assert r["ht_fp16"] == r["ht_T0_bf16_state"] == "torch.float32" and r["ht_T0_is_new"]
     assert all(v == "SUCCESS" for v in r["opcheck_packed"].values()), r["opcheck_packed"]
     assert r["padded_8"] == [16, 16, 16], r["padded_8"]
-
-
-def test_keys_padded_to_64_on_hopper_under_an_older_triton_are_flagged():
-    "16-bit keys padded to 64 on compute capability 9.x under Triton < 3.7.1 (flash-linear-attention's issue 640) warn."
-    from hymo.models.gdn_triton import unverified_shape as unverified
-    gpu = torch.device("cuda")  # with the capability given, nothing asks a GPU
-    flag = lambda dtype, Kp, cap, version: unverified(dtype, Kp, gpu, version, cap)
-    assert flag(torch.bfloat16, 64, (9, 0), "3.6.0") and flag(torch.float16, 64, (9, 0), "3.7.0")
-    assert not flag(torch.float32, 64, (9, 0), "3.6.0")  # fp32 inputs were right
-    assert not flag(torch.bfloat16, 32, (9, 0), "3.6.0") and not flag(torch.bfloat16, 128, (9, 0), "3.6.0")
-    assert not flag(torch.bfloat16, 64, (8, 0), "3.6.0") and not flag(torch.bfloat16, 64, (10, 0), "3.6.0")
-    assert not flag(torch.bfloat16, 64, (9, 0), "3.7.1") and not flag(torch.bfloat16, 64, (9, 0), "3.9.0+git1a2b")
-    assert flag(torch.bfloat16, 64, (9, 0), "3.6.0+cu130")
-    assert not unverified(torch.bfloat16, 64, torch.device("cpu"), "3.6.0", (9, 0))  # the interpreter: no Hopper

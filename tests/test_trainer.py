@@ -3215,15 +3215,16 @@ def test_training_mode_comes_back_after_a_validation_that_failed(tmp_path, monke
 
 ONE_RANK_FSDP = """
 import json, os, socket
+import torch
 import torch.distributed as dist
 from hymo.config import load_config
 from hymo.training.trainer import Trainer
 with socket.socket() as s: s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)  # one rank: the Trainer shards with FSDP-2, as under torchrun
-def config(precision):
+def config(precision, **overrides):
     return load_config("hymo_tiny", seq_len=32, micro_batch_size=2, global_batch_size=4, max_steps=4, warmup_steps=1,
-                       eval_every=0, ckpt_every=0, sample_tokens=4, precision=precision)
+                       eval_every=0, ckpt_every=0, sample_tokens=4, precision=precision, **overrides)
 """
 
 
@@ -3266,6 +3267,52 @@ def test_an_fsdp_step_cut_short_leaves_no_gradient_for_the_next(tmp_path):
         assert res["fsdp"] and res["accum"] == 2, res
         assert res["loss"][1] == pytest.approx(res["loss"][0], rel=1e-6), (precision, res)
         assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), (precision, res)
+
+
+CUT_IN_BACKWARD = """
+import itertools
+from torch.distributed.fsdp import FSDPModule
+out = {}
+for reset in ("FSDP's", "HyMo's"):  # FSDP's reset_iter_state (torch 2.13), then HyMo's own, as on a torch without it
+    if reset == "HyMo's" and hasattr(FSDPModule, "reset_iter_state"): del FSDPModule.reset_iter_state
+    for precision, ckpt in itertools.product(("fp32", "bf16"), (False, True)):
+        cfg = config(precision, activation_checkpointing=ckpt)
+        want = Trainer(cfg.model, cfg.train, run_dir=f"clean_{precision}_{ckpt}", resume=False, quiet=True).train_step()
+        # the step's first backward (its gradients kept unsharded) or its last (reduce-scattered); a GDN block or the MLA
+        for micro_batch, layer in itertools.product((0, 1), (0, 3)):
+            case = f"{reset} {precision} ckpt={ckpt} micro_batch={micro_batch} layer={layer}"
+            cut = Trainer(cfg.model, cfg.train, run_dir=case.replace(" ", "_"), resume=False, quiet=True)
+            drawn, armed = [], [True]
+            def counted(batches):
+                for batch in batches: drawn.append(1); yield batch
+            block = cut.model.layers[layer]; forward = block.forward
+            def cut_in_backward(*a, **k):  # the block's output in the chosen micro-batch raises as backward reaches it
+                y = forward(*a, **k)
+                if len(drawn) == micro_batch + 1 and armed[0] and y.requires_grad:
+                    armed[0] = False
+                    y.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("cut in backward")))
+                return y
+            block.forward, cut._train_iter = cut_in_backward, counted(iter(cut.train_loader))
+            try: cut.train_step(); raised = None
+            except RuntimeError as e: raised = str(e)
+            block.forward = forward
+            cut.train_loader.step = 0; cut._train_iter = iter(cut.train_loader)  # the same data again
+            got = cut.train_step()
+            out[case] = dict(raised=raised, loss=[want["loss"], got["loss"]], grad_norm=[want["grad_norm"], got["grad_norm"]])
+"""
+
+
+def test_an_fsdp_step_cut_in_backward_leaves_the_next_step_clean(tmp_path):
+    """An exception inside backward (an OOM, a Ctrl-C) leaves FSDP mid-iteration: some blocks' weights gathered, some
+    gradients reduced. After it the same step again equals a clean one, for cuts in the first and last micro-batch's
+    backward, in a GDN and the MLA block, with and without activation checkpointing, fp32 and bf16; after FSDP's
+    reset_iter_state (torch 2.13) and after HyMo's own (torch 2.11 has none: the next step's grad norm was 3.47 for 3.75)."""
+    res = one_rank_fsdp(CUT_IN_BACKWARD, tmp_path)
+    assert len(res) == 32, res
+    for case, r in res.items():
+        assert r["raised"] == "cut in backward", (case, r)
+        assert r["loss"][1] == pytest.approx(r["loss"][0], rel=1e-6), (case, r)
+        assert r["grad_norm"][1] == pytest.approx(r["grad_norm"][0], rel=1e-5), (case, r)
 
 
 CUT_BEFORE_FIRST_FORWARD = """

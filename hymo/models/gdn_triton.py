@@ -7,7 +7,6 @@ Docs: https://hymo-lm.github.io/hymo/gdn_triton.html.md"""
 # %% ../../nbs/13_gdn_triton.ipynb #a0e3ce79
 from __future__ import annotations
 
-import warnings
 from contextlib import contextmanager
 from typing import Optional
 
@@ -37,8 +36,8 @@ def _library_for_interpreter():
 if INTERPRET: _library_for_interpreter()
 
 # %% auto #0
-__all__ = ['INTERPRET', 'GATE_FLOOR', 'BT', 'LAUNCH', 'gdn_chunk_fwd', 'gdn_chunk_bwd', 'unverified_shape',
-           'triton_gated_delta_rule', 'fused_recurrent_gated_delta_rule']
+__all__ = ['INTERPRET', 'GATE_FLOOR', 'BT', 'LAUNCH', 'gdn_chunk_fwd', 'gdn_chunk_bwd', 'triton_gated_delta_rule',
+           'fused_recurrent_gated_delta_rule']
 
 # %% ../../nbs/13_gdn_triton.ipynb #f59345d9
 @triton.jit
@@ -617,16 +616,6 @@ def _pad_last(x: Optional[torch.Tensor], *sizes: int) -> Optional[torch.Tensor]:
     return F.pad(x, pad) if any(pad) else x
 
 
-def unverified_shape(dtype: torch.dtype, Kp: int, device: torch.device, triton_version: str = triton.__version__,
-                     capability: Optional[tuple[int, int]] = None) -> bool:
-    """16-bit keys padded to 64 on Hopper (compute capability 9.x) under Triton < 3.7.1: the shape flash-linear-attention's
-    issue 640 saw its gated chunk backward get wrong there, and one at which HyMo's kernels have not been checked on a GPU.
-    The device is asked its capability (unless given) only for such keys: HyMo's K = 32 never asks."""
-    if dtype not in (torch.bfloat16, torch.float16) or Kp != 64 or device.type != "cuda": return False
-    old = tuple(int(x) for x in triton_version.split("+")[0].split(".")[:3] if x.isdigit()) < (3, 7, 1)
-    return old and (capability or torch.cuda.get_device_capability(device))[0] == 9
-
-
 def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     "Check and pad: `(q, k, v, g, beta, scale, initial_state, cu_seqlens)` ready for the kernels."
     N = _check_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)  # sequences: B, or the packed row's documents
@@ -637,11 +626,6 @@ def _prepare_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     Kp, Vp = _padded(K), _padded(V)
     if q.dtype != torch.float32 and Vp < Kp:  # 16-bit heads wider in K than in V crash or go wrong on Triton 3.6
         Vp = Kp                                # (K=64, V=16: o off by 0.9): zero value columns make them square
-    if unverified_shape(q.dtype, Kp, q.device):
-        warnings.warn(f"GDN Triton kernels with {q.dtype} keys {K} wide (padded to 64) on this Hopper GPU under Triton "
-                      f"{triton.__version__}: a shape not yet checked on a GPU (flash-linear-attention's issue 640 saw "
-                      "wrong gradients at it before Triton 3.7.1); check it with `python benchmarks/gdn_verify.py --quick "
-                      "--shapes k64,k64v16` before training on it", stacklevel=3)
     if max(B, N) * H > 65535:  # the grids' second axis is (sequence, head)
         raise ValueError(f"{max(B, N)} sequences x {H} heads: more programs than a CUDA grid's second axis holds (65 535); "
                          "split the batch, or the packed row's documents, into several calls")

@@ -49,9 +49,10 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULT
            'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'steps_differ',
            'schedule_jump', 'trim_metrics', 'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir',
            'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
-           'drop_unsharded_grads', 'fsdp_micro_batch', 'accumulation', 'forward_backward', 'train_step', 'evaluate',
-           'save', 'before_decay', 'pruned', 'load', 'metric_line', 'guarded_output', 'StopSignals', 'fit',
-           'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
+           'drop_unsharded_grads', 'reset_fsdp_iteration', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
+           'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line', 'guarded_output',
+           'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample',
+           'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -1017,20 +1018,51 @@ def fsdp_step(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
+def _param_groups(state) -> list:
+    "An FSDP state's parameter groups (a list in torch 2.13, one group or None in older ones; none for no state)."
+    groups = getattr(state, "_fsdp_param_groups", None)
+    return groups if groups is not None else [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+
+
 def drop_unsharded_grads(model: nn.Module, reset: bool = True):
     """After an FSDP step cut short: the gradients its micro-batches summed *unsharded* (while `requires_gradient_sync`
     was off) dropped, and the gathered weights resharded. `zero_grad` sees only the sharded gradients, and FSDP's
     `reset_iter_state` keeps these sums: left alone, the next step's reduce-scatter would add them in."""
     from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():  # FSDP-2's internals (torch 2.13), read with care: a torch without them skips the drop
+    for m in model.modules():  # FSDP-2's internals (torch 2.11, 2.13), read with care: a torch without them skips the drop
         state = m._get_fsdp_state() if isinstance(m, FSDPModule) else None
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None: groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
-        for p in (p for g in groups for p in getattr(g, "fsdp_params", ())):
+        for p in (p for g in _param_groups(state) for p in getattr(g, "fsdp_params", ())):
             if hasattr(p, "unsharded_accumulated_grad"): p.unsharded_accumulated_grad = None  # the sum in reduce_dtype
             if getattr(p, "_unsharded_param", None) is not None: p._unsharded_param.grad = None  # else the sum sits here
     if not reset or getattr(model._get_fsdp_state(), "_is_root", True) is None: return  # no forward yet: nothing gathered,
     if hasattr(model, "reset_iter_state"): model.reset_iter_state()  # and FSDP's lazy init has not made what this reads
+    else: reset_fsdp_iteration(model)  # torch 2.11 has no reset_iter_state
+
+
+def reset_fsdp_iteration(model: nn.Module):
+    """For a torch without FSDP's `reset_iter_state` (2.11 has none; 2.13 has): the same reset after a forward or backward
+    cut short. Collectives finished, the iteration's trackers cleared, every group idle and sharded. Left set, the marker
+    of a queued end-of-backward callback kept the next backward from queueing its own: the gradients that callback
+    reduces were missing (grad norm 3.47 where 3.75 is right, a bf16 step cut in its first micro-batch's backward)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    if torch.cuda.is_available(): torch.cuda.synchronize()  # what FSDP's streams have in flight: done
+    root = model._get_fsdp_state()
+    ctx, comm = root._state_ctx, root._comm_ctx
+    ctx.iter_forward_root, ctx.post_backward_final_callback_queued = None, False
+    for name in ("all_gather_state", "reduce_scatter_state"):  # a collective's pending state (names of either torch)
+        if hasattr(comm, name): setattr(comm, name, None)
+    for name in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
+        if hasattr(comm, name): getattr(comm, name).clear()
+    for state in ctx.all_states:
+        state._training_state = TrainingState.IDLE
+        if hasattr(state, "_modules_to_run_forward"): state._modules_to_run_forward.clear()
+        for group in _param_groups(state):
+            for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state", "_partial_reduce_output",
+                         "_reshard_after_forward_event"):
+                if hasattr(group, name): setattr(group, name, None)
+            if hasattr(group, "_post_forward_indices"): group._post_forward_indices.clear()
+            group._training_state = TrainingState.IDLE
+            group.reshard()  # idle: back to the sharded parameters
 
 
 def fsdp_micro_batch(model: nn.Module, last: bool):
