@@ -1261,6 +1261,18 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # the step every block is sharded again, as FSDP left it, so evaluation and checkpoints see the
 # usual layout.
 #
+# A step cut short (an exception, or a Ctrl-C in a notebook, between or inside its micro-batches)
+# must leave nothing for the next. The micro-batches before the cut summed their gradients into
+# FSDP's unsharded buffers, which `zero_grad` does not see, so `fsdp_step` drops them
+# (`drop_unsharded_grads`): a cut after the first of two micro-batches otherwise gave the next step
+# a gradient norm of 6.02 where 3.75 is right. A cut inside a backward also leaves FSDP in the middle
+# of its iteration, some blocks gathered and its end-of-backward callback marked as queued. Torch
+# 2.13's `reset_iter_state` clears that; torch 2.11 has none, and `reset_fsdp_iteration` does the
+# same from FSDP's internals (without it, the next backward never queued the callback, and the
+# gradients it reduces were missing: a norm of 3.47 where 3.75 is right). The tests cut a step
+# between its micro-batches, before its first forward, and inside 16 different backwards, each
+# with FSDP's reset and with HyMo's, and the step run again equals a clean one.
+#
 # On one H200, through FSDP on a group of one GPU (`train_step.py --fsdp`, 32 micro-batches per
 # step), reducing once per step took the 750M step from 9.09 to 7.85 s (one process, one after the
 # other). Gathering once per step then measured 7.88 s, on another machine, and 2.4 GB more peak

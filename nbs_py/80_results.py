@@ -4,8 +4,23 @@
 # > What the 750M training step and the GDN kernel measure on one H200 (and, in later rounds, on H100s), with the date, the versions and the formulas.
 
 # %% [markdown]
+# **In short.** The 750M training step (micro-batches of 4 × 4096 tokens, 32 of them an optimiser
+# step, one GPU) was timed over many *rounds* (a round is one session's GPU calls: the code as it
+# then stood, and what it measured), on one H200 in rounds 2 to 30 and 44 and on H100s in rounds 31
+# to 43, when only those could be had; torch 2.11 and Triton 3.6 throughout.
+#
+# * MFU ≥ 40 %: **not met**. At best 37.0 % (H200, round 16), 35.6–36.9 % on the H200s of rounds
+#   18 to 30, 36.1 % on round 44's; 33.8–34.9 % on the H100s (whose dense bf16 peak is the same 989
+#   TFLOP/s).
+# * Peak memory ≤ 80 GB: **met**, 50.6 GB allocated (GB = 10⁹ bytes; 52.8 GB reserved).
+# * The Triton GDN path ≥ 5× the PyTorch chunked path per step: **not met**: 2.6–5.6× with both timed
+#   on one machine, 5× or more in 5 of 20 rounds and in none since round 32 (4.63× on round 44's
+#   H200).
+# * The GDN kernels against the fp32 loop on the GPU, outputs and gradients: within 6.2e-3 in bf16
+#   at every shape checked (HyMo's heads of 32, heads of 128, keys of 64).
+#
 # The numbers on this page were measured on one NVIDIA H200 (torch 2.11, Triton 3.6) on
-# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step), and in rounds 31 to 43 on H100s (2026-12-05 to 2026-12-07)
+# 2026-12-02 to 2026-12-05 (rounds 2 to 30 of work on the step) and 2026-12-07 (round 44), and in rounds 31 to 43 on H100s (2026-12-05 to 2026-12-07)
 # (their rows say which, the bar chart marks them `[H100]`, and the chart of rounds colours them), by the scripts in `benchmarks/`,
 # which write JSON into `benchmarks/results/`; this page only reads those files, so it renders
 # anywhere. Re-run them on your GPU with
@@ -34,7 +49,9 @@
 # through Triton's interpreter.)
 #
 # **MFU** is tokens per second × `HyMo.flops_per_token(4096)` ÷ 989 TFLOP/s (the dense bf16 peak
-# of the H200, and of the H100 SXM). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
+# of the H200, and of the H100 SXM). A row's step time is the median of its timed steps (of two,
+# the slower), each after untimed warm-up steps; its memory is the allocator's peak of allocated
+# memory (`peak_mem_gb`, GB = 10⁹ bytes; the H100 rows also record the reserved peak). The model's own accounting gives 4.42 GFLOPs per training token for `hymo_750m` at
 # $T = 4096$ (3 × forward, a multiply-add is two FLOPs, attention over the causal half, the
 # chunked GDN rule as the kernels compute it (the recurrence's own work would count 1.4 % less) and the MTP heads' vocabulary projections included; see the model chapter). PaLM's
 # formula counts attention over the whole $T \times T$ square, 9.1 % more at this shape: by it,
@@ -46,16 +63,16 @@
 #
 # ## Against the targets
 #
-# The targets of the 750M step on one H200, and where round 30 (2026-12-05) leaves them. Every
+# The targets of the 750M step on one H200, and where round 44 (2026-12-07) leaves them. Every
 # number is in a row of the tables below, or in its note. Rounds 31 to 43 (2026-12-05 to 07) could
 # get only an H100 for the step (round 35 ran the tests on an H200): their numbers are in the round log, not in the "measured" column here, except
 # the ratio, which compares two steps on one machine.
 #
 # | target | measured | met |
 # |---|---|---|
-# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one) | no |
-# | ≤ 80 GB peak memory, same step | 50.6 GB | yes |
-# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 2.99× (round 42, paired, on an H100), 3.87× (round 40, paired, on another H100), 2.93× (round 38, paired, on another H100), 3.69× (round 37, paired, on an H100), 4.61× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.01× (round 29, paired; 5.51× against the call before), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | no: met in 5 of the 19 rounds that timed both paths on one machine (the other rounds did not time the PyTorch path), none since round 32: the newest four are 2.9–3.9×, as the PyTorch path's host and code changed |
+# | ≥ 40 % MFU at the preset step (4 × 4096 tokens a micro-batch, 32 a step) | best 37.0 % (6.343 s a step, round 16); 36.1–36.4 % in round 18 (two machines), 35.7–36.2 % in round 19 (three machines), 36.1 % in round 20 (one), 36.2 % in round 22 (one), 36.6 % in round 23 (one), 35.6–36.2 % in round 24 (two), 36.9 % in round 25 (one), 36.7–36.9 % in round 28 (one), 36.2 % in round 29 (one), 36.3 % in round 30 (one), 36.0–36.1 % in round 44 (one) | no |
+# | ≤ 80 GB peak memory, same step | 50.6 GB allocated | yes |
+# | Triton GDN path ≥ 5× faster per step than the PyTorch chunked path | 4.63× (round 44, paired, on an H200), 2.99× (round 42, paired, on an H100), 3.87× (round 40, paired, on another H100), 2.93× (round 38, paired, on another H100), 3.69× (round 37, paired, on an H100), 4.61× (round 36, paired, on an H100), 4.81× (round 33, paired, on another H100), 5.58× (round 32, paired, on another H100), 4.54× (round 31, paired, on another H100), 5.01× (round 29, paired; 5.51× against the Triton step of the call after the PyTorch one's), 2.56× (28, paired), 4.46× (24), 4.20× (23), 5.36× (19), 5.29× (18), 4.3–4.6× (16), 5.3–5.5× (15), 3.6× (13), 4.98× (11), 4.4× (9) | no: met in 5 of the 20 rounds that timed both paths on one machine (rounds 2 to 6 timed the PyTorch path too, but not beside the Triton step on the same machine), none since round 32: the newest five are 2.9–4.6×, as the PyTorch path's host and code changed |
 #
 # The PyTorch path's step is set by its host's launch speed (round 29's timeline of that path, in
 # the bullet on it below, shows the host taking as long to issue a micro-batch as the GPU to run
@@ -73,6 +90,7 @@ import matplotlib.pyplot as plt
 # %%
 RESULTS = Path("../benchmarks/results")
 steps = json.loads((RESULTS / "train_step.json").read_text())
+assert all(a["date"] >= b["date"] for a, b in zip(steps, steps[1:])), "rows are kept newest first: this page reads them so"
 
 # %%
 PRESET = "hybrid gdn=triton ac=False compile=True accum=32 loss=fused"  # the preset step's variant
@@ -87,9 +105,11 @@ assert round(100 * best["mfu"], 1) == 37.0 and max(r["peak_mem_gb"] for r in pre
 
 # %% [markdown]
 # The ratios of the last row come from pairs of rows: each PyTorch-path step against the preset
-# step of the same round timed next to it on the same machine (rows are newest first, so "after"
-# is the row above). Where the table gives one number, it is the pairing the round's log names;
-# a few older rounds compared with a step further away, as their notes say.
+# step of the same round in the row next to it (rows are newest first, so "after" is the row
+# above). Not every such pair was timed on one machine: the table's number is the pairing the
+# round's log names as such, and a few older rounds compared with a step further away, as their
+# notes say, so some printed below (round 11's 4.89×, round 9's row against round 8's) are not the
+# table's.
 
 # %%
 def round_of(r):  # "round 38b" of a row's code, or None for a row not named by its round
@@ -104,7 +124,7 @@ for i, r in enumerate(steps):
         if s and s["variant"] == PRESET and s["gpu"] == r["gpu"] and (round_of(s) or "").rstrip("bc") == round_of(r).rstrip("bc"):
             ratios[(round_of(r), where)] = ratio = r["step_s"] / s["step_s"]
             print(f"{round_of(r):10s} PyTorch {r['step_s']:6.2f} s / preset {s['step_s']:.3f} s ({where}, {round_of(s)}): {ratio:.2f}x")
-for name, want in (("round 42b", "2.99"), ("round 40b", "3.87"), ("round 38b", "2.93"), ("round 37b", "3.69")):  # the table's newest four
+for name, want in (("round 44b", "4.63"), ("round 42b", "2.99"), ("round 40b", "3.87"), ("round 38b", "2.93")):  # the table's newest four
     assert f"{ratios[(name, 'after')]:.2f}" == want, (name, ratios[(name, "after")])
 
 
@@ -192,12 +212,13 @@ fig.tight_layout(); plt.show()
 
 # %%
 prof = next((r for r in steps if "profile_ms_per_micro_batch" in r and not r.get("profile_host_recorded")
-             and "gdn=triton" in r["variant"] and "docs~" not in r["variant"] and "fsdp" not in r["variant"]),
-            None)  # the preset's, under autocast, with the host undisturbed
+             and "gdn=triton" in r["variant"] and "docs~" not in r["variant"] and "fsdp" not in r["variant"]
+             and r["gpu"] == "NVIDIA H200"), None)  # the preset's, under autocast, with the host undisturbed, on an H200
 if prof:
     total = sum(prof["profile_ms_per_micro_batch"].values())
     for k, v in prof["profile_ms_per_micro_batch"].items(): print(f"{k:40s} {v:6.1f} ms  {v / total:5.1%}")
     print(f"{'total':40s} {total:6.1f} ms")
+    assert round(total, 1) == 191.3, "the prose below reads round 19's profile: update it for a new one"
     idle = prof.get("gpu_idle")
     if idle:
         print(f"\nGPU idle between the first and last kernel: {idle['idle_ms']:.1f} of {idle['span_ms']:.1f} ms per micro-batch, "
@@ -303,7 +324,25 @@ if tl_row:
 #   block stores 3.52 B parameters: the hybrid trains more tokens per second in less memory.
 #
 # ::: {.callout-note collapse="true"}
-# ## The round log: what each round changed and measured (rounds 6 to 43)
+# ## The round log: what each round changed and measured (rounds 6 to 44)
+# * **Round 44 (2026-12-07): an H100 80GB HBM3 (torch 2.11, Triton 3.6), given when an H200 was
+#   asked for; commit 470b5bc, whose step is round 42's.** `benchmarks/gdn_verify.py
+#   --quick --shapes k64,k64v16` (`gdn_verify_k64_h100_round44.json`): passed, all 28 cases, with
+#   keys 64 wide and values 64 or 16 wide (16-bit values narrower than the keys run padded to
+#   them): outputs and states within 4.2e-3 and gradients within 6.0e-3 of the fp32 loop in bf16,
+#   1.6e-3 and 2.2e-3 in fp32, as at HyMo's $K = 32$. The wrong gradients of
+#   flash-linear-attention's issue 640 (Hopper, Triton before 3.7.1, keys 64 wide) do not show in
+#   HyMo's kernels under Triton 3.6, and the wrapper no longer warns at that shape. The trainer's
+#   tests of an FSDP step cut short (one CPU rank, torch 2.11) passed; this torch's FSDP has no
+#   `reset_iter_state`, which led to HyMo's own reset after a step cut in backward (chapter 70);
+#   with it, the new test's 32 cuts in backward passed there too (7 tests, 103 s). Then an H200
+#   came (commit d2530a1, the same step): **the preset step 6.489 s (36.1 % MFU, 80.8 k tokens/s,
+#   50.6 GB allocated, 52.8 GB reserved; five timed steps 6.483–6.502 s)**, the H200's first timing
+#   since round 30 (6.455 s there); with `--timeline` the host took 197 ms to issue a micro-batch and
+#   the GPU spanned 199 ms, never running dry. The PyTorch GDN path in the next call took 30.13 s
+#   (one timed step, 78.8 GB allocated, 80.5 GB reserved) and the Triton step just after it 6.461
+#   and 6.514 s (36.0 %): **4.63× paired** (4.64× against the call before), the first pair on an
+#   H200 since round 29's 5.01×.
 # * **Round 43 (2026-12-07): an H100 80GB HBM3 (torch 2.11, Triton 3.6), given when an H200 was
 #   asked for; commit bae8a61, whose step is round 42's (the GDN verifier's verdict, the trainer's
 #   wandb runs and evaluation, and streamed generation changed, off the step's path).** No preset
@@ -312,14 +351,16 @@ if tl_row:
 #   --quick` with its verdict (`gdn_verify_quick_h100_round43.json`): passed, all 30 cases within
 #   tolerance, deterministic and finite; every output and state within 4.8e-3 and every gradient
 #   within 6.1e-3 in bf16 (1.8e-3 and 2.4e-3 in fp32), the kept-prep path equal to the recomputing
-#   one bit for bit; 52.5 s with Triton's cache filled. On the machine's first call, the cache
+#   one bit for bit; the command took 52.5 s with Triton's cache filled (its cases' own timings add
+#   to 23.1 s). On the machine's first call, the cache
 #   empty, compiling took the verifier past the 150 s that `h200_train_step.sh kernels` gave it
 #   (killed in its 22nd case of 30), and `gdn_prep_solve.py` past its 120 s: both limits are now 300 s,
 #   and the `kernels` part then passed in 137 s (exit 0). The rule alone at the 750M shape: Triton
-#   0.337 ms forward and 1.279 ms forward and backward, PyTorch chunked 20.98 and 83.36 ms. Later
-#   calls to check 16-bit keys 64 wide (`gdn_verify.py --shapes k64,k64v16`, the width
-#   flash-linear-attention's issue 640 saw fail on Hopper before Triton 3.7.1) got no machine, and
-#   the session's device time ran out: that shape is unchecked, and the wrapper warns at it.
+#   0.337 ms forward and 1.279 ms forward and backward, PyTorch chunked 20.98 and 83.36 ms (printed
+#   by `gdn_kernel.py`, not kept in a file). Later calls to check 16-bit keys 64 wide
+#   (`gdn_verify.py --shapes k64,k64v16`, the width flash-linear-attention's issue 640 saw fail on
+#   Hopper before Triton 3.7.1) got no machine, and the session's device time ran out: round 44
+#   checked that shape.
 # * **Round 42 (2026-12-07): an H100 80GB HBM3 (torch 2.11, Triton 3.6), given when an H200 was
 #   asked for; commit 411837c, whose step is round 41's.** One call: the preset step 6.892 and
 #   6.909 s (33.9 % MFU, 75.9 k tokens/s, 50.6 GB allocated, 52.8 GB reserved), 2.5 % slower than
@@ -343,11 +384,11 @@ if tl_row:
 #   kernel; every run deterministic and finite, and the path that keeps the forward's gates, $A$ and
 #   states equal to the recomputing one bit for bit. At the 750M shape (B 4, T 4096, 40 heads of
 #   32) the Triton rule took 0.337 ms forward and 1.289 ms forward and backward, the PyTorch chunked
-#   rule 20.8 and 67.1 ms (52× for the rule alone; the step's ratio is smaller, as the rule is a
+#   rule 20.8 and 67.1 ms (printed by `gdn_kernel.py`, not kept in a file; 52× for the rule alone; the step's ratio is smaller, as the rule is a
 #   small part of the step). On a second machine (rows `round 40b` and `40c`) the PyTorch GDN path took 26.29 s a step (one
 #   timed step, 78.8 GB allocated, 80.5 GB reserved, no `expandable_segments`) and the Triton step
-#   just after it 6.766 and 6.784 s: **3.87× paired**, between round 38's 2.93× and round 37's
-#   3.69–4.61× on other H100s, as the PyTorch path's host speed varies.
+#   just after it 6.766 and 6.784 s: **3.87× paired**, between round 38's 2.93× and round 36's
+#   4.61× (round 37: 3.69×) on other H100s, as the PyTorch path's host speed varies.
 # * **Round 39 (2026-12-06): an H100 80GB HBM3 (torch 2.11, Triton 3.6); commit ddd660e, whose step
 #   differs from round 38's by the MoE's routed scaling factor (`moe_route_scale`, 1 in the preset:
 #   one multiply of the [N, k] routing weights) and host-side shape checks.** One call, after the
@@ -384,7 +425,7 @@ if tl_row:
 #   path just after it took 30.89 s (74.8 GB), and the Triton step once more 6.708 s: **4.61×
 #   paired**. `benchmarks/gdn_verify.py --quick` under Triton 3.6
 #   (`gdn_verify_quick_h100_round36.json`): against the fp32 loop, every output and state within
-#   4.9e-3 and every gradient within 6.2e-3 in bf16 (2.4e-3 in fp32), for the three decay regimes,
+#   4.8e-3 and every gradient within 6.2e-3 in bf16 (2.4e-3 in fp32), for the three decay regimes,
 #   the packed rows and the fused recurrent kernel (30 cases); every run deterministic and finite, and
 #   the path that keeps the forward's gates, $A$ and states equal to the recomputing path bit for bit.
 # * **Round 35 (2026-12-06): an H100 80GB HBM3 for the step, an H200 for the tests; no change to the
@@ -398,7 +439,7 @@ if tl_row:
 #   CPU, gloo). The 38 skipped are mostly the kernels through Triton 3.6's interpreter, which NumPy
 #   2.5 breaks there (`gdn_verify.py` checks them on the GPU instead); the rest need what that
 #   machine lacks (wandb) or a machine without a GPU.
-# * **Round 34: an H100 80GB HBM3 came for the H200 asked; no change to the step since round 33
+# * **Round 34 (2026-12-05): an H100 80GB HBM3 came for the H200 asked; no change to the step since round 33
 #   (commit b6765c4).** The preset step took 6.794 and 6.805 s (34.5 % MFU, 77.0 k
 #   tokens/s, 50.6 GB), as round 33's; with `--timeline` the host took 207 ms to issue a micro-batch
 #   and the GPU spanned 209 ms, never running dry. `benchmarks/gdn_verify.py --quick` kept every
@@ -406,7 +447,7 @@ if tl_row:
 #   cases), and the CUDA tests of MLA, the model, the trainer, the MoE and MTP passed (38), two of
 #   them on a GPU for the first time: varlen flash refused for values narrower than the queries,
 #   and the fused loss scaling its bf16 gradients in fp32 on CUDA.
-# * **Round 33: no H200 could be started; on an H100 80GB HBM3, the trainer now runs each backward
+# * **Round 33 (2026-12-05): no H200 could be started; on an H100 80GB HBM3, the trainer now runs each backward
 #   inside `stats_paused` (chapter 30: activation checkpointing's second forward no longer adds the MoE
 #   counts again) over a list of the MoE layers made once.** The preset step took 6.785 and 6.803 s
 #   (34.5 % MFU, 77.1 k tokens/s, 50.6 GB), within 1 % of round 32's H100; with `--timeline` the host took 207
@@ -415,7 +456,7 @@ if tl_row:
 #   model, the MoE and the trainer passed (29), among them the counts under activation checkpointing
 #   with compiled blocks. Later, on another H100, the step took 6.793 and 6.809 s (34.4 %) and the
 #   PyTorch GDN path just after it 32.73 s (74.8 GB): **4.81× paired**, where round 32's H100 gave 5.58×.
-# * **Round 32: no H200 was lent; on an H100 80GB HBM3, the code of session 45 plus the model's new
+# * **Round 32 (2026-12-05): no H200 was lent; on an H100 80GB HBM3, commit 116bc89, with the model's new
 #   target checks (no change to the step's kernels since round 29).** The preset step took 6.843 s
 #   and 6.824 s (34.3 % MFU, 76.6 k tokens/s, 50.6 GB), 1 % slower than round 31's H100; with
 #   `--timeline`, the host took 208 ms to issue a micro-batch and the GPU spanned 210 ms, never running
@@ -428,8 +469,8 @@ if tl_row:
 #   rows lie past int32 offsets, never the mixer's) took 6.889, 6.941 and 6.950 s (33.8 %; a call
 #   before it, 6.957 and 7.441 s, had one slow step), and the prelude's, the loss kernel's, MLA's and
 #   the model's CUDA tests passed (12, the compiled prelude among them).
-# * **Round 31: no H200 was lent; on an H100 80GB HBM3 (torch 2.11, Triton 3.6), session 44's final
-#   code (no change to the step since round 29).** The preset step took 6.785 s and, in a second
+# * **Round 31 (2026-12-05): no H200 was lent; on an H100 80GB HBM3 (torch 2.11, Triton 3.6), the
+#   code of commit a8f91a1 (no change to the step since round 29).** The preset step took 6.785 s and, in a second
 #   call, 6.771 s (34.6 % MFU against the 989 TFLOP/s dense bf16 peak the H100 SXM shares with the
 #   H200; 50.6 GB, as on the H200s); with `--timeline`, the host took 206 ms to issue a micro-batch
 #   and the GPU spanned 208 ms, never running dry. The PyTorch GDN path took 30.74 s, just before the
