@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import re
+import shlex
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,7 +25,7 @@ import yaml
 # %% auto #0
 __all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'CHOICES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError',
            'check_triton_chunk', 'validate_model', 'validate_part', 'validate_training', 'package_dir', 'Config',
-           'presets', 'takes_text', 'load_config', 'validate_config']
+           'presets', 'takes_text', 'takes_null', 'shell_word', 'load_config', 'validate_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -120,7 +121,7 @@ class TrainingConfig:
     ckpt_every: int = 1000  # Steps between checkpoints; 0 saves only at the end
     keep_last_k: int = 3  # Checkpoints kept in the run folder, besides the newest from before the decay (one more; ~10 GB at 750M)
     max_bad_steps: int = 5  # Consecutive non-finite steps tolerated before the run stops
-    sample_tokens: int = 200  # Tokens generated as a sample at the end of the run
+    sample_tokens: int = 200  # Tokens generated as a sample at the end of the run (0: no sample)
     sample_prompt: Optional[str] = None  # Text the end-of-run sample continues ('': a document's start); None: ROMEO: on the bundled corpus, else ''
     run_dir: Optional[str] = None  # Run folder; None makes runs/<preset>-<timestamp>
     # Systems
@@ -154,12 +155,16 @@ def _check_type(name: str, value, tp):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
         if value is None or value in ("none", "None"): return None  # the word, as a command line writes it
+        if isinstance(value, str) and value.strip().lstrip("+").lower() in ("inf", "infinity"):  # moe_capacity_factor=inf
+            raise ConfigError(f"{name}={value}: for no limit write null (infinity is not a value here)")
         return _check_type(name, value, next(a for a in args if a is not type(None)))
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             listed = value[1:-1] if isinstance(value, str) and value[:1] + value[-1:] == "()" else value  # (0.9, 0.95)
             raise ConfigError(f"{name}: expected a list of {args[0].__name__}, got {type(value).__name__} {value!r}"
-                              + (f"; write it as a list: [{listed}]" if isinstance(value, (int, float, str)) and not isinstance(value, bool) else ""))
+                              + (f"; write it as a list: [{listed}]" if isinstance(value, str) and "," in value else
+                                 f"; write it as a list in brackets, [{value}, ...], as many values as it takes" if isinstance(value, (int, float))
+                                 and not isinstance(value, bool) else ""))
         return tuple(_check_type(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value))
     if getattr(value, "dtype", None) is not None and getattr(value, "ndim", None) == 0:  # a numpy scalar (a sweep's values)
         if value.dtype.kind == "b": value = bool(value)
@@ -414,12 +419,27 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
-def takes_text(key: str) -> bool:
-    "Whether config key `key` (bare or `section.key`) holds text; False for an unknown key, which `load_config` names."
+def _key_type(key: str):
+    "The type of config key `key` (bare or `section.key`); None for an unknown key, which `load_config` names."
     try: sec, name = _section_of(key)
-    except ConfigError: return False
-    tp = _field_types(_SECTIONS[sec])[name]
-    return tp is str or str in typing.get_args(tp)  # str, or Optional[str]
+    except ConfigError: return None
+    return _field_types(_SECTIONS[sec])[name]
+
+
+def takes_text(key: str) -> bool:
+    "Whether config key `key` holds text (str, or Optional[str]); False for an unknown key."
+    tp = _key_type(key)
+    return tp is str or str in typing.get_args(tp)
+
+
+def takes_null(key: str) -> bool:
+    "Whether config key `key` may be null (an Optional setting, whose null means its documented default)."
+    return type(None) in typing.get_args(_key_type(key))
+
+
+def shell_word(x) -> str:
+    "`x` (a path, a value) as one word of a command a message tells the user to run: quoted only where a shell needs it."
+    return shlex.quote(str(x))
 
 
 class _KeyTwice(yaml.YAMLError): pass
@@ -496,7 +516,8 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
             raise ConfigError(f"{named_by} names 'base: {name_or_path}', which is not a file at {p}: a base's path is taken "
                               f"from the folder of the file that names it")
         hint = f" (a preset is named without .yaml: {p.stem})" if p.stem in presets() and p.parent == Path() else ""
-        raise ConfigError(f"no preset or YAML file '{name_or_path}'{hint}. Presets: {', '.join(presets())}; "
+        raise ConfigError(f"no preset or YAML file '{name_or_path}'{hint}.{'' if hint else _closest(p.stem, presets())} "
+                          f"Presets: {', '.join(presets())}; "
                           f"or give a path to a .yaml file")
     try: text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError: raise ConfigError(f"{p} is not a text file (not UTF-8): give a YAML config file") from None

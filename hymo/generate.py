@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .config import TRITON_CHUNK, ConfigError, load_config
+from .config import TRITON_CHUNK, ConfigError, load_config, shell_word
 from .models.model import HyMo, build_hymo
 from .training.data import EOT, to_devnull
 
@@ -55,14 +55,14 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
             whole = all((home / f).exists() for f in RUN_FILES)
             raise ConfigError(f"{run} is one of a run's checkpoints: " + (f"give the run folder, {home}" if whole else
                               f"generate loads a finished run, and {home} has not finished: resume it to the end "
-                              f"(python -m hymo.train --config {home / 'config.yaml'} run_dir={home})"))
+                              f"(python -m hymo.train --config {shell_word(home / 'config.yaml')} run_dir={shell_word(home)})"))
         if who := run_dir_holder(run):  # training there now: it writes them when it finishes
             raise ConfigError(f"{run} has no {', '.join(missing)} yet: a run is training there now ({who}); it writes "
                               "them when it finishes, and generate loads them then")
         if (run / "meta.json").is_file() and (run / ".metadata").is_file():  # a checkpoint copied out of its run
             raise ConfigError(f"{run} is a training checkpoint, not a run folder: generate loads a finished run's model; "
                               f"train it to the end in a run folder of its own (python -m hymo.train --config CONFIG "
-                              f"--resume {run} run_dir=NEW, CONFIG being the settings it trained with: its meta.json "
+                              f"--resume {shell_word(run)} run_dir=NEW, CONFIG being the settings it trained with: its meta.json "
                               "holds them under 'config'), then give that folder")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
             if "config.yaml" in missing:  # what `write_again` would give to the trainer
@@ -72,7 +72,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
             raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): {write_again(run)}")
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
-                          + (f", python -m hymo.train --config {run / 'config.yaml'})" if is_run_folder(run) else ")"))
+                          + (f", python -m hymo.train --config {shell_word(run / 'config.yaml')})" if is_run_folder(run) else ")"))
     from hymo.training.trainer import _json_dict, file_crc, run_dir_holder
     cfg = run_config(run)
     model = build_hymo(cfg.model, device=device)
@@ -122,7 +122,7 @@ def write_again(run: Path) -> str:
     "How a finished run's deleted model.safetensors (or tokenizer.json) is written again: from its final checkpoint, if one is left."
     from hymo.training.trainer import list_checkpoints
     if list_checkpoints(run):
-        return (f"python -m hymo.train --config {run / 'config.yaml'} run_dir={run} writes the missing files again from "
+        return (f"python -m hymo.train --config {shell_word(run / 'config.yaml')} run_dir={shell_word(run)} writes the missing files again from "
                 "the final checkpoint")
     return (f"{run} has no checkpoint left to write them from, so copy them back from a copy of the run folder, or train "
             "the run again in a new run_dir=...")

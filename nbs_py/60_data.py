@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import socket
 import sys
@@ -53,7 +52,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import numpy as np
 from tqdm import tqdm
 
-from hymo.config import package_dir
+from hymo.config import package_dir, shell_word
 
 # %% [markdown]
 # `torch` is imported only where tensors are made (the loader), so that `python -m hymo.data
@@ -251,7 +250,7 @@ def _not_utf8(path: Path) -> DataError:
 def _in_place(path: Path, command: str) -> str:
     "A shell line that rewrites `path` through `command` (`command < path`), the new text replacing the old."
     new = path.with_name(path.name + ".new")  # (not a suffix prepare reads, should the mv not run)
-    old, new = shlex.quote(str(path)), shlex.quote(str(new))  # a name with spaces or quotes
+    old, new = shell_word(path), shell_word(new)  # a name with spaces or quotes
     return f"{command} < {old} > {new} && mv {new} {old}"
 
 
@@ -743,10 +742,10 @@ def load_manifest(data_dir: Path) -> dict:
         if old:  # stopped between `_install`'s two renames: the dataset is there, under another name
             old = max(old, key=lambda p: p.stat().st_mtime)  # the newest, if several
             raise DataError(f"{data_dir} does not exist, but {old} holds the dataset that was there (a prepare into it was "
-                            f"stopped as it swapped the folders): rename it back (mv {old} {data_dir}), or prepare again")
+                            f"stopped as it swapped the folders): rename it back (mv {shell_word(old)} {shell_word(data_dir)}), or prepare again")
         # a misspelt path: not a place to prepare into before checking it
         raise DataError(f"{data_dir} does not exist: check the path, or prepare a dataset there (`python -m hymo.data "
-                        f"prepare --input TEXT... --out {data_dir}`)")
+                        f"prepare --input TEXT... --out {shell_word(data_dir)}`)")
     if not m.exists():  # a training run's folder; or texts not prepared yet, to prepare into a folder of their own
         if d.is_dir() and (d / "config.yaml").is_file() and (d / "metrics.jsonl").is_file():
             raise DataError(f"{data_dir} is not a prepared dataset but holds a config.yaml (a run folder?): give the "
@@ -777,16 +776,17 @@ def load_manifest(data_dir: Path) -> dict:
         inside = Path(os.path.abspath(named)).is_relative_to(package_dir().resolve())  # the bundled corpus: not into the package
         out = Path("data") / stem if inside else named.with_name(stem) if named.name else Path(stem)
         raise DataError(f"{data_dir} is not a prepared dataset (no manifest.json): run `python -m hymo.data prepare "
-                        + (f"--input {data_dir} --out {out}`, then give data_dir={out}" if texts else
-                           f"--input TEXT... --out {where}`" + (f", then give data_dir={where}" if where != data_dir else "")))
+                        + (f"--input {shell_word(data_dir)} --out {shell_word(out)}`, then give data_dir={shell_word(out)}" if texts else
+                           f"--input TEXT... --out {shell_word(where)}`"
+                           + (f", then give data_dir={shell_word(where)}" if where != data_dir else "")))
     try: manifest = json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as e:
         raise DataError(f"{m} is damaged ({e}): prepare the dataset again (`python -m hymo.data prepare ... "
-                        f"--out {data_dir} --overwrite`)") from None
+                        f"--out {shell_word(data_dir)} --overwrite`)") from None
     if not isinstance(manifest, dict): manifest = {}
     if manifest.get("format") != FORMAT:
         raise DataError(f"{data_dir} has format {manifest.get('format')!r}, this version reads {FORMAT!r}: prepare it "
-                        f"again (`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
+                        f"again (`python -m hymo.data prepare ... --out {shell_word(data_dir)} --overwrite`)")
     bad = [k for k, t in _MANIFEST_KEYS.items() if not isinstance(manifest.get(k), t) or isinstance(manifest.get(k), bool)]
     splits = manifest.get("splits") if isinstance(manifest.get("splits"), dict) else {}
     bad += [f"splits.{name}" for name, v in splits.items() if not (isinstance(v, dict) and all(
@@ -795,7 +795,7 @@ def load_manifest(data_dir: Path) -> dict:
         and isinstance(s.get("crc32", 0), int) for s in v["shards"]))]
     if bad:
         raise DataError(f"{m} is damaged (missing or wrong: {', '.join(bad)}): prepare the dataset again "
-                        f"(`python -m hymo.data prepare ... --out {data_dir} --overwrite`)")
+                        f"(`python -m hymo.data prepare ... --out {shell_word(data_dir)} --overwrite`)")
     return manifest
 
 
@@ -844,7 +844,7 @@ def _keep_beside(tmp: Path, out: Path, what: str, moved: Optional[Path] = None):
     if moved is not None: os.replace(moved, was := _free_name(out))
     to_disk(out.parent)
     raise DataError(f"{out} now holds {what} while this prepare ran; it is left as it is. This prepare's dataset is "
-                    f"kept at {kept}: train on it there (data_dir={shlex.quote(str(kept))}), or move it to {out} yourself"
+                    f"kept at {kept}: train on it there (data_dir={shell_word(kept)}), or move it to {out} yourself"
                     + (f". The dataset {out} held when this prepare moved it aside is at {was}, as it was" if moved else ""))
 
 
@@ -1414,7 +1414,7 @@ class TokenLoader:
         i = int(np.searchsorted(self.offsets, at, side="right")) - 1
         shard = self.data_dir / self.manifest["splits"][self.split]["shards"][i]["file"]
         raise DataError(f"shard {shard} holds id {ids[b, t]} at token {at - int(self.offsets[i]):,}, beyond the tokenizer's "
-                        f"{self.manifest['vocab_size']}: the dataset is damaged (`python -m hymo.data info {self.data_dir}` "
+                        f"{self.manifest['vocab_size']}: the dataset is damaged (`python -m hymo.data info {shell_word(self.data_dir)}` "
                         f"checks every shard); prepare it again {_SAME_COMMAND}")
 
     def batch(self, step: int):

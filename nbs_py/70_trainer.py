@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk, load_config, validate_config
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_triton_chunk, load_config, shell_word, validate_config
 from hymo.models.gdn import _load_triton
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
@@ -828,7 +828,7 @@ class Trainer:
         ours = self._agree(ours)
         if not ours and run is not None and is_run_folder(run):
             raise ConfigError(f"run_dir={d} is {'the checkpoints of' if d.name == 'checkpoints' else 'a checkpoint of'} the run "
-                              f"in {run}: give run_dir={run} to continue it, or --resume a checkpoint of it with a new "
+                              f"in {run}: give run_dir={shell_word(run)} to continue it, or --resume a checkpoint of it with a new "
                               "run_dir=... to branch from it")
         if not ours:
             raise ConfigError(f"run_dir={d} holds files but is not a HyMo run folder (it has none of {', '.join(RUN_MARKS)}): "
@@ -1665,7 +1665,7 @@ def load(self: Trainer, ckpt: Path):
                                                 **{k: old[k] for k in ("seq_len", "seed") if k in old}}, str(ckpt))
         except DataError as e:  # most often the data_dir= of the run left out: name it
             if "data_dir" not in old or old["data_dir"] == self.cfg.data_dir: raise  # (both absolute; None: the bundled corpus)
-            raise DataError(f"{e}. It trained with " + (f"data_dir={old['data_dir']}: give that to resume it" if old["data_dir"]
+            raise DataError(f"{e}. It trained with " + (f"data_dir={shell_word(old['data_dir'])}: give that to resume it" if old["data_dir"]
                             else "the bundled corpus: leave out data_dir= to resume it")) from None
     model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
     state = {"model": model_sd, "optim": optim_sd}
@@ -1700,7 +1700,7 @@ def load(self: Trainer, ckpt: Path):
     self.saved_step = self.step  # that checkpoint exists: a stop right away need not write it again
     home = Path(ckpt).resolve().parent.parent
     self.log(f"resumed from {ckpt} at step {self.step}" + ("" if home == self.run_dir.resolve() else
-             f", in a new run folder (a branch: {home} is left as it is; give run_dir={home} to rewind that run instead)"))
+             f", in a new run folder (a branch: {home} is left as it is; give run_dir={shell_word(home)} to rewind that run instead)"))
     notes = [n + self._keep_before_decay(Path(ckpt)) if n.endswith(EXTEND) else n for n in notes]
     self.resume_warnings = notes
     for w in notes: self.log(f"warning: {w}")
@@ -1736,11 +1736,11 @@ def _keep_before_decay(self: Trainer, ckpt: Path) -> str:
     if isinstance(c, str): return f": {c}"  # only a damaged one
     if c is None: return f": {ckpt.parent} keeps none (ckpt_every and keep_last_k decide which are kept)"
     if not own: return f": {c} is one (continue from it with a new run_dir=...)"
-    if c.name.startswith("before-decay-"): return f": {c} is one, kept for that (--resume {c})"
+    if c.name.startswith("before-decay-"): return f": {c} is one, kept for that (--resume {shell_word(c)})"
     kept = self._set_aside([c], "before-decay", "pruning never deletes it: --resume it to extend this run without the "
                                               "learning rate's jump back up, or delete it once you no longer need it")
     where = kept[0] if kept else c  # (rank 0's name; the others do not log)
-    return f": {where} is one, kept for that (--resume {where})"
+    return f": {where} is one, kept for that (--resume {shell_word(where)})"
 
 def _saved_loader(ckpt: Path, meta: dict, extra: dict | None) -> dict | None:
     """Where `ckpt`'s run was in its data, for `TokenLoader.step_after`: rank 0's saved loader (its micro-steps, ranks,
@@ -2088,7 +2088,7 @@ def _keep_finished(self: Trainer, step):
     (dest / "summary.json").write_bytes(summary)
     to_disk(dest)
     self.log(f"the run finished before at step {step}: its final model, config and summary are kept in {dest} "
-             f"(python -m hymo.generate {dest}); its checkpoints are pruned as any others (keep_last_k)")
+             f"(python -m hymo.generate {shell_word(dest)}); its checkpoints are pruned as any others (keep_last_k)")
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:
@@ -2209,7 +2209,7 @@ def finish(self: Trainer) -> dict:
     val = last["val_loss"] if last.get("step") == self.step and "val_loss" in last else self.evaluate()  # fit's, at the last step
     summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps, "history_crc32": history_sum(self.history)}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    sample = self.sample()
+    sample = self.sample() if self.cfg.sample_tokens else None  # sample_tokens=0: none
 
     def artefacts():  # the main rank's; a failure stops every rank (`_together`), and the resume finishes again
         if not self.d.is_main: return
@@ -2227,7 +2227,7 @@ def finish(self: Trainer) -> dict:
     if self.d.is_main:
         self.log((f"final val loss {summary['val_loss']:.4f}" if summary["val_loss"] is not None else
                   f"no validation loss{': ' + self.no_val_why if self.no_val_why else ''}")
-                 + f"\n--- sample ---\n{sample}\n--------------")
+                 + (f"\n--- sample ---\n{sample}\n--------------" if sample is not None else ""))
     self.summary = summary
     return summary
 

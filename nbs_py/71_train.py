@@ -72,7 +72,7 @@ from pathlib import Path
 
 import yaml
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, presets, takes_text
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, presets, shell_word, takes_null, takes_text
 from hymo.training.data import DataError
 
 # %%
@@ -115,7 +115,8 @@ def parse_overrides(items: list[str]) -> dict:
         k, prompt = k.strip(), k.strip().split(".")[-1] == "sample_prompt"  # a prompt: every character counts, '' too
         if k in out: raise ConfigError(f"'{k}' is given twice on the command line: give it once")
         if not v.strip() and not prompt:  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
-            raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or {k}=null for the default")
+            raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or " +
+                              (f"{k}=null for the default" if takes_null(k) else "leave it out to keep the config's value"))
         if takes_text(k) and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would read
             value = v if prompt else v.strip()  # run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a mapping,
             if not prompt and v.strip()[:1] in ("'", '"'):  # 'Chapter #1' as 'Chapter' (a comment), a newline as a space;
@@ -187,7 +188,7 @@ def _resume_from(trainer, cfg, args) -> str:
     last = list_checkpoints(run_dir) + [t.with_suffix("") for t in cut_short_renames(run_dir)] if run_dir else []
     if not last: return "no checkpoint was written"
     change = [f"without {o}" for o, given in (("--resume", args.resume), ("--no-resume", args.no_resume)) if given]
-    if not cfg.train.run_dir: change.append(f"with run_dir={run_dir}")  # run again as it was, it would start a new folder
+    if not cfg.train.run_dir: change.append(f"with run_dir={shell_word(run_dir)}")  # run again as it was, it would start a new folder
     return f"the same command{' ' + ' and '.join(change) if change else ''} resumes from {last[-1]}"
 
 
@@ -223,7 +224,7 @@ def _in_its_run_folder(cfg, args):
     if args.resume and Path(args.resume).expanduser().resolve().parent != home / "checkpoints": return cfg  # a branch: new folder
     if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home: return cfg
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: {args.config} is a run folder's config: continuing that run, run_dir={home} (give run_dir=... "
+        print(f"note: {args.config} is a run folder's config: continuing that run, run_dir={shell_word(home)} (give run_dir=... "
               "to start a new run from its settings)", flush=True)
     return load_config(args.config, **parse_overrides(args.overrides), run_dir=str(home))
 

@@ -3,6 +3,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -770,3 +771,40 @@ def test_a_run_config_reads_back_as_written_and_odd_numbers_are_text(tmp_path):
     (tmp_path / "child.yaml").write_text("base: sub/mybase\n")
     with pytest.raises(ConfigError, match=r"names 'base: sub/mybase', which is not a preset .*write 'base: sub/mybase.yaml'$"):
         load_config(str(tmp_path / "child.yaml"))
+
+
+def test_an_empty_override_is_told_a_fix_that_is_accepted():
+    "'max_steps=' advised 'max_steps=null for the default', which was then refused (expected int, got NoneType None)."
+    from hymo.train import parse_overrides
+    for key in ("max_steps", "dim", "muon_lr", "wandb", "data_dir", "moe_capacity_factor"):
+        with pytest.raises(ConfigError) as e: parse_overrides([f"{key}="])
+        if f"{key}=null" in str(e.value): load_config("hymo_tiny", **parse_overrides([f"{key}=null"]))  # the advice works
+        else: assert str(e.value).endswith("or leave it out to keep the config's value"), str(e.value)
+    assert "data_dir=null for the default" in str(pytest.raises(ConfigError, parse_overrides, ["data_dir="]).value)
+
+
+def test_near_misses_of_a_preset_infinity_and_a_scalar_list_get_their_fix():
+    for wrong in ("hymo-tiny", "hymo_tyni", "tiny"):
+        with pytest.raises(ConfigError, match=r"\. Did you mean 'hymo_tiny'\? Presets: "): load_config(wrong)
+    for inf in ("inf", "Infinity", "+inf"):  # the cap off is null (YAML's .inf, a float, is not finite: refused as such)
+        with pytest.raises(ConfigError, match=r"moe_capacity_factor=.*: for no limit write null"):
+            load_config("hymo_tiny", moe_capacity_factor=inf)
+    with pytest.raises(ConfigError, match=r"write it as a list in brackets, \[0.9, \.\.\.\], as many values as it takes$"):
+        load_config("hymo_tiny", adamw_betas=0.9)  # [0.9] alone was advised, and refused in turn (two numbers)
+
+
+def test_commands_in_messages_paste_into_a_shell_with_spaces_in_paths(tmp_path):
+    "Paths in the commands messages suggest are quoted for the shell (a run folder or dataset under 'my runs')."
+    import shlex
+    from hymo.generate import write_again
+    from hymo.training.data import DataError, load_manifest
+    run = tmp_path / "my runs" / "r"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    argv = shlex.split(write_again(run).split(" writes the missing files")[0])
+    assert argv[argv.index("--config") + 1] == str(run / "config.yaml") and f"run_dir={run}" in argv, argv
+    text = tmp_path / "my texts" / "a.txt"
+    text.parent.mkdir(); text.write_text("hello\n")
+    with pytest.raises(DataError) as e: load_manifest(text)
+    command = str(e.value).split("`")[1]
+    argv = shlex.split(command)
+    assert argv[argv.index("--input") + 1] == str(text) and (tmp_path / "my texts").samefile(Path(argv[argv.index("--out") + 1]).parent), argv

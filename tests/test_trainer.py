@@ -1819,7 +1819,7 @@ def test_an_os_error_that_is_not_the_disk_is_not_reported_as_one(tmp_path, monke
     (["--resum", "x"], "unknown option --resum; did you mean --resume?"),  # no abbreviations: --resum is not taken for --resume
     (["--bogus"], "unknown option --bogus. Config values are written key=value"),
     (["adamw_betas=[0.9,"], "quote it for the shell, e.g. 'adamw_betas=[0.9, 0.95]'"),  # the setting's own default, as the example
-    (["mtp_loss_weights=0.3"], "expected a list of float, got float 0.3; write it as a list: [0.3]"),
+    (["mtp_loss_weights=0.3"], "expected a list of float, got float 0.3; write it as a list in brackets, [0.3, ...], as many values as it takes"),
     (["--resume", "a", "--resume", "b"], "--resume is given twice (a, then b)"),
     (["--config", "hymo_tiny.yaml"], "a preset is named without .yaml: hymo_tiny"),
     (["data_dir="], "'data_dir=' has no value"),
@@ -3339,3 +3339,14 @@ def test_a_step_cut_before_fsdps_first_forward_raises_its_own_exception(tmp_path
     assert res["fsdp"], res
     assert res["raised"] == "KeyboardInterrupt", res
     assert res["grad_norm"][1] == pytest.approx(res["grad_norm"][0], rel=1e-5), res
+
+
+def test_sample_tokens_0_means_no_sample(tmp_path, capsys):
+    "sample_tokens=0 is allowed ('0 or more'): the run's end printed an empty '--- sample ---' block and kept the prompt."
+    t = make(tmp_path / "run", max_steps=2, warmup_steps=0, sample_tokens=0)
+    t.quiet = False
+    t.fit()
+    assert t.summary["sample"] is None and json.loads((tmp_path / "run" / "summary.json").read_text())["sample"] is None
+    out = capsys.readouterr().out
+    assert "final val loss" in out or "no validation loss" in out
+    assert "--- sample ---" not in out
