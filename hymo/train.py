@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import yaml
@@ -185,8 +186,10 @@ def main(argv: list[str] | None = None, # The arguments; None: the command line'
     if note and os.environ.get("RANK", "0") == "0": print(note, flush=True)
     try: from hymo.training.trainer import guarded_output  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
-    with guarded_output():  # a reader that goes away (`| head`) turns its stream off: no traceback, nothing lost
-        return _train(parser, args, cfg)
+    from hymo.data import _one_line
+    with guarded_output(), warnings.catch_warnings():  # a reader that goes away (`| head`) turns its stream off: no
+        warnings.showwarning = _one_line(warnings.showwarning)  # traceback, nothing lost; a dataset's warnings (a damaged
+        return _train(parser, args, cfg)                         # cache prepared again) one line each, as hymo.data's
 
 
 def _train(parser, args, cfg) -> dict:

@@ -3350,3 +3350,18 @@ def test_sample_tokens_0_means_no_sample(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "final val loss" in out or "no validation loss" in out
     assert "--- sample ---" not in out
+
+
+def test_the_train_command_prints_a_data_warning_as_one_line(monkeypatch, capsys):
+    "A DataWarning while training (the cache's dataset damaged, prepared again) came with Python's file, line and source."
+    import warnings
+    import hymo.train as train
+    from hymo.training.data import DataWarning
+    def warns(parser, args, cfg):
+        warnings.warn("the cache holds this dataset damaged: preparing it again", DataWarning)
+        warnings.warn("another library's warning", UserWarning)
+        return {}
+    monkeypatch.setattr(train, "_train", warns)
+    with pytest.warns(UserWarning, match="another library's warning"): train.main([])  # others as Python shows them
+    err = capsys.readouterr().err
+    assert "warning: the cache holds this dataset damaged: preparing it again\n" in err and "DataWarning" not in err, err
