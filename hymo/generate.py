@@ -96,12 +96,16 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     try: state = load_file(str(weights), device=str(device))
     except Exception as e:  # safetensors' own error for a cut or damaged file
         raise ConfigError(f"{weights} cannot be read ({e}): copy it again, or delete it: {write_again(run)}") from None
+    fix = ("its model: settings are not the ones this model trained with: put back the run's own config.yaml (a "
+           "finished-step_* copy has one; each checkpoint's meta.json holds the settings under 'config')")
     try: wrong = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape
-        raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: {str(e).strip().splitlines()[-1].strip()}") from None
+        raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'} "
+                          f"({str(e).strip().splitlines()[-1].strip()}): {fix}") from None
     if wrong.missing_keys or wrong.unexpected_keys:
-        raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'}: missing "
-                          f"{wrong.missing_keys[:3]}, unexpected {wrong.unexpected_keys[:3]}")
+        raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'} ("
+                          + ", ".join(f"{what} {keys[:3]}" for what, keys in (("missing", wrong.missing_keys),
+                                      ("unexpected", wrong.unexpected_keys)) if keys) + f"): {fix}")
     again = "copy it again from the run's data folder (data_dir in config.yaml; the bundled corpus is prepared under $HYMO_CACHE)"
     try: tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     except Exception as e:  # tokenizers' own error for a cut or damaged file

@@ -302,9 +302,12 @@ def test_load_run_refuses_weights_with_missing_or_unexpected_tensors(run, tmp_pa
     (other / "summary.json").write_text(json.dumps(summary))
     w = load_file(str(run / "model.safetensors"))
     save_file({k: v for k, v in w.items() if k != "norm.weight"}, str(other / "model.safetensors"))
-    with pytest.raises(ConfigError, match="does not fit .*missing \\['norm.weight'\\]"): load_run(other)
+    fix = "its model: settings are not the ones this model trained with: put back the run's own config.yaml"
+    with pytest.raises(ConfigError, match=f"does not fit .*\\(missing \\['norm.weight'\\]\\): {fix}"): load_run(other)
     save_file({**w, "extra.weight": torch.zeros(2)}, str(other / "model.safetensors"))
-    with pytest.raises(ConfigError, match="does not fit .*unexpected \\['extra.weight'\\]"): load_run(other)
+    with pytest.raises(ConfigError, match=f"does not fit .*\\(unexpected \\['extra.weight'\\]\\): {fix}"): load_run(other)
+    save_file({**w, "norm.weight": torch.zeros(3)}, str(other / "model.safetensors"))  # a setting changed: another shape
+    with pytest.raises(ConfigError, match=f"does not fit .*\\(size mismatch for norm.weight.*\\): {fix}"): load_run(other)
 
 
 def test_an_end_of_text_typed_in_a_prompt_is_text(loaded):
