@@ -25,7 +25,7 @@ import yaml
 # %% auto #0
 __all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'CHOICES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError',
            'check_triton_chunk', 'validate_model', 'validate_part', 'validate_training', 'package_dir', 'Config',
-           'presets', 'takes_text', 'takes_null', 'shell_word', 'load_config', 'validate_config']
+           'presets', 'takes_text', 'null_is_default', 'shell_word', 'load_config', 'validate_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -155,9 +155,10 @@ def _check_type(name: str, value, tp):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
         if value is None or value in ("none", "None"): return None  # the word, as a command line writes it
-        if isinstance(value, str) and value.strip().lstrip("+").lower() in ("inf", "infinity"):  # moe_capacity_factor=inf
-            raise ConfigError(f"{name}={value}: for no limit write null (infinity is not a value here)")
-        return _check_type(name, value, next(a for a in args if a is not type(None)))
+        inner = next(a for a in args if a is not type(None))
+        if inner in (int, float) and isinstance(value, str) and value.strip().lstrip("+").lower() in ("inf", "infinity"):
+            raise ConfigError(f"{name}={value}: for no limit write null (infinity is not a value here)")  # the MoE's cap
+        return _check_type(name, value, inner)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             listed = value[1:-1] if isinstance(value, str) and value[:1] + value[-1:] == "()" else value  # (0.9, 0.95)
@@ -432,9 +433,12 @@ def takes_text(key: str) -> bool:
     return tp is str or str in typing.get_args(tp)
 
 
-def takes_null(key: str) -> bool:
-    "Whether config key `key` may be null (an Optional setting, whose null means its documented default)."
-    return type(None) in typing.get_args(_key_type(key))
+def null_is_default(key: str) -> bool:
+    """Whether config key `key` may be null and null is its default (data_dir, run_dir, sample_prompt: null means what
+    their comment says); not moe_capacity_factor, whose null (dropless) is not its default (1.5)."""
+    if type(None) not in typing.get_args(_key_type(key)): return False
+    sec, name = _section_of(key)
+    return next(f.default for f in fields(_SECTIONS[sec]) if f.name == name) is None
 
 
 def shell_word(x) -> str:

@@ -96,8 +96,8 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     try: state = load_file(str(weights), device=str(device))
     except Exception as e:  # safetensors' own error for a cut or damaged file
         raise ConfigError(f"{weights} cannot be read ({e}): copy it again, or delete it: {write_again(run)}") from None
-    fix = ("its model: settings are not the ones this model trained with: put back the run's own config.yaml (a "
-           "finished-step_* copy has one; each checkpoint's meta.json holds the settings under 'config')")
+    fix = ("config.yaml's model: section is not the one these weights trained with: put back the run's own config.yaml "
+           "(a finished-step_* copy has one; each checkpoint's meta.json holds the settings under 'config')")
     try: wrong = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a tensor of another shape
         raise ConfigError(f"{run / 'model.safetensors'} does not fit {run / 'config.yaml'} "

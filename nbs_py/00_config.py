@@ -213,9 +213,10 @@ def _check_type(name: str, value, tp):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union:  # Optional[X]
         if value is None or value in ("none", "None"): return None  # the word, as a command line writes it
-        if isinstance(value, str) and value.strip().lstrip("+").lower() in ("inf", "infinity"):  # moe_capacity_factor=inf
-            raise ConfigError(f"{name}={value}: for no limit write null (infinity is not a value here)")
-        return _check_type(name, value, next(a for a in args if a is not type(None)))
+        inner = next(a for a in args if a is not type(None))
+        if inner in (int, float) and isinstance(value, str) and value.strip().lstrip("+").lower() in ("inf", "infinity"):
+            raise ConfigError(f"{name}={value}: for no limit write null (infinity is not a value here)")  # the MoE's cap
+        return _check_type(name, value, inner)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             listed = value[1:-1] if isinstance(value, str) and value[:1] + value[-1:] == "()" else value  # (0.9, 0.95)
@@ -513,9 +514,12 @@ def takes_text(key: str) -> bool:
     return tp is str or str in typing.get_args(tp)
 
 
-def takes_null(key: str) -> bool:
-    "Whether config key `key` may be null (an Optional setting, whose null means its documented default)."
-    return type(None) in typing.get_args(_key_type(key))
+def null_is_default(key: str) -> bool:
+    """Whether config key `key` may be null and null is its default (data_dir, run_dir, sample_prompt: null means what
+    their comment says); not moe_capacity_factor, whose null (dropless) is not its default (1.5)."""
+    if type(None) not in typing.get_args(_key_type(key)): return False
+    sec, name = _section_of(key)
+    return next(f.default for f in fields(_SECTIONS[sec]) if f.name == name) is None
 
 
 def shell_word(x) -> str:
@@ -694,14 +698,14 @@ def validate_config(m: ModelConfig, t: TrainingConfig) -> tuple[ModelConfig, Tra
 
 # %% [markdown]
 # The command line (chapter 71) asks two more things of a key: whether it holds text (kept as
-# typed, not read as YAML: `run_dir=007` stays `'007'`) and whether it may be null (its documented
-# default). Messages that name a command to run quote its paths for the shell, so they paste as
+# typed, not read as YAML: `run_dir=007` stays `'007'`) and whether null is its default, what an
+# empty value is told to write instead. Messages that name a command to run quote its paths for the shell, so they paste as
 # they are.
 
 # %%
 test_eq([takes_text(k) for k in ("data_dir", "train.sample_prompt", "max_steps", "no_such_key")], [True, True, False, False])
-test_eq([takes_null(k) for k in ("data_dir", "moe_capacity_factor", "train.max_steps", "model.dim", "no_such_key")],
-        [True, True, False, False, False])
+test_eq([null_is_default(k) for k in ("data_dir", "moe_capacity_factor", "train.max_steps", "model.dim", "no_such_key")],
+        [True, False, False, False, False])
 test_eq([shell_word(p) for p in (Path("runs/a"), "my runs/a", "it's")], ["runs/a", "'my runs/a'", "'it'\"'\"'s'"])
 
 # %% [markdown]

@@ -1050,7 +1050,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
         x.item() if isinstance(x, np.generic) else x for x in (vocab_size, val_fraction, shard_tokens, tokenizer_train_bytes))
     if os.path.ismount(out):
         raise DataError(f"--out {out} is a mount point, which cannot be replaced by a new folder: give a folder inside it "
-                        f"(e.g. --out {out / 'data'})")
+                        f"(e.g. --out {shell_word(out / 'data')})")
     if not 0 <= val_fraction < 1: raise DataError(f"val_fraction={val_fraction} must be in [0, 1)")
     if shard_tokens <= 0: raise DataError(f"shard_tokens={shard_tokens} must be positive")
     if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)

@@ -1269,9 +1269,11 @@ print(f"{len(_mats.copies)} matrices copied, {sum(c.numel() for c in _mats.copie
 # of its iteration, some blocks gathered and its end-of-backward callback marked as queued. Torch
 # 2.13's `reset_iter_state` clears that; torch 2.11 has none, and `reset_fsdp_iteration` does the
 # same from FSDP's internals (without it, the next backward never queued the callback, and the
-# gradients it reduces were missing: a norm of 3.47 where 3.75 is right). The tests cut a step
-# between its micro-batches, before its first forward, and inside 16 different backwards, each
-# with FSDP's reset and with HyMo's, and the step run again equals a clean one.
+# gradients it reduces were missing: a norm of 3.47 where 3.75 is right). A second Ctrl-C can cut
+# that reset too, so each step begins by asking whether FSDP was left inside an iteration
+# (`mid_iteration`) and resets it if so. The tests cut a step between its micro-batches, before its
+# first forward, inside 16 different backwards and as the reset begins, each with FSDP's reset and
+# with HyMo's; FSDP is idle and sharded after each, and the step run again equals a clean one.
 #
 # On one H200, through FSDP on a group of one GPU (`train_step.py --fsdp`, 32 micro-batches per
 # step), reducing once per step took the 750M step from 9.09 to 7.85 s (one process, one after the
@@ -1313,7 +1315,7 @@ def _grad_norm(self: Trainer) -> torch.Tensor:
 @contextmanager
 def fsdp_step(model: nn.Module):
     "An FSDP optimiser step: each block keeps its gathered weights from its first forward to the last backward."
-    drop_unsharded_grads(model, reset=False)  # none after a whole step; a step whose clean-up a second Ctrl-C cut left some
+    drop_unsharded_grads(model, reset=mid_iteration(model))  # none after a whole step; a cut clean-up (a second Ctrl-C) left some
     model.set_reshard_after_forward(False)
     try: yield
     except BaseException:  # a step cut short (an exception, a Ctrl-C in a notebook): its micro-batches' sums dropped
@@ -1349,24 +1351,47 @@ def drop_unsharded_grads(model: nn.Module, reset: bool = True):
     else: reset_fsdp_iteration(model)  # torch 2.11 has no reset_iter_state
 
 
+def mid_iteration(model: nn.Module) -> bool:
+    "Whether FSDP is left inside an iteration (a forward or backward cut, and its clean-up cut too): a group or state not idle."
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    root = model._get_fsdp_state()
+    if getattr(root, "_is_root", None) is None: return False  # no forward yet
+    states = root._state_ctx.all_states
+    return root._state_ctx.post_backward_final_callback_queued or any(
+        s._training_state != TrainingState.IDLE or any(g._training_state != TrainingState.IDLE for g in _param_groups(s))
+        for s in states)
+
+
 def reset_fsdp_iteration(model: nn.Module):
     """For a torch without FSDP's `reset_iter_state` (2.11 has none; 2.13 has): the same reset after a forward or backward
-    cut short. Collectives finished, the iteration's trackers cleared, every group idle and sharded. Left set, the marker
-    of a queued end-of-backward callback kept the next backward from queueing its own: the gradients that callback
-    reduces were missing (grad norm 3.47 where 3.75 is right, a bf16 step cut in its first micro-batch's backward)."""
+    cut short, as 2.13 does it. The current stream waits for FSDP's collectives in flight, the iteration's trackers are
+    cleared, every group idle and sharded. Left set, the marker of a queued end-of-backward callback kept the next
+    backward from queueing its own: the gradients that callback reduces were missing (grad norm 3.47 where 3.75 is right,
+    a bf16 step cut in its first micro-batch's backward)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    if torch.cuda.is_available(): torch.cuda.synchronize()  # what FSDP's streams have in flight: done
     root = model._get_fsdp_state()
     ctx, comm = root._state_ctx, root._comm_ctx
-    ctx.iter_forward_root, ctx.post_backward_final_callback_queued = None, False
-    for name in ("all_gather_state", "reduce_scatter_state"):  # a collective's pending state (names of either torch)
+    ctx.post_backward_final_callback_queued, ctx.iter_forward_root = False, None  # first: the marker that matters most
+    stream = root._device_handle.current_stream()
+    wait = lambda event: event is not None and stream.wait_event(event)
+    for name in ("all_gather_state", "reduce_scatter_state"):  # a collective's pending state (2.11's names; 2.13 keeps
+        wait(getattr(getattr(comm, name, None), "event", None))   # a list of reduce-scatters)
         if hasattr(comm, name): setattr(comm, name, None)
-    for name in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
+    for rs in getattr(comm, "reduce_scatter_states", ()): wait(rs.event)
+    for event in getattr(comm, "_last_post_reduce_events", {}).values(): wait(event)
+    for name in ("reduce_scatter_states", "_last_post_reduce_events", "post_forward_order"):
         if hasattr(comm, name): getattr(comm, name).clear()
     for state in ctx.all_states:
         state._training_state = TrainingState.IDLE
         if hasattr(state, "_modules_to_run_forward"): state._modules_to_run_forward.clear()
         for group in _param_groups(state):
+            if (ag := getattr(group, "_all_gather_result", None)) is not None:
+                wait(ag.all_gather_event)
+                if isinstance(ag.all_gather_work, dist.distributed_c10d.Work): ag.all_gather_work.wait()
+            wait(getattr(group, "_post_reduce_event", None))
+            wait(getattr(getattr(group, "_all_reduce_state", None), "event", None))
+            if getattr(group, "_reshard_after_forward_event", None) is not None:
+                group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
             for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state", "_partial_reduce_output",
                          "_reshard_after_forward_event"):
                 if hasattr(group, name): setattr(group, name, None)

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import yaml
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, presets, shell_word, takes_null, takes_text
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, null_is_default, presets, shell_word, takes_text
 from hymo.training.data import DataError
 
 # %%
@@ -117,7 +117,7 @@ def parse_overrides(items: list[str]) -> dict:
         if k in out: raise ConfigError(f"'{k}' is given twice on the command line: give it once")
         if not v.strip() and not prompt:  # data_dir=$DATA with DATA unset would silently train on the bundled corpus
             raise ConfigError(f"'{item}' has no value (an unset shell variable?): give one, or " +
-                              (f"{k}=null for the default" if takes_null(k) else "leave it out to keep the config's value"))
+                              (f"{k}=null for the default" if null_is_default(k) else "leave it out to keep the config's value"))
         if takes_text(k) and v.strip() not in ("null", "Null", "NULL", "~"):  # text as typed: YAML would read
             value = v if prompt else v.strip()  # run_dir=007 as 7, 2024-12-05 as a date, off as False, JULIET: as a mapping,
             if not prompt and v.strip()[:1] in ("'", '"'):  # 'Chapter #1' as 'Chapter' (a comment), a newline as a space;

@@ -781,6 +781,7 @@ def test_an_empty_override_is_told_a_fix_that_is_accepted():
         if f"{key}=null" in str(e.value): load_config("hymo_tiny", **parse_overrides([f"{key}=null"]))  # the advice works
         else: assert str(e.value).endswith("or leave it out to keep the config's value"), str(e.value)
     assert "data_dir=null for the default" in str(pytest.raises(ConfigError, parse_overrides, ["data_dir="]).value)
+    assert "leave it out" in str(pytest.raises(ConfigError, parse_overrides, ["moe_capacity_factor="]).value)  # null: dropless
 
 
 def test_near_misses_of_a_preset_infinity_and_a_scalar_list_get_their_fix():
@@ -789,6 +790,7 @@ def test_near_misses_of_a_preset_infinity_and_a_scalar_list_get_their_fix():
     for inf in ("inf", "Infinity", "+inf"):  # the cap off is null (YAML's .inf, a float, is not finite: refused as such)
         with pytest.raises(ConfigError, match=r"moe_capacity_factor=.*: for no limit write null"):
             load_config("hymo_tiny", moe_capacity_factor=inf)
+        assert load_config("hymo_tiny", run_dir=inf, data_dir=inf, sample_prompt=inf).train.run_dir == inf  # text: a name
     with pytest.raises(ConfigError, match=r"write it as a list in brackets, \[0.9, \.\.\.\], as many values as it takes$"):
         load_config("hymo_tiny", adamw_betas=0.9)  # [0.9] alone was advised, and refused in turn (two numbers)
 

@@ -302,7 +302,7 @@ def test_load_run_refuses_weights_with_missing_or_unexpected_tensors(run, tmp_pa
     (other / "summary.json").write_text(json.dumps(summary))
     w = load_file(str(run / "model.safetensors"))
     save_file({k: v for k, v in w.items() if k != "norm.weight"}, str(other / "model.safetensors"))
-    fix = "its model: settings are not the ones this model trained with: put back the run's own config.yaml"
+    fix = "config.yaml's model: section is not the one these weights trained with: put back the run's own config.yaml"
     with pytest.raises(ConfigError, match=f"does not fit .*\\(missing \\['norm.weight'\\]\\): {fix}"): load_run(other)
     save_file({**w, "extra.weight": torch.zeros(2)}, str(other / "model.safetensors"))
     with pytest.raises(ConfigError, match=f"does not fit .*\\(unexpected \\['extra.weight'\\]\\): {fix}"): load_run(other)

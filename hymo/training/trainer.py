@@ -49,10 +49,10 @@ __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULT
            'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'steps_differ',
            'schedule_jump', 'trim_metrics', 'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir',
            'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
-           'drop_unsharded_grads', 'reset_fsdp_iteration', 'fsdp_micro_batch', 'accumulation', 'forward_backward',
-           'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line', 'guarded_output',
-           'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish', 'write_safetensors', 'sample',
-           'plot_losses']
+           'drop_unsharded_grads', 'mid_iteration', 'reset_fsdp_iteration', 'fsdp_micro_batch', 'accumulation',
+           'forward_backward', 'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line',
+           'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish',
+           'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -1003,7 +1003,7 @@ def _grad_norm(self: Trainer) -> torch.Tensor:
 @contextmanager
 def fsdp_step(model: nn.Module):
     "An FSDP optimiser step: each block keeps its gathered weights from its first forward to the last backward."
-    drop_unsharded_grads(model, reset=False)  # none after a whole step; a step whose clean-up a second Ctrl-C cut left some
+    drop_unsharded_grads(model, reset=mid_iteration(model))  # none after a whole step; a cut clean-up (a second Ctrl-C) left some
     model.set_reshard_after_forward(False)
     try: yield
     except BaseException:  # a step cut short (an exception, a Ctrl-C in a notebook): its micro-batches' sums dropped
@@ -1039,24 +1039,47 @@ def drop_unsharded_grads(model: nn.Module, reset: bool = True):
     else: reset_fsdp_iteration(model)  # torch 2.11 has no reset_iter_state
 
 
+def mid_iteration(model: nn.Module) -> bool:
+    "Whether FSDP is left inside an iteration (a forward or backward cut, and its clean-up cut too): a group or state not idle."
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    root = model._get_fsdp_state()
+    if getattr(root, "_is_root", None) is None: return False  # no forward yet
+    states = root._state_ctx.all_states
+    return root._state_ctx.post_backward_final_callback_queued or any(
+        s._training_state != TrainingState.IDLE or any(g._training_state != TrainingState.IDLE for g in _param_groups(s))
+        for s in states)
+
+
 def reset_fsdp_iteration(model: nn.Module):
     """For a torch without FSDP's `reset_iter_state` (2.11 has none; 2.13 has): the same reset after a forward or backward
-    cut short. Collectives finished, the iteration's trackers cleared, every group idle and sharded. Left set, the marker
-    of a queued end-of-backward callback kept the next backward from queueing its own: the gradients that callback
-    reduces were missing (grad norm 3.47 where 3.75 is right, a bf16 step cut in its first micro-batch's backward)."""
+    cut short, as 2.13 does it. The current stream waits for FSDP's collectives in flight, the iteration's trackers are
+    cleared, every group idle and sharded. Left set, the marker of a queued end-of-backward callback kept the next
+    backward from queueing its own: the gradients that callback reduces were missing (grad norm 3.47 where 3.75 is right,
+    a bf16 step cut in its first micro-batch's backward)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    if torch.cuda.is_available(): torch.cuda.synchronize()  # what FSDP's streams have in flight: done
     root = model._get_fsdp_state()
     ctx, comm = root._state_ctx, root._comm_ctx
-    ctx.iter_forward_root, ctx.post_backward_final_callback_queued = None, False
-    for name in ("all_gather_state", "reduce_scatter_state"):  # a collective's pending state (names of either torch)
+    ctx.post_backward_final_callback_queued, ctx.iter_forward_root = False, None  # first: the marker that matters most
+    stream = root._device_handle.current_stream()
+    wait = lambda event: event is not None and stream.wait_event(event)
+    for name in ("all_gather_state", "reduce_scatter_state"):  # a collective's pending state (2.11's names; 2.13 keeps
+        wait(getattr(getattr(comm, name, None), "event", None))   # a list of reduce-scatters)
         if hasattr(comm, name): setattr(comm, name, None)
-    for name in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
+    for rs in getattr(comm, "reduce_scatter_states", ()): wait(rs.event)
+    for event in getattr(comm, "_last_post_reduce_events", {}).values(): wait(event)
+    for name in ("reduce_scatter_states", "_last_post_reduce_events", "post_forward_order"):
         if hasattr(comm, name): getattr(comm, name).clear()
     for state in ctx.all_states:
         state._training_state = TrainingState.IDLE
         if hasattr(state, "_modules_to_run_forward"): state._modules_to_run_forward.clear()
         for group in _param_groups(state):
+            if (ag := getattr(group, "_all_gather_result", None)) is not None:
+                wait(ag.all_gather_event)
+                if isinstance(ag.all_gather_work, dist.distributed_c10d.Work): ag.all_gather_work.wait()
+            wait(getattr(group, "_post_reduce_event", None))
+            wait(getattr(getattr(group, "_all_reduce_state", None), "event", None))
+            if getattr(group, "_reshard_after_forward_event", None) is not None:
+                group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
             for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state", "_partial_reduce_output",
                          "_reshard_after_forward_event"):
                 if hasattr(group, name): setattr(group, name, None)
