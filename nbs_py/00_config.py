@@ -501,24 +501,19 @@ def _section_of(key: str) -> tuple[str, str]:
     raise ConfigError(f"unknown key '{key}'.{_closest(key, valid)} Valid keys: {', '.join(valid)}")
 
 
-def _key_type(key: str):
-    "The type of config key `key` (bare or `section.key`); None for an unknown key, which `load_config` names."
-    try: sec, name = _section_of(key)
-    except ConfigError: return None
-    return _field_types(_SECTIONS[sec])[name]
-
-
 def takes_text(key: str) -> bool:
-    "Whether config key `key` holds text (str, or Optional[str]); False for an unknown key."
-    tp = _key_type(key)
-    return tp is str or str in typing.get_args(tp)
+    "Whether config key `key` (bare or `section.key`) holds text; False for an unknown key, which `load_config` names."
+    try: sec, name = _section_of(key)
+    except ConfigError: return False
+    tp = _field_types(_SECTIONS[sec])[name]
+    return tp is str or str in typing.get_args(tp)  # str, or Optional[str]
 
 
 def null_is_default(key: str) -> bool:
-    """Whether config key `key` may be null and null is its default (data_dir, run_dir, sample_prompt: null means what
-    their comment says); not moe_capacity_factor, whose null (dropless) is not its default (1.5)."""
-    if type(None) not in typing.get_args(_key_type(key)): return False
-    sec, name = _section_of(key)
+    """Whether config key `key`'s default is null (data_dir, run_dir, sample_prompt: null means what their comment says);
+    not moe_capacity_factor's, whose null (dropless) is not its default (1.5). False for an unknown key."""
+    try: sec, name = _section_of(key)
+    except ConfigError: return False
     return next(f.default for f in fields(_SECTIONS[sec]) if f.name == name) is None
 
 

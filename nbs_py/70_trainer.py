@@ -1346,20 +1346,24 @@ def drop_unsharded_grads(model: nn.Module, reset: bool = True):
         for p in (p for g in _param_groups(state) for p in getattr(g, "fsdp_params", ())):
             if hasattr(p, "unsharded_accumulated_grad"): p.unsharded_accumulated_grad = None  # the sum in reduce_dtype
             if getattr(p, "_unsharded_param", None) is not None: p._unsharded_param.grad = None  # else the sum sits here
-    if not reset or getattr(model._get_fsdp_state(), "_is_root", True) is None: return  # no forward yet: nothing gathered,
-    if hasattr(model, "reset_iter_state"): model.reset_iter_state()  # and FSDP's lazy init has not made what this reads
+    if not reset or not _started(model): return  # no forward yet: nothing gathered, and FSDP's lazy init has not made
+    if hasattr(model, "reset_iter_state"): model.reset_iter_state()  # what this reads
     else: reset_fsdp_iteration(model)  # torch 2.11 has no reset_iter_state
+
+
+def _started(model: nn.Module) -> bool:
+    "Whether FSDP's lazy init has run (the root's first forward): before it, no iteration state exists."
+    return getattr(model._get_fsdp_state(), "_is_root", None) is not None
 
 
 def mid_iteration(model: nn.Module) -> bool:
     "Whether FSDP is left inside an iteration (a forward or backward cut, and its clean-up cut too): a group or state not idle."
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
-    root = model._get_fsdp_state()
-    if getattr(root, "_is_root", None) is None: return False  # no forward yet
-    states = root._state_ctx.all_states
-    return root._state_ctx.post_backward_final_callback_queued or any(
+    if not _started(model): return False
+    ctx = model._get_fsdp_state()._state_ctx
+    return ctx.post_backward_final_callback_queued or any(
         s._training_state != TrainingState.IDLE or any(g._training_state != TrainingState.IDLE for g in _param_groups(s))
-        for s in states)
+        for s in ctx.all_states)
 
 
 def reset_fsdp_iteration(model: nn.Module):
