@@ -23,7 +23,7 @@ from .models.model import HyMo, build_hymo
 from .training.data import EOT, to_devnull
 
 # %% auto #0
-__all__ = ['RUN_FILES', 'run_config', 'load_run', 'write_again', 'trained_length', 'prompt_ids', 'generate_text',
+__all__ = ['RUN_FILES', 'run_config', 'load_run', 'config_back', 'write_again', 'trained_length', 'prompt_ids', 'generate_text',
            'newer_checkpoint_note', 'main']
 
 # %% ../nbs/72_generate.ipynb #aff7e580
@@ -66,16 +66,16 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                               "holds them under 'config'), then give that folder")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
             if "config.yaml" in missing:  # what `write_again` would give to the trainer
-                raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): copy it back from a copy "
-                                  "of the run folder, or from its finished-step_* copy if it has one (the settings it "
-                                  "trained with are also in each checkpoint's meta.json, under 'config')")
+                raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): {config_back(run)}")
             raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): {write_again(run)}")
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
                           + (f", python -m hymo.train --config {shell_word(run / 'config.yaml')})" if is_run_folder(run) else ")"))
-    from hymo.training.trainer import _json_dict, file_crc, run_dir_holder
-    cfg = run_config(run)
-    model = build_hymo(cfg.model, device=device)
+    from hymo.training.trainer import _json_dict, file_crc, is_run_folder, model_drift, run_dir_holder
+    try: cfg = run_config(run)
+    except ConfigError as e:  # damaged: a finished run's has a way back
+        if not ((run / "summary.json").exists() and is_run_folder(run)): raise
+        raise ConfigError(f"{run / 'config.yaml'} cannot be read ({e}); the run finished (summary.json): {config_back(run)}") from None
     summary = _json_dict(run / "summary.json")
     if summary is None and (run / "summary.json").exists():  # its sums lost, the model's bytes unchecked: not silently
         if who := run_dir_holder(run):  # a finish writing it now
@@ -85,6 +85,11 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                           "model.safetensors and tokenizer.json are checked against. Copy it back from a copy of the run "
                           "folder, or delete it to load the model without those checks")
     summary = summary or {}  # a run that has none: loaded unchecked; one from before it held the sums: no such key
+    if isinstance(trained := summary.get("model_config"), dict) and (drift := model_drift(run / "config.yaml", trained)):
+        raise ConfigError(f"{run / 'config.yaml'} has model settings these weights did not train with ({', '.join(drift)}; "
+                          f"summary.json records those they did): {config_back(run)}. To try other settings with these "
+                          "weights on purpose, copy the run folder and delete model_config from the copy's summary.json")
+    model = build_hymo(cfg.model, device=device)
     weights = run / "model.safetensors"
     if isinstance(saved := summary.get("model_file"), dict) and (now := file_crc(weights)) != saved:
         if who := run_dir_holder(run):  # a finish between writing the model and its summary.json
@@ -120,6 +125,15 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
     model.trained_len = trained_length(run)  # `generate`'s window, unless one is given: no position it never trained on
     return model.eval(), tok
+
+
+def config_back(run: Path) -> str:
+    "How a finished run's config.yaml, deleted, damaged or edited, is put back."
+    from hymo.training.trainer import list_checkpoints
+    back = "copy it back from a copy of the run folder, or from its finished-step_* copy if it has one"
+    if not list_checkpoints(run): return back
+    return (f"{back}; or run python -m hymo.train run_dir={shell_word(run)} with the settings it trained with (each "
+            "checkpoint's meta.json holds them, under 'config'): it writes config.yaml again from the final checkpoint")
 
 
 def write_again(run: Path) -> str:

@@ -108,16 +108,16 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                               "holds them under 'config'), then give that folder")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
             if "config.yaml" in missing:  # what `write_again` would give to the trainer
-                raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): copy it back from a copy "
-                                  "of the run folder, or from its finished-step_* copy if it has one (the settings it "
-                                  "trained with are also in each checkpoint's meta.json, under 'config')")
+                raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): {config_back(run)}")
             raise ConfigError(f"{run} has no {', '.join(missing)}, but the run finished (summary.json): {write_again(run)}")
         raise ConfigError(f"{run} has no {', '.join(missing)}: give the folder of a finished run (python -m hymo.train "
                           "prints it at the end; a run that has not finished has only checkpoints: resume it to the end"
                           + (f", python -m hymo.train --config {shell_word(run / 'config.yaml')})" if is_run_folder(run) else ")"))
-    from hymo.training.trainer import _json_dict, file_crc, run_dir_holder
-    cfg = run_config(run)
-    model = build_hymo(cfg.model, device=device)
+    from hymo.training.trainer import _json_dict, file_crc, is_run_folder, model_drift, run_dir_holder
+    try: cfg = run_config(run)
+    except ConfigError as e:  # damaged: a finished run's has a way back
+        if not ((run / "summary.json").exists() and is_run_folder(run)): raise
+        raise ConfigError(f"{run / 'config.yaml'} cannot be read ({e}); the run finished (summary.json): {config_back(run)}") from None
     summary = _json_dict(run / "summary.json")
     if summary is None and (run / "summary.json").exists():  # its sums lost, the model's bytes unchecked: not silently
         if who := run_dir_holder(run):  # a finish writing it now
@@ -127,6 +127,11 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                           "model.safetensors and tokenizer.json are checked against. Copy it back from a copy of the run "
                           "folder, or delete it to load the model without those checks")
     summary = summary or {}  # a run that has none: loaded unchecked; one from before it held the sums: no such key
+    if isinstance(trained := summary.get("model_config"), dict) and (drift := model_drift(run / "config.yaml", trained)):
+        raise ConfigError(f"{run / 'config.yaml'} has model settings these weights did not train with ({', '.join(drift)}; "
+                          f"summary.json records those they did): {config_back(run)}. To try other settings with these "
+                          "weights on purpose, copy the run folder and delete model_config from the copy's summary.json")
+    model = build_hymo(cfg.model, device=device)
     weights = run / "model.safetensors"
     if isinstance(saved := summary.get("model_file"), dict) and (now := file_crc(weights)) != saved:
         if who := run_dir_holder(run):  # a finish between writing the model and its summary.json
@@ -162,6 +167,15 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     tok.encode_special_tokens = True  # "<|endoftext|>" typed in a prompt is text, as in training
     model.trained_len = trained_length(run)  # `generate`'s window, unless one is given: no position it never trained on
     return model.eval(), tok
+
+
+def config_back(run: Path) -> str:
+    "How a finished run's config.yaml, deleted, damaged or edited, is put back."
+    from hymo.training.trainer import list_checkpoints
+    back = "copy it back from a copy of the run folder, or from its finished-step_* copy if it has one"
+    if not list_checkpoints(run): return back
+    return (f"{back}; or run python -m hymo.train run_dir={shell_word(run)} with the settings it trained with (each "
+            "checkpoint's meta.json holds them, under 'config'): it writes config.yaml again from the final checkpoint")
 
 
 def write_again(run: Path) -> str:
@@ -538,10 +552,14 @@ for args, says in [(["--temperature", "nan"], "--temperature must be a number >=
 # command write it again from the final checkpoint (`write_again` says so only while a checkpoint
 # is left to write it from). A run from before the sums loads unchecked. A `summary.json` that
 # cannot be read is refused rather than read as such a run, which would drop both checks without
-# a word: copy it back, or delete it to load unchecked. `config.yaml` has no sum: it is read as it
-# stands, and an edit to its model section changes the model. A missing `config.yaml` is
-# not written again that way (the train command would read it): it is copied back, and each
-# checkpoint's `meta.json` holds the same settings. A checkpoint folder given for the run (as a
+# a word: copy it back, or delete it to load unchecked. `summary.json` records the model settings the
+# weights trained with (`model_config`): a `config.yaml` whose model section differs is refused, with
+# what differs (an edit that keeps every shape, `moe_top_k: 3`, loaded into another model than the
+# one trained); the GDN kernel and chunk size say how it runs and may change. To try other settings
+# with the weights on purpose, copy the folder and delete `model_config` from the copy's summary. A
+# `config.yaml` that is missing or cannot be read is copied back, or written again by the train
+# command given the settings the run trained with (`config_back`): it writes the final files again
+# from the final checkpoint, the changed ones set aside (chapter 70). A checkpoint folder given for the run (as a
 # path inside `checkpoints/`, or copied elsewhere) is told which folder to give instead.
 
 # %%
@@ -568,6 +586,11 @@ weights = bytearray((flipped / "model.safetensors").read_bytes()); weights[-6] ^
 (flipped / "model.safetensors").write_bytes(bytes(weights))
 test_fail(lambda: load_run(flipped), contains="model.safetensors has changed since the run wrote it")
 test_eq(set(json.loads((work / "run" / "summary.json").read_text())["model_file"]), {"size", "crc32"})
+edited = work / "edited_config"
+shutil.copytree(work / "run", edited)
+text = (edited / "config.yaml").read_text()
+(edited / "config.yaml").write_text(text.replace("moe_top_k: 2", "moe_top_k: 3"))  # every shape as trained
+test_fail(lambda: load_run(edited), contains="has model settings these weights did not train with (moe_top_k: 3 (trained: 2)")
 
 # %% [markdown]
 # The GDN kernel a run was trained with is not part of its weights. `run_config` turns `triton`

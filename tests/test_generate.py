@@ -276,8 +276,31 @@ def test_a_finished_run_without_its_config_yaml_is_told_where_it_is(run, tmp_pat
     from hymo.generate import load_run
     other = _copy_run(run, tmp_path)
     (other / "config.yaml").unlink()
-    with pytest.raises(ConfigError, match="has no config.yaml, but the run finished .*copy it back.*meta.json, under 'config'"):
+    with pytest.raises(ConfigError, match="has no config.yaml, but the run finished .*copy it back from a copy of the run folder"):
         load_run(other)
+
+
+def test_a_finished_runs_config_yaml_damaged_or_edited_is_refused_with_the_way_back(run, tmp_path):
+    """An edit that keeps every shape (moe_top_k 2 to 3) loaded into another model than the one trained, and an unreadable
+    config.yaml was a generic config error: both are refused, with a command that writes it again, which works."""
+    from hymo.generate import load_run
+    from hymo.train import main
+    other = _copy_run(run, tmp_path)
+    shutil.copytree(run / "checkpoints", other / "checkpoints")
+    text = (other / "config.yaml").read_text()
+    (other / "config.yaml").write_text(text.replace("moe_top_k: 2", "moe_top_k: 3"))
+    with pytest.raises(ConfigError, match=r"has model settings these weights did not train with \(moe_top_k: 3 \(trained: 2\);"):
+        load_run(other)
+    (other / "config.yaml").write_text(text.replace("gdn_kernel: auto", "gdn_kernel: naive"))  # how it runs: free to change
+    load_run(other)
+    (other / "config.yaml").write_text("")
+    with pytest.raises(ConfigError, match=f"cannot be read .*the run finished .*python -m hymo.train run_dir={other} with "
+                                          "the settings it trained with") as e:
+        load_run(other)
+    main([f"{k}={v}" for k, v in dict(seq_len=32, micro_batch_size=4, global_batch_size=4, eval_every=0, ckpt_every=0,
+                                      sample_tokens=8, warmup_steps=1, log_every=1, max_steps=2, run_dir=other).items()])
+    assert (other / "config.yaml").read_text() == text.replace(str(run), str(other)) and (other / "config.yaml.damaged").read_text() == ""
+    load_run(other)
 
 
 def test_load_run_refuses_another_tokenizer(run, tmp_path):

@@ -40,6 +40,13 @@ def make(run_dir, resume=True, **over):
     return Trainer(cfg.model, cfg.train, run_dir=run_dir, resume=resume, quiet=True)
 
 
+def edit_meta(path: Path, **changes):
+    "Change fields of a checkpoint's meta.json as a save would have written them (with its own sum)."
+    from hymo.training.trainer import meta_sum
+    meta = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({**meta, "meta_crc32": meta_sum(meta)}))
+
+
 def main_loss(t, batch) -> float:
     "The model's main loss on one loader batch as the trainer computes it: on its device, under its autocast (bf16 on a GPU)."
     from hymo.training.trainer import _to_device
@@ -547,14 +554,14 @@ def test_a_resume_refuses_another_dataset_or_data_order_on_any_number_of_ranks(t
     meta = tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json"
     saved = json.loads(meta.read_text())
     assert saved["data_tokenizer_sha256"] == json.loads((data / "manifest.json").read_text())["tokenizer_sha256"]
-    meta.write_text(json.dumps({**saved, "data_tokenizer_sha256": "0" * 64}))
+    edit_meta(meta, data_tokenizer_sha256="0" * 64)
     with pytest.raises(DataError, match="prepared from the same texts .* encoded by another tokenizer"):
         make(tmp_path / "run", **over)
     meta.write_text(json.dumps(saved))
     src.write_text(src.read_text().replace("question", "answer"))
     prepare(src, data, vocab_size=300, overwrite=True, progress=False)
     meta = tmp_path / "run" / "checkpoints" / "step_000002" / "meta.json"  # as if written by 2 ranks: rank0.pt unused
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": 2}))
+    edit_meta(meta, world_size=2)
     with pytest.raises(DataError, match="is not the one .*step_000002 trained on .*prepared again") as e:
         make(tmp_path / "run", **over)
     assert "It trained with" not in str(e.value)  # the same data_dir: nothing more to say
@@ -698,7 +705,7 @@ def without_file_sums(ckpt: Path, **meta):
     "Make `ckpt` a checkpoint of a HyMo from before the saves recorded each file's size and CRC-32 (and set `meta`)."
     path = ckpt / "meta.json"
     old = json.loads(path.read_text())
-    del old["files"]
+    del old["files"], old["meta_crc32"]  # (meta.json's own sum came later still)
     path.write_text(json.dumps({**old, **meta}))
 
 
@@ -794,6 +801,84 @@ def test_a_finished_run_whose_model_is_gone_writes_it_again(tmp_path):
     got = load_file(str(run / "model.safetensors"))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want) and (run / "tokenizer.json").exists()
     assert [p.name for p in run.iterdir() if p.name.startswith("finished")] == []  # nothing trained: nothing set aside
+
+
+def test_a_meta_json_changed_since_the_save_is_damage_not_a_step_skipped(tmp_path):
+    """One bit of meta.json's step ('"step": 6' to 7) resumed at step 7, a step never trained: its own CRC-32 refuses it,
+    and the checkpoint before is resumed, as for any damaged file. One without the sum (older) is held to its folder's name."""
+    straight = losses(make(tmp_path / "straight", max_steps=9, ckpt_every=3, keep_last_k=2).fit())
+    make(tmp_path / "run", max_steps=9, ckpt_every=3, keep_last_k=2).fit(num_steps=6)
+    for old in (False, True):
+        run = tmp_path / f"copy{old}"
+        shutil.copytree(tmp_path / "run", run, ignore=shutil.ignore_patterns(".lock"))
+        meta = run / "checkpoints" / "step_000006" / "meta.json"
+        text = meta.read_text().replace('"step": 6,', '"step": 7,', 1)
+        if old: d = json.loads(text); del d["meta_crc32"]; text = json.dumps(d)
+        meta.write_text(text)
+        t = make(run, max_steps=9, ckpt_every=3, keep_last_k=2)
+        assert t.step == 3 and (run / "checkpoints" / "damaged-step_000006").is_dir()
+        assert losses(t.fit()) == straight[3:]
+
+
+def finished_run(tmp_path, **over) -> Path:
+    "A run of 4 steps, finished (checkpoints at 2 and 4)."
+    make(tmp_path / "run", max_steps=4, ckpt_every=2, keep_last_k=1, **over).fit()
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.yaml"])
+def test_a_finished_run_whose_final_file_is_damaged_writes_it_again_and_keeps_the_damaged_one(tmp_path, name):
+    """A flipped bit in model.safetensors (or another tokenizer.json, or a config.yaml edited) said 'finished' and left
+    generate to refuse it: now the final files are written again from the final checkpoint, the changed one set aside."""
+    from hymo.generate import load_run
+    run = finished_run(tmp_path)
+    want = {n: (run / n).read_bytes() for n in ("model.safetensors", "tokenizer.json", "config.yaml")}
+    if name == "config.yaml": (run / name).write_text(want[name].decode().replace("moe_top_k: 2", "moe_top_k: 3"))
+    elif name == "tokenizer.json": (run / name).write_text(want[name].decode().replace('"<|endoftext|>"', '"<|end|>"', 1))
+    else: flip_a_byte(run / name)
+    damaged = (run / name).read_bytes()
+    assert damaged != want[name]
+    t = make(run, max_steps=4, ckpt_every=2, keep_last_k=1)
+    assert t.fit() == [] and t.step == 4
+    assert {n: (run / n).read_bytes() for n in want} == want and (run / f"{name}.damaged").read_bytes() == damaged
+    load_run(run)
+
+
+def test_a_full_disk_while_a_finish_writes_tokenizer_json_keeps_the_old_one(tmp_path, monkeypatch):
+    "It was written in place: cut short by a full disk, under a summary.json that still matched ('finished')."
+    import errno
+    from hymo.training import trainer as tr
+    run = finished_run(tmp_path)
+    want = (run / "tokenizer.json").read_bytes()
+    (run / "model.safetensors").unlink()
+    real = open
+    def full(path, mode="r", *a, **k):
+        f = real(path, mode, *a, **k)
+        if Path(path).name.startswith("tokenizer.json") and "w" in mode:
+            f.write("{"); f.close(); raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return f
+    monkeypatch.setattr(tr, "open", full, raising=False)
+    with pytest.raises(OSError, match="No space left"): make(run, max_steps=4, ckpt_every=2, keep_last_k=1).fit()
+    monkeypatch.undo()
+    assert (run / "tokenizer.json").read_bytes() == want
+
+
+@pytest.mark.parametrize("damage", ["model", "summary", "no summary"])
+def test_a_finished_run_trained_further_keeps_its_final_model_whatever_was_damaged(tmp_path, damage):
+    """A damaged model.safetensors was copied as the kept final model while the final checkpoint, its one good copy, was
+    pruned; a damaged or missing summary.json kept nothing, and the new finish wrote over the model."""
+    from safetensors.torch import load_file
+    run = finished_run(tmp_path)
+    want = {k: v.clone() for k, v in load_file(str(run / "model.safetensors")).items()}  # (mapped: the flip below changes them)
+    if damage == "model": flip_a_byte(run / "model.safetensors")
+    elif damage == "summary": (run / "summary.json").write_text((run / "summary.json").read_text()[:30])
+    else: (run / "summary.json").unlink()
+    make(run, max_steps=6, ckpt_every=2, keep_last_k=1).fit()
+    kept = [p for p in run.iterdir() if p.name.startswith("finished")]
+    assert [p.name for p in kept] == ["finished-step_000004" if damage == "model" else "finished"]
+    got = load_file(str(kept[0] / "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert not (run / "checkpoints" / "step_000004").exists()  # pruned: the kept model is the one copy
 
 
 def test_resuming_with_another_vocab_size_names_it_not_the_data(tmp_path):
@@ -2537,7 +2622,7 @@ def test_a_resharded_resume_continues_after_every_window_the_saved_loader_read(t
     make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=8, ckpt_every=2).fit(2)
     make(tmp_path / "a", max_steps=8, micro_batch_size=4, global_batch_size=4, ckpt_every=2).fit(2)  # 24 windows read
     meta = tmp_path / "a" / "checkpoints" / "step_000004" / "meta.json"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": 2}))  # as if written by 2 ranks
+    edit_meta(meta, world_size=2)  # as if written by 2 ranks
     t = make(tmp_path / "a", max_steps=8, micro_batch_size=2, global_batch_size=4)
     assert (t.step, t.train_loader.step) == (4, 24 // 2)
 

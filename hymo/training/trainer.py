@@ -43,16 +43,16 @@ from .optim import build_optimizers, wsd_schedule
 
 # %% auto #0
 __all__ = ['PEAK_BF16_FLOPS', 'CKPT_PREFIX', 'ASIDE', 'DISK_ERRORS', 'READ_FAULTS', 'UNTRAINED', 'SAME_STEPS', 'EXTEND',
-           'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'Dist', 'setup_distributed', 'new_run_dir', 'parallelize',
-           'resolve_precision', 'peak_flops', 'peak_of', 'list_checkpoints', 'history_sum', 'on_line_of',
+           'RUN_MARKS', 'CPU_FLOPS', 'FINISHED_FILES', 'RUN_ONLY', 'Dist', 'setup_distributed', 'new_run_dir',
+           'parallelize', 'resolve_precision', 'peak_flops', 'peak_of', 'list_checkpoints', 'history_sum', 'on_line_of',
            'tmp_checkpoints', 'cut_short_renames', 'checkpoint_step', 'set_aside_as', 'CheckpointUnreadable',
-           'file_crc', 'file_rank', 'check_files', 'wrapped', 'reraise_interrupt', 'resume_changes', 'steps_differ',
-           'schedule_jump', 'trim_metrics', 'check_gdn_kernel', 'split_micro_batches', 'is_run_folder', 'lock_run_dir',
-           'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices', 'fsdp_step',
-           'drop_unsharded_grads', 'mid_iteration', 'reset_fsdp_iteration', 'fsdp_micro_batch', 'accumulation',
-           'forward_backward', 'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load', 'metric_line',
-           'guarded_output', 'StopSignals', 'fit', 'request_stop', 'json_line', 'wandb_mode', 'finish',
-           'write_safetensors', 'sample', 'plot_losses']
+           'file_crc', 'file_rank', 'check_files', 'meta_sum', 'check_meta', 'wrapped', 'reraise_interrupt',
+           'resume_changes', 'steps_differ', 'schedule_jump', 'trim_metrics', 'check_gdn_kernel', 'split_micro_batches',
+           'is_run_folder', 'lock_run_dir', 'run_dir_holder', 'NonFiniteError', 'Trainer', 'add_into', 'BF16Matrices',
+           'fsdp_step', 'drop_unsharded_grads', 'mid_iteration', 'reset_fsdp_iteration', 'fsdp_micro_batch',
+           'accumulation', 'forward_backward', 'train_step', 'evaluate', 'save', 'before_decay', 'pruned', 'load',
+           'metric_line', 'guarded_output', 'StopSignals', 'fit', 'request_stop', 'model_drift', 'json_line',
+           'wandb_mode', 'finish', 'write_safetensors', 'sample', 'plot_losses']
 
 # %% ../../nbs/70_trainer.ipynb #a62bd168
 @dataclass
@@ -251,6 +251,23 @@ def check_files(ckpt: Path, # A checkpoint folder
         if (crc := file_crc(path)["crc32"]) != want.get("crc32"):
             raise CheckpointUnreadable(f"{path} has changed since it was saved (CRC-32 {crc}, saved as "
                                        f"{want.get('crc32')}): its bytes were damaged on the disk or in a copy")
+
+
+def meta_sum(meta: dict) -> str:
+    "The CRC-32 of a checkpoint's meta.json without its own sum (`meta_crc32`), as JSON reads and writes it back alike."
+    return f"{zlib.crc32(json.dumps({k: v for k, v in meta.items() if k != 'meta_crc32'}).encode()):08x}"
+
+
+def check_meta(ckpt: Path, meta: dict):
+    """Raise `CheckpointUnreadable` if `ckpt`'s meta.json has changed since the save (its `meta_crc32`; checkpoints from
+    before it was recorded are not checked), or holds another step than its folder's name says. A flipped digit of its
+    step resumed at a step never trained; one of its history or config misled the resume's checks."""
+    if (want := meta.get("meta_crc32")) is not None and (now := meta_sum(meta)) != want:
+        raise CheckpointUnreadable(f"{ckpt / 'meta.json'} has changed since it was saved (CRC-32 {now}, saved as {want}): "
+                                   "its bytes were damaged on the disk or in a copy")
+    if re.fullmatch(CKPT_PREFIX + r"\d{6,}", ckpt.name) and meta.get("step") != checkpoint_step(ckpt):
+        raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged: it holds step {meta.get('step')!r}, its folder's name "
+                                   f"step {checkpoint_step(ckpt)}")
 
 
 def wrapped(e: BaseException, kind) -> BaseException | None:
@@ -610,6 +627,7 @@ class Trainer:
         self.branched_from = None  # the checkpoint `--resume` gave this run (another folder's, or an older one of its own), in every meta.json
         self.foreign_start = False  # continuing another folder's checkpoint: what this folder logged before is another run's
         self.new_line = False  # a rewind, a branch or settings that change the steps: ones wandb has logged are redone otherwise
+        self.saved_settings = None  # the resumed checkpoint's config (meta.json): a finish written again records it
         self._train_iter = iter(self.train_loader)
         self.resume_warnings: list[str] = []
         if not self.auto_dir:  # a folder that may exist: refused if foreign, locked before resuming changes anything in it
@@ -1241,6 +1259,7 @@ def save(self: Trainer) -> Path:
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "data_fingerprint": data.get("fingerprint"), "data_tokenizer_sha256": data.get("tokenizer_sha256"),
                     "config": Config(self.mcfg, self.cfg).to_dict(), "files": files}
+            meta["meta_crc32"] = meta_sum(meta)  # its own sum, last: a flipped digit of its step would skip a step
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
     def publish():  # complete on every rank: the rename makes it a checkpoint
@@ -1305,6 +1324,7 @@ def load(self: Trainer, ckpt: Path):
         try: meta = json.loads((ckpt / "meta.json").read_text())
         except ValueError as e: raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged ({e})") from None
         if not isinstance(meta, dict): raise CheckpointUnreadable(f"{ckpt / 'meta.json'} is damaged (not a JSON object)")
+        check_meta(ckpt, meta)
         check_files(ckpt, meta, self.d.rank, self.d.world_size)  # before anything reads them
         mine = ckpt / f"rank{self.d.rank}.pt"
         same_ranks = meta["world_size"] == self.d.world_size  # else DCP reshards and the loader position is recomputed
@@ -1354,6 +1374,7 @@ def load(self: Trainer, ckpt: Path):
     self.step, self.bad_steps, self.consecutive_bad = meta["step"], meta["bad_steps"], meta["consecutive_bad"]
     self.branched_from = meta.get("branched_from")
     self.history = meta["history"]
+    self.saved_settings = meta.get("config")
     # the loader's position after the windows the saved run read in its epoch (none twice), in this run's micro-steps
     where = _saved_loader(ckpt, meta, extra)
     position = 0 if where is None else self.train_loader.step_after(where)
@@ -1560,16 +1581,18 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
     line = history_sum(self.history)  # a summary of this step but another line of steps (a rewind) is not this run's
     ours = done is not None and done.get("step") == self.step and done.get("history_crc32", line) == line
-    lost = [n for n in ("model.safetensors", "tokenizer.json")[:1 + (self.data_dir is not None)]
-            if self.d.is_main and ours and not (self.run_dir / n).exists()]
-    if lost and self.step >= self.cfg.max_steps:  # deleted or moved after the run: `finish` writes them again
-        self.log(f"{self.run_dir} finished at step {self.step}, but its {' and '.join(lost)} {'are' if len(lost) > 1 else 'is'} "
-                 "missing: writing the final model again from the final checkpoint")
-    if self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or (ours and not lost)):
+    lost = self._lost_finish(done) if self.d.is_main and ours else {}  # deleted, moved or damaged since the finish
+    if redo := not self._agree(not lost):  # `finish` writes them again from the final checkpoint, before a step trains over it
+        self.log(f"{self.run_dir} finished at step {self.step}, but {'; '.join(lost.values())}: writing the final files again "
+                 "from the final checkpoint" + ("" if self.step >= self.cfg.max_steps else ", before training on"))
+        self._together(lambda: self._set_aside_finish(lost), self.run_dir)
+        self.finish(self.saved_settings)  # the settings it finished with, as config.yaml had them
+    elif self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or ours):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
         self.summary = done or {}  # what `finish` wrote (rank 0 reads it), so `main` returns the run's summary again
         return []
+    if redo and self.step >= self.cfg.max_steps: return []  # written again above: nothing to train
     logger = _wandb(self)
     metrics_file = self.run_dir / "metrics.jsonl"
     peak = peak_flops(self.d.device)
@@ -1606,7 +1629,8 @@ def request_stop(self: Trainer, why="a request"):  # What asked: a `signal.Signa
 def _first_write(self: Trainer, start: int):
     "Rank 0's first change to the run folder in a `fit` call: metrics of steps it redoes set aside, its config.yaml."
     if not self.d.is_main: return
-    if (done := _json_dict(self.run_dir / "summary.json")) is not None: self._keep_finished(done.get("step"))
+    if any((self.run_dir / f).exists() for f in ("summary.json", "model.safetensors")):  # a finish's, damaged or not
+        self._keep_finished((_json_dict(self.run_dir / "summary.json") or {}).get("step"))
     if self.foreign_start:  # none of it is this branch's: its steps up to `start` are in the other folder
         trim_metrics(self.run_dir, -1, self.log, f"a run that never saved a checkpoint; this one continues {self.branched_from}")
         self.foreign_start = False
@@ -1618,20 +1642,66 @@ FINISHED_FILES = ("config.yaml", "model.safetensors", "tokenizer.json", "summary
 
 
 def _keep_finished(self: Trainer, step):
-    "Copy a finished run's final model and what describes it into `finished-step_N/`, once, before training in its folder goes on."
-    summary = (self.run_dir / "summary.json").read_bytes()
-    if any((d / "summary.json").is_file() and (d / "summary.json").read_bytes() == summary  # kept by an earlier call
-           for d in self.run_dir.glob("finished-*")): return
+    """Copy a finished run's final model and what describes it into `finished-step_N/`, once, before training in its folder
+    goes on. A summary.json that cannot be read (`step` None) or is gone still keeps the model: copied unchecked, to `finished/`."""
+    have = [f for f in FINISHED_FILES if (self.run_dir / f).is_file()]
+    mark = "summary.json" if "summary.json" in have else "model.safetensors"  # copied last: a folder that has it is complete
+    same = lambda a, b: a.is_file() and a.stat().st_size == b.stat().st_size and file_crc(a) == file_crc(b)
+    if any(same(d / mark, self.run_dir / mark) for d in self.run_dir.glob("finished*")): return  # kept by an earlier call
     base = self.run_dir / (f"finished-{CKPT_PREFIX}{step:06d}" if isinstance(step, int) else "finished")
     dest, n = base, 2
-    while (dest / "summary.json").exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1  # another finish of that step
-    dest.mkdir(exist_ok=True)  # one without summary.json is a copy cut short: done again
-    for f in FINISHED_FILES:  # summary.json last: a folder that has it is complete
-        if (self.run_dir / f).exists() and f != "summary.json": shutil.copyfile(self.run_dir / f, dest / f)
-    (dest / "summary.json").write_bytes(summary)
+    while (dest / mark).exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1  # another finish of that step
+    dest.mkdir(exist_ok=True)  # one without its mark is a copy cut short: done again
+    for f in sorted(have, key=lambda f: f == mark):
+        shutil.copyfile(self.run_dir / f, dest / (f + ".tmp"))
+        os.replace(dest / (f + ".tmp"), dest / f)
     to_disk(dest)
-    self.log(f"the run finished before at step {step}: its final model, config and summary are kept in {dest} "
-             f"(python -m hymo.generate {shell_word(dest)}); its checkpoints are pruned as any others (keep_last_k)")
+    checked = isinstance(step, int) and mark == "summary.json"
+    self.log((f"the run finished before at step {step}: its final model, config and summary are kept in {dest}" if checked else
+              f"the run finished before, but its summary.json {'cannot be read' if mark == 'summary.json' else 'is gone'}: its "
+              f"final files are kept, unchecked, in {dest}") + f" (python -m hymo.generate {shell_word(dest)}); its "
+             "checkpoints are pruned as any others (keep_last_k)")
+
+
+RUN_ONLY = ("gdn_kernel", "gdn_chunk_size")  # how the GDN runs, not what the model computes: config.yaml may change them
+
+
+def model_drift(config_file: Path, trained: dict) -> list[str]:
+    """The model settings of `config_file` that differ from `trained` (summary.json's `model_config`: those the final weights
+    trained with), each as 'key: now (trained: then)'; the GDN kernel and chunk size may differ. Raises what `load_config`
+    raises for a file that cannot be read."""
+    now = load_config(config_file).to_dict()["model"]
+    return [f"{k}: {now[k]!r} (trained: {v!r})" for k, v in trained.items() if k not in RUN_ONLY and k in now and now[k] != v]
+
+
+def _lost_finish(self: Trainer, done: dict) -> dict[str, str]:
+    "What a finish (its summary.json `done`, of this step) wrote that is gone or has changed since: {file name: what is wrong}."
+    out = {}
+    for name in ("config.yaml", "model.safetensors", "tokenizer.json")[:2 + (self.data_dir is not None)]:
+        p = self.run_dir / name
+        if not p.is_file(): out[name] = f"its {name} is missing"; continue
+        if name == "config.yaml":
+            try: drift = model_drift(p, done["model_config"]) if isinstance(done.get("model_config"), dict) else []
+            except (ConfigError, OSError, ValueError) as e: out[name] = f"its config.yaml cannot be read ({e})"; continue
+            if drift: out[name] = f"its config.yaml's model settings are not those it trained with ({', '.join(drift)})"
+        elif name == "model.safetensors":
+            if isinstance(saved := done.get("model_file"), dict) and file_crc(p) != saved:
+                out[name] = "its model.safetensors has changed since it was written (its size or CRC-32)"
+        elif (want := done.get("tokenizer_sha256")) and hashlib.sha256(p.read_text(encoding="utf-8", errors="replace")
+                                                                        .encode("utf-8")).hexdigest() != want:
+            out[name] = "its tokenizer.json is not the one it trained with (its sha256)"
+    return out
+
+
+def _set_aside_finish(self: Trainer, lost: dict[str, str]):
+    "Rank 0's: move the damaged files of `lost` (`_lost_finish`), which `finish` writes again, aside as `NAME.damaged`."
+    if not self.d.is_main: return
+    for name in lost:
+        if not (p := self.run_dir / name).is_file(): continue  # missing
+        aside, n = p.with_name(f"{name}.damaged"), 2
+        while aside.exists(): aside, n = p.with_name(f"{name}.damaged-{n}"), n + 1
+        os.replace(p, aside)
+        self.log(f"{p} set aside as {aside} (delete it once you have no use for it)")
 
 
 def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> list[dict]:
@@ -1719,11 +1789,12 @@ def _wandb(self: Trainer):
     return run
 
 Trainer.fit, Trainer._fit_steps, Trainer._first_write, Trainer.request_stop = fit, _fit_steps, _first_write, request_stop
-Trainer._keep_finished = _keep_finished
+Trainer._keep_finished, Trainer._lost_finish, Trainer._set_aside_finish = _keep_finished, _lost_finish, _set_aside_finish
 
 # %% ../../nbs/70_trainer.ipynb #7d62c347
-def finish(self: Trainer) -> dict:
-    "Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary."
+def finish(self: Trainer, settings: dict | None = None) -> dict:
+    """Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary. `settings`: the config
+    config.yaml records (a checkpoint's, as meta.json has it), else this Trainer's."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     if self.saved_step != self.step: self.save()  # resumed at the end (the export failed, say): that checkpoint stays
     last = self.history[-1] if self.history else {}
@@ -1731,16 +1802,20 @@ def finish(self: Trainer) -> dict:
     summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps, "history_crc32": history_sum(self.history)}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample() if self.cfg.sample_tokens else None  # sample_tokens=0: none
+    try: record = Config(_saved(ModelConfig, settings["model"]), name=self.name,  # in this folder (a copy's is not the original's)
+                         train=dataclasses.replace(_saved(TrainingConfig, settings["train"]), run_dir=self.cfg.run_dir))
+    except (TypeError, KeyError, ValueError, ConfigError): record = Config(self.mcfg, self.cfg, name=self.name)  # none, or another version's
+    summary["model_config"] = record.to_dict()["model"]  # what the weights trained with: a config.yaml edited since is named
 
     def artefacts():  # the main rank's; a failure stops every rank (`_together`), and the resume finishes again
         if not self.d.is_main: return
         write_safetensors(full, self.run_dir / "model.safetensors")
         summary["model_file"] = file_crc(self.run_dir / "model.safetensors")  # its size and CRC-32: generate checks them
         if self.data_dir is not None:  # with config.yaml, the folder alone is enough to generate (chapter 72)
-            with open(self.run_dir / "tokenizer.json", "w", encoding="utf-8", newline="") as f: f.write(self.tokenizer_json)
+            _write_lines(self.run_dir / "tokenizer.json", [self.tokenizer_json])  # whole: the old one stays until the new is in
             summary["tokenizer_sha256"] = hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()  # generate checks it
         plot_losses(self.history, self.run_dir / "loss.png")
-        _write_lines(self.run_dir / "config.yaml", [str(Config(self.mcfg, self.cfg, name=self.name))])  # the final one's
+        _write_lines(self.run_dir / "config.yaml", [str(record)])  # the final one's
         summary["sample"] = sample
         _write_lines(self.run_dir / "summary.json", [json.dumps(_no_nan(summary), indent=1)])  # whole or not at all
 
