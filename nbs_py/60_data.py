@@ -138,7 +138,7 @@ test_eq(split_text("a\n\nb\n", "file"), ["a\n\nb\n"])
 # The search does not follow links to folders (a link can make a cycle), and a link to a missing
 # file has nothing to read: a link to a folder elsewhere, or to a missing text file, is skipped with
 # a warning that names it, so a corpus whose books are linked in from elsewhere does not quietly lose
-# them (give a linked folder as an input of its own). When `--out` is inside an input folder, the
+# them (give a linked folder as an input of its own; a link that loops is named so too). When `--out` is inside an input folder, the
 # files `prepare` writes there (shards, manifest, tokenizer) are neither read nor counted; anything
 # else in it is, as anywhere.
 # Every file found is opened once before any work starts, so one that cannot be read (no
@@ -176,7 +176,9 @@ def find_files(inputs: Iterable, # Paths of files or folders
             if cased:  # `A.TXT` is not read (reading it now would change the datasets already prepared from such folders)
                 skipped.append(names("file", cased) + f" whose suffix is not lower case: rename "
                                f"{'them' if len(cased) > 1 else 'it'} to be read")
-            inside = lambda f: f.resolve().is_relative_to(p.resolve())  # a link into the folder: its files are read anyway
+            def inside(f):  # a link into the folder: its files are read anyway
+                try: return f.resolve().is_relative_to(p.resolve())
+                except (RuntimeError, OSError): return False  # a link that loops (Python 3.11: RuntimeError; 3.13: OSError)
             links = sorted(f.relative_to(p).as_posix() for f in entries if f.is_symlink() and not f.is_file() and not inside(f)
                            and (f.is_dir() or f.suffix.lower() in SUFFIXES))  # a folder, or a text file that is not there
             if links:
@@ -470,7 +472,7 @@ assert 0 not in tok.encode("a <|endoftext|> b").ids
 # ```
 # DIR/manifest.json      format, fingerprint and the source it hashes, tokenizer sha256, vocab size,
 #                        dtype, EOT id, and per split: tokens, documents, bytes, shards (each
-#                        with its tokens and CRC-32)
+#                        with its tokens and CRC-32); last, its own CRC-32
 # DIR/tokenizer.json     the tokenizer (Hugging Face format)
 # DIR/train_0000.npy ... the training stream: doc EOT doc EOT ..., cut into shards
 # DIR/val_0000.npy  ...  the validation stream
@@ -490,7 +492,15 @@ assert 0 not in tok.encode("a <|endoftext|> b").ids
 # damaged one (a shard deleted, cut short or with other bytes) is prepared again, which is what the trainer's error
 # for it asks. A different fingerprint in an existing dataset folder is refused unless
 # `overwrite=True`, naming what differs (`b.txt changed; val_fraction 0.1 -> 0.2`), and so is a manifest that
-# cannot be read. Tokenizer
+# cannot be read, or a folder of a dataset's files whose manifest is gone (with `overwrite` it is prepared again;
+# a folder holding anything else is never replaced).
+#
+# The manifest checks itself (`load_manifest`): its CRC-32 over the rest (`manifest_sum`: sorted JSON, the same for
+# the dict read back), exactly the splits `train` and `val`, a fingerprint that is its source's. A flipped letter
+# leaves valid JSON: `"tr`in"` made a dataset without a training split, `"~al"` one without validation (no
+# validation loss, without a word), a flipped fingerprint "prepared from other inputs". An input that changes while
+# it is prepared (a download still writing) is refused before the dataset is installed: its shards would hold text
+# the recorded sha256 never saw (`_stamps`: each input's size, time and inode, before hashing and after). Tokenizer
 # training and encoding are deterministic, and the manifest holds no time stamps, so two
 # preparations of the same input are byte-identical.
 
@@ -595,6 +605,11 @@ def _source(files, tokenizer_sha, vocab_size, doc_split, val_fraction, shard_tok
             "shard_tokens": shard_tokens, "tokenizer_train_bytes": None if tokenizer_sha else tokenizer_train_bytes}
 
 
+def _stamps(files) -> list[tuple]:
+    "Each input's size, modification time and inode: what a file still being written changes."
+    return [(s.st_size, s.st_mtime_ns, s.st_ino) for s in (os.stat(p) for p, _ in files)]
+
+
 def _fingerprint(source: dict) -> str:
     "The sha256 that names a dataset's `source`: equal sources, equal datasets."
     return hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()
@@ -661,6 +676,7 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, source: dict, 
                 "vocab_size": vocab_size, "eot_id": eot_id, "eot_token": EOT, "dtype": dtype.name,
                 "doc_split": doc_split, "val_fraction": val_fraction, "inputs": [name for _, name in files],
                 "splits": {s: w.close() for s, w in writers.items()}}
+    manifest["manifest_crc32"] = manifest_sum(manifest)  # its own: a flipped letter of a split's name reads as valid JSON
     _write_synced(folder / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 
@@ -718,6 +734,11 @@ def _stopped_here(work: Path) -> bool:
     except ProcessLookupError: return True
     except OSError: return False  # alive (another user's: no permission to signal it), or cannot tell
     return False
+
+
+def manifest_sum(manifest: dict) -> int:
+    "The CRC-32 of a manifest without its own (`manifest_crc32`), as sorted JSON: the same for the dict read back."
+    return zlib.crc32(json.dumps({k: v for k, v in manifest.items() if k != "manifest_crc32"}, sort_keys=True).encode())
 
 
 _MANIFEST_KEYS = {"fingerprint": str, "tokenizer": str, "tokenizer_sha256": str, "vocab_size": int, "eot_id": int,
@@ -793,6 +814,11 @@ def load_manifest(data_dir: Path) -> dict:
         isinstance(v.get(k), int) for k in ("tokens", "documents")) and isinstance(v.get("shards"), list) and all(
         isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)
         and isinstance(s.get("crc32", 0), int) for s in v["shards"]))]
+    if not bad and set(splits) != {"train", "val"}: bad.append(f"splits {sorted(splits)}, not train and val")
+    if not bad and isinstance(manifest.get("source"), dict) and _fingerprint(manifest["source"]) != manifest["fingerprint"]:
+        bad.append("fingerprint (not its source's)")
+    if not bad and manifest.get("manifest_crc32", manifest_sum(manifest)) != manifest_sum(manifest):  # (older: none)
+        bad.append("its CRC-32 (changed since it was written)")  # the most specific first, this last
     if bad:
         raise DataError(f"{m} is damaged (missing or wrong: {', '.join(bad)}): prepare the dataset again "
                         f"(`python -m hymo.data prepare ... --out {shell_word(data_dir)} --overwrite`)")
@@ -925,9 +951,9 @@ def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]
         p = Path(data_dir) / s["file"]
         if not p.exists(): raise DataError(f"shard {p} is missing: prepare the dataset again {_SAME_COMMAND}")
         try: a = np.load(p, mmap_mode="r")
-        except (ValueError, OSError) as e:  # cut short: numpy cannot read the header, or the file is shorter than it says
-            raise DataError(f"shard {p} cannot be read ({e}): the dataset is damaged, prepare it again {_SAME_COMMAND}") from None
-        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"]:
+        except (ValueError, OSError, EOFError) as e:  # cut short: no header (EOFError: empty), or shorter than it says
+            raise DataError(f"shard {p} cannot be read ({e or 'empty'}): the dataset is damaged, prepare it again {_SAME_COMMAND}") from None
+        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype != np.dtype(manifest["dtype"]):  # byte order too: '>u2' is 'uint16'
             raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
                             f"{manifest['dtype']}: the dataset is damaged, prepare it again {_SAME_COMMAND}")
         arrays.append(a)
@@ -1056,7 +1082,11 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     if tokenizer is None: _check_vocab_size(DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
     if out.exists() and not out.is_dir(): raise DataError(f"--out {out} is a file: give a new or empty folder")
     if _filled(out) and not (out / "manifest.json").exists():
-        raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
+        if _not_written_by_prepare(out):
+            raise DataError(f"{out} exists and is not a HyMo dataset: choose an empty or new folder for --out")
+        if not overwrite:  # only a dataset's files: one whose manifest.json is gone
+            raise DataError(f"{out} holds part of a HyMo dataset, without its manifest.json: pass --overwrite "
+                            "(overwrite=True in Python) to prepare it again there, or choose another --out")
     files = find_files(inputs, out)
     if tokenizer is not None:
         from tokenizers import Tokenizer
@@ -1088,6 +1118,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
                           "gives back every byte", DataWarning, stacklevel=2)
     vocab_size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size  # only None: 0 was refused above
     tok_sha = None if tokenizer is None else hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
+    stamps = _stamps(files)  # before the sha256s: a writer still appending shows after
     source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     fingerprint = _fingerprint(source)
     _clean_left_behind(out)  # also when the dataset turns out to be there already
@@ -1126,6 +1157,10 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             tok = train_tokenizer(_head(train_docs, tokenizer_train_bytes), vocab_size, progress)
             tokenizer_json = tok.to_str()
         _write_dataset(tmp, files, tok, tokenizer_json, source, doc_split, val_fraction, shard_tokens, total_bytes, progress)
+        if moved := [name for (_, name), a, b in zip(files, stamps, _stamps(files)) if a != b]:
+            raise DataError(f"{', '.join(moved[:3])}{' ...' * (len(moved) > 3)} changed while {'they were' if len(moved) > 1 else 'it was'} "
+                            "being prepared (a download or copy still writing?): the dataset would not be the one its "
+                            "manifest describes, so nothing was written; prepare again once the inputs are complete")
         _install(tmp, out, fingerprint, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1204,7 +1239,8 @@ plt.tight_layout(); plt.show()
 # samples) and the assurance that the token ids fit the model. `check_compatible` (defined before
 # `prepare`, which uses it to tell an intact dataset from a damaged one) verifies that
 # `tokenizer.json` is the one the shards were encoded with (its sha256 is in the manifest), that
-# every shard is present with the recorded length and dtype, and that the largest possible id,
+# every shard is present with the recorded length and dtype (its byte order too: a header flipped from `'<u2'` to
+# `'>u2'` is still `uint16` by name, and swaps every token's bytes), and that the largest possible id,
 # $V_\text{data} - 1$, is a row of the model's embedding: $V_\text{data} \le V_\text{model}$. A
 # model vocabulary larger than the data's is allowed (data prepared with 64 000 tokens fits the 750M
 # model's 64 256 rows, a multiple of 128); a smaller one would index past the embedding. (The trainer warns when the

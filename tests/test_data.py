@@ -1010,6 +1010,7 @@ def test_a_shard_of_another_dtype_is_damaged(text, tmp_path):
 def test_a_manifest_vocab_size_that_is_not_the_tokenizer_s_is_refused(text, tmp_path):
     bad = prepare(text, tmp_path / "m", vocab_size=VOCAB, progress=False)
     m = json.loads((bad / "manifest.json").read_text()); m["vocab_size"] = 256
+    del m["manifest_crc32"]  # an older manifest, without its own sum (which refuses any edit: see below)
     (bad / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(DataError, match=f"tokenizer.json has {VOCAB} tokens, the manifest says 256"): check_compatible(bad, 256)
     for key, value in (("eot_id", 7), ("dtype", "uint32")):  # a manifest edited (or another's): never read as intact
@@ -1395,6 +1396,7 @@ def test_a_manifest_without_checksums_still_reads_and_info_says_what_it_checked(
     from hymo.training.data import check_contents
     d = _copy(ds, tmp_path / "d")
     m = json.loads((d / "manifest.json").read_text())
+    del m["manifest_crc32"]  # older still than the manifest's own sum
     for v in m["splits"].values():
         for s in v["shards"]: del s["crc32"]
     (d / "manifest.json").write_text(json.dumps(m))
@@ -1615,3 +1617,84 @@ def test_prepare_takes_what_the_exact_cut_leaves_and_any_number_type_for_the_fra
                  shard_tokens=np.int64(1000), tokenizer_train_bytes=np.int64(10**6), progress=False)
     source = load_manifest(ds)["source"]
     assert (source["vocab_size"], source["val_fraction"], source["shard_tokens"]) == (300, 0.5, 1000)
+
+
+def _copy_ds(ds, tmp_path):
+    import shutil
+    shutil.copytree(ds, tmp_path / "ds")
+    return tmp_path / "ds"
+
+
+def test_an_empty_shard_is_damage_that_prepare_repairs(text, ds, tmp_path):
+    "numpy raises EOFError for an empty file, which escaped as a traceback from training, info and even prepare --overwrite."
+    out = _copy_ds(ds, tmp_path)
+    (out / "train_0000.npy").write_bytes(b"")
+    with pytest.raises(DataError, match=r"train_0000.npy cannot be read \(.*\): the dataset is damaged"): check_compatible(out, VOCAB)
+    with pytest.warns(D.DataWarning, match="holds this dataset damaged"):
+        prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    assert D.check_contents(out) is True
+
+
+def test_a_shard_header_whose_byte_order_flipped_is_damage(text, ds, tmp_path):
+    "'<u2' to '>u2' (one bit) swaps every token's bytes; dtype.name is 'uint16' either way, and the CRC covers the data only."
+    out = _copy_ds(ds, tmp_path)
+    p = out / "train_0000.npy"
+    p.write_bytes(p.read_bytes().replace(b"'<u2'", b"'>u2'", 1))
+    with pytest.raises(DataError, match=r"train_0000.npy holds 1000 >u2 tokens, the manifest says 1000 uint16"):
+        check_compatible(out, VOCAB)
+    with pytest.raises(DataError, match=">u2 tokens"): D.check_contents(out)  # `info` called it intact
+
+
+@pytest.mark.parametrize("old, new, says", [('"train": {', '"tr`in": {', "splits \\['tr`in', 'val'\\], not train and val"),
+                                           ('"val": {', '"~al": {', "splits \\['train', '~al'\\]"),
+                                           ('"eot_token": "<|endoftext|>"', '"eot_token": "<|endoftext|?"', "its CRC-32"),
+                                           ('"fingerprint": "', '"fingerprint": "0', "fingerprint \\(not its source's\\)")])
+def test_a_manifest_changed_as_valid_json_is_damage(text, ds, tmp_path, old, new, says):
+    """A flipped letter of a split's name read as a dataset without that split (no validation loss, without a word), one
+    of the fingerprint as 'prepared from other inputs'; the manifest's own CRC-32 catches any change (older ones have none)."""
+    out = _copy_ds(ds, tmp_path)
+    m = out / "manifest.json"
+    assert old in m.read_text()
+    m.write_text(m.read_text().replace(old, new, 1))
+    with pytest.raises(DataError, match=f"manifest.json is damaged \\(missing or wrong: .*{says}"): load_manifest(out)
+    with pytest.raises(DataError, match="is damaged"): prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False, overwrite=True)
+    assert D.check_contents(out) is True and load_manifest(out)["manifest_crc32"] == D.manifest_sum(load_manifest(out))
+
+
+def test_a_dataset_that_lost_only_its_manifest_is_prepared_again_with_overwrite(text, ds, tmp_path):
+    "It was 'not a HyMo dataset: choose an empty or new folder' even with --overwrite, and the bundled cache never recovered."
+    out = _copy_ds(ds, tmp_path)
+    (out / "manifest.json").unlink()
+    with pytest.raises(DataError, match="holds part of a HyMo dataset, without its manifest.json: pass --overwrite"):
+        prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False)
+    prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False, overwrite=True)
+    assert D.check_contents(out) is True
+    (out / "manifest.json").unlink(); (out / "notes.md").write_text("mine")  # someone's file: never replaced
+    with pytest.raises(DataError, match="exists and is not a HyMo dataset"):
+        prepare(text, out, vocab_size=VOCAB, shard_tokens=1000, progress=False, overwrite=True)
+    cache = prepare_default(tmp_path / "cache", vocab_size=VOCAB, progress=False)
+    (cache / "manifest.json").unlink()
+    assert prepare_default(tmp_path / "cache", vocab_size=VOCAB, progress=False) == cache and D.check_contents(cache) is True
+
+
+def test_a_link_that_loops_in_an_input_folder_is_named_not_a_traceback(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("Some text.\n")
+    (tmp_path / "in" / "loop.txt").symlink_to("loop.txt")
+    with pytest.warns(D.DataWarning, match=r"skipped 1 link \(loop.txt\)"):
+        assert [n for _, n in D.find_files([tmp_path / "in"])] == ["in/a.txt"]
+
+
+def test_an_input_that_changes_while_it_is_prepared_is_refused(text, tmp_path, monkeypatch):
+    "A download still appending: the shards held text the manifest's sha256 never saw, and nothing said so."
+    src = tmp_path / "grow.txt"
+    src.write_text(text.read_text())
+    real = D._write_dataset
+    def growing(*a, **k):
+        with open(src, "a") as f: f.write("\n\nMore text arrives.\n")
+        return real(*a, **k)
+    monkeypatch.setattr(D, "_write_dataset", growing)
+    with pytest.raises(DataError, match="grow.txt changed while it was being prepared .*nothing was written"):
+        prepare(src, tmp_path / "out", vocab_size=VOCAB, progress=False)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
