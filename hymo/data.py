@@ -148,10 +148,13 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # prepare writes into a temporary folder and installs it whole at the end
-        sig = getattr(e, "signum", None)
+        sig, old = getattr(e, "signum", None), getattr(e, "installed_over", None)
         print(("interrupted" if sig is None else f"stopped by {signal.Signals(sig).name}") + (
-              f"; {args.out} is as it was (a dataset is installed whole, at the end): the same command prepares it again"
-              if args.command == "prepare" else ""), file=sys.stderr)
+              "" if args.command != "prepare" else
+              f"; {args.out} holds the new dataset (installed before the stop), and what is left of the old one, which "
+              f"was being deleted, is in {old}: delete it" if old is not None else
+              f"; {args.out} is as it was (a dataset is installed whole, at the end): the same command prepares it again"),
+              file=sys.stderr)
         return 130 if sig is None else 128 + sig
     except BrokenPipeError:  # `... info DIR | head`: the reader has what it wanted and closed the pipe
         to_devnull(sys.stdout)

@@ -692,7 +692,8 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, source: dict, 
 # takes two renames, the old one aside to `.DIR.old-<random>` and the new one in (the new folder is synced to disk
 # first). An exception between the two (Ctrl-C, SIGTERM) renames the old one back before it ends; killed
 # outright between them, `DIR` is missing, and reading it says where the old dataset is and how to rename it
-# back. If two processes prepare the same data at once (say every rank of a `torchrun`), the
+# back. One after both, as the old one is deleted (seconds, for a large one), leaves the new dataset installed:
+# the command says so, and where the old one's remains are. If two processes prepare the same data at once (say every rank of a `torchrun`), the
 # second to finish finds a dataset with the same fingerprint already in place and drops its own copy.
 # With three, one may move another's copy aside to put its own in just as the third renames: the third
 # finds no dataset where its rename was refused, and tries the rename again rather than failing.
@@ -910,7 +911,11 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
         if old is not None and old.exists() and not out.exists(): os.replace(old, out)
         raise
     to_disk(out.parent)  # the rename itself, before the old dataset goes: a power cut leaves one of the two whole
-    if old is not None: shutil.rmtree(old, ignore_errors=True)
+    if old is None: return
+    try: shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:  # a Ctrl-C as it goes (seconds, for a large one): installed all the same
+        e.installed_over = old  # (`python -m hymo.data` says so, not "as it was")
+        raise
 
 
 # %%

@@ -112,6 +112,21 @@ def test_a_ctrl_c_in_the_prepare_command_is_one_line(text, tmp_path, monkeypatch
     assert not out.exists()
 
 
+def test_a_ctrl_c_as_the_old_dataset_is_deleted_says_the_new_one_is_installed(text, tmp_path, monkeypatch, capsys):
+    "It said the folder was 'as it was' while it held the new dataset, and left the old one's remains unnamed."
+    from hymo.data import main
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    real = D.shutil.rmtree
+    monkeypatch.setattr(D.shutil, "rmtree", lambda p, *a, **k: (_ for _ in ()).throw(KeyboardInterrupt) if ".old-" in str(p)
+                        else real(p, *a, **k))
+    assert main(["prepare", "--input", str(text), "--out", str(out), "--vocab-size", str(VOCAB + 20), "--overwrite",
+                 "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    old = [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert load_manifest(out)["vocab_size"] == VOCAB + 20 and len(old) == 1
+    assert "holds the new dataset (installed before the stop)" in err and f"is in {old[0]}: delete it" in err, err
+
+
 def test_overwrite_replaces_dataset(text, tmp_path):
     out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
     prepare(text, out, vocab_size=VOCAB + 20, overwrite=True, progress=False)

@@ -655,7 +655,11 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
         if old is not None and old.exists() and not out.exists(): os.replace(old, out)
         raise
     to_disk(out.parent)  # the rename itself, before the old dataset goes: a power cut leaves one of the two whole
-    if old is not None: shutil.rmtree(old, ignore_errors=True)
+    if old is None: return
+    try: shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:  # a Ctrl-C as it goes (seconds, for a large one): installed all the same
+        e.installed_over = old  # (`python -m hymo.data` says so, not "as it was")
+        raise
 
 # %% ../../nbs/60_data.ipynb #8bdbd9d0
 _SAME_COMMAND = "(the same `python -m hymo.data prepare` command)"  # what rebuilds a damaged dataset
