@@ -2072,12 +2072,13 @@ def fit(self: Trainer, num_steps: int | None = None) -> list[dict]:
     done = _json_dict(self.run_dir / "summary.json") if self.d.is_main else None  # what `finish` wrote, if it did
     line = history_sum(self.history)  # a summary of this step but another line of steps (a rewind) is not this run's
     ours = done is not None and done.get("step") == self.step and done.get("history_crc32", line) == line
-    lost = self._lost_finish(done) if self.d.is_main and ours else {}  # deleted, moved or damaged since the finish
+    lost = {}  # what the finish wrote that was deleted, moved or damaged since; a read fault (EIO, EACCES) stops every rank
+    self._together(lambda: lost.update(self._lost_finish(done) if self.d.is_main and ours else {}), self.run_dir)
     if redo := not self._agree(not lost):  # `finish` writes them again from the final checkpoint, before a step trains over it
         self.log(f"{self.run_dir} finished at step {self.step}, but {'; '.join(lost.values())}: writing the final files again "
                  "from the final checkpoint" + ("" if self.step >= self.cfg.max_steps else ", before training on"))
         self._together(lambda: self._set_aside_finish(lost), self.run_dir)
-        self.finish(self.saved_settings)  # the settings it finished with, as config.yaml had them
+        self.finish(self.saved_settings, write_config="config.yaml" in lost)  # its settings; a config.yaml whole is kept
     elif self.step >= self.cfg.max_steps and self._agree(not self.d.is_main or ours):
         # finished already: nothing to train, and re-finishing would rewrite the final checkpoint with this run's config
         self.log(f"{self.run_dir} finished at step {self.step} (summary.json): raise max_steps to train further")
@@ -2143,10 +2144,13 @@ def _keep_finished(self: Trainer, step):
     dest, n = base, 2
     while (dest / mark).exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1  # another finish of that step
     dest.mkdir(exist_ok=True)  # one without its mark is a copy cut short: done again
+    put_back = ""
     for f in sorted(have, key=lambda f: f == mark):
+        if f == mark: put_back = self._as_trained(dest)  # before the mark: a complete copy loads
         shutil.copyfile(self.run_dir / f, dest / (f + ".tmp"))
         os.replace(dest / (f + ".tmp"), dest / f)
     to_disk(dest)
+    if put_back: self.log(f"{dest / 'config.yaml'}: its model settings put back as the weights trained with ({put_back})")
     checked = isinstance(step, int) and mark == "summary.json"
     self.log((f"the run finished before at step {step}: its final model, config and summary are kept in {dest}" if checked else
               f"the run finished before, but its summary.json {'cannot be read' if mark == 'summary.json' else 'is gone'}: its "
@@ -2154,29 +2158,45 @@ def _keep_finished(self: Trainer, step):
              "checkpoints are pruned as any others (keep_last_k)")
 
 
-RUN_ONLY = ("gdn_kernel", "gdn_chunk_size")  # how the GDN runs, not what the model computes: config.yaml may change them
+FREE_TO_EDIT = ("gdn_kernel", "gdn_chunk_size",  # how the GDN runs, not what it computes; and what only training uses:
+                "init_std", "mtp_loss_weights", "moe_capacity_factor", "moe_balance", "moe_bias_speed", "moe_ema_decay",
+                "moe_dead_band")  # (capacity applies in training only): a finished run's config.yaml may change them
 
 
 def model_drift(config_file: Path, trained: dict) -> list[str]:
     """The model settings of `config_file` that differ from `trained` (summary.json's `model_config`: those the final weights
-    trained with), each as 'key: now (trained: then)'; the GDN kernel and chunk size may differ. Raises what `load_config`
-    raises for a file that cannot be read."""
+    trained with), each as 'key: now (trained: then)', but for `FREE_TO_EDIT`. Raises what `load_config` raises for a
+    file that cannot be read."""
     now = load_config(config_file).to_dict()["model"]
-    return [f"{k}: {now[k]!r} (trained: {v!r})" for k, v in trained.items() if k not in RUN_ONLY and k in now and now[k] != v]
+    return [f"{k}: {now[k]!r} (trained: {v!r})" for k, v in trained.items() if k not in FREE_TO_EDIT and k in now and now[k] != v]
+
+
+def _as_trained(self: Trainer, dest: Path) -> str:
+    """Make the copy of config.yaml in `dest` (`_keep_finished`) hold the model settings the run's summary.json records (its
+    `model_config`), if it holds others (edited to train on with them), none or cannot be read; return what changed."""
+    trained = (_json_dict(self.run_dir / "summary.json") or {}).get("model_config")
+    if not isinstance(trained, dict): return ""  # a run from before it was recorded, or a summary that cannot be read
+    try: drift, train = model_drift(dest / "config.yaml", trained), load_config(dest / "config.yaml").train
+    except (ConfigError, OSError, ValueError): drift, train = ["a config.yaml that cannot be read"], self.cfg
+    if not drift: return ""
+    try: model = _saved(ModelConfig, trained)
+    except (TypeError, ValueError, ConfigError): return ""  # another version's settings: the copy is left as it is
+    _write_lines(dest / "config.yaml", [str(Config(model, train, name=self.name))])
+    return ", ".join(drift)
 
 
 def _lost_finish(self: Trainer, done: dict) -> dict[str, str]:
     "What a finish (its summary.json `done`, of this step) wrote that is gone or has changed since: {file name: what is wrong}."
-    out = {}
+    out = {}  # (config.yaml is the user's to edit: one whose model settings changed is left, and generate names them)
     for name in ("config.yaml", "model.safetensors", "tokenizer.json")[:2 + (self.data_dir is not None)]:
         p = self.run_dir / name
         if not p.is_file(): out[name] = f"its {name} is missing"; continue
         if name == "config.yaml":
-            try: drift = model_drift(p, done["model_config"]) if isinstance(done.get("model_config"), dict) else []
-            except (ConfigError, OSError, ValueError) as e: out[name] = f"its config.yaml cannot be read ({e})"; continue
-            if drift: out[name] = f"its config.yaml's model settings are not those it trained with ({', '.join(drift)})"
+            try: load_config(p)
+            except (ConfigError, ValueError) as e: out[name] = f"its config.yaml cannot be read ({e})"
         elif name == "model.safetensors":
-            if isinstance(saved := done.get("model_file"), dict) and file_crc(p) != saved:
+            if isinstance(saved := done.get("model_file"), dict) and (
+                    p.stat().st_size != saved.get("size") or file_crc(p) != saved):  # the size first: no read
                 out[name] = "its model.safetensors has changed since it was written (its size or CRC-32)"
         elif (want := done.get("tokenizer_sha256")) and hashlib.sha256(p.read_text(encoding="utf-8", errors="replace")
                                                                         .encode("utf-8")).hexdigest() != want:
@@ -2281,6 +2301,7 @@ def _wandb(self: Trainer):
 
 Trainer.fit, Trainer._fit_steps, Trainer._first_write, Trainer.request_stop = fit, _fit_steps, _first_write, request_stop
 Trainer._keep_finished, Trainer._lost_finish, Trainer._set_aside_finish = _keep_finished, _lost_finish, _set_aside_finish
+Trainer._as_trained = _as_trained
 
 
 # %% [markdown]
@@ -2293,20 +2314,25 @@ Trainer._keep_finished, Trainer._lost_finish, Trainer._set_aside_finish = _keep_
 # half of it), so a run whose `finish` was cut short finishes again when resumed;
 # one that has it for its last step is left alone (`fit` says so and returns), since finishing again
 # would rewrite the final checkpoint with whatever settings the resuming command gave; unless a file
-# it wrote is gone or has changed (`_lost_finish`): `model.safetensors` whose size or CRC-32 is not
-# `summary.json`'s `model_file`, `tokenizer.json` whose sha256 is not its `tokenizer_sha256`, a
-# `config.yaml` that cannot be read or whose model settings are not its `model_config` (the GDN
-# kernel and chunk size may change: `RUN_ONLY`). Then `finish` writes them again from the final
-# checkpoint, with the settings that checkpoint recorded, and the changed ones are set aside as
-# `NAME.damaged`, not written over (an edit of `config.yaml` is not lost). This happens before a
-# step of a run trained further, too: the final checkpoint is the one good copy of those weights,
-# and pruning would delete it once the damaged file was kept as the final model. A finished run trained further (a larger `max_steps`, or `--resume` of one of its
+# it wrote is gone or damaged (`_lost_finish`, on rank 0 under `_together`, so that a read fault
+# stops every rank): `model.safetensors` whose size or CRC-32 is not `summary.json`'s `model_file`,
+# `tokenizer.json` whose sha256 is not its `tokenizer_sha256`, a `config.yaml` that cannot be read.
+# Then `finish` writes them again from the final checkpoint, recording the settings that checkpoint
+# trained with (in this folder, on the data it resumed), and the damaged ones are set aside as
+# `NAME.damaged`, not written over. A `config.yaml` that reads is left as it is (it is the user's to
+# edit). This happens before a step of a run trained further, too: the final checkpoint is the one
+# good copy of those weights, and pruning would delete it once the damaged file was kept as the final
+# model. `summary.json` records the model settings the weights trained with (`model_config`): generate
+# refuses a `config.yaml` whose own differ, but for `FREE_TO_EDIT` (how the GDN runs, and what only
+# training uses). A finished run trained further (a larger `max_steps`, or `--resume` of one of its
 # checkpoints) would overwrite that final model: its first new step (or, for a rewind that trains
 # no step, its finish) copies `FINISHED_FILES` into `finished-step_NNNNNN/`, once, a folder
 # `python -m hymo.generate` loads as it loads the run's own. A `summary.json` that cannot be read or
 # is gone does not stop the copy (it did, and the new finish wrote over the model): the files are
 # kept, unchecked, in `finished/`. Each file is copied beside itself and renamed, the mark of a
-# complete copy (`summary.json`, else the model) last. The run folder keeps its files until
+# complete copy (`summary.json`, else the model) last; before it, the copy's `config.yaml` gets the
+# model settings the weights trained with where the run's was edited to train on with others
+# (`_as_trained`), so the kept folder loads. The run folder keeps its files until
 # the new finish replaces them (`generate` notes that they are older than its checkpoints). Its
 # checkpoints are pruned as any others: the weights it finished with are kept, its optimiser state
 # only while `keep_last_k` keeps that checkpoint. `summary.json` also records the size and CRC-32
@@ -2314,9 +2340,10 @@ Trainer._keep_finished, Trainer._lost_finish, Trainer._set_aside_finish = _keep_
 
 # %%
 #| export
-def finish(self: Trainer, settings: dict | None = None) -> dict:
+def finish(self: Trainer, settings: dict | None = None, write_config: bool = True) -> dict:
     """Final checkpoint, validation, loss curve, sample and safetensors export; returns a summary. `settings`: the config
-    config.yaml records (a checkpoint's, as meta.json has it), else this Trainer's."""
+    that config.yaml and summary.json record (a checkpoint's, as meta.json has it), else this Trainer's; `write_config`
+    False leaves config.yaml as it is (a finish written again for a damaged model keeps the user's edits)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     if self.saved_step != self.step: self.save()  # resumed at the end (the export failed, say): that checkpoint stays
     last = self.history[-1] if self.history else {}
@@ -2324,8 +2351,9 @@ def finish(self: Trainer, settings: dict | None = None) -> dict:
     summary = {"step": self.step, "val_loss": val, "bad_steps": self.bad_steps, "history_crc32": history_sum(self.history)}
     full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sample = self.sample() if self.cfg.sample_tokens else None  # sample_tokens=0: none
-    try: record = Config(_saved(ModelConfig, settings["model"]), name=self.name,  # in this folder (a copy's is not the original's)
-                         train=dataclasses.replace(_saved(TrainingConfig, settings["train"]), run_dir=self.cfg.run_dir))
+    try: record = Config(_saved(ModelConfig, settings["model"]), name=self.name,  # in this folder, on the data resumed (moved,
+                         train=dataclasses.replace(_saved(TrainingConfig, settings["train"]),  # a copy: not the original's)
+                                                   run_dir=self.cfg.run_dir, data_dir=self.cfg.data_dir))
     except (TypeError, KeyError, ValueError, ConfigError): record = Config(self.mcfg, self.cfg, name=self.name)  # none, or another version's
     summary["model_config"] = record.to_dict()["model"]  # what the weights trained with: a config.yaml edited since is named
 
@@ -2337,7 +2365,7 @@ def finish(self: Trainer, settings: dict | None = None) -> dict:
             _write_lines(self.run_dir / "tokenizer.json", [self.tokenizer_json])  # whole: the old one stays until the new is in
             summary["tokenizer_sha256"] = hashlib.sha256(self.tokenizer_json.encode("utf-8")).hexdigest()  # generate checks it
         plot_losses(self.history, self.run_dir / "loss.png")
-        _write_lines(self.run_dir / "config.yaml", [str(record)])  # the final one's
+        if write_config: _write_lines(self.run_dir / "config.yaml", [str(record)])  # the final one's
         summary["sample"] = sample
         _write_lines(self.run_dir / "summary.json", [json.dumps(_no_nan(summary), indent=1)])  # whole or not at all
 

@@ -129,8 +129,9 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
     summary = summary or {}  # a run that has none: loaded unchecked; one from before it held the sums: no such key
     if isinstance(trained := summary.get("model_config"), dict) and (drift := model_drift(run / "config.yaml", trained)):
         raise ConfigError(f"{run / 'config.yaml'} has model settings these weights did not train with ({', '.join(drift)}; "
-                          f"summary.json records those they did): {config_back(run)}. To try other settings with these "
-                          "weights on purpose, copy the run folder and delete model_config from the copy's summary.json")
+                          "summary.json records those they did): set them back in config.yaml. To try other settings "
+                          "with these weights on purpose, copy the run folder and delete model_config from the copy's "
+                          "summary.json")
     model = build_hymo(cfg.model, device=device)
     weights = run / "model.safetensors"
     if isinstance(saved := summary.get("model_file"), dict) and (now := file_crc(weights)) != saved:
@@ -170,12 +171,13 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
 
 
 def config_back(run: Path) -> str:
-    "How a finished run's config.yaml, deleted, damaged or edited, is put back."
+    "How a finished run's config.yaml, deleted or damaged, is put back."
     from hymo.training.trainer import list_checkpoints
     back = "copy it back from a copy of the run folder, or from its finished-step_* copy if it has one"
     if not list_checkpoints(run): return back
-    return (f"{back}; or run python -m hymo.train run_dir={shell_word(run)} with the settings it trained with (each "
-            "checkpoint's meta.json holds them, under 'config'): it writes config.yaml again from the final checkpoint")
+    return (f"{back}; or give python -m hymo.train the settings the run trained with (the preset and overrides of the "
+            f"command that trained it; each checkpoint's meta.json holds them, under 'config') and run_dir={shell_word(run)}: "
+            "it writes config.yaml again from the final checkpoint")
 
 
 def write_again(run: Path) -> str:
@@ -554,12 +556,13 @@ for args, says in [(["--temperature", "nan"], "--temperature must be a number >=
 # cannot be read is refused rather than read as such a run, which would drop both checks without
 # a word: copy it back, or delete it to load unchecked. `summary.json` records the model settings the
 # weights trained with (`model_config`): a `config.yaml` whose model section differs is refused, with
-# what differs (an edit that keeps every shape, `moe_top_k: 3`, loaded into another model than the
-# one trained); the GDN kernel and chunk size say how it runs and may change. To try other settings
-# with the weights on purpose, copy the folder and delete `model_config` from the copy's summary. A
+# what differs and was trained (an edit that keeps every shape, `moe_top_k: 3`, loaded into another
+# model than the one trained); the GDN kernel and chunk size say how it runs, and settings only
+# training uses change nothing here: those may differ (`FREE_TO_EDIT`). To try other settings with
+# the weights on purpose, copy the folder and delete `model_config` from the copy's summary. A
 # `config.yaml` that is missing or cannot be read is copied back, or written again by the train
 # command given the settings the run trained with (`config_back`): it writes the final files again
-# from the final checkpoint, the changed ones set aside (chapter 70). A checkpoint folder given for the run (as a
+# from the final checkpoint, the damaged ones set aside (chapter 70). A checkpoint folder given for the run (as a
 # path inside `checkpoints/`, or copied elsewhere) is told which folder to give instead.
 
 # %%

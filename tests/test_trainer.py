@@ -828,12 +828,12 @@ def finished_run(tmp_path, **over) -> Path:
 
 @pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json", "config.yaml"])
 def test_a_finished_run_whose_final_file_is_damaged_writes_it_again_and_keeps_the_damaged_one(tmp_path, name):
-    """A flipped bit in model.safetensors (or another tokenizer.json, or a config.yaml edited) said 'finished' and left
-    generate to refuse it: now the final files are written again from the final checkpoint, the changed one set aside."""
+    """A flipped bit in model.safetensors (or another tokenizer.json, or a config.yaml that cannot be read) said 'finished'
+    and left generate to refuse it: now the final files are written again from the final checkpoint, the damaged one set aside."""
     from hymo.generate import load_run
     run = finished_run(tmp_path)
     want = {n: (run / n).read_bytes() for n in ("model.safetensors", "tokenizer.json", "config.yaml")}
-    if name == "config.yaml": (run / name).write_text(want[name].decode().replace("moe_top_k: 2", "moe_top_k: 3"))
+    if name == "config.yaml": (run / name).write_text("model: [")
     elif name == "tokenizer.json": (run / name).write_text(want[name].decode().replace('"<|endoftext|>"', '"<|end|>"', 1))
     else: flip_a_byte(run / name)
     damaged = (run / name).read_bytes()
@@ -842,6 +842,60 @@ def test_a_finished_run_whose_final_file_is_damaged_writes_it_again_and_keeps_th
     assert t.fit() == [] and t.step == 4
     assert {n: (run / n).read_bytes() for n in want} == want and (run / f"{name}.damaged").read_bytes() == damaged
     load_run(run)
+
+
+def test_a_finish_written_again_keeps_config_yaml_edits_and_the_data_it_resumed(tmp_path):
+    """A model written again rewrote config.yaml too: an edit it allows (the GDN kernel, a train setting) was lost; and
+    it recorded the final checkpoint's data_dir, gone once the data moved (the resume had found it moved)."""
+    from hymo.training.data import prepare_default
+    d1 = tmp_path / "D1"
+    shutil.copytree(prepare_default(progress=False), d1)
+    run = finished_run(tmp_path, data_dir=str(d1))
+    edited = (run / "config.yaml").read_text().replace("gdn_kernel: auto", "gdn_kernel: naive").replace("sample_tokens: 8", "sample_tokens: 9")
+    (run / "config.yaml").write_text(edited)
+    (run / "model.safetensors").unlink()
+    make(run, max_steps=4, ckpt_every=2, keep_last_k=1, data_dir=str(d1)).fit()
+    assert (run / "config.yaml").read_text() == edited and (run / "model.safetensors").exists()
+    d1.rename(d2 := tmp_path / "D2")
+    (run / "config.yaml").unlink(); (run / "model.safetensors").unlink()
+    make(run, max_steps=4, ckpt_every=2, keep_last_k=1, data_dir=str(d2)).fit()
+    assert load_config(str(run / "config.yaml")).train.data_dir == str(d2)
+
+
+def test_a_finished_run_whose_config_yaml_was_edited_to_train_on_keeps_a_copy_that_loads(tmp_path):
+    """config.yaml edited (moe_top_k: 3) to train on from an earlier checkpoint: its finished-step_ copy held the edited
+    file beside the weights trained with 2, which generate (rightly) refused, with no copy left to put back."""
+    from hymo.generate import load_run
+    run = tmp_path / "run"
+    make(run, max_steps=4, ckpt_every=2, keep_last_k=2).fit()
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("moe_top_k: 2", "moe_top_k: 3"))
+    assert make(run, max_steps=4, ckpt_every=2, keep_last_k=2).fit() == []  # the user's to edit: not damage, nothing redone
+    assert "moe_top_k: 3" in cfg.read_text() and not (run / "config.yaml.damaged").exists()
+    make(run, resume=run / "checkpoints" / "step_000002", max_steps=4, ckpt_every=2, keep_last_k=2, moe_top_k=3).fit()
+    model, _ = load_run(run / "finished-step_000004")
+    assert {m.top_k for m in model.modules() if hasattr(m, "gate_bias")} == {2}
+
+
+def test_a_finished_model_rank_0_cannot_read_stops_every_rank_with_one_line(tmp_path):
+    "The check of a finished run's files ran on rank 0 alone: its EACCES left rank 1 in the next collective."
+    args = [*TWO_RANK_RUN, "run_dir=two", "max_steps=2"]
+    r = torchrun("-m", "hymo.train", *args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    script = tmp_path / "rank0_eacces.py"
+    script.write_text(
+        "import errno, os, sys\nfrom pathlib import Path\nfrom hymo.training import trainer\nfrom hymo.train import main\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    real = trainer.file_crc\n"
+        "    def crc(p):\n"
+        "        if Path(p).name == 'model.safetensors': raise PermissionError(errno.EACCES, 'Permission denied', str(p))\n"
+        "        return real(p)\n"
+        "    trainer.file_crc = crc\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    r = torchrun(str(script), *args, cwd=tmp_path, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "Permission denied (on another rank)" in out, out[-3000:]
+    assert "hymo/training/trainer.py" not in out and out.count("error: ") == 2, out[-3000:]  # one line a rank, no traceback of ours
 
 
 def test_a_full_disk_while_a_finish_writes_tokenizer_json_keeps_the_old_one(tmp_path, monkeypatch):
