@@ -700,7 +700,7 @@ def _open_shards(data_dir: Path, manifest: dict, split: str) -> list[np.ndarray]
         try: a = np.load(p, mmap_mode="r")
         except (ValueError, OSError, EOFError) as e:  # cut short: no header (EOFError: empty), or shorter than it says
             raise DataError(f"shard {p} cannot be read ({e or 'empty'}): the dataset is damaged, prepare it again {_SAME_COMMAND}") from None
-        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype != np.dtype(manifest["dtype"]):  # byte order too: '>u2' is 'uint16'
+        if a.ndim != 1 or len(a) != s["tokens"] or a.dtype.name != manifest["dtype"] or not a.dtype.isnative:  # '>u2' is 'uint16'
             raise DataError(f"shard {p} holds {len(a)} {a.dtype} tokens, the manifest says {s['tokens']} "
                             f"{manifest['dtype']}: the dataset is damaged, prepare it again {_SAME_COMMAND}")
         arrays.append(a)
