@@ -127,7 +127,7 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                           "model.safetensors and tokenizer.json are checked against. Copy it back from a copy of the run "
                           "folder, or delete it to load the model without those checks")
     summary = summary or {}  # a run that has none: loaded unchecked; one from before it held the sums: no such key
-    if isinstance(trained := summary.get("model_config"), dict) and (drift := model_drift(run / "config.yaml", trained)):
+    if isinstance(trained := summary.get("model_config"), dict) and (drift := model_drift(cfg, trained)):
         raise ConfigError(f"{run / 'config.yaml'} has model settings these weights did not train with ({', '.join(drift)}; "
                           "summary.json records those they did): set them back in config.yaml. To try other settings "
                           "with these weights on purpose, copy the run folder and delete model_config from the copy's "

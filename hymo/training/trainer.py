@@ -1650,8 +1650,7 @@ def _keep_finished(self: Trainer, step):
     same = lambda a, b: a.is_file() and a.stat().st_size == b.stat().st_size and file_crc(a) == file_crc(b)
     if any(same(d / mark, self.run_dir / mark) for d in self.run_dir.glob("finished*")): return  # kept by an earlier call
     base = self.run_dir / (f"finished-{CKPT_PREFIX}{step:06d}" if isinstance(step, int) else "finished")
-    dest, n = base, 2
-    while (dest / mark).exists(): dest, n = base.with_name(f"{base.name}-{n}"), n + 1  # another finish of that step
+    dest = next(d for d in map(Path, _numbered(str(base))) if not (d / mark).exists())  # another finish of that step: -2, ...
     dest.mkdir(exist_ok=True)  # one without its mark is a copy cut short: done again
     put_back = ""
     for f in sorted(have, key=lambda f: f == mark):
@@ -1672,11 +1671,10 @@ FREE_TO_EDIT = ("gdn_kernel", "gdn_chunk_size",  # how the GDN runs, not what it
                 "moe_dead_band")  # (capacity applies in training only): a finished run's config.yaml may change them
 
 
-def model_drift(config_file: Path, trained: dict) -> list[str]:
-    """The model settings of `config_file` that differ from `trained` (summary.json's `model_config`: those the final weights
-    trained with), each as 'key: now (trained: then)', but for `FREE_TO_EDIT`. Raises what `load_config` raises for a
-    file that cannot be read."""
-    now = load_config(config_file).to_dict()["model"]
+def model_drift(cfg: Config, trained: dict) -> list[str]:
+    """The model settings of `cfg` (a run's config.yaml, read) that differ from `trained` (summary.json's `model_config`:
+    those the final weights trained with), each as 'key: now (trained: then)', but for `FREE_TO_EDIT`."""
+    now = cfg.to_dict()["model"]
     return [f"{k}: {now[k]!r} (trained: {v!r})" for k, v in trained.items() if k not in FREE_TO_EDIT and k in now and now[k] != v]
 
 
@@ -1685,8 +1683,9 @@ def _as_trained(self: Trainer, dest: Path) -> str:
     `model_config`), if it holds others (edited to train on with them), none or cannot be read; return what changed."""
     trained = (_json_dict(self.run_dir / "summary.json") or {}).get("model_config")
     if not isinstance(trained, dict): return ""  # a run from before it was recorded, or a summary that cannot be read
-    try: drift, train = model_drift(dest / "config.yaml", trained), load_config(dest / "config.yaml").train
+    try: kept = load_config(dest / "config.yaml")
     except (ConfigError, OSError, ValueError): drift, train = ["a config.yaml that cannot be read"], self.cfg
+    else: drift, train = model_drift(kept, trained), kept.train
     if not drift: return ""
     try: model = _saved(ModelConfig, trained)
     except (TypeError, ValueError, ConfigError): return ""  # another version's settings: the copy is left as it is
@@ -1718,8 +1717,7 @@ def _set_aside_finish(self: Trainer, lost: dict[str, str]):
     if not self.d.is_main: return
     for name in lost:
         if not (p := self.run_dir / name).is_file(): continue  # missing
-        aside, n = p.with_name(f"{name}.damaged"), 2
-        while aside.exists(): aside, n = p.with_name(f"{name}.damaged-{n}"), n + 1
+        aside = next(a for a in map(Path, _numbered(f"{p}.damaged")) if not a.exists())
         os.replace(p, aside)
         self.log(f"{p} set aside as {aside} (delete it once you have no use for it)")
 
