@@ -700,7 +700,9 @@ def _write_dataset(folder: Path, files, tok, tokenizer_json: str, source: dict, 
 # If files no prepare writes arrived in `DIR` meanwhile, or (without `--overwrite`) another
 # prepare's dataset of other inputs, they are left alone and the finished dataset is kept beside
 # them as `DIR-2` (the first free number), with an error that names both: hours of tokenizing are
-# not thrown away, nor is the other's work. The same holds, `--overwrite` or not, for a dataset that another
+# not thrown away, nor is the other's work. `--overwrite` replaces the dataset `DIR` held when this prepare began, not
+# one another prepare (`--overwrite` too) installed since: two such into one folder keep both, the later beside.
+# The same holds, `--overwrite` or not, for a dataset that another
 # prepare renames into `DIR` in the moment between this one's two renames; the dataset this one had just moved
 # aside is then kept under the next number, not renamed back over the newcomer, and the error names it too.
 #
@@ -875,10 +877,12 @@ def _keep_beside(tmp: Path, out: Path, what: str, moved: Optional[Path] = None):
                     + (f". The dataset {out} held when this prepare moved it aside is at {was}, as it was" if moved else ""))
 
 
-def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
-    """Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there: one `prepare` found (`overwrite`,
-    or this dataset damaged). What arrived in `out` while it ran (another prepare's dataset, someone's files) is left as
-    it is, and `tmp` is kept beside it under a name of its own, hours of tokenizing not lost."""
+def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False,
+             found: str | None = None): # The fingerprint of the dataset `prepare` found in `out` (None: none, or unreadable)
+    """Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there: the one `prepare` found
+    (`overwrite`), or this dataset damaged. What arrived in `out` while it ran (another prepare's dataset, with
+    `overwrite` too; someone's files) is left as it is, and `tmp` is kept beside it under a name of its own, hours of
+    tokenizing not lost."""
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     to_disk(tmp)  # its files' entries on disk before a rename names it a dataset (the files are synced as written)
     foreign = _not_written_by_prepare(out)  # `prepare` refused any at its start: they are new
@@ -888,7 +892,7 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     if (theirs := there()) is None:  # unreadable, or moved aside and another put in as it was read: look again
         if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return
         theirs = there()
-    if foreign or (theirs != fingerprint and not overwrite):  # (the same: this dataset, damaged, which `prepare` replaces)
+    if foreign or (theirs != fingerprint and not (overwrite and theirs == found)):  # (the same: this one damaged, replaced)
         _keep_beside(tmp, out, f"{', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}, which no prepare wrote," if foreign
                      else "a dataset from other inputs or options, which another prepare installed" if theirs is not None
                      else "a dataset whose manifest cannot be read, which another prepare installed")
@@ -987,18 +991,30 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     return manifest
 
 
-def check_contents(data_dir: Path, # A prepared dataset folder
-                  ) -> bool:
-    """Read every shard and compare its CRC-32 with the manifest's: a `DataError` names the first that differs. True
-    when all match; False for a dataset prepared before manifests kept checksums (there is nothing to compare)."""
-    manifest = load_manifest(data_dir)
-    if not all("crc32" in s for v in manifest["splits"].values() for s in v["shards"]): return False
-    for split, v in manifest["splits"].items():
-        for s, a in zip(v["shards"], _open_shards(data_dir, manifest, split)):
-            if zlib.crc32(a) != s["crc32"]:
-                raise DataError(f"shard {Path(data_dir) / s['file']} is damaged (its CRC-32 is not the manifest's: bytes "
-                                f"changed on disk): prepare the dataset again {_SAME_COMMAND}")
+def _with_sums(data_dir: Path, manifest: dict, split: str, arrays: list[np.ndarray]) -> list[tuple[Path, int | None, np.ndarray]]:
+    "Each shard of `split` (opened: `arrays`) with its path and the CRC-32 the manifest records (None in an older one)."
+    return [(Path(data_dir) / s["file"], s.get("crc32"), a) for s, a in zip(manifest["splits"][split]["shards"], arrays)]
+
+
+def _sums_match(shards: list[tuple[Path, int | None, np.ndarray]]) -> bool:
+    "True if each shard's CRC-32 is the one recorded; a `DataError` names the first that differs; False if any has none."
+    if any(crc is None for _, crc, _ in shards): return False
+    for path, crc, a in shards:
+        if zlib.crc32(a) != crc:
+            raise DataError(f"shard {path} is damaged (its CRC-32 is not the manifest's: bytes changed on disk): prepare the "
+                            f"dataset again {_SAME_COMMAND}")
     return True
+
+
+def check_contents(data_dir: Path, # A prepared dataset folder
+                   rank: int = 0, # Read only a share of the shards: every `world_size`-th, from the `rank`-th
+                   world_size: int = 1, # How many shares (the ranks of a run, which read one each)
+                  ) -> bool:
+    """Read every shard (of this share) and compare its CRC-32 with the manifest's: a `DataError` names the first that
+    differs. True when all match; False for a dataset prepared before manifests kept checksums (nothing to compare)."""
+    manifest = load_manifest(data_dir)
+    shards = [x for split in manifest["splits"] for x in _with_sums(data_dir, manifest, split, _open_shards(data_dir, manifest, split))]
+    return _sums_match(shards[rank::world_size])
 
 
 # %% [markdown]
@@ -1127,12 +1143,14 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     fingerprint = _fingerprint(source)
     _clean_left_behind(out)  # also when the dataset turns out to be there already
+    found = None  # the fingerprint of the dataset in `out`, which `overwrite` replaces (and no other that arrives meanwhile)
     if _filled(out):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
         try: there = load_manifest(out)
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
             if not overwrite: raise
             there = {}
-        same = there.get("fingerprint") == fingerprint
+        found = there.get("fingerprint")
+        same = found == fingerprint
         if same and _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
         if not (same or overwrite):
             changed = _what_changed(there.get("source"), source)
@@ -1166,7 +1184,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             raise DataError(f"{', '.join(moved[:3])}{' ...' * (len(moved) > 3)} changed while {'they were' if len(moved) > 1 else 'it was'} "
                             "being prepared (a download or copy still writing?): the dataset would not be the one its "
                             "manifest describes, so nothing was written; prepare again once the inputs are complete")
-        _install(tmp, out, fingerprint, overwrite)
+        _install(tmp, out, fingerprint, overwrite, found)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -1253,9 +1271,13 @@ plt.tight_layout(); plt.show()
 #
 # Sizes catch a shard cut short, not one whose bytes changed on disk. For that each shard's CRC-32 is in the
 # manifest, and `check_contents` reads every byte to compare: `python -m hymo.data info` and `prepare`'s "already
-# there" check call it. Training does not (it would read the whole dataset at every start); instead the loader
-# checks each batch's ids against the vocabulary as it reads them, so a damaged shard whose ids no tokenizer has
-# stops the run with its name rather than failing in the model's embedding hours in.
+# there" check call it. Training checks them too, without waiting for it: the trainer starts a `ContentsCheck`,
+# which reads the shards in a background thread while the first steps train (CRC-32 sums 2.3 to 3.2 GB/s on one core,
+# chapter 70 measures it, and zlib lets go of the GIL as it sums). Each rank reads a share, every $W$-th shard, so a
+# run reads its dataset once however many ranks it has. Damage stops the run at the next step, and no checkpoint is
+# written before the check has read every shard: no checkpoint holds a step trained on bytes not yet checked. The
+# loader also checks each batch's ids against the vocabulary as it reads them, so a damaged shard whose ids no
+# tokenizer has stops the run with its name before the check gets there, rather than failing in the model's embedding.
 
 # %%
 test_eq(check_compatible(ds, 2048)["vocab_size"], 2048)
@@ -1274,6 +1296,8 @@ shard = np.load(damaged / "train_0000.npy", mmap_mode="r+")
 shard[1000] = (shard[1000] + 1) % 2048
 shard.flush()
 test_fail(lambda: check_contents(damaged), contains="train_0000.npy is damaged (its CRC-32")
+test_eq(check_contents(damaged, rank=1, world_size=2), True)  # the other share: val_0000.npy, intact
+test_fail(lambda: check_contents(damaged, rank=0, world_size=2), contains="train_0000.npy is damaged")
 
 
 # %% [markdown]
@@ -1664,6 +1688,58 @@ counted = sorted(g for ld in many for g, c in ld.eval_plan() if c)
 test_eq(counted, list(range(few)))  # every group once, whichever rank
 test_fail(lambda: TokenLoader(ds, "val", seq_len=T, micro_batch_size=B, world_size=few + 2), contains="fewer than")
 test_fail(lambda: next(many[0]), contains="serves `eval_batches` only")
+
+
+# %% [markdown]
+# ### Every byte, checked while training
+#
+# The sizes a loader checks as it opens the shards catch a shard cut short; the sums catch bytes changed in place
+# (`check_contents`, above). Reading all of a large dataset before the first step would delay every start, so the
+# trainer checks the shards its loaders opened in a daemon thread instead, as the first steps train: a `ContentsCheck`.
+# Rank $r$ of $W$ reads every $W$-th shard from the $r$-th, so a run reads its dataset once however many ranks it has,
+# and zlib lets go of the GIL as it sums (CRC-32 runs at 2.3 to 3.2 GB/s on one core, chapter 70 measures it). The
+# trainer asks `error()` after each step and stops at the first damage; it `wait()`s before it writes a checkpoint,
+# so that no checkpoint holds a step trained on bytes not yet checked. The check reads the arrays the loaders hold, not
+# the folder's files by name: a dataset prepared again, moved or deleted during the run does not change what is read.
+
+# %%
+#| export
+class ContentsCheck:
+    """The CRC-32 of every shard `loaders` opened (this rank's share: every `world_size`-th, from the `rank`-th) against
+    the manifest's, in a daemon thread: the trainer asks `error()` between steps and `wait()`s before it saves."""
+    def __init__(self, loaders: Iterable[TokenLoader], # The run's loaders, train's then val's: the same order on every rank
+                 rank: int = 0, # This share
+                 world_size: int = 1): # How many shares
+        shards = [x for L in loaders for x in _with_sums(L.data_dir, L.manifest, L.split, L.shards)]
+        self.result, self._error = None, None  # result: True once the share matched, False for a manifest without sums
+        def work():
+            try: self.result = _sums_match(shards[rank::world_size])
+            except Exception as e: self._error = e  # a damaged shard (DataError), or one it cannot read (OSError)
+        self._thread = threading.Thread(target=work, name="hymo-check-contents", daemon=True)
+        self._thread.start()
+
+    def error(self) -> Exception | None:
+        "What the check found so far, without waiting: None while it reads, and once every shard of its share matched."
+        return self._error
+
+    def wait(self) -> Exception | None:
+        "What the check found, once it has read its whole share."
+        self._thread.join()
+        return self._error
+
+
+# %% [markdown]
+# A token changed in place (`damaged`, above) is found in the share that holds it, and not in the other:
+
+# %%
+loaders = [TokenLoader(damaged, split, seq_len=T, micro_batch_size=B, eval_only=split == "val") for split in ("train", "val")]
+found = ContentsCheck(loaders).wait()
+assert isinstance(found, DataError) and "train_0000.npy is damaged" in str(found), found
+test_eq(ContentsCheck(loaders, rank=1, world_size=2).wait(), None)  # val_0000.npy's share: intact
+intact = ContentsCheck([TokenLoader(ds, "train", seq_len=T, micro_batch_size=B)])
+test_eq((intact.wait(), intact.result), (None, True))
+shutil.rmtree(damaged)  # the loaders' arrays stay readable: the check reads what they opened, not the folder
+test_eq(type(ContentsCheck(loaders).wait()), DataError)
 
 # %% [markdown]
 # And the errors, each with what to do:

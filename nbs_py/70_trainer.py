@@ -59,7 +59,7 @@ from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, check_
 from hymo.models.gdn import _load_triton
 from hymo.models.model import HyMo, build_hymo, doc_keys_per_query
 from hymo.models.moe import stats_paused
-from hymo.training.data import DataError, TokenLoader, _bar_shows, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
+from hymo.training.data import ContentsCheck, DataError, TokenLoader, _bar_shows, check_compatible, prepare_default, read_tokenizer, to_devnull, to_disk, tokenizer_from_json
 from hymo.training.optim import build_optimizers, wsd_schedule
 
 # %%
@@ -780,6 +780,7 @@ class Trainer:
 
         # first: preparing the default corpus is the slow part of a first run. Together: a dataset one node cannot
         # read stops every rank with one line, not only that one (the others would wait in the next collective)
+        self.data_check = None  # setup_data's `ContentsCheck` of every byte of the data, read as the first steps train
         self._together(self.setup_data, Path(train_cfg.data_dir or "the bundled corpus"))
         if self.data_dir is not None and self.run_dir.resolve() == self.data_dir.resolve():  # None: synthetic tokens
             raise ConfigError(f"run_dir and data_dir are the same folder ({self.run_dir}): the run would write its "
@@ -905,6 +906,17 @@ class Trainer:
             except DataError as e:  # fewer tokens than a sequence, or windows than a micro-batch: train anyway, and say so
                 self.no_val_why = str(e).split(": use ")[0]  # (the advice is in the warning below)
                 self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
+        if given:  # the bundled corpus's bytes were all read as prepare_default found it intact
+            self.data_check = ContentsCheck([L for L in (self.train_loader, self.val_loader) if L], self.d.rank, self.d.world_size)
+
+    def _data_damaged(self, wait: bool = False):
+        """Raise what this rank's share of the `ContentsCheck` found: a damaged shard, or one it could not read. At once,
+        or (`wait`) once it has read its share: `save` waits, so that no checkpoint holds a step trained on unchecked bytes."""
+        found = self.data_check and (self.data_check.wait() if wait else self.data_check.error())
+        if isinstance(found, DataError):
+            raise DataError(f"{found}. The run stopped at step {self.step} without saving it (no checkpoint is written "
+                            "before every shard is checked)")
+        if found: raise found
 
     def data_summary(self) -> str:
         "One line on the data: its folder, each split's tokens, and how many epochs `max_steps` optimiser steps read."
@@ -1098,13 +1110,15 @@ class Trainer:
         if not self.d.distributed:
             if error is not None: raise error
             return
-        # 0: fine; an OSError's errno; above every errno, a user's mistake (its own one line there), else anything else
-        mine = (0 if error is None else 20_001 if isinstance(error, (ConfigError, DataError)) else
-                error.errno if isinstance(error, OSError) and error.errno else 20_000)
+        # 0: fine; an OSError's errno; above every errno, a user's mistake or the data's (its own one line there: a
+        # DataError stays one, as `hymo.train` says how to resume after it), else anything else
+        mine = (0 if error is None else 20_002 if isinstance(error, DataError) else 20_001 if isinstance(error, ConfigError)
+                else error.errno if isinstance(error, OSError) and error.errno else 20_000)
         code = torch.tensor([mine], device=self.d.device)
         dist.all_reduce(code, op=dist.ReduceOp.MAX)  # the worst of the ranks'
         if error is not None: raise error
         code = int(code)
+        if code == 20_002: raise DataError(f"another rank stopped on {where}: its message says why")
         if code == 20_001: raise ConfigError(f"another rank refused {where}: its message says why")
         if code == 20_000: raise RuntimeError(f"another rank failed with {where}: see its log")
         if code: raise OSError(code, f"{os.strerror(code)} (on another rank)", str(where))
@@ -1591,6 +1605,7 @@ def save(self: Trainer) -> Path:
     "Write a complete checkpoint for the current step (temp folder, then rename), keep the last k."
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    self._together(lambda: self._data_damaged(wait=True), self.data_dir)  # nothing trained on unchecked bytes is saved
     root = self.run_dir / "checkpoints"
     final, tmp = root / f"{CKPT_PREFIX}{self.step:06d}", root / f"{CKPT_PREFIX}{self.step:06d}.tmp"
     def fresh_folder():
@@ -2234,6 +2249,7 @@ def _fit_steps(self: Trainer, end, start, logger, bar, peak, metrics_file) -> li
             if self.step == start + 1: self._first_write(start)  # this call's first step: only now does the folder change
             with open(metrics_file, "a") as f: f.write(json_line(m) + "\n")
 
+        self._together(self._data_damaged, self.data_dir)  # damage a rank's share of the check found stops every rank
         self._together(step_files, metrics_file)
         if logger: logger.log(m, step=self.step)
         bar.update(1)
@@ -2584,6 +2600,12 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   fingerprint, so a `data_dir` prepared again from other text is refused, and so are a changed
 #   `seq_len` or `seed`, on any number of ranks. The split of the global batch may change (see
 #   *Checkpoints*).
+# * A shard whose bytes changed on disk, a token changed to another valid id that no size or range check sees, stops
+#   the run. As the first steps train, a `ContentsCheck` (chapter 60) compares every shard the loaders opened with the
+#   CRC-32 in the manifest, each rank a share of them, and `save` waits for it: no checkpoint holds a step trained on
+#   bytes not yet checked. The run stops at the step where the damage is found, without saving it, with one line on
+#   every rank that names the shard; once the data is prepared again, the same command resumes from the newest
+#   checkpoint. (The bundled corpus is not checked again: `prepare_default` read every byte as it found it intact.)
 
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "run", resume=False, quiet=True), contains="--no-resume")

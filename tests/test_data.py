@@ -459,7 +459,7 @@ def test_an_install_whose_rename_meets_another_dataset_keeps_its_own_beside(text
     with pytest.raises(DataError, match=rf"ds now holds a dataset from other inputs or options, which another prepare "
                                         rf"installed while this prepare ran; .* kept at {out}-2: .*The dataset {out} held "
                                         rf"when this prepare moved it aside is at {out}-3, as it was$"):
-        D._install(tmp, out, fp, overwrite=True)
+        D._install(tmp, out, fp, overwrite=True, found=load_manifest(out)["fingerprint"])  # what --overwrite replaces
     assert raced and load_manifest(out)["vocab_size"] == VOCAB + 8 and D._same_dataset(tmp_path / "ds-2", fp)
     assert load_manifest(tmp_path / "ds-3")["vocab_size"] == VOCAB + 16 and check_compatible(tmp_path / "ds-3", VOCAB + 16)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder, nothing hidden
@@ -541,6 +541,22 @@ def test_prepare_refuses_a_folder_named_like_a_shard_and_a_bad_fraction_before_r
     assert (out / "val_9999.npy" / "mine.txt").read_text() == "x"
     monkeypatch.setattr(D, "find_files", lambda *a, **k: pytest.fail("the inputs were read"))
     with pytest.raises(DataError, match=r"val_fraction=1 must be in \[0, 1\)"): prepare(text, tmp_path / "o", val_fraction=1)
+
+
+def test_an_overwrite_replaces_only_the_dataset_it_found(text, tmp_path, monkeypatch):
+    """Two `prepare --overwrite` of other options into one --out that held a dataset: the later to finish replaced the
+    dataset the other had just installed (not the one it was asked to replace), and both said done."""
+    out = prepare(text, tmp_path / "ds", vocab_size=VOCAB, progress=False)
+    real, others = D._write_dataset, []
+    def meanwhile(*a, **k):
+        real(*a, **k)
+        if not others: others.append(1); prepare(text, out, vocab_size=VOCAB + 8, overwrite=True, progress=False)  # first
+    monkeypatch.setattr(D, "_write_dataset", meanwhile)
+    with pytest.raises(DataError, match="now holds a dataset from other inputs or options, which another prepare installed "
+                                        rf"while this prepare ran; it is left as it is. This prepare's dataset is kept at {out}-2"):
+        prepare(text, out, vocab_size=VOCAB + 16, overwrite=True, progress=False)
+    assert load_manifest(out)["vocab_size"] == VOCAB + 8 and load_manifest(tmp_path / "ds-2")["vocab_size"] == VOCAB + 16
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no work folder or old dataset left behind
 
 
 def test_a_dataset_another_prepare_installs_meanwhile_is_kept(text, tmp_path, monkeypatch):

@@ -37,7 +37,7 @@ __all__ = ['EOT', 'FORMAT', 'SUFFIXES', 'DEFAULT_VOCAB_SIZE', 'CORPUS', 'LONG_RU
            'find_files', 'read_documents', 'split_train_val', 'train_tokenizer', 'sha256_file', 'token_dtype',
            'to_disk', 'to_devnull', 'manifest_sum', 'load_manifest', 'load_tokenizer', 'tokenizer_from_json',
            'read_tokenizer', 'check_compatible', 'check_contents', 'prepare', 'default_cache_dir', 'prepare_default',
-           'doc_cu_seqlens', 'TokenLoader']
+           'doc_cu_seqlens', 'TokenLoader', 'ContentsCheck']
 
 # %% ../../nbs/60_data.ipynb #68bc71f4
 EOT = "<|endoftext|>"  # The end-of-document token; it also opens the next document (see cu_seqlens)
@@ -619,10 +619,12 @@ def _keep_beside(tmp: Path, out: Path, what: str, moved: Optional[Path] = None):
                     + (f". The dataset {out} held when this prepare moved it aside is at {was}, as it was" if moved else ""))
 
 
-def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
-    """Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there: one `prepare` found (`overwrite`,
-    or this dataset damaged). What arrived in `out` while it ran (another prepare's dataset, someone's files) is left as
-    it is, and `tmp` is kept beside it under a name of its own, hours of tokenizing not lost."""
+def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False,
+             found: str | None = None): # The fingerprint of the dataset `prepare` found in `out` (None: none, or unreadable)
+    """Move the finished `tmp` to `out`, replacing an older (or damaged) dataset there: the one `prepare` found
+    (`overwrite`), or this dataset damaged. What arrived in `out` while it ran (another prepare's dataset, with
+    `overwrite` too; someone's files) is left as it is, and `tmp` is kept beside it under a name of its own, hours of
+    tokenizing not lost."""
     if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return  # another process finished the same work first
     to_disk(tmp)  # its files' entries on disk before a rename names it a dataset (the files are synced as written)
     foreign = _not_written_by_prepare(out)  # `prepare` refused any at its start: they are new
@@ -632,7 +634,7 @@ def _install(tmp: Path, out: Path, fingerprint: str, overwrite: bool = False):
     if (theirs := there()) is None:  # unreadable, or moved aside and another put in as it was read: look again
         if _same_dataset(out, fingerprint): shutil.rmtree(tmp); return
         theirs = there()
-    if foreign or (theirs != fingerprint and not overwrite):  # (the same: this dataset, damaged, which `prepare` replaces)
+    if foreign or (theirs != fingerprint and not (overwrite and theirs == found)):  # (the same: this one damaged, replaced)
         _keep_beside(tmp, out, f"{', '.join(foreign[:3])}{', ...' * (len(foreign) > 3)}, which no prepare wrote," if foreign
                      else "a dataset from other inputs or options, which another prepare installed" if theirs is not None
                      else "a dataset whose manifest cannot be read, which another prepare installed")
@@ -729,18 +731,30 @@ def check_compatible(data_dir: Path, # A prepared dataset folder
     return manifest
 
 
-def check_contents(data_dir: Path, # A prepared dataset folder
-                  ) -> bool:
-    """Read every shard and compare its CRC-32 with the manifest's: a `DataError` names the first that differs. True
-    when all match; False for a dataset prepared before manifests kept checksums (there is nothing to compare)."""
-    manifest = load_manifest(data_dir)
-    if not all("crc32" in s for v in manifest["splits"].values() for s in v["shards"]): return False
-    for split, v in manifest["splits"].items():
-        for s, a in zip(v["shards"], _open_shards(data_dir, manifest, split)):
-            if zlib.crc32(a) != s["crc32"]:
-                raise DataError(f"shard {Path(data_dir) / s['file']} is damaged (its CRC-32 is not the manifest's: bytes "
-                                f"changed on disk): prepare the dataset again {_SAME_COMMAND}")
+def _with_sums(data_dir: Path, manifest: dict, split: str, arrays: list[np.ndarray]) -> list[tuple[Path, int | None, np.ndarray]]:
+    "Each shard of `split` (opened: `arrays`) with its path and the CRC-32 the manifest records (None in an older one)."
+    return [(Path(data_dir) / s["file"], s.get("crc32"), a) for s, a in zip(manifest["splits"][split]["shards"], arrays)]
+
+
+def _sums_match(shards: list[tuple[Path, int | None, np.ndarray]]) -> bool:
+    "True if each shard's CRC-32 is the one recorded; a `DataError` names the first that differs; False if any has none."
+    if any(crc is None for _, crc, _ in shards): return False
+    for path, crc, a in shards:
+        if zlib.crc32(a) != crc:
+            raise DataError(f"shard {path} is damaged (its CRC-32 is not the manifest's: bytes changed on disk): prepare the "
+                            f"dataset again {_SAME_COMMAND}")
     return True
+
+
+def check_contents(data_dir: Path, # A prepared dataset folder
+                   rank: int = 0, # Read only a share of the shards: every `world_size`-th, from the `rank`-th
+                   world_size: int = 1, # How many shares (the ranks of a run, which read one each)
+                  ) -> bool:
+    """Read every shard (of this share) and compare its CRC-32 with the manifest's: a `DataError` names the first that
+    differs. True when all match; False for a dataset prepared before manifests kept checksums (nothing to compare)."""
+    manifest = load_manifest(data_dir)
+    shards = [x for split in manifest["splits"] for x in _with_sums(data_dir, manifest, split, _open_shards(data_dir, manifest, split))]
+    return _sums_match(shards[rank::world_size])
 
 # %% ../../nbs/60_data.ipynb #33a82cea
 def _lossy(tok, docs: Iterable[str]) -> str | None:
@@ -856,12 +870,14 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
     source = _source(files, tok_sha, vocab_size, doc_split, val_fraction, shard_tokens, tokenizer_train_bytes)
     fingerprint = _fingerprint(source)
     _clean_left_behind(out)  # also when the dataset turns out to be there already
+    found = None  # the fingerprint of the dataset in `out`, which `overwrite` replaces (and no other that arrives meanwhile)
     if _filled(out):  # a dataset (checked above: `--out` is no file, nor a folder of other things)
         try: there = load_manifest(out)
         except DataError:  # a damaged manifest, or another format: replaced with --overwrite, as its message says
             if not overwrite: raise
             there = {}
-        same = there.get("fingerprint") == fingerprint
+        found = there.get("fingerprint")
+        same = found == fingerprint
         if same and _same_dataset(out, fingerprint): return out  # already prepared, intact: nothing to write
         if not (same or overwrite):
             changed = _what_changed(there.get("source"), source)
@@ -895,7 +911,7 @@ def prepare(inputs, # Text files, folders of them, .jsonl (a 'text' field) or .p
             raise DataError(f"{', '.join(moved[:3])}{' ...' * (len(moved) > 3)} changed while {'they were' if len(moved) > 1 else 'it was'} "
                             "being prepared (a download or copy still writing?): the dataset would not be the one its "
                             "manifest describes, so nothing was written; prepare again once the inputs are complete")
-        _install(tmp, out, fingerprint, overwrite)
+        _install(tmp, out, fingerprint, overwrite, found)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -1103,3 +1119,27 @@ class TokenLoader:
         "This rank's validation micro-batches (see `eval_plan`): windows in stream order, the same on every call."
         for g, _ in self.eval_plan(n_batches):
             yield self._batch(np.arange(g * self.micro_batch_size, (g + 1) * self.micro_batch_size))
+
+# %% ../../nbs/60_data.ipynb #5adf8b5e
+class ContentsCheck:
+    """The CRC-32 of every shard `loaders` opened (this rank's share: every `world_size`-th, from the `rank`-th) against
+    the manifest's, in a daemon thread: the trainer asks `error()` between steps and `wait()`s before it saves."""
+    def __init__(self, loaders: Iterable[TokenLoader], # The run's loaders, train's then val's: the same order on every rank
+                 rank: int = 0, # This share
+                 world_size: int = 1): # How many shares
+        shards = [x for L in loaders for x in _with_sums(L.data_dir, L.manifest, L.split, L.shards)]
+        self.result, self._error = None, None  # result: True once the share matched, False for a manifest without sums
+        def work():
+            try: self.result = _sums_match(shards[rank::world_size])
+            except Exception as e: self._error = e  # a damaged shard (DataError), or one it cannot read (OSError)
+        self._thread = threading.Thread(target=work, name="hymo-check-contents", daemon=True)
+        self._thread.start()
+
+    def error(self) -> Exception | None:
+        "What the check found so far, without waiting: None while it reads, and once every shard of its share matched."
+        return self._error
+
+    def wait(self) -> Exception | None:
+        "What the check found, once it has read its whole share."
+        self._thread.join()
+        return self._error
