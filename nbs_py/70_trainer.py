@@ -28,6 +28,7 @@
 #| export
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -595,10 +596,15 @@ def _lines(path: Path) -> list[str]:
 
 
 def _write_lines(path: Path, lines: list[str]):
-    "Write a small file whole: beside itself, on the disk, then renamed over it (a kill or a power cut leaves old or new)."
+    """Write a small file whole: beside itself, on the disk, then renamed over it (a kill or a power cut leaves old or new;
+    a full disk or a Ctrl-C as it writes leaves the old, and no `NAME.tmp` beside it)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f: f.write("".join(lines)); to_disk(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f: f.write("".join(lines)); to_disk(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError): tmp.unlink(missing_ok=True)  # (its own error would hide the one that matters)
+        raise
     to_disk(path.parent)
 
 
@@ -2604,8 +2610,8 @@ test_fail(lambda: split_micro_batches(load_config("hymo_tiny").train, 2), contai
 #   the run. As the first steps train, a `ContentsCheck` (chapter 60) compares every shard the loaders opened with the
 #   CRC-32 in the manifest, each rank a share of them, and `save` waits for it: no checkpoint holds a step trained on
 #   bytes not yet checked. The run stops at the step where the damage is found, without saving it, with one line on
-#   every rank that names the shard; once the data is prepared again, the same command resumes from the newest
-#   checkpoint. (The bundled corpus is not checked again: `prepare_default` read every byte as it found it intact.)
+#   every rank (the rank that found it names the shard); once the data is prepared again, the same command resumes
+#   from the newest checkpoint. (The bundled corpus is not checked again: `prepare_default` read every byte as it found it intact.)
 
 # %%
 test_fail(lambda: Trainer(cfg.model, cfg.train, run_dir=work / "run", resume=False, quiet=True), contains="--no-resume")

@@ -221,11 +221,16 @@ def test_summary_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch, name
     monkeypatch.setattr(tr.os, "replace", replace)
     monkeypatch.setattr(tr, "to_disk", to_disk)
     with pytest.raises(Cut): make(tmp_path / "run", max_steps=2, warmup_steps=1).fit()
-    assert not (tmp_path / "run" / name).exists()
+    assert not (tmp_path / "run" / name).exists() and not (tmp_path / "run" / f"{name}.tmp").exists()  # nothing beside it
     assert events[-2:] == [("to_disk", f"{name}.tmp"), ("replace", name)], events[-4:]
     cut.clear()
     tr._write_lines(tmp_path / "x.json", ["{}"])
     assert events[-3:] == [("to_disk", "x.json.tmp"), ("replace", "x.json"), ("to_disk", tmp_path.name)]
+    import errno
+    def full(f): raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(tr, "to_disk", full)  # the disk fills as the new text is written: the old stays, nothing beside it
+    with pytest.raises(OSError, match="No space"): tr._write_lines(tmp_path / "x.json", ['{"new": 1}'])
+    assert (tmp_path / "x.json").read_text() == "{}" and not (tmp_path / "x.json.tmp").exists()
 
 
 def test_document_masking_trains_on_rows_packed_past_max_seq_len(tmp_path):

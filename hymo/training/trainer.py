@@ -7,6 +7,7 @@ Docs: https://hymo-lm.github.io/hymo/trainer.html.md"""
 # %% ../../nbs/70_trainer.ipynb #705f7fac
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -447,10 +448,15 @@ def _lines(path: Path) -> list[str]:
 
 
 def _write_lines(path: Path, lines: list[str]):
-    "Write a small file whole: beside itself, on the disk, then renamed over it (a kill or a power cut leaves old or new)."
+    """Write a small file whole: beside itself, on the disk, then renamed over it (a kill or a power cut leaves old or new;
+    a full disk or a Ctrl-C as it writes leaves the old, and no `NAME.tmp` beside it)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f: f.write("".join(lines)); to_disk(f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", errors="surrogateescape") as f: f.write("".join(lines)); to_disk(f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError): tmp.unlink(missing_ok=True)  # (its own error would hide the one that matters)
+        raise
     to_disk(path.parent)
 
 
