@@ -1239,6 +1239,20 @@ def test_what_a_folder_search_skips_and_names(tmp_path):
     assert split_text("  \n\nA\n\n \t") == ["A\n"]
 
 
+def test_a_named_pipe_is_refused_as_an_input_and_named_in_a_folder(text, tmp_path):
+    """A named pipe given as an input hung prepare (opened to check it can be read, it waits for a writer), and one in
+    a folder was skipped without a word: refused, and named, each with what to do."""
+    import os
+    from hymo.training.data import find_files
+    d = tmp_path / "corpus"; d.mkdir()
+    (d / "a.txt").write_text("x\n"); os.mkfifo(d / "live.txt")
+    with pytest.raises(DataError, match=r"input .*live\.txt is not a regular file \(a named pipe.*save what it gives to a file"):
+        prepare(d / "live.txt", tmp_path / "out", vocab_size=VOCAB, progress=False)
+    with pytest.warns(D.DataWarning, match=r"skipped 1 entry \(live\.txt\) that is not a regular file \(a named pipe"):
+        assert [n for _, n in find_files(d)] == ["corpus/a.txt"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_small_helpers_of_prepare():
     assert list(D._head(["ab", "cd", "ef"], 4)) == ["ab", "cd"]  # stops once max_bytes are reached
     assert list(D._short_runs(["a" * 2500])) == ["a" * 1000 + " " + "a" * 1000 + " " + "a" * 500]

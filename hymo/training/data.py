@@ -106,6 +106,10 @@ def find_files(inputs: Iterable, # Paths of files or folders
                 skipped.append(names("link", links) + " to a folder elsewhere or to a missing file, not followed: "
                                "give a linked folder as an input of its own")
             unseen = sorted(f.relative_to(p).as_posix() for f in every if hidden(f) and f.suffix.lower() in SUFFIXES and f.is_file())
+            special = sorted(f.relative_to(p).as_posix() for f in entries if f.exists() and not (f.is_file() or f.is_dir()))
+            if special:  # opened, a named pipe would wait for a writer; and each input is read more than once
+                skipped.append(names("entry", special) + " that is not a regular file (a named pipe, socket or device): "
+                               "save what it gives to a file to read it")
             if unseen:  # only text files are named: a .git folder's objects are nobody's corpus
                 skipped.append(names("hidden file", unseen) + " (a name, or a folder's, starting with '.'): give "
                                f"{'them' if len(unseen) > 1 else 'it'} as inputs of {'their' if len(unseen) > 1 else 'its'} own to read {'them' if len(unseen) > 1 else 'it'}")
@@ -118,6 +122,9 @@ def find_files(inputs: Iterable, # Paths of files or folders
             for why in skipped: warnings.warn(f"folder {p}: skipped {why}", DataWarning, stacklevel=2)
             label = Path(os.path.abspath(p)).name  # `--input .` is named as the folder it is, as `--input ../here` would be
             files += [(f, f"{label}/{f.relative_to(p).as_posix()}") for f in found]
+        elif not p.is_file():  # opened, a named pipe would wait for a writer; and each input is read more than once
+            raise DataError(f"input {p} is not a regular file (a named pipe, socket or device): prepare reads each input "
+                            "more than once; save what it gives to a file, and give that")
         elif p.suffix in SUFFIXES: files.append((p, p.name))
         else: raise DataError(f"unknown file type '{p.suffix}' of {p}: give {', '.join(SUFFIXES)} files, or a folder of them")
     seen = {}
