@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
         elif args.command == "info":
             m = load_manifest(args.dir)
             print(json.dumps(m, indent=1), flush=True)
-            check_compatible(args.dir, m["vocab_size"])  # what training checks: a damaged dataset is not reported fine
-            if check_contents(args.dir):  # and what it does not: every byte of every shard
+            check_compatible(args.dir, m["vocab_size"])  # what training checks first: a damaged dataset is not reported fine
+            if check_contents(args.dir):  # and what it checks as it trains: every byte of every shard
                 print(f"{args.dir}: intact (every shard's size and CRC-32, and the tokenizer's sha256, as the manifest "
                       "says)", file=sys.stderr)
             else:

@@ -55,9 +55,10 @@ from fastcore.test import test_eq
 # `--input` may be given several times and collects every path; any other option that takes a value, given twice, is
 # refused, as `python -m hymo.train` refuses a second `--config` (argparse would keep the last without
 # a word). `info` prints the
-# manifest (on stdout, for `jq`) and then checks the dataset as training does (every shard's size and the
-# tokenizer as the manifest says) and more: every shard's CRC-32, reading all of it. On stderr it says "intact", or
-# gives the error and status 1.
+# manifest (on stdout, for `jq`) and then checks the dataset as training does before its first step (every shard's
+# size and the tokenizer as the manifest says) and as it does while its first steps train (every shard's CRC-32, reading
+# all of it; chapter 60's `ContentsCheck`), before any training. On stderr it says "intact", or gives the error and
+# status 1.
 #
 # Stopping: Ctrl-C, and also SIGTERM and SIGHUP (a scheduler's time limit, a closed terminal), stop `prepare` as an
 # exception, so it deletes its work folder; the status is 130, or 128 + the signal's number. Progress bars are drawn
@@ -178,8 +179,8 @@ def main(argv: list[str] | None = None, # Arguments without the program name; No
         elif args.command == "info":
             m = load_manifest(args.dir)
             print(json.dumps(m, indent=1), flush=True)
-            check_compatible(args.dir, m["vocab_size"])  # what training checks: a damaged dataset is not reported fine
-            if check_contents(args.dir):  # and what it does not: every byte of every shard
+            check_compatible(args.dir, m["vocab_size"])  # what training checks first: a damaged dataset is not reported fine
+            if check_contents(args.dir):  # and what it checks as it trains: every byte of every shard
                 print(f"{args.dir}: intact (every shard's size and CRC-32, and the tokenizer's sha256, as the manifest "
                       "says)", file=sys.stderr)
             else:
