@@ -106,7 +106,8 @@ def build_parser(prog: str = "python -m hymo.train", # The command, as usage lin
         description="Train HyMo. With no arguments: hymo_tiny on the bundled Shakespeare corpus, on CPU in minutes.",
         epilog=f"presets: {', '.join(presets())}\n" + _options_help())
     p.add_argument("--config", default="hymo_tiny", action=_Once, help="preset name or path to a YAML file (default: hymo_tiny); a file "
-                   "changes the design defaults (hymo_750m's), or the preset it names as 'base:'")
+                   "changes the design defaults (hymo_750m's), or the preset it names as 'base:'; or a checkpoint folder, "
+                   "for the settings its run trained with")
     start = p.add_mutually_exclusive_group()  # --resume X --no-resume would silently drop X
     start.add_argument("--resume", default=None, metavar="CHECKPOINT", action=_Once,
                        help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
@@ -147,11 +148,15 @@ def design_defaults_note(config: str) -> str | None:
 
 
 def _in_its_run_folder(cfg, args):
-    "`--config RUN/config.yaml` without run_dir=...: continue the run in RUN, not a new one where its run_dir (null or relative) says."
+    """`--config RUN/config.yaml` (or a checkpoint of RUN: `RUN/checkpoints/step_N`) without run_dir=...: continue the run
+    in RUN, not a new one where its run_dir (null or relative) says."""
     from hymo.training.trainer import is_run_folder
     if args.config in presets() or "run_dir" in {k.split(".")[-1] for k in parse_overrides(args.overrides)}: return cfg
-    home = Path(args.config).expanduser().resolve().parent
-    if Path(args.config).name != "config.yaml" or not is_run_folder(home) or args.no_resume:  # a new run from it ...
+    given = Path(args.config).expanduser()
+    ckpt = (given.parent if given.name == "meta.json" else given).resolve()  # a checkpoint's settings: its meta.json's
+    ckpt = ckpt if (ckpt / "meta.json").is_file() and ckpt.parent.name == "checkpoints" else None
+    home = ckpt.parent.parent if ckpt else given.resolve().parent
+    if not (given.name == "config.yaml" or ckpt) or not is_run_folder(home) or args.no_resume:  # a new run from it ...
         named = cfg.train.run_dir  # ... unless it names a run folder (a run's config.yaml copied to start an experiment)
         if named and not args.no_resume and is_run_folder(Path(named).expanduser()) and os.environ.get("RANK", "0") == "0":
             print(f"note: {args.config} sets run_dir={named}, an existing run's folder: continuing that run (give "
@@ -160,7 +165,9 @@ def _in_its_run_folder(cfg, args):
     if args.resume and Path(args.resume).expanduser().resolve().parent != home / "checkpoints": return cfg  # a branch: new folder
     if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home: return cfg
     if os.environ.get("RANK", "0") == "0":
-        print(f"note: {args.config} is a run folder's config: continuing that run, run_dir={shell_word(home)} (give run_dir=... "
+        what, newest = ("a checkpoint of a run", " from its newest checkpoint (--resume names another)") if ckpt else (
+            "a run folder's config", "")
+        print(f"note: {args.config} is {what}: continuing that run, run_dir={shell_word(home)}{newest} (give run_dir=... "
               "to start a new run from its settings)", flush=True)
     return load_config(args.config, **parse_overrides(args.overrides), run_dir=str(home))
 

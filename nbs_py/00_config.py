@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import difflib
+import json
 import math
 import numbers
 import os
@@ -432,6 +433,10 @@ def validate_training(t: TrainingConfig):
 # with a wider model. The base's values come first, the file's over them, the command line's last.
 # A key written twice in one section is refused, with both its lines: plain YAML would keep the
 # second without a word, so editing the first of two `adamw_lr:` lines would change nothing.
+#
+# A training checkpoint's folder (`RUN/checkpoints/step_N`, or its `meta.json`) is read as a config too: the settings
+# its run trained with, which `meta.json` records (chapter 70), checked against that file's own CRC-32 first, so that a
+# damaged digit is not read as a setting. It is how a run's settings come back when its `config.yaml` is lost.
 
 # %%
 #| export
@@ -580,6 +585,8 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
     bare = p.suffix.lower() not in (".yaml", ".yml")  # a preset's name
     if bare:
         preset = PRESET_DIR / f"{name_or_path}.yaml"
+        ckpt = p.parent if p.name == "meta.json" else p
+        if not preset.exists() and named_by is None and (ckpt / "meta.json").is_file(): return _read_checkpoint(ckpt)
         if not preset.exists() and (p.is_dir() or p.is_file()):  # a run folder, or a file of another kind: not a preset either
             hint = f" (a run folder's settings are its config.yaml: {p / 'config.yaml'})" if (p / "config.yaml").is_file() else ""
             raise ConfigError(f"{name_or_path} is a {'folder' if p.is_dir() else 'file'} but not a .yaml file: give a preset "
@@ -630,6 +637,24 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         raise ConfigError(f"{p}: 'name:' names the run (its folder is runs/NAME-<time>): give a word such as "
                           f"{p.stem}, without / or \\; found {name!r}")
     return str(name or p.stem), raw, p
+
+
+def _read_checkpoint(ckpt: Path) -> tuple[str, dict, Path]:
+    """A checkpoint folder's settings as `_read_preset` gives a file's: those its meta.json records the run trained with,
+    checked against its own CRC-32 (chapter 70), so that a damaged digit is not a setting."""
+    path = ckpt / "meta.json"
+    try: meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}): give another checkpoint's folder, "
+                          "or a .yaml file") from None
+    from hymo.training.trainer import CheckpointUnreadable, check_meta  # (torch: only when a checkpoint is given)
+    try:
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict): raise CheckpointUnreadable(
+            f"{path} holds no settings (a JSON object with 'config', as a checkpoint's meta.json has)")
+        check_meta(ckpt, meta)
+    except CheckpointUnreadable as e: raise ConfigError(f"{e}: give another checkpoint's folder, or a .yaml file") from None
+    raw = {k: v for k, v in meta["config"].items() if k in ("model", "train")}  # what a printed config holds
+    return str(meta["config"].get("name") or ckpt.resolve().parent.parent.name), raw, path
 
 
 def _placed(key) -> str:

@@ -175,9 +175,9 @@ def config_back(run: Path) -> str:
     from hymo.training.trainer import list_checkpoints
     back = "copy it back from a copy of the run folder, or from its finished-step_* copy if it has one"
     if not list_checkpoints(run): return back
-    return (f"{back}; or give python -m hymo.train the settings the run trained with (the preset and overrides of the "
-            f"command that trained it; each checkpoint's meta.json holds them, under 'config') and run_dir={shell_word(run)}: "
-            "it writes config.yaml again from the final checkpoint")
+    final = list_checkpoints(run)[-1]
+    return (f"{back}; or `python -m hymo.train --config {shell_word(final)}` (the settings the run trained with, as its "
+            "final checkpoint's meta.json records them), which writes config.yaml again from that checkpoint")
 
 
 def write_again(run: Path) -> str:

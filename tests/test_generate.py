@@ -295,11 +295,11 @@ def test_a_finished_runs_config_yaml_damaged_or_edited_is_refused_with_the_way_b
                                        .replace("moe_bias_speed: 0.001", "moe_bias_speed: 0.01"))  # training only: free
     load_run(other)
     (other / "config.yaml").write_text("")
-    with pytest.raises(ConfigError, match=f"cannot be read .*the run finished .*give python -m hymo.train the settings the "
-                                          f"run trained with .* and run_dir={other}: it writes config.yaml again"):
+    final = sorted((other / "checkpoints").glob("step_*"))[-1]
+    with pytest.raises(ConfigError, match=f"cannot be read .*the run finished .*`python -m hymo.train --config {final}` "
+                                          r"\(the settings the run trained with, .*\), which writes config.yaml again"):
         load_run(other)
-    main([f"{k}={v}" for k, v in dict(seq_len=32, micro_batch_size=4, global_batch_size=4, eval_every=0, ckpt_every=0,
-                                      sample_tokens=8, warmup_steps=1, log_every=1, max_steps=2, run_dir=other).items()])
+    main(["--config", str(final)])  # the command, as it is given: no settings to rebuild by hand
     assert (other / "config.yaml").read_text() == text.replace(str(run), str(other)) and (other / "config.yaml.damaged").read_text() == ""
     load_run(other)
 

@@ -3599,3 +3599,30 @@ def test_damage_in_one_ranks_share_of_the_check_stops_every_rank_with_one_line(t
     assert r.returncode != 0 and "hymo/training/trainer.py" not in out and "distributed_c10d" not in out, out[-3000:]
     assert "val_0000.npy is damaged" in out and f"another rank stopped on {ds}" in out, out[-3000:]
     assert "without saving it" in out and not list((tmp_path / "two").glob("checkpoints/step_*")), out[-3000:]
+
+
+def test_a_checkpoint_folder_as_config_gives_the_settings_its_run_trained_with(tmp_path, capsys):
+    """`--config RUN/checkpoints/step_N` (or its meta.json): the settings meta.json records, checked by its own sum; a
+    run folder's lost config.yaml had no way back but retyping the command that trained it."""
+    import dataclasses
+    from hymo.config import Config
+    from hymo.train import main
+    t = make(tmp_path / "run", max_steps=2, warmup_steps=1, ckpt_every=1, dim=96)
+    t.fit()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    want = Config(t.mcfg, t.cfg, name=t.name)
+    assert load_config(str(ckpt)) == want and load_config(str(ckpt / "meta.json")) == want
+    assert load_config(str(ckpt), max_steps=5).train.max_steps == 5  # overrides apply on top, as on a file's
+    meta = (ckpt / "meta.json").read_text()
+    (ckpt / "meta.json").write_text(meta.replace('"dim": 96', '"dim": 97'))  # a digit damaged: not a setting
+    with pytest.raises(ConfigError, match=r"meta.json has changed since it was saved .*give another checkpoint's folder"):
+        load_config(str(ckpt))
+    (ckpt / "meta.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds no settings"): load_config(str(ckpt))
+    (ckpt / "meta.json").write_text(meta)
+    (tmp_path / "run" / "config.yaml").unlink()  # lost: the command with the checkpoint writes it again
+    capsys.readouterr()
+    main(["--config", str(tmp_path / "run" / "checkpoints" / "step_000002")])
+    assert "is a checkpoint of a run: continuing that run, run_dir=" in capsys.readouterr().out
+    got = load_config(str(tmp_path / "run" / "config.yaml"))  # the settings trained with, in their folder
+    assert got.model == t.mcfg and got.train == dataclasses.replace(t.cfg, run_dir=str(tmp_path / "run"))

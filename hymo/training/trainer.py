@@ -1279,7 +1279,7 @@ def save(self: Trainer) -> Path:
             meta = {"step": self.step, "bad_steps": self.bad_steps, "consecutive_bad": self.consecutive_bad,
                     "history": self.history, "world_size": self.d.world_size, "branched_from": self.branched_from,
                     "data_fingerprint": data.get("fingerprint"), "data_tokenizer_sha256": data.get("tokenizer_sha256"),
-                    "config": Config(self.mcfg, self.cfg).to_dict(), "files": files}
+                    "config": Config(self.mcfg, self.cfg, name=self.name).to_dict(), "files": files}  # `--config CKPT` reads it
             meta["meta_crc32"] = meta_sum(meta)  # its own sum, last: a flipped digit of its step would skip a step
             with open(tmp / "meta.json", "w") as f: f.write(json.dumps(meta)); to_disk(f)
 
