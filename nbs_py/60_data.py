@@ -1282,9 +1282,10 @@ plt.tight_layout(); plt.show()
 # manifest, and `check_contents` reads every byte to compare: `python -m hymo.data info` and `prepare`'s "already
 # there" check call it. Training checks them too, without waiting for it: the trainer starts a `ContentsCheck`,
 # which reads the shards in a background thread while the first steps train (CRC-32 sums 2.3 to 3.2 GB/s on one core,
-# chapter 70 measures it, and zlib lets go of the GIL as it sums). Each rank reads a share, every $W$-th shard, so a
-# run reads its dataset once however many ranks it has. Damage stops the run at the next step, and no checkpoint is
-# written before the check has read every shard: no checkpoint holds a step trained on bytes not yet checked. The
+# chapter 70 measures it, and zlib lets go of the GIL as it sums). The ranks of a node share the work, so each node
+# reads the copy it trains on once. Damage stops the run at the next step, and no checkpoint is written before the
+# check has read every shard: no checkpoint holds a step trained on bytes not yet checked. (A dataset prepared by an
+# older HyMo, whose manifest has no sums, is not checked, and the trainer warns that it is not.) The
 # loader also checks each batch's ids against the vocabulary as it reads them, so a damaged shard whose ids no
 # tokenizer has stops the run with its name before the check gets there, rather than failing in the model's embedding.
 
@@ -1705,11 +1706,16 @@ test_fail(lambda: next(many[0]), contains="serves `eval_batches` only")
 # The sizes a loader checks as it opens the shards catch a shard cut short; the sums catch bytes changed in place
 # (`check_contents`, above). Reading all of a large dataset before the first step would delay every start, so the
 # trainer checks the shards its loaders opened in a daemon thread instead, as the first steps train: a `ContentsCheck`.
-# Rank $r$ of $W$ reads every $W$-th shard from the $r$-th, so a run reads its dataset once however many ranks it has,
-# and zlib lets go of the GIL as it sums (CRC-32 runs at 2.3 to 3.2 GB/s on one core, chapter 70 measures it). The
-# trainer asks `error()` after each step and stops at the first damage; it `wait()`s before it writes a checkpoint,
-# so that no checkpoint holds a step trained on bytes not yet checked. The check reads the arrays the loaders hold, not
-# the folder's files by name: a dataset prepared again, moved or deleted during the run does not change what is read.
+# The ranks of a node share the work: local rank $r$ of the node's $L$ reads every $L$-th shard from the $r$-th. So
+# each node checks the copy it reads, whether the dataset is on a file system every node shares (each node then reads
+# it once: the price of also checking copies on each node's own disk) or copied to each. zlib lets go of the GIL as it
+# sums (CRC-32 runs at 2.3 to 3.2 GB/s on one core, chapter 70 measures it). The trainer asks `error()` after each
+# step and stops at the first damage; it `wait()`s before it writes a checkpoint, so that no checkpoint holds a step
+# trained on bytes not yet checked, and a stop's checkpoint in the first steps says when it waits. The check reads the
+# arrays the loaders hold, not the folder's files by name: a dataset prepared again, moved or deleted during the run
+# does not change what is read. What it does not see: bytes changed in place after their shard was checked (the
+# run reads them unchecked), and a shard cut short in place as the run reads it, which ends the process with a bus
+# error (SIGBUS) at the first page past its new end, in the check or in the loader, as any reader of a mapped file.
 
 # %%
 #| export
@@ -1720,12 +1726,17 @@ class ContentsCheck:
                  rank: int = 0, # This share
                  world_size: int = 1): # How many shares
         shards = [x for L in loaders for x in _with_sums(L.data_dir, L.manifest, L.split, L.shards)]
+        self.sums = all(crc is not None for _, crc, _ in shards)  # False: an older manifest, nothing to compare
         self.result, self._error = None, None  # result: True once the share matched, False for a manifest without sums
         def work():
             try: self.result = _sums_match(shards[rank::world_size])
             except Exception as e: self._error = e  # a damaged shard (DataError), or one it cannot read (OSError)
         self._thread = threading.Thread(target=work, name="hymo-check-contents", daemon=True)
         self._thread.start()
+
+    def running(self) -> bool:
+        "Whether it is still reading its share."
+        return self._thread.is_alive()
 
     def error(self) -> Exception | None:
         "What the check found so far, without waiting: None while it reads, and once every shard of its share matched."

@@ -97,6 +97,7 @@ class Dist:
     local_rank: int = 0  # Rank on this node (picks the GPU)
     device: torch.device = torch.device("cpu")  # This process's device
     joined: bool = False  # True when `setup_distributed` created the process group (and so should leave it)
+    local_world_size: int = 1  # Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 without it: each its own node)
 
     @property
     def is_main(self) -> bool: return self.rank == 0
@@ -114,7 +115,8 @@ def setup_distributed() -> Dist:
     joined = world > 1 and not dist.is_initialized()
     if joined: dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device, joined)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if "LOCAL_RANK" in os.environ else 1
+    return Dist(rank, dist.get_world_size() if dist.is_initialized() else 1, local, device, joined, local_world)
 
 
 def new_run_dir(name: str, # Preset name
@@ -912,12 +914,21 @@ class Trainer:
             except DataError as e:  # fewer tokens than a sequence, or windows than a micro-batch: train anyway, and say so
                 self.no_val_why = str(e).split(": use ")[0]  # (the advice is in the warning below)
                 self.log(f"warning: no validation loss is reported: {e} (prepare with a larger --val-fraction)")
-        if given:  # the bundled corpus's bytes were all read as prepare_default found it intact
-            self.data_check = ContentsCheck([L for L in (self.train_loader, self.val_loader) if L], self.d.rank, self.d.world_size)
+        if given:  # the bundled corpus's bytes were all read as prepare_default found it intact. Each node checks the
+            # copy it reads (on its own disk, or the one all share), its ranks a share each
+            self.data_check = ContentsCheck([L for L in (self.train_loader, self.val_loader) if L], self.d.local_rank,
+                                            self.d.local_world_size)
+            if not self.data_check.sums:
+                self.log(f"warning: {self.data_dir} was prepared by an older HyMo: its manifest has no shard checksums, so "
+                         "bytes changed on disk are not found as it trains. The command that prepared it prepares it "
+                         "again with them (as the same data, which resumes)")
 
     def _data_damaged(self, wait: bool = False):
         """Raise what this rank's share of the `ContentsCheck` found: a damaged shard, or one it could not read. At once,
         or (`wait`) once it has read its share: `save` waits, so that no checkpoint holds a step trained on unchecked bytes."""
+        if wait and self.data_check and self.data_check.running():
+            self.log(f"the checkpoint of step {self.step} waits for the check of {self.data_dir}'s bytes to finish (no "
+                     "checkpoint holds a step trained on bytes not yet checked)")
         found = self.data_check and (self.data_check.wait() if wait else self.data_check.error())
         if isinstance(found, DataError):
             raise DataError(f"{found}. The run stopped at step {self.step} without saving it (no checkpoint is written "
@@ -1950,7 +1961,9 @@ print(f"CRC-32 of 256 MiB (in the page cache): {(1 << 28) / best / 1e9:.1f} GB/s
 # own grace is usually short and not yours to set: at the time limit Slurm waits `KillWait` (a
 # cluster setting, often 30 s) between SIGTERM and SIGKILL, so ask for an early signal instead
 # (`#SBATCH --signal=TERM@300` with `srun torchrun ...`: SIGTERM five minutes before the limit). A
-# worker killed mid-checkpoint loses the steps since the last one.
+# worker killed mid-checkpoint loses the steps since the last one. In a run's first minutes the checkpoint may also
+# wait for the check of the dataset's bytes (chapter 60's `ContentsCheck`, which no checkpoint goes ahead of) to
+# finish, and says so: each node reads its copy of the data once, at most as long as `python -m hymo.data info` takes.
 
 # %%
 #| export

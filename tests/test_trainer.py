@@ -3626,3 +3626,54 @@ def test_a_checkpoint_folder_as_config_gives_the_settings_its_run_trained_with(t
     assert "is a checkpoint of a run: continuing that run, run_dir=" in capsys.readouterr().out
     got = load_config(str(tmp_path / "run" / "config.yaml"))  # the settings trained with, in their folder
     assert got.model == t.mcfg and got.train == dataclasses.replace(t.cfg, run_dir=str(tmp_path / "run"))
+
+
+def test_a_stop_while_the_data_check_reads_says_its_checkpoint_waits(tmp_path, monkeypatch, capsys):
+    """A stop in the first steps (SIGTERM, Ctrl-C) saves once the check of the data's bytes has finished: minutes on a
+    large dataset, which passed without a word (and a second signal, or the scheduler's kill, then lost the steps)."""
+    import signal
+    import time
+    import hymo.training.data as D
+    real = D._sums_match
+    monkeypatch.setattr(D, "_sums_match", lambda shards: (time.sleep(4), real(shards))[1])  # a large dataset's check
+    t = make(tmp_path / "run", data_dir=str(_small_dataset(tmp_path)), vocab_size=300, max_steps=50, warmup_steps=1)
+    t.quiet = False
+    real_step = t.train_step
+    def stopped_after_one():
+        m = real_step()
+        if t.step == 1: t.request_stop(signal.SIGTERM)  # what the SIGTERM handler calls
+        return m
+    t.train_step = stopped_after_one
+    capsys.readouterr()
+    t.fit()
+    assert t.saved_step == 1 and t.data_check.result is True
+    assert "the checkpoint of step 1 waits for the check of" in capsys.readouterr().out
+
+
+def test_a_dataset_without_checksums_trains_with_a_warning_that_its_bytes_are_not_checked(tmp_path, capsys):
+    "A dataset prepared by an older HyMo (no crc32 in its manifest) cannot be checked as it trains: said, not silent."
+    ds = _small_dataset(tmp_path)
+    m = json.loads((ds / "manifest.json").read_text())
+    for v in m["splits"].values():
+        for s in v["shards"]: s.pop("crc32")
+    m.pop("manifest_crc32")
+    (ds / "manifest.json").write_text(json.dumps(m))
+    from hymo.training.trainer import Trainer  # (not `make`, which builds a quiet one)
+    cfg = load_config("hymo_tiny", **{**FAST, "data_dir": str(ds), "vocab_size": 300, "max_steps": 2, "warmup_steps": 1})
+    capsys.readouterr()
+    t = Trainer(cfg.model, cfg.train, run_dir=tmp_path / "run")
+    assert "has no shard checksums, so bytes changed on disk are not found as it trains" in capsys.readouterr().out
+    assert t.data_check.wait() is None and t.data_check.result is False
+
+
+def test_each_node_checks_the_copy_it_reads(monkeypatch):
+    """The ranks of a node share the check (torchrun's LOCAL_RANK of LOCAL_WORLD_SIZE), so a copy of the data on each
+    node's own disk is checked whole; global ranks left each copy's other shares unchecked. Without torchrun's
+    variables, a process checks everything."""
+    from hymo.training.trainer import setup_distributed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (local rank 1 would pick a second GPU)
+    monkeypatch.setenv("LOCAL_RANK", "1"); monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    d = setup_distributed()
+    assert (d.local_rank, d.local_world_size, d.world_size) == (1, 4, 1)
+    monkeypatch.delenv("LOCAL_RANK"); monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert (setup_distributed().local_rank, setup_distributed().local_world_size) == (0, 1)

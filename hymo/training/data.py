@@ -1135,12 +1135,17 @@ class ContentsCheck:
                  rank: int = 0, # This share
                  world_size: int = 1): # How many shares
         shards = [x for L in loaders for x in _with_sums(L.data_dir, L.manifest, L.split, L.shards)]
+        self.sums = all(crc is not None for _, crc, _ in shards)  # False: an older manifest, nothing to compare
         self.result, self._error = None, None  # result: True once the share matched, False for a manifest without sums
         def work():
             try: self.result = _sums_match(shards[rank::world_size])
             except Exception as e: self._error = e  # a damaged shard (DataError), or one it cannot read (OSError)
         self._thread = threading.Thread(target=work, name="hymo-check-contents", daemon=True)
         self._thread.start()
+
+    def running(self) -> bool:
+        "Whether it is still reading its share."
+        return self._thread.is_alive()
 
     def error(self) -> Exception | None:
         "What the check found so far, without waiting: None while it reads, and once every shard of its share matched."
