@@ -502,6 +502,10 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
         preset = PRESET_DIR / f"{name_or_path}.yaml"
         ckpt = p.parent if p.name == "meta.json" else p
         if not preset.exists() and named_by is None and (ckpt / "meta.json").is_file(): return _read_checkpoint(ckpt)
+        if not preset.exists() and named_by is None and ckpt.parent.name == "checkpoints" and not ckpt.exists() and (
+                yaml_file := ckpt.parent.parent / "config.yaml").is_file():  # its run's saves pruned it (keep_last_k)
+            raise ConfigError(f"no checkpoint {ckpt} (deleted, or pruned as its run saved newer ones): the run's settings "
+                              f"are in its config.yaml: give --config {shell_word(yaml_file)}")
         if not preset.exists() and (p.is_dir() or p.is_file()):  # a run folder, or a file of another kind: not a preset either
             hint = f" (a run folder's settings are its config.yaml: {p / 'config.yaml'})" if (p / "config.yaml").is_file() else ""
             raise ConfigError(f"{name_or_path} is a {'folder' if p.is_dir() else 'file'} but not a .yaml file: give a preset "
@@ -568,7 +572,10 @@ def _read_checkpoint(ckpt: Path) -> tuple[str, dict, Path]:
             f"{path} holds no settings (a JSON object with 'config', as a checkpoint's meta.json has)")
         check_meta(ckpt, meta)
     except CheckpointUnreadable as e: raise ConfigError(f"{e}: give another checkpoint's folder, or a .yaml file") from None
-    raw = {k: v for k, v in meta["config"].items() if k in ("model", "train")}  # what a printed config holds
+    # a setting this version does not know (a newer HyMo's, or one removed since) is left out, as a resume leaves it out
+    section = lambda sec: s if isinstance(s := meta["config"].get(sec), dict) else {}
+    raw = {sec: {k: v for k, v in section(sec).items() if k in {f.name for f in dataclasses.fields(_SECTIONS[sec])}}
+           for sec in ("model", "train")}
     return str(meta["config"].get("name") or ckpt.resolve().parent.parent.name), raw, path
 
 

@@ -61,9 +61,9 @@ def load_run(run_dir: str | Path, # A finished run folder (`python -m hymo.train
                               "them when it finishes, and generate loads them then")
         if (run / "meta.json").is_file() and (run / ".metadata").is_file():  # a checkpoint copied out of its run
             raise ConfigError(f"{run} is a training checkpoint, not a run folder: generate loads a finished run's model; "
-                              f"train it to the end in a run folder of its own (python -m hymo.train --config CONFIG "
-                              f"--resume {shell_word(run)} run_dir=NEW, CONFIG being the settings it trained with: its meta.json "
-                              "holds them under 'config'), then give that folder")
+                              f"train it to the end in a run folder of its own (python -m hymo.train --config {shell_word(run)} "
+                              f"--resume {shell_word(run)} run_dir=NEW: the settings it trained with, from its meta.json), "
+                              "then give that folder")
         if (run / "summary.json").exists() and is_run_folder(run):  # finished, its files since deleted
             if "config.yaml" in missing:  # what `write_again` would give to the trainer
                 raise ConfigError(f"{run} has no config.yaml, but the run finished (summary.json): {config_back(run)}")

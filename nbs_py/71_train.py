@@ -19,7 +19,10 @@
 # A checkpoint folder given as `--config` gives the settings its run trained with, as its `meta.json` records them
 # (checked against that file's own CRC-32): the way back to a run's settings when its `config.yaml` is lost, and a
 # start for a new run from them (`run_dir=...`). Like a run folder's `config.yaml`, it continues its own run unless
-# `run_dir=` says otherwise, from the run's newest checkpoint (`--resume` names another).
+# `run_dir=` says otherwise, from the run's newest checkpoint (`--resume` names another). Its saves may prune the
+# checkpoint given (`keep_last_k`), so the line a stop ends with names the run's `config.yaml` instead, which holds the
+# same settings, and a pruned checkpoint given again is told to. A setting the checkpoint has and this version does
+# not (a newer HyMo's) is left out, as a resume leaves it out.
 #
 # A YAML file without `base:` changes the design defaults, hymo_750m's; one that leaves values
 # unset that way gets a note saying so first (its `seq_len` of 4 096, say, would otherwise surface
@@ -188,6 +191,13 @@ def build_parser(prog: str = "python -m hymo.train", # The command, as usage lin
 
 # %%
 #| export
+def _checkpoint_given(config: str) -> Path | None:
+    "The checkpoint folder `--config` names (the folder, or its meta.json), as an absolute path; None for a preset or a file."
+    p = Path(config).expanduser()
+    p = p.parent if p.name == "meta.json" else p
+    return Path(os.path.abspath(p)) if (p / "meta.json").is_file() else None
+
+
 def _resume_from(trainer, cfg, args) -> str:
     "The command that resumes from the newest checkpoint, for the one-line endings of `main`."
     from hymo.training.trainer import cut_short_renames, list_checkpoints
@@ -197,13 +207,16 @@ def _resume_from(trainer, cfg, args) -> str:
     if not last: return "no checkpoint was written"
     change = [f"without {o}" for o, given in (("--resume", args.resume), ("--no-resume", args.no_resume)) if given]
     if not cfg.train.run_dir: change.append(f"with run_dir={shell_word(run_dir)}")  # run again as it was, it would start a new folder
+    named = Path(args.config).expanduser()  # a checkpoint's folder (or meta.json), which this run's saves may have pruned:
+    if (_checkpoint_given(args.config) or named.parent.name == "checkpoints") and (run_dir / "config.yaml").is_file():
+        change.append(f"with --config {shell_word(run_dir / 'config.yaml')}")  # config.yaml holds the same settings
     return f"the same command{' ' + ' and '.join(change) if change else ''} resumes from {last[-1]}"
 
 
 def design_defaults_note(config: str) -> str | None:
     "A note when `--config` is a YAML file whose chain of `base:` files ends without a preset and leaves values unset: those are hymo_750m's, not hymo_tiny's."
     from hymo.config import PRESET_DIR, _read_with_bases
-    if config in presets(): return None
+    if config in presets() or _checkpoint_given(config): return None  # a checkpoint's settings are whole, as it trained
     _, chain = _read_with_bases(config)
     root = chain[-1][1]  # the deepest file: a preset sets the rest
     if root.resolve().parent == PRESET_DIR.resolve(): return None
@@ -224,8 +237,8 @@ def _in_its_run_folder(cfg, args):
     from hymo.training.trainer import is_run_folder
     if args.config in presets() or "run_dir" in {k.split(".")[-1] for k in parse_overrides(args.overrides)}: return cfg
     given = Path(args.config).expanduser()
-    ckpt = (given.parent if given.name == "meta.json" else given).resolve()  # a checkpoint's settings: its meta.json's
-    ckpt = ckpt if (ckpt / "meta.json").is_file() and ckpt.parent.name == "checkpoints" else None
+    ckpt = _checkpoint_given(args.config)  # named as given: a checkpoints/ folder linked elsewhere is still its run's
+    ckpt = ckpt if ckpt and ckpt.parent.name == "checkpoints" else None
     home = ckpt.parent.parent if ckpt else given.resolve().parent
     if not (given.name == "config.yaml" or ckpt) or not is_run_folder(home) or args.no_resume:  # a new run from it ...
         named = cfg.train.run_dir  # ... unless it names a run folder (a run's config.yaml copied to start an experiment)
@@ -233,8 +246,8 @@ def _in_its_run_folder(cfg, args):
             print(f"note: {args.config} sets run_dir={named}, an existing run's folder: continuing that run (give "
                   "run_dir=... to start a new run from these settings)", flush=True)
         return cfg
-    if args.resume and Path(args.resume).expanduser().resolve().parent != home / "checkpoints": return cfg  # a branch: new folder
-    if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home: return cfg
+    if args.resume and Path(args.resume).expanduser().resolve().parent != (home / "checkpoints").resolve(): return cfg  # a branch
+    if cfg.train.run_dir and Path(cfg.train.run_dir).expanduser().resolve() == home.resolve(): return cfg
     if os.environ.get("RANK", "0") == "0":
         what, newest = ("a checkpoint of a run", " from its newest checkpoint (--resume names another)") if ckpt else (
             "a run folder's config", "")

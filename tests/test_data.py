@@ -1248,8 +1248,15 @@ def test_a_named_pipe_is_refused_as_an_input_and_named_in_a_folder(text, tmp_pat
     (d / "a.txt").write_text("x\n"); os.mkfifo(d / "live.txt")
     with pytest.raises(DataError, match=r"input .*live\.txt is not a regular file \(a named pipe.*save what it gives to a file"):
         prepare(d / "live.txt", tmp_path / "out", vocab_size=VOCAB, progress=False)
-    with pytest.warns(D.DataWarning, match=r"skipped 1 entry \(live\.txt\) that is not a regular file \(a named pipe"):
+    with pytest.warns(D.DataWarning, match=r"skipped 1 special file \(live\.txt\), a named pipe, socket or device"):
         assert [n for _, n in find_files(d)] == ["corpus/a.txt"]
+    os.mkfifo(tmp_path / "elsewhere.txt"); (d / "linked.txt").symlink_to(tmp_path / "elsewhere.txt")
+    import warnings
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        find_files(d)
+    said = [str(w.message) for w in said]  # a link to a pipe is a special file, not "a link to a missing file" too
+    assert len(said) == 1 and "2 special files (linked.txt, live.txt), a named pipe" in said[0], said
     assert not (tmp_path / "out").exists()
 
 

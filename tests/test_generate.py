@@ -267,7 +267,7 @@ def test_load_run_given_a_checkpoint_as_dot_or_copied_out_of_its_run(run, tmp_pa
     alone = tmp_path / "alone"
     alone.mkdir()
     (alone / "meta.json").write_text("{}"); (alone / ".metadata").write_bytes(b"")
-    with pytest.raises(ConfigError, match=f"is a training checkpoint, not a run folder: .*--resume {alone} run_dir=NEW"):
+    with pytest.raises(ConfigError, match=f"is a training checkpoint, not a run folder: .*--config {alone} --resume {alone} run_dir=NEW"):
         load_run(alone)
 
 

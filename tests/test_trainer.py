@@ -3677,3 +3677,59 @@ def test_each_node_checks_the_copy_it_reads(monkeypatch):
     assert (d.local_rank, d.local_world_size, d.world_size) == (1, 4, 1)
     monkeypatch.delenv("LOCAL_RANK"); monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert (setup_distributed().local_rank, setup_distributed().local_world_size) == (0, 1)
+
+
+def test_a_checkpoint_config_its_run_pruned_says_where_the_settings_are(tmp_path, capsys):
+    """`--config RUN/checkpoints/step_N` continues RUN, whose saves prune step_N: 'the same command' then named a folder
+    that is gone ('no preset or YAML file'). The error names RUN/config.yaml, and the ending line gives it."""
+    from hymo.train import main
+    run = tmp_path / "run"
+    make(run, max_steps=3, ckpt_every=1, keep_last_k=1, warmup_steps=1).fit()
+    ck = run / "checkpoints" / "step_000003"
+    main(["--config", str(ck), "max_steps=5", "keep_last_k=1"])
+    assert not ck.exists()  # pruned by the run it continued
+    with pytest.raises(SystemExit): main(["--config", str(ck), "max_steps=6", "keep_last_k=1"])
+    assert f"no checkpoint {ck} (deleted, or pruned as its run saved newer ones): the run's settings are in its " \
+           f"config.yaml: give --config {run / 'config.yaml'}" in capsys.readouterr().err
+    from hymo.train import _resume_from
+    args = Namespace(config=str(ck), resume=None, no_resume=False)
+    said = _resume_from(SimpleNamespace(run_dir=run), load_config(str(run / "config.yaml")), args)
+    assert said == f"the same command with --config {run / 'config.yaml'} resumes from {run / 'checkpoints' / 'step_000005'}"
+
+
+def test_a_checkpoint_in_a_linked_checkpoints_folder_continues_its_run(tmp_path, monkeypatch, capsys):
+    """checkpoints/ moved to another disk and linked back: `--config RUN/checkpoints/step_N` resolved the link, found no
+    folder named checkpoints, and trained a new run from step 0 in runs/ (meta.json's run_dir is null for a default
+    folder), leaving RUN's lost config.yaml unwritten: the very command generate advises."""
+    from hymo.train import main
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    make(run, max_steps=2, ckpt_every=1, warmup_steps=1).fit()
+    (tmp_path / "scratch").mkdir()
+    os.replace(run / "checkpoints", tmp_path / "scratch" / "ck")
+    (run / "checkpoints").symlink_to(tmp_path / "scratch" / "ck")
+    (run / "config.yaml").unlink()
+    main(["--config", str(run / "checkpoints" / "step_000002")])
+    assert not (tmp_path / "runs").exists() and (run / "config.yaml").is_file()
+
+
+def test_a_checkpoint_config_leaves_out_a_setting_this_version_does_not_know(tmp_path):
+    """A checkpoint of another HyMo version, with a setting this one lacks, resumes (the setting is left out); as
+    --config it was refused, naming meta.json, which cannot be edited (its own CRC-32). Nor does it get the note about
+    design defaults (it is no YAML file to add a base: to)."""
+    from hymo.train import design_defaults_note
+    run = tmp_path / "run"
+    make(run, max_steps=2, ckpt_every=1, warmup_steps=1).fit()
+    ck = run / "checkpoints" / "step_000002"
+    def newer(m): m["config"]["train"]["old_knob"] = 3; m["config"]["train"].pop("decay_fraction")
+    edit_meta_with(ck / "meta.json", newer)
+    assert load_config(str(ck)).train.max_steps == 2 and design_defaults_note(str(ck)) is None
+
+
+def edit_meta_with(path: Path, change):
+    "Change a checkpoint's meta.json with `change(meta)`, as a save (of this or another version) would have written it."
+    from hymo.training.trainer import meta_sum
+    meta = json.loads(path.read_text())
+    change(meta)
+    meta.pop("meta_crc32", None)
+    path.write_text(json.dumps({**meta, "meta_crc32": meta_sum(meta)}))

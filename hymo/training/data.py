@@ -101,15 +101,15 @@ def find_files(inputs: Iterable, # Paths of files or folders
                 try: return f.resolve().is_relative_to(p.resolve())
                 except (RuntimeError, OSError): return False  # a link that loops (Python 3.11: RuntimeError; 3.13: OSError)
             links = sorted(f.relative_to(p).as_posix() for f in entries if f.is_symlink() and not f.is_file() and not inside(f)
-                           and (f.is_dir() or f.suffix.lower() in SUFFIXES))  # a folder, or a text file that is not there
+                           and (f.is_dir() or not f.exists() and f.suffix.lower() in SUFFIXES))  # a folder, or a text file not there
             if links:
                 skipped.append(names("link", links) + " to a folder elsewhere or to a missing file, not followed: "
                                "give a linked folder as an input of its own")
             unseen = sorted(f.relative_to(p).as_posix() for f in every if hidden(f) and f.suffix.lower() in SUFFIXES and f.is_file())
             special = sorted(f.relative_to(p).as_posix() for f in entries if f.exists() and not (f.is_file() or f.is_dir()))
             if special:  # opened, a named pipe would wait for a writer; and each input is read more than once
-                skipped.append(names("entry", special) + " that is not a regular file (a named pipe, socket or device): "
-                               "save what it gives to a file to read it")
+                skipped.append(names("special file", special) + ", a named pipe, socket or device: save what it gives to "
+                               "a regular file to read it")
             if unseen:  # only text files are named: a .git folder's objects are nobody's corpus
                 skipped.append(names("hidden file", unseen) + " (a name, or a folder's, starting with '.'): give "
                                f"{'them' if len(unseen) > 1 else 'it'} as inputs of {'their' if len(unseen) > 1 else 'its'} own to read {'them' if len(unseen) > 1 else 'it'}")
