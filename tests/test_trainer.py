@@ -123,6 +123,7 @@ def test_wandb_logs_offline_and_a_resumed_run_continues_its_wandb_run_when_onlin
     make(tmp_path / "a", max_steps=4, ckpt_every=2, warmup_steps=1, wandb=True).fit(2)
     make(tmp_path / "a", max_steps=4, warmup_steps=1, wandb=True).fit()  # resumes at step 2
     assert [(c["group"], c["id"], c["mode"]) for c in calls] == [("a", None, "offline"), ("a", None, "offline")]  # two runs, one group
+    assert calls[0]["config"]["name"] == "hymo"  # the run's name (Trainer's name=), not Config's default 'custom'
     assert "deprecated" not in "".join(capfd.readouterr())  # wandb 0.31 warns of the login check through wandb.api
     parts = sorted((tmp_path / "a" / "wandb").glob("offline-run-*"))
     assert parts and all((p / f"run-{p.name.rsplit('-', 1)[1]}.wandb").stat().st_size > 0 for p in parts)  # logged

@@ -1831,7 +1831,7 @@ def _wandb(self: Trainer):
         id_file = self.run_dir / "wandb" / "hymo_run_id"
         reuse = online and self.step > 0 and id_file.exists() and not (self.foreign_start or self.new_line)
         run = wandb.init(project=self.cfg.wandb_project, dir=str(self.run_dir), mode=mode,
-                         config=Config(self.mcfg, self.cfg).to_dict(), group=self.run_dir.name,
+                         config=Config(self.mcfg, self.cfg, name=self.name).to_dict(), group=self.run_dir.name,
                          id=(id_file.read_text().strip() or None) if reuse else None, resume="allow")
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run.id)
