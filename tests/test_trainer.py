@@ -1718,7 +1718,7 @@ def test_the_ending_line_names_the_command_that_resumes(tmp_path):
     ck = run / "checkpoints" / "step_000009"
     def line(run_dir_given, resume=None, no_resume=False):
         cfg = load_config("hymo_tiny", **({"run_dir": str(run)} if run_dir_given else {}))
-        return _resume_from(SimpleNamespace(run_dir=run), cfg, Namespace(resume=resume, no_resume=no_resume))
+        return _resume_from(SimpleNamespace(run_dir=run), cfg, Namespace(config="hymo_tiny", resume=resume, no_resume=no_resume))
     assert line(True) == line(False) == "no checkpoint was written"
     ck.mkdir(parents=True); (ck / "meta.json").write_text("{}")
     assert line(True) == f"the same command resumes from {ck}"
@@ -2579,7 +2579,7 @@ def test_the_ending_line_names_a_checkpoint_whose_rename_was_cut_short(tmp_path)
     from hymo.train import _resume_from
     run = tmp_path / "run"
     cfg = load_config("hymo_tiny", run_dir=str(run))
-    line = lambda: _resume_from(SimpleNamespace(run_dir=run), cfg, Namespace(resume=None, no_resume=False))
+    line = lambda: _resume_from(SimpleNamespace(run_dir=run), cfg, Namespace(config="hymo_tiny", resume=None, no_resume=False))
     fake_ckpt(run / "checkpoints" / "step_000009.tmp", 9)
     assert line() == f"the same command resumes from {run / 'checkpoints' / 'step_000009'}"
     fake_ckpt(run / "checkpoints" / "step_000004", 4)
