@@ -26,7 +26,8 @@ import yaml
 # %% auto #0
 __all__ = ['TRITON_CHUNK', 'DECAY_SHAPES', 'CHOICES', 'PRESET_DIR', 'ModelConfig', 'TrainingConfig', 'ConfigError',
            'check_triton_chunk', 'validate_model', 'validate_part', 'validate_training', 'package_dir', 'Config',
-           'presets', 'takes_text', 'null_is_default', 'shell_word', 'load_config', 'validate_config']
+           'presets', 'takes_text', 'null_is_default', 'shell_word', 'checkpoint_folder', 'load_config',
+           'validate_config']
 
 # %% ../nbs/00_config.ipynb #313fd2a8
 TRITON_CHUNK = 64  # The chunk length the Triton GDN kernels are written for (chapter 13's BT)
@@ -491,6 +492,15 @@ class _UniqueKeys(_Yaml12Ints):
         super().flatten_mapping(node)
 
 
+def checkpoint_folder(config) -> Path | None:
+    """The checkpoint folder a `--config` value names (the folder, or its meta.json), as an absolute path with its links
+    kept (a `checkpoints/` folder linked to another disk is still its run's); None for a preset, a file or a folder
+    without a meta.json."""
+    p = Path(config).expanduser()
+    p = Path(os.path.abspath(p.parent if p.name == "meta.json" else p))
+    return p if (p / "meta.json").is_file() else None
+
+
 def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict, Path]:
     "One config file, checked: (its name, its raw YAML, its path). A `base:` is found next to the file `named_by` it."
     if not isinstance(name_or_path, (str, Path)) or not str(name_or_path).strip():
@@ -500,8 +510,8 @@ def _read_preset(name_or_path, named_by: Path | None = None) -> tuple[str, dict,
     bare = p.suffix.lower() not in (".yaml", ".yml")  # a preset's name
     if bare:
         preset = PRESET_DIR / f"{name_or_path}.yaml"
-        ckpt = p.parent if p.name == "meta.json" else p
-        if not preset.exists() and named_by is None and (ckpt / "meta.json").is_file(): return _read_checkpoint(ckpt)
+        if not preset.exists() and named_by is None and (ckpt := checkpoint_folder(p)): return _read_checkpoint(ckpt)
+        ckpt = p.parent if p.name == "meta.json" else p  # one that is not there
         if not preset.exists() and named_by is None and ckpt.parent.name == "checkpoints" and not ckpt.exists() and (
                 yaml_file := ckpt.parent.parent / "config.yaml").is_file():  # its run's saves pruned it (keep_last_k)
             raise ConfigError(f"no checkpoint {ckpt} (deleted, or pruned as its run saved newer ones): the run's settings "

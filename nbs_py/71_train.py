@@ -14,6 +14,7 @@
 # python -m hymo.train --config my_run.yaml run_dir=runs/a       # a YAML file (with base: hymo_tiny, it changes that preset)
 # python -m hymo.train --config my_run.yaml run_dir=runs/a       # the same command again: resumes from runs/a's latest checkpoint
 # python -m hymo.train --config runs/a/checkpoints/step_000200   # the settings that checkpoint trained with (its meta.json)
+# python -m hymo.train --config hymo_750m --print-config         # the settings and what they make; nothing trained
 # ```
 #
 # A checkpoint folder given as `--config` gives the settings its run trained with, as its `meta.json` records them
@@ -75,6 +76,7 @@ import dataclasses
 import errno
 import os
 import re
+import shlex
 import signal
 import sys
 import warnings
@@ -82,7 +84,7 @@ from pathlib import Path
 
 import yaml
 
-from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, load_config, null_is_default, presets, shell_word, takes_text
+from hymo.config import Config, ConfigError, ModelConfig, TrainingConfig, _Yaml12Dumper, _Yaml12Ints, checkpoint_folder, load_config, null_is_default, presets, shell_word, takes_text
 from hymo.training.data import DataError
 
 # %%
@@ -178,6 +180,10 @@ def build_parser(prog: str = "python -m hymo.train", # The command, as usage lin
                        help="resume from this checkpoint folder (default: the latest one in run_dir, if any)")
     start.add_argument("--no-resume", action="store_true",
                        help="start afresh, in a run_dir without checkpoints (one that holds them is refused)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the settings this command would train with, as a YAML file --config reads back, with the "
+                        "model's size, the tokens of a step and the run folder in comments; then exit: nothing is trained "
+                        "or written (WORLD_SIZE=N checks the batch splits over N processes)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (listed below)")
     return p
 
@@ -191,13 +197,6 @@ def build_parser(prog: str = "python -m hymo.train", # The command, as usage lin
 
 # %%
 #| export
-def _checkpoint_given(config: str) -> Path | None:
-    "The checkpoint folder `--config` names (the folder, or its meta.json), as an absolute path; None for a preset or a file."
-    p = Path(config).expanduser()
-    p = p.parent if p.name == "meta.json" else p
-    return Path(os.path.abspath(p)) if (p / "meta.json").is_file() else None
-
-
 def _resume_from(trainer, cfg, args) -> str:
     "The command that resumes from the newest checkpoint, for the one-line endings of `main`."
     from hymo.training.trainer import cut_short_renames, list_checkpoints
@@ -208,7 +207,7 @@ def _resume_from(trainer, cfg, args) -> str:
     change = [f"without {o}" for o, given in (("--resume", args.resume), ("--no-resume", args.no_resume)) if given]
     if not cfg.train.run_dir: change.append(f"with run_dir={shell_word(run_dir)}")  # run again as it was, it would start a new folder
     named = Path(args.config).expanduser()  # a checkpoint's folder (or meta.json), which this run's saves may have pruned:
-    if (_checkpoint_given(args.config) or named.parent.name == "checkpoints") and (run_dir / "config.yaml").is_file():
+    if (checkpoint_folder(args.config) or named.parent.name == "checkpoints") and (run_dir / "config.yaml").is_file():
         change.append(f"with --config {shell_word(run_dir / 'config.yaml')}")  # config.yaml holds the same settings
     return f"the same command{' ' + ' and '.join(change) if change else ''} resumes from {last[-1]}"
 
@@ -216,7 +215,7 @@ def _resume_from(trainer, cfg, args) -> str:
 def design_defaults_note(config: str) -> str | None:
     "A note when `--config` is a YAML file whose chain of `base:` files ends without a preset and leaves values unset: those are hymo_750m's, not hymo_tiny's."
     from hymo.config import PRESET_DIR, _read_with_bases
-    if config in presets() or _checkpoint_given(config): return None  # a checkpoint's settings are whole, as it trained
+    if config in presets() or checkpoint_folder(config): return None  # a checkpoint's settings are whole, as it trained
     _, chain = _read_with_bases(config)
     root = chain[-1][1]  # the deepest file: a preset sets the rest
     if root.resolve().parent == PRESET_DIR.resolve(): return None
@@ -237,7 +236,7 @@ def _in_its_run_folder(cfg, args):
     from hymo.training.trainer import is_run_folder
     if args.config in presets() or "run_dir" in {k.split(".")[-1] for k in parse_overrides(args.overrides)}: return cfg
     given = Path(args.config).expanduser()
-    ckpt = _checkpoint_given(args.config)  # named as given: a checkpoints/ folder linked elsewhere is still its run's
+    ckpt = checkpoint_folder(args.config)  # named as given: a checkpoints/ folder linked elsewhere is still its run's
     ckpt = ckpt if ckpt and ckpt.parent.name == "checkpoints" else None
     home = ckpt.parent.parent if ckpt else given.resolve().parent
     if not (given.name == "config.yaml" or ckpt) or not is_run_folder(home) or args.no_resume:  # a new run from it ...
@@ -274,21 +273,22 @@ def main(argv: list[str] | None = None, # The arguments; None: the command line'
         cfg = load_config(args.config, **parse_overrides(args.overrides))
     except ConfigError as e:  # a file without 'base:' may fail on a design default it never set: the note says why
         parser.error(str(e) + (f"\n{note}" if note else ""))
-    if note and os.environ.get("RANK", "0") == "0": print(note, flush=True)
+    if note and os.environ.get("RANK", "0") == "0": print(note, file=sys.stderr if args.print_config else sys.stdout, flush=True)
+    if args.resume is not None and not args.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset: not a fresh start
+        parser.error("--resume was given an empty path (an unset variable?): give a checkpoint folder, or leave out "
+                     "--resume to continue from the run folder's newest checkpoint")
     try: from hymo.training.trainer import guarded_output  # torch: seconds, the usual Ctrl-C moment
     except KeyboardInterrupt: parser.exit(130, "interrupted before training began\n")
     from hymo.data import _one_line
     with guarded_output(), warnings.catch_warnings():  # a reader that goes away (`| head`) turns its stream off: no
         warnings.showwarning = _one_line(warnings.showwarning)  # traceback, nothing lost; a dataset's warnings (a damaged
+        if args.print_config: return _print_config(parser, args, cfg, sys.argv[1:] if argv is None else argv)
         return _train(parser, args, cfg)                         # cache prepared again) one line each, as hymo.data's
 
 
 def _train(parser, args, cfg) -> dict:
     "`main` from the `Trainer` on: train, say how it ended, return the summary (or exit with the stop's status)."
     from hymo.training.trainer import DISK_ERRORS, NonFiniteError, Trainer
-    if args.resume is not None and not args.resume.strip():  # e.g. --resume "$CKPT" with CKPT unset: not a fresh start
-        parser.error("--resume was given an empty path (an unset variable?): give a checkpoint folder, or leave out "
-                     "--resume to continue from the run folder's newest checkpoint")
     resume = False if args.no_resume else (args.resume or True)
     cfg = _in_its_run_folder(cfg, args)
     trainer = None
@@ -299,6 +299,7 @@ def _train(parser, args, cfg) -> dict:
             parser.error(str(e))
         trainer.log(f"run folder: {trainer.run_dir.resolve()}")
         trainer.log(trainer.data_summary())
+        trainer.log("model: " + "; ".join(describe(cfg, trainer.d.world_size)[:2]))  # its blocks and size, as --print-config says
         trainer.fit()
     except NonFiniteError as e:
         parser.exit(1, f"error: {e}\n")
@@ -336,6 +337,109 @@ def _train(parser, args, cfg) -> dict:
         dist.destroy_process_group()
     if stop is not None: sys.exit(128 + int(getattr(stop, "value", signal.SIGTERM)))  # as if the signal had killed it
     return summary
+
+
+# %% [markdown]
+# ### Before a long run: `--print-config`
+#
+# A run of hymo_750m is days of GPU time, so it is worth seeing what a command will train before it
+# starts. `--print-config` prints the settings the command would train with, after the preset, its
+# `base:` files and the overrides, and exits without training or writing anything:
+#
+# ```sh
+# python -m hymo.train --config hymo_750m data_dir=/data/shards --print-config > run.yaml   # look, change, then:
+# python -m hymo.train --config run.yaml
+# WORLD_SIZE=8 python -m hymo.train --config hymo_750m --print-config   # does the batch split over 8 GPUs?
+# ```
+#
+# The output is the file the run writes as its `config.yaml` (with `data_dir` made absolute, so that
+# it works from any folder), and `--config` reads it back. Comments at the top say what the settings
+# make: the blocks, the parameters stored and those one token uses, the training FLOPs per token,
+# the tokens of a step and of the run, the data (its tokens and the epochs the run reads, or why
+# training would refuse it, which is also said on stderr) and where the run would go. For the parameters, the model is
+# built on PyTorch's `meta` device, which records shapes and holds no memory, so even hymo_750m's
+# count takes a second on a laptop. Notes, such as the one for a YAML file without `base:`, go to
+# stderr, so the output stays valid YAML. Under `torchrun` only rank 0 prints.
+
+# %%
+#| export
+def _count(n: float) -> str:
+    "A count as a reader says it, to three figures: 918K, 542M, 1.24B."
+    return next(f"{n / s:.3g}{u}" for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, "")) if abs(n) >= s or s == 1)
+
+
+def describe(cfg: Config, # The settings
+             world_size: int = 1, # The processes the global batch is split over (torchrun's WORLD_SIZE)
+            ) -> list[str]:
+    """What `cfg` trains, in three lines: its blocks; its parameters and FLOPs per token (the model is built on the meta
+    device, which holds no memory); the tokens of a step and of the run. A `ConfigError` if the batch does not split."""
+    import torch
+    from hymo.models.model import HyMo
+    from hymo.training.trainer import split_micro_batches
+    m, t = cfg.model, cfg.train
+    accum = split_micro_batches(t, world_size)
+    with torch.device("meta"): model = HyMo(m)
+    n_mla, step = m.layer_types.count("mla"), t.global_batch_size * t.seq_len
+    moe = f" ({m.moe_n_routed} routed experts, top {m.moe_top_k}, {m.moe_n_shared} shared)" if n_mla else ""
+    return [f"{m.n_layers} blocks: {m.n_layers - n_mla} Gated DeltaNet + SwiGLU, {n_mla} MLA + MoE{moe}; "
+            f"{m.mtp_depth} MTP head{'s' * (m.mtp_depth != 1)}",
+            f"{_count(model.num_params())} parameters stored, {_count(model.num_params(active=True))} active per token; "
+            f"{model.flops_per_token(t.seq_len) / 1e9:.3g} GFLOPs per training token",
+            f"{step:,} tokens a step ({t.global_batch_size} sequences of {t.seq_len}: {accum} micro-batch"
+            f"{'es' * (accum != 1)} of {t.micro_batch_size} on each of {world_size} process{'es' * (world_size != 1)}), "
+            f"{_count(step * t.max_steps)} tokens in {t.max_steps:,} steps"]
+
+
+def _print_config(parser, args, cfg, argv: list[str]) -> dict:
+    "`--print-config`: the settings as the YAML file `--config` reads back, what they make in comments; nothing is written."
+    import contextlib
+    from hymo.training.trainer import list_checkpoints
+    with contextlib.redirect_stdout(sys.stderr): cfg = _in_its_run_folder(cfg, args)  # its note is not YAML
+    try: about = describe(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e: parser.error(str(e))
+    if cfg.train.data_dir:  # as the run's config.yaml holds it: the file then works from any folder
+        cfg = Config(cfg.model, dataclasses.replace(cfg.train, data_dir=os.path.abspath(os.path.expanduser(cfg.train.data_dir))),
+                     name=cfg.name)
+    run_dir = Path(cfg.train.run_dir).expanduser() if cfg.train.run_dir else None
+    newest = list_checkpoints(run_dir)[-1:] if run_dir else []
+    if run_dir is None: where = f"a new folder, runs/{cfg.name}-<date>-<time>" + (f", from {args.resume}" if args.resume else "")
+    elif args.resume: where = f"{run_dir}, from {args.resume}"
+    elif newest: where = f"{run_dir}, continuing from {newest[0].name}" + (
+        " (but --no-resume refuses a folder that holds checkpoints)" if args.no_resume else "")
+    else: where = f"{run_dir}, from step 0"
+    if args.resume and not (Path(args.resume).expanduser() / "meta.json").is_file():
+        where += f" (but {args.resume} is no checkpoint: training would refuse it)"
+    if os.environ.get("RANK", "0") == "0":
+        data = _data_line(cfg)
+        if data.startswith("data: not ready: "):  # said where it is seen with the output in a file
+            print(f"warning: the data is not ready: {data.removeprefix('data: not ready: ')}", file=sys.stderr, flush=True)
+        print("\n".join([f"# the settings of: {parser.prog} {shlex.join(argv)}".rstrip(), "# (give this file as --config FILE to train with them)",
+                         *(f"# {line}" for line in about), f"# {data}", f"# run folder: {where}", str(cfg).rstrip()]), flush=True)
+    return {}
+
+
+def _data_line(cfg) -> str:
+    "The data a config trains on, for `--print-config`: its tokens and the epochs the run reads, or why training would refuse it."
+    from hymo.training.data import check_compatible
+    if not cfg.train.data_dir: return "data: the bundled corpus (Shakespeare), prepared into the cache the first time"
+    try: m = check_compatible(Path(cfg.train.data_dir), cfg.model.vocab_size)  # as the trainer checks it (contents aside)
+    except DataError as e: return f"data: not ready: {e}"
+    tokens, t = m["splits"]["train"]["tokens"], cfg.train
+    epochs = t.global_batch_size * t.seq_len * t.max_steps / max(tokens, 1)
+    return (f"data: {cfg.train.data_dir} ({tokens:,} training tokens, a vocabulary of {m['vocab_size']:,}): the run reads "
+            f"about {f'{epochs:,.0f}' if epochs >= 100 else f'{epochs:.3g}'} epoch{'s' * (epochs != 1)}")
+
+
+# %% [markdown]
+# The preset of the full run, as `--print-config` shows it (the first lines; the settings go on, one a line):
+
+# %%
+import contextlib, io, tempfile
+with contextlib.redirect_stdout(io.StringIO()) as printed: main(["--config", "hymo_750m", "--print-config"])
+print("\n".join(printed.getvalue().splitlines()[:13]) + "\n  ...")
+with tempfile.TemporaryDirectory() as d:  # the file reads back as the same settings
+    (Path(d) / "run.yaml").write_text(printed.getvalue())
+    test_eq(load_config(str(Path(d) / "run.yaml")).to_dict(), load_config("hymo_750m").to_dict())
 
 
 # %% [markdown]

@@ -810,3 +810,90 @@ def test_commands_in_messages_paste_into_a_shell_with_spaces_in_paths(tmp_path):
     command = str(e.value).split("`")[1]
     argv = shlex.split(command)
     assert argv[argv.index("--input") + 1] == str(text) and (tmp_path / "my texts").samefile(Path(argv[argv.index("--out") + 1]).parent), argv
+
+
+def _print_config(capsys, *argv) -> tuple[str, str]:
+    "`python -m hymo.train ARGV --print-config`'s (stdout, stderr)."
+    from hymo.train import main
+    assert main([*argv, "--print-config"]) == {}
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_print_config_prints_a_file_that_reads_back_and_what_it_trains(tmp_path, capsys, monkeypatch):
+    """`--print-config` prints the settings as YAML that `--config` reads back (data_dir absolute, as config.yaml has it),
+    and in comments what they make; it writes nothing: no runs/ folder, no data prepared."""
+    import torch
+    from hymo.models.model import HyMo
+    from hymo.train import _count
+    monkeypatch.chdir(tmp_path)
+    out, err = _print_config(capsys, "--config", "hymo_750m", "max_steps=100", "warmup_steps=10", "data_dir=nowhere")
+    assert list(tmp_path.iterdir()) == []  # nothing written
+    (tmp_path / "run.yaml").write_text(out)
+    back = load_config(str(tmp_path / "run.yaml"))
+    assert back.to_dict() == load_config("hymo_750m", max_steps=100, warmup_steps=10, data_dir=str(tmp_path / "nowhere")).to_dict()
+    assert back.name == "hymo_750m"
+    with torch.device("meta"): model = HyMo(back.model)
+    comments = [l for l in out.splitlines() if l.startswith("#")]
+    assert comments[0] == "# the settings of: python -m hymo.train --config hymo_750m max_steps=100 warmup_steps=10 data_dir=nowhere --print-config"
+    assert "# 32 blocks: 24 Gated DeltaNet + SwiGLU, 8 MLA + MoE (16 routed experts, top 2, 1 shared); 2 MTP heads" in comments
+    assert (f"# {_count(model.num_params())} parameters stored, {_count(model.num_params(active=True))} active per token; "
+            f"{model.flops_per_token(4096) / 1e9:.3g} GFLOPs per training token") in comments
+    assert _count(model.num_params()) == "1.24B" and _count(917_504) == "918K" and _count(12) == "12"
+    assert ("# 524,288 tokens a step (128 sequences of 4096: 32 micro-batches of 4 on each of 1 process), "
+            "52.4M tokens in 100 steps") in comments
+    assert f"# data: not ready: {tmp_path / 'nowhere'} does not exist" in out and "# run folder: a new folder, runs/hymo_750m-" in out
+    assert err.startswith(f"warning: the data is not ready: {tmp_path / 'nowhere'} does not exist"), err
+
+
+def test_print_config_checks_the_split_over_ranks_and_says_notes_on_stderr(tmp_path, capsys, monkeypatch):
+    from hymo.train import main
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit) as e: main(["--config", "hymo_750m", "--print-config"])
+    assert e.value.code == 2 and "which do not split over 3 ranks" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    out, _ = _print_config(capsys, "--config", "hymo_750m")
+    assert "(128 sequences of 4096: 4 micro-batches of 4 on each of 8 processes)" in out
+    monkeypatch.delenv("WORLD_SIZE")
+    bare = tmp_path / "bare.yaml"  # no base: the design defaults, with a note: on stderr, so stdout is still YAML
+    bare.write_text("model:\n  dim: 64\n")
+    out, err = _print_config(capsys, "--config", str(bare))
+    assert "has no 'base:'" in err and "has no 'base:'" not in out
+    assert yaml.safe_load(out)["model"]["dim"] == 64
+
+
+def test_print_config_says_where_the_run_goes(tmp_path, capsys):
+    "A run folder with checkpoints is continued (the newest named), --no-resume is refused there, a run's config.yaml continues it."
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000002").mkdir(parents=True); (run / "checkpoints" / "step_000010").mkdir()
+    out, _ = _print_config(capsys, f"run_dir={run}")
+    assert f"# run folder: {run}, continuing from step_000010" in out
+    out, _ = _print_config(capsys, f"run_dir={run}", "--no-resume")
+    assert "continuing from step_000010 (but --no-resume refuses a folder that holds checkpoints)" in out
+    out, _ = _print_config(capsys, f"run_dir={run}", "--resume", str(run / "checkpoints" / "step_000002"))
+    assert f"# run folder: {run}, from {run / 'checkpoints' / 'step_000002'} (but {run / 'checkpoints' / 'step_000002'} is no " \
+           "checkpoint: training would refuse it)" in out  # (an empty folder here)
+    (run / "checkpoints" / "step_000002" / "meta.json").write_text("{}")
+    out, _ = _print_config(capsys, f"run_dir={run}", "--resume", str(run / "checkpoints" / "step_000002"))
+    assert f"# run folder: {run}, from {run / 'checkpoints' / 'step_000002'}\n" in out
+    out, _ = _print_config(capsys, f"run_dir={tmp_path / 'new'}")
+    assert f"# run folder: {tmp_path / 'new'}, from step 0" in out and not (tmp_path / "new").exists()
+    (run / "config.yaml").write_text(str(load_config("hymo_tiny")))  # run_dir: null, as a copied config may have
+    out, err = _print_config(capsys, "--config", str(run / "config.yaml"))
+    assert "continuing that run" in err and yaml.safe_load(out)["train"]["run_dir"] == str(run)
+    assert f"# run folder: {run}, continuing from step_000010" in out
+
+
+def test_print_config_names_the_data_and_the_epochs_it_reads(tmp_path, capsys):
+    from hymo.training.data import CORPUS, load_manifest, prepare
+    text = tmp_path / "play.txt"
+    text.write_text(CORPUS.read_text()[:20_000])
+    ds = prepare(text, tmp_path / "data", vocab_size=300, progress=False)
+    tokens = load_manifest(ds)["splits"]["train"]["tokens"]
+    out, err = _print_config(capsys, f"data_dir={ds}", "max_steps=10", "warmup_steps=1")
+    epochs = 10 * 16 * 128 / tokens
+    assert f"# data: {ds} ({tokens:,} training tokens, a vocabulary of 300): the run reads about {epochs:.3g} epochs" in out
+    assert err == ""
+    out, err = _print_config(capsys, f"data_dir={ds}", "vocab_size=257")  # fewer rows than the dataset's ids
+    assert f"# data: not ready: {ds} was tokenized with 300 tokens but the model has vocab_size=257" in out
+    assert "warning: the data is not ready" in err

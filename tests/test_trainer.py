@@ -1982,6 +1982,9 @@ def test_cli_config_of_a_run_folder_continues_that_run(tmp_path):
     over = [f"{k}={v}" for k, v in {**FAST, "max_steps": 2, "ckpt_every": 1, "warmup_steps": 1}.items()]
     r = run_cli(*over, "run_dir=run", cwd=tmp_path / "a")
     assert r.returncode == 0, r.stderr[-2000:]
+    from hymo.train import describe  # the run says what it trains, as --print-config does
+    assert "model: " + "; ".join(describe(load_config(str(tmp_path / "a" / "run" / "config.yaml")))[:2]) in r.stdout
+    assert "model: 4 blocks: 3 Gated DeltaNet + SwiGLU, 1 MLA + MoE" in r.stdout
     config = str(tmp_path / "a" / "run" / "config.yaml")
     r = run_cli("--config", config, "--no-resume", "max_steps=1", "warmup_steps=0", cwd=tmp_path / "b")
     assert r.returncode == 0 and "continuing that run" not in r.stdout, r.stderr[-2000:]  # in b/run, as its run_dir says
