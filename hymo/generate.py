@@ -170,6 +170,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                   cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
                   window: int | None = None, # Most tokens one forward reads; None: the run's train.seq_len (`load_run` sets `model.trained_len`), else max_seq_len
+                  top_p: float | None = None, # Then among the fewest most likely tokens whose probabilities add up to p (`keep_likely`); None: all
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot, ids = tok.token_to_id(EOT), prompt_ids(tok, prompt)
@@ -179,7 +180,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
+                             top_p=top_p, vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
                              on_token=shown.add if stream else None, cache=cache, window=window)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> str:
                    "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: 50)")
+    p.add_argument("--top-p", type=float, default=1.0, help="then among the fewest most likely tokens whose probabilities "
+                   "add up to p (nucleus sampling), in (0, 1]; 1: all (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="the same seed gives the same text (default: the run's train.seed, "
                    "which its end-of-run sample used)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> str:
     for flag, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)):
         if not v >= 0: p.error(f"{flag} must be a number >= 0, got {v}")  # `not >=` also refuses nan
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
+    if not 0 < a.top_p <= 1: p.error(f"--top-p must be in (0, 1] (1 keeps every token), got {a.top_p}")
     if a.seed is not None and not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
     try: (a.prompt or "").encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
     except UnicodeEncodeError: p.error("--prompt is not valid UTF-8 text: check the terminal's or the script's encoding")
@@ -285,7 +289,8 @@ def main(argv: list[str] | None = None) -> str:
         if n > L: print(f"note: the prompt is {n} tokens with the end-of-text token that opens it ({len(tok.encode(a.prompt).ids)} "
                         f"as typed), more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)
-        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
+        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L,
+                             top_p=a.top_p if a.top_p < 1 else None)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except BrokenPipeError:  # `... | head`: the reader has what it wanted and closed the pipe

@@ -363,6 +363,7 @@ class HyMo(nn.Module):
                  max_new_tokens: int,  # Tokens to append
                  temperature: float = 1.0,  # Softmax temperature; 0 picks the most likely token
                  top_k: Optional[int] = None,  # Sample among the k most likely tokens only; None: all
+                 top_p: Optional[float] = None,  # Then among the fewest most likely tokens whose probabilities add up to p (nucleus sampling); None: all
                  vocab: Optional[int] = None,  # Only ids below this: the tokenizer's size, when the model's vocabulary is larger
                  stop: Optional[int] = None,  # End early once this id (the end-of-text token) is drawn; it is kept
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
@@ -377,9 +378,10 @@ class HyMo(nn.Module):
             raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
         is_int = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy's ints too
         if not (is_int(max_new_tokens) and max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature)
-                and (top_k is None or is_int(top_k) and top_k >= 1)):
-            raise ValueError(f"generate needs an int max_new_tokens >= 0, a finite temperature >= 0 and top_k None or an "
-                             f"int >= 1; got max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
+                and (top_k is None or is_int(top_k) and top_k >= 1) and (top_p is None or 0 < top_p <= 1)):
+            raise ValueError(f"generate needs an int max_new_tokens >= 0, a finite temperature >= 0, top_k None or an "
+                             f"int >= 1 and top_p None or in (0, 1]; got max_new_tokens={max_new_tokens}, "
+                             f"temperature={temperature}, top_k={top_k}, top_p={top_p}")
         V, L = self.config.vocab_size, self.config.max_seq_len
         if vocab is not None and not (is_int(vocab) and 1 <= vocab <= V):
             raise ValueError(f"vocab={vocab!r} must be an int in 1..{V} (the model's vocab_size): the tokenizer's size")
@@ -389,10 +391,10 @@ class HyMo(nn.Module):
         self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
-        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window or L)
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, top_p, vocab, stop, on_token, cache, graph, window or L)
         finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
 
-    def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
+    def _sample(self, tokens, max_new_tokens, temperature, top_k, top_p, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
         "The loop of `generate`, in eval mode; `L` is its window."
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
         state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
@@ -411,10 +413,7 @@ class HyMo(nn.Module):
             else:
                 logits = (logits.double() - logits.max(-1, keepdim=True).values) / temperature  # <= 0, in fp64: no tiny τ
                                                                                                # overflows or rounds to 0
-                if top_k is not None:
-                    kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(-1), 1)                   # (1, 1)
+                nxt = torch.multinomial(keep_likely(logits, top_k, top_p).softmax(-1), 1)  # (1, 1)
             tokens = torch.cat([tokens, nxt], 1)
             if on_token is not None: on_token(int(nxt))
             if stop is not None and int(nxt) == stop: break  # one host read per token; the forward dwarfs it
@@ -644,13 +643,77 @@ with torch.no_grad():
     rest = dec.decode(seq[:, 5:12], state)
 assert (torch.cat([first, rest], 1) - full[:, :12]).abs().max() < 1e-3
 
+
+# %% [markdown]
+# ### Which tokens may be drawn
+#
+# A sampled token comes from the softmax of the logits divided by the temperature $\tau$ (below 1
+# sharpens it, 0 is the argmax). Two common filters first cut the long tail of unlikely tokens, where
+# most of a small model's nonsense comes from: **top-k** keeps the $k$ highest logits, and
+# **top-p** (nucleus sampling, Holtzman et al., 2019) keeps the fewest most likely tokens whose
+# probabilities add up to at least $p$: a short list where the model is sure, a long one where it is
+# not, which a fixed $k$ cannot do. Sorted by probability, $p_{(1)} \ge p_{(2)} \ge \dots$, token
+# $(i)$ is kept when the tokens before it hold less than $p$:
+# $\sum_{j<i} p_{(j)} < p$. The most likely token is always kept, and $p = 1$ keeps all. Both filters
+# run in that order, as most libraries apply them: top-p measures its mass after top-k has cut the
+# rest, on the renormalised probabilities.
+
+# %%
+#| export
+def keep_likely(logits: torch.Tensor, # Scores of the next token [B, V], already divided by the temperature
+                top_k: Optional[int] = None, # Keep the k highest; None: all
+                top_p: Optional[float] = None, # Then the fewest most likely whose probabilities add up to at least p; None: all
+               ) -> torch.Tensor: # `logits`, every other token at -inf
+    "The tokens top-k and then top-p (nucleus) sampling draw from; the others' logits set to -inf."
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # (ties with the k-th stay)
+    if top_p is not None and top_p < 1:
+        p, order = logits.softmax(-1).sort(-1, descending=True)  # (B, V), most likely first
+        drop = p.cumsum(-1) - p >= top_p  # the tokens before already hold p
+        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return logits
+
+
+# %% [markdown]
+# Checked against the definition, token by token in Python, on random logits and on a small example
+# worked by hand: probabilities 0.5, 0.3, 0.15, 0.05 and $p = 0.7$ keep the first two (0.5 is not
+# yet 0.7; 0.8 is), and $p = 0.85$ also the third. (At $p = 0.8$ exactly, the first two's 0.8 comes out of
+# the softmax as 0.7999…, and the third is kept: a boundary that rounding decides.)
+
+# %%
+def keep_likely_naive(logits, top_k=None, top_p=None):
+    "The same, one row and one token at a time."
+    out = []
+    for row in logits.tolist():
+        kept = sorted(range(len(row)), key=lambda i: -row[i])[:top_k or len(row)]
+        kept = [i for i in range(len(row)) if row[i] >= min(row[j] for j in kept)]  # the ties of the k-th too
+        z = sum(math.exp(row[i]) for i in kept)
+        if top_p is not None:
+            mass, nucleus = 0.0, []
+            for i in sorted(kept, key=lambda i: -row[i]):
+                if mass >= top_p: break
+                nucleus.append(i); mass += math.exp(row[i]) / z
+            kept = nucleus
+        out.append([x if i in kept else float("-inf") for i, x in enumerate(row)])
+    return torch.tensor(out, dtype=logits.dtype)
+
+hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64).log()
+for p, n in ((0.7, 2), (0.85, 3), (1.0, 4), (1e-9, 1)):
+    test_eq(keep_likely(hand, top_p=p).isfinite().sum().item(), n)
+g = torch.Generator().manual_seed(0)
+for k, p in ((None, 0.9), (5, 0.5), (20, 0.95), (3, None), (None, None)):
+    x = torch.randn(6, 40, generator=g, dtype=torch.float64) * 2
+    test_eq(keep_likely(x, k, p), keep_likely_naive(x, k, p))
+
 # %% [markdown]
 # So the cached and the uncached `generate` draw the same tokens, greedy or sampled with one seed,
 # including a run that outgrows `max_seq_len` (here 24, for a prompt of 10 and 30 new tokens) or a
 # smaller `window` (16) and continues on the window. (The same up to rounding: their logits differ in
 # the last bits, so a near-tie between two tokens can go either way, as a 300-token greedy run in
 # fp32 on a GPU showed at its 127th token.) The model's mode is restored, also when the loop stops with an error; a
-# negative temperature (which would favour the least likely tokens) and `top_k=0` are refused.
+# negative temperature (which would favour the least likely tokens), `top_k=0` and a `top_p` outside
+# $(0, 1]$ are refused.
 
 # %%
 prompt = seq[:, :10]
@@ -666,7 +729,8 @@ test_fail(lambda: dec_short.decode_state(1, 25), contains="max_seq_len=24")
 out = model.generate(tokens[:1, :8], max_new_tokens=6, temperature=0.8, top_k=50)
 test_eq((out.shape, out[:, :8]), ((1, 14), tokens[:1, :8]))
 assert model.training  # generate restores the mode it found
-for bad in (dict(temperature=-0.5), dict(temperature=float("nan")), dict(top_k=0), dict(max_new_tokens=-1)):
+for bad in (dict(temperature=-0.5), dict(temperature=float("nan")), dict(top_k=0), dict(top_p=0), dict(top_p=1.5),
+            dict(top_p=float("nan")), dict(max_new_tokens=-1)):
     test_fail(lambda: model.generate(tokens[:1, :8], **{"max_new_tokens": 2, **bad}), contains="generate needs")
 test_fail(lambda: model.generate(tokens[:1, :0], 2), contains="at least one token")
 def interrupt(i): raise KeyboardInterrupt

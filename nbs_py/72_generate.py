@@ -14,6 +14,7 @@
 # ```sh
 # python -m hymo.generate runs/hymo_tiny-20261204-101500 --prompt "ROMEO:" --tokens 200
 # python -m hymo.generate RUN --temperature 0       # greedy: the most likely token every time
+# python -m hymo.generate RUN --top-k 0 --top-p 0.9  # nucleus sampling: the likeliest tokens holding 90 % of the mass
 # ```
 #
 # The prompt is the start of a document, so `generate_text` puts the end-of-text token before it,
@@ -212,6 +213,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
                   stream: Callable[[str], None] | None = None, # Called with each new piece of the text as it is drawn, the prompt first
                   cache: bool = True, # Carry the decode state (`HyMo.decode`); False re-runs the forward per token (compiled or FSDP models)
                   window: int | None = None, # Most tokens one forward reads; None: the run's train.seq_len (`load_run` sets `model.trained_len`), else max_seq_len
+                  top_p: float | None = None, # Then among the fewest most likely tokens whose probabilities add up to p (`keep_likely`); None: all
                  ) -> str:
     "The prompt and its continuation up to the end-of-text token (or `max_new_tokens`), decoded."
     eot, ids = tok.token_to_id(EOT), prompt_ids(tok, prompt)
@@ -221,7 +223,7 @@ def generate_text(model: HyMo, tok, # From `load_run`
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
         torch.manual_seed(seed)
         out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature, top_k=top_k,
-                             vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
+                             top_p=top_p, vocab=tok.get_vocab_size(), stop=eot if stop else None,  # vocab: only ids it decodes
                              on_token=shown.add if stream else None, cache=cache, window=window)
     new = out[0, len(ids):].tolist()
     if eot in new: new = new[:new.index(eot)]  # the same text whether generation stopped there or ran on
@@ -305,6 +307,8 @@ def main(argv: list[str] | None = None) -> str:
                    "draws the end-of-text token (default: 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens; 0: all (default: 50)")
+    p.add_argument("--top-p", type=float, default=1.0, help="then among the fewest most likely tokens whose probabilities "
+                   "add up to p (nucleus sampling), in (0, 1]; 1: all (default: 1)")
     p.add_argument("--seed", type=int, default=None, help="the same seed gives the same text (default: the run's train.seed, "
                    "which its end-of-run sample used)")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto: cuda when there is one (default: auto)")
@@ -314,6 +318,7 @@ def main(argv: list[str] | None = None) -> str:
     for flag, v in (("--tokens", a.tokens), ("--temperature", a.temperature), ("--top-k", a.top_k)):
         if not v >= 0: p.error(f"{flag} must be a number >= 0, got {v}")  # `not >=` also refuses nan
     if not math.isfinite(a.temperature): p.error("--temperature must be finite (0 is greedy)")
+    if not 0 < a.top_p <= 1: p.error(f"--top-p must be in (0, 1] (1 keeps every token), got {a.top_p}")
     if a.seed is not None and not 0 <= a.seed < 2 ** 64: p.error(f"--seed must be in 0..2**64-1, got {a.seed}")
     try: (a.prompt or "").encode("utf-8")  # bytes that are not UTF-8 reach Python as lone surrogates
     except UnicodeEncodeError: p.error("--prompt is not valid UTF-8 text: check the terminal's or the script's encoding")
@@ -340,7 +345,8 @@ def main(argv: list[str] | None = None) -> str:
         if n > L: print(f"note: the prompt is {n} tokens with the end-of-text token that opens it ({len(tok.encode(a.prompt).ids)} "
                         f"as typed), more than the {L} the model trained on (train.seq_len): it "
                         f"sees only the last {L}", file=sys.stderr)
-        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L)
+        text = generate_text(model, tok, a.prompt, a.tokens, a.temperature, a.top_k or None, a.seed, stream=show, window=L,
+                             top_p=a.top_p if a.top_p < 1 else None)
     except (ConfigError, ValueError) as e:
         p.error(str(e))
     except BrokenPipeError:  # `... | head`: the reader has what it wanted and closed the pipe
@@ -535,7 +541,8 @@ assert r.returncode == 2 and "has no config.yaml" in r.stderr and "Traceback" no
 for args, says in [(["--temperature", "nan"], "--temperature must be a number >= 0, got nan"), (["--temperature", "inf"], "must be finite"),
                    (["--device", "tpu"], "give cpu, cuda"), (["--device", "meta"], "on cpu or cuda"),
                    (["--device", "cpu:3"], "the CPU is one device"), (["--seed", "99999999999999999999"], "--seed must be in"),
-                   (["--seed", "-1"], "--seed must be in")]:
+                   (["--seed", "-1"], "--seed must be in"), (["--top-p", "0"], "--top-p must be in (0, 1]"),
+                   (["--top-p", "1.5"], "--top-p must be in (0, 1]"), (["--top-p", "nan"], "--top-p must be in (0, 1]")]:
     with contextlib.redirect_stderr(io.StringIO()) as err:
         test_fail(lambda: main([str(work / "run"), *args]), exc=SystemExit)
     assert says in err.getvalue(), err.getvalue()
@@ -638,10 +645,13 @@ assert f"more than the 32 the model trained on (train.seq_len): it sees only the
 # :::
 #
 # ::: {.callout-tip collapse="true"}
-# ## Why do temperature and top-k exist, if the model already gives a distribution?
+# ## Why do temperature, top-k and top-p exist, if the model already gives a distribution?
 # Sampling from the model's distribution exactly makes long texts drift: each token has a small
 # chance of being an unlikely one, and over hundreds of tokens some are, after which the text
 # follows them. Temperature below 1 sharpens the distribution and top-k removes the long tail
-# outright; both trade diversity for coherence. Temperature 0 (greedy) removes the randomness and
-# tends to loop on small models, which is why the default is 0.8 with the top 50.
+# outright; both trade diversity for coherence. Top-p (nucleus sampling) cuts the tail by mass
+# instead of by count: after "The capital of France is" the nucleus may be one token, after "I
+# like" hundreds, where a fixed $k$ is too many for the first and too few for the second.
+# Temperature 0 (greedy) removes the randomness and tends to loop on small models, which is why the
+# default is 0.8 with the top 50.
 # :::

@@ -659,3 +659,25 @@ def test_cli_samples_with_the_runs_seed_unless_given_one(run, tmp_path):
     assert "\n  seed: 7\n" in (other / "config.yaml").read_text()
     cli = lambda *a: main([str(other), "--tokens", "12", "--device", "cpu", "--temperature", "1", "--top-k", "0", *a])
     assert cli() == cli("--seed", "7") != cli("--seed", "0")
+
+
+def test_top_p_narrows_the_draw_and_the_command_line_passes_it(run, capsys):
+    """A nucleus too small for any second token is the argmax, whatever the seed; a nucleus of a few tokens draws only
+    tokens the model ranks in it; `--top-p` reaches generate (and 1 leaves the default draw as it was)."""
+    from hymo.generate import generate_text, load_run, main, prompt_ids
+    model, tok = load_run(run)
+    greedy = generate_text(model, tok, "ROMEO:", 24, temperature=0)
+    free = [generate_text(model, tok, "ROMEO:", 24, temperature=1.0, top_k=None, seed=s) for s in (0, 1)]
+    assert free[0] != free[1] and greedy not in free  # sampling does vary ...
+    for s in (0, 1):  # ... but not within a nucleus of one token
+        assert generate_text(model, tok, "ROMEO:", 24, temperature=1.0, top_k=None, top_p=1e-6, seed=s) == greedy
+    ids = prompt_ids(tok, "ROMEO:")  # each token drawn from a nucleus of half the mass, checked against the model's ranking
+    torch.manual_seed(3)
+    out = model.generate(torch.tensor([ids]), 24, temperature=1.0, top_p=0.5, vocab=tok.get_vocab_size())[0].tolist()
+    for t in range(len(ids), len(out)):
+        probs = model(torch.tensor([out[:t]]))[0, -1, :tok.get_vocab_size()].float().softmax(-1)
+        p = probs.sort(descending=True).values
+        assert probs[out[t]] >= p[(p.cumsum(0) - p < 0.5).sum() - 1] - 1e-6  # at least the nucleus's least likely token
+    cli = main([str(run), "--tokens", "24", "--temperature", "1", "--top-k", "0", "--top-p", "0.000001", "--device", "cpu"])
+    assert cli == greedy
+    assert main([str(run), "--tokens", "24", "--top-p", "1", "--device", "cpu"]) == main([str(run), "--tokens", "24", "--device", "cpu"])

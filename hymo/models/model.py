@@ -25,7 +25,8 @@ from .moe import DeepSeekMoE
 from .mtp import IGNORE_INDEX, MultiTokenPrediction, check_target_ids, lm_loss, lm_loss_fused
 
 # %% auto #0
-__all__ = ['HyMo', 'build_hymo', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'doc_keys_per_query', 'state_breakdown']
+__all__ = ['HyMo', 'build_hymo', 'keep_likely', 'DecodeGraph', 'param_breakdown', 'flops_breakdown', 'doc_keys_per_query',
+           'state_breakdown']
 
 # %% ../../nbs/41_model.ipynb #4edabcb8
 def _need_tensor(name: str, x):
@@ -239,6 +240,7 @@ class HyMo(nn.Module):
                  max_new_tokens: int,  # Tokens to append
                  temperature: float = 1.0,  # Softmax temperature; 0 picks the most likely token
                  top_k: Optional[int] = None,  # Sample among the k most likely tokens only; None: all
+                 top_p: Optional[float] = None,  # Then among the fewest most likely tokens whose probabilities add up to p (nucleus sampling); None: all
                  vocab: Optional[int] = None,  # Only ids below this: the tokenizer's size, when the model's vocabulary is larger
                  stop: Optional[int] = None,  # End early once this id (the end-of-text token) is drawn; it is kept
                  on_token: Optional[Callable[[int], None]] = None,  # Called with each new id as it is drawn (streaming)
@@ -253,9 +255,10 @@ class HyMo(nn.Module):
             raise ValueError(f"generate takes one prompt [1, T] of at least one token; got {tuple(tokens.shape)}")
         is_int = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool)  # numpy's ints too
         if not (is_int(max_new_tokens) and max_new_tokens >= 0 and temperature >= 0 and math.isfinite(temperature)
-                and (top_k is None or is_int(top_k) and top_k >= 1)):
-            raise ValueError(f"generate needs an int max_new_tokens >= 0, a finite temperature >= 0 and top_k None or an "
-                             f"int >= 1; got max_new_tokens={max_new_tokens}, temperature={temperature}, top_k={top_k}")
+                and (top_k is None or is_int(top_k) and top_k >= 1) and (top_p is None or 0 < top_p <= 1)):
+            raise ValueError(f"generate needs an int max_new_tokens >= 0, a finite temperature >= 0, top_k None or an "
+                             f"int >= 1 and top_p None or in (0, 1]; got max_new_tokens={max_new_tokens}, "
+                             f"temperature={temperature}, top_k={top_k}, top_p={top_p}")
         V, L = self.config.vocab_size, self.config.max_seq_len
         if vocab is not None and not (is_int(vocab) and 1 <= vocab <= V):
             raise ValueError(f"vocab={vocab!r} must be an int in 1..{V} (the model's vocab_size): the tokenizer's size")
@@ -265,10 +268,10 @@ class HyMo(nn.Module):
         self._check_ids(tokens)  # once per call: a GPU waits for it here, not in every forward
         was_training = self.training
         self.eval()
-        try: return self._sample(tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, window or L)
+        try: return self._sample(tokens, max_new_tokens, temperature, top_k, top_p, vocab, stop, on_token, cache, graph, window or L)
         finally: self.train(was_training)  # also after an error (or a stop from on_token): training routes differently
 
-    def _sample(self, tokens, max_new_tokens, temperature, top_k, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
+    def _sample(self, tokens, max_new_tokens, temperature, top_k, top_p, vocab, stop, on_token, cache, graph, L) -> torch.Tensor:
         "The loop of `generate`, in eval mode; `L` is its window."
         room = min(tokens.shape[1] + max_new_tokens, L) if cache else 0  # tokens the decode state will hold
         state, seen, step = None, 0, None  # the decode state, how many tokens of `tokens` it holds, a captured step
@@ -287,10 +290,7 @@ class HyMo(nn.Module):
             else:
                 logits = (logits.double() - logits.max(-1, keepdim=True).values) / temperature  # <= 0, in fp64: no tiny τ
                                                                                                # overflows or rounds to 0
-                if top_k is not None:
-                    kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(logits.softmax(-1), 1)                   # (1, 1)
+                nxt = torch.multinomial(keep_likely(logits, top_k, top_p).softmax(-1), 1)  # (1, 1)
             tokens = torch.cat([tokens, nxt], 1)
             if on_token is not None: on_token(int(nxt))
             if stop is not None and int(nxt) == stop: break  # one host read per token; the forward dwarfs it
@@ -306,6 +306,21 @@ def build_hymo(config: ModelConfig,  # The architecture
     model.to_empty(device=device or "cpu")
     model.init_weights()
     return model
+
+# %% ../../nbs/41_model.ipynb #84a9af36
+def keep_likely(logits: torch.Tensor, # Scores of the next token [B, V], already divided by the temperature
+                top_k: Optional[int] = None, # Keep the k highest; None: all
+                top_p: Optional[float] = None, # Then the fewest most likely whose probabilities add up to at least p; None: all
+               ) -> torch.Tensor: # `logits`, every other token at -inf
+    "The tokens top-k and then top-p (nucleus) sampling draw from; the others' logits set to -inf."
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # (ties with the k-th stay)
+    if top_p is not None and top_p < 1:
+        p, order = logits.softmax(-1).sort(-1, descending=True)  # (B, V), most likely first
+        drop = p.cumsum(-1) - p >= top_p  # the tokens before already hold p
+        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+    return logits
 
 # %% ../../nbs/41_model.ipynb #a6e5e1c9
 class DecodeGraph:
