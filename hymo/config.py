@@ -492,7 +492,8 @@ class _UniqueKeys(_Yaml12Ints):
         super().flatten_mapping(node)
 
 
-def checkpoint_folder(config) -> Path | None:
+def checkpoint_folder(config: str | Path, # A `--config` value: a preset's name, a YAML file, a checkpoint folder or its meta.json
+                     ) -> Path | None:
     """The checkpoint folder a `--config` value names (the folder, or its meta.json), as an absolute path with its links
     kept (a `checkpoints/` folder linked to another disk is still its run's); None for a preset, a file or a folder
     without a meta.json."""

@@ -266,6 +266,7 @@ def _train(parser, args, cfg) -> dict:
 # %% ../nbs/71_train.ipynb #8bc629f7
 def _count(n: float) -> str:
     "A count as a reader says it, to three figures: 918K, 542M, 1.24B."
+    n = float(f"{n:.3g}")  # rounded first: 999 999 is 1M, not 1e+03K
     return next(f"{n / s:.3g}{u}" for s, u in ((1e9, "B"), (1e6, "M"), (1e3, "K"), (1, "")) if abs(n) >= s or s == 1)
 
 
@@ -294,41 +295,60 @@ def describe(cfg: Config, # The settings
 def _print_config(parser, args, cfg, argv: list[str]) -> dict:
     "`--print-config`: the settings as the YAML file `--config` reads back, what they make in comments; nothing is written."
     import contextlib
-    from hymo.training.trainer import list_checkpoints
+    from hymo.training.trainer import checkpoint_step, is_run_folder, list_checkpoints, split_micro_batches
     with contextlib.redirect_stdout(sys.stderr): cfg = _in_its_run_folder(cfg, args)  # its note is not YAML
-    try: about = describe(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not (world.isdigit() and int(world) >= 1):
+        parser.error(f"WORLD_SIZE={world!r} must be a whole number >= 1: the processes the batch is split over (torchrun sets it)")
+    world = int(world)
+    try: about, accum = describe(cfg, world), split_micro_batches(cfg.train, world)
     except ConfigError as e: parser.error(str(e))
     if cfg.train.data_dir:  # as the run's config.yaml holds it: the file then works from any folder
         cfg = Config(cfg.model, dataclasses.replace(cfg.train, data_dir=os.path.abspath(os.path.expanduser(cfg.train.data_dir))),
                      name=cfg.name)
-    run_dir = Path(cfg.train.run_dir).expanduser() if cfg.train.run_dir else None
+    run_dir = Path(os.path.abspath(Path(cfg.train.run_dir).expanduser())) if cfg.train.run_dir else None  # as training says it
     newest = list_checkpoints(run_dir)[-1:] if run_dir else []
     if run_dir is None: where = f"a new folder, runs/{cfg.name}-<date>-<time>" + (f", from {args.resume}" if args.resume else "")
+    elif run_dir.exists() and not run_dir.is_dir(): where = f"{run_dir} (but it is a file: training refuses it)"
     elif args.resume: where = f"{run_dir}, from {args.resume}"
-    elif newest: where = f"{run_dir}, continuing from {newest[0].name}" + (
-        " (but --no-resume refuses a folder that holds checkpoints)" if args.no_resume else "")
+    elif newest and args.no_resume: where = f"{run_dir} (but --no-resume refuses a folder that holds checkpoints)"
+    elif newest and checkpoint_step(newest[0]) >= cfg.train.max_steps:
+        where = f"{run_dir}, finished at step {checkpoint_step(newest[0])}: nothing to train (raise max_steps to train further)"
+    elif newest: where = f"{run_dir}, continuing from {newest[0].name}"
+    elif run_dir.is_dir() and not is_run_folder(run_dir) and any(not f.name.startswith(".") for f in run_dir.iterdir()):
+        where = f"{run_dir} (but it holds files and is no HyMo run folder: training refuses it)"
     else: where = f"{run_dir}, from step 0"
     if args.resume and not (Path(args.resume).expanduser() / "meta.json").is_file():
         where += f" (but {args.resume} is no checkpoint: training would refuse it)"
-    if os.environ.get("RANK", "0") == "0":
-        data = _data_line(cfg)
-        if data.startswith("data: not ready: "):  # said where it is seen with the output in a file
-            print(f"warning: the data is not ready: {data.removeprefix('data: not ready: ')}", file=sys.stderr, flush=True)
-        print("\n".join([f"# the settings of: {parser.prog} {shlex.join(argv)}".rstrip(), "# (give this file as --config FILE to train with them)",
-                         *(f"# {line}" for line in about), f"# {data}", f"# run folder: {where}", str(cfg).rstrip()]), flush=True)
+    if world > 1 and os.environ.get("RANK", "0") != "0": return {}  # under torchrun, rank 0 says it
+    data = _data_line(cfg, world, accum)
+    if data.startswith("data: not ready: "):  # said where it is seen with the output in a file
+        print(f"warning: the data is not ready: {data.removeprefix('data: not ready: ')}", file=sys.stderr, flush=True)
+    said = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in shlex.join(argv))  # one line
+    print("\n".join([f"# the settings of: {parser.prog} {said}".rstrip(), "# (give this file as --config FILE to train with them)",
+                     *(f"# {line}" for line in about), f"# {data}", f"# run folder: {where}", str(cfg).rstrip()]), flush=True)
     return {}
 
 
-def _data_line(cfg) -> str:
-    "The data a config trains on, for `--print-config`: its tokens and the epochs the run reads, or why training would refuse it."
-    from hymo.training.data import check_compatible
-    if not cfg.train.data_dir: return "data: the bundled corpus (Shakespeare), prepared into the cache the first time"
-    try: m = check_compatible(Path(cfg.train.data_dir), cfg.model.vocab_size)  # as the trainer checks it (contents aside)
+def _data_line(cfg, world_size: int, accum: int) -> str:
+    """The data a config trains on, for `--print-config`: its tokens and the epochs the run reads (as the trainer's first
+    lines count them), or why training would refuse it. The bundled corpus is described once it is in the cache."""
+    from hymo.training.data import TokenLoader, check_compatible, default_cache_dir
+    t, data_dir = cfg.train, cfg.train.data_dir
+    if not data_dir:  # where `prepare_default` puts it for this vocabulary
+        data_dir = default_cache_dir() / "data" / f"tinyshakespeare-bpe{cfg.model.vocab_size}"
+        if not (data_dir / "manifest.json").is_file():
+            return (f"data: the bundled corpus (Shakespeare), prepared into the cache as training starts ({data_dir}); "
+                    "its size in tokens is known then")
+    try:
+        m = check_compatible(Path(data_dir), cfg.model.vocab_size)  # as the trainer checks it (contents aside)
+        L = TokenLoader(Path(data_dir), "train", t.seq_len, t.micro_batch_size, world_size=world_size, seed=t.seed,
+                        doc_masking=t.doc_masking, accum=accum)  # the trainer's loader: refuses a split too small for a step
     except DataError as e: return f"data: not ready: {e}"
-    tokens, t = m["splits"]["train"]["tokens"], cfg.train
-    epochs = t.global_batch_size * t.seq_len * t.max_steps / max(tokens, 1)
-    return (f"data: {cfg.train.data_dir} ({tokens:,} training tokens, a vocabulary of {m['vocab_size']:,}): the run reads "
-            f"about {f'{epochs:,.0f}' if epochs >= 100 else f'{epochs:.3g}'} epoch{'s' * (epochs != 1)}")
+    epochs = t.max_steps * accum / L.steps_per_epoch  # as `Trainer.data_summary` counts them
+    return (f"data: {data_dir}{'' if t.data_dir else ' (the bundled corpus)'} ({L.n_tokens:,} training tokens, "
+            f"{L.n_windows:,} windows of seq_len {t.seq_len}, a vocabulary of {m['vocab_size']:,}): max_steps={t.max_steps:,} "
+            f"reads {f'{epochs:,.0f}' if epochs >= 100 else f'{epochs:.3g}'} epoch{'s' * (epochs != 1)}")
 
 # %% ../nbs/71_train.ipynb #0468dcd5
 def cli() -> None:

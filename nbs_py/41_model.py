@@ -654,7 +654,9 @@ assert (torch.cat([first, rest], 1) - full[:, :12]).abs().max() < 1e-3
 # probabilities add up to at least $p$: a short list where the model is sure, a long one where it is
 # not, which a fixed $k$ cannot do. Sorted by probability, $p_{(1)} \ge p_{(2)} \ge \dots$, token
 # $(i)$ is kept when the tokens before it hold less than $p$:
-# $\sum_{j<i} p_{(j)} < p$. The most likely token is always kept, and $p = 1$ keeps all. Both filters
+# $\sum_{j<i} p_{(j)} < p$. The most likely token is always kept, and $p = 1$ keeps all; a token as
+# likely as the last one kept is kept too, so that which of two equal tokens survives does not depend
+# on their ids (top-k keeps the ties of its $k$-th for the same reason). Both filters
 # run in that order, as most libraries apply them: top-p measures its mass after top-k has cut the
 # rest, on the renormalised probabilities.
 
@@ -669,9 +671,10 @@ def keep_likely(logits: torch.Tensor, # Scores of the next token [B, V], already
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))  # (ties with the k-th stay)
     if top_p is not None and top_p < 1:
-        p, order = logits.softmax(-1).sort(-1, descending=True)  # (B, V), most likely first
-        drop = p.cumsum(-1) - p >= top_p  # the tokens before already hold p
-        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+        probs = logits.softmax(-1)
+        p = probs.sort(-1, descending=True).values  # (B, V), most likely first
+        least = p.masked_fill(p.cumsum(-1) - p >= top_p, 2).amin(-1, keepdim=True)  # the nucleus's least likely
+        logits = logits.masked_fill(probs < least, float("-inf"))  # (ties with it stay, as with the k-th)
     return logits
 
 
@@ -692,7 +695,7 @@ def keep_likely_naive(logits, top_k=None, top_p=None):
         if top_p is not None:
             mass, nucleus = 0.0, []
             for i in sorted(kept, key=lambda i: -row[i]):
-                if mass >= top_p: break
+                if mass >= top_p and row[i] < row[nucleus[-1]]: break  # (a tie with the last one kept stays)
                 nucleus.append(i); mass += math.exp(row[i]) / z
             kept = nucleus
         out.append([x if i in kept else float("-inf") for i, x in enumerate(row)])
@@ -701,6 +704,7 @@ def keep_likely_naive(logits, top_k=None, top_p=None):
 hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64).log()
 for p, n in ((0.7, 2), (0.85, 3), (1.0, 4), (1e-9, 1)):
     test_eq(keep_likely(hand, top_p=p).isfinite().sum().item(), n)
+test_eq(keep_likely(torch.zeros(1, 4), top_p=0.5).isfinite().sum().item(), 4)  # four equal tokens: none is preferred
 g = torch.Generator().manual_seed(0)
 for k, p in ((None, 0.9), (5, 0.5), (20, 0.95), (3, None), (None, None)):
     x = torch.randn(6, 40, generator=g, dtype=torch.float64) * 2

@@ -840,6 +840,7 @@ def test_print_config_prints_a_file_that_reads_back_and_what_it_trains(tmp_path,
     assert (f"# {_count(model.num_params())} parameters stored, {_count(model.num_params(active=True))} active per token; "
             f"{model.flops_per_token(4096) / 1e9:.3g} GFLOPs per training token") in comments
     assert _count(model.num_params()) == "1.24B" and _count(917_504) == "918K" and _count(12) == "12"
+    assert (_count(999_999), _count(999_499), _count(0)) == ("1M", "999K", "0")
     assert ("# 524,288 tokens a step (128 sequences of 4096: 32 micro-batches of 4 on each of 1 process), "
             "52.4M tokens in 100 steps") in comments
     assert f"# data: not ready: {tmp_path / 'nowhere'} does not exist" in out and "# run folder: a new folder, runs/hymo_750m-" in out
@@ -869,7 +870,14 @@ def test_print_config_says_where_the_run_goes(tmp_path, capsys):
     out, _ = _print_config(capsys, f"run_dir={run}")
     assert f"# run folder: {run}, continuing from step_000010" in out
     out, _ = _print_config(capsys, f"run_dir={run}", "--no-resume")
-    assert "continuing from step_000010 (but --no-resume refuses a folder that holds checkpoints)" in out
+    assert f"# run folder: {run} (but --no-resume refuses a folder that holds checkpoints)" in out
+    out, _ = _print_config(capsys, f"run_dir={run}", "max_steps=10", "warmup_steps=1")
+    assert f"# run folder: {run}, finished at step 10: nothing to train (raise max_steps to train further)" in out
+    (tmp_path / "a_file").write_text("x"); (tmp_path / "theirs").mkdir(); (tmp_path / "theirs" / "notes.txt").write_text("x")
+    out, _ = _print_config(capsys, f"run_dir={tmp_path / 'a_file'}")
+    assert f"# run folder: {tmp_path / 'a_file'} (but it is a file: training refuses it)" in out
+    out, _ = _print_config(capsys, f"run_dir={tmp_path / 'theirs'}")
+    assert f"# run folder: {tmp_path / 'theirs'} (but it holds files and is no HyMo run folder: training refuses it)" in out
     out, _ = _print_config(capsys, f"run_dir={run}", "--resume", str(run / "checkpoints" / "step_000002"))
     assert f"# run folder: {run}, from {run / 'checkpoints' / 'step_000002'} (but {run / 'checkpoints' / 'step_000002'} is no " \
            "checkpoint: training would refuse it)" in out  # (an empty folder here)
@@ -890,10 +898,34 @@ def test_print_config_names_the_data_and_the_epochs_it_reads(tmp_path, capsys):
     text.write_text(CORPUS.read_text()[:20_000])
     ds = prepare(text, tmp_path / "data", vocab_size=300, progress=False)
     tokens = load_manifest(ds)["splits"]["train"]["tokens"]
-    out, err = _print_config(capsys, f"data_dir={ds}", "max_steps=10", "warmup_steps=1")
-    epochs = 10 * 16 * 128 / tokens
-    assert f"# data: {ds} ({tokens:,} training tokens, a vocabulary of 300): the run reads about {epochs:.3g} epochs" in out
+    windows = (tokens - 1) // 128  # of 128 + 1 tokens (the targets shifted by one), each token in one window
+    out, err = _print_config(capsys, f"data_dir={ds}", "max_steps=10", "warmup_steps=1", "global_batch_size=32")
+    epochs = 10 / (windows // 32)  # whole optimiser steps of 32 windows an epoch
+    assert (f"# data: {ds} ({tokens:,} training tokens, {windows:,} windows of seq_len 128, a vocabulary of 300): "
+            f"max_steps=10 reads {epochs:.3g} epochs") in out
     assert err == ""
+    out, err = _print_config(capsys, f"data_dir={ds}", "global_batch_size=256")  # more windows than the split has
+    assert f"# data: not ready: the train split has {windows} windows of seq_len=128, fewer than the 256" in out, out
+    assert "warning: the data is not ready" in err
     out, err = _print_config(capsys, f"data_dir={ds}", "vocab_size=257")  # fewer rows than the dataset's ids
     assert f"# data: not ready: {ds} was tokenized with 300 tokens but the model has vocab_size=257" in out
     assert "warning: the data is not ready" in err
+
+
+@pytest.mark.parametrize("world", ["0", "-1", "abc", ""])
+def test_print_config_refuses_a_world_size_that_is_no_count(world, capsys, monkeypatch):
+    from hymo.train import main
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(SystemExit) as e: main(["--print-config"])
+    assert e.value.code == 2 and f"WORLD_SIZE={world!r} must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_print_config_of_one_process_prints_whatever_rank_says_and_reads_back_any_argument(tmp_path, capsys, monkeypatch):
+    "A stray RANK without WORLD_SIZE is one process (as training runs it); an argument with a line break stays one comment line."
+    monkeypatch.setenv("RANK", "1")
+    out, _ = _print_config(capsys, "sample_prompt=ROMEO:\nJULIET:\u2028\tX")
+    assert out.startswith("# the settings of: python -m hymo.train 'sample_prompt=ROMEO:\\nJULIET:\\u2028\\tX'")
+    (tmp_path / "x.yaml").write_text(out)
+    assert load_config(str(tmp_path / "x.yaml")).train.sample_prompt == "ROMEO:\nJULIET:\u2028\tX"
+    monkeypatch.setenv("WORLD_SIZE", "2")  # rank 1 of 2: rank 0 prints
+    assert _print_config(capsys, "micro_batch_size=8")[0] == ""

@@ -317,9 +317,10 @@ def keep_likely(logits: torch.Tensor, # Scores of the next token [B, V], already
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))  # (ties with the k-th stay)
     if top_p is not None and top_p < 1:
-        p, order = logits.softmax(-1).sort(-1, descending=True)  # (B, V), most likely first
-        drop = p.cumsum(-1) - p >= top_p  # the tokens before already hold p
-        logits = logits.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+        probs = logits.softmax(-1)
+        p = probs.sort(-1, descending=True).values  # (B, V), most likely first
+        least = p.masked_fill(p.cumsum(-1) - p >= top_p, 2).amin(-1, keepdim=True)  # the nucleus's least likely
+        logits = logits.masked_fill(probs < least, float("-inf"))  # (ties with it stay, as with the k-th)
     return logits
 
 # %% ../../nbs/41_model.ipynb #a6e5e1c9
