@@ -404,7 +404,7 @@ def describe(cfg: Config, # The settings
 def _print_config(parser, args, cfg, argv: list[str]) -> dict:
     "`--print-config`: the settings as the YAML file `--config` reads back, what they make in comments; nothing is written."
     import contextlib
-    from hymo.training.trainer import checkpoint_step, is_run_folder, list_checkpoints, split_micro_batches
+    from hymo.training.trainer import checkpoint_step, list_checkpoints, split_micro_batches
     with contextlib.redirect_stdout(sys.stderr): cfg = _in_its_run_folder(cfg, args)  # its note is not YAML
     world = os.environ.get("WORLD_SIZE", "1")
     if not (world.isdigit() and int(world) >= 1):
@@ -424,8 +424,7 @@ def _print_config(parser, args, cfg, argv: list[str]) -> dict:
     elif newest and checkpoint_step(newest[0]) >= cfg.train.max_steps:
         where = f"{run_dir}, finished at step {checkpoint_step(newest[0])}: nothing to train (raise max_steps to train further)"
     elif newest: where = f"{run_dir}, continuing from {newest[0].name}"
-    elif run_dir.is_dir() and not is_run_folder(run_dir) and any(not f.name.startswith(".") for f in run_dir.iterdir()):
-        where = f"{run_dir} (but it holds files and is no HyMo run folder: training refuses it)"
+    elif _foreign_folder(run_dir): where = f"{run_dir} (but it holds files and is no HyMo run folder: training refuses it)"
     else: where = f"{run_dir}, from step 0"
     if args.resume and not (Path(args.resume).expanduser() / "meta.json").is_file():
         where += f" (but {args.resume} is no checkpoint: training would refuse it)"
@@ -437,6 +436,13 @@ def _print_config(parser, args, cfg, argv: list[str]) -> dict:
     print("\n".join([f"# the settings of: {parser.prog} {said}".rstrip(), "# (give this file as --config FILE to train with them)",
                      *(f"# {line}" for line in about), f"# {data}", f"# run folder: {where}", str(cfg).rstrip()]), flush=True)
     return {}
+
+
+def _foreign_folder(d: Path) -> bool:
+    "Whether folder `d` holds files but nothing of a run (training refuses it); False where it cannot be read (training says why)."
+    from hymo.training.trainer import is_run_folder
+    try: return d.is_dir() and not is_run_folder(d) and any(not f.name.startswith(".") for f in d.iterdir())
+    except OSError: return False
 
 
 def _data_line(cfg, world_size: int, accum: int) -> str:

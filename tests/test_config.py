@@ -929,3 +929,15 @@ def test_print_config_of_one_process_prints_whatever_rank_says_and_reads_back_an
     assert load_config(str(tmp_path / "x.yaml")).train.sample_prompt == "ROMEO:\nJULIET:\u2028\tX"
     monkeypatch.setenv("WORLD_SIZE", "2")  # rank 1 of 2: rank 0 prints
     assert _print_config(capsys, "micro_batch_size=8")[0] == ""
+
+
+def test_print_config_of_a_folder_it_cannot_read_leaves_it_to_training(tmp_path, capsys, monkeypatch):
+    "A run folder it may not list (EACCES; simulated: root lists any) is no traceback: training's own checks say why."
+    d = tmp_path / "locked"; d.mkdir(); (d / "x").write_text("x")
+    listing = Path.iterdir
+    def refuse(self):
+        if self == d: raise PermissionError(13, "Permission denied", str(self))
+        return listing(self)
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    out, _ = _print_config(capsys, f"run_dir={d}")
+    assert f"# run folder: {d}, from step 0" in out
